@@ -1,0 +1,3 @@
+from refcheck.cli import entry
+
+entry()

@@ -1,0 +1,69 @@
+"""User-facing errors of refcheck and their exit codes.
+
+Contract: every failure a user can cause maps to one :class:`RefcheckError` subclass with a
+specific message and a distinct exit code; the CLI prints the message (no traceback) and exits
+with the code. Codes follow pytest's spirit:
+
+==== =====================================================================
+0    pass
+1    mismatch found (tokens, logprobs, acceptance, state) / AR check failed
+2    usage: bad option, malformed prompts file, bad budget, bad prompt
+3    missing or stale golden trace
+4    corrupt trace: bad magic, truncated, checksum or schema error
+5    nothing compared
+6    model error: checkpoint missing or malformed, draft/target mismatch,
+     unsupported model type
+==== =====================================================================
+"""
+
+from __future__ import annotations
+
+from reference.errors import (
+    BudgetError,
+    CheckpointError,
+    ModelMismatchError,
+    PromptError,
+    ReferenceInputError,
+    UnsupportedModelError,
+)
+
+EXIT_PASS, EXIT_MISMATCH, EXIT_USAGE, EXIT_GOLDEN, EXIT_CORRUPT, EXIT_NOTHING, EXIT_MODEL = range(7)
+
+
+class RefcheckError(Exception):
+    exit_code = EXIT_USAGE
+
+
+class UsageError(RefcheckError):
+    exit_code = EXIT_USAGE
+
+
+class PromptsFileError(UsageError):
+    """The prompts file is missing or not valid JSONL of the documented shape."""
+
+
+class ModelError(RefcheckError):
+    exit_code = EXIT_MODEL
+
+
+class GoldenError(RefcheckError):
+    exit_code = EXIT_GOLDEN
+
+
+class CorruptTraceError(RefcheckError):
+    exit_code = EXIT_CORRUPT
+
+
+class NothingComparedError(RefcheckError):
+    exit_code = EXIT_NOTHING
+
+
+def exit_code_for(exc: BaseException) -> int | None:
+    """Exit code for a known user error (refcheck's own or the reference's), else None."""
+    if isinstance(exc, RefcheckError):
+        return exc.exit_code
+    if isinstance(exc, (CheckpointError, ModelMismatchError, UnsupportedModelError)):
+        return EXIT_MODEL
+    if isinstance(exc, (PromptError, BudgetError, ReferenceInputError)):
+        return EXIT_USAGE
+    return None

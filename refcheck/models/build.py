@@ -1,0 +1,143 @@
+"""Deterministic construction of the built-in tiny models (random weights from a seed).
+
+Contract: ``build_pair(name, out_dir, seed)`` writes ``target/`` (a transformers checkpoint:
+config.json + model.safetensors) and ``draft/`` (a z-lab-layout DFlash checkpoint) under
+``out_dir``. Same seed, same torch version -> same bytes. Weights are stored in bfloat16 to keep
+the repository small; the reference loads them in any dtype (bf16 -> fp32 is exact).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+VOCAB = 384
+MASK_TOKEN_ID = VOCAB - 1  # reserved for the drafter's MASK input, never in prompts
+HIDDEN = 128
+INIT_STD = 0.1  # larger than the usual 0.02 so that random logits have usable margins
+
+TARGET_CONFIGS: dict[str, dict] = {
+    "hybrid": dict(
+        model_type="qwen3_5_text",
+        num_hidden_layers=6,
+        layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+    ),
+    "attention": dict(model_type="qwen3", num_hidden_layers=4),
+}
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    intermediate_size=192,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    initializer_range=INIT_STD,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+DRAFT_LAYERS = 2
+BLOCK_SIZE = 16
+
+
+def _save(model_dir: Path, config: dict, state: dict[str, torch.Tensor]) -> None:
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    # bfloat16 halves the repository size; loading upcasts exactly.
+    weights = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in state.items()}
+    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def build_target(name: str, seed: int) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(TARGET_CONFIGS[name])
+    model_type = spec.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **COMMON, **spec)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def draft_config(target_cfg: dict, target_layers: int) -> dict:
+    from reference.drafter import default_target_layer_ids
+
+    return dict(
+        architectures=["DFlashDraftModel"],
+        model_type="qwen3",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=192,
+        num_hidden_layers=DRAFT_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        attention_bias=False,
+        tie_word_embeddings=True,
+        num_target_layers=target_layers,
+        block_size=BLOCK_SIZE,
+        dflash_config=dict(
+            mask_token_id=MASK_TOKEN_ID,
+            target_layer_ids=default_target_layer_ids(target_layers, DRAFT_LAYERS),
+            block_size=BLOCK_SIZE,
+        ),
+    )
+
+
+def draft_state(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    h, d = cfg["hidden_size"], cfg["head_dim"]
+    nq, nkv, inter = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+
+    def w(o: int, i: int) -> torch.Tensor:
+        return torch.randn(o, i, generator=gen) * INIT_STD
+
+    state: dict[str, torch.Tensor] = {}
+    for n in range(cfg["num_hidden_layers"]):
+        p = f"layers.{n}."
+        state |= {
+            p + "self_attn.q_proj.weight": w(nq * d, h),
+            p + "self_attn.k_proj.weight": w(nkv * d, h),
+            p + "self_attn.v_proj.weight": w(nkv * d, h),
+            p + "self_attn.o_proj.weight": w(h, nq * d),
+            p + "self_attn.q_norm.weight": torch.ones(d),
+            p + "self_attn.k_norm.weight": torch.ones(d),
+            p + "mlp.gate_proj.weight": w(inter, h),
+            p + "mlp.up_proj.weight": w(inter, h),
+            p + "mlp.down_proj.weight": w(h, inter),
+            p + "input_layernorm.weight": torch.ones(h),
+            p + "post_attention_layernorm.weight": torch.ones(h),
+        }
+    n_ctx = len(cfg["dflash_config"]["target_layer_ids"])
+    state |= {"fc.weight": w(h, n_ctx * h), "hidden_norm.weight": torch.ones(h), "norm.weight": torch.ones(h)}
+    return state
+
+
+def build_pair(name: str, out_dir: Path, seed: int = 0) -> None:
+    target = build_target(name, seed)
+    tdir = Path(out_dir) / "target"
+    target.save_pretrained(str(tdir))
+    # Re-save as bf16 in one file with a stable layout (save_pretrained's dtype follows the model).
+    from safetensors.torch import load_file
+
+    state = load_file(str(tdir / "model.safetensors"))
+    cfg = json.loads((tdir / "config.json").read_text())
+    cfg["dtype"] = "bfloat16"
+    for extra in tdir.glob("*"):
+        if extra.name not in ("config.json", "model.safetensors"):
+            extra.unlink()
+    _save(tdir, cfg, state)
+    dcfg = draft_config(cfg, cfg["num_hidden_layers"])
+    _save(Path(out_dir) / "draft", dcfg, draft_state(dcfg, seed + 1))

@@ -1,0 +1,125 @@
+"""The live reference runner: the pure-PyTorch DDTree decoder on a target + drafter pair.
+
+Contract: :class:`EngineSpec` says what to run (model and draft directories, dtype, device,
+drafter kind, budget, token limits); :func:`load_pair` turns it into a
+:class:`~reference.target.Target` and a drafter, with refcheck's typed errors for bad input;
+:class:`ReferenceRunner` decodes a prompt set and, with ``check_ar``, also the target-only greedy
+oracle for each prompt.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from refcheck.errors import UsageError
+from refcheck.models import DEFAULT_PAIR, builtin_pair
+from refcheck.prompts import Prompt
+from reference.decode import DDTreeDecoder, DecodeConfig, DecodeResult
+from reference.drafter import DFlashDrafter, Drafter
+from reference.oracle import greedy_decode
+from reference.scripted import ScriptedDrafter
+from reference.target import Target
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DRAFTERS = ("dflash", "scripted")
+
+
+@dataclass(slots=True)
+class EngineSpec:
+    model_dir: Path | None = None  # None = the built-in pair's target
+    draft_dir: Path | None = None
+    pair: str = DEFAULT_PAIR
+    dtype: str = "float32"
+    device: str = "cpu"
+    drafter: str = "dflash"
+    budget: int | None = 15  # None = chain mode
+    max_new_tokens: int = 64
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    seed: int = 0
+
+    def resolved_dirs(self) -> tuple[Path, Path | None]:
+        if self.model_dir is None:
+            tdir, ddir = builtin_pair(self.pair)
+            return tdir, self.draft_dir or ddir
+        return Path(self.model_dir), (Path(self.draft_dir) if self.draft_dir else None)
+
+
+def _quiet_transformers() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def load_pair(spec: EngineSpec) -> tuple[Target, Drafter]:
+    _quiet_transformers()
+    if spec.dtype not in DTYPES:
+        raise UsageError(f"unknown dtype {spec.dtype!r} (choose from {', '.join(DTYPES)})")
+    if spec.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"device {spec.device!r} requested but no CUDA device is available")
+    if spec.drafter not in DRAFTERS:
+        raise UsageError(f"unknown drafter {spec.drafter!r} (choose from {', '.join(DRAFTERS)})")
+    tdir, ddir = spec.resolved_dirs()
+    target = Target.load(tdir, dtype=DTYPES[spec.dtype], device=spec.device)
+    if spec.drafter == "scripted":
+        mask = target.vocab_size - 1
+        return target, ScriptedDrafter(target.model, target.vocab_size, mask, seed=spec.seed)
+    if ddir is None:
+        raise UsageError("--model given without --draft: a DFlash drafter needs its checkpoint directory")
+    return target, DFlashDrafter.load(ddir, target)
+
+
+@dataclass(slots=True)
+class PromptRun:
+    prompt: Prompt
+    result: DecodeResult
+    greedy: list[int] | None = None  # target-only greedy output, when checked
+
+    @property
+    def ar_match(self) -> bool | None:
+        return None if self.greedy is None else self.result.output_ids == self.greedy
+
+    @property
+    def first_ar_mismatch(self) -> int | None:
+        if self.greedy is None or self.ar_match:
+            return None
+        out = self.result.output_ids
+        return next((i for i, (a, b) in enumerate(zip(out, self.greedy)) if a != b), min(len(out), len(self.greedy)))
+
+
+class ReferenceRunner:
+    name = "reference"
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.target, self.drafter = load_pair(spec)
+
+    def decoder(self, max_new_tokens: int) -> DDTreeDecoder:
+        cfg = DecodeConfig(budget=self.spec.budget, max_new_tokens=max_new_tokens, stop_token_ids=self.spec.stop_token_ids)
+        return DDTreeDecoder(self.target, self.drafter, cfg)
+
+    def run(
+        self,
+        prompts: list[Prompt],
+        check_ar: bool = False,
+        progress: Callable[[int, Prompt], None] | None = None,
+    ) -> list[PromptRun]:
+        runs = []
+        for i, prompt in enumerate(prompts):
+            if progress:
+                progress(i, prompt)
+            max_new = prompt.max_new_tokens or self.spec.max_new_tokens
+            result = self.decoder(max_new).generate(list(prompt.prompt_ids))
+            greedy = (
+                greedy_decode(self.target.model, list(prompt.prompt_ids), max_new, self.spec.stop_token_ids)
+                if check_ar
+                else None
+            )
+            runs.append(PromptRun(prompt, result, greedy))
+        return runs

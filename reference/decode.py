@@ -1,0 +1,168 @@
+"""The reference DDTree decoder: draft -> tree -> verify -> walk -> commit, one step per screen.
+
+Contract: :meth:`DDTreeDecoder.generate` decodes one prompt greedily and returns every verify
+step as a :class:`StepRecord`. With any drafter its output equals target-only greedy decoding
+(the lossless invariant); the drafter only changes how many tokens each step emits.
+
+Conventions (these are what traces and diffs compare):
+
+* the root of every tree is the bonus token of the previous step, at position ``committed_len``;
+* ``accept_length`` (τ) = root + accepted drafted nodes = drafted tokens accepted + 1, i.e. the
+  bonus is counted (max = block size); ``emitted`` = the tokens this step appended to the output
+  (accepted drafts, then the new bonus), cut at a stop token or ``max_new_tokens``;
+* ``budget=None`` is chain mode (top-1 per depth: vanilla DFlash);
+* the draft depth of a step is ``min(block_size - 1, max_new_tokens - len(output))``, as in
+  z-lab's ``dflash_generate``, so per-step numbers are comparable with it;
+* tokens equal to the drafter's ``mask_token_id`` are ordinary output tokens and are kept.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from reference.drafter import Drafter
+from reference.errors import BudgetError, PromptError
+from reference.state import TargetState
+from reference.target import Target
+from reference.tree import Tree, build_chain, build_ddtree
+
+
+@dataclass(slots=True)
+class DecodeConfig:
+    budget: int | None = 15  # None = chain mode
+    max_new_tokens: int = 64
+    stop_token_ids: frozenset[int] = frozenset()
+    topk: int = 5  # per-node target top-k kept in each StepRecord
+    keep_states: bool = False  # keep the committed TargetState after every step
+
+    def validate(self) -> None:
+        if self.budget is not None and self.budget < 0:
+            raise BudgetError(f"budget must be >= 0 (or chain mode), got {self.budget}")
+        if self.max_new_tokens < 1:
+            raise BudgetError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(slots=True)
+class StepRecord:
+    step: int
+    committed_len: int  # committed tokens before the step = the root's position
+    tree: Tree
+    target_argmax: torch.Tensor  # [N] int64
+    topk_ids: torch.Tensor  # [N, k] int64, target's top-k at every node
+    topk_logprobs: torch.Tensor  # [N, k] float32
+    accepted: list[int]  # node indices, root first
+    bonus: int
+    emitted: list[int]  # accepted drafted tokens then the bonus (cut at stop / max_new_tokens)
+    emitted_logprobs: list[float]  # target log-prob of each emitted token at its parent node
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: draft, tree, verify, commit
+    state: TargetState | None = None  # committed state after the step (keep_states only)
+
+    @property
+    def accept_length(self) -> int:
+        """τ of this step: accepted drafted tokens + 1 (the bonus is counted)."""
+        return len(self.accepted)
+
+
+@dataclass(slots=True)
+class DecodeResult:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    steps: list[StepRecord]
+    prefill_state: TargetState | None = None
+
+    @property
+    def accept_lengths(self) -> list[int]:
+        return [s.accept_length for s in self.steps]
+
+    @property
+    def mean_tau(self) -> float:
+        return sum(self.accept_lengths) / max(len(self.steps), 1)
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class DDTreeDecoder:
+    def __init__(self, target: Target, drafter: Drafter, config: DecodeConfig) -> None:
+        config.validate()
+        self.target, self.drafter, self.cfg = target, drafter, config
+
+    def generate(self, prompt_ids: list[int]) -> DecodeResult:
+        target, drafter, cfg = self.target, self.drafter, self.cfg
+        if not prompt_ids:
+            raise PromptError("empty prompt")
+        if len(prompt_ids) + cfg.max_new_tokens > target.max_positions:
+            raise PromptError(
+                f"prompt of {len(prompt_ids)} tokens + {cfg.max_new_tokens} new tokens exceeds the target's "
+                f"context of {target.max_positions}"
+            )
+        dev = target.device
+        capture = tuple(drafter.target_layer_ids)
+        prompt = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
+        state, fwd = target.prefill(prompt, capture=capture)
+        drafter.reset()
+        drafter.extend(fwd.context, torch.arange(len(prompt_ids), device=dev), prompt)
+        logp = torch.log_softmax(fwd.logits[-1], dim=-1)
+        bonus = int(logp.argmax())
+        out, out_lp = [bonus], [float(logp[bonus])]
+        result = DecodeResult(list(prompt_ids), out, out_lp, [], state if cfg.keep_states else None)
+
+        while len(out) < cfg.max_new_tokens and bonus not in cfg.stop_token_ids:
+            depth = min(drafter.block_size - 1, cfg.max_new_tokens - len(out))
+            t0 = _clock(dev)
+            draft_lp = drafter.propose(bonus, state.length)[:depth]  # [L, V] fp32
+            t1 = _clock(dev)
+            tree = build_chain(bonus, draft_lp) if cfg.budget is None else build_ddtree(bonus, draft_lp, cfg.budget)
+            t2 = _clock(dev)
+            fwd = target.forward(state, tree.tokens, tree.parents, tree.depths, capture=capture)
+            logp = torch.log_softmax(fwd.logits, dim=-1)  # [N, V]
+            argmax = logp.argmax(dim=-1)
+            t3 = _clock(dev)
+            accepted = tree.walk_greedy(argmax.cpu())
+            bonus = int(argmax[accepted[-1]])
+            prev_len = state.length
+            state = state.commit(fwd, accepted)
+            acc = torch.tensor(accepted, device=dev)
+            drafter.extend(fwd.context[acc], prev_len + tree.depths.to(dev)[acc], tree.tokens.to(dev)[acc])
+            t4 = _clock(dev)
+
+            emitted = [int(tree.tokens[i]) for i in accepted[1:]] + [bonus]
+            lps = [float(logp[p, tok]) for p, tok in zip(accepted, emitted)]
+            emitted, lps = self._cut(emitted, lps, cfg.max_new_tokens - len(out))
+            out.extend(emitted)
+            out_lp.extend(lps)
+            top = logp.topk(min(cfg.topk, logp.shape[-1]), dim=-1)
+            result.steps.append(
+                StepRecord(
+                    step=len(result.steps),
+                    committed_len=prev_len,
+                    tree=tree,
+                    target_argmax=argmax.cpu(),
+                    topk_ids=top.indices.cpu(),
+                    topk_logprobs=top.values.cpu(),
+                    accepted=accepted,
+                    bonus=bonus,
+                    emitted=emitted,
+                    emitted_logprobs=lps,
+                    timings={"draft": t1 - t0, "tree": t2 - t1, "verify": t3 - t2, "commit": t4 - t3},
+                    state=state if cfg.keep_states else None,
+                )
+            )
+            if any(t in cfg.stop_token_ids for t in emitted):
+                break
+        return result
+
+    def _cut(self, emitted: list[int], lps: list[float], room: int) -> tuple[list[int], list[float]]:
+        """Cut a step's emitted tokens after the first stop token and at the remaining room."""
+        for i, tok in enumerate(emitted):
+            if tok in self.cfg.stop_token_ids:
+                room = min(room, i + 1)
+                break
+        return emitted[:room], lps[:room]

@@ -1,0 +1,224 @@
+"""DFlash block-diffusion drafter (z-lab checkpoint layout) and the drafter interface.
+
+Contract: a drafter proposes, for the block that starts at the bonus token ``b`` at position
+``start``, one distribution per depth 1..L (L = block_size - 1), each a *marginal* that is not
+conditioned on the other drafts: ``propose(bonus, start) -> [L, V]`` float32 log-probs. After each
+verify step the decoder calls ``extend(context, positions)`` with the target's hidden states
+(after ``target_layer_ids``) of the committed root + accepted nodes only, never the bonus or
+rejected nodes.
+
+:class:`DFlashDrafter` reads a z-lab DFlash checkpoint: ``config.json`` (Qwen3 fields plus
+``dflash_config`` with ``mask_token_id``, ``target_layer_ids``, ``block_size``) and safetensors
+``layers.N.self_attn.{q,k,v,o}_proj``, ``q_norm``, ``k_norm``, ``mlp.*``, ``fc``,
+``hidden_norm``, ``norm``. Token embeddings and LM head are the target's. The input block is
+``[b, MASK × (L)]``; the context (``hidden_norm(fc(target hidden))``) gives extra keys/values to
+every layer, kept in a per-request cache; the block's own keys/values never persist. Attention
+inside the block is non-causal.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from reference.errors import CheckpointError, ModelMismatchError
+from reference.layers import apply_rope, repeat_heads
+from reference.target import Target
+
+
+class Drafter(Protocol):
+    """What the DDTree decoder needs from a drafter (DFlash, scripted, or an engine's own)."""
+
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+
+    def reset(self) -> None: ...
+
+    def extend(self, context: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None: ...
+
+    def propose(self, bonus: int, start: int) -> torch.Tensor: ...
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's spread of context layers over 1 .. L-3 (z-lab's convention)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def _dflash_value(cfg: dict, name: str, default=None):
+    return cfg.get("dflash_config", {}).get(name, cfg.get(name, default))
+
+
+class DFlashDrafter(nn.Module):
+    """A DFlash draft model with its own context cache, evaluated in pure PyTorch."""
+
+    def __init__(self, cfg: dict, target: Target) -> None:
+        super().__init__()
+        from transformers import Qwen3Config
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+        self.cfg = cfg
+        qcfg = Qwen3Config(**{k: v for k, v in cfg.items() if k not in ("dflash_config", "architectures")})
+        self.qcfg = qcfg
+        self.target = target
+        h, eps = qcfg.hidden_size, qcfg.rms_norm_eps
+        self.head_dim: int = getattr(qcfg, "head_dim", None) or h // qcfg.num_attention_heads
+        self.n_heads: int = qcfg.num_attention_heads
+        self.n_kv: int = qcfg.num_key_value_heads
+        n_target = cfg.get("num_target_layers", len(target.layers))
+        self.target_layer_ids: list[int] = list(
+            _dflash_value(cfg, "target_layer_ids", default_target_layer_ids(n_target, qcfg.num_hidden_layers))
+        )
+        self.block_size = int(_dflash_value(cfg, "block_size", 16))
+        mask = _dflash_value(cfg, "mask_token_id")
+        if mask is None:
+            raise CheckpointError("draft config has no dflash_config.mask_token_id")
+        self.mask_token_id = int(mask)
+        self.embed_scale = float(_dflash_value(cfg, "input_embedding_scale", 1.0))
+        self.output_multiplier = float(_dflash_value(cfg, "output_multiplier", 1.0))
+        softcap = _dflash_value(cfg, "final_logit_softcapping")
+        self.softcap = float(softcap) if softcap else 0.0
+
+        def lin(i: int, o: int) -> nn.Linear:
+            return nn.Linear(i, o, bias=bool(qcfg.attention_bias))
+
+        layers = []
+        for _ in range(qcfg.num_hidden_layers):
+            layer = nn.Module()
+            attn = nn.Module()
+            attn.q_proj = lin(h, self.n_heads * self.head_dim)
+            attn.k_proj = lin(h, self.n_kv * self.head_dim)
+            attn.v_proj = lin(h, self.n_kv * self.head_dim)
+            attn.o_proj = lin(self.n_heads * self.head_dim, h)
+            attn.q_norm = Qwen3RMSNorm(self.head_dim, eps=eps)
+            attn.k_norm = Qwen3RMSNorm(self.head_dim, eps=eps)
+            layer.self_attn = attn
+            layer.mlp = Qwen3MLP(qcfg)
+            layer.input_layernorm = Qwen3RMSNorm(h, eps=eps)
+            layer.post_attention_layernorm = Qwen3RMSNorm(h, eps=eps)
+            layers.append(layer)
+        self.layers = nn.ModuleList(layers)
+        self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(h, eps=eps)
+        self.norm = Qwen3RMSNorm(h, eps=eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(qcfg)
+        self.reset()
+
+    # -- loading ------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path, target: Target) -> "DFlashDrafter":
+        path = Path(path)
+        if not path.is_dir():
+            raise CheckpointError(f"draft checkpoint directory not found: {path}")
+        try:
+            cfg = json.loads((path / "config.json").read_text())
+        except FileNotFoundError as exc:
+            raise CheckpointError(f"no config.json in draft checkpoint directory {path}") from exc
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"malformed config.json in draft checkpoint {path}: {exc}") from exc
+        if not isinstance(cfg, dict) or "hidden_size" not in cfg:
+            raise CheckpointError(f"draft config.json in {path} has no hidden_size")
+        if cfg["hidden_size"] != target.hidden_size:
+            raise ModelMismatchError(
+                f"draft hidden size {cfg['hidden_size']} != target hidden size {target.hidden_size}"
+            )
+        if cfg.get("vocab_size", target.vocab_size) != target.vocab_size:
+            raise ModelMismatchError(f"draft vocab {cfg['vocab_size']} != target vocab {target.vocab_size}")
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no *.safetensors weights in draft checkpoint directory {path}")
+        model = cls(cfg, target)
+        bad = [i for i in model.target_layer_ids if not 0 <= i < len(target.layers)]
+        if bad:
+            raise ModelMismatchError(f"draft target_layer_ids {bad} outside the target's {len(target.layers)} layers")
+        weights: dict[str, torch.Tensor] = {}
+        for f in files:
+            try:
+                weights.update(load_file(str(f)))
+            except Exception as exc:  # safetensors raises its own error types
+                raise CheckpointError(f"cannot read draft weights {f}: {exc}") from exc
+        weights = {k.removeprefix("model."): v for k, v in weights.items() if not k.startswith(("lm_head", "embed_tokens"))}
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        missing = [m for m in missing if not m.startswith("rotary_emb")]
+        if missing or unexpected:
+            raise CheckpointError(f"draft checkpoint {path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        return model.to(device=target.device, dtype=target.dtype).eval()
+
+    # -- context cache --------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the request's context (call at the start of every request)."""
+        self.ctx_keys: list[torch.Tensor | None] = [None] * len(self.layers)
+        self.ctx_values: list[torch.Tensor | None] = [None] * len(self.layers)
+        self.ctx_len = 0
+
+    def _rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rotary_emb(like.unsqueeze(0), positions.view(1, -1))
+        return cos[0], sin[0]  # [n, D]
+
+    @torch.no_grad()
+    def extend(self, context: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
+        """Append target hidden states ([n, len(target_layer_ids)*H]) at ``positions`` ([n])."""
+        ctx = self.hidden_norm(self.fc(context.to(self.fc.weight.dtype)))  # [n, H]
+        cos, sin = self._rope(positions.to(ctx.device), ctx)
+        n = ctx.shape[0]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            k = attn.k_norm(attn.k_proj(ctx).view(n, self.n_kv, self.head_dim)).transpose(0, 1)  # [Hkv, n, D]
+            v = attn.v_proj(ctx).view(n, self.n_kv, self.head_dim).transpose(0, 1)
+            k = apply_rope(k, cos, sin)
+            if self.ctx_keys[i] is None:
+                self.ctx_keys[i], self.ctx_values[i] = k, v
+            else:
+                self.ctx_keys[i] = torch.cat([self.ctx_keys[i], k], dim=1)
+                self.ctx_values[i] = torch.cat([self.ctx_values[i], v], dim=1)
+        self.ctx_len += n
+
+    # -- proposal ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def hidden(self, bonus: int, start: int) -> torch.Tensor:
+        """Final-norm hidden states of the block [bs, H] for ``[bonus, MASK...]`` at ``start``."""
+        dev = self.fc.weight.device
+        ids = torch.full((self.block_size,), self.mask_token_id, dtype=torch.long, device=dev)
+        ids[0] = bonus
+        h = F.embedding(ids, self.target.body.embed_tokens.weight) * self.embed_scale  # [bs, H]
+        cos, sin = self._rope(torch.arange(start, start + self.block_size, device=dev), h)
+        bs = self.block_size
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_norm(attn.q_proj(x).view(bs, self.n_heads, self.head_dim)).transpose(0, 1)  # [Hq, bs, D]
+            k = attn.k_norm(attn.k_proj(x).view(bs, self.n_kv, self.head_dim)).transpose(0, 1)  # [Hkv, bs, D]
+            v = attn.v_proj(x).view(bs, self.n_kv, self.head_dim).transpose(0, 1)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if self.ctx_keys[i] is not None:
+                k = torch.cat([self.ctx_keys[i], k], dim=1)  # [Hkv, ctx+bs, D]
+                v = torch.cat([self.ctx_values[i], v], dim=1)
+            rep = self.n_heads // self.n_kv
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(0), repeat_heads(k, rep).unsqueeze(0), repeat_heads(v, rep).unsqueeze(0),
+                scale=self.head_dim**-0.5,
+            )[0]  # [Hq, bs, D], non-causal: every block position sees the whole block and context
+            h = h + attn.o_proj(out.transpose(0, 1).reshape(bs, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    @torch.no_grad()
+    def logits(self, bonus: int, start: int) -> torch.Tensor:
+        """Draft logits for depths 1..bs-1: [bs-1, V] float32 (cast for a dtype-free tree builder)."""
+        logits = self.target.model.lm_head(self.hidden(bonus, start)[1:]).float() * self.output_multiplier
+        if self.softcap > 0:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def propose(self, bonus: int, start: int) -> torch.Tensor:
+        return torch.log_softmax(self.logits(bonus, start), dim=-1)

@@ -1,0 +1,58 @@
+"""Slow oracles the reference is tested against: target-only greedy decoding and per-path verify.
+
+Contract: both use only the transformers model's own, cache-free forward over a whole token
+sequence, so they share no code (and no state handling) with the tree decoder:
+
+* :func:`greedy_decode` — the lossless invariant: DDTree's greedy output must equal this, token
+  for token, whatever the drafter proposes;
+* :func:`path_logits` — every tree node's logits obtained by running committed tokens + the
+  node's root-to-node path as one plain sequence (each path on its own copy of the state, by
+  construction, since nothing is cached).
+
+Cost is quadratic in the sequence length; that is the price of independence and is fine for the
+built-in models and for spot checks on real ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reference.compat import full_forward_logits
+
+
+@torch.no_grad()
+def greedy_decode(
+    model: torch.nn.Module,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    stop_token_ids: frozenset[int] | set[int] = frozenset(),
+) -> list[int]:
+    """Target-only greedy continuation of ``prompt_ids`` (stops after emitting a stop token)."""
+    device = next(model.parameters()).device
+    seq = list(prompt_ids)
+    out: list[int] = []
+    while len(out) < max_new_tokens:
+        logits = full_forward_logits(model, torch.tensor(seq, device=device))
+        tok = int(logits[-1].argmax())
+        out.append(tok)
+        seq.append(tok)
+        if tok in stop_token_ids:
+            break
+    return out
+
+
+@torch.no_grad()
+def path_logits(
+    model: torch.nn.Module, committed: list[int], tokens: list[int], parents: list[int]
+) -> torch.Tensor:
+    """Logits of every tree node, each from a plain forward of committed + its path: [N, V] fp32."""
+    device = next(model.parameters()).device
+    rows = []
+    for i in range(len(tokens)):
+        path, j = [], i
+        while j >= 0:
+            path.append(tokens[j])
+            j = parents[j]
+        seq = torch.tensor(committed + path[::-1], device=device)
+        rows.append(full_forward_logits(model, seq)[-1])
+    return torch.stack(rows)

@@ -1,0 +1,204 @@
+"""The target model: prefill, exact tree verify and commit over transformers' decoder layers.
+
+Contract: :class:`Target` wraps a transformers causal LM of type ``qwen3`` (attention only),
+``qwen3_5`` / ``qwen3_5_text`` (hybrid: Gated DeltaNet + full attention, the Qwen3.5 / Qwen3.6
+architecture) or ``qwen3_next``. It calls the model's own modules (embeddings, norms, MLPs, the
+attention and Gated DeltaNet weights) through :mod:`reference.layers`, never the model's forward,
+so the reference owns the tree semantics and the state layout while the weights and numerics stay
+the library's. ``forward`` evaluates n nodes below a committed :class:`TargetState`; a prefill is
+a chain, a verify is a draft tree. Node positions are ``state.length + depth`` (siblings share a
+position). ``commit`` never re-runs the model.
+
+Exactness: on fp32 CPU, logits equal a plain cache-free forward of the same token path through the
+HF model to ~1e-6 (tests/test_target.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from reference.compat import rope_position_ids
+from reference.errors import CheckpointError, PromptError, UnsupportedModelError
+from reference.layers import attention_tree, deltanet_tree
+from reference.state import TargetState, TreeForward
+
+SUPPORTED_MODEL_TYPES = frozenset({"qwen3", "qwen3_5", "qwen3_5_text", "qwen3_next"})
+
+
+def read_config(path: Path) -> dict:
+    """config.json of a checkpoint directory, with a CheckpointError for every way it can be bad."""
+    cfg_path = Path(path) / "config.json"
+    if not Path(path).is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {path}")
+    if not cfg_path.is_file():
+        raise CheckpointError(f"no config.json in checkpoint directory {path}")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"malformed config.json in {path}: {exc}") from exc
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        raise CheckpointError(f"config.json in {path} has no model_type")
+    if not any(Path(path).glob("*.safetensors")):
+        raise CheckpointError(f"no *.safetensors weights in checkpoint directory {path}")
+    return cfg
+
+
+class Target:
+    """A target causal LM evaluated over trees with explicit, exact state."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model.eval()
+        self.config = model.config
+        self.model_type: str = self.config.model_type
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model type {self.model_type!r} is not supported (supported: {sorted(SUPPORTED_MODEL_TYPES)})"
+            )
+        self.body = model.model
+        self.layers = list(self.body.layers)
+        self.layer_types: list[str] = list(
+            getattr(self.config, "layer_types", None) or ["full_attention"] * len(self.layers)
+        )
+        self.vocab_size: int = self.config.vocab_size
+        self.hidden_size: int = self.config.hidden_size
+        self.max_positions: int = self.config.max_position_embeddings
+
+    # -- loading ------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "Target":
+        from transformers import AutoModelForCausalLM
+
+        cfg = read_config(Path(path))
+        if cfg["model_type"] not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"{path}: model type {cfg['model_type']!r} is not supported "
+                f"(supported: {sorted(SUPPORTED_MODEL_TYPES)})"
+            )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            raise CheckpointError(f"cannot load target checkpoint {path}: {exc}") from exc
+        return cls(model.to(device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.body.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.body.embed_tokens.weight.dtype
+
+    def is_linear(self, layer: int) -> bool:
+        return self.layer_types[layer] == "linear_attention"
+
+    # -- state --------------------------------------------------------------------------------
+    def empty_state(self) -> TargetState:
+        n = len(self.layers)
+        keys: list[torch.Tensor | None] = [None] * n
+        values: list[torch.Tensor | None] = [None] * n
+        conv: list[torch.Tensor | None] = [None] * n
+        rec: list[torch.Tensor | None] = [None] * n
+        for i, layer in enumerate(self.layers):
+            if self.is_linear(i):
+                gdn = layer.linear_attn
+                conv[i] = torch.zeros(gdn.conv_kernel_size - 1, gdn.conv_dim, dtype=self.dtype, device=self.device)
+                rec[i] = torch.zeros(
+                    gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, dtype=torch.float32, device=self.device
+                )
+            else:
+                attn = layer.self_attn
+                n_kv = attn.k_proj.out_features // attn.head_dim
+                keys[i] = torch.zeros(n_kv, 0, attn.head_dim, dtype=self.dtype, device=self.device)
+                values[i] = keys[i].clone()
+        return TargetState(0, keys, values, conv, rec)
+
+    # -- forward ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(
+        self,
+        state: TargetState,
+        tokens: torch.Tensor,
+        parents: torch.Tensor,
+        depths: torch.Tensor,
+        capture: list[int] | tuple[int, ...] = (),
+        leaky: bool = False,
+        keep_layer_outputs: bool = False,
+    ) -> TreeForward:
+        """Evaluate n nodes below ``state``.
+
+        tokens/parents/depths: [n] int64; parents[t] < t, -1 = attached to the committed prefix;
+        depths[t] >= 0 with position = state.length + depths[t]. ``capture`` lists target layer ids
+        whose outputs (hidden state after that layer) are concatenated into ``context``.
+        ``leaky`` runs the recurrent layers over the flattened order (a known engine bug).
+        """
+        dev = self.device
+        tokens, parents, depths = (t.to(dev, torch.long) for t in (tokens, parents, depths))
+        n = tokens.shape[0]
+        if n == 0:
+            raise PromptError("nothing to evaluate: zero tokens")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
+            raise PromptError(f"token id out of range [0, {self.vocab_size})")
+        positions = state.length + depths  # [n]
+        if int(positions.max()) >= self.max_positions:
+            raise PromptError(
+                f"position {int(positions.max())} exceeds the model's context of {self.max_positions} tokens"
+            )
+        visible = _ancestor_or_self(parents)  # [n, n]
+
+        h = self.body.embed_tokens(tokens)  # [n, H]
+        cos, sin = self.body.rotary_emb(h.unsqueeze(0), rope_position_ids(self.model_type, positions))
+        cos, sin = cos[0], sin[0]  # [n, R]
+        fwd = TreeForward(logits=torch.empty(0), context=torch.empty(0))
+        captured: dict[int, torch.Tensor] = {}
+        outputs: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            x = layer.input_layernorm(h)
+            if self.is_linear(i):
+                out = deltanet_tree(layer.linear_attn, x, parents, state.conv[i], state.recurrent[i], leaky=leaky)
+                fwd.conv[i], fwd.recurrent[i] = out.conv_windows, out.states
+            else:
+                out = attention_tree(layer.self_attn, x, cos, sin, state.keys[i], state.values[i], visible)
+                fwd.keys[i], fwd.values[i] = out.keys, out.values
+            h = h + out.hidden
+            h = h + _mlp(layer.mlp, layer.post_attention_layernorm(h))
+            if i in capture:
+                captured[i] = h
+            if keep_layer_outputs:
+                outputs.append(h)
+        # Logits in float32 so argmax, log-softmax and margins compare across model dtypes.
+        fwd.logits = self.model.lm_head(self.body.norm(h)).float()  # [n, V]
+        fwd.context = torch.cat([captured[i] for i in capture], dim=-1) if capture else h[:, :0]
+        fwd.layer_outputs = outputs if keep_layer_outputs else None
+        return fwd
+
+    def prefill(self, token_ids: torch.Tensor, capture: list[int] | tuple[int, ...] = ()) -> tuple[TargetState, TreeForward]:
+        """Run a prompt ([n] int64) as a chain from an empty state and commit all of it."""
+        n = int(token_ids.shape[0])
+        if n == 0:
+            raise PromptError("empty prompt")
+        state = self.empty_state()
+        parents = torch.arange(-1, n - 1)
+        fwd = self.forward(state, token_ids, parents, torch.arange(n), capture=capture)
+        return state.commit(fwd, list(range(n))), fwd
+
+
+def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Dense or MoE MLP on [n, H]; MoE blocks expect a batch axis and may return router logits."""
+    out = mlp(x.unsqueeze(0))
+    if isinstance(out, tuple):
+        out = out[0]
+    return out.reshape(x.shape)
+
+
+def _ancestor_or_self(parents: torch.Tensor) -> torch.Tensor:
+    """[n] parents (-1 = committed) -> [n, n] bool visibility, vis[i, j] = j on the path to i."""
+    n = parents.shape[0]
+    vis = torch.eye(n, dtype=torch.bool, device=parents.device)
+    par = parents.tolist()
+    for t in range(n):
+        if par[t] >= 0:
+            vis[t] |= vis[par[t]]
+    return vis

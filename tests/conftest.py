@@ -1,0 +1,55 @@
+"""Shared fixtures: the built-in models on CPU in fp32, loaded once per test process."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+logging.getLogger("transformers").setLevel(logging.ERROR)
+torch.set_num_threads(1)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (run on the GPU machine)")
+    config.addinivalue_line("markers", "sglang: needs SGLang installed")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds on 2 CPU cores")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="no CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def hybrid():
+    from refcheck.models import builtin_pair
+    from reference.drafter import DFlashDrafter
+    from reference.target import Target
+
+    tdir, ddir = builtin_pair("hybrid")
+    target = Target.load(tdir)
+    return target, DFlashDrafter.load(ddir, target)
+
+
+@pytest.fixture(scope="session")
+def attention():
+    from refcheck.models import builtin_pair
+    from reference.drafter import DFlashDrafter
+    from reference.target import Target
+
+    tdir, ddir = builtin_pair("attention")
+    target = Target.load(tdir)
+    return target, DFlashDrafter.load(ddir, target)
+
+
+@pytest.fixture(params=["hybrid", "attention"])
+def pair(request):
+    return request.getfixturevalue(request.param)

@@ -1,0 +1,131 @@
+"""Exact tree verify and commit of the reference target against independent oracles.
+
+The oracles are transformers' own cache-free forward over plain token sequences (per-path verify)
+and transformers' own cache after a plain prefill (committed state). Trees come from the scripted
+drafter with decoys always ranked above the target's token, so accepted nodes have non-ancestor
+siblings before them in the flattened order: the only trees on which a leaky verify shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reference.compat import hf_cache_state
+from reference.oracle import path_logits
+from reference.scripted import ScriptedDrafter
+from reference.tree import build_ddtree
+
+TOL = 1e-5  # fp32 CPU, relative to the tensor's scale: rounding only (chunked vs recurrent delta rule)
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    """max |got - ref| <= TOL * max(1, max |ref|)."""
+    return float((got.float() - ref.float()).abs().max()) <= TOL * max(1.0, float(ref.float().abs().max()))
+
+
+def _tiny_qwen3_next():
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from reference.target import Target
+
+    cfg = Qwen3NextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        max_position_embeddings=256, initializer_range=0.1,
+    )
+    torch.manual_seed(3)
+    return Target(Qwen3NextForCausalLM(cfg).eval())
+
+
+@pytest.fixture(scope="module")
+def qwen3_next():
+    return _tiny_qwen3_next()
+
+
+def _decoy_tree(target, prompt, budget=24, seed=0):
+    """Prefill, then a DDTree from a scripted drafter that always puts decoys above the truth."""
+    state, fwd = target.prefill(torch.tensor(prompt))
+    bonus = int(fwd.logits[-1].argmax())
+    drafter = ScriptedDrafter(target.model, target.vocab_size, target.vocab_size - 1, block_size=8,
+                              seed=seed, decoy_prob=1.0, max_decoys=1, miss_prob=0.0)
+    drafter.extend(fwd.context, torch.arange(len(prompt)), torch.tensor(prompt))
+    tree = build_ddtree(bonus, drafter.propose(bonus, state.length), budget)
+    return state, tree
+
+
+def _check_trap(tree, accepted):
+    """The leak needs a non-ancestor ahead of an accepted node in the flat order."""
+    vis = tree.visibility()
+    return any(not bool(vis[node, j]) for node in accepted[1:] for j in range(node))
+
+
+@pytest.mark.parametrize("which", ["hybrid", "attention", "qwen3_next"])
+def test_prefill_equals_transformers_forward(which, request):
+    target = _tiny_qwen3_next() if which == "qwen3_next" else request.getfixturevalue(which)[0]
+    ids = torch.arange(3, 40) % target.vocab_size
+    _, fwd = target.prefill(ids)
+    from reference.compat import full_forward_logits
+
+    assert _close(fwd.logits, full_forward_logits(target.model, ids))
+
+
+@pytest.mark.parametrize("which", ["hybrid", "attention", "qwen3_next"])
+def test_exact_verify_equals_per_path_oracle_on_decoy_trees(which, request):
+    target = request.getfixturevalue(which) if which == "qwen3_next" else request.getfixturevalue(which)[0]
+    prompt = [int(t) for t in (torch.arange(7, 31) * 5) % (target.vocab_size - 1)]
+    state, tree = _decoy_tree(target, prompt)
+    fwd = target.forward(state, tree.tokens, tree.parents, tree.depths)
+    accepted = tree.walk_greedy(fwd.logits.argmax(-1))
+    assert len(accepted) >= 3, "scripted drafter should give a deep accepted path"
+    assert any(int(tree.ranks[i]) > 0 for i in accepted), "no accepted non-first sibling"
+    assert _check_trap(tree, accepted)
+    oracle = path_logits(target.model, prompt, tree.tokens.tolist(), tree.parents.tolist())
+    assert _close(fwd.logits, oracle)
+
+
+def test_leaky_verify_fails_the_same_test(hybrid):
+    target = hybrid[0]
+    prompt = [int(t) for t in (torch.arange(7, 31) * 5) % (target.vocab_size - 1)]
+    state, tree = _decoy_tree(target, prompt)
+    leaky = target.forward(state, tree.tokens, tree.parents, tree.depths, leaky=True)
+    exact = target.forward(state, tree.tokens, tree.parents, tree.depths)
+    oracle = path_logits(target.model, prompt, tree.tokens.tolist(), tree.parents.tolist())
+    assert (leaky.logits - oracle).abs().max() > 1e-2
+    assert _close(exact.logits, oracle)
+
+
+def test_leaky_is_harmless_without_recurrent_layers(attention):
+    target = attention[0]
+    prompt = list(range(5, 25))
+    state, tree = _decoy_tree(target, prompt)
+    leaky = target.forward(state, tree.tokens, tree.parents, tree.depths, leaky=True)
+    exact = target.forward(state, tree.tokens, tree.parents, tree.depths)
+    assert torch.equal(leaky.logits, exact.logits)
+
+
+@pytest.mark.parametrize("which", ["hybrid", "attention"])
+def test_commit_equals_plain_prefill_of_committed_tokens(which, request):
+    from reference.decode import DDTreeDecoder, DecodeConfig
+
+    target, _ = request.getfixturevalue(which)
+    drafter = ScriptedDrafter(target.model, target.vocab_size, target.vocab_size - 1, block_size=8, seed=1)
+    prompt = list(range(11, 30))
+    res = DDTreeDecoder(target, drafter, DecodeConfig(budget=15, max_new_tokens=24, keep_states=True)).generate(prompt)
+    assert any(s.accept_length > 2 for s in res.steps)
+    committed = list(prompt) + [res.output_ids[0]]
+    for step in res.steps:
+        committed += [int(step.tree.tokens[i]) for i in step.accepted[1:]]
+        ids = torch.tensor(committed[: step.state.length])
+        assert step.state.length == len(committed)
+        got = step.state.tensors()
+        replay, _ = target.prefill(ids)
+        hf = hf_cache_state(target.model, ids)
+        for name, ref in replay.tensors().items():
+            assert got[name].shape == ref.shape, name
+            assert _close(got[name], ref), name
+            if hf is not None:
+                assert _close(got[name], hf[name]), name
+        committed.append(step.bonus)
