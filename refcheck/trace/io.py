@@ -1,0 +1,492 @@
+"""Reading and writing refcheck traces (schema in :mod:`refcheck.trace.schema`).
+
+Contract:
+
+* :func:`write_trace` serializes a :class:`Trace` (steps table in an Arrow IPC file, requests
+  table as a zstd IPC stream in the schema metadata) and writes it **atomically**: a temp file in
+  the target directory is written, flushed and fsynced, ``os.replace``-d onto the path, and the
+  directory is fsynced. On any exception the temp file is removed and an existing file at the
+  path is untouched. It validates the trace first and raises
+  :class:`~refcheck.trace.schema.TraceValidationError` for a structural defect.
+* :func:`read_trace` returns the :class:`Trace` or raises a typed error, never a pyarrow one:
+  :class:`~refcheck.errors.GoldenError` when the file does not exist;
+  :class:`~refcheck.trace.schema.SchemaVersionError` for a newer major schema version;
+  :class:`~refcheck.errors.CorruptTraceError` for an empty file, a bad magic, a truncated or
+  corrupt Arrow file, an Arrow file that is not a refcheck trace, missing columns, nulls in
+  required values, zero requests, or bad provenance JSON. Files of an older or equal major and
+  any minor are accepted: they are routed through ``schema._MIGRATIONS`` (see
+  :func:`refcheck.trace.schema.migrate`) before the column check; columns of a newer minor that
+  this version does not know are ignored.
+* Round trip: every field reads back equal; float32 columns hold float32 values (a Python float
+  is rounded to float32 on write); tensors round-trip bit-exactly (see :mod:`.codec`);
+  ``provenance`` must be JSON-native (str keys, lists, no NaN) and reads back equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import pyarrow as pa
+import torch
+
+from refcheck.errors import CorruptTraceError, GoldenError
+from refcheck.trace.codec import decode_tensor, encode_tensor
+from refcheck.trace.schema import (
+    KEY_MAGIC,
+    KEY_PROVENANCE,
+    KEY_REQUESTS,
+    KEY_VERSION,
+    MAGIC,
+    REQUESTS_SCHEMA,
+    SCHEMA_VERSION,
+    STATE_KINDS,
+    STEPS_SCHEMA,
+    TIMING_FIELDS,
+    TraceValidationError,
+    check_columns,
+    check_no_nulls,
+    check_version,
+    migrate,
+)
+
+ARROW_MAGIC = b"ARROW1"
+_IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="zstd")
+_BATCH_ROWS = 1024  # steps per record batch at most
+_BATCH_BYTES = 256 << 20  # tensor bytes per record batch at most (binary offsets are int32)
+
+
+# ------------------------------------------------------------------------------- the rows
+@dataclass(slots=True, eq=False)
+class StateEntry:
+    """One layer's committed-state summary after a step's commit (eq=False: holds tensors)."""
+
+    name: str
+    layer: int
+    kind: str  # one of STATE_KINDS: "kv_k", "kv_v", "conv", "rec"
+    sketch: torch.Tensor
+    full: torch.Tensor | None = None
+
+
+@dataclass(slots=True, eq=False)
+class StepRow:
+    """One verify step of one request (eq=False: holds tensors). N = tree nodes incl. root."""
+
+    request_id: str
+    step: int
+    committed_len: int  # committed tokens before the step = position of the root
+    tree_tokens: list[int]  # [N], index 0 = root
+    tree_parents: list[int]  # [N], parents[0] = -1
+    tree_depths: list[int]  # [N]
+    tree_ranks: list[int]  # [N]
+    draft_topk_ids: list[list[int]]  # [L][k], drafter top-k per depth 1..L
+    draft_topk_logprobs: list[list[float]]  # [L][k]
+    topk_ids: list[list[int]]  # [N][k], target top-k at every node
+    topk_logprobs: list[list[float]]  # [N][k]
+    target_argmax: list[int]  # [N]
+    accepted: list[int]  # node indices, root first
+    accept_length: int  # tau: accepted drafted tokens + 1 (bonus included)
+    bonus: int
+    emitted: list[int]  # [E]
+    emitted_logprobs: list[float]  # [E], NaN where the engine reports none
+    state: list[StateEntry]
+    timings: dict[str, float]  # keys TIMING_FIELDS, seconds
+    layer_sketch: torch.Tensor | None = None  # [layers, N, r]
+
+
+@dataclass(slots=True)
+class RequestRow:
+    request_id: str
+    kind: str
+    prompt_ids: list[int]  # [P]
+    output_ids: list[int]  # [T]
+    output_logprobs: list[float]  # [T] normally; NaN where unknown
+
+
+@dataclass(slots=True, eq=False)
+class Trace:
+    """A whole trace. ``schema_version`` is the version the file was written with (read) or
+    :data:`SCHEMA_VERSION` (new); :func:`write_trace` always writes :data:`SCHEMA_VERSION`."""
+
+    provenance: dict[str, Any]
+    requests: list[RequestRow]
+    steps: list[StepRow]
+    schema_version: str = SCHEMA_VERSION
+
+    def steps_of(self, request_id: str) -> list[StepRow]:
+        """The steps of one request, sorted by step."""
+        return sorted((s for s in self.steps if s.request_id == request_id), key=lambda s: s.step)
+
+    def request(self, request_id: str) -> RequestRow:
+        """The request row with ``request_id``; KeyError when there is none."""
+        for r in self.requests:
+            if r.request_id == request_id:
+                return r
+        raise KeyError(request_id)
+
+
+# ------------------------------------------------------------------------------ validation
+def _fail(source: str, where: str, msg: str) -> NoReturn:
+    raise TraceValidationError(f"{source}: {where}: {msg}")
+
+
+def _same_shape(a: Sequence[Sequence[Any]], b: Sequence[Sequence[Any]]) -> bool:
+    return len(a) == len(b) and all(len(x) == len(y) for x, y in zip(a, b))
+
+
+def _validate_step(s: StepRow, source: str) -> None:
+    where = f"request {s.request_id!r} step {s.step}"
+    n = len(s.tree_tokens)
+    if n < 1:
+        _fail(source, where, "tree has no nodes (the root is node 0)")
+    for name in ("tree_parents", "tree_depths", "tree_ranks", "target_argmax", "topk_ids"):
+        if len(getattr(s, name)) != n:
+            _fail(source, where, f"{name} has {len(getattr(s, name))} entries, the tree has {n} nodes")
+    if not _same_shape(s.topk_ids, s.topk_logprobs):
+        _fail(source, where, "topk_ids and topk_logprobs differ in shape")
+    if not _same_shape(s.draft_topk_ids, s.draft_topk_logprobs):
+        _fail(source, where, "draft_topk_ids and draft_topk_logprobs differ in shape")
+    if len(s.emitted) != len(s.emitted_logprobs):
+        _fail(
+            source,
+            where,
+            f"emitted has {len(s.emitted)} tokens but emitted_logprobs {len(s.emitted_logprobs)}",
+        )
+    bad = [i for i in s.accepted if not 0 <= i < n]
+    if bad:
+        _fail(source, where, f"accepted node indices {bad} out of range [0, {n})")
+    if not isinstance(s.timings, dict) or set(s.timings) != set(TIMING_FIELDS):
+        got = sorted(s.timings) if isinstance(s.timings, dict) else type(s.timings).__name__
+        _fail(source, where, f"timings must have exactly the keys {list(TIMING_FIELDS)}, got {got}")
+    for e in s.state:
+        if not isinstance(e, StateEntry):
+            _fail(source, where, f"state entries must be StateEntry, got {type(e).__name__}")
+        if e.kind not in STATE_KINDS:
+            _fail(source, where, f"state {e.name!r} has kind {e.kind!r}, not one of {STATE_KINDS}")
+    if s.layer_sketch is not None:
+        shape = tuple(s.layer_sketch.shape)
+        if len(shape) != 3 or shape[1] != n:
+            _fail(source, where, f"layer_sketch must be [layers, N={n}, r], got {list(shape)}")
+
+
+def _validate_trace(trace: Trace, source: str) -> None:
+    if not trace.requests:
+        raise TraceValidationError(f"{source}: empty trace (no requests)")
+    known: set[str] = set()
+    for r in trace.requests:
+        if r.request_id in known:
+            raise TraceValidationError(f"{source}: duplicate request id {r.request_id!r}")
+        known.add(r.request_id)
+    seen: set[tuple[str, int]] = set()
+    for s in trace.steps:
+        if s.request_id not in known:
+            raise TraceValidationError(f"{source}: step {s.step} names unknown request {s.request_id!r}")
+        key = (s.request_id, s.step)
+        if key in seen:
+            raise TraceValidationError(f"{source}: request {s.request_id!r} has step {s.step} twice")
+        seen.add(key)
+        _validate_step(s, source)
+
+
+def _provenance_json(provenance: dict[str, Any]) -> bytes:
+    if not isinstance(provenance, dict):
+        raise TraceValidationError(f"provenance must be a dict, got {type(provenance).__name__}")
+    try:
+        text = json.dumps(provenance, allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise TraceValidationError(f"provenance is not JSON-serializable: {exc}") from None
+    if json.loads(text) != provenance:
+        raise TraceValidationError(
+            "provenance does not round-trip through JSON (use str keys, lists not tuples)"
+        )
+    return text.encode("utf-8")
+
+
+# --------------------------------------------------------------------------------- encoding
+def _plain(x: Any) -> Any:
+    """Lists stay lists; numpy arrays / torch tensors become nested lists."""
+    return x.tolist() if hasattr(x, "tolist") else x
+
+
+def _step_record(s: StepRow) -> dict[str, Any]:
+    return {
+        "request_id": s.request_id,
+        "step": s.step,
+        "committed_len": s.committed_len,
+        "tree_tokens": _plain(s.tree_tokens),
+        "tree_parents": _plain(s.tree_parents),
+        "tree_depths": _plain(s.tree_depths),
+        "tree_ranks": _plain(s.tree_ranks),
+        "draft_topk_ids": _plain(s.draft_topk_ids),
+        "draft_topk_logprobs": _plain(s.draft_topk_logprobs),
+        "topk_ids": _plain(s.topk_ids),
+        "topk_logprobs": _plain(s.topk_logprobs),
+        "target_argmax": _plain(s.target_argmax),
+        "accepted": _plain(s.accepted),
+        "accept_length": s.accept_length,
+        "bonus": s.bonus,
+        "emitted": _plain(s.emitted),
+        "emitted_logprobs": _plain(s.emitted_logprobs),
+        "state": [
+            {
+                "name": e.name,
+                "layer": e.layer,
+                "kind": e.kind,
+                "sketch": encode_tensor(e.sketch),
+                "full": None if e.full is None else encode_tensor(e.full),
+            }
+            for e in s.state
+        ],
+        "layer_sketch": None if s.layer_sketch is None else encode_tensor(s.layer_sketch),
+        "timings": {k: s.timings[k] for k in TIMING_FIELDS},
+    }
+
+
+def _record_bytes(rec: dict[str, Any]) -> int:
+    total = 0
+    for e in rec["state"]:
+        total += len(e["sketch"]["data"]) + (len(e["full"]["data"]) if e["full"] else 0)
+    if rec["layer_sketch"] is not None:
+        total += len(rec["layer_sketch"]["data"])
+    return total
+
+
+def _to_batch(records: list[dict[str, Any]], schema: pa.Schema, what: str) -> pa.RecordBatch:
+    try:
+        # float32 columns: Python floats are rounded to float32 here (the format's precision).
+        batch = pa.RecordBatch.from_pylist(records, schema=schema)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+        raise TraceValidationError(f"{what} do not fit the trace schema: {exc}") from None
+    check_no_nulls(zip(schema, batch.columns), what, TraceValidationError)
+    return batch
+
+
+def _step_batches(steps: Sequence[StepRow]) -> list[pa.RecordBatch]:
+    batches: list[pa.RecordBatch] = []
+    pending: list[dict[str, Any]] = []
+    size = 0
+    for s in steps:
+        rec = _step_record(s)
+        pending.append(rec)
+        size += _record_bytes(rec)
+        if len(pending) >= _BATCH_ROWS or size >= _BATCH_BYTES:
+            batches.append(_to_batch(pending, STEPS_SCHEMA, "steps"))
+            pending, size = [], 0
+    if pending or not batches:
+        batches.append(_to_batch(pending, STEPS_SCHEMA, "steps"))
+    return batches
+
+
+def _requests_stream(requests: Sequence[RequestRow]) -> bytes:
+    records = [
+        {
+            "request_id": r.request_id,
+            "kind": r.kind,
+            "prompt_ids": _plain(r.prompt_ids),
+            "output_ids": _plain(r.output_ids),
+            "output_logprobs": _plain(r.output_logprobs),
+        }
+        for r in requests
+    ]
+    batch = _to_batch(records, REQUESTS_SCHEMA, "requests")
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, REQUESTS_SCHEMA, options=_IPC_OPTIONS) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def trace_bytes(trace: Trace) -> bytes:
+    """The trace serialized exactly as :func:`write_trace` writes it."""
+    try:
+        _validate_trace(trace, "trace")
+    except (TypeError, AttributeError) as exc:  # e.g. None where a list or int belongs
+        raise TraceValidationError(f"trace has a wrongly typed field: {exc}") from None
+    metadata = {
+        KEY_MAGIC: MAGIC.encode(),
+        KEY_VERSION: SCHEMA_VERSION.encode(),
+        KEY_PROVENANCE: _provenance_json(trace.provenance),
+        KEY_REQUESTS: _requests_stream(trace.requests),
+    }
+    schema = STEPS_SCHEMA.with_metadata(metadata)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, schema, options=_IPC_OPTIONS) as writer:
+        for batch in _step_batches(trace.steps):
+            writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+# ----------------------------------------------------------------------------- atomic write
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # platforms without directory handles (Windows): nothing to sync
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _new_file_mode(path: Path) -> int:
+    try:
+        return path.stat().st_mode & 0o777  # replacing a file: keep its permissions
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> int:
+    """Write ``data`` to ``path`` atomically (temp file in the same directory, fsync,
+    ``os.replace``, directory fsync). On any exception the temp file is removed and an existing
+    file at ``path`` is untouched. Returns the bytes written."""
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    mode = _new_file_mode(path)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(directory)
+    return len(data)
+
+
+def write_trace(trace: Trace, path: Path) -> int:
+    """Validate, serialize and atomically write ``trace`` to ``path``; returns bytes written."""
+    return atomic_write_bytes(Path(path), trace_bytes(trace))
+
+
+# ---------------------------------------------------------------------------------- reading
+def _tensor(d: dict[str, Any], source: str, what: str) -> torch.Tensor:
+    try:
+        return decode_tensor(d)
+    except CorruptTraceError as exc:
+        raise CorruptTraceError(f"{source}: {what}: {exc}") from None
+
+
+def _tensor_or_none(d: dict[str, Any] | None, source: str, what: str) -> torch.Tensor | None:
+    return None if d is None else _tensor(d, source, what)
+
+
+def _rows(table: pa.Table) -> list[dict[str, Any]]:
+    cols = {name: table.column(name).to_pylist() for name in table.column_names}
+    return [dict(zip(cols, values)) for values in zip(*cols.values())]
+
+
+def _step_from(rec: dict[str, Any], source: str) -> StepRow:
+    where = f"request {rec['request_id']!r} step {rec['step']}"
+    state = [
+        StateEntry(
+            name=e["name"],
+            layer=e["layer"],
+            kind=e["kind"],
+            sketch=_tensor(e["sketch"], source, f"{where} state {e['name']!r} sketch"),
+            full=_tensor_or_none(e["full"], source, f"{where} state {e['name']!r} full"),
+        )
+        for e in rec["state"]
+    ]
+    return StepRow(
+        request_id=rec["request_id"],
+        step=rec["step"],
+        committed_len=rec["committed_len"],
+        tree_tokens=rec["tree_tokens"],
+        tree_parents=rec["tree_parents"],
+        tree_depths=rec["tree_depths"],
+        tree_ranks=rec["tree_ranks"],
+        draft_topk_ids=rec["draft_topk_ids"],
+        draft_topk_logprobs=rec["draft_topk_logprobs"],
+        topk_ids=rec["topk_ids"],
+        topk_logprobs=rec["topk_logprobs"],
+        target_argmax=rec["target_argmax"],
+        accepted=rec["accepted"],
+        accept_length=rec["accept_length"],
+        bonus=rec["bonus"],
+        emitted=rec["emitted"],
+        emitted_logprobs=rec["emitted_logprobs"],
+        state=state,
+        timings=dict(rec["timings"]),
+        layer_sketch=_tensor_or_none(rec["layer_sketch"], source, f"{where} layer_sketch"),
+    )
+
+
+def _read_requests(blob: bytes, source: str) -> pa.Table:
+    try:
+        table = pa.ipc.open_stream(pa.py_buffer(blob)).read_all()
+        table.validate(full=True)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise CorruptTraceError(f"{source}: requests table is corrupt: {exc}") from None
+    return table
+
+
+def trace_from_bytes(data: bytes, source: str = "<bytes>") -> Trace:
+    """Parse a serialized trace; the typed errors of :func:`read_trace` (``source`` names it)."""
+    if not data:
+        raise CorruptTraceError(f"{source}: empty trace file (0 bytes)")
+    if data[: len(ARROW_MAGIC)] != ARROW_MAGIC:
+        raise CorruptTraceError(f"{source}: not an Arrow IPC file (bad magic)")
+    try:
+        reader = pa.ipc.open_file(pa.py_buffer(data))
+        steps = reader.read_all()
+        steps.validate(full=True)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise CorruptTraceError(f"{source}: truncated or corrupt Arrow file: {exc}") from None
+    meta = reader.schema.metadata or {}
+    if meta.get(KEY_MAGIC) != MAGIC.encode():
+        raise CorruptTraceError(f"{source}: an Arrow file but not a refcheck trace (no refcheck.magic)")
+    for key in (KEY_VERSION, KEY_REQUESTS, KEY_PROVENANCE):
+        if key not in meta:
+            raise CorruptTraceError(f"{source}: trace metadata lacks {key.decode()}")
+    try:
+        version_text = meta[KEY_VERSION].decode("utf-8")
+    except UnicodeDecodeError:
+        raise CorruptTraceError(f"{source}: schema version is not UTF-8 text") from None
+    version = check_version(version_text, source)
+    requests = _read_requests(meta[KEY_REQUESTS], source)
+    steps, requests, _ = migrate(steps, requests, version, source)
+    steps = check_columns(steps, STEPS_SCHEMA, "steps", source)
+    requests = check_columns(requests, REQUESTS_SCHEMA, "requests", source)
+    check_no_nulls(zip(STEPS_SCHEMA, steps.columns), source)
+    check_no_nulls(zip(REQUESTS_SCHEMA, requests.columns), source)
+    if requests.num_rows == 0:
+        raise CorruptTraceError(f"{source}: empty trace (no requests)")
+    try:
+        provenance = json.loads(meta[KEY_PROVENANCE].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptTraceError(f"{source}: provenance is not valid JSON: {exc}") from None
+    if not isinstance(provenance, dict):
+        raise CorruptTraceError(f"{source}: provenance is a JSON {type(provenance).__name__}, not an object")
+    trace = Trace(
+        provenance=provenance,
+        requests=[RequestRow(**rec) for rec in _rows(requests)],
+        steps=[_step_from(rec, source) for rec in _rows(steps)],
+        schema_version=version_text,
+    )
+    _validate_trace(trace, source)
+    return trace
+
+
+def read_trace(path: Path) -> Trace:
+    """Read a trace file; see the module docstring for the errors it raises."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise GoldenError(f"no trace at {path}") from None
+    except OSError as exc:
+        raise CorruptTraceError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+    return trace_from_bytes(data, source=str(path))

@@ -1,0 +1,55 @@
+"""Turning the reference decoder's per-step records into trace rows.
+
+Contract: :func:`request_rows` converts one :class:`~reference.decode.DecodeResult` (decoded with
+``keep_states=True``, and ``keep_layers=True`` for layer sketches) into a ``RequestRow`` and its
+``StepRow`` s. State summaries are sketches (``refcheck.sketch``) of what each step committed; full
+tensors are added only when asked (``full_state``).
+"""
+
+from __future__ import annotations
+
+from reference.decode import DecodeResult, StepRecord
+from refcheck.sketch import layer_sketch, sketch_rows, state_rows
+from refcheck.trace.io import RequestRow, StateEntry, StepRow
+
+DRAFT_TOPK = 8
+
+
+def step_row(request_id: str, rec: StepRecord, full_state: bool = False) -> StepRow:
+    state: list[StateEntry] = []
+    if rec.state is not None:
+        for name, (layer, kind, rows) in state_rows(rec.state, rec.committed_len).items():
+            state.append(StateEntry(name, layer, kind, sketch_rows(rows), rows.cpu().clone() if full_state else None))
+    draft_ids: list[list[int]] = []
+    draft_lps: list[list[float]] = []
+    if rec.draft_logprobs is not None:
+        top = rec.draft_logprobs.topk(min(DRAFT_TOPK, rec.draft_logprobs.shape[-1]), dim=-1)
+        draft_ids, draft_lps = top.indices.tolist(), top.values.tolist()
+    t = rec.tree
+    return StepRow(
+        request_id=request_id,
+        step=rec.step,
+        committed_len=rec.committed_len,
+        tree_tokens=t.tokens.tolist(),
+        tree_parents=t.parents.tolist(),
+        tree_depths=t.depths.tolist(),
+        tree_ranks=t.ranks.tolist(),
+        draft_topk_ids=draft_ids,
+        draft_topk_logprobs=draft_lps,
+        topk_ids=rec.topk_ids.tolist(),
+        topk_logprobs=rec.topk_logprobs.tolist(),
+        target_argmax=rec.target_argmax.tolist(),
+        accepted=list(rec.accepted),
+        accept_length=rec.accept_length,
+        bonus=rec.bonus,
+        emitted=list(rec.emitted),
+        emitted_logprobs=list(rec.emitted_logprobs),
+        state=state,
+        timings=dict(rec.timings),
+        layer_sketch=layer_sketch(rec.layer_outputs) if rec.layer_outputs is not None else None,
+    )
+
+
+def request_rows(request_id: str, kind: str, result: DecodeResult, full_state: bool = False) -> tuple[RequestRow, list[StepRow]]:
+    req = RequestRow(request_id, kind, list(result.prompt_ids), list(result.output_ids), list(result.output_logprobs))
+    return req, [step_row(request_id, s, full_state) for s in result.steps]
