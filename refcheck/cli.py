@@ -16,13 +16,15 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from refcheck.errors import EXIT_MISMATCH, EXIT_PASS, UsageError, exit_code_for
+from refcheck.errors import EXIT_GOLDEN, EXIT_MISMATCH, EXIT_PASS, GoldenError, UsageError, exit_code_for
 from refcheck.models import BUILTIN_PAIRS, DEFAULT_PAIR
 from refcheck.prompts import load_prompts, prompt_set_hash
 from refcheck.runners.reference import DRAFTERS, DTYPES, EngineSpec, PromptRun, ReferenceRunner
 
-ENGINES = ("reference",)
+ENGINES = ("reference",)  # live engines; faults are "fault:<name>" (see `refcheck selftest`)
 err = Console(stderr=True)
+if not err.is_terminal:  # logs and CI: wide enough that tables do not wrap every cell
+    err = Console(stderr=True, width=160)
 
 
 class BudgetType(click.ParamType):
@@ -147,6 +149,236 @@ def _print_run_table(report: dict) -> None:
     err.print(table)
     vm = report["verify_ms_median"]
     err.print(f"mean τ {report['mean_tau']:.3f} over {report['steps']} steps; median verify {vm:.1f} ms" if vm else "no verify steps")
+
+
+def _engine_decoder(engine: str):
+    """Decoder class for a live engine name: the reference or one of the injected faults."""
+    from reference.decode import DDTreeDecoder
+    from refcheck.selftest.faults import FAULTS
+
+    if engine == "reference":
+        return DDTreeDecoder
+    if engine.startswith("fault:") and engine[6:] in FAULTS:
+        return FAULTS[engine[6:]][0]
+    raise UsageError(f"unknown engine {engine!r} (live engines: reference, " + ", ".join(f"fault:{f}" for f in FAULTS) + ")")
+
+
+def _report_table(reports, title: str) -> None:
+    table = Table(title=title)
+    for col in ("case", "mode", "checks", "pass", "benign", "fail", "unsupp.", "first divergence"):
+        table.add_column(col)
+    for r in reports:
+        c = r.counts
+        fd = r.first_divergence()
+        if fd:
+            f = next(iter(fd.values()))
+            where = f"{f.request_id} step {f.step} node {f.node} · {f.category}"
+            if f.layer is not None:
+                where += f" · layer {f.layer} ({f.layer_type})"
+            first = f"[red]{where}[/]\n{f.message}"
+        else:
+            first = "[green]none[/]"
+        table.add_row(r.case, r.mode, str(sum(r.checks.values())), str(c["pass"]), str(c["benign_tie"]),
+                      str(c["fail"]), str(c["unsupported"] + c["skipped"]), first)
+    err.print(table)
+    for r in reports:
+        if r.stats.get("mean_tau_engine") is not None:
+            ref = r.stats.get("mean_tau_reference")
+            err.print(f"{r.case}: mean τ engine {r.stats['mean_tau_engine']:.3f}"
+                      + (f", reference {ref:.3f}" if ref is not None else "") + " (bonus counted)")
+
+
+def _finish(reports, as_json: bool, extra: dict | None = None) -> None:
+    from refcheck.errors import EXIT_NOTHING
+
+    if as_json:
+        click.echo(json.dumps({**(extra or {}), "reports": [r.to_json() for r in reports]}, indent=2, default=str))
+    codes = [r.exit_code for r in reports]
+    if not reports or all(c == EXIT_NOTHING for c in codes):
+        sys.exit(EXIT_NOTHING)
+    sys.exit(EXIT_MISMATCH if EXIT_MISMATCH in codes else EXIT_PASS)
+
+
+@main.command()
+@click.option("--engine", default=None, help="Run this live engine instead of reading goldens (reference, fault:NAME).")
+@click.option("--against", "against", type=click.Path(path_type=Path), multiple=True, help="Engine trace file(s) to diff.")
+@click.option("--mode", type=click.Choice(["replay", "free", "both"]), default="both", show_default=True)
+@click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None, help="Golden directory.")
+@click.option("--ref-dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True)
+@click.option("--ref-device", default="cpu", show_default=True)
+@click.option("--save-trace", type=click.Path(path_type=Path), default=None, help="Write the live engine's trace here.")
+@model_options
+def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, model_dir, draft_dir, pair, prompts_file,
+         budget, max_new_tokens, dtype, device, drafter, stop_ids, as_json):
+    """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
+
+    With no --engine / --against: the golden engine traces in golden/ for this budget and pair."""
+    from refcheck.diff.session import DiffSession
+    from refcheck.golden import default_golden_dir, live_provenance_reasons, verify
+    from refcheck.trace.io import read_trace, write_trace
+
+    session = DiffSession()
+    reports = []
+    if engine:
+        cls = _engine_decoder(engine)
+        spec = _spec(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids)
+        prompts = load_prompts(prompts_file)
+        runner = session.runner(spec)
+        err.print(f"running live engine {engine} on {len(prompts)} prompts", markup=False)
+        trace, _ = runner.trace(prompts, cls=cls, engine=engine, record_layers=True)
+        if save_trace:
+            write_trace(trace, save_trace)
+        reports.append(session.diff(trace, engine, mode, strict_acceptance=engine == "reference", ref_dtype=ref_dtype,
+                                    ref_device=ref_device))
+    elif against:
+        for path in against:
+            err.print(f"diffing {path}", markup=False)
+            reports.append(session.diff(read_trace(path), Path(path).stem, mode, ref_dtype=ref_dtype, ref_device=ref_device))
+    else:
+        gdir = golden_dir or default_golden_dir()
+        manifest = verify(gdir)
+        want_budget = "chain" if budget is None else budget
+        model = f"builtin:{pair}" if model_dir is None else str(model_dir)
+        names = [n for n, e in sorted(manifest.cases.items())
+                 if e.provenance.get("budget") == want_budget and e.provenance.get("model") == model
+                 and e.provenance.get("expect", "pass") == "pass"]
+        if not names:
+            raise GoldenError(f"no golden trace for budget {want_budget} on {model} in {gdir} "
+                              "(create them: refcheck golden regen --accept --reason ...)")
+        for name in names:
+            trace = read_trace(gdir / manifest.cases[name].file)
+            stale = live_provenance_reasons(trace, session)
+            if stale:
+                raise GoldenError(f"stale golden {name}: " + "; ".join(stale))
+            err.print(f"diffing golden {name} against the live reference", markup=False)
+            strict = trace.provenance.get("engine", {}).get("name") == "reference"
+            reports.append(session.diff(trace, name, mode, strict_acceptance=strict, ref_dtype=ref_dtype, ref_device=ref_device))
+    _report_table(reports, f"refcheck diff · budget {'chain' if budget is None else budget} · mode {mode}")
+    _finish(reports, as_json)
+
+
+@main.command()
+@click.argument("golden_dir", required=False, type=click.Path(path_type=Path))
+@click.option("--case", "cases", multiple=True, help="Only these cases.")
+@click.option("--json", "as_json", is_flag=True)
+def gate(golden_dir, cases, as_json):
+    """CI gate: verify, then diff every golden case against the live reference (strict about skips)."""
+    import time
+
+    from refcheck.diff.session import DiffSession
+    from refcheck.golden import default_golden_dir
+    from refcheck.golden import gate as run_gate
+
+    t0 = time.perf_counter()
+    _quiet()
+    reports = run_gate(golden_dir or default_golden_dir(), DiffSession(), list(cases) or None,
+                       progress=lambda n: err.print(f"gate: {n}", markup=False))
+    _report_table(reports, "refcheck gate")
+    wall = time.perf_counter() - t0
+    err.print(f"gate: {len(reports)} cases in {wall:.1f} s", markup=False)
+    _finish(reports, as_json, {"wall_s": wall})
+
+
+@main.group()
+def golden() -> None:
+    """Golden traces: regenerate (with review) and verify."""
+
+
+@golden.command("regen")
+@click.option("--case", "cases", multiple=True, help="Only these cases (default: all built-in cases).")
+@click.option("--reason", default=None, help="Why the goldens change (recorded in MANIFEST.json).")
+@click.option("--accept", is_flag=True, help="Replace the goldens (otherwise: write .pending files and exit 3).")
+@click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None)
+@click.option("--json", "as_json", is_flag=True)
+def golden_regen(cases, reason, accept, golden_dir, as_json):
+    """Re-run the reference for the golden cases and show what changed; --accept replaces them."""
+    from refcheck.diff.session import DiffSession
+    from refcheck.golden import default_golden_dir, regenerate
+
+    _quiet()
+    reviews = regenerate(golden_dir or default_golden_dir(), list(cases) or None, reason, accept, DiffSession(),
+                         progress=lambda n: err.print(f"regen: {n}", markup=False))
+    table = Table(title="golden regen review" + ("" if accept else " (pending: nothing replaced)"))
+    for col in ("case", "status", "τ old → new", "first divergences", "provenance changes"):
+        table.add_column(col)
+    for r in reviews:
+        tau = f"{r.tau_old:.3f} → {r.tau_new:.3f}" if r.tau_old is not None else f"- → {r.tau_new:.3f}"
+        div = ", ".join(f"{k}@{v}" for k, v in r.first_divergence.items()) or "-"
+        table.add_row(r.case, r.status, tau, div, "; ".join(r.provenance_changes) or "-")
+    err.print(table)
+    if as_json:
+        click.echo(json.dumps({"accepted": accept, "reviews": [r.to_json() for r in reviews]}, indent=2))
+    if not accept:
+        err.print("review the summary, then run again with --accept --reason TEXT to replace the goldens", markup=False)
+        sys.exit(EXIT_GOLDEN)
+    sys.exit(EXIT_PASS)
+
+
+@golden.command("verify")
+@click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None)
+def golden_verify(golden_dir):
+    """Check every golden trace's sha256 against MANIFEST.json."""
+    from refcheck.golden import default_golden_dir, verify
+
+    gdir = golden_dir or default_golden_dir()
+    manifest = verify(gdir)
+    err.print(f"{len(manifest.cases)} golden traces match {gdir / 'MANIFEST.json'}", markup=False)
+    sys.exit(EXIT_PASS)
+
+
+@main.command()
+@click.option("--fault", "faults", multiple=True, help="Only these faults.")
+@click.option("--json", "as_json", is_flag=True)
+def selftest(faults, as_json):
+    """Inject every known engine bug class into the reference and check that the diff catches each."""
+    from refcheck.selftest.run import selftest as run_selftest
+
+    _quiet()
+    rows = run_selftest(list(faults) or None, progress=lambda n: err.print(f"selftest: {n}", markup=False))
+    table = Table(title="refcheck selftest")
+    for col in ("fault", "detected", "expected category", "first divergence", "ok"):
+        table.add_column(col)
+    for r in rows:
+        f = r.first
+        where = "-" if f is None else f"{f['request_id']} step {f['step']} node {f['node']} · {f['category']}" + (
+            f" · layer {f['layer']} ({f['layer_type']})" if f.get("layer") is not None else "")
+        table.add_row(r.fault, "yes" if r.detected else "no", r.expected, where, "[green]ok[/]" if r.ok else "[red]NO[/]")
+    err.print(table)
+    if as_json:
+        click.echo(json.dumps({"rows": [r.to_json() for r in rows]}, indent=2, default=str))
+    sys.exit(EXIT_PASS if all(r.ok for r in rows) else EXIT_MISMATCH)
+
+
+@main.group()
+def trace() -> None:
+    """Inspect trace files."""
+
+
+@trace.command("show")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def trace_show(path, as_json):
+    """Summarise a trace: provenance, requests, steps, mean τ, bytes per step."""
+    from refcheck.trace.io import read_trace
+
+    t = read_trace(path)
+    size = path.stat().st_size
+    taus = [s.accept_length for s in t.steps]
+    info = {"path": str(path), "schema_version": t.schema_version, "bytes": size, "requests": len(t.requests),
+            "steps": len(t.steps), "bytes_per_step": size / max(len(t.steps), 1),
+            "mean_tau": statistics.fmean(taus) if taus else None, "provenance": t.provenance}
+    if as_json:
+        click.echo(json.dumps(info, indent=2, default=str))
+    else:
+        for k, v in info.items():
+            err.print(f"{k}: {v}", markup=False)
+    sys.exit(EXIT_PASS)
+
+
+def _quiet() -> None:
+    from refcheck.runners.reference import _quiet_transformers
+
+    _quiet_transformers()
 
 
 def entry() -> None:

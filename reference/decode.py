@@ -25,7 +25,7 @@ import torch
 
 from reference.drafter import Drafter
 from reference.errors import BudgetError, PromptError
-from reference.state import TargetState
+from reference.state import TargetState, TreeForward
 from reference.target import Target
 from reference.tree import Tree, build_chain, build_ddtree
 
@@ -36,7 +36,8 @@ class DecodeConfig:
     max_new_tokens: int = 64
     stop_token_ids: frozenset[int] = frozenset()
     topk: int = 5  # per-node target top-k kept in each StepRecord
-    keep_states: bool = False  # keep the committed TargetState after every step
+    keep_states: bool = False  # keep the committed TargetState and draft log-probs after every step
+    keep_layers: bool = False  # keep every layer's output at every node (for layer bisection)
 
     def validate(self) -> None:
         if self.budget is not None and self.budget < 0:
@@ -54,16 +55,14 @@ class StepRecord:
     topk_ids: torch.Tensor  # [N, k] int64, target's top-k at every node
     topk_logprobs: torch.Tensor  # [N, k] float32
     accepted: list[int]  # node indices, root first
+    accept_length: int  # τ: accepted drafted tokens + 1 (the bonus is counted) = len(accepted)
     bonus: int
     emitted: list[int]  # accepted drafted tokens then the bonus (cut at stop / max_new_tokens)
     emitted_logprobs: list[float]  # target log-prob of each emitted token at its parent node
     timings: dict[str, float] = field(default_factory=dict)  # seconds: draft, tree, verify, commit
     state: TargetState | None = None  # committed state after the step (keep_states only)
-
-    @property
-    def accept_length(self) -> int:
-        """τ of this step: accepted drafted tokens + 1 (the bonus is counted)."""
-        return len(self.accepted)
+    draft_logprobs: torch.Tensor | None = None  # [L, V] float32 drafter log-probs (keep_states only)
+    layer_outputs: torch.Tensor | None = None  # [layers, N, H] per-layer node outputs (keep_layers only)
 
 
 @dataclass(slots=True)
@@ -121,23 +120,24 @@ class DDTreeDecoder:
             t1 = _clock(dev)
             tree = build_chain(bonus, draft_lp) if cfg.budget is None else build_ddtree(bonus, draft_lp, cfg.budget)
             t2 = _clock(dev)
-            fwd = target.forward(state, tree.tokens, tree.parents, tree.depths, capture=capture)
+            fwd = self.verify(state, tree, capture)
             logp = torch.log_softmax(fwd.logits, dim=-1)  # [N, V]
             argmax = logp.argmax(dim=-1)
             t3 = _clock(dev)
             accepted = tree.walk_greedy(argmax.cpu())
             bonus = int(argmax[accepted[-1]])
             prev_len = state.length
-            state = state.commit(fwd, accepted)
-            acc = torch.tensor(accepted, device=dev)
-            drafter.extend(fwd.context[acc], prev_len + tree.depths.to(dev)[acc], tree.tokens.to(dev)[acc])
+            state = self.commit(state, fwd, accepted)
+            ctx = torch.tensor(self.context_nodes(tree, accepted), device=dev)
+            drafter.extend(fwd.context[ctx], prev_len + tree.depths.to(dev)[ctx], tree.tokens.to(dev)[ctx])
             t4 = _clock(dev)
 
             emitted = [int(tree.tokens[i]) for i in accepted[1:]] + [bonus]
             lps = [float(logp[p, tok]) for p, tok in zip(accepted, emitted)]
             emitted, lps = self._cut(emitted, lps, cfg.max_new_tokens - len(out))
-            out.extend(emitted)
-            out_lp.extend(lps)
+            shown, shown_lps = self.report_emitted(emitted, lps)
+            out.extend(shown)
+            out_lp.extend(shown_lps)
             top = logp.topk(min(cfg.topk, logp.shape[-1]), dim=-1)
             result.steps.append(
                 StepRecord(
@@ -148,16 +148,42 @@ class DDTreeDecoder:
                     topk_ids=top.indices.cpu(),
                     topk_logprobs=top.values.cpu(),
                     accepted=accepted,
+                    accept_length=self.report_accept_length(accepted),
                     bonus=bonus,
-                    emitted=emitted,
-                    emitted_logprobs=lps,
+                    emitted=shown,
+                    emitted_logprobs=shown_lps,
                     timings={"draft": t1 - t0, "tree": t2 - t1, "verify": t3 - t2, "commit": t4 - t3},
                     state=state if cfg.keep_states else None,
+                    draft_logprobs=draft_lp.cpu() if cfg.keep_states else None,
+                    layer_outputs=torch.stack(fwd.layer_outputs).cpu() if cfg.keep_layers else None,
                 )
             )
             if any(t in cfg.stop_token_ids for t in emitted):
                 break
         return result
+
+    # -- the steps an engine can get wrong; refcheck's fault injection overrides these ---------------
+    def verify(self, state: TargetState, tree: Tree, capture: tuple[int, ...]) -> TreeForward:
+        """One target forward over the whole tree with exact per-branch state."""
+        return self.target.forward(
+            state, tree.tokens, tree.parents, tree.depths, capture=capture, keep_layer_outputs=self.cfg.keep_layers
+        )
+
+    def commit(self, state: TargetState, fwd: TreeForward, accepted: list[int]) -> TargetState:
+        """KV of the accepted path in path order; conv/recurrent state of the last accepted node."""
+        return state.commit(fwd, accepted)
+
+    def context_nodes(self, tree: Tree, accepted: list[int]) -> list[int]:
+        """Nodes whose target hidden states extend the drafter's context: root + accepted only."""
+        return accepted
+
+    def report_emitted(self, emitted: list[int], lps: list[float]) -> tuple[list[int], list[float]]:
+        """What the engine returns to the user for this step (every token, mask id included)."""
+        return emitted, lps
+
+    def report_accept_length(self, accepted: list[int]) -> int:
+        """τ of the step, bonus counted."""
+        return len(accepted)
 
     def _cut(self, emitted: list[int], lps: list[float], room: int) -> tuple[list[int], list[float]]:
         """Cut a step's emitted tokens after the first stop token and at the remaining room."""

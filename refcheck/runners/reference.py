@@ -19,8 +19,12 @@ import torch
 from refcheck.errors import UsageError
 from refcheck.models import DEFAULT_PAIR, builtin_pair
 from refcheck.prompts import Prompt
+from refcheck.prompts import prompt_set_hash
+from refcheck.provenance import build_provenance
 from reference.decode import DDTreeDecoder, DecodeConfig, DecodeResult
 from reference.drafter import DFlashDrafter, Drafter
+from refcheck.trace.io import Trace
+from refcheck.trace.record import request_rows
 from reference.oracle import greedy_decode
 from reference.scripted import ScriptedDrafter
 from reference.target import Target
@@ -41,6 +45,10 @@ class EngineSpec:
     max_new_tokens: int = 64
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     seed: int = 0
+
+    @property
+    def model_label(self) -> str:
+        return f"builtin:{self.pair}" if self.model_dir is None else str(self.model_dir)
 
     def resolved_dirs(self) -> tuple[Path, Path | None]:
         if self.model_dir is None:
@@ -100,9 +108,36 @@ class ReferenceRunner:
         self.spec = spec
         self.target, self.drafter = load_pair(spec)
 
-    def decoder(self, max_new_tokens: int) -> DDTreeDecoder:
-        cfg = DecodeConfig(budget=self.spec.budget, max_new_tokens=max_new_tokens, stop_token_ids=self.spec.stop_token_ids)
-        return DDTreeDecoder(self.target, self.drafter, cfg)
+    def decoder(self, max_new_tokens: int, cls: type[DDTreeDecoder] = DDTreeDecoder, record: bool = False,
+                record_layers: bool = False) -> DDTreeDecoder:
+        cfg = DecodeConfig(budget=self.spec.budget, max_new_tokens=max_new_tokens, stop_token_ids=self.spec.stop_token_ids,
+                           keep_states=record, keep_layers=record_layers)
+        return cls(self.target, self.drafter, cfg)
+
+    def provenance(self, prompts: list[Prompt], engine: str = "reference", settings: dict | None = None) -> dict:
+        tdir, ddir = self.spec.resolved_dirs()
+        return build_provenance(
+            engine=engine, engine_version=__import__("refcheck").__version__,
+            settings={"pair": self.spec.pair, "seed": self.spec.seed, "stop_token_ids": sorted(self.spec.stop_token_ids),
+                      **(settings or {})},
+            model_dir=tdir, draft_dir=ddir if self.spec.drafter == "dflash" else None, dtype=self.spec.dtype,
+            device=self.spec.device, budget=self.spec.budget, block_size=self.drafter.block_size,
+            max_new_tokens=self.spec.max_new_tokens, drafter=self.spec.drafter, prompt_set_sha256=prompt_set_hash(prompts),
+            model_label=self.spec.model_label,
+        )
+
+    def trace(self, prompts: list[Prompt], cls: type[DDTreeDecoder] = DDTreeDecoder, engine: str = "reference",
+              record_layers: bool = False, full_state: bool = False) -> tuple[Trace, dict[str, DecodeResult]]:
+        """Decode every prompt and record a trace (state sketches always; layer sketches on request)."""
+        requests, steps, results = [], [], {}
+        for prompt in prompts:
+            max_new = prompt.max_new_tokens or self.spec.max_new_tokens
+            result = self.decoder(max_new, cls, record=True, record_layers=record_layers).generate(list(prompt.prompt_ids))
+            req, rows = request_rows(prompt.id, prompt.kind, result, full_state)
+            requests.append(req)
+            steps += rows
+            results[prompt.id] = result
+        return Trace(provenance=self.provenance(prompts, engine), requests=requests, steps=steps), results
 
     def run(
         self,

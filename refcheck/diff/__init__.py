@@ -1,0 +1,1 @@
+"""The diff engine: replay and free-run comparisons of an engine trace against the reference."""

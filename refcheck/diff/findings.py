@@ -1,0 +1,113 @@
+"""Findings, verdicts and the diff report.
+
+Contract: a comparison emits a :class:`Finding` only when a check does not pass; every check is
+counted in :attr:`Report.checks`, so ``pass = checks - non-pass findings`` per category. Verdicts:
+pass, benign tie (an argmax flip at a reference near-tie, with its margin), fail (with category),
+unsupported (the engine did not record the quantity), skipped. The report's exit code: 1 on any
+fail, 5 when nothing was compared, else 0.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+
+from refcheck.errors import EXIT_MISMATCH, EXIT_NOTHING, EXIT_PASS
+
+
+class Verdict(str, Enum):
+    PASS = "pass"
+    BENIGN_TIE = "benign_tie"
+    FAIL = "fail"
+    UNSUPPORTED = "unsupported"
+    SKIPPED = "skipped"
+
+
+#: categories, in the order a reader should care about them
+CATEGORIES = (
+    "alignment", "tree", "draft", "logits", "accepted_path", "accept_length", "bonus", "output",
+    "logprobs", "kv", "conv", "recurrent", "unmatched", "ar_tokens", "acceptance",
+)
+
+
+@dataclass(slots=True)
+class Finding:
+    verdict: Verdict
+    category: str
+    request_id: str
+    step: int | None = None  # verify step (None = request level, -1 = prefill)
+    node: int | None = None
+    layer: int | None = None
+    layer_type: str | None = None  # "attention" | "linear_attention" (layer bisection)
+    position: int | None = None
+    message: str = ""
+    details: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["verdict"] = self.verdict.value
+        return d
+
+
+@dataclass(slots=True)
+class Report:
+    case: str
+    mode: str
+    findings: list[Finding] = field(default_factory=list)
+    checks: Counter = field(default_factory=Counter)  # category -> checks made
+    stats: dict = field(default_factory=dict)
+
+    def check(self, category: str, n: int = 1) -> None:
+        self.checks[category] += n
+
+    def add(self, finding: Finding) -> None:
+        self.findings.append(finding)
+
+    def merge(self, other: "Report") -> None:
+        self.findings += other.findings
+        self.checks.update(other.checks)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        non_pass = Counter(f.verdict.value for f in self.findings)
+        total = sum(self.checks.values())
+        counted = sum(non_pass.values())
+        return {"pass": max(total - counted, 0), **{v.value: non_pass.get(v.value, 0) for v in Verdict if v != Verdict.PASS}}
+
+    @property
+    def failures(self) -> list[Finding]:
+        return [f for f in self.findings if f.verdict == Verdict.FAIL]
+
+    def first_divergence(self) -> dict[str, Finding]:
+        """request -> its first failing finding (earliest step)."""
+        out: dict[str, Finding] = {}
+        def order(f: Finding) -> tuple:
+            step = 1 << 30 if f.step is None else f.step  # request-level summaries come last
+            rank = CATEGORIES.index(f.category) if f.category in CATEGORIES else len(CATEGORIES)
+            return (f.request_id, step, rank, f.node if f.node is not None else -1, f.layer is None, f.layer or 0)
+
+        for f in sorted(self.failures, key=order):
+            out.setdefault(f.request_id, f)
+        return out
+
+    @property
+    def exit_code(self) -> int:
+        if self.failures:
+            return EXIT_MISMATCH
+        if sum(self.checks.values()) == 0:
+            return EXIT_NOTHING
+        return EXIT_PASS
+
+    def to_json(self) -> dict:
+        return {
+            "case": self.case,
+            "mode": self.mode,
+            "verdict": "fail" if self.failures else ("nothing compared" if not self.checks else "pass"),
+            "counts": self.counts,
+            "checks": dict(self.checks),
+            "fail_categories": dict(Counter(f.category for f in self.failures)),
+            "first_divergence": {k: v.to_json() for k, v in self.first_divergence().items()},
+            "findings": [f.to_json() for f in self.findings],
+            "stats": self.stats,
+        }

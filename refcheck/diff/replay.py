@@ -1,0 +1,279 @@
+"""Replay mode: the reference re-verifies every engine step with the engine's own tree at the
+engine's own committed prefix.
+
+Contract: :func:`replay` walks each request of an engine trace step by step. For every step it
+runs the reference verify on the engine's tree (so verify/commit bugs are isolated even when the
+engine's drafts differ from the reference's), then checks, each counted in the report:
+
+* alignment (committed length and root), tree structure;
+* the drafter's top-k log-probs (when recorded) against the reference drafter fed the correct
+  context (root + accepted nodes);
+* every node's argmax and top-k log-probs ("logits"); an argmax flip is a benign tie when the
+  reference's margin is under the tolerance, and comparison continues teacher-forced on the
+  engine's choice; a real flip gets **layer bisection** when the trace has layer sketches;
+* the accepted path, τ (bonus counted), the bonus, the emitted tokens and their log-probs;
+* the committed KV rows, conv and recurrent state per layer (sketches or full tensors).
+
+The reference then commits the *engine's* accepted path, so one bug does not cascade into every
+later step; if the engine's step is unusable, the reference re-prefills the engine's committed
+tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from refcheck.diff.findings import Finding, Report, Verdict
+from refcheck.diff.tolerance import Tolerance
+from refcheck.sketch import cosine, layer_sketch, rel_l2, sketch_rows, state_rows
+from refcheck.trace.io import StepRow, Trace
+from reference.drafter import Drafter
+from reference.state import TargetState
+from reference.target import Target
+from reference.tree import Tree, TreeError
+
+STATE_CATEGORY = {"kv_k": "kv", "kv_v": "kv", "conv": "conv", "rec": "recurrent"}
+
+
+def _abs_dev(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """|got - ref| with NaN/inf in the engine's values counted as infinitely far (never a pass)."""
+    dev = (got - ref).abs()
+    return torch.where(torch.isfinite(got), dev, torch.full_like(dev, float("inf")))
+
+
+class _Request:
+    """Replay of one request: the reference state follows the engine's committed path."""
+
+    def __init__(self, rep: Report, target: Target, drafter: Drafter, tol: Tolerance, rid: str, stop: frozenset[int]):
+        self.rep, self.target, self.drafter, self.tol, self.rid, self.stop = rep, target, drafter, tol, rid, stop
+        self.capture = tuple(drafter.target_layer_ids)
+        self.state: TargetState | None = None
+
+    def fail(self, category: str, step: int | None, message: str, **kw) -> None:
+        self.rep.add(Finding(Verdict.FAIL, category, self.rid, step, message=message, **kw))
+
+    # -- state handling ---------------------------------------------------------------------
+    def prefill(self, tokens: list[int]) -> torch.Tensor:
+        """(Re)build the reference state and drafter context from committed tokens; last logp [V]."""
+        dev = self.target.device
+        self.state, fwd = self.target.prefill(torch.tensor(tokens, device=dev), capture=self.capture)
+        self.drafter.reset()
+        self.drafter.extend(fwd.context, torch.arange(len(tokens), device=dev), torch.tensor(tokens, device=dev))
+        return torch.log_softmax(fwd.logits[-1], dim=-1)
+
+    # -- checks -------------------------------------------------------------------------------
+    def token_flip(self, category: str, step: int, node: int | None, logp: torch.Tensor, engine_tok: int, **kw) -> bool:
+        """Engine picked engine_tok where the reference's argmax differs. True if benign."""
+        ref_tok = int(logp.argmax())
+        margin = float(logp[ref_tok] - logp[engine_tok])
+        top = logp.topk(min(5, logp.shape[-1]))
+        details = {"engine_token": engine_tok, "reference_token": ref_tok, "margin": margin,
+                   "reference_topk": list(zip(top.indices.tolist(), [round(v, 5) for v in top.values.tolist()]))}
+        benign = margin < self.tol.tie_margin
+        verdict = Verdict.BENIGN_TIE if benign else Verdict.FAIL
+        msg = (f"engine token {engine_tok} vs reference {ref_tok} "
+               f"({'near-tie' if benign else 'not a near-tie'}: margin {margin:.4g}, threshold {self.tol.tie_margin:g})")
+        self.rep.add(Finding(verdict, category, self.rid, step, node=node, message=msg, details=details, **kw))
+        return benign
+
+    def check_draft(self, s: StepRow) -> None:
+        if not s.draft_topk_ids:
+            self.rep.add(Finding(Verdict.UNSUPPORTED, "draft", self.rid, s.step, message="engine recorded no draft top-k"))
+            return
+        self.rep.check("draft")
+        ref = self.drafter.propose(s.tree_tokens[0], self.state.length)  # [L, V]
+        ids = torch.tensor(s.draft_topk_ids, dtype=torch.long)
+        lps = torch.tensor(s.draft_topk_logprobs, dtype=torch.float32)
+        if ids.shape[0] > ref.shape[0]:
+            self.fail("draft", s.step, f"engine drafted {ids.shape[0]} depths, the drafter has {ref.shape[0]}")
+            return
+        dev = _abs_dev(lps, ref[: ids.shape[0]].cpu().gather(1, ids))  # [L, k]
+        if float(dev.max()) > self.tol.draft_logprob_abs:
+            depth = int(dev.max(dim=1).values.argmax()) + 1
+            self.fail("draft", s.step, f"draft log-probs differ from the reference drafter's by {float(dev.max()):.4g} "
+                      f"(first at depth {depth}); the drafter's context or input differs",
+                      details={"max_abs": float(dev.max()), "depth": depth})
+
+    def check_nodes(self, s: StepRow, tree: Tree, logp: torch.Tensor, layers: list[torch.Tensor] | None) -> torch.Tensor:
+        """Argmax and top-k log-probs at every node; returns the argmax to walk with (teacher-forced)."""
+        n = tree.num_nodes
+        self.rep.check("logits", n)
+        ref_arg = logp.argmax(dim=-1).cpu()
+        eng_arg = torch.tensor(s.target_argmax, dtype=torch.long)
+        if eng_arg.shape != ref_arg.shape:
+            self.fail("logits", s.step, f"engine reported {eng_arg.shape[0]} argmaxes for {n} nodes")
+            return ref_arg
+        walk = ref_arg.clone()
+        bad_nodes: list[int] = []
+        for i in torch.nonzero(eng_arg != ref_arg).flatten().tolist():
+            if self.token_flip("logits", s.step, i, logp[i].cpu(), int(eng_arg[i]), position=self.state.length + int(tree.depths[i])):
+                walk[i] = eng_arg[i]
+            else:
+                bad_nodes.append(i)
+        if s.topk_ids:
+            ids = torch.tensor(s.topk_ids, dtype=torch.long)
+            lps = torch.tensor(s.topk_logprobs, dtype=torch.float32)
+            dev = _abs_dev(lps, logp.cpu().gather(1, ids)).max(dim=1).values  # [N]
+            over = torch.nonzero(dev > self.tol.logprob_abs).flatten().tolist()
+            if over:
+                i = over[0]
+                self.fail("logits", s.step, f"top-k log-probs differ by up to {float(dev.max()):.4g} at {len(over)} of {n} nodes "
+                          f"(first node {i}, tolerance {self.tol.logprob_abs:g})", node=i,
+                          position=self.state.length + int(tree.depths[i]), details={"max_abs": float(dev.max()), "nodes": over[:16]})
+                bad_nodes.append(i)
+        if bad_nodes and s.layer_sketch is not None and layers is not None:
+            self.bisect(s, min(bad_nodes), layers)
+        return walk
+
+    def bisect(self, s: StepRow, node: int, layers: list[torch.Tensor]) -> None:
+        ref = layer_sketch(torch.stack(layers))  # [layers, N, r]
+        eng = s.layer_sketch.float()
+        if eng.shape != ref.shape:
+            self.fail("logits", s.step, f"layer sketches have shape {tuple(eng.shape)}, reference {tuple(ref.shape)}", node=node)
+            return
+        for layer in range(ref.shape[0]):
+            err = rel_l2(eng[layer, node], ref[layer, node])
+            if err > self.tol.tensor_rel_l2:
+                kind = "linear_attention" if self.target.is_linear(layer) else "attention"
+                self.rep.add(Finding(Verdict.FAIL, "logits", self.rid, s.step, node=node, layer=layer, layer_type=kind,
+                                     message=f"layer bisection: first differing layer {layer} ({kind}), rel L2 {err:.3g}",
+                                     details={"rel_l2": err}))
+                return
+
+    def check_state(self, s: StepRow, new_state: TargetState, new_from: int) -> None:
+        if not s.state:
+            for cat in ("kv", "conv", "recurrent"):
+                self.rep.add(Finding(Verdict.UNSUPPORTED, cat, self.rid, s.step, message="engine recorded no state"))
+            return
+        ref = state_rows(new_state, new_from)
+        eng = {e.name: e for e in s.state}
+        for name in sorted(set(ref) | set(eng)):
+            if name not in ref or name not in eng:
+                self.rep.check("unmatched")
+                side = "reference" if name not in ref else "engine"
+                self.fail("unmatched", s.step, f"state {name!r} missing in the {side} (no rule compares it)")
+                continue
+            layer, kind, rows = ref[name]
+            cat = STATE_CATEGORY.get(kind, "unmatched")
+            self.rep.check(cat)
+            e = eng[name]
+            got, want = (e.full.float(), rows.float().cpu()) if e.full is not None else (e.sketch.float(), sketch_rows(rows))
+            if got.shape != want.shape:
+                self.fail(cat, s.step, f"{name}: shape {tuple(got.shape)} vs reference {tuple(want.shape)}", layer=layer)
+                continue
+            err, cos = rel_l2(got, want), cosine(got, want)
+            if err > self.tol.tensor_rel_l2 or cos < self.tol.tensor_min_cos:
+                layer_type = "linear_attention" if self.target.is_linear(layer) else "attention"
+                self.fail(cat, s.step, f"{name}: rel L2 {err:.3g}, cosine {cos:.6f} (tolerance {self.tol.tensor_rel_l2:g} / "
+                          f"{self.tol.tensor_min_cos:g})", layer=layer, layer_type=layer_type,
+                          details={"rel_l2": err, "cosine": cos})
+
+    def check_emitted(self, s: StepRow, tree: Tree, logp: torch.Tensor, last: bool) -> None:
+        expected = [int(tree.tokens[i]) for i in s.accepted[1:]] + [s.bonus]
+        for j, tok in enumerate(expected):
+            if tok in self.stop:
+                expected = expected[: j + 1]
+                break
+        self.rep.check("output")
+        ok = s.emitted == expected or (last and s.emitted == expected[: len(s.emitted)] and s.emitted)
+        if not ok:
+            self.fail("output", s.step, f"emitted {s.emitted} but the accepted path and bonus give {expected}",
+                      details={"emitted": s.emitted, "expected": expected})
+            return
+        self.rep.check("logprobs", len(s.emitted))
+        if len(s.emitted_logprobs) != len(s.emitted):
+            self.fail("logprobs", s.step, f"{len(s.emitted_logprobs)} log-probs for {len(s.emitted)} emitted tokens")
+            return
+        for j, (tok, lp) in enumerate(zip(s.emitted, s.emitted_logprobs)):
+            ref = float(logp[s.accepted[j], tok])
+            if not math.isfinite(lp) or abs(lp - ref) > self.tol.logprob_abs:
+                what = "missing (NaN)" if math.isnan(lp) else f"{lp:.5g} vs reference {ref:.5g}"
+                self.fail("logprobs", s.step, f"log-prob of emitted token {j} ({tok}) {what}", node=s.accepted[j],
+                          details={"index": j, "engine": lp, "reference": ref})
+                return
+
+    # -- the walk ---------------------------------------------------------------------------------
+    def run(self, prompt: list[int], output: list[int], output_lps: list[float], steps: list[StepRow]) -> None:
+        P = len(prompt)
+        if not output and not steps:
+            self.rep.add(Finding(Verdict.SKIPPED, "output", self.rid, None, message="request has no output and no steps"))
+            return
+        logp0 = self.prefill(prompt)
+        self.rep.check("output")
+        if output and int(logp0.argmax()) != output[0]:
+            self.token_flip("output", -1, None, logp0.cpu(), output[0], position=P)
+        if output and output_lps:
+            self.rep.check("logprobs")
+            ref = float(logp0[output[0]])
+            if not math.isfinite(output_lps[0]) or abs(output_lps[0] - ref) > self.tol.logprob_abs:
+                self.fail("logprobs", -1, f"log-prob of the first token {output_lps[0]:.5g} vs reference {ref:.5g}")
+        root = output[0] if output else None
+        emitted_all = output[:1]
+        for k, s in enumerate(steps):
+            self.rep.check("alignment")
+            if s.committed_len != self.state.length or s.tree_tokens[:1] != [root]:
+                self.fail("alignment", s.step, f"engine step at committed length {s.committed_len} with root "
+                          f"{s.tree_tokens[:1]}, reference at {self.state.length} with root {root}")
+                done = s.committed_len - P
+                if not 0 <= done < len(output):
+                    return
+                self.prefill(prompt + output[:done])
+                root = output[done]
+            self.rep.check("tree")
+            try:
+                n = len(s.tree_tokens)
+                tree = Tree(torch.tensor(s.tree_tokens), torch.tensor(s.tree_parents), torch.tensor(s.tree_depths),
+                            torch.tensor(s.tree_ranks), torch.zeros(n))
+                tree.validate()
+            except (TreeError, RuntimeError, ValueError) as exc:
+                self.fail("tree", s.step, f"malformed tree: {exc}")
+                return
+            self.check_draft(s)
+            want_layers = s.layer_sketch is not None
+            fwd = self.target.forward(self.state, tree.tokens, tree.parents, tree.depths, capture=self.capture,
+                                      keep_layer_outputs=want_layers)
+            logp = torch.log_softmax(fwd.logits, dim=-1)
+            walk = self.check_nodes(s, tree, logp, fwd.layer_outputs)
+            ref_acc = tree.walk_greedy(walk)
+            self.rep.check("accepted_path")
+            valid_path = bool(s.accepted) and s.accepted[0] == 0 and all(0 <= a < n for a in s.accepted) \
+                and s.accepted == tree.path(s.accepted[-1])
+            if s.accepted != ref_acc:
+                self.fail("accepted_path", s.step, f"engine accepted {s.accepted}, the greedy walk gives {ref_acc}",
+                          details={"engine": s.accepted, "reference": ref_acc})
+            self.rep.check("accept_length")
+            if s.accept_length != len(s.accepted):
+                self.fail("accept_length", s.step, f"engine reports τ={s.accept_length} for {len(s.accepted)} accepted nodes "
+                          f"(τ counts root+accepted = drafted tokens accepted + 1, bonus included)")
+            if not valid_path:
+                self.fail("accepted_path", s.step, f"engine's accepted nodes {s.accepted} are not a root path of its tree")
+                return
+            self.rep.check("bonus")
+            if s.bonus != int(walk[s.accepted[-1]]):
+                self.token_flip("bonus", s.step, s.accepted[-1], logp[s.accepted[-1]].cpu(), s.bonus)
+            self.check_emitted(s, tree, logp, last=k == len(steps) - 1)
+            prev = self.state.length
+            new_state = self.state.commit(fwd, s.accepted)
+            self.check_state(s, new_state, prev)
+            acc = torch.tensor(s.accepted, device=self.target.device)
+            self.drafter.extend(fwd.context[acc], prev + tree.depths.to(acc.device)[acc], tree.tokens.to(acc.device)[acc])
+            self.state = new_state
+            root = s.bonus
+            emitted_all += s.emitted
+        self.rep.check("output")
+        if emitted_all != output:
+            i = next((j for j, (a, b) in enumerate(zip(emitted_all, output)) if a != b), min(len(emitted_all), len(output)))
+            self.fail("output", None, f"request output differs from the steps' emitted tokens at index {i}",
+                      position=P + i, details={"index": i})
+
+
+def replay(trace: Trace, target: Target, drafter: Drafter, tol: Tolerance, case: str = "",
+           stop_token_ids: frozenset[int] = frozenset()) -> Report:
+    rep = Report(case=case, mode="replay")
+    for req in trace.requests:
+        _Request(rep, target, drafter, tol, req.request_id, stop_token_ids).run(
+            list(req.prompt_ids), list(req.output_ids), list(req.output_logprobs), trace.steps_of(req.request_id)
+        )
+    return rep

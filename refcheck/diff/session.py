@@ -1,0 +1,84 @@
+"""Diffing one engine trace against the reference: picks the reference set-up from the trace's
+provenance, runs replay and/or free-run, and merges the reports.
+
+Contract: :func:`reference_spec_for` derives the reference's :class:`EngineSpec` from a trace's
+provenance (model, drafter kind, budget, token limits; the reference's own dtype/device are the
+caller's choice, fp32 CPU by default). :class:`DiffSession` caches loaded reference runners and
+greedy outputs so a gate over many cases loads each model once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from refcheck.diff.findings import Report
+from refcheck.diff.freerun import free_run
+from refcheck.diff.replay import replay
+from refcheck.diff.tolerance import tolerance_for
+from refcheck.errors import UsageError
+from refcheck.models import BUILTIN_PAIRS
+from refcheck.prompts import Prompt
+from refcheck.runners.reference import EngineSpec, ReferenceRunner
+from refcheck.trace.io import Trace
+from reference.oracle import greedy_decode
+
+MODES = ("replay", "free", "both")
+
+
+def reference_spec_for(trace: Trace, dtype: str = "float32", device: str = "cpu") -> EngineSpec:
+    prov = trace.provenance
+    settings = prov.get("engine", {}).get("settings", {})
+    model = str(prov.get("model", ""))
+    spec = EngineSpec(dtype=dtype, device=device, drafter=prov.get("drafter", "dflash"),
+                      max_new_tokens=int(prov.get("max_new_tokens", 64)),
+                      stop_token_ids=frozenset(settings.get("stop_token_ids", [])), seed=int(settings.get("seed", 0)))
+    budget = prov.get("budget", 15)
+    spec.budget = None if budget == "chain" else int(budget)
+    if model.startswith("builtin:"):
+        pair = model.split(":", 1)[1]
+        if pair not in BUILTIN_PAIRS:
+            raise UsageError(f"trace names unknown built-in model pair {pair!r}")
+        spec.pair = pair
+    elif model:
+        spec.model_dir = Path(model)
+        spec.draft_dir = Path(settings["draft_dir"]) if settings.get("draft_dir") else None
+    return spec
+
+
+class DiffSession:
+    def __init__(self) -> None:
+        self._runners: dict[tuple, ReferenceRunner] = {}
+        self._greedy: dict[tuple, list[int]] = {}
+
+    def runner(self, spec: EngineSpec) -> ReferenceRunner:
+        key = (spec.model_label, str(spec.draft_dir), spec.dtype, spec.device, spec.drafter, spec.seed)
+        if key not in self._runners:
+            self._runners[key] = ReferenceRunner(spec)
+        runner = self._runners[key]
+        runner.spec = spec  # budget / limits may differ between cases; the models do not
+        return runner
+
+    def greedy(self, runner: ReferenceRunner, prompt: list[int], n: int) -> list[int]:
+        key = (runner.spec.model_label, runner.spec.dtype, runner.spec.device, tuple(prompt), n, runner.spec.stop_token_ids)
+        if key not in self._greedy:
+            self._greedy[key] = greedy_decode(runner.target.model, prompt, n, runner.spec.stop_token_ids)
+        return self._greedy[key]
+
+    def diff(self, trace: Trace, case: str, mode: str = "both", strict_acceptance: bool = False,
+             ref_dtype: str = "float32", ref_device: str = "cpu") -> Report:
+        if mode not in MODES:
+            raise UsageError(f"unknown diff mode {mode!r} (choose from {', '.join(MODES)})")
+        spec = reference_spec_for(trace, ref_dtype, ref_device)
+        runner = self.runner(spec)
+        tol = tolerance_for(str(trace.provenance.get("dtype", "float32")), str(trace.provenance.get("device", "cpu")))
+        report = Report(case=case, mode=mode)
+        if mode in ("replay", "both"):
+            report.merge(replay(trace, runner.target, runner.drafter, tol, case, spec.stop_token_ids))
+        if mode in ("free", "both"):
+            greedy = {r.request_id: self.greedy(runner, list(r.prompt_ids), spec.max_new_tokens) for r in trace.requests}
+            prompts = [Prompt(r.request_id, tuple(r.prompt_ids), r.kind) for r in trace.requests]
+            ref_runs = {p.id: runner.decoder(spec.max_new_tokens).generate(list(p.prompt_ids)) for p in prompts}
+            fr = free_run(trace, runner.target.model, greedy, tol, ref_runs, strict_acceptance, case)
+            report.merge(fr)
+            report.stats.update(fr.stats)
+        return report

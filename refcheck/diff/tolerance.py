@@ -1,0 +1,49 @@
+"""Tolerance policy, keyed by the engine's (dtype, device type).
+
+Contract: :func:`tolerance_for` returns the rule for a (dtype, device) pair, falling back from
+("bfloat16", "cuda") to ("bfloat16", "*"); a pair no rule covers raises :class:`NoToleranceRule`
+(an uncovered comparison is an error, never a silent pass). Tokens are always compared exactly;
+log-probs by absolute difference; tensors (KV, conv, recurrent state, layer outputs) by relative
+L2 *and* cosine; an argmax flip is benign only when the reference's log-prob margin between its
+top-1 and the engine's token is under ``tie_margin``.
+
+fp32 values come from measurements (CPU: reference vs transformers <= 1e-5 relative; CUDA fp32:
+1e-5 relative on the H200). bf16/fp16 values are the three-way calibration's order of magnitude
+(an engine's bf16 deviation from the fp32 reference should look like the bf16 reference's own);
+see README "Tolerances".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from refcheck.errors import UsageError
+
+
+class NoToleranceRule(UsageError):
+    """No tolerance rule covers this (dtype, device)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tolerance:
+    logprob_abs: float  # node top-k and emitted log-probs, absolute
+    draft_logprob_abs: float  # drafter top-k log-probs, absolute
+    tensor_rel_l2: float  # KV / conv / recurrent / layer outputs: ||a-b|| / ||b||
+    tensor_min_cos: float  # ... and cosine similarity at least this
+    tie_margin: float  # reference log-prob margin under which an argmax flip is a benign near-tie
+
+
+RULES: dict[tuple[str, str], Tolerance] = {
+    ("float32", "cpu"): Tolerance(1e-4, 1e-4, 1e-4, 0.99999, 1e-4),
+    ("float32", "cuda"): Tolerance(5e-4, 5e-4, 5e-4, 0.9999, 1e-3),
+    ("bfloat16", "*"): Tolerance(0.25, 0.25, 0.08, 0.995, 0.15),
+    ("float16", "*"): Tolerance(0.05, 0.05, 0.02, 0.999, 0.03),
+}
+
+
+def tolerance_for(dtype: str, device: str) -> Tolerance:
+    kind = device.split(":")[0]
+    for key in ((dtype, kind), (dtype, "*")):
+        if key in RULES:
+            return RULES[key]
+    raise NoToleranceRule(f"no tolerance rule for dtype {dtype!r} on device {device!r} (known: {sorted(RULES)})")

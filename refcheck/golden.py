@@ -1,0 +1,242 @@
+"""Golden traces: the built-in cases, regeneration with review, verification and the CI gate.
+
+Contract:
+
+* ``golden/`` holds one trace per case (``<case>.arrow``) and ``MANIFEST.json`` (sha256, bytes,
+  provenance summary, history of replacements with reasons).
+* :func:`regenerate` re-runs the reference for each case and prints a review summary against the
+  stored golden (first divergent token per prompt, τ deltas, what in the provenance changed).
+  Without ``accept`` it writes ``<case>.arrow.pending`` beside the golden and the old golden stays
+  untouched; with ``accept`` (and a reason, when a golden is replaced) it replaces the golden
+  atomically (write, fsync, rename) and records old -> new provenance and the reason.
+* :func:`gate` verifies hashes (missing -> exit 3, mismatch -> exit 4), refuses stale goldens
+  (model/draft/tokenizer/budget/prompt-set changed -> exit 3), diffs every case in replay and
+  free-run mode against the live reference and is strict about skips: an unsupported or skipped
+  check fails the case unless the manifest allows it. A case may expect a failure (a stored trace
+  of a known-buggy engine): it then passes only if refcheck finds that failure.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from refcheck.diff.findings import Finding, Report, Verdict
+from refcheck.diff.session import DiffSession, reference_spec_for
+from refcheck.errors import CorruptTraceError, GoldenError, UsageError
+from refcheck.prompts import load_prompts
+from refcheck.provenance import dir_sha256, stale_reasons
+from refcheck.runners.reference import EngineSpec
+from refcheck.trace.io import Trace, atomic_write_bytes, read_trace, trace_bytes
+from refcheck.trace.manifest import Manifest, load_manifest, sha256_file
+
+REPO_GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+PENDING_SUFFIX = ".pending"
+
+
+def default_golden_dir() -> Path:
+    return REPO_GOLDEN if REPO_GOLDEN.is_dir() else Path.cwd() / "golden"
+
+
+@dataclass(frozen=True, slots=True)
+class GoldenCase:
+    name: str
+    pair: str
+    budget: int | None  # None = chain mode
+    drafter: str = "dflash"
+    max_new_tokens: int = 32
+
+    def spec(self) -> EngineSpec:
+        return EngineSpec(pair=self.pair, budget=self.budget, drafter=self.drafter, max_new_tokens=self.max_new_tokens)
+
+
+def _budget_name(b: int | None) -> str:
+    return "chain" if b is None else f"b{b}"
+
+
+#: the reference goldens: both built-in pairs at budgets 1, 15, 64 and chain (fp32, CPU), plus the
+#: scripted drafter on the hybrid pair so the gate also covers deep accepted paths through siblings
+GOLDEN_CASES: dict[str, GoldenCase] = {
+    c.name: c
+    for c in [GoldenCase(f"{pair}-{_budget_name(b)}", pair, b) for pair in ("hybrid", "attention") for b in (1, 15, 64, None)]
+    + [GoldenCase("hybrid-b15-scripted", "hybrid", 15, drafter="scripted")]
+}
+
+
+def _summary(prov: dict) -> dict:
+    """The provenance kept in the manifest (enough to review a replacement)."""
+    keys = ("engine", "model", "model_sha256", "draft_sha256", "tokenizer_sha256", "dtype", "device", "budget",
+            "block_size", "max_new_tokens", "drafter", "prompt_set_sha256", "versions", "created", "case", "expect",
+            "allow_unsupported")
+    return {k: prov[k] for k in keys if k in prov}
+
+
+# -- review -----------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Review:
+    case: str
+    status: str  # "new" | "unchanged" | "changed" | "old unreadable"
+    provenance_changes: list[str] = field(default_factory=list)
+    first_divergence: dict[str, int] = field(default_factory=dict)  # request -> first differing output index
+    tau_old: float | None = None
+    tau_new: float | None = None
+    written: str = ""
+
+    def to_json(self) -> dict:
+        return {"case": self.case, "status": self.status, "provenance_changes": self.provenance_changes,
+                "first_divergence": self.first_divergence, "tau_old": self.tau_old, "tau_new": self.tau_new,
+                "written": self.written}
+
+
+def _mean_tau(trace: Trace) -> float | None:
+    taus = [s.accept_length for s in trace.steps]
+    return statistics.fmean(taus) if taus else None
+
+
+def review(case: str, old: Trace | None, new: Trace) -> Review:
+    rev = Review(case, "new", tau_new=_mean_tau(new))
+    if old is None:
+        return rev
+    rev.tau_old = _mean_tau(old)
+    rev.provenance_changes = stale_reasons(old.provenance, new.provenance)
+    old_out = {r.request_id: r.output_ids for r in old.requests}
+    for r in new.requests:
+        prev = old_out.get(r.request_id)
+        if prev is None:
+            rev.first_divergence[r.request_id] = 0
+            continue
+        i = next((j for j, (a, b) in enumerate(zip(prev, r.output_ids)) if a != b), None)
+        if i is None and len(prev) != len(r.output_ids):
+            i = min(len(prev), len(r.output_ids))
+        if i is not None:
+            rev.first_divergence[r.request_id] = i
+    old_steps = [(s.request_id, s.step, s.accept_length, s.accepted) for s in old.steps]
+    new_steps = [(s.request_id, s.step, s.accept_length, s.accepted) for s in new.steps]
+    same = not rev.first_divergence and old_steps == new_steps and not rev.provenance_changes
+    rev.status = "unchanged" if same else "changed"
+    return rev
+
+
+# -- regeneration ------------------------------------------------------------------------------------
+def regenerate(
+    golden_dir: Path,
+    case_names: list[str] | None,
+    reason: str | None,
+    accept: bool,
+    session: DiffSession,
+    progress=None,
+) -> list[Review]:
+    golden_dir = Path(golden_dir)
+    names = case_names or list(GOLDEN_CASES)
+    unknown = [n for n in names if n not in GOLDEN_CASES]
+    if unknown:
+        raise UsageError(f"unknown golden case(s) {unknown} (known: {', '.join(GOLDEN_CASES)})")
+    golden_dir.mkdir(parents=True, exist_ok=True)
+    manifest = load_manifest(golden_dir, allow_missing=True)
+    prompts = load_prompts()
+    reviews: list[Review] = []
+    for name in names:
+        if progress:
+            progress(name)
+        case = GOLDEN_CASES[name]
+        runner = session.runner(case.spec())
+        trace, _ = runner.trace(prompts)
+        trace.provenance["case"] = name
+        data = trace_bytes(trace)
+        path = golden_dir / f"{name}.arrow"
+        old = None
+        if path.is_file():
+            try:
+                old = read_trace(path)
+            except CorruptTraceError:
+                old = None
+        rev = review(name, old, trace)
+        if path.is_file() and old is None:
+            rev.status = "old unreadable"
+        if accept:
+            if old is not None and rev.status != "unchanged" and not reason:
+                raise UsageError(f"golden {name} changes: give --reason for the record (nothing was written)")
+            atomic_write_bytes(path, data)
+            manifest.record(name, path.name, sha256_file(path), len(data), _summary(trace.provenance), reason=reason)
+            manifest.save(golden_dir)  # after every case: an interrupted regen leaves a consistent manifest
+            pending = path.with_name(path.name + PENDING_SUFFIX)
+            pending.unlink(missing_ok=True)
+            rev.written = str(path)
+        else:
+            pending = path.with_name(path.name + PENDING_SUFFIX)
+            atomic_write_bytes(pending, data)
+            rev.written = str(pending)
+        reviews.append(rev)
+    return reviews
+
+
+# -- verification and the gate ------------------------------------------------------------------------
+def verify(golden_dir: Path) -> Manifest:
+    """Hash check of every golden: GoldenError for missing files, CorruptTraceError for mismatches."""
+    manifest = load_manifest(Path(golden_dir))
+    if not manifest.cases:
+        raise GoldenError(f"{golden_dir}: the manifest lists no golden traces (run: refcheck golden regen --accept)")
+    problems = manifest.verify(Path(golden_dir))
+    missing = [p for p in problems if "missing" in p]
+    if missing:
+        raise GoldenError("missing golden trace(s): " + "; ".join(missing))
+    if problems:
+        raise CorruptTraceError("golden trace(s) do not match MANIFEST.json: " + "; ".join(problems))
+    return manifest
+
+
+def live_provenance_reasons(trace: Trace, session: DiffSession) -> list[str]:
+    """Why a stored trace no longer matches the models and prompts it names (empty = fresh)."""
+    prov = trace.provenance
+    case = GOLDEN_CASES.get(str(prov.get("case", "")))
+    if prov.get("engine", {}).get("name") == "reference" and case is not None:
+        live = session.runner(case.spec()).provenance(load_prompts())
+        return stale_reasons(prov, live)
+    reasons: list[str] = []
+    tdir, ddir = reference_spec_for(trace).resolved_dirs()
+    if prov.get("model_sha256") and dir_sha256(tdir) != prov["model_sha256"]:
+        reasons.append(f"model_sha256: {prov.get('model')} changed since the trace was recorded")
+    if prov.get("draft_sha256") and ddir is not None and dir_sha256(ddir) != prov["draft_sha256"]:
+        reasons.append("draft_sha256: the draft checkpoint changed since the trace was recorded")
+    return reasons
+
+
+def gate_case(name: str, entry, golden_dir: Path, session: DiffSession) -> Report:
+    trace = read_trace(Path(golden_dir) / entry.file)
+    stale = live_provenance_reasons(trace, session)
+    if stale:
+        raise GoldenError(f"stale golden {name}: " + "; ".join(stale)
+                          + f" (review and regenerate: refcheck golden regen --case {name} --reason ...)")
+    strict = trace.provenance.get("engine", {}).get("name") == "reference"
+    report = session.diff(trace, name, mode="both", strict_acceptance=strict)
+    expect = entry.provenance.get("expect", "pass")
+    allowed = set(entry.provenance.get("allow_unsupported", []))
+    for f in list(report.findings):
+        if f.verdict in (Verdict.UNSUPPORTED, Verdict.SKIPPED) and f.category not in allowed:
+            report.add(Finding(Verdict.FAIL, f.category, f.request_id, f.step,
+                               message=f"gate is strict about skips: {f.verdict.value} {f.category} ({f.message})"))
+    if expect != "pass":
+        wanted = expect.split(":", 1)[1] if ":" in expect else None
+        found = {f.category for f in report.failures}
+        ok = bool(found) and (wanted is None or wanted in found)
+        report.stats["expected_failure"] = {"expect": expect, "found": sorted(found), "met": ok}
+        report.findings = [f for f in report.findings if f.verdict != Verdict.FAIL] if ok else report.findings
+        if not ok:
+            report.add(Finding(Verdict.FAIL, "unmatched", "*", None,
+                               message=f"expected failure {expect!r} not detected (found {sorted(found)})"))
+    return report
+
+
+def gate(golden_dir: Path, session: DiffSession, cases: list[str] | None = None, progress=None) -> list[Report]:
+    manifest = verify(golden_dir)
+    names = cases or sorted(manifest.cases)
+    unknown = [n for n in names if n not in manifest.cases]
+    if unknown:
+        raise GoldenError(f"no golden trace for case(s) {unknown} in {golden_dir}")
+    reports = []
+    for name in names:
+        if progress:
+            progress(name)
+        reports.append(gate_case(name, manifest.cases[name], golden_dir, session))
+    return reports

@@ -1,0 +1,72 @@
+"""The self-test: every known engine bug class, injected into the reference, must be caught.
+
+Contract: :func:`selftest` decodes the built-in prompts on the built-in hybrid pair with the
+scripted drafter (deep accepted paths through decoy siblings, the only trees on which several of
+these bugs show) with the clean decoder and with each fault of :data:`FAULTS`, records traces with
+state and layer sketches, diffs each against the live reference (replay + free-run) and reports:
+detected or not, the first divergence (request, step, node, category, layer) and whether the
+expected category is among the failures. The clean decoder must give zero non-pass findings. The
+drafter's MASK id is set to a token the target emits, so that dropping mask-id outputs shows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from refcheck.diff.findings import Verdict
+from refcheck.diff.session import DiffSession
+from refcheck.prompts import Prompt, load_prompts
+from refcheck.runners.reference import EngineSpec
+from refcheck.selftest.faults import FAULTS
+from reference.decode import DDTreeDecoder
+
+
+@dataclass(slots=True)
+class SelftestRow:
+    fault: str
+    expected: str
+    detected: bool
+    category_found: bool
+    first: dict | None  # first divergence of the first failing request
+    categories: list[str]
+    findings: int
+
+    @property
+    def ok(self) -> bool:
+        if self.fault == "clean":
+            return self.findings == 0
+        return self.detected and self.category_found
+
+    def to_json(self) -> dict:
+        return {"fault": self.fault, "expected_category": self.expected, "detected": self.detected,
+                "expected_category_found": self.category_found, "ok": self.ok, "first_divergence": self.first,
+                "fail_categories": self.categories, "non_pass_findings": self.findings}
+
+
+def selftest(faults: list[str] | None = None, prompts: list[Prompt] | None = None, budget: int = 15,
+             max_new_tokens: int = 24, progress=None) -> list[SelftestRow]:
+    names = list(FAULTS) if faults is None else list(faults)
+    prompts = prompts or load_prompts()[:3]
+    session = DiffSession()
+    spec = EngineSpec(pair="hybrid", drafter="scripted", budget=budget, max_new_tokens=max_new_tokens)
+    runner = session.runner(spec)
+    clean_trace, results = runner.trace(prompts, record_layers=True)
+    first = results[prompts[0].id].output_ids
+    runner.drafter.mask_token_id = first[min(3, len(first) - 1)]
+    rows: list[SelftestRow] = []
+    for name in ["clean", *names]:
+        if progress:
+            progress(name)
+        cls, expected = (DDTreeDecoder, "-") if name == "clean" else FAULTS[name]
+        trace, _ = runner.trace(prompts, cls=cls, engine=name if name == "clean" else f"fault:{name}", record_layers=True)
+        report = session.diff(trace, name, mode="both", strict_acceptance=True)
+        fd = report.first_divergence()
+        first = next(iter(fd.values())).to_json() if fd else None
+        failures = report.failures
+        step0 = min((f.step for f in failures if f.step is not None), default=None)
+        first_step_cats = {f.category for f in failures if f.step == step0} if step0 is not None else set()
+        cats = sorted({f.category for f in failures})
+        non_pass = sum(1 for f in report.findings if f.verdict != Verdict.PASS)
+        found = expected in (first_step_cats or set(cats))  # caught where it first shows
+        rows.append(SelftestRow(name, expected, bool(failures), found, first, cats, non_pass))
+    return rows

@@ -1,0 +1,112 @@
+"""The diff engine: a clean engine passes, every injected bug class is caught where it first shows,
+near-ties are triaged, and bad engine data is a finding, never a crash or a silent pass."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from refcheck.diff.findings import Verdict
+from refcheck.diff.replay import replay
+from refcheck.diff.session import DiffSession
+from refcheck.diff.tolerance import NoToleranceRule, tolerance_for
+from refcheck.prompts import load_prompts
+from refcheck.runners.reference import EngineSpec
+from refcheck.selftest.faults import FAULTS
+from refcheck.selftest.run import selftest
+
+
+@pytest.fixture(scope="module")
+def session():
+    return DiffSession()
+
+
+@pytest.fixture(scope="module")
+def clean(session):
+    runner = session.runner(EngineSpec(pair="hybrid", drafter="scripted", budget=15, max_new_tokens=20))
+    trace, _ = runner.trace(load_prompts()[:2], record_layers=True)
+    return runner, trace
+
+
+def test_clean_reference_has_no_findings(session, clean):
+    _, trace = clean
+    rep = session.diff(trace, "clean", mode="both", strict_acceptance=True)
+    assert rep.findings == []
+    assert rep.exit_code == 0
+    for cat in ("logits", "accepted_path", "kv", "conv", "recurrent", "draft", "logprobs", "ar_tokens"):
+        assert rep.checks[cat] > 0, cat
+    assert any(int(r) > 0 for s in trace.steps for r in (s.tree_ranks[i] for i in s.accepted)), "no non-first sibling"
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_every_fault_is_detected_with_its_category(fault):
+    row = selftest([fault], prompts=load_prompts()[:2], max_new_tokens=20)[-1]
+    assert row.detected, row
+    assert row.category_found, row.to_json()
+
+
+def test_selftest_clean_row_is_clean():
+    rows = selftest([], prompts=load_prompts()[:1], max_new_tokens=12)
+    assert [r.fault for r in rows] == ["clean"] and rows[0].ok and rows[0].findings == 0
+
+
+def test_sibling_leak_bisects_to_a_linear_attention_layer():
+    row = selftest(["sibling-leak"], prompts=load_prompts()[:2], max_new_tokens=20)[-1]
+    assert row.first["category"] == "logits"
+    assert row.first["layer_type"] == "linear_attention"
+
+
+def _flip(trace, tie_token_rank: int = 1):
+    """Copy of the trace with one node's argmax replaced by its reference top-`rank` token."""
+    steps = list(trace.steps)
+    s = steps[0]
+    node = len(s.tree_tokens) - 1  # a leaf that is not on the accepted path is fine
+    argmax = list(s.target_argmax)
+    argmax[node] = s.topk_ids[node][tie_token_rank]
+    steps[0] = dataclasses.replace(s, target_argmax=argmax)
+    return dataclasses.replace(trace, steps=steps), node, s.topk_logprobs[node][0] - s.topk_logprobs[node][tie_token_rank]
+
+
+def test_near_tie_triage(clean):
+    runner, trace = clean
+    flipped, node, margin = _flip(trace)
+    base = tolerance_for("float32", "cpu")
+    benign = replay(flipped, runner.target, runner.drafter, dataclasses.replace(base, tie_margin=margin + 1.0))
+    ties = [f for f in benign.findings if f.verdict == Verdict.BENIGN_TIE]
+    assert ties and ties[0].node == node and abs(ties[0].details["margin"] - margin) < 1e-4
+    assert not [f for f in benign.failures if f.category == "logits"]
+    real = replay(flipped, runner.target, runner.drafter, dataclasses.replace(base, tie_margin=margin / 2))
+    fails = [f for f in real.failures if f.category == "logits"]
+    assert fails and fails[0].node == node and "not a near-tie" in fails[0].message
+
+
+def test_nan_in_engine_logprobs_is_a_failure(session, clean):
+    _, trace = clean
+    s = trace.steps[0]
+    bad = [[math.nan] * len(row) for row in s.topk_logprobs]
+    t2 = dataclasses.replace(trace, steps=[dataclasses.replace(s, topk_logprobs=bad), *trace.steps[1:]])
+    rep = session.diff(t2, "nan", mode="replay")
+    assert any(f.category == "logits" and f.step == 0 for f in rep.failures)
+
+
+def test_unmatched_state_is_a_failure(session, clean):
+    _, trace = clean
+    s = trace.steps[0]
+    t2 = dataclasses.replace(trace, steps=[dataclasses.replace(s, state=s.state[1:]), *trace.steps[1:]])
+    rep = session.diff(t2, "unmatched", mode="replay")
+    assert any(f.category == "unmatched" for f in rep.failures)
+
+
+def test_engine_without_state_is_unsupported_not_pass(session, clean):
+    _, trace = clean
+    t2 = dataclasses.replace(trace, steps=[dataclasses.replace(s, state=[]) for s in trace.steps])
+    rep = session.diff(t2, "nostate", mode="replay")
+    assert rep.counts["unsupported"] >= 3 and not rep.failures
+
+
+def test_tolerance_rules():
+    assert tolerance_for("bfloat16", "cuda:0") == tolerance_for("bfloat16", "cpu")
+    with pytest.raises(NoToleranceRule):
+        tolerance_for("int8", "cpu")
