@@ -46,8 +46,10 @@ def _abs_dev(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 class _Request:
     """Replay of one request: the reference state follows the engine's committed path."""
 
-    def __init__(self, rep: Report, target: Target, drafter: Drafter, tol: Tolerance, rid: str, stop: frozenset[int]):
+    def __init__(self, rep: Report, target: Target, drafter: Drafter, tol: Tolerance, rid: str, stop: frozenset[int],
+                 check_draft: bool = True):
         self.rep, self.target, self.drafter, self.tol, self.rid, self.stop = rep, target, drafter, tol, rid, stop
+        self.check_draft_enabled = check_draft
         self.capture = tuple(drafter.target_layer_ids)
         self.state: TargetState | None = None
 
@@ -79,6 +81,10 @@ class _Request:
         return benign
 
     def check_draft(self, s: StepRow) -> None:
+        if not self.check_draft_enabled:
+            self.rep.add(Finding(Verdict.UNSUPPORTED, "draft", self.rid, s.step,
+                                 message="drafts not comparable: scripted drafter at different numerics"))
+            return
         if not s.draft_topk_ids:
             self.rep.add(Finding(Verdict.UNSUPPORTED, "draft", self.rid, s.step, message="engine recorded no draft top-k"))
             return
@@ -270,10 +276,10 @@ class _Request:
 
 
 def replay(trace: Trace, target: Target, drafter: Drafter, tol: Tolerance, case: str = "",
-           stop_token_ids: frozenset[int] = frozenset()) -> Report:
+           stop_token_ids: frozenset[int] = frozenset(), check_draft: bool = True) -> Report:
     rep = Report(case=case, mode="replay")
     for req in trace.requests:
-        _Request(rep, target, drafter, tol, req.request_id, stop_token_ids).run(
+        _Request(rep, target, drafter, tol, req.request_id, stop_token_ids, check_draft).run(
             list(req.prompt_ids), list(req.output_ids), list(req.output_logprobs), trace.steps_of(req.request_id)
         )
     return rep
