@@ -81,9 +81,16 @@ def build_provenance(
     }
 
 
+def _short(v: object) -> str:
+    """Hashes shortened to 12 hex digits for humans; everything else as repr."""
+    if isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v):
+        return v[:12] + "…"
+    return repr(v)
+
+
 def stale_reasons(stored: dict, current: dict) -> list[str]:
     return [
-        f"{k}: golden has {stored.get(k)!r}, now {current.get(k)!r}"
+        f"{k}: {_short(stored.get(k))} → {_short(current.get(k))}"
         for k in STALE_KEYS
         if stored.get(k) != current.get(k)
     ]

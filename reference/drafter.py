@@ -43,7 +43,7 @@ class Drafter(Protocol):
 
     def extend(self, context: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None: ...
 
-    def propose(self, bonus: int, start: int) -> torch.Tensor: ...
+    def propose(self, bonus: int, start: int, depth: int | None = None) -> torch.Tensor: ...
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -185,14 +185,18 @@ class DFlashDrafter(nn.Module):
 
     # -- proposal ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def hidden(self, bonus: int, start: int) -> torch.Tensor:
-        """Final-norm hidden states of the block [bs, H] for ``[bonus, MASK...]`` at ``start``."""
+    def hidden(self, bonus: int, start: int, depth: int | None = None) -> torch.Tensor:
+        """Final-norm hidden states [1+depth, H] of the block ``[bonus, MASK × depth]`` at ``start``.
+
+        depth defaults to block_size - 1. A shorter block (the last step before max_new_tokens) is
+        what z-lab's dflash_generate runs, and its drafts differ: the block attends to itself.
+        """
         dev = self.fc.weight.device
-        ids = torch.full((self.block_size,), self.mask_token_id, dtype=torch.long, device=dev)
+        bs = self.block_size if depth is None else min(depth + 1, self.block_size)
+        ids = torch.full((bs,), self.mask_token_id, dtype=torch.long, device=dev)
         ids[0] = bonus
         h = F.embedding(ids, self.target.body.embed_tokens.weight) * self.embed_scale  # [bs, H]
-        cos, sin = self._rope(torch.arange(start, start + self.block_size, device=dev), h)
-        bs = self.block_size
+        cos, sin = self._rope(torch.arange(start, start + bs, device=dev), h)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
@@ -213,12 +217,12 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
     @torch.no_grad()
-    def logits(self, bonus: int, start: int) -> torch.Tensor:
-        """Draft logits for depths 1..bs-1: [bs-1, V] float32 (cast for a dtype-free tree builder)."""
-        logits = self.target.model.lm_head(self.hidden(bonus, start)[1:]).float() * self.output_multiplier
+    def logits(self, bonus: int, start: int, depth: int | None = None) -> torch.Tensor:
+        """Draft logits for depths 1..depth: [depth, V] float32 (cast for a dtype-free tree builder)."""
+        logits = self.target.model.lm_head(self.hidden(bonus, start, depth)[1:]).float() * self.output_multiplier
         if self.softcap > 0:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
-    def propose(self, bonus: int, start: int) -> torch.Tensor:
-        return torch.log_softmax(self.logits(bonus, start), dim=-1)
+    def propose(self, bonus: int, start: int, depth: int | None = None) -> torch.Tensor:
+        return torch.log_softmax(self.logits(bonus, start, depth), dim=-1)

@@ -51,8 +51,8 @@ class ScriptedDrafter:
     def extend(self, context: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
         self.tokens.extend(int(t) for t in tokens)
 
-    def propose(self, bonus: int, start: int) -> torch.Tensor:
-        depth = self.block_size - 1
+    def propose(self, bonus: int, start: int, depth: int | None = None) -> torch.Tensor:
+        depth = self.block_size - 1 if depth is None else min(depth, self.block_size - 1)
         truth = greedy_decode(self.model, self.tokens + [bonus], depth)
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + start * 7919 + bonus)
         logits = torch.randn(depth, self.vocab_size, generator=gen)  # [L, V] background noise

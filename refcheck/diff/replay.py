@@ -89,7 +89,7 @@ class _Request:
             self.rep.add(Finding(Verdict.UNSUPPORTED, "draft", self.rid, s.step, message="engine recorded no draft top-k"))
             return
         self.rep.check("draft")
-        ref = self.drafter.propose(s.tree_tokens[0], self.state.length)  # [L, V]
+        ref = self.drafter.propose(s.tree_tokens[0], self.state.length, len(s.draft_topk_ids))  # [L, V]
         ids = torch.tensor(s.draft_topk_ids, dtype=torch.long)
         lps = torch.tensor(s.draft_topk_logprobs, dtype=torch.float32)
         if ids.shape[0] > ref.shape[0]:

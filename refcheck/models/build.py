@@ -1,9 +1,14 @@
-"""Deterministic construction of the built-in tiny models (random weights from a seed).
+"""Architecture and checkpoint layout of the built-in tiny models.
 
-Contract: ``build_pair(name, out_dir, seed)`` writes ``target/`` (a transformers checkpoint:
-config.json + model.safetensors) and ``draft/`` (a z-lab-layout DFlash checkpoint) under
-``out_dir``. Same seed, same torch version -> same bytes. Weights are stored in bfloat16 to keep
-the repository small; the reference loads them in any dtype (bf16 -> fp32 is exact).
+Contract: ``build_target(name, seed)`` makes an untrained target (Qwen3.5 hybrid or Qwen3);
+``draft_config`` / ``draft_state`` the DFlash drafter's config and initial weights;
+``save_target`` / ``save_draft`` write checkpoints that load in the reference, in z-lab's ``dflash``
+and in SGLang (extra config fields SGLang needs: ``full_attention_interval``, top-level
+``rope_theta`` / ``partial_rotary_factor``; the drafter's ``layer_types`` and
+``dflash_config.num_target_layers``). ``build_pair(name, out_dir, seed)`` writes a random-weight pair
+(used by tests and as the fallback); the shipped built-ins are trained (``refcheck.models.train``).
+Weights are stored in bfloat16 to keep the repository small; the reference loads them in any dtype
+(bf16 -> fp32 is exact).
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-VOCAB = 384
-MASK_TOKEN_ID = VOCAB - 1  # reserved for the drafter's MASK input, never in prompts
+VOCAB = 512  # the built-in byte-level BPE tokenizer (scripts/make_tokenizer.py)
+EOS_TOKEN_ID = 0  # <|endoftext|>: document separator and stop token
+MASK_TOKEN_ID = 1  # <|mask|>: the drafter's MASK input, never in prompts
 HIDDEN = 128
 INIT_STD = 0.1  # larger than the usual 0.02 so that random logits have usable margins
 
@@ -43,7 +49,7 @@ COMMON = dict(
     tie_word_embeddings=True,
     initializer_range=INIT_STD,
     bos_token_id=None,
-    eos_token_id=None,
+    eos_token_id=EOS_TOKEN_ID,
     pad_token_id=None,
 )
 DRAFT_LAYERS = 2
@@ -68,7 +74,7 @@ def build_target(name: str, seed: int) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
-def draft_config(target_cfg: dict, target_layers: int) -> dict:
+def draft_config(target_layers: int) -> dict:
     from reference.drafter import default_target_layer_ids
 
     return dict(
@@ -86,12 +92,14 @@ def draft_config(target_cfg: dict, target_layers: int) -> dict:
         max_position_embeddings=2048,
         attention_bias=False,
         tie_word_embeddings=True,
+        layer_types=["full_attention"] * DRAFT_LAYERS,
         num_target_layers=target_layers,
         block_size=BLOCK_SIZE,
         dflash_config=dict(
             mask_token_id=MASK_TOKEN_ID,
             target_layer_ids=default_target_layer_ids(target_layers, DRAFT_LAYERS),
             block_size=BLOCK_SIZE,
+            num_target_layers=target_layers,
         ),
     )
 
@@ -125,19 +133,41 @@ def draft_state(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def build_pair(name: str, out_dir: Path, seed: int = 0) -> None:
-    target = build_target(name, seed)
-    tdir = Path(out_dir) / "target"
-    target.save_pretrained(str(tdir))
-    # Re-save as bf16 in one file with a stable layout (save_pretrained's dtype follows the model).
+def _sglang_fields(cfg: dict) -> dict:
+    """Config fields SGLang reads that transformers drops on save (see shared sglang-gpu notes)."""
+    if cfg.get("model_type") in ("qwen3_5_text", "qwen3_5"):
+        cfg["full_attention_interval"] = cfg["layer_types"].index("full_attention") + 1
+        rope = cfg.get("rope_parameters") or {}
+        cfg["rope_theta"] = rope.get("rope_theta", 10000.0)
+        cfg["partial_rotary_factor"] = rope.get("partial_rotary_factor", 0.25)
+    return cfg
+
+
+def save_target(model: torch.nn.Module, tdir: Path, tokenizer_path: Path | None = None, info: dict | None = None) -> None:
     from safetensors.torch import load_file
 
+    tdir = Path(tdir)
+    model.save_pretrained(str(tdir))
     state = load_file(str(tdir / "model.safetensors"))
     cfg = json.loads((tdir / "config.json").read_text())
     cfg["dtype"] = "bfloat16"
+    if info:
+        cfg["refcheck_training"] = {k: info[k] for k in ("corpus_sha256", "final_target_loss") if k in info}
     for extra in tdir.glob("*"):
         if extra.name not in ("config.json", "model.safetensors"):
             extra.unlink()
-    _save(tdir, cfg, state)
-    dcfg = draft_config(cfg, cfg["num_hidden_layers"])
-    _save(Path(out_dir) / "draft", dcfg, draft_state(dcfg, seed + 1))
+    _save(tdir, _sglang_fields(cfg), state)
+    if tokenizer_path is not None:
+        (tdir / "tokenizer.json").write_bytes(Path(tokenizer_path).read_bytes())
+
+
+def save_draft(ddir: Path, dcfg: dict, weights: dict[str, torch.Tensor]) -> None:
+    _save(Path(ddir), dcfg, weights)
+
+
+def build_pair(name: str, out_dir: Path, seed: int = 0) -> None:
+    """A random-weight pair (tests, and the fallback before training)."""
+    target = build_target(name, seed)
+    save_target(target, Path(out_dir) / "target")
+    dcfg = draft_config(target.config.num_hidden_layers)
+    save_draft(Path(out_dir) / "draft", dcfg, draft_state(dcfg, seed + 1))
