@@ -160,7 +160,8 @@ def _engine_decoder(engine: str):
         return DDTreeDecoder
     if engine.startswith("fault:") and engine[6:] in FAULTS:
         return FAULTS[engine[6:]][0]
-    raise UsageError(f"unknown engine {engine!r} (live engines: reference, " + ", ".join(f"fault:{f}" for f in FAULTS) + ")")
+    raise UsageError(f"unknown engine {engine!r} (live engines: reference, zlab, "
+                     + ", ".join(f"fault:{f}" for f in FAULTS) + ")")
 
 
 def _report_table(reports, title: str) -> None:
@@ -170,7 +171,11 @@ def _report_table(reports, title: str) -> None:
     for r in reports:
         c = r.counts
         fd = r.first_divergence()
-        if fd:
+        if r.expect_failure is not None:
+            tag = "[green]expected failure caught[/]" if r.expected_failure_met else "[red]expected failure NOT caught[/]"
+            f = next(iter(fd.values()), None)
+            first = tag + (f"\n{f.request_id} step {f.step} · {f.category}: {f.message}" if f else f" ({r.expect_failure})")
+        elif fd:
             f = next(iter(fd.values()))
             where = f"{f.request_id} step {f.step} node {f.node} · {f.category}"
             if f.layer is not None:
@@ -220,12 +225,16 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, m
     session = DiffSession()
     reports = []
     if engine:
-        cls = _engine_decoder(engine)
         spec = _spec(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids)
         prompts = load_prompts(prompts_file)
-        runner = session.runner(spec)
         err.print(f"running live engine {engine} on {len(prompts)} prompts", markup=False)
-        trace, _ = runner.trace(prompts, cls=cls, engine=engine, record_layers=True)
+        if engine == "zlab":
+            from refcheck.runners.zlab import ZlabRunner
+
+            trace = ZlabRunner(spec).trace(prompts)
+        else:
+            cls = _engine_decoder(engine)
+            trace, _ = session.runner(spec).trace(prompts, cls=cls, engine=engine, record_layers=True)
         if save_trace:
             write_trace(trace, save_trace)
         reports.append(session.diff(trace, engine, mode, strict_acceptance=engine == "reference", ref_dtype=ref_dtype,
@@ -314,6 +323,24 @@ def golden_regen(cases, reason, accept, golden_dir, as_json):
     sys.exit(EXIT_PASS)
 
 
+@golden.command("add")
+@click.argument("trace_path", type=click.Path(path_type=Path))
+@click.option("--case", "case", required=True, help="Name of the golden case.")
+@click.option("--expect", default="pass", show_default=True,
+              help="'pass', or 'fail' / 'fail:CATEGORY' for a trace of a known-buggy engine that must be caught.")
+@click.option("--allow-unsupported", default="", help="Comma-separated categories the engine cannot record (kv,conv,...).")
+@click.option("--reason", required=True, help="Why this trace becomes a golden (recorded in MANIFEST.json).")
+@click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None)
+def golden_add(trace_path, case, expect, allow_unsupported, reason, golden_dir):
+    """Store an engine's trace (SGLang, z-lab, ...) as a golden case the gate re-checks."""
+    from refcheck.golden import add_trace, default_golden_dir
+
+    path = add_trace(golden_dir or default_golden_dir(), trace_path, case, expect,
+                     [c for c in allow_unsupported.split(",") if c], reason)
+    err.print(f"added golden {case}: {path}", markup=False)
+    sys.exit(EXIT_PASS)
+
+
 @golden.command("verify")
 @click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None)
 def golden_verify(golden_dir):
@@ -373,6 +400,101 @@ def trace_show(path, as_json):
         for k, v in info.items():
             err.print(f"{k}: {v}", markup=False)
     sys.exit(EXIT_PASS)
+
+
+@main.command()
+@click.option("--budgets", default="chain,1,4,8,15,16,32,64", show_default=True, help="Comma-separated budgets or 'chain'.")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("sweep-out"), show_default=True,
+              help="Directory for sweep.json and the PNG plots.")
+@click.option("--no-plots", is_flag=True, help="Skip the PNG plots (no matplotlib needed).")
+@click.option("--engine", type=click.Choice(["reference"]), default="reference", show_default=True)
+@model_options
+def sweep(budgets, repeats, out_dir, no_plots, engine, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens,
+          dtype, device, drafter, stop_ids, as_json):
+    """Acceptance and speed against node budget: τ, histograms, per-phase time, speedup over target-only."""
+    from refcheck.sweep import parse_budgets, plot_sweep, run_sweep
+    from refcheck.trace.io import atomic_write_bytes
+
+    _quiet()
+    blist = parse_budgets(budgets)
+    spec = _spec(model_dir, draft_dir, pair, blist[0], max_new_tokens, dtype, device, drafter, stop_ids)
+    prompts = load_prompts(prompts_file)
+    if not no_plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            raise UsageError("plotting backend missing: pip install matplotlib (or pass --no-plots)") from exc
+    result = run_sweep(spec, prompts, blist, repeats, progress=lambda r, b: err.print(f"repeat {r} budget {b}", markup=False))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out_dir / "sweep.json", (json.dumps(result, indent=2) + "\n").encode())
+    plots = [] if no_plots else plot_sweep(result, out_dir)
+    table = Table(title=f"refcheck sweep · {result['model']} · {dtype} · {device} · {drafter} drafter · {repeats} repeat(s)")
+    for col in ("budget", "τ", "τ range (req.)", "steps", "draft ms", "tree ms", "verify ms", "commit ms", "tok/s", "speedup", "lossless"):
+        table.add_column(col, justify="right")
+    for r in result["budgets"]:
+        ms = r["ms_per_step"]
+        sp = r["tau_spread_over_requests"]
+        table.add_row(r["budget"], f"{r['mean_tau']:.2f}", f"{sp['min']:.2f}–{sp['max']:.2f}", str(r["steps"]),
+                      *(f"{ms[p]['median']:.2f}" for p in ("draft", "tree", "verify", "commit")),
+                      f"{r['tokens_per_s']['median']:.1f}", f"{r['speedup_vs_autoregressive']:.2f}×",
+                      "yes" if r["lossless"] else "[red]NO[/]")
+    err.print(table)
+    err.print(f"target-only: {result['autoregressive_tokens_per_s']['median']:.1f} tok/s; wrote {out_dir / 'sweep.json'}"
+              + "".join(f", {p}" for p in plots), markup=False)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    sys.exit(EXIT_PASS if all(r["lossless"] for r in result["budgets"]) else EXIT_MISMATCH)
+
+
+@main.command()
+@click.argument("trace_path", type=click.Path(path_type=Path))
+@click.option("--source", default=None, help="Baseline file (ddtree_table1, ddtree_budget_sweep, dflash_readme, ...).")
+@click.option("--model", "bl_model", default=None, help="Baseline target model, e.g. Qwen3-8B.")
+@click.option("--dataset", default=None, help="Baseline dataset, e.g. MATH-500.")
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--method", type=click.Choice(["ddtree", "dflash"]), default=None,
+              help="Default: dflash for a chain trace, ddtree otherwise.")
+@click.option("--budget", "bl_budget", default=None, help="Baseline budget (default: the trace's, when the source has budgets).")
+@click.option("--rtol", type=float, default=0.05, show_default=True, help="Allowed relative shortfall of mean τ.")
+@click.option("--json", "as_json", is_flag=True)
+def baseline(trace_path, source, bl_model, dataset, temperature, method, bl_budget, rtol, as_json):
+    """Compare a trace's acceptance with z-lab's published baselines (bootstrap CI, per-position, histogram)."""
+    from refcheck.baselines import load_baselines, match
+    from refcheck.baselines.stats import acceptance_verdict, histogram, histogram_distance
+    from refcheck.trace.io import read_trace
+
+    trace = read_trace(trace_path)
+    taus_by_req = [[s.accept_length for s in trace.steps_of(r.request_id)] for r in trace.requests]
+    taus = [t for r in taus_by_req for t in r]
+    if not taus:
+        from refcheck.errors import NothingComparedError
+
+        raise NothingComparedError(f"{trace_path}: no verify steps to compare")
+    tb = trace.provenance.get("budget")
+    method = method or ("dflash" if tb == "chain" else "ddtree")
+    budget = None if bl_budget in (None, "best") else int(bl_budget)
+    rows = match(load_baselines(source), model=bl_model, dataset=dataset, temperature=temperature, method=method,
+                 budget=budget)
+    rows = [r for r in rows if "histogram" not in r.extra] or rows
+    row = rows[0]
+    verdict = acceptance_verdict(taus_by_req, row.tau, rtol=rtol)
+    bs = int(trace.provenance.get("block_size", row.block_size))
+    out = {"trace": str(trace_path), "baseline": {"source": row.source, "conditions": row.conditions(), "tau": row.tau,
+                                                  "speedup": row.speedup, "file": row.extra.get("file")},
+           "matched_rows": len(rows), "verdict": verdict}
+    hist_rows = [r for r in load_baselines() if "histogram" in r.extra and r.method == method
+                 and (bl_model is None or r.model.lower() == bl_model.lower())
+                 and (dataset is None or r.dataset.lower() == dataset.lower())]
+    if hist_rows:
+        out["histogram_distance_tv"] = histogram_distance(histogram(taus, bs), hist_rows[0].extra["histogram"])
+    err.print(f"baseline: {row.conditions()} τ={row.tau} ({row.source})", markup=False)
+    err.print(f"trace: mean τ {verdict['mean']:.3f}, CI {verdict['ci']}, {verdict['n_steps']} steps / "
+              f"{verdict['n_requests']} requests → {verdict['verdict']}: {verdict['reason']}", markup=False)
+    if as_json:
+        click.echo(json.dumps(out, indent=2, default=str))
+    code = {"PASS": EXIT_PASS, "FAIL": EXIT_MISMATCH}.get(str(verdict["verdict"]).upper(), 5)
+    sys.exit(code)
 
 
 def _quiet() -> None:

@@ -192,3 +192,23 @@ class DDTreeDecoder:
                 room = min(room, i + 1)
                 break
         return emitted[:room], lps[:room]
+
+
+def autoregressive_decode(target: Target, prompt_ids: list[int], max_new_tokens: int,
+                          stop_token_ids: frozenset[int] = frozenset()) -> list[int]:
+    """Target-only greedy decoding, one token per forward, with the same machinery as the decoder.
+
+    The speed baseline of sweeps (same implementation, so the ratio measures speculation alone);
+    correctness oracles use :func:`reference.oracle.greedy_decode` instead.
+    """
+    dev = target.device
+    state, fwd = target.prefill(torch.tensor(prompt_ids, dtype=torch.long, device=dev))
+    tok = int(fwd.logits[-1].argmax())
+    out = [tok]
+    one = torch.zeros(1, dtype=torch.long)
+    while len(out) < max_new_tokens and tok not in stop_token_ids:
+        fwd = target.forward(state, torch.tensor([tok]), one - 1, one)
+        state = state.commit(fwd, [0])
+        tok = int(fwd.logits[0].argmax())
+        out.append(tok)
+    return out

@@ -8,5 +8,5 @@ python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e ".[test,plots]"
 python -m pip install -q --no-deps "dflash==0.1.0"

@@ -31,8 +31,10 @@ def test_gate_passes_on_the_repository_goldens(monkeypatch, capsys):
     code, out, err = cli(monkeypatch, capsys, "gate", "--json")
     assert code == EXIT_PASS, err
     report = json.loads(out)
-    assert len(report["reports"]) >= 9
-    assert all(r["verdict"] == "pass" for r in report["reports"])
+    assert len(report["reports"]) >= 11
+    verdicts = {r["case"]: r["verdict"] for r in report["reports"]}
+    assert verdicts.pop("zlab-hybrid-chain") == "expected failure caught"  # z-lab's Cache.crop bug stays caught
+    assert set(verdicts.values()) == {"pass"}
 
 
 def test_diff_budget_15_against_goldens(monkeypatch, capsys):

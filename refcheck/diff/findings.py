@@ -57,6 +57,7 @@ class Report:
     findings: list[Finding] = field(default_factory=list)
     checks: Counter = field(default_factory=Counter)  # category -> checks made
     stats: dict = field(default_factory=dict)
+    expect_failure: str | None = None  # golden of a known-buggy engine: "fail" or "fail:CATEGORY"
 
     def check(self, category: str, n: int = 1) -> None:
         self.checks[category] += n
@@ -92,18 +93,36 @@ class Report:
         return out
 
     @property
+    def expected_failure_met(self) -> bool | None:
+        """For a known-buggy engine: was the expected failure (category) found? None otherwise."""
+        if self.expect_failure is None:
+            return None
+        wanted = self.expect_failure.split(":", 1)[1] if ":" in self.expect_failure else None
+        found = {f.category for f in self.failures}
+        return bool(found) and (wanted is None or wanted in found)
+
+    @property
     def exit_code(self) -> int:
+        if self.expect_failure is not None:
+            return EXIT_PASS if self.expected_failure_met else EXIT_MISMATCH
         if self.failures:
             return EXIT_MISMATCH
         if sum(self.checks.values()) == 0:
             return EXIT_NOTHING
         return EXIT_PASS
 
+    @property
+    def verdict(self) -> str:
+        if self.expect_failure is not None:
+            return "expected failure caught" if self.expected_failure_met else "expected failure NOT caught"
+        return "fail" if self.failures else ("nothing compared" if not self.checks else "pass")
+
     def to_json(self) -> dict:
         return {
             "case": self.case,
             "mode": self.mode,
-            "verdict": "fail" if self.failures else ("nothing compared" if not self.checks else "pass"),
+            "verdict": self.verdict,
+            "expect_failure": self.expect_failure,
             "counts": self.counts,
             "checks": dict(self.checks),
             "fail_categories": dict(Counter(f.category for f in self.failures)),
