@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from reference.treechunk import gated_delta_tree_chunk
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -102,11 +104,28 @@ def attention_tree(
     return AttentionOut(hidden=attn.o_proj(out), keys=k, values=v)
 
 
+class LazyStates:
+    """Per-node recurrent post-states rebuilt on demand from a tree chunk: ``states[node]``."""
+
+    __slots__ = ("chunk",)
+
+    def __init__(self, chunk) -> None:
+        self.chunk = chunk
+
+    def __getitem__(self, node) -> torch.Tensor:
+        return self.chunk.state(int(node))  # [HV, Dk, Dv]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        k, v = self.chunk._k, self.chunk._v_new
+        return (self.chunk.num_nodes, k.shape[0], k.shape[-1], v.shape[-1])
+
+
 @dataclass(slots=True)
 class DeltaNetOut:
     hidden: torch.Tensor  # [n, H]
     conv_windows: torch.Tensor  # [n, K-1, C] each node's conv state after it (oldest first)
-    states: torch.Tensor  # [n, HV, Dk, Dv] float32, each node's recurrent post-state
+    states: torch.Tensor | LazyStates  # [n, HV, Dk, Dv] float32, each node's recurrent post-state
 
 
 def _project(gdn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -158,12 +177,34 @@ def _depth_levels(parents: torch.Tensor, leaky: bool) -> tuple[torch.Tensor, lis
     if leaky:
         chain = torch.arange(-1, n - 1, device=parents.device)
         return chain, [torch.tensor([t], device=parents.device) for t in range(n)]
-    depth = torch.zeros(n, dtype=torch.long)
-    par = parents.cpu()
+    depth = [0] * n
+    par = parents.tolist()  # one host copy per tree (parents usually live on the host already)
     for t in range(n):
         depth[t] = 0 if par[t] < 0 else depth[par[t]] + 1
-    levels = [torch.nonzero(depth == d).flatten().to(parents.device) for d in range(int(depth.max()) + 1)]
+    by_level: list[list[int]] = [[] for _ in range(max(depth) + 1)]
+    for t, d in enumerate(depth):
+        by_level[d].append(t)
+    levels = [torch.tensor(ix, dtype=torch.long, device=parents.device) for ix in by_level]
     return parents, levels
+
+
+@dataclass(slots=True)
+class TreePlan:
+    """Index structures of one tree, computed once per forward and shared by every layer."""
+
+    parents: torch.Tensor  # [n] recurrence parents (the flat chain when leaky)
+    levels: list[torch.Tensor]  # node indices per depth level (device)
+    window_rows: dict[int, torch.Tensor]  # conv kernel size -> [n, K] rows into cat([conv_state, nodes])
+
+    @classmethod
+    def build(cls, parents: torch.Tensor, leaky: bool = False) -> "TreePlan":
+        rec_parents, levels = _depth_levels(parents, leaky)
+        return cls(rec_parents, levels, {})
+
+    def rows(self, kernel: int) -> torch.Tensor:
+        if kernel not in self.window_rows:
+            self.window_rows[kernel] = _window_rows(self.parents, kernel)
+        return self.window_rows[kernel]
 
 
 def deltanet_tree(
@@ -173,21 +214,27 @@ def deltanet_tree(
     conv_state: torch.Tensor,
     recurrent_state: torch.Tensor,
     leaky: bool = False,
+    method: str = "levels",
+    plan: TreePlan | None = None,
 ) -> DeltaNetOut:
     """Gated DeltaNet for n tree nodes with exact per-branch conv window and recurrent state.
 
     x: [n, H] (already input-layernormed); parents: [n] int64 (-1 = committed prefix);
     conv_state: [K-1, C] committed conv inputs; recurrent_state: [HV, Dk, Dv] float32.
+    method: "levels" (recurrence depth level by depth level, all per-node states materialised) or
+    "chunk" (the whole tree as one ancestor-masked chunk of the chunked delta rule,
+    reference/treechunk.py; per-node states rebuilt on demand). Both are exact.
     """
     n = x.shape[0]
     kernel = gdn.conv_kernel_size
     mixed, z, b, a = _project(gdn, x)
-    rec_parents, levels = _depth_levels(parents, leaky)
+    plan = plan or TreePlan.build(parents, leaky)
+    rec_parents, levels = plan.parents, plan.levels
 
     # Causal depthwise conv over each node's own path (conv in the weight dtype, as transformers).
     weight = gdn.conv1d.weight.squeeze(1)  # [C, K]
     rows = torch.cat([conv_state.to(mixed.dtype), mixed], dim=0)  # [K-1+n, C]
-    windows = rows[_window_rows(rec_parents, kernel)]  # [n, K, C]
+    windows = rows[plan.rows(kernel)]  # [n, K, C]
     conv = torch.einsum("nkc,ck->nc", windows.to(weight.dtype), weight)
     if gdn.conv1d.bias is not None:
         conv = conv + gdn.conv1d.bias
@@ -206,6 +253,13 @@ def deltanet_tree(
     # A_log and a in float32 so that exp/softplus cannot overflow in half precision.
     g = -gdn.A_log.float().exp() * F.softplus(a.float() + gdn.dt_bias)  # [n, HV]
 
+    if method == "chunk":
+        chunk = gated_delta_tree_chunk(q, k, v, g, beta, rec_parents, recurrent_state.float())
+        core = chunk.out.to(x.dtype).reshape(-1, gdn.head_v_dim)  # [n*HV, Dv]
+        out = gdn.norm(core, z.reshape(-1, gdn.head_v_dim)).reshape(n, -1)  # [n, HV*Dv]
+        return DeltaNetOut(hidden=gdn.out_proj(out), conv_windows=windows[:, 1:], states=LazyStates(chunk))
+    if method != "levels":
+        raise ValueError(f"unknown Gated DeltaNet tree method {method!r} (levels, chunk)")
     states = torch.empty(n, hv, gdn.head_k_dim, gdn.head_v_dim, dtype=torch.float32, device=x.device)
     core = torch.empty(n, hv, gdn.head_v_dim, dtype=torch.float32, device=x.device)
     start = recurrent_state.float().unsqueeze(0)  # [1, HV, Dk, Dv]

@@ -22,10 +22,12 @@ import torch
 
 from reference.compat import rope_position_ids
 from reference.errors import CheckpointError, PromptError, UnsupportedModelError
-from reference.layers import attention_tree, deltanet_tree
+from reference.layers import TreePlan, attention_tree, deltanet_tree
 from reference.state import TargetState, TreeForward
+from reference.treechunk import ancestor_matrix
 
 SUPPORTED_MODEL_TYPES = frozenset({"qwen3", "qwen3_5", "qwen3_5_text", "qwen3_next"})
+PREFILL_CHUNK = 64  # prompt tokens per prefill forward
 
 
 def read_config(path: Path) -> dict:
@@ -65,6 +67,9 @@ class Target:
         self.vocab_size: int = self.config.vocab_size
         self.hidden_size: int = self.config.hidden_size
         self.max_positions: int = self.config.max_position_embeddings
+        #: how Gated DeltaNet layers evaluate a tree: "levels" (depth by depth) or "chunk" (one
+        #: ancestor-masked chunk of the chunked delta rule, fast on GPUs); both exact.
+        self.gdn_method: str = "chunk"
 
     # -- loading ------------------------------------------------------------------------------
     @classmethod
@@ -146,7 +151,8 @@ class Target:
             raise PromptError(
                 f"position {int(positions.max())} exceeds the model's context of {self.max_positions} tokens"
             )
-        visible = _ancestor_or_self(parents)  # [n, n]
+        visible = ancestor_matrix(parents)  # [n, n] ancestor-or-self
+        plan = TreePlan.build(parents, leaky) if self.gdn_method == "levels" or leaky else TreePlan(parents, [], {})
 
         h = self.body.embed_tokens(tokens)  # [n, H]
         cos, sin = self.body.rotary_emb(h.unsqueeze(0), rope_position_ids(self.model_type, positions))
@@ -157,7 +163,8 @@ class Target:
         for i, layer in enumerate(self.layers):
             x = layer.input_layernorm(h)
             if self.is_linear(i):
-                out = deltanet_tree(layer.linear_attn, x, parents, state.conv[i], state.recurrent[i], leaky=leaky)
+                out = deltanet_tree(layer.linear_attn, x, parents, state.conv[i], state.recurrent[i], leaky=leaky,
+                                    method="levels" if leaky else self.gdn_method, plan=plan)
                 fwd.conv[i], fwd.recurrent[i] = out.conv_windows, out.states
             else:
                 out = attention_tree(layer.self_attn, x, cos, sin, state.keys[i], state.values[i], visible)
@@ -174,15 +181,27 @@ class Target:
         fwd.layer_outputs = outputs if keep_layer_outputs else None
         return fwd
 
-    def prefill(self, token_ids: torch.Tensor, capture: list[int] | tuple[int, ...] = ()) -> tuple[TargetState, TreeForward]:
-        """Run a prompt ([n] int64) as a chain from an empty state and commit all of it."""
+    def prefill(self, token_ids: torch.Tensor, capture: list[int] | tuple[int, ...] = (),
+                chunk: int = PREFILL_CHUNK) -> tuple[TargetState, TreeForward]:
+        """Run a prompt ([n] int64) as a chain from an empty state and commit all of it.
+
+        The chain goes through in pieces of ``chunk`` tokens (bounded memory for the tree-chunk
+        delta rule, like transformers' 64-token chunks); the returned forward holds the logits [n, V]
+        and drafter context [n, len(capture)*H] of every prompt position.
+        """
         n = int(token_ids.shape[0])
         if n == 0:
             raise PromptError("empty prompt")
         state = self.empty_state()
-        parents = torch.arange(-1, n - 1)
-        fwd = self.forward(state, token_ids, parents, torch.arange(n), capture=capture)
-        return state.commit(fwd, list(range(n))), fwd
+        logits, context = [], []
+        for lo in range(0, n, chunk):
+            piece = token_ids[lo : lo + chunk]
+            m = int(piece.shape[0])
+            fwd = self.forward(state, piece, torch.arange(-1, m - 1), torch.arange(m), capture=capture)
+            state = state.commit(fwd, list(range(m)))
+            logits.append(fwd.logits)
+            context.append(fwd.context)
+        return state, TreeForward(logits=torch.cat(logits), context=torch.cat(context))
 
 
 def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -191,14 +210,3 @@ def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(out, tuple):
         out = out[0]
     return out.reshape(x.shape)
-
-
-def _ancestor_or_self(parents: torch.Tensor) -> torch.Tensor:
-    """[n] parents (-1 = committed) -> [n, n] bool visibility, vis[i, j] = j on the path to i."""
-    n = parents.shape[0]
-    vis = torch.eye(n, dtype=torch.bool, device=parents.device)
-    par = parents.tolist()
-    for t in range(n):
-        if par[t] >= 0:
-            vis[t] |= vis[par[t]]
-    return vis

@@ -65,16 +65,18 @@ def _check_trap(tree, accepted):
 @pytest.mark.parametrize("which", ["hybrid", "attention", "qwen3_next"])
 def test_prefill_equals_transformers_forward(which, request):
     target = _tiny_qwen3_next() if which == "qwen3_next" else request.getfixturevalue(which)[0]
-    ids = torch.arange(3, 40) % target.vocab_size
+    ids = torch.arange(3, 150) % target.vocab_size  # > 2 prefill chunks
     _, fwd = target.prefill(ids)
     from reference.compat import full_forward_logits
 
     assert _close(fwd.logits, full_forward_logits(target.model, ids))
 
 
+@pytest.mark.parametrize("method", ["chunk", "levels"])
 @pytest.mark.parametrize("which", ["hybrid", "attention", "qwen3_next"])
-def test_exact_verify_equals_per_path_oracle_on_decoy_trees(which, request):
+def test_exact_verify_equals_per_path_oracle_on_decoy_trees(which, method, request, monkeypatch):
     target = request.getfixturevalue(which) if which == "qwen3_next" else request.getfixturevalue(which)[0]
+    monkeypatch.setattr(target, "gdn_method", method)
     prompt = [int(t) for t in (torch.arange(7, 31) * 5) % (target.vocab_size - 1)]
     state, tree = _decoy_tree(target, prompt)
     fwd = target.forward(state, tree.tokens, tree.parents, tree.depths)
@@ -106,11 +108,13 @@ def test_leaky_is_harmless_without_recurrent_layers(attention):
     assert torch.equal(leaky.logits, exact.logits)
 
 
+@pytest.mark.parametrize("method", ["chunk", "levels"])
 @pytest.mark.parametrize("which", ["hybrid", "attention"])
-def test_commit_equals_plain_prefill_of_committed_tokens(which, request):
+def test_commit_equals_plain_prefill_of_committed_tokens(which, method, request, monkeypatch):
     from reference.decode import DDTreeDecoder, DecodeConfig
 
     target, _ = request.getfixturevalue(which)
+    monkeypatch.setattr(target, "gdn_method", method)
     drafter = ScriptedDrafter(target.model, target.vocab_size, target.vocab_size - 1, block_size=8, seed=1)
     prompt = list(range(11, 30))
     res = DDTreeDecoder(target, drafter, DecodeConfig(budget=15, max_new_tokens=24, keep_states=True)).generate(prompt)

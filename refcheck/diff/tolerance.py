@@ -7,8 +7,9 @@ log-probs by absolute difference; tensors (KV, conv, recurrent state, layer outp
 L2 *and* cosine; an argmax flip is benign only when the reference's log-prob margin between its
 top-1 and the engine's token is under ``tie_margin``.
 
-fp32 values come from measurements (CPU: reference vs transformers <= 1e-5 relative; CUDA fp32:
-1e-5 relative on the H200). bf16 values come from the three-way calibration on the H200: the bf16
+fp32 values come from measurements (CPU: reference vs transformers <= 1e-5 relative; the two exact
+Gated DeltaNet tree methods, depth levels and one tree chunk, differ in node log-probs by up to
+1.2e-4 on the budget-64 goldens; CUDA fp32: 1e-5 relative on the H200). bf16 values come from the three-way calibration on the H200: the bf16
 reference (a correct engine) diffed by the fp32 reference on the built-in hybrid pair, budget 15,
 6 prompts x 64 tokens (`refcheck diff --engine reference --dtype bfloat16 --device cuda
 --ref-device cuda`): max tensor rel L2 0.19 (KV), 0.14 (recurrent), 0.13 (conv); min cosine 0.982;
@@ -38,7 +39,7 @@ class Tolerance:
 
 
 RULES: dict[tuple[str, str], Tolerance] = {
-    ("float32", "cpu"): Tolerance(1e-4, 1e-4, 1e-4, 0.99999, 1e-4),
+    ("float32", "cpu"): Tolerance(5e-4, 5e-4, 1e-4, 0.99999, 1e-4),
     ("float32", "cuda"): Tolerance(5e-4, 5e-4, 5e-4, 0.9999, 1e-3),
     ("bfloat16", "*"): Tolerance(1.5, 0.4, 0.25, 0.98, 0.7),
     ("float16", "*"): Tolerance(0.05, 0.05, 0.02, 0.999, 0.03),
