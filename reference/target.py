@@ -153,6 +153,7 @@ class Target:
             )
         visible = ancestor_matrix(parents)  # [n, n] ancestor-or-self
         plan = TreePlan.build(parents, leaky) if self.gdn_method == "levels" or leaky else TreePlan(parents, [], {})
+        # leaky + chunk = the flattened tree as one chunk of a chain: what a leaking engine computes
 
         h = self.body.embed_tokens(tokens)  # [n, H]
         cos, sin = self.body.rotary_emb(h.unsqueeze(0), rope_position_ids(self.model_type, positions))
@@ -164,7 +165,7 @@ class Target:
             x = layer.input_layernorm(h)
             if self.is_linear(i):
                 out = deltanet_tree(layer.linear_attn, x, parents, state.conv[i], state.recurrent[i], leaky=leaky,
-                                    method="levels" if leaky else self.gdn_method, plan=plan)
+                                    method=self.gdn_method, plan=plan)
                 fwd.conv[i], fwd.recurrent[i] = out.conv_windows, out.states
             else:
                 out = attention_tree(layer.self_attn, x, cos, sin, state.keys[i], state.values[i], visible)

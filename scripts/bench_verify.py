@@ -1,0 +1,189 @@
+#!/usr/bin/env python
+"""Benchmark the reference's exact tree verify at real scale, side by side with the leaky forward.
+
+    python scripts/bench_verify.py --shape qwen3.6-27b --device cuda --dtype bfloat16   # H200
+    python scripts/bench_verify.py --shape small --device cpu --dtype float32           # anywhere
+
+Builds a model of the given shape with random weights directly on the device (nothing downloaded),
+prefills a prefix, builds DDTree-shaped trees for each budget from peaked random draft log-probs, and
+prints in one run: the measured copy bandwidth and the weight-streaming floor; a plain decode step;
+the leaky masked forward (recurrent layers over the flattened tree as one chunk — the engine bug);
+the exact verify by depth levels and by one tree chunk; the commit; the end-to-end reference step
+(draft + tree + verify + walk + commit with a random DFlash drafter of the target's width); peak
+memory over the resident weights and state. Medians with min–max over repetitions (CUDA events on
+GPU), ratios to the floor and to the leaky forward. Eager only: the reference's forward plans each
+tree on the host, so it is not captured in CUDA graphs (see the README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+SHAPES = {
+    # Qwen3.6-27B: 64 layers (48 Gated DeltaNet + 16 gated full attention), hidden 5120, vocab 248320
+    "qwen3.6-27b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+                        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+                        linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320),
+    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+                  linear_key_head_dim=64, linear_value_head_dim=64, vocab_size=32000),
+}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def build(shape: str, dtype: torch.dtype, device: str):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from reference.target import Target
+
+    spec = dict(SHAPES[shape])
+    n = spec["num_hidden_layers"]
+    cfg = Qwen3_5TextConfig(**spec, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (n // 4),
+                            max_position_embeddings=8192, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # random weights are created directly in the model dtype, on the device
+    try:
+        with torch.device(device):
+            model = Qwen3_5ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    return Target(model.eval())
+
+
+def random_drafter(target, layers: int = 2):
+    from reference.drafter import DFlashDrafter, default_target_layer_ids
+
+    h = target.hidden_size
+    n_t = len(target.layers)
+    cfg = dict(hidden_size=h, intermediate_size=target.config.intermediate_size, num_hidden_layers=layers,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=target.vocab_size,
+               rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=8192, attention_bias=False,
+               num_target_layers=n_t,
+               dflash_config=dict(mask_token_id=0, block_size=16, target_layer_ids=default_target_layer_ids(n_t, 5)))
+    with torch.device(target.device):
+        d = DFlashDrafter(cfg, target)
+    return d.to(dtype=target.dtype).eval()
+
+
+class Timer:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn, reps: int, warmup: int = 2) -> list[float]:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(reps):
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(1e3 * (time.perf_counter() - t0))
+        return times
+
+
+def bandwidth(device: torch.device, timer: Timer) -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted)."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 26)
+    x = torch.randn(n // 4, device=device)
+    y = torch.empty_like(x)
+    ms = statistics.median(timer(lambda: y.copy_(x), 10))
+    return 2 * x.numel() * 4 / (ms / 1e3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    ap.add_argument("--prefix", type=int, default=512)
+    ap.add_argument("--budgets", default="15,64")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--level-reps", type=int, default=3, help="repetitions of the slow level-by-level verify")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from reference.tree import build_ddtree
+
+    dev = torch.device(args.device)
+    t0 = time.time()
+    target = build(args.shape, DTYPES[args.dtype], args.device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
+    timer = Timer(dev)
+    bw = bandwidth(dev, timer)
+    floor_ms = 1e3 * weight_bytes / bw
+    print(f"built {args.shape} ({weight_bytes / 1e9:.1f} GB) in {time.time() - t0:.1f} s; copy bandwidth "
+          f"{bw / 1e12:.2f} TB/s; weight-streaming floor {floor_ms:.2f} ms", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, target.vocab_size, (args.prefix,), generator=gen)
+    drafter = random_drafter(target)
+    with torch.no_grad():
+        state, pf = target.prefill(prompt.to(dev), capture=tuple(drafter.target_layer_ids))
+        drafter.extend(pf.context, torch.arange(args.prefix, device=dev), prompt.to(dev))
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    resident = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
+    rows = []
+
+    def add(name: str, budget, times: list[float], leaky_ms: float | None = None, extra: dict | None = None):
+        med = statistics.median(times)
+        row = {"what": name, "budget": budget, "median_ms": med, "min_ms": min(times), "max_ms": max(times),
+               "x_floor": med / floor_ms, "x_leaky": (med / leaky_ms) if leaky_ms else None, **(extra or {})}
+        rows.append(row)
+        lk = f"{row['x_leaky']:.2f}× leaky" if row["x_leaky"] else ""
+        print(f"{name:28s} B={str(budget):>4s} {med:9.2f} ms [{min(times):.2f}–{max(times):.2f}] "
+              f"{row['x_floor']:6.2f}× floor {lk}", flush=True)
+
+    one = torch.zeros(1, dtype=torch.long)
+    with torch.no_grad():
+        add("decode step (1 token)", "-", timer(lambda: target.forward(state, one + 7, one - 1, one), args.reps))
+        for b in [int(x) for x in args.budgets.split(",")]:
+            lp = torch.log_softmax(3 * torch.randn(15, target.vocab_size, generator=gen), dim=-1)
+            tree = build_ddtree(int(prompt[-1]), lp, b)
+            tt, tp, td = tree.tokens.to(dev), tree.parents.to(dev), tree.depths.to(dev)
+            target.gdn_method = "chunk"
+            leaky = timer(lambda: target.forward(state, tt, tp, td, leaky=True), args.reps)
+            leaky_ms = statistics.median(leaky)
+            add("leaky masked forward", b, leaky)
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            chunk = timer(lambda: target.forward(state, tt, tp, td), args.reps)
+            peak = (torch.cuda.max_memory_allocated() - resident) / 1e9 if dev.type == "cuda" else None
+            add("exact verify: tree chunk", b, chunk, leaky_ms, {"peak_extra_gb": peak})
+            fwd = target.forward(state, tt, tp, td)
+            path = tree.path(int(tree.depths.argmax()))
+            add("commit", b, timer(lambda: state.commit(fwd, path), args.reps))
+            target.gdn_method = "levels"
+            add("exact verify: depth levels", b, timer(lambda: target.forward(state, tt, tp, td), args.level_reps, 1),
+                leaky_ms)
+            target.gdn_method = "chunk"
+
+            def step():
+                lp2 = drafter.propose(int(prompt[-1]), state.length)
+                tr = build_ddtree(int(prompt[-1]), lp2, b)
+                f = target.forward(state, tr.tokens, tr.parents, tr.depths, capture=tuple(drafter.target_layer_ids))
+                acc = tr.walk_greedy(f.logits.argmax(-1).cpu())
+                state.commit(f, acc)
+
+            add("reference step (end to end)", b, timer(step, max(3, args.reps // 2)), leaky_ms)
+    out = {"shape": args.shape, "dtype": args.dtype, "device": str(dev), "prefix": args.prefix,
+           "weight_gb": weight_bytes / 1e9, "bandwidth_tb_s": bw / 1e12, "floor_ms": floor_ms, "rows": rows,
+           "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None, "torch": torch.__version__}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
