@@ -53,3 +53,20 @@ def attention():
 @pytest.fixture(params=["hybrid", "attention"])
 def pair(request):
     return request.getfixturevalue(request.param)
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """Run the refcheck console entry in-process: cli(*args) -> (exit code, stdout, stderr)."""
+    import sys
+
+    from refcheck.cli import entry
+
+    def run(*args: str) -> tuple[int, str, str]:
+        monkeypatch.setattr(sys, "argv", ["refcheck", *args])
+        with pytest.raises(SystemExit) as exc:
+            entry()
+        out = capsys.readouterr()
+        return int(exc.value.code or 0), out.out, out.err
+
+    return run

@@ -4,22 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-from refcheck.cli import entry
 from refcheck.errors import EXIT_MODEL, EXIT_PASS, EXIT_USAGE
 from refcheck.models import builtin_pair
 
 
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["refcheck", *args])
-    with pytest.raises(SystemExit) as exc:
-        entry()
-    out = capsys.readouterr()
-    return int(exc.value.code or 0), out.out, out.err
 
 
 @pytest.fixture
@@ -30,8 +22,8 @@ def small_prompts(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("budget", ["15", "chain"])
-def test_run_json_check_ar(monkeypatch, capsys, small_prompts, budget):
-    code, out, _ = run_cli(monkeypatch, capsys, "run", "--budget", budget, "--check-ar", "--json",
+def test_run_json_check_ar(cli, monkeypatch, small_prompts, budget):
+    code, out, _ = cli("run", "--budget", budget, "--check-ar", "--json",
                            "--prompts", str(small_prompts), "--max-new-tokens", "12")
     assert code == EXIT_PASS
     report = json.loads(out)  # stdout is only JSON
@@ -40,8 +32,8 @@ def test_run_json_check_ar(monkeypatch, capsys, small_prompts, budget):
     assert report["mean_tau"] >= 1.0
 
 
-def test_run_builtin_scripted_shows_deep_acceptance(monkeypatch, capsys):
-    code, out, _ = run_cli(monkeypatch, capsys, "run", "--drafter", "scripted", "--json", "--check-ar",
+def test_run_builtin_scripted_shows_deep_acceptance(cli, monkeypatch):
+    code, out, _ = cli("run", "--drafter", "scripted", "--json", "--check-ar",
                            "--max-new-tokens", "16")
     assert code == EXIT_PASS
     report = json.loads(out)
@@ -81,7 +73,7 @@ def _edit(path: Path, **changes) -> None:
         ("unknown_engine", EXIT_USAGE, "engine"),
     ],
 )
-def test_bad_input(monkeypatch, capsys, tmp_path, case, expect_code, expect_msg):
+def test_bad_input(cli, monkeypatch, tmp_path, case, expect_code, expect_msg):
     t, d = _copy_pair(tmp_path)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "a", "prompt_ids": [5, 6, 7]}\n')
@@ -112,7 +104,7 @@ def test_bad_input(monkeypatch, capsys, tmp_path, case, expect_code, expect_msg)
         prompts.unlink()
     elif case == "unknown_engine":
         args += ["--engine", "vllm"]
-    code, out, err = run_cli(monkeypatch, capsys, *args)
+    code, out, err = cli(*args)
     assert code == expect_code, err
     assert expect_msg in err
     assert "Traceback" not in err and out == ""

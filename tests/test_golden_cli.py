@@ -6,29 +6,21 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
 from refcheck import golden as golden_mod
-from refcheck.cli import entry
 from refcheck.errors import (EXIT_CORRUPT, EXIT_GOLDEN, EXIT_MISMATCH, EXIT_NOTHING, EXIT_PASS, EXIT_USAGE)
 from refcheck.golden import REPO_GOLDEN
 from refcheck.trace.io import RequestRow, Trace, read_trace, write_trace
 from refcheck.trace.manifest import load_manifest, sha256_file
 
 
-def cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["refcheck", *args])
-    with pytest.raises(SystemExit) as exc:
-        entry()
-    out = capsys.readouterr()
-    return int(exc.value.code or 0), out.out, out.err
 
 
-def test_gate_passes_on_the_repository_goldens(monkeypatch, capsys):
-    code, out, err = cli(monkeypatch, capsys, "gate", "--json")
+def test_gate_passes_on_the_repository_goldens(cli, monkeypatch):
+    code, out, err = cli("gate", "--json")
     assert code == EXIT_PASS, err
     report = json.loads(out)
     assert len(report["reports"]) >= 11
@@ -37,25 +29,25 @@ def test_gate_passes_on_the_repository_goldens(monkeypatch, capsys):
     assert set(verdicts.values()) == {"pass"}
 
 
-def test_diff_budget_15_against_goldens(monkeypatch, capsys):
-    code, out, err = cli(monkeypatch, capsys, "diff", "--budget", "15", "--json")
+def test_diff_budget_15_against_goldens(cli, monkeypatch):
+    code, out, err = cli("diff", "--budget", "15", "--json")
     assert code == EXIT_PASS, err
     cases = {r["case"] for r in json.loads(out)["reports"]}
     assert cases == {"hybrid-b15", "hybrid-b15-scripted"}
 
 
-def test_diff_live_fault_engine_fails(monkeypatch, capsys, tmp_path):
+def test_diff_live_fault_engine_fails(cli, monkeypatch, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "a", "prompt_ids": [30, 31, 32, 33, 34, 35, 36, 37]}\n')
-    code, out, _ = cli(monkeypatch, capsys, "diff", "--engine", "fault:sibling-leak", "--drafter", "scripted",
+    code, out, _ = cli("diff", "--engine", "fault:sibling-leak", "--drafter", "scripted",
                        "--prompts", str(prompts), "--max-new-tokens", "16", "--json")
     assert code == EXIT_MISMATCH
     rep = json.loads(out)["reports"][0]
     assert rep["verdict"] == "fail" and rep["first_divergence"]["a"]["category"] == "logits"
 
 
-def test_unknown_engine_is_usage(monkeypatch, capsys):
-    code, _, err = cli(monkeypatch, capsys, "diff", "--engine", "vllm")
+def test_unknown_engine_is_usage(cli, monkeypatch):
+    code, _, err = cli("diff", "--engine", "vllm")
     assert code == EXIT_USAGE and "unknown engine" in err
 
 
@@ -67,35 +59,35 @@ def small_golden(tmp_path, monkeypatch):
     return gdir
 
 
-def test_regen_review_accept_and_history(monkeypatch, capsys, small_golden):
+def test_regen_review_accept_and_history(cli, monkeypatch, small_golden):
     gdir = small_golden
-    code, _, err = cli(monkeypatch, capsys, "golden", "regen", "--case", "tiny", "--golden", str(gdir))
+    code, _, err = cli("golden", "regen", "--case", "tiny", "--golden", str(gdir))
     assert code == EXIT_GOLDEN and "--accept" in err
     assert (gdir / "tiny.arrow.pending").is_file() and not (gdir / "tiny.arrow").exists()
-    code, _, _ = cli(monkeypatch, capsys, "golden", "regen", "--case", "tiny", "--golden", str(gdir), "--accept")
+    code, _, _ = cli("golden", "regen", "--case", "tiny", "--golden", str(gdir), "--accept")
     assert code == EXIT_PASS and not (gdir / "tiny.arrow.pending").exists()
     first = (gdir / "tiny.arrow").read_bytes()
     # a change (here: the case decodes more tokens) needs review: without --accept nothing is replaced
     monkeypatch.setitem(golden_mod.GOLDEN_CASES, "tiny", golden_mod.GoldenCase("tiny", "hybrid", 4, max_new_tokens=9))
-    code, out, _ = cli(monkeypatch, capsys, "golden", "regen", "--case", "tiny", "--golden", str(gdir), "--json")
+    code, out, _ = cli("golden", "regen", "--case", "tiny", "--golden", str(gdir), "--json")
     assert code == EXIT_GOLDEN and (gdir / "tiny.arrow").read_bytes() == first
     review = json.loads(out)["reviews"][0]
     assert review["status"] == "changed" and any("max_new_tokens" in c for c in review["provenance_changes"])
-    code, _, err = cli(monkeypatch, capsys, "golden", "regen", "--case", "tiny", "--golden", str(gdir), "--accept")
+    code, _, err = cli("golden", "regen", "--case", "tiny", "--golden", str(gdir), "--accept")
     assert code == EXIT_USAGE and "--reason" in err and (gdir / "tiny.arrow").read_bytes() == first
-    code, _, _ = cli(monkeypatch, capsys, "golden", "regen", "--case", "tiny", "--golden", str(gdir), "--accept",
+    code, _, _ = cli("golden", "regen", "--case", "tiny", "--golden", str(gdir), "--accept",
                      "--reason", "longer outputs")
     assert code == EXIT_PASS
     entry_ = load_manifest(gdir).cases["tiny"]
     assert entry_.history and entry_.history[-1].reason == "longer outputs"
     assert entry_.sha256 == sha256_file(gdir / "tiny.arrow")
-    code, _, _ = cli(monkeypatch, capsys, "gate", str(gdir))
+    code, _, _ = cli("gate", str(gdir))
     assert code == EXIT_PASS
 
 
-def test_interrupted_regen_keeps_the_old_golden(monkeypatch, capsys, small_golden):
+def test_interrupted_regen_keeps_the_old_golden(cli, monkeypatch, small_golden):
     gdir = small_golden
-    assert cli(monkeypatch, capsys, "golden", "regen", "--case", "tiny", "--golden", str(gdir), "--accept")[0] == 0
+    assert cli("golden", "regen", "--case", "tiny", "--golden", str(gdir), "--accept")[0] == 0
     before = (gdir / "tiny.arrow").read_bytes()
     manifest_before = (gdir / "MANIFEST.json").read_bytes()
     monkeypatch.setitem(golden_mod.GOLDEN_CASES, "tiny", golden_mod.GoldenCase("tiny", "hybrid", 4, max_new_tokens=9))
@@ -121,22 +113,22 @@ def _copy_case(tmp_path: Path, case: str = "hybrid-b1") -> Path:
     return gdir
 
 
-def test_verify_checksum_mismatch_and_missing(monkeypatch, capsys, tmp_path):
+def test_verify_checksum_mismatch_and_missing(cli, monkeypatch, tmp_path):
     gdir = _copy_case(tmp_path)
-    assert cli(monkeypatch, capsys, "golden", "verify", "--golden", str(gdir))[0] == EXIT_PASS
+    assert cli("golden", "verify", "--golden", str(gdir))[0] == EXIT_PASS
     f = gdir / "hybrid-b1.arrow"
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))
-    code, _, err = cli(monkeypatch, capsys, "golden", "verify", "--golden", str(gdir))
+    code, _, err = cli("golden", "verify", "--golden", str(gdir))
     assert code == EXIT_CORRUPT and "sha256" in err
-    assert cli(monkeypatch, capsys, "gate", str(gdir))[0] == EXIT_CORRUPT
+    assert cli("gate", str(gdir))[0] == EXIT_CORRUPT
     f.unlink()
-    code, _, err = cli(monkeypatch, capsys, "gate", str(gdir))
+    code, _, err = cli("gate", str(gdir))
     assert code == EXIT_GOLDEN and "missing" in err
 
 
-def test_stale_golden(monkeypatch, capsys, tmp_path):
+def test_stale_golden(cli, monkeypatch, tmp_path):
     gdir = _copy_case(tmp_path)
     t = read_trace(gdir / "hybrid-b1.arrow")
     t.provenance["model_sha256"] = "0" * 64
@@ -144,18 +136,18 @@ def test_stale_golden(monkeypatch, capsys, tmp_path):
     m = load_manifest(gdir)
     m.record("hybrid-b1", "hybrid-b1.arrow", sha256_file(gdir / "hybrid-b1.arrow"), n, m.cases["hybrid-b1"].provenance, "test")
     m.save(gdir)
-    code, _, err = cli(monkeypatch, capsys, "gate", str(gdir))
+    code, _, err = cli("gate", str(gdir))
     assert code == EXIT_GOLDEN and "stale" in err and "model_sha256" in err
 
 
-def test_no_golden_for_budget(monkeypatch, capsys, tmp_path):
+def test_no_golden_for_budget(cli, monkeypatch, tmp_path):
     gdir = _copy_case(tmp_path)
-    code, _, err = cli(monkeypatch, capsys, "diff", "--budget", "7", "--golden", str(gdir))
+    code, _, err = cli("diff", "--budget", "7", "--golden", str(gdir))
     assert code == EXIT_GOLDEN and "no golden trace for budget 7" in err
 
 
 @pytest.mark.parametrize("damage", ["truncated", "magic", "empty", "missing"])
-def test_diff_against_bad_trace(monkeypatch, capsys, tmp_path, damage):
+def test_diff_against_bad_trace(cli, monkeypatch, tmp_path, damage):
     src = REPO_GOLDEN / "hybrid-b1.arrow"
     bad = tmp_path / "bad.arrow"
     if damage == "truncated":
@@ -164,21 +156,21 @@ def test_diff_against_bad_trace(monkeypatch, capsys, tmp_path, damage):
         bad.write_text("this is not an arrow file\n")
     elif damage == "empty":
         bad.write_bytes(b"")
-    code, out, err = cli(monkeypatch, capsys, "diff", "--against", str(bad))
+    code, out, err = cli("diff", "--against", str(bad))
     assert code == (EXIT_GOLDEN if damage == "missing" else EXIT_CORRUPT), err
     assert "Traceback" not in err and out == ""
 
 
-def test_nothing_compared(monkeypatch, capsys, tmp_path):
+def test_nothing_compared(cli, monkeypatch, tmp_path):
     t = read_trace(REPO_GOLDEN / "hybrid-b1.arrow")
     empty = dataclasses.replace(t, requests=[RequestRow("x", "prose", [5, 6, 7], [], [])], steps=[])
     write_trace(empty, tmp_path / "e.arrow")
-    code, _, _ = cli(monkeypatch, capsys, "diff", "--against", str(tmp_path / "e.arrow"))
+    code, _, _ = cli("diff", "--against", str(tmp_path / "e.arrow"))
     assert code == EXIT_NOTHING
 
 
-def test_trace_show(monkeypatch, capsys):
-    code, out, _ = cli(monkeypatch, capsys, "trace", "show", str(REPO_GOLDEN / "hybrid-b15.arrow"), "--json")
+def test_trace_show(cli, monkeypatch):
+    code, out, _ = cli("trace", "show", str(REPO_GOLDEN / "hybrid-b15.arrow"), "--json")
     info = json.loads(out)
     assert code == EXIT_PASS and info["steps"] > 0 and info["provenance"]["budget"] == 15
 

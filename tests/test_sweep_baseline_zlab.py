@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from refcheck.cli import entry
 from refcheck.diff.session import DiffSession
 from refcheck.errors import EXIT_MISMATCH, EXIT_NOTHING, EXIT_PASS, EXIT_USAGE
 from refcheck.golden import REPO_GOLDEN
@@ -18,12 +17,6 @@ from refcheck.runners.reference import EngineSpec
 from refcheck.trace.io import read_trace, write_trace
 
 
-def cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["refcheck", *args])
-    with pytest.raises(SystemExit) as exc:
-        entry()
-    out = capsys.readouterr()
-    return int(exc.value.code or 0), out.out, out.err
 
 
 @pytest.fixture
@@ -34,9 +27,9 @@ def prompts_file(tmp_path: Path) -> Path:
     return p
 
 
-def test_sweep_writes_table_json_and_plots(monkeypatch, capsys, tmp_path, prompts_file):
+def test_sweep_writes_table_json_and_plots(cli, monkeypatch, tmp_path, prompts_file):
     out = tmp_path / "sweep"
-    code, stdout, err = cli(monkeypatch, capsys, "sweep", "--budgets", "chain,4,15", "--max-new-tokens", "16",
+    code, stdout, err = cli("sweep", "--budgets", "chain,4,15", "--max-new-tokens", "16",
                             "--prompts", str(prompts_file), "--out", str(out), "--repeats", "2", "--json")
     assert code == EXIT_PASS, err
     result = json.loads(stdout)
@@ -50,30 +43,30 @@ def test_sweep_writes_table_json_and_plots(monkeypatch, capsys, tmp_path, prompt
 
 
 @pytest.mark.parametrize("budgets", ["1,x", "-3", "", "4,,"])
-def test_sweep_malformed_budgets(monkeypatch, capsys, budgets):
-    code, _, err = cli(monkeypatch, capsys, "sweep", "--budgets", budgets, "--no-plots")
+def test_sweep_malformed_budgets(cli, monkeypatch, budgets):
+    code, _, err = cli("sweep", "--budgets", budgets, "--no-plots")
     assert code == EXIT_USAGE and "--budgets" in err
 
 
-def test_sweep_without_plotting_backend(monkeypatch, capsys, tmp_path):
+def test_sweep_without_plotting_backend(cli, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    code, _, err = cli(monkeypatch, capsys, "sweep", "--budgets", "4", "--out", str(tmp_path))
+    code, _, err = cli("sweep", "--budgets", "4", "--out", str(tmp_path))
     assert code == EXIT_USAGE and "plotting backend missing" in err
 
 
-def test_baseline_fail_nomatch_unknown_and_empty(monkeypatch, capsys, tmp_path):
+def test_baseline_fail_nomatch_unknown_and_empty(cli, monkeypatch, tmp_path):
     trace = str(REPO_GOLDEN / "hybrid-b15.arrow")
-    code, out, _ = cli(monkeypatch, capsys, "baseline", trace, "--source", "ddtree_table1", "--model", "Qwen3-8B",
+    code, out, _ = cli("baseline", trace, "--source", "ddtree_table1", "--model", "Qwen3-8B",
                        "--dataset", "MATH-500", "--json")
     rep = json.loads(out)
     assert code == EXIT_MISMATCH and rep["verdict"]["verdict"] == "FAIL" and rep["baseline"]["tau"] == 10.73
-    code, _, err = cli(monkeypatch, capsys, "baseline", trace, "--model", "Qwen3-8B", "--dataset", "NOPE")
+    code, _, err = cli("baseline", trace, "--model", "Qwen3-8B", "--dataset", "NOPE")
     assert code == EXIT_USAGE and "no baseline matches" in err
-    code, _, err = cli(monkeypatch, capsys, "baseline", trace, "--source", "nope")
+    code, _, err = cli("baseline", trace, "--source", "nope")
     assert code == EXIT_USAGE and "unknown baseline" in err
     t = read_trace(REPO_GOLDEN / "hybrid-b15.arrow")
     write_trace(dataclasses.replace(t, steps=[]), tmp_path / "nosteps.arrow")
-    code, _, _ = cli(monkeypatch, capsys, "baseline", str(tmp_path / "nosteps.arrow"), "--model", "Qwen3-8B")
+    code, _, _ = cli("baseline", str(tmp_path / "nosteps.arrow"), "--model", "Qwen3-8B")
     assert code == EXIT_NOTHING
 
 
@@ -101,6 +94,6 @@ def test_zlab_is_flagged_on_hybrid_target(zlab):
     assert all(f.step is not None and f.step >= 1 for f in first.values())  # step 0 starts from a clean prefill
 
 
-def test_zlab_needs_chain(monkeypatch, capsys):
-    code, _, err = cli(monkeypatch, capsys, "diff", "--engine", "zlab", "--budget", "15")
+def test_zlab_needs_chain(cli, monkeypatch):
+    code, _, err = cli("diff", "--engine", "zlab", "--budget", "15")
     assert code == EXIT_USAGE and "chain" in err
