@@ -15,6 +15,7 @@ HF model to ~1e-6 (tests/test_target.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from reference.compat import rope_position_ids
 from reference.errors import CheckpointError, PromptError, UnsupportedModelError
 from reference.layers import TreePlan, attention_tree, deltanet_tree
 from reference.state import TargetState, TreeForward
-from reference.treechunk import ancestor_matrix
+from reference.treechunk import ancestor_matrix, unchecked
 
 SUPPORTED_MODEL_TYPES = frozenset({"qwen3", "qwen3_5", "qwen3_5_text", "qwen3_next"})
 PREFILL_CHUNK = 64  # prompt tokens per prefill forward
@@ -131,6 +132,7 @@ class Target:
         capture: list[int] | tuple[int, ...] = (),
         leaky: bool = False,
         keep_layer_outputs: bool = False,
+        validate: bool = True,
     ) -> TreeForward:
         """Evaluate n nodes below ``state``.
 
@@ -138,22 +140,30 @@ class Target:
         depths[t] >= 0 with position = state.length + depths[t]. ``capture`` lists target layer ids
         whose outputs (hidden state after that layer) are concatenated into ``context``.
         ``leaky`` runs the recurrent layers over the flattened order (a known engine bug).
+        ``validate=False`` skips the host-side input checks (for CUDA-graph capture, where reading a
+        device value on the host is not allowed); with the "chunk" method the forward then never
+        synchronises.
         """
         dev = self.device
         tokens, parents, depths = (t.to(dev, torch.long) for t in (tokens, parents, depths))
         n = tokens.shape[0]
         if n == 0:
             raise PromptError("nothing to evaluate: zero tokens")
-        if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
-            raise PromptError(f"token id out of range [0, {self.vocab_size})")
         positions = state.length + depths  # [n]
-        if int(positions.max()) >= self.max_positions:
-            raise PromptError(
-                f"position {int(positions.max())} exceeds the model's context of {self.max_positions} tokens"
-            )
+        if validate:
+            if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
+                raise PromptError(f"token id out of range [0, {self.vocab_size})")
+            if int(positions.max()) >= self.max_positions:
+                raise PromptError(
+                    f"position {int(positions.max())} exceeds the model's context of {self.max_positions} tokens"
+                )
+        with contextlib.nullcontext() if validate else unchecked():
+            return self._forward(state, tokens, parents, positions, capture, leaky, keep_layer_outputs)
+
+    def _forward(self, state, tokens, parents, positions, capture, leaky, keep_layer_outputs) -> TreeForward:
         visible = ancestor_matrix(parents)  # [n, n] ancestor-or-self
-        plan = TreePlan.build(parents, leaky) if self.gdn_method == "levels" or leaky else TreePlan(parents, [], {})
         # leaky + chunk = the flattened tree as one chunk of a chain: what a leaking engine computes
+        plan = TreePlan.build(parents, leaky, need_levels=self.gdn_method == "levels")
 
         h = self.body.embed_tokens(tokens)  # [n, H]
         cos, sin = self.body.rotary_emb(h.unsqueeze(0), rope_position_ids(self.model_type, positions))

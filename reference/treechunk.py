@@ -45,6 +45,7 @@ Results are in the inputs' dtype and on their device. Bad shapes, dtypes or pare
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +62,19 @@ _FLOAT_DTYPES = (torch.float32, torch.float64)
 
 
 # ------------------------------------------------------------------------------------- validation
+_VALIDATE = [True]  # value checks read tensors on the host: off while a CUDA graph is captured
+
+
+@contextmanager
+def unchecked():
+    """Skip the host-side value checks of parents (they synchronise the device; graphs forbid it)."""
+    _VALIDATE[0] = False
+    try:
+        yield
+    finally:
+        _VALIDATE[0] = True
+
+
 def _check_parents(parents: torch.Tensor) -> torch.Tensor:
     """Validate a topological parent vector; return it as int64 (same device)."""
     if not isinstance(parents, torch.Tensor) or parents.dim() != 1:
@@ -71,7 +85,7 @@ def _check_parents(parents: torch.Tensor) -> torch.Tensor:
     # int64 so that it can be used directly as an index tensor.
     parents = parents.to(torch.int64)
     n = parents.shape[0]
-    if n:
+    if n and _VALIDATE[0]:
         idx = torch.arange(n, device=parents.device)
         bad = (parents < -1) | (parents >= idx)
         if bool(bad.any()):

@@ -94,6 +94,20 @@ class Timer:
         return times
 
 
+def graphed(fn):
+    """Capture fn (one no-sync forward) in a CUDA graph; returns the replay callable."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def bandwidth(device: torch.device, timer: Timer) -> float:
     """Bytes/s of a large device-to-device copy (read + write counted)."""
     n = (1 << 30) if device.type == "cuda" else (1 << 26)
@@ -113,6 +127,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--level-reps", type=int, default=3, help="repetitions of the slow level-by-level verify")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-graphs", action="store_true")
     args = ap.parse_args()
     from reference.tree import build_ddtree
 
@@ -145,9 +160,23 @@ def main() -> None:
         print(f"{name:28s} B={str(budget):>4s} {med:9.2f} ms [{min(times):.2f}–{max(times):.2f}] "
               f"{row['x_floor']:6.2f}× floor {lk}", flush=True)
 
-    one = torch.zeros(1, dtype=torch.long)
+    one = torch.zeros(1, dtype=torch.long, device=dev)
+
+    def try_graph(name, budget, fn, leaky_ms=None):
+        if dev.type != "cuda" or args.no_graphs:
+            return None
+        try:
+            times = timer(graphed(fn), args.reps)
+        except Exception as exc:  # noqa: BLE001 - a benchmark row, not a crash: report why
+            print(f"{name:28s} B={str(budget):>4s} capture failed: {type(exc).__name__}: {exc}", flush=True)
+            rows.append({"what": name, "budget": budget, "error": f"{type(exc).__name__}: {exc}"})
+            return None
+        add(name, budget, times, leaky_ms)
+        return statistics.median(times)
+
     with torch.no_grad():
         add("decode step (1 token)", "-", timer(lambda: target.forward(state, one + 7, one - 1, one), args.reps))
+        try_graph("decode step, graphed", "-", lambda: target.forward(state, one + 7, one - 1, one, validate=False))
         for b in [int(x) for x in args.budgets.split(",")]:
             lp = torch.log_softmax(3 * torch.randn(15, target.vocab_size, generator=gen), dim=-1)
             tree = build_ddtree(int(prompt[-1]), lp, b)
@@ -161,6 +190,9 @@ def main() -> None:
             chunk = timer(lambda: target.forward(state, tt, tp, td), args.reps)
             peak = (torch.cuda.max_memory_allocated() - resident) / 1e9 if dev.type == "cuda" else None
             add("exact verify: tree chunk", b, chunk, leaky_ms, {"peak_extra_gb": peak})
+            g_leaky = try_graph("leaky forward, graphed", b, lambda: target.forward(state, tt, tp, td, leaky=True,
+                                                                                   validate=False))
+            try_graph("exact tree chunk, graphed", b, lambda: target.forward(state, tt, tp, td, validate=False), g_leaky)
             fwd = target.forward(state, tt, tp, td)
             path = tree.path(int(tree.depths.argmax()))
             add("commit", b, timer(lambda: state.commit(fwd, path), args.reps))
