@@ -116,7 +116,7 @@ class DFlashDrafter(nn.Module):
 
     # -- loading ------------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | Path, target: Target) -> "DFlashDrafter":
+    def load(cls, path: str | Path, target: Target) -> DFlashDrafter:
         path = Path(path)
         if not path.is_dir():
             raise CheckpointError(f"draft checkpoint directory not found: {path}")

@@ -197,7 +197,7 @@ class TreePlan:
     window_rows: dict[int, torch.Tensor]  # conv kernel size -> [n, K] rows into cat([conv_state, nodes])
 
     @classmethod
-    def build(cls, parents: torch.Tensor, leaky: bool = False, need_levels: bool = True) -> "TreePlan":
+    def build(cls, parents: torch.Tensor, leaky: bool = False, need_levels: bool = True) -> TreePlan:
         """need_levels=False (tree-chunk method) builds nothing on the host, so it can be graphed."""
         if not need_levels:
             n = parents.shape[0]

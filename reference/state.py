@@ -38,7 +38,7 @@ class TargetState:
     conv: list[torch.Tensor | None]
     recurrent: list[torch.Tensor | None]
 
-    def commit(self, fwd: TreeForward, path: list[int]) -> "TargetState":
+    def commit(self, fwd: TreeForward, path: list[int]) -> TargetState:
         """State after accepting ``path`` (node indices, root first) of ``fwd``'s nodes."""
         if not path:
             return self

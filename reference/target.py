@@ -74,7 +74,7 @@ class Target:
 
     # -- loading ------------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "Target":
+    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Target:
         from transformers import AutoModelForCausalLM
 
         cfg = read_config(Path(path))

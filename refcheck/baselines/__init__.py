@@ -52,7 +52,7 @@ import difflib
 import math
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Iterable
+from collections.abc import Iterable
 
 from refcheck.errors import UsageError
 

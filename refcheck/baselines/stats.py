@@ -11,7 +11,7 @@ The mean acceptance length is the pooled ratio ``sum(all taus) / n_steps`` (what
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -65,7 +65,7 @@ class Report:
     def add(self, finding: Finding) -> None:
         self.findings.append(finding)
 
-    def merge(self, other: "Report") -> None:
+    def merge(self, other: Report) -> None:
         self.findings += other.findings
         self.checks.update(other.checks)
 
