@@ -152,10 +152,12 @@ def _print_run_table(report: dict) -> None:
 
 
 def _engine_decoder(engine: str):
-    """Decoder class for a live engine name: the reference or one of the injected faults."""
+    """Decoder class for a live engine name: the reference or one of the injected faults (zlab: None)."""
     from reference.decode import DDTreeDecoder
     from refcheck.selftest.faults import FAULTS
 
+    if engine == "zlab":
+        return None
     if engine == "reference":
         return DDTreeDecoder
     if engine.startswith("fault:") and engine[6:] in FAULTS:
@@ -212,9 +214,11 @@ def _finish(reports, as_json: bool, extra: dict | None = None) -> None:
 @click.option("--ref-dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True)
 @click.option("--ref-device", default="cpu", show_default=True)
 @click.option("--save-trace", type=click.Path(path_type=Path), default=None, help="Write the live engine's trace here.")
+@click.option("--workers", "--gpus", "workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Processes to spread the prompts over (one per GPU: worker i uses cuda:i).")
 @model_options
-def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, model_dir, draft_dir, pair, prompts_file,
-         budget, max_new_tokens, dtype, device, drafter, stop_ids, as_json):
+def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, workers, model_dir, draft_dir, pair,
+         prompts_file, budget, max_new_tokens, dtype, device, drafter, stop_ids, as_json):
     """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
 
     With no --engine / --against: the golden engine traces in golden/ for this budget and pair."""
@@ -225,20 +229,20 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, m
     session = DiffSession()
     reports = []
     if engine:
+        from refcheck.parallel import engine_shard, merge_reports, merge_traces, run_parallel, split
+        from refcheck.trace.io import trace_from_bytes
+
         spec = _spec(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids)
         prompts = load_prompts(prompts_file)
-        err.print(f"running live engine {engine} on {len(prompts)} prompts", markup=False)
-        if engine == "zlab":
-            from refcheck.runners.zlab import ZlabRunner
-
-            trace = ZlabRunner(spec).trace(prompts)
-        else:
-            cls = _engine_decoder(engine)
-            trace, _ = session.runner(spec).trace(prompts, cls=cls, engine=engine, record_layers=True)
+        _engine_decoder(engine)  # unknown engine: a usage error before any process starts
+        shards = split(prompts, workers)
+        err.print(f"running live engine {engine} on {len(prompts)} prompts in {len(shards)} process(es)", markup=False)
+        results = run_parallel(engine_shard, [(engine, spec, sh, mode, ref_dtype, ref_device, i, len(shards))
+                                              for i, sh in enumerate(shards)], len(shards))
+        trace = merge_traces([trace_from_bytes(b) for b, _ in results], [p.id for p in prompts], prompt_set_hash(prompts))
         if save_trace:
             write_trace(trace, save_trace)
-        reports.append(session.diff(trace, engine, mode, strict_acceptance=engine == "reference", ref_dtype=ref_dtype,
-                                    ref_device=ref_device))
+        reports.append(merge_reports([r for _, r in results], engine, mode))
     elif against:
         for path in against:
             err.print(f"diffing {path}", markup=False)
@@ -269,8 +273,9 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, m
 @main.command()
 @click.argument("golden_dir", required=False, type=click.Path(path_type=Path))
 @click.option("--case", "cases", multiple=True, help="Only these cases.")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="Processes to spread cases over.")
 @click.option("--json", "as_json", is_flag=True)
-def gate(golden_dir, cases, as_json):
+def gate(golden_dir, cases, workers, as_json):
     """CI gate: verify, then diff every golden case against the live reference (strict about skips)."""
     import time
 
@@ -281,7 +286,7 @@ def gate(golden_dir, cases, as_json):
     t0 = time.perf_counter()
     _quiet()
     reports = run_gate(golden_dir or default_golden_dir(), DiffSession(), list(cases) or None,
-                       progress=lambda n: err.print(f"gate: {n}", markup=False))
+                       progress=lambda n: err.print(f"gate: {n}", markup=False), workers=workers)
     _report_table(reports, "refcheck gate")
     wall = time.perf_counter() - t0
     err.print(f"gate: {len(reports)} cases in {wall:.1f} s", markup=False)

@@ -241,12 +241,20 @@ def gate_case(name: str, entry, golden_dir: Path, session: DiffSession) -> Repor
     return report
 
 
-def gate(golden_dir: Path, session: DiffSession, cases: list[str] | None = None, progress=None) -> list[Report]:
+def gate(golden_dir: Path, session: DiffSession, cases: list[str] | None = None, progress=None,
+         workers: int = 1) -> list[Report]:
     manifest = verify(golden_dir)
     names = cases or sorted(manifest.cases)
     unknown = [n for n in names if n not in manifest.cases]
     if unknown:
         raise GoldenError(f"no golden trace for case(s) {unknown} in {golden_dir}")
+    if workers > 1:
+        from refcheck.parallel import gate_shard, run_parallel, split
+
+        shards = split(names, workers)
+        done = run_parallel(gate_shard, [(sh, str(golden_dir), len(shards)) for sh in shards], len(shards))
+        by_name = {r.case: r for rs in done for r in rs}
+        return [by_name[n] for n in names]
     reports = []
     for name in names:
         if progress:

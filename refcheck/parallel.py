@@ -1,0 +1,152 @@
+"""Data-parallel diffs: split prompts (or golden cases) over worker processes, merge the results.
+
+Contract: :func:`split` deals items round-robin over ``n`` shards, keeping their order within each
+shard; :func:`merge_traces` puts shard traces back in the original prompt order and checks that
+they come from the same engine, models and settings (provenance equal up to the device and the
+creation time); :func:`merge_reports` adds findings and check counts. A diff run over ``n`` workers
+therefore gives the same trace and the same findings as a one-process run (tests/test_parallel.py).
+Workers are spawned processes (CUDA-safe); worker ``i`` uses ``cuda:i`` when the device is CUDA, so
+``--workers N`` on an N-GPU host is one process per GPU.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from typing import TypeVar
+
+from refcheck.diff.findings import Report
+from refcheck.errors import UsageError
+from refcheck.trace.io import Trace
+
+T = TypeVar("T")
+_VOLATILE = ("created", "device", "prompt_set_sha256")  # provenance keys that differ between shards
+
+
+def split(items: Sequence[T], n: int) -> list[list[T]]:
+    if n < 1:
+        raise UsageError(f"--workers must be >= 1, got {n}")
+    shards = [list(items[i::n]) for i in range(n)]
+    return [s for s in shards if s]
+
+
+def shard_device(device: str, index: int) -> str:
+    """Worker ``index``'s device: ``cuda:index`` for CUDA, the given device otherwise."""
+    return f"cuda:{index}" if device.split(":")[0] == "cuda" else device
+
+
+def merge_traces(traces: Sequence[Trace], order: Sequence[str], prompt_set_sha256: str | None = None) -> Trace:
+    """One trace from shard traces, requests and steps in ``order`` (the original prompt ids).
+
+    ``prompt_set_sha256`` is the hash of the whole prompt set (each shard only knows its part).
+    """
+    if not traces:
+        raise UsageError("nothing to merge")
+    base = {k: v for k, v in traces[0].provenance.items() if k not in _VOLATILE}
+    for t in traces[1:]:
+        other = {k: v for k, v in t.provenance.items() if k not in _VOLATILE}
+        if other != base:
+            diff = sorted(k for k in set(base) | set(other) if base.get(k) != other.get(k))
+            raise UsageError(f"shard traces disagree in provenance ({', '.join(diff)}): refusing to merge")
+    requests = {r.request_id: r for t in traces for r in t.requests}
+    steps = {r: [s for t in traces for s in t.steps if s.request_id == r] for r in requests}
+    missing = [r for r in order if r not in requests]
+    if missing:
+        raise UsageError(f"shards are missing requests {missing[:5]}")
+    prov = dict(traces[0].provenance)
+    prov["device"] = traces[0].provenance.get("device")
+    prov["workers"] = len(traces)
+    if prompt_set_sha256 is not None:
+        prov["prompt_set_sha256"] = prompt_set_sha256
+    return Trace(provenance=prov, requests=[requests[r] for r in order],
+                 steps=[s for r in order for s in sorted(steps[r], key=lambda s: s.step)])
+
+
+def merge_reports(reports: Sequence[Report], case: str, mode: str) -> Report:
+    out = Report(case=case, mode=mode)
+    for r in reports:
+        out.merge(r)
+        for k, v in r.stats.items():
+            out.stats.setdefault(k, v)
+    taus_e = [(r.stats.get("mean_tau_engine"), r.stats.get("steps_engine", 0)) for r in reports]
+    taus_r = [(r.stats.get("mean_tau_reference"), r.stats.get("steps_reference", 0)) for r in reports]
+    for key, pairs, steps_key in (("mean_tau_engine", taus_e, "steps_engine"), ("mean_tau_reference", taus_r, "steps_reference")):
+        n = sum(s for m, s in pairs if m is not None)
+        if n:
+            out.stats[key] = sum(m * s for m, s in pairs if m is not None) / n
+            out.stats[steps_key] = n
+    if out.stats.get("mean_tau_engine") is not None and out.stats.get("mean_tau_reference") is not None:
+        out.stats["mean_tau_delta"] = out.stats["mean_tau_engine"] - out.stats["mean_tau_reference"]
+    return out
+
+
+def run_parallel(fn: Callable[..., T], jobs: Sequence[tuple], workers: int) -> list[T]:
+    """fn(*job) for every job, in spawned worker processes (in order); inline when workers == 1."""
+    if workers <= 1 or len(jobs) <= 1:
+        return [fn(*job) for job in jobs]
+    ctx = mp.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as pool:
+        futures = [pool.submit(fn, *job) for job in jobs]
+        return [f.result() for f in futures]
+
+
+# -- worker entry points (module level: spawned processes import them by name) ------------------------
+def _worker_setup(workers: int) -> None:
+    import os
+
+    import torch
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(workers, 1)))
+
+
+def engine_shard(engine: str, spec, prompts, mode: str, ref_dtype: str, ref_device: str, index: int,
+                 workers: int) -> tuple[bytes, Report]:
+    """Run a live engine on one shard of prompts and diff it; returns (trace bytes, report)."""
+    import dataclasses
+
+    from refcheck.diff.session import DiffSession
+    from refcheck.trace.io import trace_bytes
+
+    _worker_setup(workers)
+    spec = dataclasses.replace(spec, device=shard_device(spec.device, index))
+    session = DiffSession()
+    trace = live_trace(engine, spec, prompts, session)
+    report = session.diff(trace, engine, mode, strict_acceptance=engine == "reference", ref_dtype=ref_dtype,
+                          ref_device=shard_device(ref_device, index))
+    return trace_bytes(trace), report
+
+
+def live_trace(engine: str, spec, prompts, session) -> Trace:
+    """Record a live engine's trace: the reference, z-lab's dflash, or an injected fault."""
+    if engine == "zlab":
+        from refcheck.runners.zlab import ZlabRunner
+
+        return ZlabRunner(spec).trace(prompts)
+    from refcheck.selftest.faults import FAULTS
+    from reference.decode import DDTreeDecoder
+
+    if engine == "reference":
+        cls = DDTreeDecoder
+    elif engine.startswith("fault:") and engine[6:] in FAULTS:
+        cls = FAULTS[engine[6:]][0]
+    else:
+        raise UsageError(f"unknown engine {engine!r} (live engines: reference, zlab, "
+                         + ", ".join(f"fault:{f}" for f in FAULTS) + ")")
+    trace, _ = session.runner(spec).trace(prompts, cls=cls, engine=engine, record_layers=True)
+    return trace
+
+
+def gate_shard(names: list[str], golden_dir: str, workers: int) -> list[Report]:
+    """Gate some golden cases in this process."""
+    from pathlib import Path
+
+    from refcheck.diff.session import DiffSession
+    from refcheck.golden import gate_case
+    from refcheck.trace.manifest import load_manifest
+
+    _worker_setup(workers)
+    manifest = load_manifest(Path(golden_dir))
+    session = DiffSession()
+    return [gate_case(n, manifest.cases[n], Path(golden_dir), session) for n in names]
