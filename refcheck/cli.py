@@ -156,13 +156,13 @@ def _engine_decoder(engine: str):
     from reference.decode import DDTreeDecoder
     from refcheck.selftest.faults import FAULTS
 
-    if engine == "zlab":
+    if engine == "zlab" or engine == "sglang" or engine.startswith("sglang:"):
         return None
     if engine == "reference":
         return DDTreeDecoder
     if engine.startswith("fault:") and engine[6:] in FAULTS:
         return FAULTS[engine[6:]][0]
-    raise UsageError(f"unknown engine {engine!r} (live engines: reference, zlab, "
+    raise UsageError(f"unknown engine {engine!r} (live engines: reference, zlab, sglang[:ALGORITHM], "
                      + ", ".join(f"fault:{f}" for f in FAULTS) + ")")
 
 
@@ -207,7 +207,8 @@ def _finish(reports, as_json: bool, extra: dict | None = None) -> None:
 
 
 @main.command()
-@click.option("--engine", default=None, help="Run this live engine instead of reading goldens (reference, fault:NAME).")
+@click.option("--engine", default=None,
+              help="Run this live engine instead of reading goldens: reference, zlab, sglang[:ALGORITHM], fault:NAME.")
 @click.option("--against", "against", type=click.Path(path_type=Path), multiple=True, help="Engine trace file(s) to diff.")
 @click.option("--mode", type=click.Choice(["replay", "free", "both"]), default="both", show_default=True)
 @click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None, help="Golden directory.")

@@ -124,6 +124,11 @@ def live_trace(engine: str, spec, prompts, session) -> Trace:
         from refcheck.runners.zlab import ZlabRunner
 
         return ZlabRunner(spec).trace(prompts)
+    if engine == "sglang" or engine.startswith("sglang:"):
+        from refcheck.runners.sglang import SGLangRunner
+
+        algorithm = engine.split(":", 1)[1] if ":" in engine else "NONE"
+        return SGLangRunner(spec, algorithm).trace(prompts)
     from refcheck.selftest.faults import FAULTS
     from reference.decode import DDTreeDecoder
 
@@ -132,7 +137,7 @@ def live_trace(engine: str, spec, prompts, session) -> Trace:
     elif engine.startswith("fault:") and engine[6:] in FAULTS:
         cls = FAULTS[engine[6:]][0]
     else:
-        raise UsageError(f"unknown engine {engine!r} (live engines: reference, zlab, "
+        raise UsageError(f"unknown engine {engine!r} (live engines: reference, zlab, sglang[:ALGORITHM], "
                          + ", ".join(f"fault:{f}" for f in FAULTS) + ")")
     trace, _ = session.runner(spec).trace(prompts, cls=cls, engine=engine, record_layers=True)
     return trace

@@ -116,7 +116,10 @@ class DDTreeDecoder:
         while len(out) < cfg.max_new_tokens and bonus not in cfg.stop_token_ids:
             depth = min(drafter.block_size - 1, cfg.max_new_tokens - len(out))
             t0 = _clock(dev)
-            draft_lp = drafter.propose(bonus, state.length, depth)  # [L, V] fp32
+            if cfg.budget == 0:  # root-only trees: one token per step, nothing to draft
+                draft_lp = torch.empty(0, target.vocab_size)
+            else:
+                draft_lp = drafter.propose(bonus, state.length, depth)  # [L, V] fp32
             t1 = _clock(dev)
             tree = build_chain(bonus, draft_lp) if cfg.budget is None else build_ddtree(bonus, draft_lp, cfg.budget)
             t2 = _clock(dev)

@@ -29,7 +29,11 @@ def reference_spec_for(trace: Trace, dtype: str = "float32", device: str = "cpu"
     prov = trace.provenance
     settings = prov.get("engine", {}).get("settings", {})
     model = str(prov.get("model", ""))
-    spec = EngineSpec(dtype=dtype, device=device, drafter=prov.get("drafter", "dflash"),
+    drafter = prov.get("drafter", "dflash")
+    # An engine without a drafter (target-only decoding, budget 0) is replayed with root-only trees;
+    # the reference then never calls its drafter, so the cheapest one stands in.
+    drafter = "scripted" if drafter == "none" else drafter
+    spec = EngineSpec(dtype=dtype, device=device, drafter=drafter,
                       max_new_tokens=int(prov.get("max_new_tokens", 64)),
                       stop_token_ids=frozenset(settings.get("stop_token_ids", [])), seed=int(settings.get("seed", 0)))
     budget = prov.get("budget", 15)
