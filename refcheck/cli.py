@@ -217,9 +217,10 @@ def _finish(reports, as_json: bool, extra: dict | None = None) -> None:
 @click.option("--save-trace", type=click.Path(path_type=Path), default=None, help="Write the live engine's trace here.")
 @click.option("--workers", "--gpus", "workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Processes to spread the prompts over (one per GPU: worker i uses cuda:i).")
+@click.option("--full-state", is_flag=True, help="Record full KV/state tensors in the trace (not only sketches).")
 @model_options
-def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, workers, model_dir, draft_dir, pair,
-         prompts_file, budget, max_new_tokens, dtype, device, drafter, stop_ids, as_json):
+def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, workers, full_state, model_dir, draft_dir,
+         pair, prompts_file, budget, max_new_tokens, dtype, device, drafter, stop_ids, as_json):
     """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
 
     With no --engine / --against: the golden engine traces in golden/ for this budget and pair."""
@@ -238,7 +239,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
         _engine_decoder(engine)  # unknown engine: a usage error before any process starts
         shards = split(prompts, workers)
         err.print(f"running live engine {engine} on {len(prompts)} prompts in {len(shards)} process(es)", markup=False)
-        results = run_parallel(engine_shard, [(engine, spec, sh, mode, ref_dtype, ref_device, i, len(shards))
+        results = run_parallel(engine_shard, [(engine, spec, sh, mode, ref_dtype, ref_device, i, len(shards), full_state)
                                               for i, sh in enumerate(shards)], len(shards))
         trace = merge_traces([trace_from_bytes(b) for b, _ in results], [p.id for p in prompts], prompt_set_hash(prompts))
         if save_trace:

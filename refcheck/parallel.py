@@ -102,7 +102,7 @@ def _worker_setup(workers: int) -> None:
 
 
 def engine_shard(engine: str, spec, prompts, mode: str, ref_dtype: str, ref_device: str, index: int,
-                 workers: int) -> tuple[bytes, Report]:
+                 workers: int, full_state: bool = False) -> tuple[bytes, Report]:
     """Run a live engine on one shard of prompts and diff it; returns (trace bytes, report)."""
     import dataclasses
 
@@ -112,13 +112,13 @@ def engine_shard(engine: str, spec, prompts, mode: str, ref_dtype: str, ref_devi
     _worker_setup(workers)
     spec = dataclasses.replace(spec, device=shard_device(spec.device, index))
     session = DiffSession()
-    trace = live_trace(engine, spec, prompts, session)
+    trace = live_trace(engine, spec, prompts, session, full_state)
     report = session.diff(trace, engine, mode, strict_acceptance=engine == "reference", ref_dtype=ref_dtype,
                           ref_device=shard_device(ref_device, index))
     return trace_bytes(trace), report
 
 
-def live_trace(engine: str, spec, prompts, session) -> Trace:
+def live_trace(engine: str, spec, prompts, session, full_state: bool = False) -> Trace:
     """Record a live engine's trace: the reference, z-lab's dflash, or an injected fault."""
     if engine == "zlab":
         from refcheck.runners.zlab import ZlabRunner
@@ -139,7 +139,7 @@ def live_trace(engine: str, spec, prompts, session) -> Trace:
     else:
         raise UsageError(f"unknown engine {engine!r} (live engines: reference, zlab, sglang[:ALGORITHM], "
                          + ", ".join(f"fault:{f}" for f in FAULTS) + ")")
-    trace, _ = session.runner(spec).trace(prompts, cls=cls, engine=engine, record_layers=True)
+    trace, _ = session.runner(spec).trace(prompts, cls=cls, engine=engine, record_layers=True, full_state=full_state)
     return trace
 
 

@@ -110,3 +110,17 @@ def test_tolerance_rules():
     assert tolerance_for("bfloat16", "cuda:0") == tolerance_for("bfloat16", "cpu")
     with pytest.raises(NoToleranceRule):
         tolerance_for("int8", "cpu")
+
+
+def test_full_state_traces_are_compared_in_full(session):
+    runner = session.runner(EngineSpec(pair="hybrid", drafter="scripted", budget=15, max_new_tokens=12))
+    trace, _ = runner.trace(load_prompts()[:1], full_state=True)
+    assert all(e.full is not None for s in trace.steps for e in s.state)
+    assert session.diff(trace, "full", mode="replay").failures == []
+    s = trace.steps[0]
+    e = next(e for e in s.state if e.kind == "rec")
+    bad = dataclasses.replace(e, full=e.full * 1.01)  # a 1 % error: invisible in a sketch? not in full
+    t2 = dataclasses.replace(trace, steps=[dataclasses.replace(s, state=[bad if x is e else x for x in s.state]),
+                                           *trace.steps[1:]])
+    fails = session.diff(t2, "full-bad", mode="replay").failures
+    assert fails and fails[0].category == "recurrent" and fails[0].step == 0
