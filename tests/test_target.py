@@ -136,3 +136,25 @@ def test_commit_equals_plain_prefill_of_committed_tokens(which, method, request,
             if hf is not None:
                 assert _close(got[name], hf[name]), name
         committed.append(step.bonus)
+
+
+def test_qwen3_6_style_composite_checkpoint_loads(tmp_path):
+    """Qwen3.5/3.6 checkpoints are vision-language (model_type qwen3_5, text_config nested, weights
+    under model.language_model): the reference loads the text model from them."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from reference.target import Target
+
+    text = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=512)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    vlm = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).eval()
+    vlm.save_pretrained(str(tmp_path))
+    target = Target.load(tmp_path)
+    ids = torch.arange(5, 30)
+    _, fwd = target.prefill(ids)
+    with torch.no_grad():
+        ref = vlm(input_ids=ids[None]).logits[0]
+    assert _close(fwd.logits, ref)
