@@ -464,11 +464,19 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, model_dir, draft_dir, pai
               help="Default: dflash for a chain trace, ddtree otherwise.")
 @click.option("--budget", "bl_budget", default=None, help="Baseline budget (default: the trace's, when the source has budgets).")
 @click.option("--rtol", type=float, default=0.05, show_default=True, help="Allowed relative shortfall of mean τ.")
+@click.option("--position-floor", type=float, default=0.05, show_default=True,
+              help="Allowed shortfall of each per-position acceptance rate when a published histogram matches.")
 @click.option("--json", "as_json", is_flag=True)
-def baseline(trace_path, source, bl_model, dataset, temperature, method, bl_budget, rtol, as_json):
+def baseline(trace_path, source, bl_model, dataset, temperature, method, bl_budget, rtol, position_floor, as_json):
     """Compare a trace's acceptance with z-lab's published baselines (bootstrap CI, per-position, histogram)."""
     from refcheck.baselines import load_baselines, match
-    from refcheck.baselines.stats import acceptance_verdict, histogram, histogram_distance
+    from refcheck.baselines.stats import (
+        acceptance_verdict,
+        histogram,
+        histogram_distance,
+        per_position_acceptance,
+        positions_from_histogram,
+    )
     from refcheck.trace.io import read_trace
 
     trace = read_trace(trace_path)
@@ -485,15 +493,22 @@ def baseline(trace_path, source, bl_model, dataset, temperature, method, bl_budg
                  budget=budget)
     rows = [r for r in rows if "histogram" not in r.extra] or rows
     row = rows[0]
-    verdict = acceptance_verdict(taus_by_req, row.tau, rtol=rtol)
     bs = int(trace.provenance.get("block_size", row.block_size))
-    out = {"trace": str(trace_path), "baseline": {"source": row.source, "conditions": row.conditions(), "tau": row.tau,
-                                                  "speedup": row.speedup, "file": row.extra.get("file")},
-           "matched_rows": len(rows), "verdict": verdict}
     hist_rows = [r for r in load_baselines() if "histogram" in r.extra and r.method == method
                  and (bl_model is None or r.model.lower() == bl_model.lower())
-                 and (dataset is None or r.dataset.lower() == dataset.lower())]
+                 and (dataset is None or r.dataset.lower() == dataset.lower())
+                 and (budget is None or r.budget is None or r.budget == budget)]
+    positions = positions_from_histogram(hist_rows[0].extra["histogram"]) if hist_rows else None
+    if positions is not None and len(positions) != bs - 1:
+        positions = None  # a histogram of another block size says nothing per position here
+    verdict = acceptance_verdict(taus_by_req, row.tau, rtol=rtol, position_floor=position_floor,
+                                 baseline_positions=positions)
+    out = {"trace": str(trace_path), "baseline": {"source": row.source, "conditions": row.conditions(), "tau": row.tau,
+                                                  "speedup": row.speedup, "file": row.extra.get("file")},
+           "matched_rows": len(rows), "verdict": verdict,
+           "observed_per_position_acceptance": per_position_acceptance(taus, bs)}
     if hist_rows:
+        out["histogram_baseline"] = hist_rows[0].conditions()
         out["histogram_distance_tv"] = histogram_distance(histogram(taus, bs), hist_rows[0].extra["histogram"])
     err.print(f"baseline: {row.conditions()} τ={row.tau} ({row.source})", markup=False)
     err.print(f"trace: mean τ {verdict['mean']:.3f}, CI {verdict['ci']}, {verdict['n_steps']} steps / "
