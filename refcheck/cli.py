@@ -151,21 +151,6 @@ def _print_run_table(report: dict) -> None:
     err.print(f"mean τ {report['mean_tau']:.3f} over {report['steps']} steps; median verify {vm:.1f} ms" if vm else "no verify steps")
 
 
-def _engine_decoder(engine: str):
-    """Decoder class for a live engine name: the reference or one of the injected faults (zlab: None)."""
-    from reference.decode import DDTreeDecoder
-    from refcheck.selftest.faults import FAULTS
-
-    if engine == "zlab" or engine == "sglang" or engine.startswith("sglang:"):
-        return None
-    if engine == "reference":
-        return DDTreeDecoder
-    if engine.startswith("fault:") and engine[6:] in FAULTS:
-        return FAULTS[engine[6:]][0]
-    raise UsageError(f"unknown engine {engine!r} (live engines: reference, zlab, sglang[:ALGORITHM], "
-                     + ", ".join(f"fault:{f}" for f in FAULTS) + ")")
-
-
 def _report_table(reports, title: str) -> None:
     table = Table(title=title)
     for col in ("case", "mode", "checks", "pass", "benign", "fail", "unsupp.", "first divergence"):
@@ -231,12 +216,12 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
     session = DiffSession()
     reports = []
     if engine:
-        from refcheck.parallel import engine_shard, merge_reports, merge_traces, run_parallel, split
+        from refcheck.parallel import engine_decoder, engine_shard, merge_reports, merge_traces, run_parallel, split
         from refcheck.trace.io import trace_from_bytes
 
         spec = _spec(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids)
         prompts = load_prompts(prompts_file)
-        _engine_decoder(engine)  # unknown engine: a usage error before any process starts
+        engine_decoder(engine)  # unknown engine: a usage error before any process starts
         shards = split(prompts, workers)
         err.print(f"running live engine {engine} on {len(prompts)} prompts in {len(shards)} process(es)", markup=False)
         results = run_parallel(engine_shard, [(engine, spec, sh, mode, ref_dtype, ref_device, i, len(shards), full_state)

@@ -118,27 +118,33 @@ def engine_shard(engine: str, spec, prompts, mode: str, ref_dtype: str, ref_devi
     return trace_bytes(trace), report
 
 
+def engine_decoder(engine: str):
+    """The decoder class of a live engine name (reference or an injected fault); None for engines
+    that are not the reference's decoder (zlab, sglang[:ALGORITHM]). Unknown names: UsageError."""
+    from refcheck.selftest.faults import FAULTS
+    from reference.decode import DDTreeDecoder
+
+    if engine in ("zlab", "sglang") or engine.startswith("sglang:"):
+        return None
+    if engine == "reference":
+        return DDTreeDecoder
+    if engine.startswith("fault:") and engine[6:] in FAULTS:
+        return FAULTS[engine[6:]][0]
+    raise UsageError(f"unknown engine {engine!r} (live engines: reference, zlab, sglang[:ALGORITHM], "
+                     + ", ".join(f"fault:{f}" for f in FAULTS) + ")")
+
+
 def live_trace(engine: str, spec, prompts, session, full_state: bool = False) -> Trace:
-    """Record a live engine's trace: the reference, z-lab's dflash, or an injected fault."""
+    """Record a live engine's trace: the reference, z-lab's dflash, SGLang, or an injected fault."""
+    cls = engine_decoder(engine)
     if engine == "zlab":
         from refcheck.runners.zlab import ZlabRunner
 
         return ZlabRunner(spec).trace(prompts)
-    if engine == "sglang" or engine.startswith("sglang:"):
+    if cls is None:
         from refcheck.runners.sglang import SGLangRunner
 
-        algorithm = engine.split(":", 1)[1] if ":" in engine else "NONE"
-        return SGLangRunner(spec, algorithm).trace(prompts)
-    from refcheck.selftest.faults import FAULTS
-    from reference.decode import DDTreeDecoder
-
-    if engine == "reference":
-        cls = DDTreeDecoder
-    elif engine.startswith("fault:") and engine[6:] in FAULTS:
-        cls = FAULTS[engine[6:]][0]
-    else:
-        raise UsageError(f"unknown engine {engine!r} (live engines: reference, zlab, sglang[:ALGORITHM], "
-                         + ", ".join(f"fault:{f}" for f in FAULTS) + ")")
+        return SGLangRunner(spec, engine.split(":", 1)[1] if ":" in engine else "NONE").trace(prompts)
     trace, _ = session.runner(spec).trace(prompts, cls=cls, engine=engine, record_layers=True, full_state=full_state)
     return trace
 
