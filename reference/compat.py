@@ -14,12 +14,9 @@ Known differences handled here:
 from __future__ import annotations
 
 import torch
-import transformers
 
 #: Model types whose rotary embedding is multimodal (3-axis) RoPE.
 MROPE_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
-
-TRANSFORMERS_VERSION: str = transformers.__version__
 
 
 def rope_position_ids(model_type: str, positions: torch.Tensor) -> torch.Tensor:

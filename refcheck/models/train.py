@@ -63,22 +63,28 @@ def _cosine(step: int, total: int, warmup: int = 100) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(total - warmup, 1)))
 
 
+def _step(opt: torch.optim.Optimizer, params, loss: torch.Tensor, lr: float) -> float:
+    """One optimiser step at learning rate lr with gradient clipping at 1.0; returns the loss."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    return float(loss.detach())
+
+
 def train_target(model: torch.nn.Module, stream: torch.Tensor, cfg: TrainConfig, device: str, log) -> float:
     model.train().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.target_lr, betas=(0.9, 0.95), weight_decay=0.01)
     gen = torch.Generator().manual_seed(cfg.seed)
     loss_v = float("nan")
     for step in range(cfg.target_steps):
-        for g in opt.param_groups:
-            g["lr"] = cfg.target_lr * _cosine(step, cfg.target_steps)
         xy = _batches(stream, cfg.target_batch, cfg.seq_len, gen, device)
         logits = model(input_ids=xy[:, :-1]).logits  # [B, T, V]
+        # float32 loss: bf16 log-softmax over the vocabulary loses the small probabilities
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), xy[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        loss_v = float(loss.detach())
+        loss_v = _step(opt, model.parameters(), loss, cfg.target_lr * _cosine(step, cfg.target_steps))
         if step % 250 == 0 or step == cfg.target_steps - 1:
             log(f"target step {step} loss {loss_v:.4f}")
     return loss_v
@@ -209,8 +215,6 @@ def train_drafter(model: torch.nn.Module, seqs: torch.Tensor, plens: torch.Tenso
     weights = torch.exp(-torch.arange(bs - 1, dtype=torch.float32) / cfg.depth_decay).to(device)
     loss_v, acc = float("nan"), [0.0] * (bs - 1)
     for step in range(cfg.draft_steps):
-        for g in opt.param_groups:
-            g["lr"] = cfg.draft_lr * _cosine(step, cfg.draft_steps)
         rows = torch.randint(0, seqs.shape[0], (cfg.draft_batch,), generator=gen)
         s, pl = seqs[rows].to(device), plens[rows].to(device)  # [b, T], [b]
         t = s.shape[1]
@@ -230,11 +234,7 @@ def train_drafter(model: torch.nn.Module, seqs: torch.Tensor, plens: torch.Tenso
         logits = draft_block_logits(net.state(), dcfg, embed, lm_head, feats[src], valid, blk, pos)
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view_as(labels)
         loss = (ce * weights).sum(-1).mean() / weights.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        opt.step()
-        loss_v = float(loss.detach())
+        loss_v = _step(opt, net.parameters(), loss, cfg.draft_lr * _cosine(step, cfg.draft_steps))
         if step % 250 == 0 or step == cfg.draft_steps - 1:
             acc = (logits.argmax(-1) == labels).float().mean(0).tolist()
             log(f"draft step {step} loss {loss_v:.4f} acc@1 {acc[0]:.3f} acc@4 {acc[3]:.3f} acc@15 {acc[-1]:.3f}")
