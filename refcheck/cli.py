@@ -174,6 +174,12 @@ def _report_table(reports, title: str) -> None:
                       str(c["fail"]), str(c["unsupported"] + c["skipped"]), first)
     err.print(table)
     for r in reports:
+        st = r.stats.get("steps")
+        if st:
+            devs = [f"max |Δ log-prob| {r.stats['max_logprob_abs']:.3g}"] if "max_logprob_abs" in r.stats else []
+            devs += [f"max rel L2 {k[11:]} {r.stats[k]:.3g}" for k in sorted(r.stats) if k.startswith("max_rel_l2_")]
+            err.print(f"{r.case}: replayed steps: {st.get('pass', 0)} pass · {st.get('benign_tie', 0)} benign tie · "
+                      f"{st.get('fail', 0)} fail" + (" · " + ", ".join(devs) if devs else ""))
         if r.stats.get("mean_tau_engine") is not None:
             ref = r.stats.get("mean_tau_reference")
             err.print(f"{r.case}: mean τ engine {r.stats['mean_tau_engine']:.3f}"
@@ -191,6 +197,25 @@ def _finish(reports, as_json: bool, extra: dict | None = None) -> None:
     sys.exit(EXIT_MISMATCH if EXIT_MISMATCH in codes else EXIT_PASS)
 
 
+def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, dtype, device):
+    """Fold the SGLang options into the engine name and options; SGLang runs bf16 on the GPU unless told."""
+    is_sglang = bool(engine) and (engine == "sglang" or engine.startswith("sglang:"))
+    if not is_sglang:
+        if algorithm or cuda_graphs:
+            raise UsageError("--sglang-algorithm and --cuda-graphs need --engine sglang")
+        return engine, None, dtype, device
+    if algorithm:
+        if ":" in engine and engine.split(":", 1)[1].upper() != algorithm.upper():
+            raise UsageError(f"--engine {engine} and --sglang-algorithm {algorithm} disagree")
+        engine = f"sglang:{algorithm.upper()}"
+    ctx = click.get_current_context()
+    if ctx.get_parameter_source("dtype") == click.core.ParameterSource.DEFAULT:
+        dtype = "bfloat16"
+    if ctx.get_parameter_source("device") == click.core.ParameterSource.DEFAULT:
+        device = "cuda"
+    return engine, {"cuda_graphs": cuda_graphs, "ngram_breadth": ngram_breadth}, dtype, device
+
+
 @main.command()
 @click.option("--engine", default=None,
               help="Run this live engine instead of reading goldens: reference, zlab, sglang[:ALGORITHM], fault:NAME.")
@@ -203,9 +228,15 @@ def _finish(reports, as_json: bool, extra: dict | None = None) -> None:
 @click.option("--workers", "--gpus", "workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Processes to spread the prompts over (one per GPU: worker i uses cuda:i).")
 @click.option("--full-state", is_flag=True, help="Record full KV/state tensors in the trace (not only sketches).")
+@click.option("--sglang-algorithm", default=None,
+              help="With --engine sglang: NONE (target-only), DFLASH, NGRAM, or any algorithm your SGLang registers.")
+@click.option("--cuda-graphs", is_flag=True, help="With --engine sglang: run SGLang with CUDA graphs (off by default).")
+@click.option("--ngram-breadth", type=click.IntRange(min=1), default=10, show_default=True,
+              help="With --sglang-algorithm NGRAM: speculative_ngram_max_bfs_breadth.")
 @model_options
-def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, workers, full_state, model_dir, draft_dir,
-         pair, prompts_file, budget, max_new_tokens, dtype, device, drafter, stop_ids, as_json):
+def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, workers, full_state, sglang_algorithm,
+         cuda_graphs, ngram_breadth, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
+         drafter, stop_ids, as_json):
     """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
 
     With no --engine / --against: the golden engine traces in golden/ for this budget and pair."""
@@ -219,13 +250,14 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
         from refcheck.parallel import engine_decoder, engine_shard, merge_reports, merge_traces, run_parallel, split
         from refcheck.trace.io import trace_from_bytes
 
+        engine, engine_opts, dtype, device = _sglang_engine(engine, sglang_algorithm, cuda_graphs, ngram_breadth, dtype, device)
         spec = _spec(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids)
         prompts = load_prompts(prompts_file)
         engine_decoder(engine)  # unknown engine: a usage error before any process starts
         shards = split(prompts, workers)
         err.print(f"running live engine {engine} on {len(prompts)} prompts in {len(shards)} process(es)", markup=False)
-        results = run_parallel(engine_shard, [(engine, spec, sh, mode, ref_dtype, ref_device, i, len(shards), full_state)
-                                              for i, sh in enumerate(shards)], len(shards))
+        results = run_parallel(engine_shard, [(engine, spec, sh, mode, ref_dtype, ref_device, i, len(shards), full_state,
+                                               engine_opts) for i, sh in enumerate(shards)], len(shards))
         trace = merge_traces([trace_from_bytes(b) for b, _ in results], [p.id for p in prompts], prompt_set_hash(prompts))
         if save_trace:
             write_trace(trace, save_trace)

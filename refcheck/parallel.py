@@ -102,7 +102,7 @@ def _worker_setup(workers: int) -> None:
 
 
 def engine_shard(engine: str, spec, prompts, mode: str, ref_dtype: str, ref_device: str, index: int,
-                 workers: int, full_state: bool = False) -> tuple[bytes, Report]:
+                 workers: int, full_state: bool = False, engine_opts: dict | None = None) -> tuple[bytes, Report]:
     """Run a live engine on one shard of prompts and diff it; returns (trace bytes, report)."""
     import dataclasses
 
@@ -112,7 +112,7 @@ def engine_shard(engine: str, spec, prompts, mode: str, ref_dtype: str, ref_devi
     _worker_setup(workers)
     spec = dataclasses.replace(spec, device=shard_device(spec.device, index))
     session = DiffSession()
-    trace = live_trace(engine, spec, prompts, session, full_state)
+    trace = live_trace(engine, spec, prompts, session, full_state, engine_opts)
     report = session.diff(trace, engine, mode, strict_acceptance=engine == "reference", ref_dtype=ref_dtype,
                           ref_device=shard_device(ref_device, index))
     return trace_bytes(trace), report
@@ -134,8 +134,9 @@ def engine_decoder(engine: str):
                      + ", ".join(f"fault:{f}" for f in FAULTS) + ")")
 
 
-def live_trace(engine: str, spec, prompts, session, full_state: bool = False) -> Trace:
-    """Record a live engine's trace: the reference, z-lab's dflash, SGLang, or an injected fault."""
+def live_trace(engine: str, spec, prompts, session, full_state: bool = False, engine_opts: dict | None = None) -> Trace:
+    """Record a live engine's trace: the reference, z-lab's dflash, SGLang, or an injected fault.
+    ``engine_opts``: SGLang settings (``cuda_graphs``, ``ngram_breadth``)."""
     cls = engine_decoder(engine)
     if engine == "zlab":
         from refcheck.runners.zlab import ZlabRunner
@@ -144,7 +145,8 @@ def live_trace(engine: str, spec, prompts, session, full_state: bool = False) ->
     if cls is None:
         from refcheck.runners.sglang import SGLangRunner
 
-        return SGLangRunner(spec, engine.split(":", 1)[1] if ":" in engine else "NONE").trace(prompts)
+        return SGLangRunner(spec, engine.split(":", 1)[1] if ":" in engine else "NONE", full_state=full_state,
+                            **(engine_opts or {})).trace(prompts)
     trace, _ = session.runner(spec).trace(prompts, cls=cls, engine=engine, record_layers=True, full_state=full_state)
     return trace
 

@@ -160,12 +160,16 @@ class Tree:
         table: list[dict[int, int]] = [{} for _ in range(self.num_nodes)]
         for c, (p, tok) in enumerate(zip(self.parents.tolist(), self.tokens.tolist())):
             if p >= 0:
-                table[p][tok] = c
+                table[p].setdefault(tok, c)  # duplicate siblings (engine trees): the first in index order wins, as in SGLang
         return table
 
     # ------------------------------------------------------------- validation
-    def validate(self) -> None:
-        """Raise :class:`TreeError` if any invariant of the module docstring fails."""
+    def validate(self, structural_only: bool = False) -> None:
+        """Raise :class:`TreeError` if any invariant of the module docstring fails.
+
+        ``structural_only``: check only what any verify tree must satisfy (root first, parents
+        precede children, depths consistent, tokens non-negative), not the DDTree rank/score and
+        distinct-sibling rules: engine trees such as SGLang NGRAM's are not DDTree trees."""
         fields = {
             "tokens": (self.tokens, torch.int64),
             "parents": (self.parents, torch.int64),
@@ -220,6 +224,8 @@ class Tree:
                 raise TreeError(f"parents[{i}] = {p} must satisfy 0 <= parent < {i}")
             if d != depths[p] + 1:
                 raise TreeError(f"depths[{i}] = {d} != depths[parent {p}] + 1 = {depths[p] + 1}")
+            if structural_only:
+                continue
             if (p, tok) in sibling_tokens:
                 raise TreeError(f"node {i} repeats token {tok} among the children of {p}")
             sibling_tokens.add((p, tok))

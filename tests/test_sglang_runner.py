@@ -1,87 +1,110 @@
-"""The SGLang runner's CPU-testable parts: engine arguments and target-only results -> trace.
+"""The SGLang runner's CPU-testable parts: engine arguments, budgets, plugin discovery, refusals.
 
-The conversion is checked end to end with real numbers: SGLang-format results are built from the
-reference's own budget-0 decoding, converted, and diffed against the reference (replay + free run).
-The live engine runs on the GPU machine only (marker ``sglang``).
+The capture path itself is tested against a reference-built fake SGLang in test_sglang_capture.py;
+the live engine runs on the GPU machine only (tests marked ``sglang`` in test_gpu_sglang.py).
 """
 
 from __future__ import annotations
 
-import pytest
-import torch
+import importlib.metadata
+import json
+import sys
 
-from refcheck.diff.session import DiffSession
-from refcheck.errors import UsageError
-from refcheck.prompts import load_prompts
-from refcheck.runners.reference import EngineSpec, ReferenceRunner
-from refcheck.runners.sglang import engine_kwargs, target_only_trace
+import pytest
+from refcheck.errors import EXIT_USAGE, UsageError
+from refcheck.models import builtin_pair
+from refcheck.runners.reference import EngineSpec
+from refcheck.runners.sglang import (EngineUnavailableError, SGLangRunner, draft_block_size, engine_kwargs,
+                                     install_entry_point, resolve_budget, summarise_error)
+from refcheck.sglang_capture import versions
 
 
 def test_engine_kwargs_for_clean_diffs():
     kw = engine_kwargs(EngineSpec(dtype="bfloat16"), "/m")
     assert kw["skip_tokenizer_init"] and kw["attention_backend"] == "triton" and kw["disable_radix_cache"]
     assert kw["disable_overlap_schedule"] and kw["disable_cuda_graph"] and kw["page_size"] == 1
-    assert "speculative_algorithm" not in kw
-    assert engine_kwargs(EngineSpec(dtype="bfloat16"), "/m", "DFLASH", cuda_graphs=True)["disable_cuda_graph"] is False
+    assert "speculative_algorithm" not in kw and "base_gpu_id" not in kw
+    dfl = engine_kwargs(EngineSpec(dtype="bfloat16", device="cuda:1"), "/m", "DFLASH", cuda_graphs=True, budget=15,
+                        draft_path="/d")
+    assert dfl["disable_cuda_graph"] is False and dfl["speculative_draft_model_path"] == "/d"
+    assert dfl["base_gpu_id"] == 1 and dfl["linear_attn_backend"] == "triton"
+    ng = engine_kwargs(EngineSpec(dtype="bfloat16"), "/m", "NGRAM", budget=11, ngram_breadth=1)
+    assert ng["speculative_num_draft_tokens"] == 12 and ng["speculative_ngram_max_bfs_breadth"] == 1
+    custom = engine_kwargs(EngineSpec(dtype="bfloat16"), "/m", "MYTREE", budget=31, draft_path="/d")
+    assert custom["speculative_algorithm"] == "MYTREE" and custom["speculative_num_draft_tokens"] == 32
     with pytest.raises(UsageError):
         engine_kwargs(EngineSpec(dtype="int8"), "/m")
 
 
-def _sglang_like_results(runner: ReferenceRunner, prompts, max_new: int, k: int = 5, corrupt: bool = False):
-    """What sglang.Engine.generate returns (ids, meta_info), produced by the reference at budget 0."""
-    results = []
-    for p in prompts:
-        res = runner.decoder(max_new).generate(list(p.prompt_ids))
-        _, fwd = runner.target.prefill(torch.tensor(p.prompt_ids))
-        first = torch.log_softmax(fwd.logits[-1], -1).topk(k)
-        tops = [list(zip(first.values.tolist(), first.indices.tolist(), [None] * k))]
-        tops += [list(zip(s.topk_logprobs[0].tolist(), s.topk_ids[0].tolist(), [None] * k)) for s in res.steps]
-        chosen = [(lp, t, None) for lp, t in zip(res.output_logprobs, res.output_ids)]
-        if corrupt:  # an engine whose logits are off by 0.5 at one position
-            lp, t, _ = chosen[3]
-            chosen[3] = (lp + 0.5, t, None)
-            tops[3] = [(v + 0.5, i, None) for v, i, _ in tops[3]]
-        results.append({"output_ids": res.output_ids, "meta_info": {"output_token_logprobs": chosen,
-                                                                    "output_top_logprobs": tops}})
-    return results
+def test_budgets_follow_the_algorithm():
+    _, ddir = builtin_pair("hybrid")
+    assert draft_block_size(ddir) == 16
+    assert resolve_budget("NONE", 15, ddir) == 0
+    assert resolve_budget("DFLASH", None, ddir) == resolve_budget("DFLASH", 15, ddir) == 15
+    with pytest.raises(UsageError, match="block size 16"):
+        resolve_budget("DFLASH", 64, ddir)
+    with pytest.raises(UsageError, match="dflash_config"):
+        resolve_budget("DFLASH", 15, None)
+    assert resolve_budget("NGRAM", 7, None) == 7
+    with pytest.raises(UsageError, match="--budget"):
+        resolve_budget("NGRAM", None, None)
 
 
-@pytest.fixture(scope="module")
-def setup():
-    spec = EngineSpec(pair="hybrid", budget=0, drafter="scripted", max_new_tokens=10)
-    runner = ReferenceRunner(spec)
-    prompts = load_prompts()[:3]
-    prov = runner.provenance(prompts, engine="sglang")
-    prov["drafter"] = "none"
-    return runner, prompts, prov
+def test_entry_point_is_discoverable_and_inert_without_capture_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "")
+    monkeypatch.delenv("REFCHECK_CAPTURE_DIR", raising=False)
+    install_entry_point(tmp_path)
+    eps = [ep for ep in importlib.metadata.entry_points(group="sglang.srt.plugins") if ep.value.startswith("refcheck.")]
+    assert eps, "the plugin entry point is not visible to importlib.metadata"
+    register = eps[0].load()
+    register()  # no SGLang here: no model to patch, and no capture dir: no hooks
+    from refcheck.sglang_capture import plugin
+
+    assert plugin._registered and not plugin._originals
+    assert str(tmp_path) in __import__("os").environ["PYTHONPATH"]
 
 
-def test_target_only_trace_diffs_clean(setup):
-    runner, prompts, prov = setup
-    trace = target_only_trace(prompts, _sglang_like_results(runner, prompts, 10), prov)
-    assert len(trace.steps) == 3 * 9 and all(s.accept_length == 1 for s in trace.steps)
-    rep = DiffSession().diff(trace, "sglang-none", mode="both", strict_acceptance=True)
-    assert rep.failures == []
-    assert rep.checks["logits"] == 27 and rep.checks["ar_tokens"] == 3
-    assert {f.category for f in rep.findings} <= {"draft", "kv", "conv", "recurrent"}  # unsupported, counted
+def test_versions_resolve_targets_and_bindings():
+    assert versions.resolve("json.decoder.JSONDecoder.decode") is __import__("json").decoder.JSONDecoder.decode
+    with pytest.raises((ImportError, AttributeError)):
+        versions.resolve("refcheck.no_such_module.f")
+    assert set(versions.HOOK_TARGETS) == {"run_batch", "eagle_sample", "dflash"}
+    assert versions.patch_models() == [] or "sglang" in sys.modules  # nothing to patch without SGLang
+
+    class Args:
+        speculative_eagle_topk = 4
+
+    class Sched:
+        server_args = Args()
+
+    assert versions.server_topk(Sched()) == 4
 
 
-def test_target_only_trace_catches_wrong_logprobs(setup):
-    runner, prompts, prov = setup
-    trace = target_only_trace(prompts, _sglang_like_results(runner, prompts, 10, corrupt=True), prov)
-    rep = DiffSession().diff(trace, "sglang-bad", mode="replay")
-    first = rep.first_divergence()
-    assert first and all(f.step == 2 and f.category == "logits" for f in first.values())
+def test_runner_refuses_without_gpu_or_sglang():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(EngineUnavailableError, match="CUDA GPU"):
+        SGLangRunner(EngineSpec(dtype="bfloat16"), "NONE")
+    with pytest.raises(UsageError, match="block size"):
+        SGLangRunner(EngineSpec(dtype="bfloat16", budget=63), "DFLASH")
 
 
-def test_target_only_trace_rejects_inconsistent_results(setup):
-    runner, prompts, prov = setup
-    results = _sglang_like_results(runner, prompts[:1], 6)
-    results[0]["meta_info"]["output_top_logprobs"] = results[0]["meta_info"]["output_top_logprobs"][:-1]
-    with pytest.raises(UsageError, match="top-k rows"):
-        target_only_trace(prompts[:1], results, prov)
+def test_cli_sglang_unavailable_is_a_clear_usage_error(cli):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code, out, err = cli("diff", "--engine", "sglang", "--sglang-algorithm", "DFLASH", "--budget", "15", "--max-new-tokens", "4")
+    assert code == EXIT_USAGE and "CUDA GPU" in err and "Traceback" not in err + out
+    code, _, err = cli("diff", "--engine", "reference", "--sglang-algorithm", "DFLASH")
+    assert code == EXIT_USAGE and "need --engine sglang" in err
 
 
-def test_speculative_algorithms_are_refused_clearly(cli):
-    code, _, err = cli("diff", "--engine", "sglang:DFLASH", "--budget", "15")
-    assert code == 2 and ("not implemented yet" in err or "needs SGLang installed" in err)
+def test_error_summary_keeps_the_end_of_long_messages():
+    exc = RuntimeError("\n".join(f"line {i}" for i in range(40)) + "\nValueError: weight shape mismatch")
+    s = summarise_error(exc)
+    assert "weight shape mismatch" in s and "line 0" not in s and len(s) <= 600
+    assert json.dumps(s)

@@ -26,7 +26,7 @@ class Verdict(str, Enum):
 
 #: categories, in the order a reader should care about them
 CATEGORIES = (
-    "alignment", "tree", "draft", "logits", "accepted_path", "accept_length", "bonus", "output",
+    "engine", "alignment", "tree", "draft", "logits", "accepted_path", "accept_length", "bonus", "output",
     "logprobs", "kv", "conv", "recurrent", "unmatched", "ar_tokens", "acceptance",
 )
 
@@ -68,6 +68,15 @@ class Report:
     def merge(self, other: Report) -> None:
         self.findings += other.findings
         self.checks.update(other.checks)
+        for key, value in other.stats.items():
+            if key == "steps":  # per-step verdict counts add up
+                mine = self.stats.setdefault("steps", {})
+                for k, v in value.items():
+                    mine[k] = mine.get(k, 0) + v
+            elif key.startswith("max_"):  # largest deviations: the larger wins
+                self.stats[key] = max(self.stats.get(key, value), value)
+            else:
+                self.stats.setdefault(key, value)
 
     @property
     def counts(self) -> dict[str, int]:

@@ -47,11 +47,13 @@ class _Request:
     """Replay of one request: the reference state follows the engine's committed path."""
 
     def __init__(self, rep: Report, target: Target, drafter: Drafter, tol: Tolerance, rid: str, stop: frozenset[int],
-                 check_draft: bool = True):
+                 check_draft: bool = True, structural_trees: bool = False):
         self.rep, self.target, self.drafter, self.tol, self.rid, self.stop = rep, target, drafter, tol, rid, stop
         self.check_draft_enabled = check_draft
+        self.structural_trees = structural_trees  # engine trees (SGLang NGRAM, ...) need not follow DDTree's rules
         self.capture = tuple(drafter.target_layer_ids)
         self.state: TargetState | None = None
+        self.root: int | None = None
 
     def fail(self, category: str, step: int | None, message: str, **kw) -> None:
         self.rep.add(Finding(Verdict.FAIL, category, self.rid, step, message=message, **kw))
@@ -64,6 +66,17 @@ class _Request:
         self.drafter.reset()
         self.drafter.extend(fwd.context, torch.arange(len(tokens), device=dev), torch.tensor(tokens, device=dev))
         return torch.log_softmax(fwd.logits[-1], dim=-1)
+
+    def track_max(self, key: str, value: float) -> None:
+        if value == value:  # NaN-safe: a NaN deviation is reported by the check itself
+            self.rep.stats[key] = max(self.rep.stats.get(key, 0.0), value)
+
+    def step_verdict(self, since: int) -> None:
+        """Count the step just replayed as pass / benign tie / fail by its worst finding."""
+        new = {f.verdict for f in self.rep.findings[since:]}
+        worst = "fail" if Verdict.FAIL in new else "benign_tie" if Verdict.BENIGN_TIE in new else "pass"
+        steps = self.rep.stats.setdefault("steps", {"pass": 0, "benign_tie": 0, "fail": 0})
+        steps[worst] += 1
 
     # -- checks -------------------------------------------------------------------------------
     def token_flip(self, category: str, step: int, node: int | None, logp: torch.Tensor, engine_tok: int, **kw) -> bool:
@@ -122,6 +135,7 @@ class _Request:
             ids = torch.tensor(s.topk_ids, dtype=torch.long)
             lps = torch.tensor(s.topk_logprobs, dtype=torch.float32)
             dev = _abs_dev(lps, logp.cpu().gather(1, ids)).max(dim=1).values  # [N]
+            self.track_max("max_logprob_abs", float(dev.max()))
             over = torch.nonzero(dev > self.tol.logprob_abs).flatten().tolist()
             if over:
                 i = over[0]
@@ -170,6 +184,7 @@ class _Request:
                 self.fail(cat, s.step, f"{name}: shape {tuple(got.shape)} vs reference {tuple(want.shape)}", layer=layer)
                 continue
             err, cos = rel_l2(got, want), cosine(got, want)
+            self.track_max(f"max_rel_l2_{cat}", err)
             if err > self.tol.tensor_rel_l2 or cos < self.tol.tensor_min_cos:
                 layer_type = "linear_attention" if self.target.is_linear(layer) else "attention"
                 self.fail(cat, s.step, f"{name}: rel L2 {err:.3g}, cosine {cos:.6f} (tolerance {self.tol.tensor_rel_l2:g} / "
@@ -215,58 +230,14 @@ class _Request:
             ref = float(logp0[output[0]])
             if not math.isfinite(output_lps[0]) or abs(output_lps[0] - ref) > self.tol.logprob_abs:
                 self.fail("logprobs", -1, f"log-prob of the first token {output_lps[0]:.5g} vs reference {ref:.5g}")
-        root = output[0] if output else None
+        self.root = output[0] if output else None
         emitted_all = output[:1]
         for k, s in enumerate(steps):
-            self.rep.check("alignment")
-            if s.committed_len != self.state.length or s.tree_tokens[:1] != [root]:
-                self.fail("alignment", s.step, f"engine step at committed length {s.committed_len} with root "
-                          f"{s.tree_tokens[:1]}, reference at {self.state.length} with root {root}")
-                done = s.committed_len - P
-                if not 0 <= done < len(output):
-                    return
-                self.prefill(prompt + output[:done])
-                root = output[done]
-            self.rep.check("tree")
-            try:
-                n = len(s.tree_tokens)
-                tree = Tree(torch.tensor(s.tree_tokens), torch.tensor(s.tree_parents), torch.tensor(s.tree_depths),
-                            torch.tensor(s.tree_ranks), torch.zeros(n))
-                tree.validate()
-            except (TreeError, RuntimeError, ValueError) as exc:
-                self.fail("tree", s.step, f"malformed tree: {exc}")
-                return
-            self.check_draft(s)
-            want_layers = s.layer_sketch is not None
-            fwd = self.target.forward(self.state, tree.tokens, tree.parents, tree.depths, capture=self.capture,
-                                      keep_layer_outputs=want_layers)
-            logp = torch.log_softmax(fwd.logits, dim=-1)
-            walk = self.check_nodes(s, tree, logp, fwd.layer_outputs)
-            ref_acc = tree.walk_greedy(walk)
-            self.rep.check("accepted_path")
-            valid_path = bool(s.accepted) and s.accepted[0] == 0 and all(0 <= a < n for a in s.accepted) \
-                and s.accepted == tree.path(s.accepted[-1])
-            if s.accepted != ref_acc:
-                self.fail("accepted_path", s.step, f"engine accepted {s.accepted}, the greedy walk gives {ref_acc}",
-                          details={"engine": s.accepted, "reference": ref_acc})
-            self.rep.check("accept_length")
-            if s.accept_length != len(s.accepted):
-                self.fail("accept_length", s.step, f"engine reports τ={s.accept_length} for {len(s.accepted)} accepted nodes "
-                          f"(τ counts root+accepted = drafted tokens accepted + 1, bonus included)")
-            if not valid_path:
-                self.fail("accepted_path", s.step, f"engine's accepted nodes {s.accepted} are not a root path of its tree")
-                return
-            self.rep.check("bonus")
-            if s.bonus != int(walk[s.accepted[-1]]):
-                self.token_flip("bonus", s.step, s.accepted[-1], logp[s.accepted[-1]].cpu(), s.bonus)
-            self.check_emitted(s, tree, logp, last=k == len(steps) - 1)
-            prev = self.state.length
-            new_state = self.state.commit(fwd, s.accepted)
-            self.check_state(s, new_state, prev)
-            acc = torch.tensor(s.accepted, device=self.target.device)
-            self.drafter.extend(fwd.context[acc], prev + tree.depths.to(acc.device)[acc], tree.tokens.to(acc.device)[acc])
-            self.state = new_state
-            root = s.bonus
+            since = len(self.rep.findings)
+            usable = self.replay_step(s, last=k == len(steps) - 1, prompt=prompt, output=output)
+            self.step_verdict(since)
+            if not usable:
+                return  # the engine's step cannot be followed: later steps would only repeat this finding
             emitted_all += s.emitted
         self.rep.check("output")
         if emitted_all != output:
@@ -274,12 +245,81 @@ class _Request:
             self.fail("output", None, f"request output differs from the steps' emitted tokens at index {i}",
                       position=P + i, details={"index": i})
 
+    def replay_step(self, s: StepRow, last: bool, prompt: list[int], output: list[int]) -> bool:
+        """Re-verify one engine step and follow its commit; False when the step cannot be followed."""
+        P, root = len(prompt), self.root
+        self.rep.check("alignment")
+        if s.committed_len != self.state.length or s.tree_tokens[:1] != [root]:
+            self.fail("alignment", s.step, f"engine step at committed length {s.committed_len} with root "
+                      f"{s.tree_tokens[:1]}, reference at {self.state.length} with root {root}")
+            done = s.committed_len - P
+            if not 0 <= done < len(output):
+                return False
+            self.prefill(prompt + output[:done])
+        self.rep.check("tree")
+        try:
+            n = len(s.tree_tokens)
+            tree = Tree(torch.tensor(s.tree_tokens), torch.tensor(s.tree_parents), torch.tensor(s.tree_depths),
+                        torch.tensor(s.tree_ranks), torch.zeros(n))
+            tree.validate(structural_only=self.structural_trees)
+        except (TreeError, RuntimeError, ValueError) as exc:
+            self.fail("tree", s.step, f"malformed tree: {exc}")
+            return False
+        self.check_draft(s)
+        want_layers = s.layer_sketch is not None
+        fwd = self.target.forward(self.state, tree.tokens, tree.parents, tree.depths, capture=self.capture,
+                                  keep_layer_outputs=want_layers)
+        logp = torch.log_softmax(fwd.logits, dim=-1)
+        walk = self.check_nodes(s, tree, logp, fwd.layer_outputs)
+        ref_acc = tree.walk_greedy(walk)
+        self.rep.check("accepted_path")
+        valid_path = bool(s.accepted) and s.accepted[0] == 0 and all(0 <= a < n for a in s.accepted) \
+            and s.accepted == tree.path(s.accepted[-1])
+        if s.accepted != ref_acc:
+            self.fail("accepted_path", s.step, f"engine accepted {s.accepted}, the greedy walk gives {ref_acc}",
+                      details={"engine": s.accepted, "reference": ref_acc})
+        self.rep.check("accept_length")
+        if s.accept_length != len(s.accepted):
+            self.fail("accept_length", s.step, f"engine reports τ={s.accept_length} for {len(s.accepted)} accepted nodes "
+                      f"(τ counts root+accepted = drafted tokens accepted + 1, bonus included)")
+        if not valid_path:
+            self.fail("accepted_path", s.step, f"engine's accepted nodes {s.accepted} are not a root path of its tree")
+            return False
+        self.rep.check("bonus")
+        if s.bonus != int(walk[s.accepted[-1]]):
+            self.token_flip("bonus", s.step, s.accepted[-1], logp[s.accepted[-1]].cpu(), s.bonus)
+        self.check_emitted(s, tree, logp, last=last)
+        prev = self.state.length
+        new_state = self.state.commit(fwd, s.accepted)
+        self.check_state(s, new_state, prev)
+        acc = torch.tensor(s.accepted, device=self.target.device)
+        self.drafter.extend(fwd.context[acc], prev + tree.depths.to(acc.device)[acc], tree.tokens.to(acc.device)[acc])
+        self.state = new_state
+        self.root = s.bonus
+        return True
+
+
+def capture_findings(rep: Report, trace: Trace) -> None:
+    """An engine run that crashed or whose capture failed is a failure of its own ("engine")."""
+    cap = trace.provenance.get("capture") or {}
+    if not cap:
+        return
+    rep.check("engine")
+    if cap.get("crash") or cap.get("incomplete"):
+        rep.add(Finding(Verdict.FAIL, "engine", None, None,
+                        message=f"engine run incomplete ({cap.get('crash') or 'no result'}); requests without a result: "
+                                f"{cap.get('incomplete') or []}; partial trace: {cap.get('partial_trace', '-')}"))
+    for msg in cap.get("errors") or []:
+        rep.add(Finding(Verdict.FAIL, "engine", None, None, message=f"capture: {msg}"))
+
 
 def replay(trace: Trace, target: Target, drafter: Drafter, tol: Tolerance, case: str = "",
            stop_token_ids: frozenset[int] = frozenset(), check_draft: bool = True) -> Report:
     rep = Report(case=case, mode="replay")
+    capture_findings(rep, trace)
+    structural = trace.provenance.get("engine", {}).get("settings", {}).get("tree_rules") == "structural"
     for req in trace.requests:
-        _Request(rep, target, drafter, tol, req.request_id, stop_token_ids, check_draft).run(
+        _Request(rep, target, drafter, tol, req.request_id, stop_token_ids, check_draft, structural).run(
             list(req.prompt_ids), list(req.output_ids), list(req.output_logprobs), trace.steps_of(req.request_id)
         )
     return rep

@@ -1,37 +1,80 @@
-"""The SGLang runner, first part: target-only decoding (``--sglang-algorithm NONE``) as a trace.
+"""The SGLang runner: drive a real ``sglang.Engine`` in-process and capture its verify steps as a trace.
 
-Contract: :func:`engine_kwargs` is the one place that turns refcheck settings into
-``sglang.Engine`` arguments for clean diffs (token ids in and out, greedy, triton attention,
-overlap scheduling and radix cache off, page size 1, CUDA graphs off unless asked). For target-only
-decoding SGLang's public API already returns what a diff needs, so no hook is involved:
-:func:`target_only_trace` turns each request's ``output_ids`` and ``meta_info`` (chosen-token and
-top-k log-probs) into trace steps: step t verifies a root-only tree (the previous token) and emits
-token t, exactly what the reference decoder does at budget 0. KV and recurrent state are not
-exposed by the public API (unsupported until the capture plugin exists); speculative algorithms
-(DFLASH, NGRAM, DDTree) need per-step capture inside the scheduler and are refused with a clear
-error for now.
+Contract: :class:`SGLangRunner` starts SGLang from local model directories with settings fit for
+clean diffs (:func:`engine_kwargs`: token ids in and out, greedy, triton attention, overlap
+scheduling and radix cache off, page size 1, CUDA graphs off unless asked), makes refcheck's plugin
+discoverable by the spawned scheduler processes (an ``sglang.srt.plugins`` entry point in a
+throw-away ``.dist-info`` on ``sys.path``), points the plugin at a fresh capture directory, runs
+the prompt set in one batched ``generate`` and assembles the captured records into a trace
+(``refcheck.sglang_capture``).
 
-SGLang's ``meta_info`` format: ``output_token_logprobs`` is a list of ``(logprob, token_id, text)``
-and ``output_top_logprobs`` a list (per output token) of lists of ``(logprob, token_id, text)``.
+Algorithms: ``NONE`` (target-only; budget 0, root-only steps), ``DFLASH`` (chain verify of the
+drafter's block: the budget must be the draft's ``block_size - 1``), ``NGRAM`` (tree verify with no
+draft model: ``budget + 1`` draft tokens, BFS breadth ``ngram_breadth``) and any other name a
+user's SGLang build registers (captured through the same hooks when it verifies with
+``eagle_sample``).
+
+Errors: no GPU or no SGLang -> :class:`EngineUnavailableError` (exit 2); SGLang failing to start
+on the model -> :class:`~refcheck.errors.ModelError` with SGLang's message summarised (exit 6); a
+crash during ``generate`` keeps every step captured so far, marks the trace's provenance
+``capture.incomplete`` (the diff reports it as a failure) and writes the partial trace next to the
+capture records.
 """
 
 from __future__ import annotations
 
-import math
+import json
+import os
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-from refcheck.errors import UsageError
+from refcheck.errors import ModelError, UsageError
 from refcheck.prompts import Prompt
 from refcheck.runners.reference import EngineSpec
-from refcheck.trace.io import RequestRow, StepRow, Trace
+from refcheck.trace.io import Trace
 
-TOPK = 5
-SUPPORTED_ALGORITHMS = ("NONE",)
+ALGORITHMS = ("NONE", "DFLASH", "NGRAM")  # built in; other names pass through to SGLang's registry
+PLUGIN_ENTRY = "refcheck = refcheck.sglang_capture.plugin:register"
+
+
+class EngineUnavailableError(UsageError):
+    """SGLang or a GPU is missing: the sglang engine cannot run here."""
+
+
+def draft_block_size(draft_dir: Path | None) -> int | None:
+    if draft_dir is None or not (Path(draft_dir) / "config.json").is_file():
+        return None
+    cfg = json.loads((Path(draft_dir) / "config.json").read_text())
+    size = (cfg.get("dflash_config") or {}).get("block_size", cfg.get("block_size"))
+    return int(size) if size is not None else None
+
+
+def resolve_budget(algorithm: str, budget: int | None, draft_dir: Path | None) -> int:
+    """The verify budget (drafted nodes per step) an algorithm runs with; refuses mismatches."""
+    if algorithm == "NONE":
+        return 0
+    if algorithm == "DFLASH":
+        block = draft_block_size(draft_dir)
+        if block is None:
+            raise UsageError(f"DFLASH needs a DFlash draft checkpoint with dflash_config.block_size ({draft_dir})")
+        if budget is not None and budget != block - 1:
+            raise UsageError(f"--budget {budget} does not match the draft's block size {block}: SGLang's DFLASH "
+                             f"verifies whole blocks, i.e. budget {block - 1} (block size - 1)")
+        return block - 1
+    if budget is None:
+        raise UsageError(f"{algorithm} verifies trees of a node budget: pass --budget N (chain mode is DFLASH)")
+    if budget < 1:
+        raise UsageError(f"{algorithm} needs --budget >= 1, got {budget}")
+    return budget
 
 
 def engine_kwargs(spec: EngineSpec, model_path: str, algorithm: str = "NONE", cuda_graphs: bool = False,
-                  mem_fraction_static: float = 0.3) -> dict[str, Any]:
+                  mem_fraction_static: float = 0.3, budget: int = 0, draft_path: str | None = None,
+                  ngram_breadth: int = 10) -> dict[str, Any]:
+    """The one place that turns refcheck settings into ``sglang.Engine`` arguments."""
     if spec.dtype not in ("bfloat16", "float16", "float32"):
         raise UsageError(f"SGLang runs bfloat16/float16/float32, got {spec.dtype!r}")
     kw: dict[str, Any] = dict(
@@ -39,97 +82,163 @@ def engine_kwargs(spec: EngineSpec, model_path: str, algorithm: str = "NONE", cu
         skip_tokenizer_init=True,  # token ids in and out: the reference compares ids, not text
         attention_backend="triton",
         sampling_backend="pytorch",
-        disable_overlap_schedule=True,
-        disable_radix_cache=True,
+        disable_overlap_schedule=True,  # the capture reads reused buffers within one synchronous step
+        disable_radix_cache=True,  # prefix reuse would change committed prefixes and mamba snapshots
         disable_cuda_graph=not cuda_graphs,
         page_size=1,
         dtype=spec.dtype,
         mem_fraction_static=mem_fraction_static,
     )
-    if algorithm != "NONE":
-        kw["speculative_algorithm"] = algorithm
+    if spec.device.startswith("cuda:"):
+        kw["base_gpu_id"] = int(spec.device.split(":", 1)[1])  # data-parallel workers: one GPU each
+    if algorithm == "NONE":
+        return kw
+    kw.update(speculative_algorithm=algorithm, linear_attn_backend="triton")
+    if algorithm == "DFLASH":
+        kw.update(speculative_draft_model_path=draft_path, speculative_draft_attention_backend="triton")
+    elif algorithm == "NGRAM":
+        kw.update(speculative_num_draft_tokens=budget + 1, speculative_ngram_max_bfs_breadth=ngram_breadth,
+                  speculative_ngram_min_bfs_breadth=1)
+    else:  # a registered plugin algorithm: it gets the draft model and the budget, reads what it needs
+        kw.update(speculative_num_draft_tokens=budget + 1)
+        if draft_path:
+            kw["speculative_draft_model_path"] = draft_path
     return kw
 
 
-def _pairs(entries: list | None) -> list[tuple[float, int]]:
-    """[(logprob, token_id, text)] -> [(logprob, token_id)]; None entries (no logprob) kept as NaN."""
-    out = []
-    for e in entries or []:
-        if e is None:
-            continue
-        lp, tok = e[0], e[1]
-        out.append((float("nan") if lp is None else float(lp), int(tok)))
-    return out
+def install_entry_point(root: Path) -> Path:
+    """A minimal distribution that declares refcheck's plugin entry point; its directory goes first
+    on ``sys.path`` (spawned schedulers inherit the parent's ``sys.path``) and ``PYTHONPATH``."""
+    info = Path(root) / "refcheck_sglang_capture-1.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: refcheck-sglang-capture\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{PLUGIN_ENTRY}\n")
+    repo = str(Path(__file__).resolve().parents[2])
+    for p in (repo, str(root)):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(root), repo] + [p for p in parts if p not in (str(root), repo)])
+    return info
 
 
-def target_only_trace(prompts: list[Prompt], results: list[dict], provenance: dict) -> Trace:
-    """A trace from SGLang target-only generate results (one dict per prompt, in order)."""
-    if len(prompts) != len(results):
-        raise UsageError(f"{len(results)} SGLang results for {len(prompts)} prompts")
-    requests, steps = [], []
-    for p, res in zip(prompts, results):
-        out = [int(t) for t in res["output_ids"]]
-        meta = res.get("meta_info", {})
-        chosen = _pairs(meta.get("output_token_logprobs"))
-        tops = [_pairs(row) for row in (meta.get("output_top_logprobs") or [])]
-        if len(chosen) != len(out) or len(tops) != len(out):
-            raise UsageError(f"request {p.id}: {len(out)} output ids but {len(chosen)} token log-probs and "
-                             f"{len(tops)} top-k rows (pass return_logprob=True, top_logprobs_num)")
-        if any(tok != o for (_, tok), o in zip(chosen, out)):
-            raise UsageError(f"request {p.id}: output_token_logprobs token ids differ from output_ids")
-        lps = [lp for lp, _ in chosen]
-        requests.append(RequestRow(p.id, p.kind, list(p.prompt_ids), out, lps))
-        for t in range(1, len(out)):
-            top = tops[t][:TOPK]
-            argmax = top[0][1] if top else out[t]
-            steps.append(StepRow(
-                request_id=p.id, step=t - 1, committed_len=len(p.prompt_ids) + t - 1,
-                tree_tokens=[out[t - 1]], tree_parents=[-1], tree_depths=[0], tree_ranks=[0],
-                draft_topk_ids=[], draft_topk_logprobs=[],
-                topk_ids=[[tok for _, tok in top]], topk_logprobs=[[lp for lp, _ in top]], target_argmax=[argmax],
-                accepted=[0], accept_length=1, bonus=out[t], emitted=[out[t]], emitted_logprobs=[lps[t]], state=[],
-                timings={"draft": 0.0, "tree": 0.0, "verify": math.nan, "commit": math.nan},
-            ))
-    return Trace(provenance=provenance, requests=requests, steps=steps)
+def summarise_error(exc: BaseException, limit: int = 600) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    tail = " | ".join(lines[-4:]) if len(lines) > 4 else " | ".join(lines)
+    return tail if len(tail) <= limit else tail[: limit - 3] + "..."
 
 
 class SGLangRunner:
     name = "sglang"
 
-    def __init__(self, spec: EngineSpec, algorithm: str = "NONE", cuda_graphs: bool = False) -> None:
-        if algorithm not in SUPPORTED_ALGORITHMS:
-            raise UsageError(f"--sglang-algorithm {algorithm}: per-step capture of speculative algorithms inside "
-                             f"SGLang's scheduler is not implemented yet (supported: {', '.join(SUPPORTED_ALGORITHMS)})")
+    def __init__(self, spec: EngineSpec, algorithm: str = "NONE", cuda_graphs: bool = False, capture: bool = True,
+                 ngram_breadth: int = 10, capture_dir: Path | None = None, full_state: bool = False) -> None:
+        self.algorithm = algorithm.upper()
+        self.spec, self.cuda_graphs, self.capture, self.ngram_breadth = spec, cuda_graphs, capture, ngram_breadth
+        self.capture_dir, self.full_state = capture_dir, full_state
+        _, ddir = spec.resolved_dirs()
+        self.budget = resolve_budget(self.algorithm, spec.budget, ddir)
+        try:
+            import torch
+
+            has_gpu = torch.cuda.is_available()
+        except ImportError:
+            has_gpu = False
+        if not has_gpu:
+            raise EngineUnavailableError("the sglang engine needs a CUDA GPU and none is visible here "
+                                         "(to diff SGLang on a CPU machine, replay its stored traces: refcheck gate)")
         try:
             import sglang
         except ImportError as exc:
-            raise UsageError("the sglang engine needs SGLang installed (on the GPU machine: the offline bundle of "
-                             "shared/sglang-gpu, run through .bundle/run_with_bundle.sh)") from exc
-        self.sgl, self.spec, self.algorithm, self.cuda_graphs = sglang, spec, algorithm, cuda_graphs
+            raise EngineUnavailableError(
+                "the sglang engine needs SGLang installed; on an offline GPU machine use the bundle: "
+                "scripts/sglang_bundle.sh build (with network) then scripts/sglang_bundle.sh run refcheck ...") from exc
+        self.sgl = sglang
+        self.last_assembly = None
 
     def trace(self, prompts: list[Prompt]) -> Trace:
         from refcheck.prompts import prompt_set_hash
         from refcheck.provenance import build_provenance
+        from refcheck.sglang_capture.assemble import assemble_trace
+        from refcheck.sglang_capture.records import ENV_DIR, ENV_FULL, read_capture
+        from refcheck.trace.io import write_trace
 
-        tdir, _ = self.spec.resolved_dirs()
-        kw = engine_kwargs(self.spec, str(tdir), self.algorithm, self.cuda_graphs)
+        tdir, ddir = self.spec.resolved_dirs()
+        cdir = Path(self.capture_dir or tempfile.mkdtemp(prefix="refcheck-sglang-"))
+        cdir.mkdir(parents=True, exist_ok=True)
+        install_entry_point(cdir / "site")
+        records = cdir / "records"
+        if self.capture:
+            os.environ[ENV_DIR] = str(records)
+        else:
+            os.environ.pop(ENV_DIR, None)
+        os.environ.pop(ENV_FULL, None)
+        if self.full_state:
+            os.environ[ENV_FULL] = "1"
+        kw = engine_kwargs(self.spec, str(tdir), self.algorithm, self.cuda_graphs, budget=self.budget,
+                           draft_path=str(ddir) if ddir else None, ngram_breadth=self.ngram_breadth)
+        rids = {p.id: f"refcheck-{os.getpid()}-{i}-{p.id}" for i, p in enumerate(prompts)}
         t0 = time.time()
-        engine = self.sgl.Engine(**kw)
         try:
-            results = engine.generate(
+            engine = self.sgl.Engine(**kw)
+        except Exception as exc:  # SGLang's start-up errors are long multi-process tracebacks
+            raise ModelError(f"SGLang could not start on {tdir} ({self.algorithm}): {summarise_error(exc)}") from None
+        start_s = time.time() - t0
+        results: dict[str, dict] = {}
+        crash = None
+        try:
+            out = engine.generate(
                 input_ids=[list(p.prompt_ids) for p in prompts],
+                # ignore_eos: refcheck stops only at the explicit --stop ids, exactly like the reference
                 sampling_params=[{"temperature": 0.0, "max_new_tokens": p.max_new_tokens or self.spec.max_new_tokens,
-                                  "stop_token_ids": sorted(self.spec.stop_token_ids)} for p in prompts],
-                return_logprob=True, top_logprobs_num=TOPK,
-            )
+                                  "stop_token_ids": sorted(self.spec.stop_token_ids), "ignore_eos": True}
+                                 for p in prompts],
+                rid=[rids[p.id] for p in prompts])
+            results = {p.id: r for p, r in zip(prompts, out)}
+        except Exception as exc:  # keep what was captured; the trace says the run is incomplete
+            crash = summarise_error(exc)
         finally:
-            engine.shutdown()
+            try:
+                engine.shutdown()
+            except Exception as exc:
+                crash = crash or f"shutdown failed: {summarise_error(exc)}"
+        wall = time.time() - t0
+        cap = read_capture(records) if self.capture else None
+        settings = {k: v for k, v in kw.items() if k not in ("model_path", "speculative_draft_model_path")}
+        settings.update(algorithm=self.algorithm, pair=self.spec.pair, stop_token_ids=sorted(self.spec.stop_token_ids),
+                        engine_start_s=round(start_s, 2), wall_s=round(wall, 2), tree_rules="structural",
+                        draft_dir=str(ddir) if ddir and self.spec.model_dir is not None else None)
         prov = build_provenance(
-            engine="sglang", engine_version=self.sgl.__version__,
-            settings={**{k: v for k, v in kw.items() if k != "model_path"}, "pair": self.spec.pair,
-                      "stop_token_ids": sorted(self.spec.stop_token_ids), "wall_s": time.time() - t0},
-            model_dir=tdir, draft_dir=None, dtype=self.spec.dtype, device="cuda", budget=0, block_size=1,
-            max_new_tokens=self.spec.max_new_tokens, drafter="none", prompt_set_sha256=prompt_set_hash(prompts),
-            model_label=self.spec.model_label,
-        )
-        return target_only_trace(prompts, results, prov)
+            engine="sglang", engine_version=str(getattr(self.sgl, "__version__", "unknown")), settings=settings,
+            model_dir=tdir, draft_dir=ddir if self.algorithm == "DFLASH" else None, dtype=self.spec.dtype,
+            device="cuda", budget=self.budget, block_size=self.budget + 1, max_new_tokens=self.spec.max_new_tokens,
+            drafter="dflash" if self.algorithm == "DFLASH" else "none", prompt_set_sha256=prompt_set_hash(prompts),
+            model_label=self.spec.model_label)
+        if cap is None:
+            from refcheck.sglang_capture.records import Capture
+
+            cap = Capture()
+        asm = assemble_trace(prompts, rids, results, cap, prov)
+        errors = list(cap.errors) + self._hook_errors(cap)
+        prov["capture"] = {"enabled": self.capture, "errors": errors[:50], "problems": asm.problems[:50],
+                           "incomplete": asm.incomplete, "crash": crash, "stats": asm.stats,
+                           "status": cap.status[:8]}
+        self.last_assembly = asm
+        if crash or asm.incomplete:
+            write_trace(asm.trace, cdir / "partial.arrow")
+            prov["capture"]["partial_trace"] = str(cdir / "partial.arrow")
+        return asm.trace
+
+    def _hook_errors(self, cap) -> list[str]:
+        if not self.capture:
+            return []
+        if not cap.status:
+            return ["no scheduler process loaded refcheck's SGLang plugin (entry point group sglang.srt.plugins)"]
+        need = {"run_batch"} | ({"dflash"} if self.algorithm == "DFLASH" else {"eagle_sample"} if self.algorithm != "NONE" else set())
+        out = []
+        for st in cap.status:
+            for name in sorted(need):
+                if st.get("hooks", {}).get(name) is not True:
+                    out.append(f"scheduler rank {st.get('tp_rank')}: hook {name} not live ({st.get('hooks', {}).get(name)})")
+        return out

@@ -1,0 +1,12 @@
+"""Per-step capture of SGLang's speculative decoding, inside SGLang's scheduler processes.
+
+Modules: ``steps`` (pure: SGLang verify tensors -> per-request step records), ``state`` (pure:
+SGLang KV / mamba pools -> committed-state rows in refcheck's layouts), ``records`` (the capture
+directory: atomic per-record files, read back in order), ``assemble`` (records + generate results
+-> a refcheck :class:`~refcheck.trace.io.Trace`), ``versions`` (every SGLang-version difference:
+hook targets, the Qwen3.5 DFlash patch) and ``plugin`` (the ``sglang.srt.plugins`` entry point
+that installs the hooks; inert unless ``REFCHECK_CAPTURE_DIR`` is set).
+
+Only ``plugin`` and ``versions`` import SGLang, and only when the hooks are installed, so the
+rest is importable and tested on a CPU machine without SGLang.
+"""

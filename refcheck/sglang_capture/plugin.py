@@ -1,0 +1,279 @@
+"""refcheck's SGLang plugin: the ``sglang.srt.plugins`` entry point and its capture hooks.
+
+Contract: SGLang calls :func:`register` (no arguments) in its main process and again in every
+spawned scheduler process, before the scheduler is built. It always applies the model fixes of
+:func:`refcheck.sglang_capture.versions.patch_models` (DFLASH needs them whether or not anything
+is captured). Only when ``REFCHECK_CAPTURE_DIR`` is set does it register three AROUND hooks with
+SGLang's ``HookRegistry``:
+
+* ``Scheduler.run_batch``: snapshots each request (rid, committed length, root, pool row) before the
+  batch runs and, once it has run (SGLang's commit, KV move and mamba-state scatter included),
+  records prefill first tokens, target-only decode steps, and the committed KV / conv / recurrent
+  state of every verify step recorded during the batch;
+* ``eagle_utils.eagle_sample`` (tree verify: NGRAM, EAGLE, any plugin algorithm that uses it): the
+  tree, every node's log-probs (taken before SGLang adds penalties in place) and the accept outputs;
+* ``DFlashWorkerV2.forward_batch_generation`` (DFLASH chain verify): candidates, logits and
+  accepted lengths of each decode step.
+
+Capture never changes what SGLang computes: hooks read and copy, and every failure inside a hook is
+written to the capture directory as an error record instead of being raised into SGLang. The
+first ``run_batch`` of each process writes a status file saying which hooks are live (HookRegistry
+only logs failures), so the runner can refuse a capture that silently missed a hook.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from refcheck.sglang_capture import versions
+from refcheck.sglang_capture.records import ENV_DIR, ENV_FULL, Recorder
+from refcheck.sglang_capture.state import committed_rows, summarise
+from refcheck.sglang_capture.steps import StepCapture, chain_steps, prefill_records, root_steps, tree_steps
+
+_registered = False
+_patched: list[str] = []
+_originals: dict[str, Any] = {}
+_recorder: Recorder | None = None
+
+
+@dataclass
+class _Batch:
+    """What the scheduler's batch looked like before it ran."""
+
+    mode: str  # "extend", "decode" or "other"
+    speculative: bool
+    rids: list[str]
+    committed: list[int]  # decode: tokens with KV before the step (the root's position)
+    roots: list[int]
+    prompt_lens: list[int]
+    fill_lens: list[int]
+    pool_rows: list[int]
+    topk: int | None
+    pending: list[StepCapture] = field(default_factory=list)
+
+    def committed_of(self, rids: list[str]) -> list[int]:
+        where = dict(zip(self.rids, self.committed))
+        return [where[r] for r in rids]
+
+
+_batch: _Batch | None = None
+
+
+def register() -> None:
+    """The entry point (``[project.entry-points."sglang.srt.plugins"] refcheck``)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    _patched.extend(versions.patch_models())
+    if not os.environ.get(ENV_DIR):
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    hooks = {"run_batch": _run_batch, "eagle_sample": _eagle_sample, "dflash": _dflash_forward}
+    for name, target in versions.HOOK_TARGETS.items():
+        try:
+            _originals[name] = versions.resolve(target)
+        except (ImportError, AttributeError) as exc:
+            _originals[name] = exc
+            continue
+        HookRegistry.register(target, hooks[name], HookType.AROUND)
+
+
+def hook_status() -> dict[str, Any]:
+    """Which hooks replaced their targets (and bindings) in this process."""
+    live: dict[str, Any] = {}
+    for name, target in versions.HOOK_TARGETS.items():
+        orig = _originals.get(name)
+        if isinstance(orig, Exception) or orig is None:
+            live[name] = f"missing: {orig}"
+            continue
+        ok = versions.resolve(target) is not orig
+        for mod in versions.BINDINGS.get(name, ()):
+            try:
+                ok = ok and getattr(versions.resolve(mod), target.rsplit(".", 1)[1]) is not orig
+            except (ImportError, AttributeError):
+                pass  # a module this release does not have
+        live[name] = ok
+    return live
+
+
+def _rec(scheduler: Any = None) -> Recorder:
+    global _recorder
+    if _recorder is None:
+        _recorder = Recorder(Path(os.environ[ENV_DIR]), int(getattr(scheduler, "tp_rank", 0) or 0))
+        try:
+            _recorder.status({"pid": os.getpid(), "tp_rank": _recorder.tp_rank, "sglang": versions.sglang_version(),
+                              "hooks": hook_status(), "patched": _patched,
+                              "server_topk": versions.server_topk(scheduler) if scheduler is not None else None})
+        except Exception as exc:  # a status we cannot compute must not stop the engine
+            _recorder.error("status", f"{type(exc).__name__}: {exc}")
+    return _recorder
+
+
+def _guard(where: str, fn, *args) -> Any:
+    try:
+        return fn(*args)
+    except Exception as exc:  # capture must never break the engine: record and carry on
+        _rec().error(where, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
+        return None
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str) -> Any:
+    return args[i] if len(args) > i else kwargs[name]
+
+
+# -- run_batch -----------------------------------------------------------------------------------------
+def _snapshot(scheduler: Any, batch: Any) -> _Batch:
+    fm = batch.forward_mode
+    mode = "extend" if fm.is_extend() else "decode" if fm.is_decode() else "other"
+    reqs = list(batch.reqs)
+    spec = not batch.spec_algorithm.is_none()
+    return _Batch(
+        mode=mode, speculative=spec, rids=[r.rid for r in reqs],
+        committed=[len(r.origin_input_ids) + len(r.output_ids) - 1 for r in reqs],
+        roots=[int(r.output_ids[-1]) if r.output_ids else -1 for r in reqs],
+        prompt_lens=[len(r.origin_input_ids) for r in reqs],
+        fill_lens=[len(getattr(r, "fill_ids", None) or r.origin_input_ids) for r in reqs],
+        pool_rows=[int(i) for i in batch.req_pool_indices.tolist()] if batch.req_pool_indices is not None else [],
+        topk=versions.server_topk(scheduler),
+    )
+
+
+def _pools(scheduler: Any) -> tuple[Any, Any]:
+    runner = scheduler.tp_worker.model_runner
+    return runner.token_to_kv_pool, runner.req_to_token_pool
+
+
+def _attach_state(scheduler: Any, snap: _Batch, steps: list[StepCapture]) -> None:
+    kv_pool, rtp = _pools(scheduler)
+    if hasattr(kv_pool, "full_attention_layer_id_mapping"):
+        kv_layers = sorted(kv_pool.full_attention_layer_id_mapping)
+    else:
+        start = int(getattr(kv_pool, "start_layer", 0) or 0)
+        kv_layers = list(range(start, start + int(kv_pool.layer_num)))
+    kv = {layer: (kv_pool.get_key_buffer(layer), kv_pool.get_value_buffer(layer)) for layer in kv_layers}
+    mamba: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    axis = -1
+    if hasattr(rtp, "mamba_map"):
+        pool = rtp.mamba_pool
+        cache = pool.mamba_cache
+        axis = int(getattr(pool, "conv_window_axis", -1))
+        mamba = {layer: (cache.conv[0][i], cache.temporal[i]) for layer, i in rtp.mamba_map.items()}
+    full = bool(os.environ.get(ENV_FULL))
+    row_of = dict(zip(snap.rids, snap.pool_rows))
+    for s in steps:
+        rpi = row_of[s.rid]
+        slots = rtp.req_to_token[rpi, s.committed_len: s.committed_len + len(s.accepted)]
+        mslot = int(rtp.req_index_to_mamba_index_mapping[rpi]) if mamba else None
+        s.state = summarise(committed_rows(kv, slots, mamba, mslot, axis), full)
+
+
+def _after(scheduler: Any, snap: _Batch, result: Any) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # results and the commit were launched on SGLang's streams
+    rec = _rec(scheduler)
+    logits = getattr(getattr(result, "logits_output", None), "next_token_logits", None)
+    if snap.mode == "extend":
+        if logits is None:
+            return
+        done = [i for i, (p, f) in enumerate(zip(snap.prompt_lens, snap.fill_lens)) if f >= p]  # last prefill chunk
+        recs = prefill_records(logits[done], torch.as_tensor(result.next_token_ids).reshape(-1)[done],
+                               [snap.rids[i] for i in done], [snap.prompt_lens[i] for i in done])
+        for r in recs:
+            rec.prefill(r)
+        return
+    if snap.mode != "decode":
+        return
+    if not snap.speculative:
+        if logits is None:
+            rec.error("run_batch", "target-only decode result has no logits")
+            return
+        snap.pending = root_steps(snap.roots, logits, torch.as_tensor(result.next_token_ids), snap.rids, snap.committed,
+                                  meta={"server_topk": snap.topk})
+    elif not snap.pending:
+        rec.error("run_batch", "a speculative decode batch ran but no verify step was captured (is its hook live?)")
+        return
+    _attach_state(scheduler, snap, snap.pending)
+    for s in snap.pending:
+        rec.step(s)
+
+
+def _run_batch(original, self, batch, *args, **kwargs):
+    global _batch
+    _rec(self)
+    snap = _guard("run_batch:snapshot", _snapshot, self, batch)
+    _batch = snap
+    try:
+        result = original(self, batch, *args, **kwargs)
+    finally:
+        _batch = None
+    if snap is not None:
+        _guard("run_batch:after", _after, self, snap, result)
+    return result
+
+
+# -- verify hooks ----------------------------------------------------------------------------------------
+def _eagle_sample(original, *args, **kwargs):
+    snap = _batch
+    pre = None
+    if snap is not None:
+        pre = _guard("eagle_sample:before", _tree_inputs, args, kwargs)
+    result = original(*args, **kwargs)
+    if snap is not None and pre is not None:
+        recs = _guard("eagle_sample:after", _tree_records, snap, pre, result)
+        if recs:
+            snap.pending.extend(recs)
+    return result
+
+
+def _tree_inputs(args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    verify_input, batch, logits_output = (_arg(args, kwargs, 0, "verify_input"), _arg(args, kwargs, 1, "batch"),
+                                          _arg(args, kwargs, 2, "logits_output"))
+    if batch.forward_mode.is_idle():
+        return None
+    nt = getattr(verify_input, "retrieve_next_token", None)
+    ns = getattr(verify_input, "retrieve_next_sibling", None)
+    pos = getattr(verify_input, "positions", None)
+    return {"tokens": verify_input.draft_token.detach().clone(), "nt": None if nt is None else nt.detach().clone(),
+            "ns": None if ns is None else ns.detach().clone(), "pos": None if pos is None else pos.detach().clone(),
+            # before the original runs: eagle_sample adds penalties and logit bias to these in place
+            "logits": logits_output.next_token_logits.detach().clone(), "rids": [r.rid for r in batch.reqs]}
+
+
+def _tree_records(snap: _Batch, pre: dict[str, Any], result: tuple) -> list[StepCapture]:
+    predict, accept_lens, accept_index = result
+    return tree_steps(pre["tokens"], pre["nt"], pre["ns"], pre["logits"], accept_index, accept_lens, predict,
+                      pre["rids"], snap.committed_of(pre["rids"]), positions=pre["pos"],
+                      meta={"server_topk": snap.topk, "layout_in_engine": "tree" if (snap.topk or 0) > 1 else "chain"})
+
+
+def _dflash_forward(original, self, batch, *args, **kwargs):
+    snap = _batch
+    decode = False
+    if snap is not None:
+        decode = bool(_guard("dflash:before", lambda: not (batch.forward_mode.is_extend() or batch.is_extend_in_batch
+                                                           or batch.forward_mode.is_idle())))
+        rids = [r.rid for r in batch.reqs]
+    result = original(self, batch, *args, **kwargs)
+    if snap is not None and decode:
+        recs = _guard("dflash:after", _chain_records, self, snap, rids, result)
+        if recs:
+            snap.pending.extend(recs)
+    return result
+
+
+def _chain_records(worker: Any, snap: _Batch, rids: list[str], result: Any) -> list[StepCapture]:
+    bs = len(rids)
+    logits = result.logits_output.next_token_logits
+    if logits is None:
+        raise RuntimeError("DFLASH verify result carries no logits (skipped for TP > 1 greedy in newer SGLang)")
+    cand = worker._draft_block_tokens_buf[:bs]  # [bs, B]: column 0 the root, then the drafts
+    return chain_steps(cand, logits, result.accept_lens, result.next_token_ids.reshape(bs, -1), rids,
+                       snap.committed_of(rids), meta={"server_topk": snap.topk, "layout_in_engine": "chain"})

@@ -1,0 +1,89 @@
+"""The capture directory: what the plugin writes inside SGLang's scheduler processes, read back in order.
+
+Contract: a :class:`Recorder` (one per scheduler process) writes each record as its own file
+``rank{tp}-pid{pid}/{seq:08d}.pt`` (``torch.save`` of plain dicts, lists and CPU tensors) through a
+temporary name and an atomic rename, so a crash loses at most the record being written and never
+leaves a half file under a final name. ``status-rank{tp}-pid{pid}.json`` says which hooks are live.
+:func:`read_capture` returns every complete record of a directory, per rank, in write order; a file
+that cannot be read is reported (not skipped silently) in :attr:`Capture.errors`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from refcheck.sglang_capture.steps import PrefillCapture, StepCapture
+
+ENV_DIR = "REFCHECK_CAPTURE_DIR"
+ENV_FULL = "REFCHECK_CAPTURE_FULL"
+
+
+class Recorder:
+    def __init__(self, root: Path, tp_rank: int = 0) -> None:
+        self.dir = Path(root) / f"rank{tp_rank}-pid{os.getpid()}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.status_path = Path(root) / f"status-rank{tp_rank}-pid{os.getpid()}.json"
+        self.tp_rank, self.seq = tp_rank, 0
+
+    def write(self, kind: str, payload: dict[str, Any]) -> None:
+        final = self.dir / f"{self.seq:08d}.pt"
+        tmp = self.dir / f".{self.seq:08d}.pt.tmp"
+        torch.save({"type": kind, **payload}, tmp)
+        os.replace(tmp, final)
+        self.seq += 1
+
+    def step(self, rec: StepCapture) -> None:
+        self.write("step", rec.to_dict())
+
+    def prefill(self, rec: PrefillCapture) -> None:
+        self.write("prefill", rec.to_dict())
+
+    def error(self, where: str, message: str) -> None:
+        self.write("error", {"where": where, "message": message})
+
+    def status(self, info: dict[str, Any]) -> None:
+        tmp = self.status_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info, indent=1, default=str))
+        os.replace(tmp, self.status_path)
+
+
+@dataclass
+class Capture:
+    steps: dict[int, list[StepCapture]] = field(default_factory=dict)  # tp rank -> steps in write order
+    prefills: dict[int, list[PrefillCapture]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)  # hook errors and unreadable files
+    status: list[dict[str, Any]] = field(default_factory=list)
+
+
+def read_capture(root: Path) -> Capture:
+    cap = Capture()
+    root = Path(root)
+    for st in sorted(root.glob("status-rank*-pid*.json")):
+        try:
+            cap.status.append(json.loads(st.read_text()))
+        except (OSError, ValueError) as exc:
+            cap.errors.append(f"{st.name}: unreadable status ({exc})")
+    for d in sorted(root.glob("rank*-pid*")):
+        rank = int(d.name[4:].split("-", 1)[0])
+        for f in sorted(d.glob("[0-9]*.pt")):
+            try:
+                rec = torch.load(f, map_location="cpu", weights_only=True)
+            except Exception as exc:  # a torn or foreign file: report it, keep the rest
+                cap.errors.append(f"{d.name}/{f.name}: unreadable record ({type(exc).__name__}: {exc})")
+                continue
+            kind = rec.pop("type", None)
+            if kind == "step":
+                cap.steps.setdefault(rank, []).append(StepCapture.from_dict(rec))
+            elif kind == "prefill":
+                cap.prefills.setdefault(rank, []).append(PrefillCapture(**rec))
+            elif kind == "error":
+                cap.errors.append(f"{d.name}: hook error in {rec.get('where')}: {rec.get('message')}")
+            else:
+                cap.errors.append(f"{d.name}/{f.name}: unknown record type {kind!r}")
+    return cap

@@ -1,0 +1,83 @@
+"""Every SGLang-version difference the capture plugin and the runner depend on, in one place.
+
+Contract: :data:`HOOK_TARGETS` names the functions the plugin wraps (identical in SGLang 0.5.17 and
+0.5.23, the two releases we read and support); :data:`BINDINGS` lists modules that import a hooked
+function by name, whose binding must be patched too (the plugin checks them). :func:`patch_models`
+applies model fixes an older release needs (0.5.17's text-only ``Qwen3_5ForCausalLM`` lacks
+``set_dflash_layers_to_capture``; 0.5.23 has it) and returns what it patched.
+:func:`server_topk` reads ``speculative_eagle_topk`` (a server-args field in 0.5.17, the spec
+namespace in 0.5.23). Nothing here imports SGLang at module import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+SUPPORTED = ("0.5.17", "0.5.23")
+
+HOOK_TARGETS = {
+    "run_batch": "sglang.srt.managers.scheduler.Scheduler.run_batch",
+    "eagle_sample": "sglang.srt.speculative.eagle_utils.eagle_sample",
+    "dflash": "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2.forward_batch_generation",
+}
+
+#: hook name -> modules that do ``from ... import <function>`` (their binding is what runs)
+BINDINGS = {
+    "eagle_sample": ("sglang.srt.speculative.ngram_worker", "sglang.srt.speculative.eagle_worker_common"),
+}
+
+
+def resolve(target: str) -> Any:
+    """'pkg.mod.Class.attr' or 'pkg.mod.func' -> the attribute (imports the module)."""
+    parts = target.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(f"cannot import any module of {target}")
+
+
+def sglang_version() -> str:
+    try:
+        import sglang
+    except ImportError:
+        return "not installed"
+    return str(getattr(sglang, "__version__", "unknown"))
+
+
+def patch_models() -> list[str]:
+    """Apply the model fixes this SGLang needs; returns the names of what was patched."""
+    patched = []
+    try:
+        text = importlib.import_module("sglang.srt.models.qwen3_5_text")
+    except ImportError:
+        return patched
+    cls = getattr(text, "Qwen3_5ForCausalLM", None)
+    if cls is not None and not hasattr(cls, "set_dflash_layers_to_capture"):
+        def set_dflash_layers_to_capture(self, layer_ids: list[int]) -> None:
+            # DFlash wants each target layer's output (HF hidden_states[k+1]); SGLang's body captures
+            # the residual stream *entering* a layer, hence k + 1 (as the VL and Next classes do).
+            self.capture_aux_hidden_states = True
+            self.model.set_dflash_layers_to_capture([k + 1 for k in layer_ids])
+
+        cls.set_dflash_layers_to_capture = set_dflash_layers_to_capture
+        patched.append("qwen3_5_text.Qwen3_5ForCausalLM.set_dflash_layers_to_capture")
+    return patched
+
+
+def server_topk(scheduler: Any) -> int | None:
+    args = getattr(scheduler, "server_args", None)
+    topk = getattr(args, "speculative_eagle_topk", None) if args is not None else None
+    if topk is None:
+        try:
+            from sglang.srt.runtime_context import get_spec  # 0.5.23
+
+            topk = getattr(get_spec(), "speculative_eagle_topk", None)
+        except Exception:  # older releases: no runtime context
+            topk = None
+    return None if topk is None else int(topk)

@@ -1,0 +1,67 @@
+#!/bin/bash
+# SGLang on an air-gapped GPU machine, in one transfer.
+#
+#   scripts/sglang_bundle.sh build [OUT]   on a machine with network (needs a CPython 3.12 with pip;
+#                                          set PY312 to choose one): downloads the wheels pinned in
+#                                          scripts/sglang_wheels.txt (cp312 manylinux x86-64, no deps),
+#                                          installs them into one site dir, prunes kernels the triton
+#                                          attention path never loads, strips debug info, and packs
+#                                          OUT/parts/part_* (xz, <= 55 MiB each; ~45 MiB for 0.5.17).
+#                                          Copy the parts into .bundle/ at the repository root.
+#   scripts/sglang_bundle.sh run CMD ...   on the GPU machine, from the repository root: unpacks
+#                                          .bundle/part_* (or $BUNDLE_DIR) into /tmp/sglang-site once,
+#                                          puts it and the repository first on PYTHONPATH and runs CMD,
+#                                          e.g. `python3 -m refcheck diff --engine sglang ...`.
+#
+# The bundle targets Python 3.12 + torch 2.11 (SGLang 0.5.17 is the newest release pinned to it). Its
+# transformers (5.12.1) shadows the machine's: refcheck's reference runs with it in-process.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+REPO=$(cd "$HERE/.." && pwd)
+cmd=${1:-}; shift || true
+case "$cmd" in
+build)
+  W=${1:-/tmp/sglang-bundle}
+  if [ -z "${PY312:-}" ]; then
+    for c in "$HOME"/.pyenv/versions/3.12*/bin/python python3.12; do
+      "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { PY312=$c; break; }
+    done
+  fi
+  [ -n "${PY312:-}" ] || { echo "sglang_bundle: need a CPython 3.12 with pip (set PY312)" >&2; exit 2; }
+  mkdir -p "$W/whl" "$W/parts"
+  grep -v '^\s*#' "$HERE/sglang_wheels.txt" | sed '/^\s*$/d' > "$W/reqs.txt"
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 \
+    -d "$W/whl" -r "$W/reqs.txt"
+  rm -rf "$W/site" && mkdir "$W/site"
+  "$PY312" -m pip install -q --no-index --no-deps --no-compile --target "$W/site" "$W"/whl/*.whl
+  (cd "$W/site"
+   rm -rf bin sgl_kernel/flash_ops.abi3.so sgl_kernel/sm100 sgl_kernel/infllm_ops*.so sgl_kernel/flashmla_ops.abi3.so \
+          xgrammar/lib/libxgrammar.a
+   find . -name __pycache__ -type d -prune -exec rm -rf {} +
+   find . -name '*.so*' -type f | while read -r f; do file "$f" | grep -q 'with debug_info' && strip --strip-debug "$f" || true; done
+   tar -cf - . | xz -T0 -9 > "$W/site.tar.xz")
+  (cd "$W" && rm -f parts/part_* && split -b 55m -d site.tar.xz parts/part_)
+  ls -la "$W"/parts/
+  echo "next: mkdir -p .bundle && cp $W/parts/part_* .bundle/ && echo /.bundle/ >> .git/info/exclude"
+  ;;
+run)
+  [ $# -gt 0 ] || { echo "usage: sglang_bundle.sh run CMD ..." >&2; exit 2; }
+  export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+  B=${BUNDLE_DIR:-$REPO/.bundle}
+  SITE=${SGLANG_SITE:-/tmp/sglang-site}
+  if [ ! -f "$SITE/.ok" ]; then
+    ls "$B"/part_* >/dev/null 2>&1 || { echo "sglang_bundle: no bundle parts in $B (build them first)" >&2; exit 2; }
+    mkdir -p "$SITE"
+    cat "$B"/part_* | python3 -c "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('$SITE')" \
+      || { echo "sglang_bundle: extract failed" >&2; exit 3; }
+    touch "$SITE/.ok"
+  fi
+  export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+  [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ] && export CUDA_HOME=/usr/local/cuda
+  exec "$@"
+  ;;
+*)
+  echo "usage: sglang_bundle.sh build [OUT] | run CMD ..." >&2; exit 2 ;;
+esac

@@ -1,0 +1,135 @@
+#!/usr/bin/env python
+"""Run refcheck beside SGLang on a GPU for a set of configurations, and collect traces and verdicts.
+
+    scripts/sglang_bundle.sh run python3 scripts/sglang_suite.py --out /tmp/suite [--configs dflash,none,...]
+
+Each configuration is one ``python -m refcheck diff --engine sglang ...`` process (SGLang in-process,
+then the reference's replay + free-run diff on the same GPU in fp32), followed by a bf16 replay of the
+saved trace (``diff --against``). ``capture-off`` re-runs DFLASH without the capture plugin's hooks and
+checks that the tokens are identical (capture must not change what SGLang computes). Everything lands
+in OUT: ``<config>.arrow`` (the SGLang trace), ``<config>.fp32.json`` / ``<config>.bf16.json`` (reports),
+``<config>.log`` and ``summary.json`` (exit codes, wall times, verdict counts, τ, largest deviations).
+A configuration that crashes or times out is recorded as such; the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONFIGS = {
+    "none": ["--sglang-algorithm", "NONE"],
+    "dflash": ["--sglang-algorithm", "DFLASH", "--budget", "15"],
+    "ngram": ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "10"],
+    "ngram-b1": ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "1"],
+}
+
+
+def _run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float, str]:
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        rc, out, err = p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, out, err = 124, exc.stdout or "", (exc.stderr or "") + f"\ntimed out after {timeout:.0f} s"
+        out, err = (out.decode() if isinstance(out, bytes) else out), (err.decode() if isinstance(err, bytes) else err)
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(cmd)}\n--- stderr ---\n{err}\n--- rc {rc} ---\n")
+    return rc, time.time() - t0, out
+
+
+def _report_summary(text: str) -> dict:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return {"error": "no JSON report"}
+    out = {}
+    for r in data.get("reports", []):
+        out = {"verdict": r["verdict"], "counts": r["counts"], "fail_categories": r["fail_categories"],
+               "steps": r["stats"].get("steps"), "tau_engine": r["stats"].get("mean_tau_engine"),
+               "tau_reference": r["stats"].get("mean_tau_reference"),
+               **{k: v for k, v in r["stats"].items() if k.startswith("max_")},
+               "first_divergence": {k: f"step {v['step']} node {v['node']} layer {v['layer']} {v['category']}: "
+                                       f"{v['message'][:160]}" for k, v in list(r["first_divergence"].items())[:6]}}
+    return out
+
+
+def child(args: argparse.Namespace) -> None:
+    """One SGLang run without capture: output tokens only (for the capture-does-not-change-tokens check)."""
+    from refcheck.prompts import load_prompts
+    from refcheck.runners.reference import EngineSpec
+    from refcheck.runners.sglang import SGLangRunner
+
+    spec = EngineSpec(pair=args.pair, dtype="bfloat16", device="cuda", budget=args.budget,
+                      max_new_tokens=args.max_new_tokens)
+    trace = SGLangRunner(spec, args.algorithm, capture=False).trace(load_prompts())
+    Path(args.json_out).write_text(json.dumps({r.request_id: r.output_ids for r in trace.requests}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--configs", default="none,dflash,capture-off,ngram,ngram-b1")
+    ap.add_argument("--pair", default="hybrid")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--timeout", type=float, default=300.0, help="Per process, seconds.")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--algorithm", default="DFLASH", help=argparse.SUPPRESS)
+    ap.add_argument("--budget", type=int, default=15, help=argparse.SUPPRESS)
+    ap.add_argument("--json-out", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    common = ["--pair", args.pair, "--max-new-tokens", str(args.max_new_tokens), "--json"]
+    summary: dict = {}
+    for name in args.configs.split(","):
+        log = out / f"{name}.log"
+        if name == "capture-off":
+            rc, wall, _ = _run([py, __file__, "--child", "--out", str(out), "--algorithm", "DFLASH", "--budget", "15",
+                                "--pair", args.pair, "--max-new-tokens", str(args.max_new_tokens),
+                                "--json-out", str(out / "capture-off.json")], log, args.timeout)
+            entry = {"rc": rc, "wall_s": round(wall, 1)}
+            if rc == 0 and (out / "dflash.arrow").is_file():
+                from refcheck.trace.io import read_trace
+
+                with_cap = {r.request_id: r.output_ids for r in read_trace(out / "dflash.arrow").requests}
+                without = json.loads((out / "capture-off.json").read_text())
+                entry["tokens_identical"] = with_cap == without
+                entry["differing_requests"] = sorted(k for k in without if with_cap.get(k) != without[k])
+            summary[name] = entry
+            print(name, json.dumps(entry), flush=True)
+            (out / "summary.json").write_text(json.dumps(summary, indent=1))
+            continue
+        if name not in CONFIGS:
+            raise SystemExit(f"unknown configuration {name!r} (choose from {', '.join(CONFIGS)}, capture-off)")
+        trace = out / f"{name}.arrow"
+        rc, wall, text = _run([py, "-m", "refcheck", "diff", "--engine", "sglang", *CONFIGS[name], *common,
+                               "--ref-device", "cuda", "--ref-dtype", "float32", "--mode", "both", "--save-trace", str(trace)],
+                              log, args.timeout)
+        (out / f"{name}.fp32.json").write_text(text)
+        entry = {"rc": rc, "wall_s": round(wall, 1), "fp32": _report_summary(text)}
+        if trace.is_file():
+            from refcheck.trace.io import read_trace
+
+            cap = read_trace(trace).provenance.get("capture", {})
+            entry["capture"] = {k: cap.get(k) for k in ("stats", "errors", "problems", "incomplete", "crash")}
+            entry["engine_start_s"] = read_trace(trace).provenance["engine"]["settings"].get("engine_start_s")
+            rc2, wall2, text2 = _run([py, "-m", "refcheck", "diff", "--against", str(trace), "--ref-device", "cuda",
+                                      "--ref-dtype", "bfloat16", "--mode", "replay", "--json"], log, args.timeout)
+            (out / f"{name}.bf16.json").write_text(text2)
+            entry["bf16"] = {"rc": rc2, "wall_s": round(wall2, 1), **_report_summary(text2)}
+        summary[name] = entry
+        print(name, json.dumps(entry), flush=True)
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

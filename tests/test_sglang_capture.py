@@ -1,0 +1,253 @@
+"""The SGLang capture path end to end on the CPU, with a fake SGLang built from the reference.
+
+The fake engine holds exactly what SGLang holds at a verify step (flat node tokens, first-child /
+next-sibling links, flat logits, ``accept_index`` / ``accept_lens`` / ``predict`` or DFLASH's
+candidates / commit lengths / ``out_tokens``, and KV / conv / SSM pools in SGLang's layouts behind
+``req_to_token`` and mamba-slot indirection, batched over several requests), computed with the
+reference's own target. Its records go through the real capture code (steps, state, records on
+disk, assembly) and the trace is replayed: a correct engine passes; an engine that runs the tree
+flattened through the recurrent layers (the leak) is caught.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from refcheck.diff.findings import Verdict
+from refcheck.diff.session import DiffSession
+from refcheck.prompts import load_prompts
+from refcheck.runners.reference import EngineSpec, ReferenceRunner
+from refcheck.runners.sglang_layout import links_from_parents
+from refcheck.sglang_capture.assemble import assemble_trace, sibling_ranks
+from refcheck.sglang_capture.records import Capture, Recorder, read_capture
+from refcheck.sglang_capture.state import committed_rows, summarise
+from refcheck.sglang_capture.steps import chain_steps, prefill_records, tree_steps
+from reference.tree import Tree
+
+SLOTS, MAMBA_SLOTS, MAX_LEN = 512, 9, 128
+
+
+def _pools(target, states, seed=0):
+    """SGLang-layout pools holding each request's committed state, behind permuted slots."""
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(SLOTS, generator=gen)
+    req_to_token = torch.zeros(len(states) + 1, MAX_LEN, dtype=torch.int32)
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    mamba: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    mslots = [3 + 2 * b for b in range(len(states))]
+    for b, st in enumerate(states):
+        req_to_token[b + 1, : st.length] = perm[b * MAX_LEN: b * MAX_LEN + st.length].int()
+    for layer in range(len(states[0].keys)):
+        if states[0].keys[layer] is not None:
+            hkv, _, d = states[0].keys[layer].shape
+            kb, vb = torch.zeros(SLOTS, hkv, d), torch.zeros(SLOTS, hkv, d)
+            for b, st in enumerate(states):
+                idx = req_to_token[b + 1, : st.length].long()
+                kb[idx] = st.keys[layer].transpose(0, 1)  # [Hkv, P, D] -> [P, Hkv, D]
+                vb[idx] = st.values[layer].transpose(0, 1)
+            kv[layer] = (kb, vb)
+        if states[0].conv[layer] is not None:
+            km1, c = states[0].conv[layer].shape
+            hv, dk, dv = states[0].recurrent[layer].shape
+            cb, sb = torch.zeros(MAMBA_SLOTS, c, km1), torch.zeros(MAMBA_SLOTS, hv, dv, dk)
+            for b, st in enumerate(states):
+                cb[mslots[b]] = st.conv[layer].T  # [K-1, C] -> SGLang [C, K-1]
+                sb[mslots[b]] = st.recurrent[layer].transpose(-1, -2)  # [HV, K, V] -> SGLang [HV, V, K]
+            mamba[layer] = (cb, sb)
+    return kv, mamba, req_to_token, mslots
+
+
+def fake_sglang(runner, prompts, trees, layout: str, leaky: bool = False, steps: int = 4):
+    """Run a batched fake SGLang over the given per-step trees; returns (capture, results, rids)."""
+    target = runner.target
+    rids = {p.id: f"rid-{i}" for i, p in enumerate(prompts)}
+    cap = Capture(steps={0: []}, prefills={0: []})
+    states, roots, outputs = [], [], []
+    for p in prompts:
+        st, fwd = target.prefill(torch.tensor(p.prompt_ids))
+        first = int(fwd.logits[-1].argmax())
+        cap.prefills[0] += prefill_records(fwd.logits[-1:], torch.tensor([first]), [rids[p.id]], [len(p.prompt_ids)])
+        states.append(st)
+        roots.append(first)
+        outputs.append([first])
+    for k in range(steps):
+        tok_rows, fwds, accs = [], [], []
+        parents, depths, tok_list = trees[k]
+        n = len(parents)
+        for b in range(len(prompts)):
+            toks = tok_list[b].clone()
+            toks[0] = roots[b]
+            fwd = target.forward(states[b], toks, parents, depths, leaky=leaky)
+            tree = Tree(toks, parents, depths, torch.tensor(sibling_ranks(parents.tolist(), toks.tolist(), depths.tolist())),
+                        torch.zeros(n))
+            accs.append(tree.walk_greedy(fwd.logits.argmax(-1)))
+            tok_rows.append(toks)
+            fwds.append(fwd)
+        logits = torch.cat([f.logits for f in fwds])  # [bs*N, V]
+        rid_list = [rids[p.id] for p in prompts]
+        committed = [s.length for s in states]
+        if layout == "tree":
+            links = [links_from_parents(parents.tolist()) for _ in prompts]
+            accept_index = torch.full((len(prompts), n), -1, dtype=torch.int32)
+            predict = torch.zeros(len(prompts) * n, dtype=torch.int32)
+            for b, acc in enumerate(accs):
+                accept_index[b, : len(acc)] = torch.tensor([b * n + j for j in acc], dtype=torch.int32)
+                for j in acc:
+                    predict[b * n + j] = int(fwds[b].logits[j].argmax())
+            recs = tree_steps(torch.cat(tok_rows), torch.tensor([lk[0] for lk in links]), torch.tensor([lk[1] for lk in links]),
+                              logits, accept_index, torch.tensor([len(a) for a in accs], dtype=torch.int32), predict,
+                              rid_list, committed, positions=torch.cat([c + depths for c in committed]))
+        else:
+            out_tokens = torch.zeros(len(prompts), n, dtype=torch.int64)
+            for b, acc in enumerate(accs):
+                emitted = tok_rows[b][acc[1:]].tolist() + [int(fwds[b].logits[acc[-1]].argmax())]
+                out_tokens[b, : len(emitted)] = torch.tensor(emitted)
+            recs = chain_steps(torch.stack(tok_rows), logits, torch.tensor([len(a) for a in accs], dtype=torch.int32),
+                               out_tokens, rid_list, committed)
+        states = [s.commit(f, a) for s, f, a in zip(states, fwds, accs)]
+        kv, mamba, req_to_token, mslots = _pools(target, states, seed=k)
+        for b, r in enumerate(recs):
+            slots = req_to_token[b + 1, r.committed_len: r.committed_len + len(r.accepted)]
+            r.state = summarise(committed_rows(kv, slots, mamba, mslots[b]), full=False)
+            roots[b] = r.bonus
+            outputs[b] += r.emitted
+        cap.steps[0] += recs
+    results = {p.id: {"output_ids": outputs[b]} for b, p in enumerate(prompts)}
+    return cap, results, rids
+
+
+@pytest.fixture(scope="module")
+def setup():
+    spec = EngineSpec(pair="hybrid", budget=15, drafter="scripted", max_new_tokens=64)  # accepts through decoys
+    runner = ReferenceRunner(spec)
+    prompts = load_prompts()[:3]
+    ref_trace, _ = runner.trace(prompts[:1])
+    steps = ref_trace.steps_of(prompts[0].id)
+    trees = [(torch.tensor(s.tree_parents), torch.tensor(s.tree_depths),
+              [torch.tensor(s.tree_tokens)] * len(prompts)) for s in steps[:4]]
+    return runner, prompts, trees
+
+
+def _prov(runner, prompts, budget):
+    prov = runner.provenance(prompts, engine="sglang", settings={"tree_rules": "structural"})
+    prov.update(drafter="none", budget=budget)
+    return prov
+
+
+def _replay(trace):
+    return DiffSession().diff(trace, "fake-sglang", mode="replay")
+
+
+def test_tree_capture_of_a_correct_engine_passes(setup):
+    runner, prompts, trees = setup
+    assert any(len(set(p.tolist()[1:])) < len(p) - 1 for p, _, _ in trees)  # the trees branch
+    cap, results, rids = fake_sglang(runner, prompts, trees, "tree")
+    asm = assemble_trace(prompts, rids, results, cap, _prov(runner, prompts, 15))
+    assert not asm.problems and not asm.incomplete
+    rep = _replay(asm.trace)
+    assert not rep.failures, [f.message for f in rep.failures]
+    assert rep.checks["recurrent"] > 0 and rep.checks["kv"] > 0 and rep.checks["conv"] > 0
+    assert len(asm.trace.steps) == 4 * len(prompts)
+
+
+def test_tree_capture_catches_the_recurrent_leak(setup):
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts, trees, "tree", leaky=True)
+    rep = _replay(assemble_trace(prompts, rids, results, cap, _prov(runner, prompts, 15)).trace)
+    cats = {f.category for f in rep.failures}
+    assert cats & {"logits", "recurrent"}, cats
+
+
+def test_chain_capture_of_a_correct_engine_passes(setup):
+    runner, prompts, _ = setup
+    n = 16
+    chain = (torch.tensor([-1] + list(range(n - 1))), torch.arange(n),
+             [torch.tensor([0] + [(7 * i + 3 * b) % 500 + 2 for i in range(1, n)]) for b in range(len(prompts))])
+    cap, results, rids = fake_sglang(runner, prompts, [chain] * 3, "chain", steps=3)
+    asm = assemble_trace(prompts, rids, results, cap, _prov(runner, prompts, 15))
+    rep = _replay(asm.trace)
+    assert not rep.failures, [f.message for f in rep.failures]
+    assert all(s.tree_parents == [-1] + list(range(n - 1)) for s in asm.trace.steps)
+
+
+def test_records_round_trip_through_the_capture_directory(setup, tmp_path):
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts[:2], trees, "tree", steps=2)
+    rec = Recorder(tmp_path)
+    for p in cap.prefills[0]:
+        rec.prefill(p)
+    for s in cap.steps[0]:
+        rec.step(s)
+    rec.error("eagle_sample:after", "boom")
+    (rec.dir / "00000099.pt").write_bytes(b"torn")
+    back = read_capture(tmp_path)
+    assert [s.to_dict()["accepted"] for s in back.steps[0]] == [s.accepted for s in cap.steps[0]]
+    assert torch.equal(back.steps[0][0].state["rec.0"][2], cap.steps[0][0].state["rec.0"][2])
+    assert any("boom" in e for e in back.errors) and any("unreadable record" in e for e in back.errors)
+    assert not list(rec.dir.glob(".*.tmp"))
+
+
+def test_assembly_cuts_the_last_block_and_flags_inconsistencies(setup):
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts[:1], trees, "tree", steps=3)
+    out = results[prompts[0].id]["output_ids"]
+    cut = {prompts[0].id: {"output_ids": out[:-1]}}  # SGLang stopped one token before the block's end
+    asm = assemble_trace(prompts[:1], rids, cut, cap, _prov(runner, prompts[:1], 15))
+    assert not asm.problems
+    assert sum(len(s.emitted) for s in asm.trace.steps) + 1 == len(out) - 1
+    assert len(asm.trace.requests[0].output_logprobs) == len(out) - 1
+    assert not _replay(asm.trace).failures
+    bad = {prompts[0].id: {"output_ids": out[:3] + [out[3] + 1] + out[4:]}}
+    assert any("emitted" in p for p in assemble_trace(prompts[:1], rids, bad, cap, _prov(runner, prompts[:1], 15)).problems)
+    crashed = assemble_trace(prompts[:1], rids, {}, cap, _prov(runner, prompts[:1], 15))
+    assert crashed.incomplete == [prompts[0].id] and crashed.trace.requests[0].output_ids == out
+
+
+def test_incomplete_capture_is_reported(setup):
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts[:1], trees, "tree", steps=2)
+    trace = assemble_trace(prompts[:1], rids, {}, cap, _prov(runner, prompts[:1], 15)).trace
+    trace.provenance["capture"] = {"incomplete": [prompts[0].id], "crash": "RuntimeError: scheduler died", "errors": []}
+    rep = _replay(trace)
+    assert any(f.category == "engine" and "incomplete" in f.message for f in rep.failures)
+    assert rep.exit_code == 1
+
+
+def test_tree_steps_on_a_worked_example():
+    # SGLang's own example tree 0 -> {1, 2}, 1 -> 3; node 2 accepted (a non-first sibling)
+    tokens = torch.tensor([10, 11, 12, 13])
+    logits = torch.full((4, 20), -5.0)
+    logits[0, 12] = logits[2, 7] = logits[1, 13] = logits[3, 1] = 5.0
+    recs = tree_steps(tokens, torch.tensor([[1, 3, -1, -1]]), torch.tensor([[-1, 2, -1, -1]]), logits,
+                      torch.tensor([[0, 2, -1, -1]]), torch.tensor([2]), torch.tensor([12, 0, 7, 0]), ["a"], [5],
+                      positions=torch.tensor([5, 6, 6, 7]))
+    r = recs[0]
+    assert r.parents == [-1, 0, 0, 1] and r.depths == [0, 1, 1, 2] and r.accepted == [0, 2]
+    assert r.emitted == [12, 7] and r.bonus == 7 and r.meta["branching"] and r.meta["positions_match_depths"]
+    assert r.argmax == [12, 13, 7, 1]
+    assert all(math.isclose(lp, float(torch.log_softmax(logits[0], -1)[12]), rel_tol=1e-6) for lp in r.emitted_logprobs[:1])
+
+
+def test_duplicate_sibling_tokens_walk_like_sglang():
+    # NGRAM pads unused slots with token-0 children of the root; SGLang's walk takes the first match
+    tree = Tree(torch.tensor([5, 0, 0, 9]), torch.tensor([-1, 0, 0, 2]), torch.tensor([0, 1, 1, 2]),
+                torch.tensor([0, 0, 0, 0]), torch.zeros(4))
+    tree.validate(structural_only=True)
+    with pytest.raises(Exception):
+        tree.validate()
+    assert tree.walk_greedy(torch.tensor([0, 3, 9, 1])) == [0, 1]
+
+
+def test_committed_rows_layouts():
+    kb = torch.arange(8 * 2 * 3, dtype=torch.float32).reshape(8, 2, 3)
+    conv = torch.arange(4 * 6 * 3, dtype=torch.float32).reshape(4, 6, 3)  # [slots, C, K-1]
+    ssm = torch.arange(4 * 2 * 5 * 3, dtype=torch.float32).reshape(4, 2, 5, 3)  # [slots, HV, V, K]
+    rows = committed_rows({1: (kb, kb + 1)}, torch.tensor([6, 2]), {0: (conv, ssm)}, 3)
+    assert torch.equal(rows["kv_k.1"][2], kb[[6, 2]].reshape(2, 6))
+    assert torch.equal(rows["conv.0"][2], conv[3].T)
+    assert torch.equal(rows["rec.0"][2], ssm[3].transpose(-1, -2).reshape(2, 15))
+    with pytest.raises(ValueError):
+        committed_rows({}, torch.tensor([0]), {0: (conv, ssm)}, None)

@@ -1,0 +1,143 @@
+"""The plugin's hook functions driven with stand-ins for SGLang's scheduler, batch and pools.
+
+No SGLang here: the stand-ins carry exactly the attributes the hooks read (the names are SGLang
+0.5.17's, see docs/sglang-capture.md). The hooks are called the way HookRegistry's AROUND wrappers
+call them, the worker's ``eagle_sample`` / DFLASH call happening inside ``run_batch``; the records
+they write are read back and checked against the stand-in pools, slot by slot.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from refcheck.sglang_capture import plugin
+from refcheck.sglang_capture.records import read_capture
+
+V, N, HKV, D, C, KM1, HV, DK, DV = 32, 4, 2, 3, 6, 3, 2, 4, 5
+
+
+class Mode:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def is_extend(self) -> bool:
+        return self.name == "extend"
+
+    def is_decode(self) -> bool:
+        return self.name == "decode"
+
+    def is_idle(self) -> bool:
+        return False
+
+    def is_target_verify(self) -> bool:
+        return False
+
+
+def _scheduler(topk: int = 4):
+    gen = torch.Generator().manual_seed(0)
+    kb, vb = torch.randn(64, HKV, D, generator=gen), torch.randn(64, HKV, D, generator=gen)
+    kv_pool = NS(full_attention_layer_id_mapping={2: 0}, get_key_buffer=lambda layer: kb, get_value_buffer=lambda layer: vb)
+    conv = [torch.randn(1, 5, C, KM1, generator=gen)]  # [n_lin, slots, C, K-1]
+    temporal = torch.randn(1, 5, HV, DV, DK, generator=gen)  # [n_lin, slots, HV, V, K]
+    req_to_token = torch.arange(3 * 20, dtype=torch.int32).reshape(3, 20).flip(1)  # slots in reverse order
+    rtp = NS(req_to_token=req_to_token, mamba_map={0: 0}, req_index_to_mamba_index_mapping=torch.tensor([0, 4, 2]),
+             mamba_pool=NS(mamba_cache=NS(conv=conv, temporal=temporal), conv_window_axis=-1))
+    runner = NS(token_to_kv_pool=kv_pool, req_to_token_pool=rtp)
+    return NS(tp_rank=0, server_args=NS(speculative_eagle_topk=topk), tp_worker=NS(model_runner=runner)), kb, conv, temporal
+
+
+def _batch(mode: str, spec: bool, outputs: list[list[int]]):
+    reqs = [NS(rid=f"r{i}", origin_input_ids=[1, 2, 3], output_ids=list(o), fill_ids=[1, 2, 3]) for i, o in enumerate(outputs)]
+    return NS(forward_mode=Mode(mode), reqs=reqs, spec_algorithm=NS(is_none=lambda: not spec),
+              req_pool_indices=torch.tensor([1, 2][: len(reqs)]), is_extend_in_batch=False)
+
+
+@pytest.fixture
+def capture_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(tmp_path))
+    monkeypatch.setattr(plugin, "_recorder", None)
+    return tmp_path
+
+
+def test_prefill_and_tree_step_are_recorded_with_committed_state(capture_dir):
+    sched, kb, conv, temporal = _scheduler()
+    logits0 = torch.randn(2, V)
+    plugin._run_batch(lambda self, batch: NS(logits_output=NS(next_token_logits=logits0), next_token_ids=logits0.argmax(-1)),
+                      sched, _batch("extend", True, [[], []]))
+    # one verify step of two requests: tree 0 -> {1, 2}, 1 -> 3; request 0 accepts [0, 2], request 1 [0, 1, 3]
+    batch = _batch("decode", True, [[7], [9]])
+    tokens = torch.tensor([7, 11, 12, 13, 9, 21, 22, 23])
+    nt, ns = torch.tensor([[1, 3, -1, -1]] * 2), torch.tensor([[-1, 2, -1, -1]] * 2)
+    logits = torch.randn(2 * N, V)
+    verify_input = NS(draft_token=tokens, retrieve_next_token=nt, retrieve_next_sibling=ns,
+                      positions=torch.tensor([3, 4, 4, 5, 3, 4, 4, 5]))
+    accept_index = torch.tensor([[0, 2, -1, -1], [4, 5, 7, -1]])
+    accept_lens = torch.tensor([2, 3])
+    predict = torch.tensor([12, 0, 30, 0, 21, 23, 0, 31])
+
+    def worker(self, b):
+        def sample(vi, bb, lo, grammar_mask=None):
+            lo.next_token_logits.add_(100.0)  # SGLang adds penalties in place: the capture must not see them
+            return predict, accept_lens, accept_index
+        plugin._eagle_sample(sample, verify_input, b, NS(next_token_logits=logits.clone()))
+        return NS(logits_output=None, next_token_ids=None)
+
+    plugin._run_batch(worker, sched, batch)
+    cap = read_capture(capture_dir)
+    assert not cap.errors, cap.errors
+    assert [p.token for p in cap.prefills[0]] == logits0.argmax(-1).tolist()
+    s0, s1 = cap.steps[0]
+    assert (s0.rid, s0.committed_len, s0.accepted, s0.emitted, s0.parents) == ("r0", 3, [0, 2], [12, 30], [-1, 0, 0, 1])
+    assert (s1.accepted, s1.emitted, s1.bonus) == ([0, 1, 3], [21, 23, 31], 31)
+    lp = torch.log_softmax(logits, -1)
+    assert s0.topk_logprobs[0][0] == pytest.approx(float(lp[0].max()), abs=1e-6)
+    assert s0.meta["layout_in_engine"] == "tree" and s0.meta["branching"]
+    # request 1 sits in pool row 2: KV rows of positions 3..5 are slots req_to_token[2, 3:6]; mamba slot 2
+    slots = torch.arange(60).reshape(3, 20).flip(1)[2, 3:6]
+    from refcheck.sketch import sketch_rows
+
+    assert torch.allclose(s1.state["kv_k.2"][2], sketch_rows(kb[slots].reshape(3, -1)))
+    assert torch.allclose(s1.state["conv.0"][2], sketch_rows(conv[0][0, 2].T))
+    assert torch.allclose(s1.state["rec.0"][2], sketch_rows(temporal[0, 2].transpose(-1, -2).reshape(HV, -1)))
+    assert cap.status and cap.status[0]["tp_rank"] == 0 and cap.status[0]["server_topk"] == 4
+
+
+def test_dflash_chain_step_and_target_only_step(capture_dir):
+    sched, *_ = _scheduler(topk=1)
+    batch = _batch("decode", True, [[5]])
+    cand = torch.tensor([[5, 6, 7, 8]])
+    logits = torch.randn(N, V)
+
+    def worker(self, b):
+        w = NS(_draft_block_tokens_buf=torch.cat([cand, torch.zeros(3, 4, dtype=torch.long)]))
+        res = NS(logits_output=NS(next_token_logits=logits), accept_lens=torch.tensor([2], dtype=torch.int32),
+                 next_token_ids=torch.tensor([6, 19, 0, 0]))
+        return plugin._dflash_forward(lambda self_, bb: res, w, b)
+
+    plugin._run_batch(worker, sched, batch)
+    logits1 = torch.randn(1, V)
+    plugin._run_batch(lambda self, b: NS(logits_output=NS(next_token_logits=logits1), next_token_ids=logits1.argmax(-1)),
+                      sched, _batch("decode", False, [[5, 6, 19]]))
+    cap = read_capture(capture_dir)
+    assert not cap.errors, cap.errors
+    chain, root = cap.steps[0]
+    assert chain.tokens == [5, 6, 7, 8] and chain.accepted == [0, 1] and chain.emitted == [6, 19] and chain.layout == "chain"
+    assert root.tokens == [19] and root.committed_len == 5 and root.emitted == [int(logits1.argmax())]
+    assert root.state["kv_k.2"][2].shape[0] == 1
+
+
+def test_hook_failures_are_recorded_not_raised(capture_dir):
+    sched, *_ = _scheduler()
+    sched.tp_worker = None  # the state lookup will fail
+    logits1 = torch.randn(1, V)
+    res = plugin._run_batch(lambda self, b: NS(logits_output=NS(next_token_logits=logits1), next_token_ids=logits1.argmax(-1)),
+                            sched, _batch("decode", False, [[5]]))
+    assert res.next_token_ids is not None  # SGLang's result is returned untouched
+    cap = read_capture(capture_dir)
+    assert any("run_batch:after" in e for e in cap.errors)
+    # a speculative batch whose verify was never seen is an error too
+    plugin._run_batch(lambda self, b: NS(logits_output=None, next_token_ids=None), _scheduler()[0], _batch("decode", True, [[5]]))
+    assert any("no verify step was captured" in e for e in read_capture(capture_dir).errors)
