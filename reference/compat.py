@@ -1,12 +1,19 @@
 """Differences between transformers releases, isolated in one place.
 
 Contract: the rest of the reference calls these helpers instead of touching version-specific
-APIs. Supported: transformers 5.17 (the GPU machine) through the newest release (5.23 here).
-Known differences handled here:
+APIs. Supported: transformers 5.12.1 (what SGLang 0.5.17's offline bundle puts first on sys.path
+on the GPU machine, so code running in-process with SGLang sees it) and 5.17 (the GPU machine's
+own) through the newest release (5.23 here). 5.12.1 needs no code path of its own: the CPU
+suite, ``refcheck diff`` and ``refcheck gate`` pass under it; only z-lab's ``dflash`` package (a
+test dependency, not the reference) fails there, because it calls
+``DynamicCache.activate_past_recording``, which 5.12.1 lacks. Known differences handled here:
 
 * Qwen3.5's rotary embedding takes 3-axis mRoPE position ids ``(3, batch, n)``; 5.17 requires
-  the three axes explicitly, newer releases also accept ``(batch, n)``. Passing the explicit
-  3-axis form works on both.
+  the three axes explicitly, 5.12.1 and newer releases also accept ``(batch, n)``. Passing the
+  explicit 3-axis form works on all of them.
+* :func:`hf_cache_state` reads ``DynamicCache.layers`` (``LinearAttentionLayer`` with
+  ``conv_states`` / ``recurrent_states``, ``DynamicLayer`` with ``keys`` / ``values``); 5.12.1,
+  5.17 and 5.23 use that layout (checked against 5.12.1 and 5.23 on the built-in models).
 * The oracle never passes a cache (the cache keyword moved from ``past_key_values`` to ``cache``
   in 5.24 and passing the wrong one is silently ignored), so nothing else here is versioned.
 """
