@@ -41,7 +41,9 @@ class Tolerance:
 RULES: dict[tuple[str, str], Tolerance] = {
     ("float32", "cpu"): Tolerance(5e-4, 5e-4, 1e-4, 0.99999, 1e-4),
     ("float32", "cuda"): Tolerance(5e-4, 5e-4, 5e-4, 0.9999, 1e-3),
-    ("bfloat16", "*"): Tolerance(1.5, 0.4, 0.25, 0.98, 0.7),
+    # min cosine 0.965 ~ 1 - 0.25**2 / 2: consistent with the rel-L2 bound (0.98 flagged SGLang's bf16
+    # state at rel L2 0.20-0.22, inside the bound; measured on the H200, docs/results/sglang-h200.md)
+    ("bfloat16", "*"): Tolerance(1.5, 0.4, 0.25, 0.965, 0.7),
     ("float16", "*"): Tolerance(0.05, 0.05, 0.02, 0.999, 0.03),
 }
 
