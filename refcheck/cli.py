@@ -153,7 +153,7 @@ def _print_run_table(report: dict) -> None:
 
 def _report_table(reports, title: str) -> None:
     table = Table(title=title)
-    for col in ("case", "mode", "checks", "pass", "benign", "fail", "unsupp.", "first divergence"):
+    for col in ("case", "mode", "checks", "pass", "benign", "triaged", "fail", "unsupp.", "first divergence"):
         table.add_column(col)
     for r in reports:
         c = r.counts
@@ -171,7 +171,7 @@ def _report_table(reports, title: str) -> None:
         else:
             first = "[green]none[/]"
         table.add_row(r.case, r.mode, str(sum(r.checks.values())), str(c["pass"]), str(c["benign_tie"]),
-                      str(c["fail"]), str(c["unsupported"] + c["skipped"]), first)
+                      str(c["triaged"]), str(c["fail"]), str(c["unsupported"] + c["skipped"]), first)
     err.print(table)
     for r in reports:
         st = r.stats.get("steps")
@@ -179,7 +179,7 @@ def _report_table(reports, title: str) -> None:
             devs = [f"max |Δ log-prob| {r.stats['max_logprob_abs']:.3g}"] if "max_logprob_abs" in r.stats else []
             devs += [f"max rel L2 {k[11:]} {r.stats[k]:.3g}" for k in sorted(r.stats) if k.startswith("max_rel_l2_")]
             err.print(f"{r.case}: replayed steps: {st.get('pass', 0)} pass · {st.get('benign_tie', 0)} benign tie · "
-                      f"{st.get('fail', 0)} fail" + (" · " + ", ".join(devs) if devs else ""))
+                      + (f"{st['triaged']} triaged · " if st.get("triaged") else "") + f"{st.get('fail', 0)} fail" + (" · " + ", ".join(devs) if devs else ""))
         if r.stats.get("mean_tau_engine") is not None:
             ref = r.stats.get("mean_tau_reference")
             err.print(f"{r.case}: mean τ engine {r.stats['mean_tau_engine']:.3f}"
@@ -241,7 +241,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
 
     With no --engine / --against: the golden engine traces in golden/ for this budget and pair."""
     from refcheck.diff.session import DiffSession
-    from refcheck.golden import default_golden_dir, live_provenance_reasons, verify
+    from refcheck.golden import apply_triage, default_golden_dir, live_provenance_reasons, verify
     from refcheck.trace.io import read_trace, write_trace
 
     session = DiffSession()
@@ -284,7 +284,9 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
                 raise GoldenError(f"stale golden {name}: " + "; ".join(stale))
             err.print(f"diffing golden {name} against the live reference", markup=False)
             strict = trace.provenance.get("engine", {}).get("name") == "reference"
-            reports.append(session.diff(trace, name, mode, strict_acceptance=strict, ref_dtype=ref_dtype, ref_device=ref_device))
+            report = session.diff(trace, name, mode, strict_acceptance=strict, ref_dtype=ref_dtype, ref_device=ref_device)
+            apply_triage(report, manifest.cases[name].provenance.get("triaged", []))
+            reports.append(report)
     _report_table(reports, f"refcheck diff · budget {'chain' if budget is None else budget} · mode {mode}")
     _finish(reports, as_json)
 
@@ -354,13 +356,15 @@ def golden_regen(cases, reason, accept, golden_dir, as_json):
               help="'pass', or 'fail' / 'fail:CATEGORY' for a trace of a known-buggy engine that must be caught.")
 @click.option("--allow-unsupported", default="", help="Comma-separated categories the engine cannot record (kv,conv,...).")
 @click.option("--reason", required=True, help="Why this trace becomes a golden (recorded in MANIFEST.json).")
+@click.option("--triage", multiple=True, help="A reviewed finding the gate reports as triaged, not failed: "
+              "REQUEST:STEP:NODE:CATEGORY (NODE '-' for none); repeat for each. Any other failure still fails.")
 @click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None)
-def golden_add(trace_path, case, expect, allow_unsupported, reason, golden_dir):
+def golden_add(trace_path, case, expect, allow_unsupported, reason, triage, golden_dir):
     """Store an engine's trace (SGLang, z-lab, ...) as a golden case the gate re-checks."""
     from refcheck.golden import add_trace, default_golden_dir
 
     path = add_trace(golden_dir or default_golden_dir(), trace_path, case, expect,
-                     [c for c in allow_unsupported.split(",") if c], reason)
+                     [c for c in allow_unsupported.split(",") if c], reason, list(triage))
     err.print(f"added golden {case}: {path}", markup=False)
     sys.exit(EXIT_PASS)
 

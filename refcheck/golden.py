@@ -68,7 +68,7 @@ def _summary(prov: dict) -> dict:
     """The provenance kept in the manifest (enough to review a replacement)."""
     keys = ("engine", "model", "model_sha256", "draft_sha256", "tokenizer_sha256", "dtype", "device", "budget",
             "block_size", "max_new_tokens", "drafter", "prompt_set_sha256", "versions", "created", "case", "expect",
-            "allow_unsupported")
+            "allow_unsupported", "triaged")
     return {k: prov[k] for k in keys if k in prov}
 
 
@@ -171,11 +171,45 @@ def regenerate(
     return reviews
 
 
+def parse_triage(keys: list[str]) -> list[dict]:
+    """'REQUEST:STEP:NODE:CATEGORY' (NODE '-' for a step-level finding) -> manifest entries."""
+    out = []
+    for key in keys:
+        parts = key.rsplit(":", 3)
+        try:
+            rid, step, node, cat = parts
+            out.append({"request_id": rid, "step": int(step), "node": None if node == "-" else int(node), "category": cat})
+        except ValueError:
+            raise UsageError(f"--triage {key!r}: expected REQUEST:STEP:NODE:CATEGORY (NODE '-' for none)") from None
+    return out
+
+
+def triage_key(f: Finding) -> tuple:
+    return (f.request_id, f.step, f.node, f.category)
+
+
+def apply_triage(report: Report, triaged: list[dict]) -> None:
+    """Failures listed in the manifest become TRIAGED; any other failure still fails the case."""
+    keys = {(t["request_id"], t["step"], t["node"], t["category"]) for t in triaged}
+    for f in report.findings:
+        if f.verdict == Verdict.FAIL and triage_key(f) in keys:
+            f.verdict = Verdict.TRIAGED
+    steps = report.stats.get("steps")
+    if steps and triaged:  # replayed steps whose every failure is now triaged
+        failing = {(f.request_id, f.step) for f in report.failures if f.step is not None}
+        moved = {(f.request_id, f.step) for f in report.findings
+                 if f.verdict == Verdict.TRIAGED and f.step is not None} - failing
+        steps["fail"] = steps.get("fail", 0) - len(moved)
+        steps["triaged"] = steps.get("triaged", 0) + len(moved)
+
+
 def add_trace(golden_dir: Path, trace_path: Path, case: str, expect: str, allow_unsupported: list[str],
-              reason: str) -> Path:
-    """Store an engine trace as a golden case (atomic; an existing case is replaced only with history)."""
+              reason: str, triage: list[str] | None = None) -> Path:
+    """Store an engine trace as a golden case (atomic; an existing case is replaced only with history).
+    ``triage``: findings a person reviewed (REQUEST:STEP:NODE:CATEGORY), reported as TRIAGED by the gate."""
     if expect != "pass" and not expect.startswith("fail"):
         raise UsageError(f"--expect must be 'pass', 'fail' or 'fail:CATEGORY', got {expect!r}")
+    triaged = parse_triage(triage or [])
     if case in GOLDEN_CASES:
         raise UsageError(f"{case!r} is a built-in reference case; choose another name")
     trace = read_trace(Path(trace_path))  # typed errors for a bad trace
@@ -185,7 +219,8 @@ def add_trace(golden_dir: Path, trace_path: Path, case: str, expect: str, allow_
     data = Path(trace_path).read_bytes()
     path = golden_dir / f"{case}.arrow"
     atomic_write_bytes(path, data)
-    summary = {**_summary(trace.provenance), "expect": expect, "allow_unsupported": allow_unsupported}
+    summary = {**_summary(trace.provenance), "expect": expect, "allow_unsupported": allow_unsupported,
+               "triaged": triaged}
     manifest.record(case, path.name, sha256_file(path), len(data), summary, reason=reason)
     manifest.save(golden_dir)
     return path
@@ -236,6 +271,7 @@ def gate_case(name: str, entry, golden_dir: Path, session: DiffSession) -> Repor
         if f.verdict in (Verdict.UNSUPPORTED, Verdict.SKIPPED) and f.category not in allowed:
             report.add(Finding(Verdict.FAIL, f.category, f.request_id, f.step,
                                message=f"gate is strict about skips: {f.verdict.value} {f.category} ({f.message})"))
+    apply_triage(report, entry.provenance.get("triaged", []))
     if expect != "pass":
         report.expect_failure = expect
     return report

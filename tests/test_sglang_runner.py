@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import sys
+from pathlib import Path
 
 import pytest
 from refcheck.errors import EXIT_USAGE, UsageError
@@ -108,3 +109,61 @@ def test_error_summary_keeps_the_end_of_long_messages():
     s = summarise_error(exc)
     assert "weight shape mismatch" in s and "line 0" not in s and len(s) <= 600
     assert json.dumps(s)
+
+
+@pytest.fixture
+def fake_sglang(monkeypatch, tmp_path):
+    """The runner against tests/fake_sglang (no GPU needed: the GPU check is patched)."""
+    import torch
+    from pathlib import Path
+
+    fake = str(Path(__file__).parent / "fake_sglang")
+    monkeypatch.syspath_prepend(fake)
+    monkeypatch.setenv("PYTHONPATH", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+    def make(mode: str, **kw):
+        monkeypatch.setenv("FAKE_SGLANG_MODE", mode)
+        return SGLangRunner(EngineSpec(dtype="bfloat16", device="cuda", max_new_tokens=3), "NONE",
+                            capture_dir=tmp_path / mode, **kw)
+    return make
+
+
+def test_engine_process_outputs_become_the_trace(fake_sglang):
+    from refcheck.prompts import load_prompts
+
+    prompts = load_prompts()[:2]
+    trace = fake_sglang("ok", capture=False).trace(prompts)
+    assert [r.output_ids for r in trace.requests] == [[p.prompt_ids[-1]] * 3 for p in prompts]
+    assert trace.provenance["engine"]["version"] == "0.0-fake" and not trace.provenance["capture"]["crash"]
+
+
+def test_engine_start_failure_is_a_model_error_with_the_scheduler_message(fake_sglang):
+    from refcheck.errors import ModelError
+    from refcheck.prompts import load_prompts
+
+    with pytest.raises(ModelError, match="gemma_rmsnorm failed to dispatch"):
+        fake_sglang("start_fail").trace(load_prompts()[:1])
+
+
+def test_engine_crash_mid_run_keeps_a_partial_trace_and_is_reported(fake_sglang):
+    from refcheck.diff.replay import capture_findings
+    from refcheck.diff.findings import Report
+    from refcheck.prompts import load_prompts
+
+    runner = fake_sglang("crash")
+    trace = runner.trace(load_prompts()[:2])
+    cap = trace.provenance["capture"]
+    assert "illegal memory access" in cap["crash"] and len(cap["incomplete"]) == 2
+    assert Path(cap["partial_trace"]).is_file()
+    rep = Report("x", "replay")
+    capture_findings(rep, trace)
+    assert any("incomplete" in f.message for f in rep.failures)
+
+
+def test_engine_hang_times_out(fake_sglang):
+    from refcheck.prompts import load_prompts
+
+    trace = fake_sglang("hang", timeout_s=20).trace(load_prompts()[:1])
+    assert "timed out" in trace.provenance["capture"]["crash"]

@@ -19,6 +19,7 @@ from refcheck.errors import EXIT_MISMATCH, EXIT_NOTHING, EXIT_PASS
 class Verdict(str, Enum):
     PASS = "pass"
     BENIGN_TIE = "benign_tie"
+    TRIAGED = "triaged"  # a failure a person reviewed and recorded with a reason (golden manifests)
     FAIL = "fail"
     UNSUPPORTED = "unsupported"
     SKIPPED = "skipped"

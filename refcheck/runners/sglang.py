@@ -23,16 +23,19 @@ capture records.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import signal
+import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from refcheck.errors import ModelError, UsageError
 from refcheck.prompts import Prompt
+from refcheck.runners.sglang_child import summarise_error  # noqa: F401 - re-exported for callers
 from refcheck.runners.reference import EngineSpec
 from refcheck.trace.io import Trace
 
@@ -122,21 +125,26 @@ def install_entry_point(root: Path) -> Path:
     return info
 
 
-def summarise_error(exc: BaseException, limit: int = 600) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    tail = " | ".join(lines[-4:]) if len(lines) > 4 else " | ".join(lines)
-    return tail if len(tail) <= limit else tail[: limit - 3] + "..."
+def log_error(log: Path, limit: int = 600) -> str | None:
+    """The last error line of an engine log (SGLang's schedulers print tracebacks there)."""
+    if not log.is_file():
+        return None
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines()]
+    hits = [ln for ln in lines if ln and (ln.split(":", 1)[0].endswith(("Error", "Exception")) or "Error:" in ln)]
+    if not hits:
+        return None
+    return hits[-1] if len(hits[-1]) <= limit else hits[-1][: limit - 3] + "..."
 
 
 class SGLangRunner:
     name = "sglang"
 
     def __init__(self, spec: EngineSpec, algorithm: str = "NONE", cuda_graphs: bool = False, capture: bool = True,
-                 ngram_breadth: int = 10, capture_dir: Path | None = None, full_state: bool = False) -> None:
+                 ngram_breadth: int = 10, capture_dir: Path | None = None, full_state: bool = False,
+                 timeout_s: float = 3600.0) -> None:
         self.algorithm = algorithm.upper()
         self.spec, self.cuda_graphs, self.capture, self.ngram_breadth = spec, cuda_graphs, capture, ngram_breadth
-        self.capture_dir, self.full_state = capture_dir, full_state
+        self.capture_dir, self.full_state, self.timeout_s = capture_dir, full_state, timeout_s
         _, ddir = spec.resolved_dirs()
         self.budget = resolve_budget(self.algorithm, spec.budget, ddir)
         try:
@@ -148,20 +156,17 @@ class SGLangRunner:
         if not has_gpu:
             raise EngineUnavailableError("the sglang engine needs a CUDA GPU and none is visible here "
                                          "(to diff SGLang on a CPU machine, replay its stored traces: refcheck gate)")
-        try:
-            import sglang
-        except ImportError as exc:
+        if importlib.util.find_spec("sglang") is None:
             raise EngineUnavailableError(
                 "the sglang engine needs SGLang installed; on an offline GPU machine use the bundle: "
-                "scripts/sglang_bundle.sh build (with network) then scripts/sglang_bundle.sh run refcheck ...") from exc
-        self.sgl = sglang
+                "scripts/sglang_bundle.sh build (with network), then scripts/sglang_bundle.sh run python3 -m refcheck ...")
         self.last_assembly = None
 
     def trace(self, prompts: list[Prompt]) -> Trace:
         from refcheck.prompts import prompt_set_hash
         from refcheck.provenance import build_provenance
         from refcheck.sglang_capture.assemble import assemble_trace
-        from refcheck.sglang_capture.records import ENV_DIR, ENV_FULL, read_capture
+        from refcheck.sglang_capture.records import ENV_DIR, ENV_FULL, Capture, read_capture
         from refcheck.trace.io import write_trace
 
         tdir, ddir = self.spec.resolved_dirs()
@@ -169,66 +174,76 @@ class SGLangRunner:
         cdir.mkdir(parents=True, exist_ok=True)
         install_entry_point(cdir / "site")
         records = cdir / "records"
+        env = dict(os.environ)
+        env.pop(ENV_DIR, None)
+        env.pop(ENV_FULL, None)
         if self.capture:
-            os.environ[ENV_DIR] = str(records)
-        else:
-            os.environ.pop(ENV_DIR, None)
-        os.environ.pop(ENV_FULL, None)
+            env[ENV_DIR] = str(records)
         if self.full_state:
-            os.environ[ENV_FULL] = "1"
+            env[ENV_FULL] = "1"
         kw = engine_kwargs(self.spec, str(tdir), self.algorithm, self.cuda_graphs, budget=self.budget,
                            draft_path=str(ddir) if ddir else None, ngram_breadth=self.ngram_breadth)
         rids = {p.id: f"refcheck-{os.getpid()}-{i}-{p.id}" for i, p in enumerate(prompts)}
-        t0 = time.time()
-        try:
-            engine = self.sgl.Engine(**kw)
-        except Exception as exc:  # SGLang's start-up errors are long multi-process tracebacks
-            raise ModelError(f"SGLang could not start on {tdir} ({self.algorithm}): {summarise_error(exc)}") from None
-        start_s = time.time() - t0
-        results: dict[str, dict] = {}
-        crash = None
-        try:
-            out = engine.generate(
-                input_ids=[list(p.prompt_ids) for p in prompts],
-                # ignore_eos: refcheck stops only at the explicit --stop ids, exactly like the reference
-                sampling_params=[{"temperature": 0.0, "max_new_tokens": p.max_new_tokens or self.spec.max_new_tokens,
-                                  "stop_token_ids": sorted(self.spec.stop_token_ids), "ignore_eos": True}
-                                 for p in prompts],
-                rid=[rids[p.id] for p in prompts])
-            results = {p.id: r for p, r in zip(prompts, out)}
-        except Exception as exc:  # keep what was captured; the trace says the run is incomplete
-            crash = summarise_error(exc)
-        finally:
-            try:
-                engine.shutdown()
-            except Exception as exc:
-                crash = crash or f"shutdown failed: {summarise_error(exc)}"
-        wall = time.time() - t0
-        cap = read_capture(records) if self.capture else None
+        run = self._run_engine(cdir, env, kw, prompts, rids)
+        if run.get("failed_at") in ("import", "start"):
+            raise ModelError(f"SGLang could not start on {tdir} ({self.algorithm}): {run.get('error')} "
+                             f"(full log: {cdir / 'engine.log'})")
+        results = {p.id: {"output_ids": o} for p, o in zip(prompts, run.get("outputs") or [])}
+        crash = None if run.get("stage") == "done" else (run.get("error") or "the engine process died mid-run")
+        cap = read_capture(records) if self.capture else Capture()
         settings = {k: v for k, v in kw.items() if k not in ("model_path", "speculative_draft_model_path")}
         settings.update(algorithm=self.algorithm, pair=self.spec.pair, stop_token_ids=sorted(self.spec.stop_token_ids),
-                        engine_start_s=round(start_s, 2), wall_s=round(wall, 2), tree_rules="structural",
+                        engine_start_s=round(run.get("start_s") or 0.0, 2), generate_s=round(run.get("generate_s") or 0.0, 2),
+                        tree_rules="structural",
                         draft_dir=str(ddir) if ddir and self.spec.model_dir is not None else None)
         prov = build_provenance(
-            engine="sglang", engine_version=str(getattr(self.sgl, "__version__", "unknown")), settings=settings,
+            engine="sglang", engine_version=str(run.get("sglang", "unknown")), settings=settings,
             model_dir=tdir, draft_dir=ddir if self.algorithm == "DFLASH" else None, dtype=self.spec.dtype,
             device="cuda", budget=self.budget, block_size=self.budget + 1, max_new_tokens=self.spec.max_new_tokens,
             drafter="dflash" if self.algorithm == "DFLASH" else "none", prompt_set_sha256=prompt_set_hash(prompts),
             model_label=self.spec.model_label)
-        if cap is None:
-            from refcheck.sglang_capture.records import Capture
-
-            cap = Capture()
         asm = assemble_trace(prompts, rids, results, cap, prov)
         errors = list(cap.errors) + self._hook_errors(cap)
         prov["capture"] = {"enabled": self.capture, "errors": errors[:50], "problems": asm.problems[:50],
-                           "incomplete": asm.incomplete, "crash": crash, "stats": asm.stats,
-                           "status": cap.status[:8]}
+                           "incomplete": asm.incomplete, "crash": crash, "stats": asm.stats, "status": cap.status[:8]}
         self.last_assembly = asm
         if crash or asm.incomplete:
             write_trace(asm.trace, cdir / "partial.arrow")
             prov["capture"]["partial_trace"] = str(cdir / "partial.arrow")
         return asm.trace
+
+    def _run_engine(self, cdir: Path, env: dict, kw: dict, prompts: list[Prompt], rids: dict[str, str]) -> dict:
+        """SGLang in its own process (sglang_child); returns its last reported stage."""
+        job, result, log = cdir / "job.json", cdir / "result.json", cdir / "engine.log"
+        result.unlink(missing_ok=True)
+        job.write_text(json.dumps({
+            "engine_kwargs": kw, "result": str(result), "input_ids": [list(p.prompt_ids) for p in prompts],
+            "rids": [rids[p.id] for p in prompts],
+            # ignore_eos: refcheck stops only at the explicit --stop ids, exactly like the reference
+            "sampling_params": [{"temperature": 0.0, "max_new_tokens": p.max_new_tokens or self.spec.max_new_tokens,
+                                 "stop_token_ids": sorted(self.spec.stop_token_ids), "ignore_eos": True} for p in prompts]}))
+        with log.open("w") as f:
+            # a session of its own: on a timeout the engine's schedulers go down with it
+            proc = subprocess.Popen([sys.executable, "-m", "refcheck.runners.sglang_child", str(job)], env=env,
+                                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                rc: int | None = proc.wait(timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                rc = None
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        run = json.loads(result.read_text()) if result.is_file() else {}
+        stage = run.get("stage")
+        if stage == "done":
+            return run
+        reason = f"timed out after {self.timeout_s:.0f} s" if rc is None else f"engine process exited with code {rc}"
+        scheduler_error = log_error(log)  # the scheduler's own error says more than the main process's
+        if stage == "started":  # died or hung while generating
+            return {**run, "stage": "failed", "failed_at": "generate", "error": scheduler_error or reason}
+        if stage == "failed" and run.get("failed_at") == "generate":
+            return run
+        detail = scheduler_error or run.get("error") or reason
+        return {**run, "stage": "failed", "failed_at": run.get("failed_at", "start"), "error": detail}
 
     def _hook_errors(self, cap) -> list[str]:
         if not self.capture:

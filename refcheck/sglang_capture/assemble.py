@@ -28,7 +28,7 @@ class Assembly:
     trace: Trace
     incomplete: list[str] = field(default_factory=list)  # prompt ids without a generate result
     problems: list[str] = field(default_factory=list)
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, float | None] = field(default_factory=dict)
 
 
 def sibling_ranks(parents: list[int], tokens: list[int], depths: list[int]) -> list[int]:
@@ -103,5 +103,5 @@ def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[st
             lps = []  # the records do not cover the whole output: no per-token log-probs rather than a misaligned list
         out.trace.requests.append(RequestRow(p.id, p.kind, list(p.prompt_ids), output, lps))
     out.stats = {"steps": n_steps, "branching_steps": n_branching,
-                 "tau": n_accepted / n_steps if n_steps else math.nan}
+                 "tau": n_accepted / n_steps if n_steps else None}
     return out

@@ -1,0 +1,73 @@
+"""The SGLang engine process: ``python -m refcheck.runners.sglang_child JOB.json``.
+
+Contract: runs one ``sglang.Engine`` for a job written by :class:`refcheck.runners.sglang.SGLangRunner`
+(engine arguments, token ids, sampling parameters, rids) and reports through ``JOB.result.json``,
+rewritten atomically at each stage: ``started`` (engine up, ``start_s``), then ``done`` (output ids per
+request, ``generate_s``), or ``failed`` with the stage and a one-line summary of the error. SGLang
+answers a dead scheduler by killing its whole process tree (SIGQUIT, then SIGKILL): running it here
+keeps refcheck's own process, and the records captured so far, alive; whatever stage the file last
+reached tells the runner what happened. Exit codes: 0 done, 3 SGLang missing, 4 start-up failed,
+5 generate failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _write(path: Path, payload: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
+def summarise_error(exc: BaseException, limit: int = 600) -> str:
+    """The end of a (possibly multi-process, multi-line) error message, on one line."""
+    lines = [ln.strip() for ln in f"{type(exc).__name__}: {exc}".splitlines() if ln.strip()]
+    text = " | ".join(lines[-4:])
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def main(job_path: str) -> int:
+    job = json.loads(Path(job_path).read_text())
+    result = Path(job["result"])
+    try:
+        import sglang
+    except ImportError as exc:
+        _write(result, {"stage": "failed", "failed_at": "import", "error": summarise_error(exc)})
+        return 3
+    version = str(getattr(sglang, "__version__", "unknown"))
+    t0 = time.time()
+    try:
+        engine = sglang.Engine(**job["engine_kwargs"])
+    except Exception as exc:  # noqa: BLE001 - reported to the runner, which raises a typed error
+        _write(result, {"stage": "failed", "failed_at": "start", "error": summarise_error(exc), "sglang": version})
+        return 4
+    start_s = time.time() - t0
+    _write(result, {"stage": "started", "start_s": start_s, "sglang": version})
+    t1 = time.time()
+    code = 0
+    try:
+        out = engine.generate(input_ids=job["input_ids"], sampling_params=job["sampling_params"], rid=job["rids"])
+        _write(result, {"stage": "done", "start_s": start_s, "generate_s": time.time() - t1, "sglang": version,
+                        "outputs": [[int(t) for t in r["output_ids"]] for r in out],
+                        "meta": [{k: v for k, v in r.get("meta_info", {}).items() if isinstance(v, (int, float, str))}
+                                 for r in out]})
+    except Exception as exc:  # noqa: BLE001
+        _write(result, {"stage": "failed", "failed_at": "generate", "error": summarise_error(exc), "start_s": start_s,
+                        "sglang": version})
+        code = 5
+    finally:
+        try:
+            engine.shutdown()
+        except Exception:  # noqa: BLE001 - the outputs are written already
+            pass
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

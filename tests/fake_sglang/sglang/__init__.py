@@ -1,0 +1,34 @@
+"""A stand-in for ``sglang`` (tests only): an Engine whose behaviour FAKE_SGLANG_MODE chooses.
+
+ok: echo greedy-looking outputs; start_fail: print a scheduler traceback and fail at start-up the
+way SGLang does; crash: die (SIGKILL-like exit) in the middle of generate; hang: never return.
+"""
+
+import os
+import sys
+import time
+
+__version__ = "0.0-fake"
+
+
+class Engine:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        mode = os.environ.get("FAKE_SGLANG_MODE", "ok")
+        if mode == "start_fail":
+            print("Traceback (most recent call last):", file=sys.stderr)
+            print("RuntimeError: gemma_rmsnorm failed to dispatch data type Float", file=sys.stderr)
+            raise RuntimeError("Initialization failed. Please see the error messages above.")
+
+    def generate(self, input_ids, sampling_params, rid=None):
+        mode = os.environ.get("FAKE_SGLANG_MODE", "ok")
+        if mode == "crash":
+            print("ValueError: scheduler hit an illegal memory access", file=sys.stderr, flush=True)
+            os._exit(137)
+        if mode == "hang":
+            time.sleep(3600)
+        return [{"output_ids": [ids[-1]] * sp["max_new_tokens"], "meta_info": {"id": r}}
+                for ids, sp, r in zip(input_ids, sampling_params, rid)]
+
+    def shutdown(self):
+        pass
