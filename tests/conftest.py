@@ -21,11 +21,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not torch.cuda.is_available():
-        skip = pytest.mark.skip(reason="no CUDA device")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip)
+    import importlib.util
+
+    no_gpu = not torch.cuda.is_available()
+    no_sglang = importlib.util.find_spec("sglang") is None
+    for item in items:
+        if no_gpu and ("gpu" in item.keywords or "sglang" in item.keywords):
+            item.add_marker(pytest.mark.skip(reason="no CUDA device"))
+        elif no_sglang and "sglang" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="SGLang is not installed (scripts/sglang_bundle.sh)"))
 
 
 @pytest.fixture(scope="session")

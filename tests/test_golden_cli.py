@@ -177,3 +177,22 @@ def test_trace_show(cli, monkeypatch):
 
 def test_trace_class_is_used(tmp_path):
     assert isinstance(read_trace(REPO_GOLDEN / "hybrid-b1.arrow"), Trace)
+
+
+def test_triaged_findings_pass_the_gate_and_others_still_fail(tmp_path):
+    """A golden's reviewed findings are reported as triaged; an unlisted failure still fails."""
+
+    from refcheck.diff.findings import Finding, Report, Verdict
+    from refcheck.golden import apply_triage, parse_triage
+    from refcheck.errors import UsageError
+
+    triaged = parse_triage(["code-2:0:2:logits", "a:b:c:3:-:recurrent"])
+    assert triaged[1] == {"request_id": "a:b:c", "step": 3, "node": None, "category": "recurrent"}
+    with pytest.raises(UsageError):
+        parse_triage(["code-2:x:2:logits"])
+    rep = Report("c", "replay", stats={"steps": {"pass": 5, "fail": 2}})
+    rep.add(Finding(Verdict.FAIL, "logits", "code-2", 0, node=2))
+    rep.add(Finding(Verdict.FAIL, "logits", "code-2", 1, node=2))
+    apply_triage(rep, triaged)
+    assert [f.verdict for f in rep.findings] == [Verdict.TRIAGED, Verdict.FAIL]
+    assert rep.stats["steps"] == {"pass": 5, "fail": 1, "triaged": 1} and rep.exit_code == 1
