@@ -197,12 +197,12 @@ def _finish(reports, as_json: bool, extra: dict | None = None) -> None:
     sys.exit(EXIT_MISMATCH if EXIT_MISMATCH in codes else EXIT_PASS)
 
 
-def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, dtype, device):
+def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, device):
     """Fold the SGLang options into the engine name and options; SGLang runs bf16 on the GPU unless told."""
     is_sglang = bool(engine) and (engine == "sglang" or engine.startswith("sglang:"))
     if not is_sglang:
-        if algorithm or cuda_graphs:
-            raise UsageError("--sglang-algorithm and --cuda-graphs need --engine sglang")
+        if algorithm or cuda_graphs or tp > 1:
+            raise UsageError("--sglang-algorithm, --cuda-graphs and --tp need --engine sglang")
         return engine, None, dtype, device
     if algorithm:
         if ":" in engine and engine.split(":", 1)[1].upper() != algorithm.upper():
@@ -213,7 +213,7 @@ def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, dtype, device)
         dtype = "bfloat16"
     if ctx.get_parameter_source("device") == click.core.ParameterSource.DEFAULT:
         device = "cuda"
-    return engine, {"cuda_graphs": cuda_graphs, "ngram_breadth": ngram_breadth}, dtype, device
+    return engine, {"cuda_graphs": cuda_graphs, "ngram_breadth": ngram_breadth, "tp": tp}, dtype, device
 
 
 @main.command()
@@ -233,9 +233,11 @@ def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, dtype, device)
 @click.option("--cuda-graphs", is_flag=True, help="With --engine sglang: run SGLang with CUDA graphs (off by default).")
 @click.option("--ngram-breadth", type=click.IntRange(min=1), default=10, show_default=True,
               help="With --sglang-algorithm NGRAM: speculative_ngram_max_bfs_breadth.")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --engine sglang: tensor parallelism (state captured on every rank and combined).")
 @model_options
 def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, workers, full_state, sglang_algorithm,
-         cuda_graphs, ngram_breadth, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
+         cuda_graphs, ngram_breadth, tp, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
          drafter, stop_ids, as_json):
     """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
 
@@ -250,7 +252,8 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
         from refcheck.parallel import engine_decoder, engine_shard, merge_reports, merge_traces, run_parallel, split
         from refcheck.trace.io import trace_from_bytes
 
-        engine, engine_opts, dtype, device = _sglang_engine(engine, sglang_algorithm, cuda_graphs, ngram_breadth, dtype, device)
+        engine, engine_opts, dtype, device = _sglang_engine(engine, sglang_algorithm, cuda_graphs, ngram_breadth, tp,
+                                                            dtype, device)
         spec = _spec(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids)
         prompts = load_prompts(prompts_file)
         engine_decoder(engine)  # unknown engine: a usage error before any process starts

@@ -23,8 +23,8 @@ from refcheck.runners.reference import EngineSpec, ReferenceRunner
 from refcheck.runners.sglang_layout import links_from_parents
 from refcheck.sglang_capture.assemble import assemble_trace, sibling_ranks
 from refcheck.sglang_capture.records import Capture, Recorder, read_capture
-from refcheck.sglang_capture.state import committed_rows, summarise
-from refcheck.sglang_capture.steps import chain_steps, prefill_records, tree_steps
+from refcheck.sglang_capture.state import committed_rows, summarise, summarise_shard
+from refcheck.sglang_capture.steps import StepCapture, chain_steps, prefill_records, tree_steps
 from reference.tree import Tree
 
 SLOTS, MAMBA_SLOTS, MAX_LEN = 512, 9, 128
@@ -60,8 +60,27 @@ def _pools(target, states, seed=0):
     return kv, mamba, req_to_token, mslots
 
 
-def fake_sglang(runner, prompts, trees, layout: str, leaky: bool = False, steps: int = 4):
-    """Run a batched fake SGLang over the given per-step trees; returns (capture, results, rids)."""
+def _shard(kv, mamba, rank: int, tp: int, groups):
+    """What tensor-parallel rank ``rank`` holds of the pools: KV heads and SSM value heads in contiguous
+    blocks, conv channels [q_r, k_r, v_r]."""
+    from refcheck.sglang_capture.state import feature_index
+
+    kv_r = {}
+    for layer, (kb, vb) in kv.items():
+        h = kb.shape[1] // tp
+        kv_r[layer] = (kb[:, rank * h:(rank + 1) * h], vb[:, rank * h:(rank + 1) * h])
+    mamba_r = {}
+    for layer, (cb, sb) in mamba.items():
+        idx = feature_index("conv", sum(groups) // tp, rank, tp, groups)
+        hv = sb.shape[1] // tp
+        mamba_r[layer] = (cb[:, idx], sb[:, rank * hv:(rank + 1) * hv])
+    return kv_r, mamba_r
+
+
+def fake_sglang(runner, prompts, trees, layout: str, leaky: bool = False, steps: int = 4, tp: int = 1,
+                full: bool = False):
+    """Run a batched fake SGLang over the given per-step trees; returns (capture, results, rids).
+    ``tp`` > 1: every rank records its own shards of the state, as SGLang's TP schedulers do."""
     target = runner.target
     rids = {p.id: f"rid-{i}" for i, p in enumerate(prompts)}
     cap = Capture(steps={0: []}, prefills={0: []})
@@ -109,12 +128,24 @@ def fake_sglang(runner, prompts, trees, layout: str, leaky: bool = False, steps:
                                out_tokens, rid_list, committed)
         states = [s.commit(f, a) for s, f, a in zip(states, fwds, accs)]
         kv, mamba, req_to_token, mslots = _pools(target, states, seed=k)
+        groups = (64, 64, 128)  # the built-in hybrid target: key_dim, key_dim, value_dim
         for b, r in enumerate(recs):
             slots = req_to_token[b + 1, r.committed_len: r.committed_len + len(r.accepted)]
-            r.state = summarise(committed_rows(kv, slots, mamba, mslots[b]), full=False)
+            if tp == 1:
+                r.state = summarise(committed_rows(kv, slots, mamba, mslots[b]), full=full)
             roots[b] = r.bonus
             outputs[b] += r.emitted
-        cap.steps[0] += recs
+        if tp == 1:
+            cap.steps[0] += recs
+            continue
+        for rank in range(tp):
+            kv_r, mamba_r = _shard(kv, mamba, rank, tp, groups)
+            for b, r in enumerate(recs):
+                copy = StepCapture.from_dict({**r.to_dict(), "state": {}, "meta": dict(r.meta)})
+                slots = req_to_token[b + 1, r.committed_len: r.committed_len + len(r.accepted)]
+                copy.state = summarise_shard(committed_rows(kv_r, slots, mamba_r, mslots[b]), rank, tp, groups, full)
+                copy.meta.update(tp_rank=rank, tp_size=tp, conv_groups=list(groups))
+                cap.steps.setdefault(rank, []).append(copy)
     results = {p.id: {"output_ids": outputs[b]} for b, p in enumerate(prompts)}
     return cap, results, rids
 
@@ -251,3 +282,23 @@ def test_committed_rows_layouts():
     assert torch.equal(rows["rec.0"][2], ssm[3].transpose(-1, -2).reshape(2, 15))
     with pytest.raises(ValueError):
         committed_rows({}, torch.tensor([0]), {0: (conv, ssm)}, None)
+
+
+def test_tensor_parallel_shards_combine_to_the_full_state(setup):
+    """Two TP ranks each record their head / channel shards; merged, the trace replays clean, and the
+    combined sketches and full tensors equal the single-rank capture's."""
+    runner, prompts, trees = setup
+    one, results, rids = fake_sglang(runner, prompts[:2], trees, "tree", steps=2, full=True)
+    two, results2, _ = fake_sglang(runner, prompts[:2], trees, "tree", steps=2, tp=2, full=True)
+    assert results == results2
+    asm1 = assemble_trace(prompts[:2], rids, results, one, _prov(runner, prompts[:2], 15))
+    asm2 = assemble_trace(prompts[:2], rids, results2, two, _prov(runner, prompts[:2], 15))
+    assert not asm2.problems
+    for a, b in zip(asm1.trace.steps, asm2.trace.steps):
+        for ea, eb in zip(a.state, b.state):
+            assert ea.name == eb.name
+            assert torch.allclose(ea.sketch, eb.sketch, atol=1e-5, rtol=1e-5), ea.name
+            assert torch.equal(ea.full, eb.full), ea.name
+    assert not _replay(asm2.trace).failures
+    two.steps[1][0].accepted = [0]  # a rank that disagrees is reported
+    assert any("disagree" in p for p in assemble_trace(prompts[:2], rids, results2, two, _prov(runner, prompts[:2], 15)).problems)

@@ -31,6 +31,8 @@ def test_engine_kwargs_for_clean_diffs():
     assert dfl["base_gpu_id"] == 1 and dfl["linear_attn_backend"] == "triton"
     ng = engine_kwargs(EngineSpec(dtype="bfloat16"), "/m", "NGRAM", budget=11, ngram_breadth=1)
     assert ng["speculative_num_draft_tokens"] == 12 and ng["speculative_ngram_max_bfs_breadth"] == 1
+    tp = engine_kwargs(EngineSpec(dtype="bfloat16", device="cuda:1"), "/m", "DFLASH", budget=15, draft_path="/d", tp=2)
+    assert tp["tp_size"] == 2 and tp["base_gpu_id"] == 2  # data-parallel worker 1 of TP-2 engines: GPUs 2, 3
     custom = engine_kwargs(EngineSpec(dtype="bfloat16"), "/m", "MYTREE", budget=31, draft_path="/d")
     assert custom["speculative_algorithm"] == "MYTREE" and custom["speculative_num_draft_tokens"] == 32
     with pytest.raises(UsageError):

@@ -76,7 +76,7 @@ def resolve_budget(algorithm: str, budget: int | None, draft_dir: Path | None) -
 
 def engine_kwargs(spec: EngineSpec, model_path: str, algorithm: str = "NONE", cuda_graphs: bool = False,
                   mem_fraction_static: float = 0.3, budget: int = 0, draft_path: str | None = None,
-                  ngram_breadth: int = 10) -> dict[str, Any]:
+                  ngram_breadth: int = 10, tp: int = 1) -> dict[str, Any]:
     """The one place that turns refcheck settings into ``sglang.Engine`` arguments."""
     if spec.dtype not in ("bfloat16", "float16", "float32"):
         raise UsageError(f"SGLang runs bfloat16/float16/float32, got {spec.dtype!r}")
@@ -92,8 +92,12 @@ def engine_kwargs(spec: EngineSpec, model_path: str, algorithm: str = "NONE", cu
         dtype=spec.dtype,
         mem_fraction_static=mem_fraction_static,
     )
+    if tp < 1:
+        raise UsageError(f"--tp must be >= 1, got {tp}")
+    if tp > 1:
+        kw["tp_size"] = tp  # every rank's scheduler records its shards; the assembly combines them
     if spec.device.startswith("cuda:"):
-        kw["base_gpu_id"] = int(spec.device.split(":", 1)[1])  # data-parallel workers: one GPU each
+        kw["base_gpu_id"] = int(spec.device.split(":", 1)[1]) * tp  # data-parallel workers: tp GPUs each
     if algorithm == "NONE":
         return kw
     kw.update(speculative_algorithm=algorithm, linear_attn_backend="triton")
@@ -141,10 +145,10 @@ class SGLangRunner:
 
     def __init__(self, spec: EngineSpec, algorithm: str = "NONE", cuda_graphs: bool = False, capture: bool = True,
                  ngram_breadth: int = 10, capture_dir: Path | None = None, full_state: bool = False,
-                 timeout_s: float = 3600.0) -> None:
+                 timeout_s: float = 3600.0, tp: int = 1) -> None:
         self.algorithm = algorithm.upper()
         self.spec, self.cuda_graphs, self.capture, self.ngram_breadth = spec, cuda_graphs, capture, ngram_breadth
-        self.capture_dir, self.full_state, self.timeout_s = capture_dir, full_state, timeout_s
+        self.capture_dir, self.full_state, self.timeout_s, self.tp = capture_dir, full_state, timeout_s, tp
         _, ddir = spec.resolved_dirs()
         self.budget = resolve_budget(self.algorithm, spec.budget, ddir)
         try:
@@ -182,7 +186,7 @@ class SGLangRunner:
         if self.full_state:
             env[ENV_FULL] = "1"
         kw = engine_kwargs(self.spec, str(tdir), self.algorithm, self.cuda_graphs, budget=self.budget,
-                           draft_path=str(ddir) if ddir else None, ngram_breadth=self.ngram_breadth)
+                           draft_path=str(ddir) if ddir else None, ngram_breadth=self.ngram_breadth, tp=self.tp)
         rids = {p.id: f"refcheck-{os.getpid()}-{i}-{p.id}" for i, p in enumerate(prompts)}
         run = self._run_engine(cdir, env, kw, prompts, rids)
         if run.get("failed_at") in ("import", "start"):

@@ -4,11 +4,12 @@ Contract: :func:`assemble_trace` pairs each prompt with its SGLang rid, takes th
 record (first token and its log-prob) and step records (rank 0, in write order), and builds the
 trace's request and step rows. SGLang emits whole verify blocks and then cuts the output at
 ``max_new_tokens`` or a stop token, so each step's ``emitted`` is cut to what the request's output
-holds (the last step may be partial; steps wholly past the output are dropped). When a request has
+holds (the last step may be partial; steps wholly past the output are dropped). Under tensor
+parallelism every rank records; :func:`merge_ranks` combines their state shards. When a request has
 no generate result (the engine crashed), its output is rebuilt from the captured records and the
 request is listed in :attr:`Assembly.incomplete`. Inconsistencies between the records and the
 output (a step's emitted tokens not matching the output, committed lengths that do not follow
-each other) are not repaired: they stay in the trace for the diff to report, and are listed in
+each other, tensor-parallel ranks that disagree) are not repaired: they stay in the trace for the diff to report, and are listed in
 :attr:`Assembly.problems`.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 from refcheck.prompts import Prompt
 from refcheck.sglang_capture.records import Capture
+from refcheck.sglang_capture.state import combine_shards
 from refcheck.sglang_capture.steps import StepCapture
 from refcheck.trace.io import RequestRow, StateEntry, StepRow, Trace
 
@@ -58,15 +60,47 @@ def _step_row(prompt_id: str, k: int, s: StepCapture, keep: int) -> StepRow:
     )
 
 
+def merge_ranks(capture: Capture, problems: list[str]) -> list[StepCapture]:
+    """One step list from every tensor-parallel rank's records: tokens, log-probs and acceptance from
+    rank 0 (every rank must agree), committed state combined from the ranks' shards."""
+    ranks = sorted(capture.steps)
+    if len(ranks) <= 1:
+        return list(capture.steps.get(ranks[0], [])) if ranks else []
+    per_rank = {r: {} for r in ranks}
+    for r in ranks:
+        for s in capture.steps[r]:
+            per_rank[r].setdefault(s.rid, []).append(s)
+    out = []
+    for s0 in capture.steps[ranks[0]]:
+        k = sum(1 for x in out if x.rid == s0.rid)
+        group = [per_rank[r].get(s0.rid, [])[k] if k < len(per_rank[r].get(s0.rid, [])) else None for r in ranks]
+        if any(g is None for g in group):
+            problems.append(f"{s0.rid} step {k}: not recorded by every tensor-parallel rank")
+            out.append(s0)
+            continue
+        if any((g.committed_len, g.tokens, g.accepted) != (s0.committed_len, s0.tokens, s0.accepted) for g in group):
+            problems.append(f"{s0.rid} step {k}: tensor-parallel ranks disagree on the tree or the accepted path")
+        groups = tuple(s0.meta.get("conv_groups") or ()) or None
+        merged = StepCapture.from_dict({**s0.to_dict(), "state": {}})
+        for name in s0.state:
+            if all(name in g.state for g in group):
+                merged.state[name] = combine_shards([g.state[name] for g in group], groups)
+            else:
+                problems.append(f"{s0.rid} step {k}: state {name} missing on some rank")
+        out.append(merged)
+    return out
+
+
 def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[str, dict], capture: Capture,
-                   provenance: dict, rank: int = 0) -> Assembly:
+                   provenance: dict) -> Assembly:
     """prompts in order; rids: prompt id -> SGLang rid; results: prompt id -> generate result (may
     lack crashed requests)."""
-    steps_by_rid: dict[str, list[StepCapture]] = {}
-    for s in capture.steps.get(rank, []):
-        steps_by_rid.setdefault(s.rid, []).append(s)
-    prefill = {p.rid: p for p in capture.prefills.get(rank, [])}  # the last chunk of a chunked prefill wins
     out = Assembly(Trace(provenance=provenance, requests=[], steps=[]))
+    steps_by_rid: dict[str, list[StepCapture]] = {}
+    for s in merge_ranks(capture, out.problems):
+        steps_by_rid.setdefault(s.rid, []).append(s)
+    first_rank = min(capture.prefills) if capture.prefills else 0
+    prefill = {p.rid: p for p in capture.prefills.get(first_rank, [])}  # the last chunk of a chunked prefill wins
     n_steps = n_branching = n_accepted = 0
     for p in prompts:
         rid = rids[p.id]

@@ -33,7 +33,7 @@ import torch
 
 from refcheck.sglang_capture import versions
 from refcheck.sglang_capture.records import ENV_DIR, ENV_FULL, Recorder
-from refcheck.sglang_capture.state import committed_rows, summarise
+from refcheck.sglang_capture.state import committed_rows, summarise, summarise_shard
 from refcheck.sglang_capture.steps import StepCapture, chain_steps, prefill_records, root_steps, tree_steps
 
 _registered = False
@@ -168,11 +168,18 @@ def _attach_state(scheduler: Any, snap: _Batch, steps: list[StepCapture]) -> Non
         mamba = {layer: (cache.conv[0][i], cache.temporal[i]) for layer, i in rtp.mamba_map.items()}
     full = bool(os.environ.get(ENV_FULL))
     row_of = dict(zip(snap.rids, snap.pool_rows))
+    tp_rank, tp_size = versions.tp_of(scheduler)
+    groups = getattr(getattr(rtp, "mamba_pool", None), "conv_shard_groups", None)
     for s in steps:
         rpi = row_of[s.rid]
         slots = rtp.req_to_token[rpi, s.committed_len: s.committed_len + len(s.accepted)]
         mslot = int(rtp.req_index_to_mamba_index_mapping[rpi]) if mamba else None
-        s.state = summarise(committed_rows(kv, slots, mamba, mslot, axis), full)
+        rows = committed_rows(kv, slots, mamba, mslot, axis)
+        if tp_size > 1:  # this rank's shards, sketched so that the ranks' sketches combine exactly
+            s.state = summarise_shard(rows, tp_rank, tp_size, tuple(groups) if groups else None, full)
+            s.meta.update(tp_rank=tp_rank, tp_size=tp_size, conv_groups=list(groups) if groups else None)
+        else:
+            s.state = summarise(rows, full)
 
 
 def _after(scheduler: Any, snap: _Batch, result: Any) -> None:

@@ -81,3 +81,10 @@ def server_topk(scheduler: Any) -> int | None:
         except Exception:  # older releases: no runtime context
             topk = None
     return None if topk is None else int(topk)
+
+
+def tp_of(scheduler: Any) -> tuple[int, int]:
+    """(tensor-parallel rank, size) of a scheduler process."""
+    args = getattr(scheduler, "server_args", None)
+    size = getattr(scheduler, "tp_size", None) or getattr(args, "tp_size", None) or 1
+    return int(getattr(scheduler, "tp_rank", 0) or 0), int(size)
