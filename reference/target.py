@@ -164,14 +164,14 @@ class Target:
         visible = ancestor_matrix(parents)  # [n, n] ancestor-or-self
         # leaky + chunk = the flattened tree as one chunk of a chain: what a leaking engine computes
         plan = TreePlan.build(parents, leaky, need_levels=self.gdn_method == "levels")
-
-        h = self.body.embed_tokens(tokens)  # [n, H]
+        n = tokens.shape[0]
+        h = self._stage_input(tokens)  # [n, H]
         cos, sin = self.body.rotary_emb(h.unsqueeze(0), rope_position_ids(self.model_type, positions))
         cos, sin = cos[0], sin[0]  # [n, R]
         fwd = TreeForward(logits=torch.empty(0), context=torch.empty(0))
-        captured: dict[int, torch.Tensor] = {}
-        outputs: list[torch.Tensor] = []
-        for i, layer in enumerate(self.layers):
+        held: dict[int, torch.Tensor] = {}
+        for i in self._layer_ids():
+            layer = self.layers[i]
             x = layer.input_layernorm(h)
             if self.is_linear(i):
                 out = deltanet_tree(layer.linear_attn, x, parents, state.conv[i], state.recurrent[i], leaky=leaky,
@@ -182,15 +182,26 @@ class Target:
                 fwd.keys[i], fwd.values[i] = out.keys, out.values
             h = h + out.hidden
             h = h + _mlp(layer.mlp, layer.post_attention_layernorm(h))
-            if i in capture:
-                captured[i] = h
-            if keep_layer_outputs:
-                outputs.append(h)
-        # Logits in float32 so argmax, log-softmax and margins compare across model dtypes.
-        fwd.logits = self.model.lm_head(self.body.norm(h)).float()  # [n, V]
-        fwd.context = torch.cat([captured[i] for i in capture], dim=-1) if capture else h[:, :0]
-        fwd.layer_outputs = outputs if keep_layer_outputs else None
+            if i in capture or keep_layer_outputs:
+                held[i] = h
+        fwd.logits = self._stage_logits(h)
+        fwd.context = torch.cat([self._layer_output(i, held, n) for i in capture], dim=-1) if capture else h[:, :0]
+        fwd.layer_outputs = [self._layer_output(i, held, n) for i in range(len(self.layers))] if keep_layer_outputs else None
         return fwd
+
+    # -- the stages a layer-sharded target (reference/sharded.py) replaces ------------------------------------
+    def _stage_input(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.body.embed_tokens(tokens)  # [n, H]
+
+    def _layer_ids(self) -> range:
+        return range(len(self.layers))
+
+    def _stage_logits(self, h: torch.Tensor) -> torch.Tensor:
+        # Logits in float32 so argmax, log-softmax and margins compare across model dtypes.
+        return self.model.lm_head(self.body.norm(h)).float()  # [n, V]
+
+    def _layer_output(self, layer: int, held: dict[int, torch.Tensor], n: int) -> torch.Tensor:
+        return held[layer]
 
     def prefill(self, token_ids: torch.Tensor, capture: list[int] | tuple[int, ...] = (),
                 chunk: int = PREFILL_CHUNK) -> tuple[TargetState, TreeForward]:
