@@ -235,9 +235,12 @@ def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, dev
               help="With --sglang-algorithm NGRAM: speculative_ngram_max_bfs_breadth.")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --engine sglang: tensor parallelism (state captured on every rank and combined).")
+@click.option("--ref-shards", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --against and --mode replay: split the reference by layers over N processes (N GPUs with "
+                   "--ref-device cuda, NCCL; gloo on CPUs).")
 @model_options
 def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, workers, full_state, sglang_algorithm,
-         cuda_graphs, ngram_breadth, tp, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
+         cuda_graphs, ngram_breadth, tp, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
          drafter, stop_ids, as_json):
     """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
 
@@ -248,6 +251,8 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
 
     session = DiffSession()
     reports = []
+    if ref_shards > 1 and not against:
+        raise UsageError("--ref-shards works with --against TRACE (record live engines with --save-trace first)")
     if engine:
         from refcheck.parallel import engine_decoder, engine_shard, merge_reports, merge_traces, run_parallel, split
         from refcheck.trace.io import trace_from_bytes
@@ -267,8 +272,15 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
         reports.append(merge_reports([r for _, r in results], engine, mode))
     elif against:
         for path in against:
-            err.print(f"diffing {path}", markup=False)
-            reports.append(session.diff(read_trace(path), Path(path).stem, mode, ref_dtype=ref_dtype, ref_device=ref_device))
+            err.print(f"diffing {path}" + (f" against the reference sharded over {ref_shards} processes" if ref_shards > 1
+                                            else ""), markup=False)
+            if ref_shards > 1:
+                from refcheck.sharding import sharded_diff
+
+                reports.append(sharded_diff(read_trace(path), Path(path).stem, mode, ref_shards, ref_dtype, ref_device))
+            else:
+                reports.append(session.diff(read_trace(path), Path(path).stem, mode, ref_dtype=ref_dtype,
+                                            ref_device=ref_device))
     else:
         gdir = golden_dir or default_golden_dir()
         manifest = verify(gdir)

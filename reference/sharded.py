@@ -49,6 +49,13 @@ class PipelineTarget(Target):
     def local_layers(self) -> range:
         return self.mine
 
+    def release_foreign_layers(self) -> None:
+        """Free the weights of layers other ranks evaluate (moved to the meta device); the embedding
+        and head stay, since the drafter borrows them on every rank."""
+        for i, layer in enumerate(self.layers):
+            if i not in self.mine:
+                layer.to("meta")
+
     def empty_state(self) -> TargetState:
         full = super().empty_state()
         for i in range(len(self.layers)):

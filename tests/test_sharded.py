@@ -105,3 +105,21 @@ def test_sharded_reference_equals_one_process(tmp_path, world, budget):
         assert set(got["empty"]).isdisjoint(got["layers"])  # a rank holds state only for its own layers
         held += got["layers"]
     assert sorted(held) == list(range(len(target.layers)))
+
+
+def test_cli_replay_against_a_sharded_reference_equals_unsharded(cli, tmp_path):
+    """`refcheck diff --against T --ref-shards 2 --mode replay` (gloo, CPU) reports what one process does."""
+    import json
+
+    from refcheck.golden import REPO_GOLDEN
+    from refcheck.trace.manifest import load_manifest
+
+    path = REPO_GOLDEN / load_manifest(REPO_GOLDEN).cases["sglang-hybrid-dflash-b15"].file
+    code1, out1, _ = cli("diff", "--against", str(path), "--mode", "replay", "--json")
+    code2, out2, err2 = cli("diff", "--against", str(path), "--mode", "replay", "--ref-shards", "2", "--json")
+    r1, r2 = json.loads(out1)["reports"][0], json.loads(out2)["reports"][0]
+    assert code1 == code2 == 1  # the three reviewed findings are failures outside the gate's triage
+    assert r1["counts"] == r2["counts"] and r1["fail_categories"] == r2["fail_categories"], err2
+    assert r1["stats"]["steps"] == r2["stats"]["steps"]
+    code, _, err = cli("diff", "--against", str(path), "--ref-shards", "2")
+    assert code == 2 and "--mode replay" in err

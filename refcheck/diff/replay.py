@@ -169,6 +169,11 @@ class _Request:
             return
         ref = state_rows(new_state, new_from)
         eng = {e.name: e for e in s.state}
+        local = getattr(self.target, "local_layers", None)
+        if local is not None:  # a layer-sharded reference: each rank checks the layers it holds
+            mine = set(local())
+            eng = {k: e for k, e in eng.items() if e.layer in mine}
+            ref = {k: v for k, v in ref.items() if v[0] in mine}
         for name in sorted(set(ref) | set(eng)):
             if name not in ref or name not in eng:
                 self.rep.check("unmatched")

@@ -1,0 +1,102 @@
+"""Diffs against a layer-sharded reference: one process per shard, SPMD (reference/sharded.py).
+
+Contract: :func:`sharded_diff` replays a trace against the reference split by layers over ``shards``
+processes (rank i on ``cuda:i`` with NCCL when the reference device is CUDA, gloo on CPUs), each
+holding only its own layers' weights and state, and returns rank 0's report, which equals an
+unsharded replay's. Only replay is sharded: the free-run oracle is transformers' own forward of the
+whole model, so ``mode`` must be "replay".
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+from pathlib import Path
+
+from refcheck.diff.findings import Report
+from refcheck.errors import UsageError
+from refcheck.trace.io import Trace, trace_bytes, trace_from_bytes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank(rank: int, shards: int, port: int, data: bytes, case: str, ref_dtype: str, ref_device: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from refcheck.diff.session import DiffSession, reference_spec_for
+    from reference.sharded import PipelineTarget
+
+    cuda = ref_device.split(":")[0] == "cuda"
+    device = f"cuda:{rank}" if cuda else "cpu"
+    if cuda:
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (see the device notes)
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // shards))
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=shards)
+    try:
+        trace = trace_from_bytes(data)
+        session = DiffSession()
+        runner = session.runner(reference_spec_for(trace, ref_dtype, device))
+        runner.target = PipelineTarget(runner.target)
+        runner.target.release_foreign_layers()
+        report = session.diff(trace, case, mode="replay", ref_dtype=ref_dtype, ref_device=device)
+        Path(out).with_suffix(f".{rank}.pkl").write_bytes(pickle.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded_diff(trace: Trace, case: str, mode: str, shards: int, ref_dtype: str, ref_device: str) -> Report:
+    import torch
+    import torch.multiprocessing as mp
+
+    if mode != "replay":
+        raise UsageError("--ref-shards shards the replay only (the free-run oracle is transformers' whole-model "
+                         "forward): pass --mode replay")
+    if ref_device.split(":")[0] == "cuda" and torch.cuda.device_count() < shards:
+        raise UsageError(f"--ref-shards {shards} needs {shards} CUDA devices, {torch.cuda.device_count()} visible")
+    with tempfile.TemporaryDirectory(prefix="refcheck-shards-") as tmp:
+        out = os.path.join(tmp, "report.pkl")
+        mp.start_processes(_rank, args=(shards, _free_port(), trace_bytes(trace), case, ref_dtype, ref_device, out),
+                           nprocs=shards, start_method="spawn")
+        return merge_shard_reports([pickle.loads(Path(out).with_suffix(f".{r}.pkl").read_bytes()) for r in range(shards)])
+
+
+STATE_CATEGORIES = ("kv", "conv", "recurrent", "unmatched")
+
+
+def merge_shard_reports(reports: list[Report]) -> Report:
+    """Rank 0's report (tokens, logits and acceptance are the same on every rank) plus every other
+    rank's state checks of its own layers; per-step verdicts recounted over the merged findings."""
+    from refcheck.diff.findings import Verdict
+
+    out = reports[0]
+    for rep in reports[1:]:
+        out.findings += [f for f in rep.findings if f.category in STATE_CATEGORIES]
+        for cat in STATE_CATEGORIES:
+            out.checks[cat] += rep.checks.get(cat, 0)
+        for key, value in rep.stats.items():
+            if key.startswith("max_rel_l2_"):
+                out.stats[key] = max(out.stats.get(key, value), value)
+    steps = out.stats.get("steps")
+    if steps:
+        total = sum(steps.values())
+        worst: dict[tuple, str] = {}
+        for f in out.findings:
+            if f.step is None or f.step < 0 or f.verdict not in (Verdict.FAIL, Verdict.BENIGN_TIE):
+                continue
+            key = (f.request_id, f.step)
+            if f.verdict == Verdict.FAIL or worst.get(key) != "fail":
+                worst[key] = "fail" if f.verdict == Verdict.FAIL else worst.get(key, "benign_tie")
+        fails = sum(1 for v in worst.values() if v == "fail")
+        ties = sum(1 for v in worst.values() if v == "benign_tie")
+        out.stats["steps"] = {"pass": total - fails - ties, "benign_tie": ties, "fail": fails}
+    return out
