@@ -26,6 +26,9 @@ CONFIGS = {
     "dflash": ["--sglang-algorithm", "DFLASH", "--budget", "15"],
     "ngram": ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "10"],
     "ngram-b1": ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "1"],
+    # refcheck's DDTree on SGLang (refcheck/sglang_ddtree): the four budgets, and the leaky chain layout
+    **{f"ddtree-b{b}": ["--sglang-algorithm", "REFCHECK_DDTREE", "--budget", str(b)] for b in (15, 16, 32, 64)},
+    "ddtree-b15-leaky": ["--sglang-algorithm", "REFCHECK_DDTREE_LEAKY_CHAIN", "--budget", "15"],
     # SGLang in float32: the sharp check that tells bf16 numerics from engine bugs
     "dflash-fp32": ["--sglang-algorithm", "DFLASH", "--budget", "15", "--dtype", "float32"],
     "ngram-fp32": ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "10", "--dtype", "float32"],

@@ -40,6 +40,7 @@ from refcheck.runners.reference import EngineSpec
 from refcheck.trace.io import Trace
 
 ALGORITHMS = ("NONE", "DFLASH", "NGRAM")  # built in; other names pass through to SGLang's registry
+DFLASH_DRAFTED = ("DFLASH", "REFCHECK_DDTREE", "REFCHECK_DDTREE_LEAKY_CHAIN")  # algorithms whose drafts come from the DFlash draft checkpoint
 PLUGIN_ENTRY = "refcheck = refcheck.sglang_capture.plugin:register"
 
 
@@ -202,9 +203,10 @@ class SGLangRunner:
                         draft_dir=str(ddir) if ddir and self.spec.model_dir is not None else None)
         prov = build_provenance(
             engine="sglang", engine_version=str(run.get("sglang", "unknown")), settings=settings,
-            model_dir=tdir, draft_dir=ddir if self.algorithm == "DFLASH" else None, dtype=self.spec.dtype,
-            device="cuda", budget=self.budget, block_size=self.budget + 1, max_new_tokens=self.spec.max_new_tokens,
-            drafter="dflash" if self.algorithm == "DFLASH" else "none", prompt_set_sha256=prompt_set_hash(prompts),
+            model_dir=tdir, draft_dir=ddir if self.algorithm in DFLASH_DRAFTED else None, dtype=self.spec.dtype,
+            device="cuda", budget=self.budget, max_new_tokens=self.spec.max_new_tokens,
+            block_size=(draft_block_size(ddir) or self.budget + 1) if self.algorithm in DFLASH_DRAFTED else self.budget + 1,
+            drafter="dflash" if self.algorithm in DFLASH_DRAFTED else "none", prompt_set_sha256=prompt_set_hash(prompts),
             model_label=self.spec.model_label)
         asm = assemble_trace(prompts, rids, results, cap, prov)
         errors = list(cap.errors) + self._hook_errors(cap)

@@ -72,6 +72,10 @@ def register() -> None:
         return
     _registered = True
     _patched.extend(versions.patch_models())
+    from refcheck.sglang_ddtree.algorithm import register_algorithm
+
+    if register_algorithm():
+        _patched.append("speculative algorithm REFCHECK_DDTREE")
     if not os.environ.get(ENV_DIR):
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType

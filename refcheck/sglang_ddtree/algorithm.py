@@ -1,0 +1,79 @@
+"""Registering ``REFCHECK_DDTREE`` with SGLang's speculative-algorithm registry.
+
+Contract: :func:`register_algorithm` (called by refcheck's plugin in SGLang's main and scheduler
+processes) registers the algorithm under refcheck's own name, so it never collides with a future
+builtin DDTree, and returns whether it did (False where SGLang or its registry is missing, or the
+name is taken). The algorithm presents itself to SGLang as NGRAM-like (``is_ngram``): tree verify
+with no draft model of SGLang's, NGRAM's verify input and KV sizing. Its server-args check runs in
+the main process: it requires a DFlash draft checkpoint and ``speculative_num_draft_tokens`` (budget
++ 1), forces ``speculative_eagle_topk >= 2`` (else the hybrid GDN backend would run the trees in its
+chain layout, the leak), and turns off mixed chunks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+NAME = "REFCHECK_DDTREE"
+#: the same worker with the hybrid backend in its chain layout (topk 1): the tree flattened through the
+#: recurrent layers, as the seeds' engine ran it; registered so refcheck can show it is caught
+LEAKY_NAME = "REFCHECK_DDTREE_LEAKY_CHAIN"
+_done = False
+
+
+def check_server_args(server_args, leaky: bool = False) -> None:
+    """ValueError for settings the worker cannot honour; in-place fixes for the ones it needs."""
+    draft = getattr(server_args, "speculative_draft_model_path", None)
+    if not draft:
+        raise ValueError(f"{NAME} needs --speculative-draft-model-path (a DFlash draft checkpoint)")
+    cfg_path = Path(draft) / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{NAME}: no config.json in the draft checkpoint {draft}")
+    cfg = json.loads(cfg_path.read_text())
+    if "dflash_config" not in cfg:
+        raise ValueError(f"{NAME}: {draft} is not a DFlash draft (its config has no dflash_config)")
+    n = getattr(server_args, "speculative_num_draft_tokens", None)
+    if not n or int(n) < 2:
+        raise ValueError(f"{NAME} needs --speculative-num-draft-tokens = budget + 1 >= 2, got {n}")
+    if int(getattr(server_args, "tp_size", 1) or 1) > 1:
+        raise ValueError(f"{NAME} runs with tensor parallelism 1")
+    if not getattr(server_args, "disable_overlap_schedule", False):
+        raise ValueError(f"{NAME} needs --disable-overlap-schedule")
+    # per-node GDN state (parent-indexed) needs topk > 1 at backend construction; topk 1 = chain layout
+    server_args.speculative_eagle_topk = 1 if leaky else max(2, int(getattr(server_args, "speculative_eagle_topk", 0) or 0))
+    if getattr(server_args, "speculative_num_steps", None) is None:
+        server_args.speculative_num_steps = int(n) - 1
+    if getattr(server_args, "max_running_requests", None) is None:
+        server_args.max_running_requests = 48
+    server_args.enable_mixed_chunk = False
+
+
+def register_algorithm() -> bool:
+    global _done
+    if _done:
+        return True
+    try:
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+        from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+    except ImportError:
+        return False
+
+    class DDTreeAlgo(CustomSpecAlgo):
+        def is_ngram(self) -> bool:  # tree verify without an SGLang draft model: NGRAM's paths
+            return True
+
+    def factory(server_args):
+        from refcheck.sglang_ddtree.worker import DDTreeWorker
+
+        return DDTreeWorker
+
+    for name, validate in ((NAME, check_server_args), (LEAKY_NAME, lambda a: check_server_args(a, leaky=True))):
+        try:
+            SpeculativeAlgorithm.register(name, supports_overlap=False, validate_server_args=validate,
+                                          spec_class=DDTreeAlgo)(factory)
+        except (ValueError, TypeError) as exc:  # already registered (another copy of the plugin) or refused
+            if "already" not in str(exc).lower():
+                raise
+    _done = True
+    return True

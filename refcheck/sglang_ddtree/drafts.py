@@ -1,0 +1,79 @@
+"""The DFlash drafter inside SGLang: refcheck's drafter over SGLang's embedding and LM head.
+
+Contract: :class:`TargetView` gives :class:`~reference.drafter.DFlashDrafter` the few target
+attributes it reads (hidden and vocabulary sizes, layer count, device, dtype, the token embedding
+and the LM head) from SGLang's loaded target model, without a second copy of the weights
+(tensor parallelism 1: the embedding and head must be whole). :class:`DrafterPool` keeps one drafter
+context (its KV over target hidden states) per request id and swaps it in around each call; a
+request's context is dropped when it leaves the batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+
+class TargetView:
+    def __init__(self, embed_weight: torch.Tensor, head_weight: torch.Tensor, vocab_size: int, num_layers: int) -> None:
+        if embed_weight.shape[0] < vocab_size or head_weight.shape[0] < vocab_size:
+            raise ValueError(f"embedding {tuple(embed_weight.shape)} / head {tuple(head_weight.shape)} do not cover the "
+                             f"vocabulary of {vocab_size} (a tensor-parallel shard?)")
+        self.hidden_size = int(embed_weight.shape[1])
+        self.vocab_size = int(vocab_size)
+        self.layers = range(num_layers)  # only its length is read
+        head = head_weight[:vocab_size]  # [V, H]: padded vocabulary rows dropped
+        self.body = SimpleNamespace(embed_tokens=SimpleNamespace(weight=embed_weight[:vocab_size]))
+        self.model = SimpleNamespace(lm_head=lambda h: F.linear(h, head))  # [n, H] -> [n, V]
+        self.device, self.dtype = embed_weight.device, embed_weight.dtype
+
+    @classmethod
+    def from_sglang(cls, model, vocab_size: int, num_layers: int) -> TargetView:
+        return cls(model.model.embed_tokens.weight, model.lm_head.weight, vocab_size, num_layers)
+
+
+class DrafterPool:
+    """One drafter, many request contexts."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter = drafter
+        self.contexts: dict[str, tuple] = {}
+
+    @contextlib.contextmanager
+    def context(self, rid: str) -> Iterator[object]:
+        d = self.drafter
+        if rid in self.contexts:
+            d.ctx_keys, d.ctx_values, d.ctx_len = self.contexts[rid]
+        else:
+            d.reset()
+        try:
+            yield d
+        finally:
+            self.contexts[rid] = (list(d.ctx_keys), list(d.ctx_values), d.ctx_len)
+
+    def drop(self, rids) -> None:
+        for rid in rids:
+            self.contexts.pop(rid, None)
+
+    def clear(self) -> None:
+        self.contexts.clear()
+
+
+def draft_tree(pool: DrafterPool, rid: str, root: int, start: int, budget: int) -> tuple[list[int], list[int]]:
+    """One request's DDTree below ``root`` (at position ``start``): (tokens, parents), root first."""
+    from reference.tree import build_ddtree
+
+    with pool.context(rid) as drafter:
+        logp = drafter.propose(root, start)  # [L, V] float32
+    tree = build_ddtree(root, logp.cpu(), budget)
+    return tree.tokens.tolist(), tree.parents.tolist()
+
+
+def extend_context(pool: DrafterPool, rid: str, hidden: torch.Tensor, start: int) -> None:
+    """Append target hidden states [n, n_ids*H] of consecutive positions from ``start``."""
+    with pool.context(rid) as drafter:
+        drafter.extend(hidden, torch.arange(start, start + int(hidden.shape[0]), device=hidden.device))

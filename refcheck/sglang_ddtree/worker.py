@@ -1,0 +1,158 @@
+"""The SGLang worker of ``REFCHECK_DDTREE`` (imports SGLang; loaded in the scheduler process).
+
+Contract: :class:`DDTreeWorker` is SGLang's NGRAM worker with the n-gram corpus replaced by DFlash +
+DDTree. Per decode step and request: the DFlash drafter (one context per request) proposes per-depth
+log-probs for the block after the last emitted token; refcheck's Algorithm 1 builds the tree of
+``speculative_num_draft_tokens - 1`` nodes below it; NGRAM's own preparation turns drafts + ancestor
+masks into SGLang's tree verify input; the target verifies the tree in one forward (the hybrid GDN
+backend on its per-node path, since the algorithm runs with ``speculative_eagle_topk > 1``), and
+then SGLang's ``eagle_sample`` walks it greedily, ``commit_mamba_states_after_verify`` commits the
+last accepted node's conv/recurrent state, and ``move_accept_tokens_to_target_kvcache`` compacts the
+accepted nodes' KV. The drafter's context is extended with the target's captured hidden states of
+the root and the accepted nodes, in path order (prefill: every prompt position).
+
+Every SGLang call goes through its module attribute (``eagle_utils.eagle_sample`` ...), so
+refcheck's capture hooks see this worker exactly as they see NGRAM's. Refusals (ValueError at
+start-up, SGLang reports them): tensor parallelism > 1, a draft checkpoint that is not DFlash, a
+budget deeper than the draft block allows to fill. Sampling with temperature > 0 is refused per
+request.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+from sglang.srt.speculative import eagle_utils
+from sglang.srt.speculative import ngram_worker as ngram
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.ngram_info import NgramVerifyInput
+
+from refcheck.sglang_ddtree.drafts import DrafterPool, TargetView, draft_tree, extend_context
+from refcheck.sglang_ddtree.layout import batch_layout
+from reference.drafter import DFlashDrafter
+
+logger = logging.getLogger(__name__)
+
+
+class _Contexts:
+    """Stands where NGRAM keeps its corpus: the scheduler-facing calls map to drafter contexts."""
+
+    def __init__(self, pool: DrafterPool) -> None:
+        self.pool = pool
+
+    def erase_match_state(self, rids) -> None:
+        self.pool.drop(rids)
+
+    def synchronize(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        self.pool.clear()
+
+
+class DDTreeWorker(ngram.NGRAMWorker):
+    def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker) -> None:
+        BaseSpecWorker.__init__(self)  # not NGRAM's: no n-gram corpus to build
+        self.server_args = server_args
+        self.enable_overlap = not server_args.disable_overlap_schedule
+        self._target_worker = target_worker
+        self.model_runner = target_worker.model_runner
+        self.tp_rank = ps.tp_rank
+        self.page_size = server_args.page_size
+        self.draft_token_num = self.speculative_num_draft_tokens = int(server_args.speculative_num_draft_tokens)
+        self.topk = server_args.speculative_eagle_topk
+        self.speculative_num_steps = server_args.speculative_num_steps
+        self.max_trie_depth = 0
+        self.device = server_args.device
+        self.adaptive_controller = None
+        self._prev_decode_rids: set = set()
+        self.grammar_tree_host = None
+        if int(getattr(server_args, "tp_size", 1) or 1) > 1:
+            raise ValueError("REFCHECK_DDTREE runs with tensor parallelism 1 (its drafter needs the whole head)")
+        self.budget = self.draft_token_num - 1
+        model = self.model_runner.model
+        cfg = self.model_runner.model_config
+        view = TargetView.from_sglang(model, int(cfg.vocab_size), int(cfg.num_hidden_layers))
+        self.drafter = DFlashDrafter.load(Path(server_args.speculative_draft_model_path), view)
+        if not hasattr(model, "set_dflash_layers_to_capture"):
+            raise ValueError(f"{type(model).__name__} cannot capture the hidden states DFlash drafts from")
+        model.set_dflash_layers_to_capture(list(self.drafter.target_layer_ids))
+        self.pool = DrafterPool(self.drafter)
+        self.ngram_corpus = _Contexts(self.pool)
+        logger.info("REFCHECK_DDTREE: budget %d, draft block %d, target layers %s", self.budget,
+                    self.drafter.block_size, self.drafter.target_layer_ids)
+
+    # -- drafting -------------------------------------------------------------------------------------
+    def _prepare_draft_tokens(self, batch) -> tuple[np.ndarray, np.ndarray]:
+        """NGRAM's hook for its corpus lookup: here DFlash + DDTree, one tree per request."""
+        trees = []
+        for req in batch.reqs:
+            if getattr(req.sampling_params, "temperature", 0.0) > 0.0:
+                raise ValueError("REFCHECK_DDTREE verifies greedily; temperature > 0 is not supported yet")
+            start = len(req.origin_input_ids) + len(req.output_ids) - 1  # the root's position
+            trees.append(draft_tree(self.pool, req.rid, int(req.output_ids[-1]), start, self.budget))
+        return batch_layout(trees, self.draft_token_num)
+
+    def _extend(self, rids: list[str], hidden: torch.Tensor, rows: list[torch.Tensor], starts: list[int]) -> None:
+        for rid, r, start in zip(rids, rows, starts):
+            extend_context(self.pool, rid, hidden[r.to(hidden.device)], start)
+
+    # -- one scheduler step ---------------------------------------------------------------------------
+    def forward_batch_generation(self, batch, on_publish=None):
+        ngram.record_stream_for_v2_verify(batch, None, torch.get_device_module(self.device).current_stream())
+        bs = len(batch.reqs)
+        rids = [r.rid for r in batch.reqs]
+        if batch.forward_mode.is_decode():
+            prefix = batch.seq_lens.cpu().tolist()
+            self._prepare_for_speculative_decoding(batch)
+            verify_input: NgramVerifyInput = batch.spec_info
+            verify_input.capture_hidden_mode = CaptureHiddenMode.FULL
+            out = self.target_worker.forward_batch_generation(batch, is_verify=True,
+                                                             capture_hidden_mode=CaptureHiddenMode.FULL)
+            logits_output = out.logits_output
+            predict, accept_lens, accept_index = eagle_utils.eagle_sample(verify_input, batch, logits_output, None)
+            new_seq_lens = batch.seq_lens + accept_lens
+            ngram.commit_mamba_states_after_verify(self.target_worker, batch, accept_lens, accept_index,
+                                                   self.draft_token_num)
+            next_token_ids = predict[accept_index].flatten()
+            ngram.move_accept_tokens_to_target_kvcache(batch, accept_index, accept_lens - 1,
+                                                       self.token_to_kv_pool_allocator)
+            idx, lens = accept_index.cpu(), accept_lens.cpu().tolist()
+            # the drafter's context grows by the root and the accepted drafts (flat node rows), in path order
+            self._extend(rids, logits_output.hidden_states, [idx[b, : lens[b]].long() for b in range(bs)], prefix)
+            batch.forward_mode = ForwardMode.DECODE
+            accept_tokens = next_token_ids
+            can_run_cuda_graph = out.can_run_cuda_graph
+        else:
+            out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
+            logits_output, can_run_cuda_graph = out.logits_output, out.can_run_cuda_graph
+            next_token_ids = out.next_token_ids
+            hidden = logits_output.hidden_states  # [extend tokens, n_ids*H]
+            offsets = np.cumsum([0] + list(batch.extend_lens))
+            for b, rid in enumerate(rids):
+                if batch.prefix_lens[b] == 0:
+                    self.pool.drop([rid])  # a new request: a fresh context
+            self._extend(rids, hidden, [torch.arange(int(offsets[b]), int(offsets[b + 1])) for b in range(bs)],
+                         [int(p) for p in batch.prefix_lens])
+            new_seq_lens = batch.seq_lens.clone()
+            accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
+            accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32, device=self.device)
+            accept_tokens[:, 0] = next_token_ids
+            accept_tokens = accept_tokens.flatten()
+        logits_output.hidden_states = None  # no hidden-state copies to the host
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        if batch.forward_mode.is_decode():  # requests that left the decode batch free their contexts
+            self.pool.drop(self._prev_decode_rids - set(rids))
+            self._prev_decode_rids = set(rids)
+        return ngram.GenerationBatchResult(
+            logits_output=logits_output, next_token_ids=next_token_ids, can_run_cuda_graph=can_run_cuda_graph,
+            accept_lens=accept_lens, new_seq_lens=new_seq_lens,
+            next_draft_input=NgramVerifyInput(draft_token_num=self.draft_token_num, new_seq_lens=new_seq_lens,
+                                              accept_tokens=accept_tokens, accept_lens=accept_lens),
+            speculative_num_draft_tokens=self.speculative_num_draft_tokens)

@@ -1,0 +1,113 @@
+"""REFCHECK_DDTREE's SGLang-independent parts: tree layout, the drafter over SGLang-style weights,
+per-request drafter contexts, and the server-args check. The worker itself runs only inside SGLang
+(GPU tests marked ``sglang``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refcheck.models import builtin_pair
+from refcheck.prompts import load_prompts
+from refcheck.sglang_ddtree.algorithm import check_server_args
+from refcheck.sglang_ddtree.drafts import DrafterPool, TargetView, draft_tree, extend_context
+from refcheck.sglang_ddtree.layout import TreeLayoutError, ancestor_mask, batch_layout
+from reference.decode import DDTreeDecoder, DecodeConfig
+from reference.drafter import DFlashDrafter
+
+
+@st.composite
+def parent_lists(draw):
+    n = draw(st.integers(1, 24))
+    return [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(parent_lists())
+def test_mask_rows_are_ancestor_sets_and_give_back_the_parents(parents):
+    mask = ancestor_mask(parents)
+    for i in range(len(parents)):
+        path, j = set(), i
+        while j >= 0:
+            path.add(j)
+            j = parents[j]
+        assert set(np.nonzero(mask[i])[0].tolist()) == path
+        # SGLang's reconstruction: the parent is the largest-index ancestor other than the node
+        anc = [k for k in np.nonzero(mask[i])[0].tolist() if k != i]
+        assert (max(anc) if anc else -1) == parents[i]
+
+
+def test_layout_refuses_what_sglang_cannot_take():
+    with pytest.raises(TreeLayoutError):
+        ancestor_mask([-1, 2, 0])  # a parent after its child
+    with pytest.raises(TreeLayoutError, match="verifies 3"):
+        batch_layout([([5, 6], [-1, 0])], 3)
+    drafts, mask = batch_layout([([5, 6, 7], [-1, 0, 0]), ([1, 2, 3], [-1, 0, 1])], 3)
+    assert drafts.tolist() == [5, 6, 7, 1, 2, 3] and mask.shape == (18,) and mask.dtype == bool
+
+
+@pytest.fixture(scope="module")
+def pair(hybrid):
+    target, drafter = hybrid
+    _, ddir = builtin_pair("hybrid")
+    view = TargetView(target.body.embed_tokens.weight, target.model.lm_head.weight, target.vocab_size, len(target.layers))
+    return target, drafter, DFlashDrafter.load(ddir, view)
+
+
+def test_drafter_over_a_weight_view_equals_the_reference_drafter(pair):
+    target, ref, viewed = pair
+    prompt = torch.tensor(load_prompts()[0].prompt_ids)
+    _, fwd = target.prefill(prompt, capture=ref.target_layer_ids)
+    for d in (ref, viewed):
+        d.reset()
+        d.extend(fwd.context, torch.arange(len(prompt)))
+    assert torch.equal(ref.propose(7, len(prompt)), viewed.propose(7, len(prompt)))
+
+
+def test_pool_contexts_interleave_like_separate_drafters_and_match_the_decoder(pair):
+    """Two requests drafted through one pool, interleaved, give each request the tree the reference
+    decoder builds at its first step."""
+    target, ref, viewed = pair
+    pool = DrafterPool(viewed)
+    prompts = load_prompts()[:2]
+    firsts = {}
+    for p in prompts:
+        _, fwd = target.prefill(torch.tensor(p.prompt_ids), capture=ref.target_layer_ids)
+        extend_context(pool, p.id, fwd.context, 0)
+        firsts[p.id] = int(fwd.logits[-1].argmax())
+    for p in reversed(prompts):  # interleaved order must not matter
+        tokens, parents = draft_tree(pool, p.id, firsts[p.id], len(p.prompt_ids), 15)
+        res = DDTreeDecoder(target, ref, DecodeConfig(budget=15, max_new_tokens=40)).generate(list(p.prompt_ids))
+        step0 = res.steps[0].tree
+        assert tokens == step0.tokens.tolist() and parents == step0.parents.tolist()
+    pool.drop([prompts[0].id])
+    assert list(pool.contexts) == [prompts[1].id]
+
+
+def test_view_refuses_a_sharded_head():
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        TargetView(torch.zeros(10, 4), torch.zeros(5, 4), 10, 2)
+
+
+def test_server_args_check(tmp_path):
+    _, ddir = builtin_pair("hybrid")
+    args = NS(speculative_draft_model_path=str(ddir), speculative_num_draft_tokens=16, tp_size=1,
+              disable_overlap_schedule=True, speculative_eagle_topk=None, speculative_num_steps=None,
+              max_running_requests=None, enable_mixed_chunk=True)
+    check_server_args(args)
+    assert args.speculative_eagle_topk == 2 and args.speculative_num_steps == 15 and not args.enable_mixed_chunk
+    leaky = NS(**{**vars(args), "speculative_eagle_topk": 10})
+    check_server_args(leaky, leaky=True)
+    assert leaky.speculative_eagle_topk == 1  # the chain layout: what the leak needs
+    for bad, msg in (({"speculative_draft_model_path": None}, "draft-model-path"),
+                     ({"speculative_num_draft_tokens": 1}, "budget"),
+                     ({"tp_size": 2}, "tensor parallelism"),
+                     ({"disable_overlap_schedule": False}, "overlap"),
+                     ({"speculative_draft_model_path": str(builtin_pair("hybrid")[0])}, "not a DFlash draft")):
+        with pytest.raises(ValueError, match=msg):
+            check_server_args(NS(**{**vars(args), **bad}))
