@@ -169,3 +169,34 @@ def test_engine_hang_times_out(fake_sglang):
 
     trace = fake_sglang("hang", timeout_s=20).trace(load_prompts()[:1])
     assert "timed out" in trace.provenance["capture"]["crash"]
+
+
+def test_sglang_sweep_table_from_recorded_traces(monkeypatch):
+    """The sweep's bookkeeping over stand-in runs: the stored SGLang goldens play the engine."""
+    from refcheck.golden import REPO_GOLDEN
+    from refcheck.prompts import load_prompts
+    from refcheck.sweep_sglang import run_sglang_sweep
+    from refcheck.trace.io import read_trace
+    from refcheck.trace.manifest import load_manifest
+
+    cases = load_manifest(REPO_GOLDEN).cases
+    traces = {"GOOD": read_trace(REPO_GOLDEN / cases["sglang-hybrid-ngram-b11"].file),
+              "LEAKY": read_trace(REPO_GOLDEN / cases["sglang-hybrid-ngram-b11-breadth1-leak"].file)}
+
+    class Replayed:
+        def __init__(self, spec, alg):
+            self.alg = alg
+
+        def trace(self, prompts):
+            t = traces[self.alg]
+            t.provenance["engine"]["settings"]["generate_s"] = 2.0
+            return t
+
+    res = run_sglang_sweep(EngineSpec(pair="hybrid", dtype="bfloat16"), load_prompts(), [11], repeats=2,
+                           algorithms=("GOOD", "LEAKY"), ref_device="cpu", runner_factory=Replayed)
+    good, leaky = res["rows"]
+    assert good["verdict"] == "fail" and good["fail_categories"] == ["logits"]  # 3 isolated nodes (triaged in the gate)
+    assert leaky["verdict"] == "fail" and "recurrent" in leaky["fail_categories"]
+    assert leaky["first_divergence"].split(" · ")[1] == "logits" and "step 0" in leaky["first_divergence"]
+    assert good["tokens_per_s"]["median"] == sum(len(r.output_ids) for r in traces["GOOD"].requests) / 2.0
+    assert abs(good["mean_tau"] - 1.785) < 1e-3 and good["steps"] == 219

@@ -24,6 +24,7 @@ only logs failures), so the runner can refuse a capture that silently missed a h
 from __future__ import annotations
 
 import os
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,7 @@ class _Batch:
     pool_rows: list[int]
     topk: int | None
     pending: list[StepCapture] = field(default_factory=list)
+    step_s: float = float("nan")
 
     def committed_of(self, rids: list[str]) -> list[int]:
         where = dict(zip(self.rids, self.committed))
@@ -213,6 +215,8 @@ def _after(scheduler: Any, snap: _Batch, result: Any) -> None:
         return
     _attach_state(scheduler, snap, snap.pending)
     for s in snap.pending:
+        s.meta["batch_step_s"] = snap.step_s
+        s.meta["batch_size"] = len(snap.rids)
         rec.step(s)
 
 
@@ -221,11 +225,18 @@ def _run_batch(original, self, batch, *args, **kwargs):
     _rec(self)
     snap = _guard("run_batch:snapshot", _snapshot, self, batch)
     _batch = snap
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the step's wall time starts with an idle device
+    t0 = time.perf_counter()
     try:
         result = original(self, batch, *args, **kwargs)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        step_s = time.perf_counter() - t0  # the whole scheduler step (draft + verify + commit), capture excluded
     finally:
         _batch = None
     if snap is not None:
+        snap.step_s = step_s
         _guard("run_batch:after", _after, self, snap, result)
     return result
 

@@ -1,0 +1,86 @@
+"""Budget sweeps of SGLang engines with a correctness verdict per budget (the seeds' table, checked).
+
+Contract: :func:`run_sglang_sweep` runs each SGLang algorithm (by default refcheck's DDTree and its
+leaky chain-layout twin) at every budget, ``repeats`` times, through :class:`SGLangRunner` with
+capture on, and reports per (algorithm, budget): mean τ (bonus counted) and its spread over
+requests, the scheduler step time per verify step (median over steps, then median and min–max over
+repeats), tokens per second of the generate call (median and min–max over repeats), and the replay
+verdict of the first repeat against the reference (pass / benign tie / fail counts, failing
+categories and the first divergence with its step, node and layer). Timings come from the capture,
+which synchronises the GPU around each scheduler step and writes its records outside that window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable
+
+from refcheck.diff.session import DiffSession
+from refcheck.prompts import Prompt
+from refcheck.runners.reference import EngineSpec
+
+DEFAULT_ALGORITHMS = ("REFCHECK_DDTREE", "REFCHECK_DDTREE_LEAKY_CHAIN")
+
+
+def _span(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else {}
+
+
+def _first(report) -> str:
+    fd = report.first_divergence()
+    if not fd:
+        return ""
+    f = min(fd.values(), key=lambda f: (f.step if f.step is not None else 1 << 30))
+    where = f"{f.request_id} step {f.step} node {f.node}" + (f" layer {f.layer}" if f.layer is not None else "")
+    return f"{where} · {f.category}"
+
+
+def run_sglang_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int], repeats: int = 1,
+                     algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS, ref_dtype: str = "float32",
+                     ref_device: str = "cuda", runner_factory: Callable | None = None,
+                     progress: Callable[[str, int, int], None] | None = None) -> dict:
+    if runner_factory is None:
+        from refcheck.runners.sglang import SGLangRunner
+
+        runner_factory = SGLangRunner
+    session = DiffSession()
+    rows = []
+    for alg in algorithms:
+        for budget in budgets:
+            taus_by_req: dict[str, list[int]] = {}
+            step_ms: list[float] = []
+            tok_s: list[float] = []
+            report = None
+            for rep in range(repeats):
+                if progress:
+                    progress(alg, budget, rep)
+                trace = runner_factory(dataclasses.replace(spec, budget=budget), alg).trace(prompts)
+                settings = trace.provenance["engine"]["settings"]
+                emitted = sum(len(r.output_ids) for r in trace.requests)
+                if settings.get("generate_s"):
+                    tok_s.append(emitted / settings["generate_s"])
+                steps = [s.timings.get("verify") for s in trace.steps]
+                steps = [t for t in steps if t == t and t is not None]
+                if steps:
+                    step_ms.append(1e3 * statistics.median(steps))
+                if rep == 0:
+                    for s in trace.steps:
+                        taus_by_req.setdefault(s.request_id, []).append(s.accept_length)
+                    report = session.diff(trace, f"{alg}-b{budget}", mode="replay", ref_dtype=ref_dtype,
+                                          ref_device=ref_device)
+            all_taus = [t for ts in taus_by_req.values() for t in ts]
+            per_req = [statistics.mean(ts) for ts in taus_by_req.values() if ts]
+            rows.append({
+                "algorithm": alg, "budget": budget, "steps": len(all_taus),
+                "mean_tau": statistics.mean(all_taus) if all_taus else None,
+                "tau_spread_over_requests": _span(per_req),
+                "step_ms": _span(step_ms), "tokens_per_s": _span(tok_s),
+                "verdict": report.verdict if report else "not run",
+                "counts": report.counts if report else {},
+                "fail_categories": sorted({f.category for f in report.failures}) if report else [],
+                "first_divergence": _first(report) if report else "",
+                "replayed_steps": report.stats.get("steps", {}) if report else {},
+            })
+    return {"model": spec.model_label, "dtype": spec.dtype, "repeats": repeats, "prompts": len(prompts),
+            "max_new_tokens": spec.max_new_tokens, "rows": rows}
