@@ -235,12 +235,15 @@ def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, dev
               help="With --sglang-algorithm NGRAM: speculative_ngram_max_bfs_breadth.")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --engine sglang: tensor parallelism (state captured on every rank and combined).")
+@click.option("--layer-sketches", is_flag=True,
+              help="With --engine sglang: sketch every target layer's output (forward hooks) so a failing node gets "
+                   "layer bisection; slower.")
 @click.option("--ref-shards", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --against and --mode replay: split the reference by layers over N processes (N GPUs with "
                    "--ref-device cuda, NCCL; gloo on CPUs).")
 @model_options
 def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, workers, full_state, sglang_algorithm,
-         cuda_graphs, ngram_breadth, tp, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
+         cuda_graphs, ngram_breadth, tp, layer_sketches, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
          drafter, stop_ids, as_json):
     """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
 
@@ -259,6 +262,10 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
 
         engine, engine_opts, dtype, device = _sglang_engine(engine, sglang_algorithm, cuda_graphs, ngram_breadth, tp,
                                                             dtype, device)
+        if layer_sketches:
+            if engine_opts is None:
+                raise UsageError("--layer-sketches needs --engine sglang")
+            engine_opts["layer_sketches"] = True
         spec = _spec(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids)
         prompts = load_prompts(prompts_file)
         engine_decoder(engine)  # unknown engine: a usage error before any process starts

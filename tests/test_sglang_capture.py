@@ -12,6 +12,7 @@ flattened through the recurrent layers (the leak) is caught.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace as NS
 
 import pytest
 import torch
@@ -78,7 +79,7 @@ def _shard(kv, mamba, rank: int, tp: int, groups):
 
 
 def fake_sglang(runner, prompts, trees, layout: str, leaky: bool = False, steps: int = 4, tp: int = 1,
-                full: bool = False):
+                full: bool = False, layer_sketches: bool = False):
     """Run a batched fake SGLang over the given per-step trees; returns (capture, results, rids).
     ``tp`` > 1: every rank records its own shards of the state, as SGLang's TP schedulers do."""
     target = runner.target
@@ -99,7 +100,7 @@ def fake_sglang(runner, prompts, trees, layout: str, leaky: bool = False, steps:
         for b in range(len(prompts)):
             toks = tok_list[b].clone()
             toks[0] = roots[b]
-            fwd = target.forward(states[b], toks, parents, depths, leaky=leaky)
+            fwd = target.forward(states[b], toks, parents, depths, leaky=leaky, keep_layer_outputs=layer_sketches)
             tree = Tree(toks, parents, depths, torch.tensor(sibling_ranks(parents.tolist(), toks.tolist(), depths.tolist())),
                         torch.zeros(n))
             accs.append(tree.walk_greedy(fwd.logits.argmax(-1)))
@@ -126,6 +127,17 @@ def fake_sglang(runner, prompts, trees, layout: str, leaky: bool = False, steps:
                 out_tokens[b, : len(emitted)] = torch.tensor(emitted)
             recs = chain_steps(torch.stack(tok_rows), logits, torch.tensor([len(a) for a in accs], dtype=torch.int32),
                                out_tokens, rid_list, committed)
+        if layer_sketches:  # what the forward hooks record: each layer's output over the flat batch of nodes
+            from refcheck.sglang_capture import layers as layer_hooks
+
+            hook = layer_hooks.hook_factory({})
+            for i in range(len(target.layers)):
+                out = torch.cat([f.layer_outputs[i] for f in fwds])  # [bs*N, H]
+                hook(NS(layer_id=i), (), (out * 0.25, out * 0.75))  # SGLang's (hidden, residual) split
+            sk = layer_hooks.take(len(prompts) * n, len(target.layers))
+            for b, r in enumerate(recs):
+                r.layer_sketch = sk[:, b * n:(b + 1) * n]
+            layer_hooks.FORWARDS.clear()
         states = [s.commit(f, a) for s, f, a in zip(states, fwds, accs)]
         kv, mamba, req_to_token, mslots = _pools(target, states, seed=k)
         groups = (64, 64, 128)  # the built-in hybrid target: key_dim, key_dim, value_dim
@@ -302,3 +314,16 @@ def test_tensor_parallel_shards_combine_to_the_full_state(setup):
     assert not _replay(asm2.trace).failures
     two.steps[1][0].accepted = [0]  # a rank that disagrees is reported
     assert any("disagree" in p for p in assemble_trace(prompts[:2], rids, results2, two, _prov(runner, prompts[:2], 15)).problems)
+
+
+def test_layer_sketches_bisect_the_leak_to_the_first_linear_attention_layer(setup):
+    """With the layer hooks' sketches, a failing node of the leaky engine is traced to layer 0, the
+    first Gated DeltaNet layer, and a correct engine's sketches agree at every layer."""
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts[:2], trees, "tree", leaky=True, steps=2, layer_sketches=True)
+    rep = _replay(assemble_trace(prompts[:2], rids, results, cap, _prov(runner, prompts[:2], 15)).trace)
+    bisected = [f for f in rep.failures if f.layer is not None and "bisection" in f.message]
+    assert bisected and all(f.layer == 0 and f.layer_type == "linear_attention" for f in bisected)
+    cap, results, rids = fake_sglang(runner, prompts[:2], trees, "tree", steps=2, layer_sketches=True)
+    trace = assemble_trace(prompts[:2], rids, results, cap, _prov(runner, prompts[:2], 15)).trace
+    assert all(s.layer_sketch is not None for s in trace.steps) and not _replay(trace).failures

@@ -146,10 +146,11 @@ class SGLangRunner:
 
     def __init__(self, spec: EngineSpec, algorithm: str = "NONE", cuda_graphs: bool = False, capture: bool = True,
                  ngram_breadth: int = 10, capture_dir: Path | None = None, full_state: bool = False,
-                 timeout_s: float = 3600.0, tp: int = 1) -> None:
+                 timeout_s: float = 3600.0, tp: int = 1, layer_sketches: bool = False) -> None:
         self.algorithm = algorithm.upper()
         self.spec, self.cuda_graphs, self.capture, self.ngram_breadth = spec, cuda_graphs, capture, ngram_breadth
         self.capture_dir, self.full_state, self.timeout_s, self.tp = capture_dir, full_state, timeout_s, tp
+        self.layer_sketches = layer_sketches and capture
         _, ddir = spec.resolved_dirs()
         self.budget = resolve_budget(self.algorithm, spec.budget, ddir)
         try:
@@ -188,6 +189,10 @@ class SGLangRunner:
             env[ENV_FULL] = "1"
         kw = engine_kwargs(self.spec, str(tdir), self.algorithm, self.cuda_graphs, budget=self.budget,
                            draft_path=str(ddir) if ddir else None, ngram_breadth=self.ngram_breadth, tp=self.tp)
+        if self.layer_sketches:  # per-layer sketches of every target forward, for layer bisection (slower)
+            from refcheck.sglang_capture.layers import SPEC
+
+            kw["forward_hooks"] = [SPEC]
         rids = {p.id: f"refcheck-{os.getpid()}-{i}-{p.id}" for i, p in enumerate(prompts)}
         run = self._run_engine(cdir, env, kw, prompts, rids)
         if run.get("failed_at") in ("import", "start"):

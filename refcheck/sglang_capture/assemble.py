@@ -56,6 +56,7 @@ def _step_row(prompt_id: str, k: int, s: StepCapture, keep: int) -> StepRow:
         draft_topk_ids=[], draft_topk_logprobs=[], topk_ids=s.topk_ids, topk_logprobs=s.topk_logprobs,
         target_argmax=list(s.argmax), accepted=list(s.accepted), accept_length=len(s.accepted), bonus=s.bonus,
         emitted=list(s.emitted[:keep]), emitted_logprobs=list(s.emitted_logprobs[:keep]), state=state,
+        layer_sketch=s.layer_sketch,
         # SGLang's whole scheduler step (draft, verify, commit) for the batch this step ran in
         timings={"draft": math.nan, "tree": math.nan, "verify": float(s.meta.get("batch_step_s", math.nan)),
                  "commit": math.nan},

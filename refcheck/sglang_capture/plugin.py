@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from refcheck.sglang_capture import versions
+from refcheck.sglang_capture import layers, versions
 from refcheck.sglang_capture.records import ENV_DIR, ENV_FULL, Recorder
 from refcheck.sglang_capture.state import committed_rows, summarise, summarise_shard
 from refcheck.sglang_capture.steps import StepCapture, chain_steps, prefill_records, root_steps, tree_steps
@@ -188,6 +188,21 @@ def _attach_state(scheduler: Any, snap: _Batch, steps: list[StepCapture]) -> Non
             s.state = summarise(rows, full)
 
 
+def _attach_layers(scheduler: Any, steps: list[StepCapture]) -> None:
+    """Per-request slices of the verify forward's layer sketches (when the layer hooks are on)."""
+    if not layers.FORWARDS:
+        return
+    n_layers = int(scheduler.tp_worker.model_runner.model_config.num_hidden_layers)
+    sk = layers.take(sum(len(s.tokens) for s in steps), n_layers)  # [layers, bs*N, r]
+    layers.FORWARDS.clear()
+    if sk is None:
+        return
+    off = 0
+    for s in steps:
+        s.layer_sketch = sk[:, off: off + len(s.tokens)].clone()  # [layers, N, r]
+        off += len(s.tokens)
+
+
 def _after(scheduler: Any, snap: _Batch, result: Any) -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # results and the commit were launched on SGLang's streams
@@ -214,6 +229,7 @@ def _after(scheduler: Any, snap: _Batch, result: Any) -> None:
         rec.error("run_batch", "a speculative decode batch ran but no verify step was captured (is its hook live?)")
         return
     _attach_state(scheduler, snap, snap.pending)
+    _attach_layers(scheduler, snap.pending)
     for s in snap.pending:
         s.meta["batch_step_s"] = snap.step_s
         s.meta["batch_size"] = len(snap.rids)

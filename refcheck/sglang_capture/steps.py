@@ -44,6 +44,7 @@ class StepCapture:
     meta: dict[str, Any] = field(default_factory=dict)
     # name -> (layer, kind, sketch [rows, r] float32, full rows or None), set after the commit
     state: dict[str, tuple[int, str, torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    layer_sketch: torch.Tensor | None = None  # [layers, N, r] when the layer hooks ran
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__slots__}
