@@ -481,3 +481,18 @@ def test_tree_methods_reject_bad_arguments() -> None:
         tree.walk_greedy(torch.zeros(6))  # float dtype
     with pytest.raises(TreeError):
         tree.walk_greedy(torch.zeros(6, 1, dtype=torch.int64))  # 2-D
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 5), st.integers(200, 3000), st.integers(1, 40), st.booleans(), st.integers(0, 2**31 - 1))
+def test_large_vocab_top_k_equals_the_full_stable_sort(depths, vocab, k, ties, seed):
+    """The top-k prefilter used for large vocabularies keeps the full sort's entries and tie order."""
+    from reference.tree import _sorted_rows
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(depths, vocab, generator=g)
+    if ties:  # coarse values: many equal log-probs, ties at the k-th value included
+        x = (x * 2).round() / 2
+    lp = torch.log_softmax(x, -1)
+    vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)
+    assert _sorted_rows(lp, k) == (vals[:, :k].tolist(), ids[:, :k].tolist())
