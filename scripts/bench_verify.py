@@ -201,6 +201,11 @@ def main() -> None:
                 leaky_ms)
             target.gdn_method = "chunk"
 
+            # the phases of the end-to-end step, side by side (the drafter and the host-side tree builder)
+            add("  draft: propose", b, timer(lambda: drafter.propose(int(prompt[-1]), state.length), args.reps))
+            lp_dev = drafter.propose(int(prompt[-1]), state.length)
+            add("  tree: build_ddtree", b, timer(lambda: build_ddtree(int(prompt[-1]), lp_dev, b), args.reps))
+
             def step():
                 lp2 = drafter.propose(int(prompt[-1]), state.length)
                 tr = build_ddtree(int(prompt[-1]), lp2, b)
