@@ -327,3 +327,21 @@ def test_layer_sketches_bisect_the_leak_to_the_first_linear_attention_layer(setu
     cap, results, rids = fake_sglang(runner, prompts[:2], trees, "tree", steps=2, layer_sketches=True)
     trace = assemble_trace(prompts[:2], rids, results, cap, _prov(runner, prompts[:2], 15)).trace
     assert all(s.layer_sketch is not None for s in trace.steps) and not _replay(trace).failures
+
+
+def test_branching_trees_in_the_chain_layout_are_flagged_from_the_capture_alone(setup):
+    """The leak's configuration (server topk <= 1 while the trees branch) is reported without numerics."""
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts[:1], trees, "tree", steps=2)
+    for s in cap.steps[0]:
+        s.meta.update(layout_in_engine="chain", server_topk=1)  # what the eagle_sample hook records at topk 1
+    asm = assemble_trace(prompts[:1], rids, results, cap, _prov(runner, prompts[:1], 15))
+    assert asm.stats["chain_layout_branching_steps"] == 2 and asm.stats["chain_layout_first"] == [prompts[0].id, 0]
+    from refcheck.diff.findings import Report
+    from refcheck.diff.replay import capture_findings
+
+    trace = asm.trace
+    trace.provenance["capture"] = {"stats": asm.stats, "errors": []}
+    rep = Report("x", "replay")
+    capture_findings(rep, trace)
+    assert [(f.category, f.step) for f in rep.failures] == [("tree", 0)] and "chain layout" in rep.failures[0].message

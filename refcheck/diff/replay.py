@@ -316,6 +316,14 @@ def capture_findings(rep: Report, trace: Trace) -> None:
                                 f"{cap.get('incomplete') or []}; partial trace: {cap.get('partial_trace', '-')}"))
     for msg in cap.get("errors") or []:
         rep.add(Finding(Verdict.FAIL, "engine", None, None, message=f"capture: {msg}"))
+    stats = cap.get("stats") or {}
+    if stats.get("chain_layout_branching_steps"):
+        rid, step = stats.get("chain_layout_first", [None, None])
+        rep.check("tree")
+        rep.add(Finding(Verdict.FAIL, "tree", rid, step,
+                        message=f"the engine verified {stats['chain_layout_branching_steps']} branching trees with its "
+                                "recurrent layers in the chain layout (speculative_eagle_topk <= 1): sibling nodes run "
+                                "through each other's state (first at this step)"))
 
 
 def replay(trace: Trace, target: Target, drafter: Drafter, tol: Tolerance, case: str = "",

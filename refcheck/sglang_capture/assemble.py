@@ -105,6 +105,7 @@ def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[st
     first_rank = min(capture.prefills) if capture.prefills else 0
     prefill = {p.rid: p for p in capture.prefills.get(first_rank, [])}  # the last chunk of a chunked prefill wins
     n_steps = n_branching = n_accepted = 0
+    kept: list[StepCapture] = []  # the records behind out.trace.steps, in the same order
     for p in prompts:
         rid = rids[p.id]
         recs = steps_by_rid.get(rid, [])
@@ -130,6 +131,7 @@ def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[st
                 out.problems.append(f"{p.id} step {k}: committed length {s.committed_len} does not follow the previous "
                                     f"step ({recs[k - 1].committed_len} + {len(recs[k - 1].accepted)})")
             out.trace.steps.append(_step_row(p.id, k, s, keep))
+            kept.append(s)
             if lps:
                 lps.extend(s.emitted_logprobs[:keep])
             filled += keep
@@ -141,4 +143,11 @@ def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[st
         out.trace.requests.append(RequestRow(p.id, p.kind, list(p.prompt_ids), output, lps))
     out.stats = {"steps": n_steps, "branching_steps": n_branching,
                  "tau": n_accepted / n_steps if n_steps else None}
+    # branching trees verified while the engine ran its recurrent layers as a chain (topk <= 1): the leak's
+    # configuration, visible without any numerics
+    chain = [(row.request_id, row.step) for row, cap in zip(out.trace.steps, kept)
+             if cap.meta.get("branching") and cap.meta.get("layout_in_engine") == "chain"]
+    if chain:
+        out.stats["chain_layout_branching_steps"] = len(chain)
+        out.stats["chain_layout_first"] = list(chain[0])
     return out
