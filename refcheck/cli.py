@@ -238,12 +238,13 @@ def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, dev
 @click.option("--layer-sketches", is_flag=True,
               help="With --engine sglang: sketch every target layer's output (forward hooks) so a failing node gets "
                    "layer bisection; slower.")
+@click.option("--steps", is_flag=True, help="Also print one row per verify step: tree size, τ, verdict, first finding.")
 @click.option("--ref-shards", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --against and --mode replay: split the reference by layers over N processes (N GPUs with "
                    "--ref-device cuda, NCCL; gloo on CPUs).")
 @model_options
 def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, workers, full_state, sglang_algorithm,
-         cuda_graphs, ngram_breadth, tp, layer_sketches, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
+         cuda_graphs, ngram_breadth, tp, layer_sketches, steps, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
          drafter, stop_ids, as_json):
     """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
 
@@ -254,6 +255,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
 
     session = DiffSession()
     reports = []
+    traces = []  # the engine trace behind each report (for --steps)
     if ref_shards > 1 and not against:
         raise UsageError("--ref-shards works with --against TRACE (record live engines with --save-trace first)")
     if engine:
@@ -277,16 +279,18 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
         if save_trace:
             write_trace(trace, save_trace)
         reports.append(merge_reports([r for _, r in results], engine, mode))
+        traces.append(trace)
     elif against:
         for path in against:
             err.print(f"diffing {path}" + (f" against the reference sharded over {ref_shards} processes" if ref_shards > 1
                                             else ""), markup=False)
+            traces.append(read_trace(path))
             if ref_shards > 1:
                 from refcheck.sharding import sharded_diff
 
-                reports.append(sharded_diff(read_trace(path), Path(path).stem, mode, ref_shards, ref_dtype, ref_device))
+                reports.append(sharded_diff(traces[-1], Path(path).stem, mode, ref_shards, ref_dtype, ref_device))
             else:
-                reports.append(session.diff(read_trace(path), Path(path).stem, mode, ref_dtype=ref_dtype,
+                reports.append(session.diff(traces[-1], Path(path).stem, mode, ref_dtype=ref_dtype,
                                             ref_device=ref_device))
     else:
         gdir = golden_dir or default_golden_dir()
@@ -309,8 +313,40 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
             report = session.diff(trace, name, mode, strict_acceptance=strict, ref_dtype=ref_dtype, ref_device=ref_device)
             apply_triage(report, manifest.cases[name].provenance.get("triaged", []))
             reports.append(report)
+            traces.append(trace)
     _report_table(reports, f"refcheck diff · budget {'chain' if budget is None else budget} · mode {mode}")
+    if steps:
+        for report, trace in zip(reports, traces):
+            _steps_table(report, trace)
     _finish(reports, as_json)
+
+
+def _steps_table(report, trace, limit: int = 500) -> None:
+    """One row per verify step of the engine trace: its tree, τ and the replay's verdict there."""
+    from refcheck.diff.findings import Verdict
+
+    by_step: dict[tuple, list] = {}
+    for f in report.findings:
+        if f.step is not None and f.step >= 0:
+            by_step.setdefault((f.request_id, f.step), []).append(f)
+    table = Table(title=f"{report.case}: verify steps")
+    for col in ("request", "step", "position", "nodes", "τ", "verdict", "categories", "first finding"):
+        table.add_column(col)
+    for s in trace.steps[:limit]:
+        fs = by_step.get((s.request_id, s.step), [])
+        verdicts = {f.verdict for f in fs}
+        worst = next((v for v in (Verdict.FAIL, Verdict.TRIAGED, Verdict.BENIGN_TIE) if v in verdicts), None)
+        shown = [f for f in fs if f.verdict == worst] if worst else []
+        style = {Verdict.FAIL: "red", Verdict.TRIAGED: "yellow", Verdict.BENIGN_TIE: "cyan"}.get(worst, "green")
+        first = shown[0] if shown else None
+        table.add_row(s.request_id, str(s.step), str(s.committed_len), str(len(s.tree_tokens)), str(s.accept_length),
+                      f"[{style}]{worst.value if worst else 'pass'}[/]", ", ".join(sorted({f.category for f in shown})),
+                      (f"node {first.node} " if first and first.node is not None else "")
+                      + (f"layer {first.layer} " if first and first.layer is not None else "")
+                      + (first.message[:90] if first else ""))
+    err.print(table)
+    if len(trace.steps) > limit:
+        err.print(f"{report.case}: {len(trace.steps) - limit} more steps not shown (see --json)", markup=False)
 
 
 @main.command()

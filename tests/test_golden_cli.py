@@ -201,3 +201,12 @@ def test_triaged_findings_pass_the_gate_and_others_still_fail(tmp_path):
     apply_triage(rep, triaged)
     assert [f.verdict for f in rep.findings] == [Verdict.TRIAGED, Verdict.FAIL]
     assert rep.stats["steps"] == {"pass": 5, "fail": 1, "triaged": 1} and rep.exit_code == 1
+
+
+def test_diff_steps_table_shows_each_replayed_step(cli):
+    path = REPO_GOLDEN / load_manifest(REPO_GOLDEN).cases["sglang-hybrid-dflash-b15"].file
+    code, _, err = cli("diff", "--against", str(path), "--mode", "replay", "--steps")
+    assert code == EXIT_MISMATCH  # outside the gate, the three reviewed findings are plain failures
+    assert "verify steps" in err
+    rows = [ln for ln in err.splitlines() if ln.startswith("│ prose-1 │ 1 ")]
+    assert rows and "fail" in rows[0] and "logits" in rows[0]
