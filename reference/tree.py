@@ -285,7 +285,8 @@ def _check_int(name: str, value: object) -> int:
 
 
 def _as_fp32_matrix(name: str, x: object) -> torch.Tensor:
-    """Validate a ``[L, V]`` floating tensor and return it as CPU float32."""
+    """Validate a ``[L, V]`` floating tensor and return it as float32 on its own device (the top-k
+    selection runs there, so a GPU drafter's [L, V] rows never cross to the host whole)."""
     if not isinstance(x, torch.Tensor):
         raise TreeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
@@ -296,7 +297,7 @@ def _as_fp32_matrix(name: str, x: object) -> torch.Tensor:
     # are upcast (exactly) and fp64 inputs rounded, so that the ranking, the
     # heap order and the stored fp32 scores are a function of one fixed set of
     # fp32 values no matter what dtype the caller's drafter produced.
-    out = x.detach().to(device="cpu", dtype=torch.float32)
+    out = x.detach().to(dtype=torch.float32)
     if bool(torch.isnan(out).any()):
         raise TreeError(f"{name} contains NaN")
     if bool(torch.isposinf(out).any()):
@@ -431,7 +432,7 @@ def build_chain(root_token: int, draft_logits: torch.Tensor, depth: int | None =
         TreeError: on a non-2-D / non-floating / NaN / +inf ``draft_logits``,
             a depth outside ``[0, L]``, or a root token outside ``[0, V)``.
     """
-    logits = _as_fp32_matrix("draft_logits", draft_logits)
+    logits = _as_fp32_matrix("draft_logits", draft_logits).cpu()  # the log-softmax below: CPU rounding, as before
     n_depth, vocab = int(logits.shape[0]), int(logits.shape[1])
     root = _check_root(root_token, vocab)
     d = n_depth if depth is None else _check_int("depth", depth)
