@@ -89,3 +89,19 @@ def test_cuda_bf16_decode_is_lossless_against_bf16_greedy_or_near_tie(pair):
         logits = full_forward_logits(t32.model, torch.tensor(PROMPT + ref[:i], device="cuda"))[-1]
         top2 = torch.log_softmax(logits, -1).topk(2).values
         assert float(top2[0] - top2[1]) < 0.05, "bf16 flip at a token that is not a near-tie"
+
+
+def test_ddtree_builder_on_cuda_equals_cpu():
+    """The builder selects the top-k on the log-probs' device: same tree from a CUDA tensor as from CPU."""
+    from reference.tree import build_ddtree
+
+    g = torch.Generator().manual_seed(3)
+    for vocab, ties in ((248320, False), (4096, True)):
+        x = torch.randn(15, vocab, generator=g)
+        if ties:
+            x = (x * 2).round() / 2
+        lp = torch.log_softmax(x, -1)
+        for budget in (15, 64):
+            a, b = build_ddtree(5, lp, budget), build_ddtree(5, lp.cuda(), budget)
+            assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+            assert torch.equal(a.scores, b.scores)
