@@ -239,12 +239,15 @@ def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, dev
               help="With --engine sglang: sketch every target layer's output (forward hooks) so a failing node gets "
                    "layer bisection; slower.")
 @click.option("--steps", is_flag=True, help="Also print one row per verify step: tree size, τ, verdict, first finding.")
+@click.option("--triage-isolated", is_flag=True,
+              help="Report a node whose log-probs deviate while its argmax and every descendant agree as triaged "
+                   "(rounding at that node), not failed. Off by default.")
 @click.option("--ref-shards", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --against and --mode replay: split the reference by layers over N processes (N GPUs with "
                    "--ref-device cuda, NCCL; gloo on CPUs).")
 @model_options
 def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, workers, full_state, sglang_algorithm,
-         cuda_graphs, ngram_breadth, tp, layer_sketches, steps, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
+         cuda_graphs, ngram_breadth, tp, layer_sketches, steps, triage_isolated, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
          drafter, stop_ids, as_json):
     """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
 
@@ -291,7 +294,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
                 reports.append(sharded_diff(traces[-1], Path(path).stem, mode, ref_shards, ref_dtype, ref_device))
             else:
                 reports.append(session.diff(traces[-1], Path(path).stem, mode, ref_dtype=ref_dtype,
-                                            ref_device=ref_device))
+                                            ref_device=ref_device, triage_isolated=triage_isolated))
     else:
         gdir = golden_dir or default_golden_dir()
         manifest = verify(gdir)
@@ -310,7 +313,8 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
                 raise GoldenError(f"stale golden {name}: " + "; ".join(stale))
             err.print(f"diffing golden {name} against the live reference", markup=False)
             strict = trace.provenance.get("engine", {}).get("name") == "reference"
-            report = session.diff(trace, name, mode, strict_acceptance=strict, ref_dtype=ref_dtype, ref_device=ref_device)
+            report = session.diff(trace, name, mode, strict_acceptance=strict, ref_dtype=ref_dtype, ref_device=ref_device,
+                                  triage_isolated=triage_isolated)
             apply_triage(report, manifest.cases[name].provenance.get("triaged", []))
             reports.append(report)
             traces.append(trace)

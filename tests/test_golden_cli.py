@@ -210,3 +210,23 @@ def test_diff_steps_table_shows_each_replayed_step(cli):
     assert "verify steps" in err
     rows = [ln for ln in err.splitlines() if ln.startswith("│ prose-1 │ 1 ")]
     assert rows and "fail" in rows[0] and "logits" in rows[0]
+
+
+def test_triage_isolated_reproduces_the_manual_triage_and_keeps_the_leak(cli):
+    """--triage-isolated: nodes that deviate alone (argmax and every descendant agree) become triaged;
+    an argmax flip and the leak's propagating deviations stay failures."""
+    cases = load_manifest(REPO_GOLDEN).cases
+
+    def run(case):
+        code, out, _ = cli("diff", "--against", str(REPO_GOLDEN / cases[case].file), "--mode", "replay",
+                           "--triage-isolated", "--json")
+        return code, json.loads(out)["reports"][0]
+
+    code, rep = run("sglang-hybrid-dflash-b15")
+    triaged = sorted((f["request_id"], f["step"], f["node"]) for f in rep["findings"] if f["verdict"] == "triaged")
+    assert triaged == [("code-2", 0, 2), ("prose-1", 1, 10)]  # the two reviewed log-prob findings
+    assert code == EXIT_MISMATCH and rep["counts"]["fail"] == 1  # the margin-0.84 flip is not auto-triaged
+    code, rep = run("sglang-hybrid-ngram-b11")
+    assert code == EXIT_PASS and rep["counts"]["triaged"] == 3
+    code, rep = run("sglang-hybrid-ngram-b11-breadth1-leak")
+    assert code == EXIT_MISMATCH and rep["counts"]["fail"] > 1000 and "recurrent" in rep["fail_categories"]

@@ -47,10 +47,11 @@ class _Request:
     """Replay of one request: the reference state follows the engine's committed path."""
 
     def __init__(self, rep: Report, target: Target, drafter: Drafter, tol: Tolerance, rid: str, stop: frozenset[int],
-                 check_draft: bool = True, structural_trees: bool = False):
+                 check_draft: bool = True, structural_trees: bool = False, triage_isolated: bool = False):
         self.rep, self.target, self.drafter, self.tol, self.rid, self.stop = rep, target, drafter, tol, rid, stop
         self.check_draft_enabled = check_draft
         self.structural_trees = structural_trees  # engine trees (SGLang NGRAM, ...) need not follow DDTree's rules
+        self.triage_isolated = triage_isolated
         self.capture = tuple(drafter.target_layer_ids)
         self.state: TargetState | None = None
         self.root: int | None = None
@@ -72,11 +73,11 @@ class _Request:
             self.rep.stats[key] = max(self.rep.stats.get(key, 0.0), value)
 
     def step_verdict(self, since: int) -> None:
-        """Count the step just replayed as pass / benign tie / fail by its worst finding."""
+        """Count the step just replayed as pass / benign tie / triaged / fail by its worst finding."""
         new = {f.verdict for f in self.rep.findings[since:]}
-        worst = "fail" if Verdict.FAIL in new else "benign_tie" if Verdict.BENIGN_TIE in new else "pass"
+        worst = next((v.value for v in (Verdict.FAIL, Verdict.TRIAGED, Verdict.BENIGN_TIE) if v in new), "pass")
         steps = self.rep.stats.setdefault("steps", {"pass": 0, "benign_tie": 0, "fail": 0})
-        steps[worst] += 1
+        steps[worst] = steps.get(worst, 0) + 1
 
     # -- checks -------------------------------------------------------------------------------
     def token_flip(self, category: str, step: int, node: int | None, logp: torch.Tensor, engine_tok: int, **kw) -> bool:
@@ -137,6 +138,8 @@ class _Request:
             dev = _abs_dev(lps, logp.cpu().gather(1, ids)).max(dim=1).values  # [N]
             self.track_max("max_logprob_abs", float(dev.max()))
             over = torch.nonzero(dev > self.tol.logprob_abs).flatten().tolist()
+            if over and self.triage_isolated:
+                over = self.triage_isolated_nodes(s, tree, over, dev, eng_arg, ref_arg)
             if over:
                 i = over[0]
                 self.fail("logits", s.step, f"top-k log-probs differ by up to {float(dev.max()):.4g} at {len(over)} of {n} nodes "
@@ -146,6 +149,30 @@ class _Request:
         if bad_nodes and s.layer_sketch is not None and layers is not None:
             self.bisect(s, min(bad_nodes), layers)
         return walk
+
+    def triage_isolated_nodes(self, s: StepRow, tree: Tree, over: list[int], dev: torch.Tensor, eng_arg: torch.Tensor,
+                              ref_arg: torch.Tensor) -> list[int]:
+        """Opt-in triage: a node whose log-probs deviate beyond tolerance while its argmax agrees and every
+        descendant stays within tolerance is reported TRIAGED, not failed. A wrong state, mask or position
+        at a node reaches its descendants (they attend to it or inherit its recurrent state), so a
+        deviation confined to one node is rounding at that node's output; leaves, having no
+        descendants, cannot be judged and stay failures. Returns the nodes that still fail."""
+        parents = s.tree_parents
+        keep = []
+        for i in over:
+            desc = [j for j in range(len(parents)) if j != i and i in tree.path(j)]
+            clean = bool(desc) and float(dev[desc].max()) <= self.tol.logprob_abs \
+                and bool((eng_arg[desc] == ref_arg[desc]).all()) and int(eng_arg[i]) == int(ref_arg[i])
+            if not clean:
+                keep.append(i)
+                continue
+            self.rep.add(Finding(Verdict.TRIAGED, "logits", self.rid, s.step, node=i,
+                                 position=self.state.length + int(tree.depths[i]),
+                                 message=f"isolated deviation: log-probs off by {float(dev[i]):.4g} at this node only; "
+                                         f"its {len(desc)} descendants stay within {self.tol.logprob_abs:g} "
+                                         f"(max {float(dev[desc].max()):.3g})",
+                                 details={"max_abs": float(dev[i]), "descendants": len(desc)}))
+        return keep
 
     def bisect(self, s: StepRow, node: int, layers: list[torch.Tensor]) -> None:
         ref = layer_sketch(torch.stack(layers))  # [layers, N, r]
@@ -327,12 +354,13 @@ def capture_findings(rep: Report, trace: Trace) -> None:
 
 
 def replay(trace: Trace, target: Target, drafter: Drafter, tol: Tolerance, case: str = "",
-           stop_token_ids: frozenset[int] = frozenset(), check_draft: bool = True) -> Report:
+           stop_token_ids: frozenset[int] = frozenset(), check_draft: bool = True,
+           triage_isolated: bool = False) -> Report:
     rep = Report(case=case, mode="replay")
     capture_findings(rep, trace)
     structural = trace.provenance.get("engine", {}).get("settings", {}).get("tree_rules") == "structural"
     for req in trace.requests:
-        _Request(rep, target, drafter, tol, req.request_id, stop_token_ids, check_draft, structural).run(
+        _Request(rep, target, drafter, tol, req.request_id, stop_token_ids, check_draft, structural, triage_isolated).run(
             list(req.prompt_ids), list(req.output_ids), list(req.output_logprobs), trace.steps_of(req.request_id)
         )
     return rep

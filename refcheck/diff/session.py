@@ -69,7 +69,7 @@ class DiffSession:
         return self._greedy[key]
 
     def diff(self, trace: Trace, case: str, mode: str = "both", strict_acceptance: bool = False,
-             ref_dtype: str = "float32", ref_device: str = "cpu") -> Report:
+             ref_dtype: str = "float32", ref_device: str = "cpu", triage_isolated: bool = False) -> Report:
         if mode not in MODES:
             raise UsageError(f"unknown diff mode {mode!r} (choose from {', '.join(MODES)})")
         spec = reference_spec_for(trace, ref_dtype, ref_device)
@@ -83,7 +83,8 @@ class DiffSession:
         check_draft = same_numerics or spec.drafter != "scripted"
         report = Report(case=case, mode=mode)
         if mode in ("replay", "both"):
-            report.merge(replay(trace, runner.target, runner.drafter, tol, case, spec.stop_token_ids, check_draft))
+            report.merge(replay(trace, runner.target, runner.drafter, tol, case, spec.stop_token_ids, check_draft,
+                                triage_isolated))
         if mode in ("free", "both"):
             greedy = {r.request_id: self.greedy(runner, list(r.prompt_ids), spec.max_new_tokens) for r in trace.requests}
             prompts = [Prompt(r.request_id, tuple(r.prompt_ids), r.kind) for r in trace.requests]
