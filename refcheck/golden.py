@@ -131,6 +131,12 @@ def regenerate(
     names = case_names or list(GOLDEN_CASES)
     unknown = [n for n in names if n not in GOLDEN_CASES]
     if unknown:
+        stored = set(load_manifest(golden_dir, allow_missing=True).cases)
+        engine = [n for n in unknown if n in stored]
+        if engine:
+            raise UsageError(f"golden case(s) {engine} hold another engine's trace, which regen cannot re-run: record them "
+                             "again with that engine (SGLang: scripts/sglang_suite.py on a GPU) and replace them with "
+                             "refcheck golden add TRACE --case NAME --reason ...")
         raise UsageError(f"unknown golden case(s) {unknown} (known: {', '.join(GOLDEN_CASES)})")
     golden_dir.mkdir(parents=True, exist_ok=True)
     manifest = load_manifest(golden_dir, allow_missing=True)
@@ -262,7 +268,10 @@ def gate_case(name: str, entry, golden_dir: Path, session: DiffSession) -> Repor
     stale = live_provenance_reasons(trace, session)
     if stale:
         raise GoldenError(f"stale golden {name}: " + "; ".join(stale)
-                          + f" (review and regenerate: refcheck golden regen --case {name} --reason ...)")
+                          + (f" (review and regenerate: refcheck golden regen --case {name} --reason ...)" if name in GOLDEN_CASES
+                             else f" (an engine trace: record it again with its engine, e.g. SGLang's with "
+                                  f"scripts/sglang_suite.py on a GPU, then replace it: refcheck golden add TRACE --case {name} "
+                                  f"--reason ...; the manifest keeps the old entry in its history)"))
     strict = trace.provenance.get("engine", {}).get("name") == "reference"
     report = session.diff(trace, name, mode="both", strict_acceptance=strict)
     expect = entry.provenance.get("expect", "pass")

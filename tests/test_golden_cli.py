@@ -230,3 +230,8 @@ def test_triage_isolated_reproduces_the_manual_triage_and_keeps_the_leak(cli):
     assert code == EXIT_PASS and rep["counts"]["triaged"] == 3
     code, rep = run("sglang-hybrid-ngram-b11-breadth1-leak")
     assert code == EXIT_MISMATCH and rep["counts"]["fail"] > 1000 and "recurrent" in rep["fail_categories"]
+
+
+def test_regen_explains_how_engine_goldens_are_replaced(cli):
+    code, _, err = cli("golden", "regen", "--case", "sglang-hybrid-none")
+    assert code == EXIT_USAGE and "another engine's trace" in err and "golden add" in err
