@@ -63,12 +63,15 @@ class DrafterPool:
         self.contexts.clear()
 
 
-def draft_tree(pool: DrafterPool, rid: str, root: int, start: int, budget: int) -> tuple[list[int], list[int]]:
-    """One request's DDTree below ``root`` (at position ``start``): (tokens, parents), root first."""
+def draft_tree(pool: DrafterPool, rid: str, root: int, start: int, budget: int,
+               depth: int | None = None) -> tuple[list[int], list[int]]:
+    """One request's DDTree below ``root`` (at position ``start``): (tokens, parents), root first.
+    ``depth``: draft depths (default the block's); the reference decoder, like z-lab's dflash, drafts
+    only as deep as the tokens still to generate, so its last block is shorter."""
     from reference.tree import build_ddtree
 
     with pool.context(rid) as drafter:
-        logp = drafter.propose(root, start)  # [L, V] float32
+        logp = drafter.propose(root, start, depth)  # [L, V] float32
     tree = build_ddtree(root, logp.cpu(), budget)
     return tree.tokens.tolist(), tree.parents.tolist()
 

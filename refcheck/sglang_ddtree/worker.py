@@ -95,7 +95,9 @@ class DDTreeWorker(ngram.NGRAMWorker):
             if getattr(req.sampling_params, "temperature", 0.0) > 0.0:
                 raise ValueError("REFCHECK_DDTREE verifies greedily; temperature > 0 is not supported yet")
             start = len(req.origin_input_ids) + len(req.output_ids) - 1  # the root's position
-            trees.append(draft_tree(self.pool, req.rid, int(req.output_ids[-1]), start, self.budget))
+            left = getattr(req.sampling_params, "max_new_tokens", None)
+            depth = None if left is None else max(1, min(self.drafter.block_size - 1, int(left) - len(req.output_ids)))
+            trees.append(draft_tree(self.pool, req.rid, int(req.output_ids[-1]), start, self.budget, depth))
         return batch_layout(trees, self.draft_token_num)
 
     def _extend(self, rids: list[str], hidden: torch.Tensor, rows: list[torch.Tensor], starts: list[int]) -> None:

@@ -1,0 +1,246 @@
+"""REFCHECK_DDTREE's worker (refcheck/sglang_ddtree/worker.py) driven on the CPU against stand-ins for
+the SGLang modules it imports, backed by the reference.
+
+The stand-ins reproduce what the worker relies on in SGLang 0.5.17: NGRAM's preparation (drafts +
+ancestor masks -> links and positions, parent = largest-index ancestor), a target worker whose
+verify returns every node's logits and captured hidden states (here: the reference's exact tree
+forward per request), ``eagle_sample``'s greedy walk and accept outputs, and the mamba/KV commit
+(here: the reference state's commit). A small scheduler loop runs prefill then decode steps for
+several requests in one batch. The worker's own logic (drafting per request, hidden-state rows of
+the accepted nodes, positions, per-request drafter contexts, the result layout) must then give
+exactly the reference decoder's tokens and per-step acceptance.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import sys
+from types import ModuleType
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+import torch
+
+from refcheck.models import builtin_pair
+from refcheck.prompts import load_prompts
+from reference.decode import DDTreeDecoder, DecodeConfig
+from reference.tree import Tree
+
+
+class CaptureHiddenMode(enum.IntEnum):
+    NULL = 0
+    FULL = 1
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = 1
+    DECODE = 2
+    TARGET_VERIFY = 3
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+
+class NgramVerifyInput:
+    def __init__(self, draft_token=None, custom_mask=None, positions=None, retrieve_index=None,
+                 retrieve_next_token=None, retrieve_next_sibling=None, draft_token_num=None, new_seq_lens=None,
+                 accept_tokens=None, accept_lens=None, parents=None):
+        self.__dict__.update(locals())
+        del self.__dict__["self"]
+
+
+class BaseSpecWorker:
+    def __init__(self) -> None:
+        pass
+
+    @property
+    def target_worker(self):
+        return self._target_worker
+
+
+def _links(parents: list[int]) -> tuple[list[int], list[int]]:
+    from refcheck.runners.sglang_layout import links_from_parents
+
+    return links_from_parents(parents)
+
+
+class NGRAMWorker(BaseSpecWorker):
+    """The parts of SGLang's NGRAM worker the DDTree worker inherits."""
+
+    def alloc_memory_pool(self, **kwargs) -> None:
+        self.req_to_token_pool, self.token_to_kv_pool_allocator = None, None
+
+    def _prepare_for_speculative_decoding(self, batch) -> None:
+        if not batch.forward_mode.is_decode():
+            return
+        bs, n = len(batch.reqs), self.draft_token_num
+        drafts, mask = self._prepare_draft_tokens(batch)
+        mask = mask.reshape(bs, n, n)
+        parents = [[max((k for k in np.nonzero(mask[b, i])[0].tolist() if k != i), default=-1) for i in range(n)]
+                   for b in range(bs)]
+        links = [_links(p) for p in parents]
+        depth = [[0] * n for _ in range(bs)]
+        for b in range(bs):
+            for i in range(1, n):
+                depth[b][i] = depth[b][parents[b][i]] + 1
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.input_ids = torch.from_numpy(drafts)
+        batch.spec_info = NgramVerifyInput(
+            draft_token=torch.from_numpy(drafts), custom_mask=torch.from_numpy(mask.reshape(-1)),
+            positions=torch.tensor([int(batch.seq_lens[b]) + d for b in range(bs) for d in depth[b]]),
+            retrieve_next_token=torch.tensor([lk[0] for lk in links]), retrieve_next_sibling=torch.tensor([lk[1] for lk in links]),
+            draft_token_num=n, parents=parents)
+
+
+def eagle_sample(verify_input, batch, logits_output, grammar_mask=None):
+    n, bs = verify_input.draft_token_num, len(batch.reqs)
+    argmax = logits_output.next_token_logits.argmax(-1)  # [bs*N]
+    predict = torch.zeros(bs * n, dtype=torch.int32)
+    accept_index = torch.full((bs, n), -1, dtype=torch.int32)
+    lens = []
+    for b in range(bs):
+        toks = verify_input.draft_token[b * n:(b + 1) * n]
+        parents = torch.tensor(verify_input.parents[b])
+        depths = verify_input.positions[b * n:(b + 1) * n] - verify_input.positions[b * n]
+        tree = Tree(toks, parents, depths, torch.zeros(n, dtype=torch.long), torch.zeros(n))
+        acc = tree.walk_greedy(argmax[b * n:(b + 1) * n])
+        for j in acc:
+            predict[b * n + j] = int(argmax[b * n + j])
+        accept_index[b, : len(acc)] = torch.tensor([b * n + j for j in acc], dtype=torch.int32)
+        lens.append(len(acc))
+    return predict, torch.tensor(lens, dtype=torch.int32), accept_index
+
+
+class Engine:
+    """The target side: per-request reference states, SGLang-shaped outputs."""
+
+    def __init__(self, target, capture) -> None:
+        self.target, self.capture = target, tuple(capture)
+        self.states: dict[str, object] = {}
+        self.fwds: dict[str, object] = {}
+        model = NS(model=NS(embed_tokens=target.body.embed_tokens), lm_head=target.model.lm_head,
+                   set_dflash_layers_to_capture=lambda ids: setattr(self, "captured_ids", list(ids)))
+        self.model_runner = NS(model=model, model_config=NS(vocab_size=target.vocab_size,
+                                                            num_hidden_layers=len(target.layers)))
+
+    def forward_batch_generation(self, batch, is_verify=False, capture_hidden_mode=None):
+        assert capture_hidden_mode == CaptureHiddenMode.FULL  # the drafter needs the hidden states
+        if not is_verify:  # prefill
+            logits, hidden = [], []
+            for r in batch.reqs:
+                st, fwd = self.target.prefill(torch.tensor(r.origin_input_ids), capture=self.capture)
+                self.states[r.rid] = st
+                logits.append(fwd.logits[-1:])
+                hidden.append(fwd.context)
+            nl = torch.cat(logits)
+            return NS(logits_output=NS(next_token_logits=nl, hidden_states=torch.cat(hidden)),
+                      next_token_ids=nl.argmax(-1), can_run_cuda_graph=False)
+        vi, n = batch.spec_info, batch.spec_info.draft_token_num
+        logits, hidden = [], []
+        for b, r in enumerate(batch.reqs):
+            toks = vi.draft_token[b * n:(b + 1) * n]
+            depths = vi.positions[b * n:(b + 1) * n] - vi.positions[b * n]
+            fwd = self.target.forward(self.states[r.rid], toks, torch.tensor(vi.parents[b]), depths, capture=self.capture)
+            self.fwds[r.rid] = fwd
+            logits.append(fwd.logits)
+            hidden.append(fwd.context)
+        return NS(logits_output=NS(next_token_logits=torch.cat(logits), hidden_states=torch.cat(hidden)),
+                  can_run_cuda_graph=False)
+
+    def commit(self, batch, accept_lens, accept_index, n) -> None:
+        for b, r in enumerate(batch.reqs):
+            acc = [int(i) - b * n for i in accept_index[b, : int(accept_lens[b])]]
+            self.states[r.rid] = self.states[r.rid].commit(self.fwds[r.rid], acc)
+
+
+@pytest.fixture
+def worker_module(monkeypatch):
+    engine_box: dict = {}
+    mods = {name: ModuleType(name) for name in (
+        "sglang", "sglang.srt", "sglang.srt.model_executor", "sglang.srt.model_executor.forward_batch_info",
+        "sglang.srt.speculative", "sglang.srt.speculative.eagle_utils", "sglang.srt.speculative.ngram_worker",
+        "sglang.srt.speculative.base_spec_worker", "sglang.srt.speculative.ngram_info")}
+    mods["sglang.srt.model_executor.forward_batch_info"].__dict__.update(CaptureHiddenMode=CaptureHiddenMode,
+                                                                          ForwardMode=ForwardMode)
+    mods["sglang.srt.speculative.eagle_utils"].eagle_sample = eagle_sample
+    ng = mods["sglang.srt.speculative.ngram_worker"]
+    ng.__dict__.update(
+        NGRAMWorker=NGRAMWorker, GenerationBatchResult=lambda **kw: NS(**kw),
+        record_stream_for_v2_verify=lambda *a: None,
+        commit_mamba_states_after_verify=lambda tw, batch, lens, idx, n: engine_box["engine"].commit(batch, lens, idx, n),
+        move_accept_tokens_to_target_kvcache=lambda *a: None)
+    mods["sglang.srt.speculative.base_spec_worker"].BaseSpecWorker = BaseSpecWorker
+    mods["sglang.srt.speculative.ngram_info"].NgramVerifyInput = NgramVerifyInput
+    mods["sglang.srt.speculative"].eagle_utils = mods["sglang.srt.speculative.eagle_utils"]
+    mods["sglang.srt.speculative"].ngram_worker = ng
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.delitem(sys.modules, "refcheck.sglang_ddtree.worker", raising=False)
+    module = importlib.import_module("refcheck.sglang_ddtree.worker")
+    yield module, engine_box
+    sys.modules.pop("refcheck.sglang_ddtree.worker", None)
+
+
+def _run(module, engine_box, target, prompts, budget: int, max_new: int):
+    from reference.drafter import DFlashDrafter
+
+    _, ddir = builtin_pair("hybrid")
+    capture = DFlashDrafter.load(ddir, target).target_layer_ids
+    engine = Engine(target, capture)
+    engine_box["engine"] = engine
+    args = NS(disable_overlap_schedule=True, page_size=1, speculative_num_draft_tokens=budget + 1,
+              speculative_eagle_topk=2, speculative_num_steps=budget, device="cpu", tp_size=1,
+              speculative_draft_model_path=str(ddir))
+    worker = module.DDTreeWorker(args, 0, NS(tp_rank=0), 0, engine)
+    worker.alloc_memory_pool()
+    assert engine.captured_ids == list(capture)
+    reqs = [NS(rid=f"r{i}", origin_input_ids=list(p.prompt_ids), output_ids=[],
+               sampling_params=NS(temperature=0.0, max_new_tokens=max_new)) for i, p in enumerate(prompts)]
+    batch = NS(reqs=reqs, forward_mode=ForwardMode.EXTEND, extend_lens=[len(r.origin_input_ids) for r in reqs],
+               prefix_lens=[0] * len(reqs), seq_lens=torch.tensor([len(r.origin_input_ids) for r in reqs]))
+    res = worker.forward_batch_generation(batch)
+    for b, r in enumerate(reqs):
+        r.output_ids.append(int(res.next_token_ids[b]))
+    taus: dict[str, list[int]] = {r.rid: [] for r in reqs}
+    n = budget + 1
+    while any(len(r.output_ids) < max_new for r in reqs):
+        live = [r for r in reqs if len(r.output_ids) < max_new]
+        batch = NS(reqs=live, forward_mode=ForwardMode.DECODE,
+                   seq_lens=torch.tensor([len(r.origin_input_ids) + len(r.output_ids) - 1 for r in live]))
+        res = worker.forward_batch_generation(batch)
+        assert res.speculative_num_draft_tokens == n and res.next_token_ids.shape[0] == len(live) * n
+        for b, r in enumerate(live):
+            k = int(res.accept_lens[b])
+            r.output_ids += [int(t) for t in res.next_token_ids[b * n: b * n + k]]
+            taus[r.rid].append(k)
+    return {r.rid: r.output_ids[:max_new] for r in reqs}, taus, worker
+
+
+@pytest.mark.parametrize("budget", [15, 32])
+def test_worker_decodes_exactly_like_the_reference_decoder(worker_module, hybrid, budget):
+    module, box = worker_module
+    target, drafter = hybrid
+    prompts = load_prompts()[:3]
+    outputs, taus, worker = _run(module, box, target, prompts, budget, 24)
+    for i, p in enumerate(prompts):
+        ref = DDTreeDecoder(target, drafter, DecodeConfig(budget=budget, max_new_tokens=24)).generate(list(p.prompt_ids))
+        assert outputs[f"r{i}"] == ref.output_ids
+        assert taus[f"r{i}"] == [s.accept_length for s in ref.steps]
+    # requests that finished left the decode batch: their drafter contexts are gone
+    assert set(worker.pool.contexts) <= {f"r{i}" for i in range(3)}
+
+
+def test_worker_refuses_sampling(worker_module, hybrid):
+    module, box = worker_module
+    target, _ = hybrid
+    with pytest.raises(ValueError, match="temperature"):
+        engine = Engine(target, (1, 3))
+        box["engine"] = engine
+        _, ddir = builtin_pair("hybrid")
+        args = NS(disable_overlap_schedule=True, page_size=1, speculative_num_draft_tokens=16, speculative_eagle_topk=2,
+                  speculative_num_steps=15, device="cpu", tp_size=1, speculative_draft_model_path=str(ddir))
+        worker = module.DDTreeWorker(args, 0, NS(tp_rank=0), 0, engine)
+        req = NS(rid="r", origin_input_ids=[5, 6, 7], output_ids=[9], sampling_params=NS(temperature=0.7, max_new_tokens=8))
+        worker._prepare_draft_tokens(NS(reqs=[req]))
