@@ -1,0 +1,49 @@
+"""The ``refcheck`` command group, its console, and the console-script entry.
+
+Contract: every command prints human output (rich tables, progress) on stderr and, with
+``--json``, only JSON on stdout. User errors never show a traceback: they print
+``refcheck: error: <message>`` and exit with the code documented in :mod:`refcheck.errors`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from rich.console import Console
+
+from refcheck.errors import exit_code_for
+
+err = Console(stderr=True)
+if not err.is_terminal:  # logs and CI: wide enough that tables do not wrap every cell
+    err = Console(stderr=True, width=160)
+
+
+@click.group()
+@click.version_option(package_name="refcheck")
+def main() -> None:
+    """refcheck: correctness verification and reference diffs for tree speculative decoding."""
+
+def quiet() -> None:
+    from refcheck.runners.reference import _quiet_transformers
+
+    _quiet_transformers()
+
+def entry() -> None:
+    """Console-script entry: run the group and turn user errors into exit codes."""
+    try:
+        main(standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        err.print("aborted")
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - mapped to a code below, re-raised if unknown
+        code = exit_code_for(exc)
+        if code is None:
+            raise
+        click.echo(f"refcheck: error: {exc}", err=True)
+        sys.exit(code)

@@ -1,0 +1,154 @@
+"""``refcheck diff``: an engine (live, a recorded trace, or the goldens) against the reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from refcheck.cli.app import err, main
+from refcheck.cli.options import model_options, spec_from_options
+from refcheck.cli.reports import finish, report_table, steps_table
+from refcheck.errors import GoldenError, UsageError
+from refcheck.prompts import load_prompts, prompt_set_hash
+from refcheck.runners.reference import DTYPES
+
+
+def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, device):
+    """Fold the SGLang options into the engine name and options; SGLang runs bf16 on the GPU unless told."""
+    is_sglang = bool(engine) and (engine == "sglang" or engine.startswith("sglang:"))
+    if not is_sglang:
+        if algorithm or cuda_graphs or tp > 1:
+            raise UsageError("--sglang-algorithm, --cuda-graphs and --tp need --engine sglang")
+        return engine, None, dtype, device
+    if algorithm:
+        if ":" in engine and engine.split(":", 1)[1].upper() != algorithm.upper():
+            raise UsageError(f"--engine {engine} and --sglang-algorithm {algorithm} disagree")
+        engine = f"sglang:{algorithm.upper()}"
+    ctx = click.get_current_context()
+    if ctx.get_parameter_source("dtype") == click.core.ParameterSource.DEFAULT:
+        dtype = "bfloat16"
+    if ctx.get_parameter_source("device") == click.core.ParameterSource.DEFAULT:
+        device = "cuda"
+    return engine, {"cuda_graphs": cuda_graphs, "ngram_breadth": ngram_breadth, "tp": tp}, dtype, device
+
+@main.command()
+@click.option("--engine", default=None,
+              help="Run this live engine instead of reading goldens: reference, zlab, sglang[:ALGORITHM], fault:NAME.")
+@click.option("--against", "against", type=click.Path(path_type=Path), multiple=True, help="Engine trace file(s) to diff.")
+@click.option("--mode", type=click.Choice(["replay", "free", "both"]), default="both", show_default=True)
+@click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None, help="Golden directory.")
+@click.option("--ref-dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True)
+@click.option("--ref-device", default="cpu", show_default=True)
+@click.option("--save-trace", type=click.Path(path_type=Path), default=None, help="Write the live engine's trace here.")
+@click.option("--workers", "--gpus", "workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Processes to spread the prompts over (one per GPU: worker i uses cuda:i).")
+@click.option("--full-state", is_flag=True, help="Record full KV/state tensors in the trace (not only sketches).")
+@click.option("--sglang-algorithm", default=None,
+              help="With --engine sglang: NONE (target-only), DFLASH, NGRAM, REFCHECK_DDTREE (refcheck's DDTree on "
+                   "SGLang; REFCHECK_DDTREE_LEAKY_CHAIN is its leaky twin), or any algorithm your SGLang registers.")
+@click.option("--cuda-graphs", is_flag=True, help="With --engine sglang: run SGLang with CUDA graphs (off by default).")
+@click.option("--ngram-breadth", type=click.IntRange(min=1), default=10, show_default=True,
+              help="With --sglang-algorithm NGRAM: speculative_ngram_max_bfs_breadth.")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --engine sglang: tensor parallelism (state captured on every rank and combined).")
+@click.option("--layer-sketches", is_flag=True,
+              help="With --engine sglang: sketch every target layer's output (forward hooks) so a failing node gets "
+                   "layer bisection; slower.")
+@click.option("--steps", is_flag=True, help="Also print one row per verify step: tree size, τ, verdict, first finding.")
+@click.option("--triage-isolated", is_flag=True,
+              help="Report a node whose log-probs deviate while its argmax and every descendant agree as triaged "
+                   "(rounding at that node), not failed. Off by default.")
+@click.option("--ref-shards", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --against and --mode replay: split the reference by layers over N processes (N GPUs with "
+                   "--ref-device cuda, NCCL; gloo on CPUs).")
+@model_options
+def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, workers, full_state, sglang_algorithm,
+         cuda_graphs, ngram_breadth, tp, layer_sketches, steps, triage_isolated, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
+         drafter, stop_ids, as_json):
+    """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
+
+    With no --engine / --against: the golden engine traces in golden/ for this budget and pair."""
+    from refcheck.diff.session import DiffSession
+    from refcheck.golden import (
+        apply_triage,
+        default_golden_dir,
+        live_provenance_reasons,
+        verify,
+    )
+    from refcheck.trace.io import read_trace, write_trace
+
+    session = DiffSession()
+    reports = []
+    traces = []  # the engine trace behind each report (for --steps)
+    if ref_shards > 1 and not against:
+        raise UsageError("--ref-shards works with --against TRACE (record live engines with --save-trace first)")
+    if engine:
+        from refcheck.parallel import (
+            engine_decoder,
+            engine_shard,
+            merge_reports,
+            merge_traces,
+            run_parallel,
+            split,
+        )
+        from refcheck.trace.io import trace_from_bytes
+
+        engine, engine_opts, dtype, device = _sglang_engine(engine, sglang_algorithm, cuda_graphs, ngram_breadth, tp,
+                                                            dtype, device)
+        if layer_sketches:
+            if engine_opts is None:
+                raise UsageError("--layer-sketches needs --engine sglang")
+            engine_opts["layer_sketches"] = True
+        spec = spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids)
+        prompts = load_prompts(prompts_file)
+        engine_decoder(engine)  # unknown engine: a usage error before any process starts
+        shards = split(prompts, workers)
+        err.print(f"running live engine {engine} on {len(prompts)} prompts in {len(shards)} process(es)", markup=False)
+        results = run_parallel(engine_shard, [(engine, spec, sh, mode, ref_dtype, ref_device, i, len(shards), full_state,
+                                               engine_opts) for i, sh in enumerate(shards)], len(shards))
+        trace = merge_traces([trace_from_bytes(b) for b, _ in results], [p.id for p in prompts], prompt_set_hash(prompts))
+        if save_trace:
+            write_trace(trace, save_trace)
+        reports.append(merge_reports([r for _, r in results], engine, mode))
+        traces.append(trace)
+    elif against:
+        for path in against:
+            err.print(f"diffing {path}" + (f" against the reference sharded over {ref_shards} processes" if ref_shards > 1
+                                            else ""), markup=False)
+            traces.append(read_trace(path))
+            if ref_shards > 1:
+                from refcheck.sharding import sharded_diff
+
+                reports.append(sharded_diff(traces[-1], Path(path).stem, mode, ref_shards, ref_dtype, ref_device))
+            else:
+                reports.append(session.diff(traces[-1], Path(path).stem, mode, ref_dtype=ref_dtype,
+                                            ref_device=ref_device, triage_isolated=triage_isolated))
+    else:
+        gdir = golden_dir or default_golden_dir()
+        manifest = verify(gdir)
+        want_budget = "chain" if budget is None else budget
+        model = f"builtin:{pair}" if model_dir is None else str(model_dir)
+        names = [n for n, e in sorted(manifest.cases.items())
+                 if e.provenance.get("budget") == want_budget and e.provenance.get("model") == model
+                 and e.provenance.get("expect", "pass") == "pass"]
+        if not names:
+            raise GoldenError(f"no golden trace for budget {want_budget} on {model} in {gdir} "
+                              "(create them: refcheck golden regen --accept --reason ...)")
+        for name in names:
+            trace = read_trace(gdir / manifest.cases[name].file)
+            stale = live_provenance_reasons(trace, session)
+            if stale:
+                raise GoldenError(f"stale golden {name}: " + "; ".join(stale))
+            err.print(f"diffing golden {name} against the live reference", markup=False)
+            strict = trace.provenance.get("engine", {}).get("name") == "reference"
+            report = session.diff(trace, name, mode, strict_acceptance=strict, ref_dtype=ref_dtype, ref_device=ref_device,
+                                  triage_isolated=triage_isolated)
+            apply_triage(report, manifest.cases[name].provenance.get("triaged", []))
+            reports.append(report)
+            traces.append(trace)
+    report_table(reports, f"refcheck diff · budget {'chain' if budget is None else budget} · mode {mode}")
+    if steps:
+        for report, trace in zip(reports, traces):
+            steps_table(report, trace)
+    finish(reports, as_json)

@@ -1,0 +1,100 @@
+"""``refcheck gate`` and ``refcheck golden regen|add|verify``: the golden traces and the CI gate on them."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from refcheck.cli.app import err, main, quiet
+from refcheck.cli.reports import finish, report_table
+from refcheck.errors import EXIT_GOLDEN, EXIT_PASS
+
+
+@main.command()
+@click.argument("golden_dir", required=False, type=click.Path(path_type=Path))
+@click.option("--case", "cases", multiple=True, help="Only these cases.")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="Processes to spread cases over.")
+@click.option("--json", "as_json", is_flag=True)
+def gate(golden_dir, cases, workers, as_json):
+    """CI gate: verify, then diff every golden case against the live reference (strict about skips)."""
+    import time
+
+    from refcheck.diff.session import DiffSession
+    from refcheck.golden import default_golden_dir
+    from refcheck.golden import gate as run_gate
+
+    t0 = time.perf_counter()
+    quiet()
+    reports = run_gate(golden_dir or default_golden_dir(), DiffSession(), list(cases) or None,
+                       progress=lambda n: err.print(f"gate: {n}", markup=False), workers=workers)
+    report_table(reports, "refcheck gate")
+    wall = time.perf_counter() - t0
+    err.print(f"gate: {len(reports)} cases in {wall:.1f} s", markup=False)
+    finish(reports, as_json, {"wall_s": wall})
+
+@main.group()
+def golden() -> None:
+    """Golden traces: regenerate (with review) and verify."""
+
+@golden.command("regen")
+@click.option("--case", "cases", multiple=True, help="Only these cases (default: all built-in cases).")
+@click.option("--reason", default=None, help="Why the goldens change (recorded in MANIFEST.json).")
+@click.option("--accept", is_flag=True, help="Replace the goldens (otherwise: write .pending files and exit 3).")
+@click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None)
+@click.option("--json", "as_json", is_flag=True)
+def golden_regen(cases, reason, accept, golden_dir, as_json):
+    """Re-run the reference for the golden cases and show what changed; --accept replaces them."""
+    from refcheck.diff.session import DiffSession
+    from refcheck.golden import default_golden_dir, regenerate
+
+    quiet()
+    reviews = regenerate(golden_dir or default_golden_dir(), list(cases) or None, reason, accept, DiffSession(),
+                         progress=lambda n: err.print(f"regen: {n}", markup=False))
+    table = Table(title="golden regen review" + ("" if accept else " (pending: nothing replaced)"))
+    for col in ("case", "status", "τ old → new", "first divergences", "provenance changes"):
+        table.add_column(col)
+    for r in reviews:
+        tau = f"{r.tau_old:.3f} → {r.tau_new:.3f}" if r.tau_old is not None else f"- → {r.tau_new:.3f}"
+        div = ", ".join(f"{k}@{v}" for k, v in r.first_divergence.items()) or "-"
+        table.add_row(r.case, r.status, tau, div, "; ".join(r.provenance_changes) or "-")
+    err.print(table)
+    if as_json:
+        click.echo(json.dumps({"accepted": accept, "reviews": [r.to_json() for r in reviews]}, indent=2))
+    if not accept:
+        err.print("review the summary, then run again with --accept --reason TEXT to replace the goldens", markup=False)
+        sys.exit(EXIT_GOLDEN)
+    sys.exit(EXIT_PASS)
+
+@golden.command("add")
+@click.argument("trace_path", type=click.Path(path_type=Path))
+@click.option("--case", "case", required=True, help="Name of the golden case.")
+@click.option("--expect", default="pass", show_default=True,
+              help="'pass', or 'fail' / 'fail:CATEGORY' for a trace of a known-buggy engine that must be caught.")
+@click.option("--allow-unsupported", default="", help="Comma-separated categories the engine cannot record (kv,conv,...).")
+@click.option("--reason", required=True, help="Why this trace becomes a golden (recorded in MANIFEST.json).")
+@click.option("--triage", multiple=True, help="A reviewed finding the gate reports as triaged, not failed: "
+              "REQUEST:STEP:NODE:CATEGORY (NODE '-' for none); repeat for each. Any other failure still fails.")
+@click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None)
+def golden_add(trace_path, case, expect, allow_unsupported, reason, triage, golden_dir):
+    """Store an engine's trace (SGLang, z-lab, ...) as a golden case the gate re-checks."""
+    from refcheck.golden import add_trace, default_golden_dir
+
+    path = add_trace(golden_dir or default_golden_dir(), trace_path, case, expect,
+                     [c for c in allow_unsupported.split(",") if c], reason, list(triage))
+    err.print(f"added golden {case}: {path}", markup=False)
+    sys.exit(EXIT_PASS)
+
+@golden.command("verify")
+@click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None)
+def golden_verify(golden_dir):
+    """Check every golden trace's sha256 against MANIFEST.json."""
+    from refcheck.golden import default_golden_dir, verify
+
+    gdir = golden_dir or default_golden_dir()
+    manifest = verify(gdir)
+    err.print(f"{len(manifest.cases)} golden traces match {gdir / 'MANIFEST.json'}", markup=False)
+    sys.exit(EXIT_PASS)

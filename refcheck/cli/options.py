@@ -1,0 +1,66 @@
+"""Options shared by the commands that run models, and the engine spec built from them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from refcheck.errors import UsageError
+from refcheck.models import BUILTIN_PAIRS, DEFAULT_PAIR
+from refcheck.runners.reference import DRAFTERS, DTYPES, EngineSpec
+
+
+class BudgetType(click.ParamType):
+    """A node budget: a non-negative integer, or ``chain`` for vanilla DFlash (top-1 per depth)."""
+
+    name = "budget"
+
+    def convert(self, value, param, ctx):  # type: ignore[override]
+        if value is None or isinstance(value, int):
+            if isinstance(value, int) and value < 0:
+                self.fail(f"budget must be >= 0 or 'chain', got {value}", param, ctx)
+            return value
+        if str(value).lower() == "chain":
+            return None
+        try:
+            b = int(value)
+        except ValueError:
+            self.fail(f"budget must be a non-negative integer or 'chain', got {value!r}", param, ctx)
+        if b < 0:
+            self.fail(f"budget must be >= 0 or 'chain', got {b}", param, ctx)
+        return b
+
+def parse_ids(text: str | None) -> frozenset[int]:
+    if not text:
+        return frozenset()
+    try:
+        return frozenset(int(t) for t in text.split(","))
+    except ValueError as exc:
+        raise UsageError(f"--stop must be comma-separated token ids, got {text!r}") from exc
+
+def model_options(f):
+    """Options shared by every command that runs models."""
+    opts = [
+        click.option("--model", "model_dir", type=click.Path(path_type=Path), help="Target checkpoint directory (default: built-in)."),
+        click.option("--draft", "draft_dir", type=click.Path(path_type=Path), help="DFlash draft checkpoint directory."),
+        click.option("--pair", type=click.Choice(BUILTIN_PAIRS), default=DEFAULT_PAIR, show_default=True, help="Built-in model pair."),
+        click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), help="Prompts JSONL (default: built-in)."),
+        click.option("--budget", type=BudgetType(), default="15", show_default=True, help="Node budget B, or 'chain'."),
+        click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True),
+        click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True),
+        click.option("--device", default="cpu", show_default=True),
+        click.option("--drafter", type=click.Choice(DRAFTERS), default="dflash", show_default=True,
+                     help="'scripted' = the target's own continuation with decoys (testing)."),
+        click.option("--stop", "stop_ids", default=None, help="Comma-separated stop token ids."),
+        click.option("--json", "as_json", is_flag=True, help="Print only JSON on stdout."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+def spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids) -> EngineSpec:
+    return EngineSpec(
+        model_dir=model_dir, draft_dir=draft_dir, pair=pair, dtype=dtype, device=device, drafter=drafter,
+        budget=budget, max_new_tokens=max_new_tokens, stop_token_ids=parse_ids(stop_ids),
+    )

@@ -1,0 +1,84 @@
+"""The verdict output shared by the diffing commands: report tables, per-step tables, exit codes."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+from rich.table import Table
+
+from refcheck.cli.app import err
+from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
+
+
+def report_table(reports, title: str) -> None:
+    table = Table(title=title)
+    for col in ("case", "mode", "checks", "pass", "benign", "triaged", "fail", "unsupp.", "first divergence"):
+        table.add_column(col)
+    for r in reports:
+        c = r.counts
+        fd = r.first_divergence()
+        if r.expect_failure is not None:
+            tag = "[green]expected failure caught[/]" if r.expected_failure_met else "[red]expected failure NOT caught[/]"
+            f = next(iter(fd.values()), None)
+            first = tag + (f"\n{f.request_id} step {f.step} · {f.category}: {f.message}" if f else f" ({r.expect_failure})")
+        elif fd:
+            f = next(iter(fd.values()))
+            where = f"{f.request_id} step {f.step} node {f.node} · {f.category}"
+            if f.layer is not None:
+                where += f" · layer {f.layer} ({f.layer_type})"
+            first = f"[red]{where}[/]\n{f.message}"
+        else:
+            first = "[green]none[/]"
+        table.add_row(r.case, r.mode, str(sum(r.checks.values())), str(c["pass"]), str(c["benign_tie"]),
+                      str(c["triaged"]), str(c["fail"]), str(c["unsupported"] + c["skipped"]), first)
+    err.print(table)
+    for r in reports:
+        st = r.stats.get("steps")
+        if st:
+            devs = [f"max |Δ log-prob| {r.stats['max_logprob_abs']:.3g}"] if "max_logprob_abs" in r.stats else []
+            devs += [f"max rel L2 {k[11:]} {r.stats[k]:.3g}" for k in sorted(r.stats) if k.startswith("max_rel_l2_")]
+            err.print(f"{r.case}: replayed steps: {st.get('pass', 0)} pass · {st.get('benign_tie', 0)} benign tie · "
+                      + (f"{st['triaged']} triaged · " if st.get("triaged") else "") + f"{st.get('fail', 0)} fail" + (" · " + ", ".join(devs) if devs else ""))
+        if r.stats.get("mean_tau_engine") is not None:
+            ref = r.stats.get("mean_tau_reference")
+            err.print(f"{r.case}: mean τ engine {r.stats['mean_tau_engine']:.3f}"
+                      + (f", reference {ref:.3f}" if ref is not None else "") + " (bonus counted)")
+
+def finish(reports, as_json: bool, extra: dict | None = None) -> None:
+    from refcheck.errors import EXIT_NOTHING
+
+    if as_json:
+        click.echo(json.dumps({**(extra or {}), "reports": [r.to_json() for r in reports]}, indent=2, default=str))
+    codes = [r.exit_code for r in reports]
+    if not reports or all(c == EXIT_NOTHING for c in codes):
+        sys.exit(EXIT_NOTHING)
+    sys.exit(EXIT_MISMATCH if EXIT_MISMATCH in codes else EXIT_PASS)
+
+def steps_table(report, trace, limit: int = 500) -> None:
+    """One row per verify step of the engine trace: its tree, τ and the replay's verdict there."""
+    from refcheck.diff.findings import Verdict
+
+    by_step: dict[tuple, list] = {}
+    for f in report.findings:
+        if f.step is not None and f.step >= 0:
+            by_step.setdefault((f.request_id, f.step), []).append(f)
+    table = Table(title=f"{report.case}: verify steps")
+    for col in ("request", "step", "position", "nodes", "τ", "verdict", "categories", "first finding"):
+        table.add_column(col)
+    for s in trace.steps[:limit]:
+        fs = by_step.get((s.request_id, s.step), [])
+        verdicts = {f.verdict for f in fs}
+        worst = next((v for v in (Verdict.FAIL, Verdict.TRIAGED, Verdict.BENIGN_TIE) if v in verdicts), None)
+        shown = [f for f in fs if f.verdict == worst] if worst else []
+        style = {Verdict.FAIL: "red", Verdict.TRIAGED: "yellow", Verdict.BENIGN_TIE: "cyan"}.get(worst, "green")
+        first = shown[0] if shown else None
+        table.add_row(s.request_id, str(s.step), str(s.committed_len), str(len(s.tree_tokens)), str(s.accept_length),
+                      f"[{style}]{worst.value if worst else 'pass'}[/]", ", ".join(sorted({f.category for f in shown})),
+                      (f"node {first.node} " if first and first.node is not None else "")
+                      + (f"layer {first.layer} " if first and first.layer is not None else "")
+                      + (first.message[:90] if first else ""))
+    err.print(table)
+    if len(trace.steps) > limit:
+        err.print(f"{report.case}: {len(trace.steps) - limit} more steps not shown (see --json)", markup=False)

@@ -1,0 +1,76 @@
+"""``refcheck run``: decode a prompt set with the reference and report acceptance and the AR check."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import click
+from rich.table import Table
+
+from refcheck.cli.app import err, main
+from refcheck.cli.options import model_options, spec_from_options
+from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
+from refcheck.prompts import load_prompts, prompt_set_hash
+from refcheck.runners.reference import EngineSpec, PromptRun, ReferenceRunner
+
+ENGINES = ("reference",)  # live engines; faults are "fault:<name>" (see `refcheck selftest`)
+
+
+@main.command()
+@click.option("--engine", type=click.Choice(ENGINES), default="reference", show_default=True)
+@click.option("--check-ar", is_flag=True, help="Compare every prompt's tokens with target-only greedy decoding.")
+@model_options
+def run(engine, check_ar, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device, drafter, stop_ids, as_json):
+    """Decode prompts with an engine and report acceptance (and the AR check)."""
+    spec = spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids)
+    prompts = load_prompts(prompts_file)
+    runner = ReferenceRunner(spec)
+    runs = runner.run(prompts, check_ar=check_ar, progress=lambda i, p: err.print(f"[{i + 1}/{len(prompts)}] {p.id}", markup=False))
+    report = _run_report(engine, spec, prompts, runs)
+    _print_run_table(report)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    failed = check_ar and any(r.ar_match is False for r in runs)
+    sys.exit(EXIT_MISMATCH if failed else EXIT_PASS)
+
+def _run_report(engine: str, spec: EngineSpec, prompts, runs: list[PromptRun]) -> dict:
+    taus = [t for r in runs for t in r.result.accept_lengths]
+    verify_ms = [1e3 * s.timings["verify"] for r in runs for s in r.result.steps]
+    return {
+        "engine": engine,
+        "budget": "chain" if spec.budget is None else spec.budget,
+        "drafter": spec.drafter,
+        "dtype": spec.dtype,
+        "device": spec.device,
+        "model": str(spec.resolved_dirs()[0]),
+        "prompt_set_sha256": prompt_set_hash(prompts),
+        "tau_convention": "accepted drafted tokens + 1 (bonus counted)",
+        "mean_tau": statistics.fmean(taus) if taus else 0.0,
+        "steps": len(taus),
+        "verify_ms_median": statistics.median(verify_ms) if verify_ms else None,
+        "prompts": [
+            {
+                "id": r.prompt.id,
+                "kind": r.prompt.kind,
+                "output_ids": r.result.output_ids,
+                "accept_lengths": r.result.accept_lengths,
+                "mean_tau": r.result.mean_tau,
+                "ar": "unchecked" if r.ar_match is None else ("pass" if r.ar_match else "fail"),
+                "first_ar_mismatch": r.first_ar_mismatch,
+            }
+            for r in runs
+        ],
+    }
+
+def _print_run_table(report: dict) -> None:
+    table = Table(title=f"refcheck run · {report['engine']} · budget {report['budget']} · {report['drafter']} drafter")
+    for col in ("prompt", "kind", "tokens", "steps", "τ", "AR"):
+        table.add_column(col, justify="right" if col in ("tokens", "steps", "τ") else "left")
+    for p in report["prompts"]:
+        ar = {"pass": "[green]pass[/]", "fail": f"[red]FAIL @{p['first_ar_mismatch']}[/]"}.get(p["ar"], "-")
+        table.add_row(p["id"], p["kind"], str(len(p["output_ids"])), str(len(p["accept_lengths"])), f"{p['mean_tau']:.2f}", ar)
+    err.print(table)
+    vm = report["verify_ms_median"]
+    err.print(f"mean τ {report['mean_tau']:.3f} over {report['steps']} steps; median verify {vm:.1f} ms" if vm else "no verify steps")

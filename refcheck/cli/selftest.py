@@ -1,0 +1,35 @@
+"""``refcheck selftest``: every injected engine fault must be caught by the diff."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+from rich.table import Table
+
+from refcheck.cli.app import err, main, quiet
+from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
+
+
+@main.command()
+@click.option("--fault", "faults", multiple=True, help="Only these faults.")
+@click.option("--json", "as_json", is_flag=True)
+def selftest(faults, as_json):
+    """Inject every known engine bug class into the reference and check that the diff catches each."""
+    from refcheck.selftest.run import selftest as run_selftest
+
+    quiet()
+    rows = run_selftest(list(faults) or None, progress=lambda n: err.print(f"selftest: {n}", markup=False))
+    table = Table(title="refcheck selftest")
+    for col in ("fault", "detected", "expected category", "first divergence", "ok"):
+        table.add_column(col)
+    for r in rows:
+        f = r.first
+        where = "-" if f is None else f"{f['request_id']} step {f['step']} node {f['node']} · {f['category']}" + (
+            f" · layer {f['layer']} ({f['layer_type']})" if f.get("layer") is not None else "")
+        table.add_row(r.fault, "yes" if r.detected else "no", r.expected, where, "[green]ok[/]" if r.ok else "[red]NO[/]")
+    err.print(table)
+    if as_json:
+        click.echo(json.dumps({"rows": [r.to_json() for r in rows]}, indent=2, default=str))
+    sys.exit(EXIT_PASS if all(r.ok for r in rows) else EXIT_MISMATCH)

@@ -1,0 +1,100 @@
+"""``refcheck sweep``: acceptance and speed against node budget (the reference, or SGLang with verdicts)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from refcheck.cli.app import err, main, quiet
+from refcheck.cli.options import model_options, spec_from_options
+from refcheck.errors import EXIT_MISMATCH, EXIT_PASS, UsageError
+from refcheck.prompts import load_prompts
+
+
+@main.command()
+@click.option("--budgets", default="chain,1,4,8,15,16,32,64", show_default=True, help="Comma-separated budgets or 'chain'.")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("sweep-out"), show_default=True,
+              help="Directory for sweep.json and the PNG plots.")
+@click.option("--no-plots", is_flag=True, help="Skip the PNG plots (no matplotlib needed).")
+@click.option("--engine", type=click.Choice(["reference", "sglang"]), default="reference", show_default=True)
+@click.option("--sglang-algorithm", "sglang_algorithms", multiple=True,
+              help="With --engine sglang: algorithms to sweep (default: REFCHECK_DDTREE and REFCHECK_DDTREE_LEAKY_CHAIN).")
+@click.option("--ref-device", default="cuda", show_default=True, help="With --engine sglang: the replay reference's device.")
+@model_options
+def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_device, model_dir, draft_dir, pair,
+          prompts_file, budget, max_new_tokens, dtype, device, drafter, stop_ids, as_json):
+    """Acceptance and speed against node budget: τ, histograms, per-phase time, speedup over target-only.
+
+    With --engine sglang: per SGLang algorithm and budget, τ, step time, tokens/s and the replay verdict."""
+    from refcheck.sweep import parse_budgets, plot_sweep, run_sweep
+    from refcheck.trace.io import atomic_write_bytes
+
+    quiet()
+    blist = parse_budgets(budgets)
+    if engine == "sglang":
+        _sweep_sglang(blist, repeats, out_dir, sglang_algorithms, ref_device, model_dir, draft_dir, pair, prompts_file,
+                      max_new_tokens, dtype, stop_ids, as_json)
+        return
+    spec = spec_from_options(model_dir, draft_dir, pair, blist[0], max_new_tokens, dtype, device, drafter, stop_ids)
+    prompts = load_prompts(prompts_file)
+    if not no_plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            raise UsageError("plotting backend missing: pip install matplotlib (or pass --no-plots)") from exc
+    result = run_sweep(spec, prompts, blist, repeats, progress=lambda r, b: err.print(f"repeat {r} budget {b}", markup=False))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out_dir / "sweep.json", (json.dumps(result, indent=2) + "\n").encode())
+    plots = [] if no_plots else plot_sweep(result, out_dir)
+    table = Table(title=f"refcheck sweep · {result['model']} · {dtype} · {device} · {drafter} drafter · {repeats} repeat(s)")
+    for col in ("budget", "τ", "τ range (req.)", "steps", "draft ms", "tree ms", "verify ms", "commit ms", "tok/s", "speedup", "lossless"):
+        table.add_column(col, justify="right")
+    for r in result["budgets"]:
+        ms = r["ms_per_step"]
+        sp = r["tau_spread_over_requests"]
+        table.add_row(r["budget"], f"{r['mean_tau']:.2f}", f"{sp['min']:.2f}–{sp['max']:.2f}", str(r["steps"]),
+                      *(f"{ms[p]['median']:.2f}" for p in ("draft", "tree", "verify", "commit")),
+                      f"{r['tokens_per_s']['median']:.1f}", f"{r['speedup_vs_autoregressive']:.2f}×",
+                      "yes" if r["lossless"] else "[red]NO[/]")
+    err.print(table)
+    err.print(f"target-only: {result['autoregressive_tokens_per_s']['median']:.1f} tok/s; wrote {out_dir / 'sweep.json'}"
+              + "".join(f", {p}" for p in plots), markup=False)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    sys.exit(EXIT_PASS if all(r["lossless"] for r in result["budgets"]) else EXIT_MISMATCH)
+
+def _sweep_sglang(blist, repeats, out_dir, algorithms, ref_device, model_dir, draft_dir, pair, prompts_file,
+                  max_new_tokens, dtype, stop_ids, as_json) -> None:
+    from refcheck.sweep_sglang import DEFAULT_ALGORITHMS, run_sglang_sweep
+    from refcheck.trace.io import atomic_write_bytes
+
+    if any(b is None or b < 1 for b in blist):
+        raise UsageError("--engine sglang sweeps tree budgets >= 1 (chain mode is --sglang-algorithm DFLASH in diff)")
+    if click.get_current_context().get_parameter_source("dtype") == click.core.ParameterSource.DEFAULT:
+        dtype = "bfloat16"
+    spec = spec_from_options(model_dir, draft_dir, pair, blist[0], max_new_tokens, dtype, "cuda", "dflash", stop_ids)
+    result = run_sglang_sweep(spec, load_prompts(prompts_file), blist, repeats, tuple(algorithms) or DEFAULT_ALGORITHMS,
+                              ref_device=ref_device,
+                              progress=lambda a, b, r: err.print(f"{a} budget {b} repeat {r}", markup=False))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out_dir / "sweep-sglang.json", (json.dumps(result, indent=2) + "\n").encode())
+    table = Table(title=f"refcheck sweep · SGLang · {result['model']} · {dtype} · {repeats} repeat(s)")
+    for col in ("algorithm", "budget", "τ", "steps", "step ms", "tok/s", "verdict", "first divergence"):
+        table.add_column(col)
+    for r in result["rows"]:
+        ms, ts = r["step_ms"], r["tokens_per_s"]
+        table.add_row(r["algorithm"], str(r["budget"]), f"{r['mean_tau']:.2f}" if r["mean_tau"] else "-", str(r["steps"]),
+                      f"{ms['median']:.1f} ({ms['min']:.1f}–{ms['max']:.1f})" if ms else "-",
+                      f"{ts['median']:.0f} ({ts['min']:.0f}–{ts['max']:.0f})" if ts else "-",
+                      r["verdict"] + (f" ({', '.join(r['fail_categories'])})" if r["fail_categories"] else ""),
+                      r["first_divergence"] or "-")
+    err.print(table)
+    err.print(f"wrote {out_dir / 'sweep-sglang.json'}", markup=False)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    sys.exit(EXIT_PASS)
