@@ -74,3 +74,11 @@ def cli(monkeypatch, capsys):
         return int(exc.value.code or 0), out.out, out.err
 
     return run
+
+
+@pytest.fixture
+def trace_file(tmp_path):
+    """A small valid trace and its file (tests/trace_helpers.py), for the trace format and error tests."""
+    from trace_helpers import make_trace_file
+
+    return make_trace_file(tmp_path)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
+from strategies import rooted_parents  # tests/strategies.py
 
 from refcheck.models import builtin_pair
 from refcheck.prompts import load_prompts
@@ -21,14 +21,8 @@ from reference.decode import DDTreeDecoder, DecodeConfig
 from reference.drafter import DFlashDrafter
 
 
-@st.composite
-def parent_lists(draw):
-    n = draw(st.integers(1, 24))
-    return [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
-
-
 @settings(max_examples=60, deadline=None)
-@given(parent_lists())
+@given(rooted_parents(max_nodes=24))
 def test_mask_rows_are_ancestor_sets_and_give_back_the_parents(parents):
     mask = ancestor_mask(parents)
     for i in range(len(parents)):

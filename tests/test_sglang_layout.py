@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
+from strategies import rooted_parents  # tests/strategies.py
 
 from refcheck.runners.sglang_layout import (
     accepted_from_accept_index,
@@ -30,14 +30,8 @@ def test_worked_example_from_sglang_source():
     assert accepted_from_accept_index([8, 10, -1, -1], batch_row=2, n=4) == [0, 2]
 
 
-@st.composite
-def trees(draw):
-    n = draw(st.integers(1, 40))
-    return [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
-
-
 @settings(max_examples=60, deadline=None)
-@given(trees())
+@given(rooted_parents())
 def test_links_round_trip(parents):
     nt, ns = links_from_parents(parents)
     assert parents_from_links(nt, ns) == parents

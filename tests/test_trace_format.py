@@ -31,21 +31,12 @@ from refcheck.trace import (
 from refcheck.trace import io as trace_io
 from refcheck.trace import schema as trace_schema
 
-TIMINGS = {"draft": 0.001, "tree": 0.0002, "verify": 0.01, "commit": 0.0005}
-
-
 from trace_helpers import (  # noqa: E402
     assert_traces_equal,
     dir_listing,
     make_trace,
-    make_trace_file,
     tensors_identical,
 )
-
-
-@pytest.fixture
-def trace_file(tmp_path: Path) -> tuple[Trace, Path]:
-    return make_trace_file(tmp_path)
 
 
 # ---------------------------------------------------------------------------- round trip
