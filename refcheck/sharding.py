@@ -15,12 +15,12 @@ import socket
 import tempfile
 from pathlib import Path
 
-from refcheck.diff.findings import Report
+from refcheck.diff.findings import Report, step_counts
 from refcheck.errors import UsageError
 from refcheck.trace.io import Trace, trace_bytes, trace_from_bytes
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -65,7 +65,7 @@ def sharded_diff(trace: Trace, case: str, mode: str, shards: int, ref_dtype: str
         raise UsageError(f"--ref-shards {shards} needs {shards} CUDA devices, {torch.cuda.device_count()} visible")
     with tempfile.TemporaryDirectory(prefix="refcheck-shards-") as tmp:
         out = os.path.join(tmp, "report.pkl")
-        mp.start_processes(_rank, args=(shards, _free_port(), trace_bytes(trace), case, ref_dtype, ref_device, out),
+        mp.start_processes(_rank, args=(shards, free_port(), trace_bytes(trace), case, ref_dtype, ref_device, out),
                            nprocs=shards, start_method="spawn")
         return merge_shard_reports([pickle.loads(Path(out).with_suffix(f".{r}.pkl").read_bytes()) for r in range(shards)])
 
@@ -76,8 +76,6 @@ STATE_CATEGORIES = ("kv", "conv", "recurrent", "unmatched")
 def merge_shard_reports(reports: list[Report]) -> Report:
     """Rank 0's report (tokens, logits and acceptance are the same on every rank) plus every other
     rank's state checks of its own layers; per-step verdicts recounted over the merged findings."""
-    from refcheck.diff.findings import Verdict
-
     out = reports[0]
     for rep in reports[1:]:
         out.findings += [f for f in rep.findings if f.category in STATE_CATEGORIES]
@@ -87,16 +85,6 @@ def merge_shard_reports(reports: list[Report]) -> Report:
             if key.startswith("max_rel_l2_"):
                 out.stats[key] = max(out.stats.get(key, value), value)
     steps = out.stats.get("steps")
-    if steps:
-        total = sum(steps.values())
-        worst: dict[tuple, str] = {}
-        for f in out.findings:
-            if f.step is None or f.step < 0 or f.verdict not in (Verdict.FAIL, Verdict.BENIGN_TIE):
-                continue
-            key = (f.request_id, f.step)
-            if f.verdict == Verdict.FAIL or worst.get(key) != "fail":
-                worst[key] = "fail" if f.verdict == Verdict.FAIL else worst.get(key, "benign_tie")
-        fails = sum(1 for v in worst.values() if v == "fail")
-        ties = sum(1 for v in worst.values() if v == "benign_tie")
-        out.stats["steps"] = {"pass": total - fails - ties, "benign_tie": ties, "fail": fails}
+    if steps:  # other ranks' state findings may make more steps fail: recount over the merged findings
+        out.stats["steps"] = step_counts(out.findings, sum(steps.values()))
     return out

@@ -35,6 +35,13 @@ def sketch_rows(x: torch.Tensor, dim: int = SKETCH_DIM) -> torch.Tensor:
     return (x.float() @ proj).cpu()
 
 
+def sketch_slice(x: torch.Tensor, index: torch.Tensor, features: int, dim: int = SKETCH_DIM) -> torch.Tensor:
+    """[rows, len(index)] holding features ``index`` of ``features``-wide rows -> their share of the
+    rows' sketch, [rows, dim] float32: the shares of a split row sum to the row's sketch (linearity)."""
+    proj = _projection(features, dim, SEED, str(x.device))[index.to(x.device)]  # [len(index), dim]
+    return (x.float() @ proj).cpu()
+
+
 def state_rows(state: TargetState, new_from: int) -> dict[str, tuple[int, str, torch.Tensor]]:
     """name -> (layer, kind, rows [rows, F]) for the state a step committed (KV rows from new_from)."""
     rows: dict[str, tuple[int, str, torch.Tensor]] = {}

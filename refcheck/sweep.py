@@ -50,8 +50,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _span(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+def span(values: list[float]) -> dict:
+    """Median and min–max ({} for no values)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else {}
 
 
 def run_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int | None], repeats: int = 1,
@@ -112,9 +113,9 @@ def run_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int | None]
     ar_med = statistics.median(ar_tps)
     for key, row in rows.items():
         pb = per_budget[key]
-        row["tokens_per_s"] = _span(pb["tps"])
+        row["tokens_per_s"] = span(pb["tps"])
         row["speedup_vs_autoregressive"] = statistics.median(pb["tps"]) / ar_med
-        row["ms_per_step"] = {ph: {k: 1e3 * v for k, v in _span(pb["phase"][ph]).items()} for ph in PHASES}
+        row["ms_per_step"] = {ph: {k: 1e3 * v for k, v in span(pb["phase"][ph]).items()} for ph in PHASES}
     return {
         "engine": "reference",
         "model": spec.model_label,
@@ -124,7 +125,7 @@ def run_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int | None]
         "repeats": repeats,
         "prompts": len(prompts),
         "max_new_tokens": spec.max_new_tokens,
-        "autoregressive_tokens_per_s": _span(ar_tps),
+        "autoregressive_tokens_per_s": span(ar_tps),
         "tau_convention": "accepted drafted tokens + 1 (bonus counted)",
         "budgets": list(rows.values()),
     }

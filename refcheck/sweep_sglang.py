@@ -19,12 +19,9 @@ from collections.abc import Callable
 from refcheck.diff.session import DiffSession
 from refcheck.prompts import Prompt
 from refcheck.runners.reference import EngineSpec
+from refcheck.sweep import span
 
 DEFAULT_ALGORITHMS = ("REFCHECK_DDTREE", "REFCHECK_DDTREE_LEAKY_CHAIN")
-
-
-def _span(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else {}
 
 
 def _first(report) -> str:
@@ -74,8 +71,8 @@ def run_sglang_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int]
             rows.append({
                 "algorithm": alg, "budget": budget, "steps": len(all_taus),
                 "mean_tau": statistics.mean(all_taus) if all_taus else None,
-                "tau_spread_over_requests": _span(per_req),
-                "step_ms": _span(step_ms), "tokens_per_s": _span(tok_s),
+                "tau_spread_over_requests": span(per_req),
+                "step_ms": span(step_ms), "tokens_per_s": span(tok_s),
                 "verdict": report.verdict if report else "not run",
                 "counts": report.counts if report else {},
                 "fail_categories": sorted({f.category for f in report.failures}) if report else [],

@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from test_sharded import _decode, _free_port, _summary  # noqa: E402 (tests/ is on sys.path under pytest)
+from refcheck.sharding import free_port
+
+from test_sharded import _decode, _summary  # noqa: E402 (tests/ is on sys.path under pytest)
 
 pytestmark = pytest.mark.gpu
 
@@ -53,7 +55,7 @@ def test_sharded_reference_on_two_gpus_equals_one_gpu(tmp_path):
     prompt = list(load_prompts()[1].prompt_ids)
     target, drafter = _load_cuda("cuda:0")
     one = _decode(target, drafter, prompt, 15, 24)
-    mp.start_processes(_rank_main, args=(2, _free_port(), prompt, str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_rank_main, args=(2, free_port(), prompt, str(tmp_path)), nprocs=2, start_method="spawn")
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)["summary"]
         assert got["output"] == one.output_ids

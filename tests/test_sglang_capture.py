@@ -17,7 +17,6 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from refcheck.diff.findings import Verdict
 from refcheck.diff.session import DiffSession
 from refcheck.prompts import load_prompts
 from refcheck.runners.reference import EngineSpec, ReferenceRunner

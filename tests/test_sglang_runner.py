@@ -16,7 +16,8 @@ from refcheck.errors import EXIT_USAGE, UsageError
 from refcheck.models import builtin_pair
 from refcheck.runners.reference import EngineSpec
 from refcheck.runners.sglang import (EngineUnavailableError, SGLangRunner, draft_block_size, engine_kwargs,
-                                     install_entry_point, resolve_budget, summarise_error)
+                                     install_entry_point, resolve_budget)
+from refcheck.runners.sglang_child import summarise_error
 from refcheck.sglang_capture import versions
 
 

@@ -8,19 +8,13 @@ same CPU operations on the same inputs) and every rank's committed state of its 
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from refcheck.sharding import free_port
 from reference.sharded import split_layers
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _decode(target, drafter, prompt, budget, max_new):
@@ -86,7 +80,7 @@ def test_sharded_reference_equals_one_process(tmp_path, world, budget):
     target, drafter = _load()
     ref = _summary(_decode(target, drafter, prompt, budget, max_new))
     ref_res = _decode(target, drafter, prompt, budget, max_new)
-    mp.start_processes(_rank_main, args=(world, _free_port(), prompt, budget, max_new, str(tmp_path)), nprocs=world,
+    mp.start_processes(_rank_main, args=(world, free_port(), prompt, budget, max_new, str(tmp_path)), nprocs=world,
                        start_method="spawn")
     held = []
     for rank in range(world):

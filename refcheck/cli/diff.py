@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from refcheck.cli.app import err, main
-from refcheck.cli.options import model_options, spec_from_options
+from refcheck.cli.options import model_options, spec_from_options, unless_given
 from refcheck.cli.reports import finish, report_table, steps_table
 from refcheck.errors import GoldenError, UsageError
 from refcheck.prompts import load_prompts, prompt_set_hash
@@ -25,12 +25,8 @@ def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, dev
         if ":" in engine and engine.split(":", 1)[1].upper() != algorithm.upper():
             raise UsageError(f"--engine {engine} and --sglang-algorithm {algorithm} disagree")
         engine = f"sglang:{algorithm.upper()}"
-    ctx = click.get_current_context()
-    if ctx.get_parameter_source("dtype") == click.core.ParameterSource.DEFAULT:
-        dtype = "bfloat16"
-    if ctx.get_parameter_source("device") == click.core.ParameterSource.DEFAULT:
-        device = "cuda"
-    return engine, {"cuda_graphs": cuda_graphs, "ngram_breadth": ngram_breadth, "tp": tp}, dtype, device
+    return (engine, {"cuda_graphs": cuda_graphs, "ngram_breadth": ngram_breadth, "tp": tp},
+            unless_given("dtype", dtype, "bfloat16"), unless_given("device", device, "cuda"))
 
 @main.command()
 @click.option("--engine", default=None,

@@ -64,3 +64,10 @@ def spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype,
         model_dir=model_dir, draft_dir=draft_dir, pair=pair, dtype=dtype, device=device, drafter=drafter,
         budget=budget, max_new_tokens=max_new_tokens, stop_token_ids=parse_ids(stop_ids),
     )
+
+
+def unless_given(name: str, value, fallback):
+    """``value`` if the user passed option ``name``, else ``fallback`` (SGLang runs bf16 on CUDA, while the
+    options' defaults suit the CPU reference)."""
+    given = click.get_current_context().get_parameter_source(name) != click.core.ParameterSource.DEFAULT
+    return value if given else fallback

@@ -58,7 +58,7 @@ def finish(reports, as_json: bool, extra: dict | None = None) -> None:
 
 def steps_table(report, trace, limit: int = 500) -> None:
     """One row per verify step of the engine trace: its tree, τ and the replay's verdict there."""
-    from refcheck.diff.findings import Verdict
+    from refcheck.diff.findings import Verdict, worst_verdict
 
     by_step: dict[tuple, list] = {}
     for f in report.findings:
@@ -70,7 +70,7 @@ def steps_table(report, trace, limit: int = 500) -> None:
     for s in trace.steps[:limit]:
         fs = by_step.get((s.request_id, s.step), [])
         verdicts = {f.verdict for f in fs}
-        worst = next((v for v in (Verdict.FAIL, Verdict.TRIAGED, Verdict.BENIGN_TIE) if v in verdicts), None)
+        worst = worst_verdict(verdicts)
         shown = [f for f in fs if f.verdict == worst] if worst else []
         style = {Verdict.FAIL: "red", Verdict.TRIAGED: "yellow", Verdict.BENIGN_TIE: "cyan"}.get(worst, "green")
         first = shown[0] if shown else None

@@ -10,7 +10,7 @@ import click
 from rich.table import Table
 
 from refcheck.cli.app import err, main, quiet
-from refcheck.cli.options import model_options, spec_from_options
+from refcheck.cli.options import model_options, spec_from_options, unless_given
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS, UsageError
 from refcheck.prompts import load_prompts
 
@@ -75,8 +75,7 @@ def _sweep_sglang(blist, repeats, out_dir, algorithms, ref_device, model_dir, dr
 
     if any(b is None or b < 1 for b in blist):
         raise UsageError("--engine sglang sweeps tree budgets >= 1 (chain mode is --sglang-algorithm DFLASH in diff)")
-    if click.get_current_context().get_parameter_source("dtype") == click.core.ParameterSource.DEFAULT:
-        dtype = "bfloat16"
+    dtype = unless_given("dtype", dtype, "bfloat16")
     spec = spec_from_options(model_dir, draft_dir, pair, blist[0], max_new_tokens, dtype, "cuda", "dflash", stop_ids)
     result = run_sglang_sweep(spec, load_prompts(prompts_file), blist, repeats, tuple(algorithms) or DEFAULT_ALGORITHMS,
                               ref_device=ref_device,

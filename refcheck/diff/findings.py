@@ -25,6 +25,31 @@ class Verdict(str, Enum):
     SKIPPED = "skipped"
 
 
+#: verdicts that mark a step, most severe first (a step with none of them passed)
+STEP_SEVERITY = (Verdict.FAIL, Verdict.TRIAGED, Verdict.BENIGN_TIE)
+
+
+def worst_verdict(verdicts) -> Verdict | None:
+    """The most severe of ``verdicts`` that marks a step (FAIL > TRIAGED > BENIGN_TIE), else None (pass)."""
+    present = set(verdicts)
+    return next((v for v in STEP_SEVERITY if v in present), None)
+
+
+def step_counts(findings, total_steps: int) -> dict[str, int]:
+    """Verify steps by their worst finding: {pass, benign_tie, [triaged,] fail} summing to ``total_steps``."""
+    per_step: dict[tuple, list] = {}
+    for f in findings:
+        if f.step is not None and f.step >= 0:
+            per_step.setdefault((f.request_id, f.step), []).append(f.verdict)
+    counts = {"pass": 0, "benign_tie": 0, "fail": 0}
+    for verdicts in per_step.values():
+        worst = worst_verdict(verdicts)
+        if worst is not None:
+            counts[worst.value] = counts.get(worst.value, 0) + 1
+    counts["pass"] = total_steps - sum(counts.values())
+    return counts
+
+
 #: categories, in the order a reader should care about them
 CATEGORIES = (
     "engine", "alignment", "tree", "draft", "logits", "accepted_path", "accept_length", "bonus", "output",

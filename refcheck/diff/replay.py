@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from refcheck.diff.findings import Finding, Report, Verdict
+from refcheck.diff.findings import Finding, Report, Verdict, worst_verdict
 from refcheck.diff.tolerance import Tolerance
 from refcheck.sketch import cosine, layer_sketch, rel_l2, sketch_rows, state_rows
 from refcheck.trace.io import StepRow, Trace
@@ -74,10 +74,10 @@ class _Request:
 
     def step_verdict(self, since: int) -> None:
         """Count the step just replayed as pass / benign tie / triaged / fail by its worst finding."""
-        new = {f.verdict for f in self.rep.findings[since:]}
-        worst = next((v.value for v in (Verdict.FAIL, Verdict.TRIAGED, Verdict.BENIGN_TIE) if v in new), "pass")
+        worst = worst_verdict(f.verdict for f in self.rep.findings[since:])
+        key = worst.value if worst is not None else "pass"
         steps = self.rep.stats.setdefault("steps", {"pass": 0, "benign_tie": 0, "fail": 0})
-        steps[worst] = steps.get(worst, 0) + 1
+        steps[key] = steps.get(key, 0) + 1
 
     # -- checks -------------------------------------------------------------------------------
     def token_flip(self, category: str, step: int, node: int | None, logp: torch.Tensor, engine_tok: int, **kw) -> bool:

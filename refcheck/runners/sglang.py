@@ -35,7 +35,6 @@ from typing import Any
 
 from refcheck.errors import ModelError, UsageError
 from refcheck.prompts import Prompt
-from refcheck.runners.sglang_child import summarise_error  # noqa: F401 - re-exported for callers
 from refcheck.runners.reference import EngineSpec
 from refcheck.trace.io import Trace
 

@@ -74,8 +74,10 @@ def merge_ranks(capture: Capture, problems: list[str]) -> list[StepCapture]:
         for s in capture.steps[r]:
             per_rank[r].setdefault(s.rid, []).append(s)
     out = []
+    seen: dict[str, int] = {}  # rid -> steps merged so far (rank 0's k-th step pairs with every rank's k-th)
     for s0 in capture.steps[ranks[0]]:
-        k = sum(1 for x in out if x.rid == s0.rid)
+        k = seen.get(s0.rid, 0)
+        seen[s0.rid] = k + 1
         group = [per_rank[r].get(s0.rid, [])[k] if k < len(per_rank[r].get(s0.rid, [])) else None for r in ranks]
         if any(g is None for g in group):
             problems.append(f"{s0.rid} step {k}: not recorded by every tensor-parallel rank")

@@ -204,8 +204,7 @@ def _attach_layers(scheduler: Any, steps: list[StepCapture]) -> None:
 
 
 def _after(scheduler: Any, snap: _Batch, result: Any) -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # results and the commit were launched on SGLang's streams
+    """Record what the batch produced (``_run_batch`` has synchronised the device after it)."""
     rec = _rec(scheduler)
     logits = getattr(getattr(result, "logits_output", None), "next_token_logits", None)
     if snap.mode == "extend":

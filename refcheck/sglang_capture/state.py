@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from refcheck.runners.sglang_layout import conv_to_reference, ssm_to_reference
-from refcheck.sketch import sketch_rows
+from refcheck.sketch import sketch_rows, sketch_slice
 
 
 def committed_rows(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor,
@@ -76,8 +76,6 @@ def feature_index(kind: str, local_features: int, tp_rank: int, tp_size: int,
 def summarise_shard(rows: dict[str, tuple[int, str, torch.Tensor]], tp_rank: int, tp_size: int,
                     conv_groups: tuple[int, ...] | None, full: bool) -> dict[str, tuple[int, str, torch.Tensor, torch.Tensor | None]]:
     """A rank's partial sketches (see above) and, when asked, its raw shard."""
-    from refcheck.sketch import SEED, SKETCH_DIM, _projection
-
     out = {}
     for name, (layer, kind, t) in rows.items():
         idx = feature_index(kind, t.shape[-1], tp_rank, tp_size, conv_groups)
@@ -85,8 +83,7 @@ def summarise_shard(rows: dict[str, tuple[int, str, torch.Tensor]], tp_rank: int
             sk = sketch_rows(t)
         else:
             n_full = t.shape[-1] * tp_size if kind != "conv" else sum(conv_groups)
-            proj = _projection(n_full, SKETCH_DIM, SEED, str(t.device))[idx.to(t.device)]  # [F_local, r]
-            sk = (t.float() @ proj).cpu()  # float32: the sketch's own precision (bf16 state upcast)
+            sk = sketch_slice(t, idx, n_full)
         out[name] = (layer, kind, sk, t.detach().cpu().clone() if full else None)
     return out
 

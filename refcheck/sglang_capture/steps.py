@@ -16,7 +16,7 @@ Committed state is attached later (``state``), after SGLang's commit has run.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -24,6 +24,11 @@ import torch
 from refcheck.runners.sglang_layout import accepted_from_accept_index, depths_from_parents, parents_from_links
 
 TOPK = 5
+
+
+def _fields(record) -> dict[str, Any]:
+    """A record's fields as a plain dict (shallow: tensors are not copied), for ``torch.save``."""
+    return {f.name: getattr(record, f.name) for f in fields(record)}
 
 
 @dataclass(slots=True, eq=False)
@@ -47,7 +52,7 @@ class StepCapture:
     layer_sketch: torch.Tensor | None = None  # [layers, N, r] when the layer hooks ran
 
     def to_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.__slots__}
+        return _fields(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StepCapture:
@@ -169,7 +174,7 @@ class PrefillCapture:
     logprob: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.__slots__}
+        return _fields(self)
 
 
 def prefill_records(logits: torch.Tensor, next_ids: torch.Tensor, rids: Sequence[str], prompt_lens: Sequence[int]) -> list[PrefillCapture]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -64,14 +64,7 @@ class HistoryEntry:
     provenance_new: dict[str, Any]
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "sha256_old": self.sha256_old,
-            "sha256_new": self.sha256_new,
-            "reason": self.reason,
-            "time": self.time,
-            "provenance_old": self.provenance_old,
-            "provenance_new": self.provenance_new,
-        }
+        return asdict(self)
 
 
 @dataclass(slots=True)
@@ -83,13 +76,7 @@ class ManifestEntry:
     history: list[HistoryEntry] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "file": self.file,
-            "sha256": self.sha256,
-            "bytes": self.bytes,
-            "provenance": self.provenance,
-            "history": [h.to_json() for h in self.history],
-        }
+        return asdict(self)  # fields in declaration order; history entries become dicts too
 
 
 @dataclass(slots=True)
