@@ -38,7 +38,6 @@ from refcheck.prompts import Prompt
 from refcheck.runners.reference import EngineSpec
 from refcheck.trace.io import Trace
 
-ALGORITHMS = ("NONE", "DFLASH", "NGRAM")  # built in; other names pass through to SGLang's registry
 DFLASH_DRAFTED = ("DFLASH", "REFCHECK_DDTREE", "REFCHECK_DDTREE_LEAKY_CHAIN")  # algorithms whose drafts come from the DFlash draft checkpoint
 PLUGIN_ENTRY = "refcheck = refcheck.sglang_capture.plugin:register"
 
@@ -213,6 +212,12 @@ class SGLangRunner:
             drafter="dflash" if self.algorithm in DFLASH_DRAFTED else "none", prompt_set_sha256=prompt_set_hash(prompts),
             model_label=self.spec.model_label)
         asm = assemble_trace(prompts, rids, results, cap, prov)
+        from refcheck.sglang_capture.versions import SUPPORTED
+
+        seen = {str(st.get("sglang")) for st in cap.status} - set(SUPPORTED)
+        if seen:  # not an error: the hook targets may still hold, but nobody has read this release
+            asm.problems.append(f"SGLang {', '.join(sorted(seen))} is not a release refcheck's hooks were checked "
+                                f"against ({', '.join(SUPPORTED)})")
         errors = list(cap.errors) + self._hook_errors(cap)
         prov["capture"] = {"enabled": self.capture, "errors": errors[:50], "problems": asm.problems[:50],
                            "incomplete": asm.incomplete, "crash": crash, "stats": asm.stats, "status": cap.status[:8]}
