@@ -14,7 +14,7 @@ from strategies import rooted_parents  # tests/strategies.py
 
 from refcheck.models import builtin_pair
 from refcheck.prompts import load_prompts
-from refcheck.sglang_ddtree.algorithm import check_server_args
+from refcheck.sglang_ddtree.algorithm import check_server_args, ngram_like_spec_class
 from refcheck.sglang_ddtree.drafts import DrafterPool, TargetView, draft_tree, extend_context
 from refcheck.sglang_ddtree.layout import TreeLayoutError, ancestor_mask, batch_layout
 from reference.decode import DDTreeDecoder, DecodeConfig
@@ -105,3 +105,53 @@ def test_server_args_check(tmp_path):
                      ({"speculative_draft_model_path": str(builtin_pair("hybrid")[0])}, "not a DFlash draft")):
         with pytest.raises(ValueError, match=msg):
             check_server_args(NS(**{**vars(args), **bad}))
+
+
+def test_spec_class_answers_like_ngram_where_the_registry_base_is_silent():
+    """SGLang 0.5.17's CustomSpecAlgo lacks methods its scheduler calls at start-up (the first H200
+    run died on ``carries_draft_hidden_states``): they are borrowed from the builtin enum."""
+    import enum
+
+    class Base:  # the registry's base class: defaults of its own, some methods missing
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def is_eagle(self) -> bool:
+            return False
+
+        def is_ngram(self) -> bool:
+            return False
+
+        def has_draft_kv(self) -> bool:
+            return True
+
+    class Builtin(enum.Enum):  # the enum SGLang's own algorithms are
+        NGRAM = "ngram"
+
+        def is_eagle(self) -> bool:
+            return self is Builtin.NGRAM and False
+
+        def is_ngram(self) -> bool:
+            return self is Builtin.NGRAM
+
+        def has_draft_kv(self) -> bool:
+            return not self.is_ngram()
+
+        def carries_draft_hidden_states(self) -> bool:
+            return self.is_eagle()
+
+        def need_topk(self) -> bool:
+            return self.is_eagle()
+
+        @classmethod
+        def from_string(cls, name: str) -> Builtin:
+            return cls[name]
+
+    cls = ngram_like_spec_class(Base, Builtin)
+    algo = cls("REFCHECK_DDTREE")
+    assert isinstance(algo, Base) and algo.name == "REFCHECK_DDTREE"
+    assert algo.is_ngram() and not algo.is_eagle()
+    assert algo.has_draft_kv() is False  # NGRAM's answer, not the base's default
+    assert algo.carries_draft_hidden_states() is False and algo.need_topk() is False
+    assert {"carries_draft_hidden_states", "need_topk"} <= set(dir(cls))  # what 0.5.23's check reads
+    assert "from_string" not in vars(cls)  # classmethods stay the enum's

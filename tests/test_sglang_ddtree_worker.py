@@ -193,7 +193,7 @@ def _run(module, engine_box, target, prompts, budget: int, max_new: int):
     args = NS(disable_overlap_schedule=True, page_size=1, speculative_num_draft_tokens=budget + 1,
               speculative_eagle_topk=2, speculative_num_steps=budget, device="cpu", tp_size=1,
               speculative_draft_model_path=str(ddir))
-    worker = module.DDTreeWorker(args, 0, NS(tp_rank=0), 0, engine)
+    worker = module.DDTreeWorker(server_args=args, gpu_id=0, ps=NS(tp_rank=0), nccl_port=0, target_worker=engine)
     worker.alloc_memory_pool()
     assert engine.captured_ids == list(capture)
     reqs = [NS(rid=f"r{i}", origin_input_ids=list(p.prompt_ids), output_ids=[],
@@ -241,6 +241,6 @@ def test_worker_refuses_sampling(worker_module, hybrid):
         _, ddir = builtin_pair("hybrid")
         args = NS(disable_overlap_schedule=True, page_size=1, speculative_num_draft_tokens=16, speculative_eagle_topk=2,
                   speculative_num_steps=15, device="cpu", tp_size=1, speculative_draft_model_path=str(ddir))
-        worker = module.DDTreeWorker(args, 0, NS(tp_rank=0), 0, engine)
+        worker = module.DDTreeWorker(server_args=args, gpu_id=0, ps=NS(tp_rank=0), nccl_port=0, target_worker=engine)
         req = NS(rid="r", origin_input_ids=[5, 6, 7], output_ids=[9], sampling_params=NS(temperature=0.7, max_new_tokens=8))
         worker._prepare_draft_tokens(NS(reqs=[req]))

@@ -13,6 +13,7 @@ chain layout, the leak), and turns off mixed chunks.
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 NAME = "REFCHECK_DDTREE"
@@ -49,6 +50,29 @@ def check_server_args(server_args, leaky: bool = False) -> None:
     server_args.enable_mixed_chunk = False
 
 
+#: the builtin's answers a tree-verify plugin without an SGLang draft model must give like NGRAM, even
+#: where the registry's base class has a default of its own (``has_draft_kv``: True there, no draft KV here)
+_NGRAM_ANSWERS = ("has_draft_kv",)
+
+
+def ngram_like_spec_class(base: type, builtin: type) -> type:
+    """A subclass of SGLang's ``CustomSpecAlgo`` that answers like the builtin NGRAM.
+
+    ``is_ngram`` is True, so SGLang takes NGRAM's paths (verify input, KV sizing, no draft worker).
+    Every public method of the builtin enum that ``base`` lacks is borrowed from the enum, where
+    it is written in terms of the ``is_*()`` answers. SGLang 0.5.17's base class lacks
+    ``carries_draft_hidden_states``, ``create_future_map``, ``build_disagg_draft_input`` and
+    ``need_topk``, which its scheduler calls at start-up. The borrowed methods are real class
+    attributes, so 0.5.23's conformance check (``dir(spec_class)``) sees them too.
+    """
+    attrs: dict[str, object] = {"is_ngram": lambda self: True, "__module__": __name__}
+    for name, fn in vars(builtin).items():
+        if isinstance(fn, types.FunctionType) and not name.startswith("_") and (
+                not hasattr(base, name) or name in _NGRAM_ANSWERS):
+            attrs[name] = fn
+    return type("RefcheckDDTreeAlgo", (base,), attrs)
+
+
 def register_algorithm() -> bool:
     global _done
     if _done:
@@ -59,9 +83,7 @@ def register_algorithm() -> bool:
     except ImportError:
         return False
 
-    class DDTreeAlgo(CustomSpecAlgo):
-        def is_ngram(self) -> bool:  # tree verify without an SGLang draft model: NGRAM's paths
-            return True
+    spec_class = ngram_like_spec_class(CustomSpecAlgo, SpeculativeAlgorithm)
 
     def factory(server_args):
         from refcheck.sglang_ddtree.worker import DDTreeWorker
@@ -71,7 +93,7 @@ def register_algorithm() -> bool:
     for name, validate in ((NAME, check_server_args), (LEAKY_NAME, lambda a: check_server_args(a, leaky=True))):
         try:
             SpeculativeAlgorithm.register(name, supports_overlap=False, validate_server_args=validate,
-                                          spec_class=DDTreeAlgo)(factory)
+                                          spec_class=spec_class)(factory)
         except (ValueError, TypeError) as exc:  # already registered (another copy of the plugin) or refused
             if "already" not in str(exc).lower():
                 raise

@@ -56,13 +56,14 @@ class _Contexts:
 
 
 class DDTreeWorker(ngram.NGRAMWorker):
-    def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker) -> None:
+    # SGLang passes keywords: 0.5.17 gives ``ps`` (its parallel state), 0.5.23 does not
+    def __init__(self, server_args, gpu_id, nccl_port, target_worker, ps=None, **_ignored) -> None:
         BaseSpecWorker.__init__(self)  # not NGRAM's: no n-gram corpus to build
         self.server_args = server_args
         self.enable_overlap = not server_args.disable_overlap_schedule
         self._target_worker = target_worker
         self.model_runner = target_worker.model_runner
-        self.tp_rank = ps.tp_rank
+        self.tp_rank = ps.tp_rank if ps is not None else 0  # TP 1 is enforced below
         self.page_size = server_args.page_size
         self.draft_token_num = self.speculative_num_draft_tokens = int(server_args.speculative_num_draft_tokens)
         self.topk = server_args.speculative_eagle_topk
@@ -105,7 +106,7 @@ class DDTreeWorker(ngram.NGRAMWorker):
             extend_context(self.pool, rid, hidden[r.to(hidden.device)], start)
 
     # -- one scheduler step ---------------------------------------------------------------------------
-    def forward_batch_generation(self, batch, on_publish=None):
+    def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
         ngram.record_stream_for_v2_verify(batch, None, torch.get_device_module(self.device).current_stream())
         bs = len(batch.reqs)
         rids = [r.rid for r in batch.reqs]
