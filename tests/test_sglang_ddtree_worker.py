@@ -197,7 +197,7 @@ def _run(module, engine_box, target, prompts, budget: int, max_new: int):
     worker.alloc_memory_pool()
     assert engine.captured_ids == list(capture)
     reqs = [NS(rid=f"r{i}", origin_input_ids=list(p.prompt_ids), output_ids=[],
-               sampling_params=NS(temperature=0.0, max_new_tokens=max_new)) for i, p in enumerate(prompts)]
+               sampling_params=NS(temperature=1.0, top_k=1, max_new_tokens=max_new)) for i, p in enumerate(prompts)]
     batch = NS(reqs=reqs, forward_mode=ForwardMode.EXTEND, extend_lens=[len(r.origin_input_ids) for r in reqs],
                prefix_lens=[0] * len(reqs), seq_lens=torch.tensor([len(r.origin_input_ids) for r in reqs]))
     res = worker.forward_batch_generation(batch)
@@ -242,5 +242,14 @@ def test_worker_refuses_sampling(worker_module, hybrid):
         args = NS(disable_overlap_schedule=True, page_size=1, speculative_num_draft_tokens=16, speculative_eagle_topk=2,
                   speculative_num_steps=15, device="cpu", tp_size=1, speculative_draft_model_path=str(ddir))
         worker = module.DDTreeWorker(server_args=args, gpu_id=0, ps=NS(tp_rank=0), nccl_port=0, target_worker=engine)
-        req = NS(rid="r", origin_input_ids=[5, 6, 7], output_ids=[9], sampling_params=NS(temperature=0.7, max_new_tokens=8))
+        req = NS(rid="r", origin_input_ids=[5, 6, 7], output_ids=[9], sampling_params=NS(temperature=0.7, top_k=-1, max_new_tokens=8))
         worker._prepare_draft_tokens(NS(reqs=[req]))
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "greedy"), [
+    (0.0, -1, True),   # what a client sends
+    (1.0, 1, True),    # what SGLang's SamplingParams.normalize turns it into (the first H200 run refused this)
+    (0.7, -1, False), (1.0, 40, False)])
+def test_greedy_is_temperature_zero_or_top_k_one(worker_module, temperature, top_k, greedy):
+    module, _ = worker_module
+    assert module.is_greedy(NS(temperature=temperature, top_k=top_k)) is greedy

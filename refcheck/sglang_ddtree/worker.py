@@ -39,6 +39,11 @@ from reference.drafter import DFlashDrafter
 logger = logging.getLogger(__name__)
 
 
+def is_greedy(params) -> bool:
+    """SGLang normalises a request's temperature 0 to temperature 1 with top_k 1, so greedy is either."""
+    return float(params.temperature) < 1e-6 or int(getattr(params, "top_k", -1)) == 1
+
+
 class _Contexts:
     """Stands where NGRAM keeps its corpus: the scheduler-facing calls map to drafter contexts."""
 
@@ -93,8 +98,10 @@ class DDTreeWorker(ngram.NGRAMWorker):
         """NGRAM's hook for its corpus lookup: here DFlash + DDTree, one tree per request."""
         trees = []
         for req in batch.reqs:
-            if getattr(req.sampling_params, "temperature", 0.0) > 0.0:
-                raise ValueError("REFCHECK_DDTREE verifies greedily; temperature > 0 is not supported yet")
+            if not is_greedy(req.sampling_params):
+                raise ValueError("REFCHECK_DDTREE verifies greedily; temperature > 0 is not supported yet "
+                                 f"(request {req.rid}: temperature {req.sampling_params.temperature}, "
+                                 f"top_k {getattr(req.sampling_params, 'top_k', None)})")
             start = len(req.origin_input_ids) + len(req.output_ids) - 1  # the root's position
             left = getattr(req.sampling_params, "max_new_tokens", None)
             depth = None if left is None else max(1, min(self.drafter.block_size - 1, int(left) - len(req.output_ids)))
