@@ -33,10 +33,42 @@ def _first(report) -> str:
     return f"{where} · {f.category}"
 
 
+def sweep_row(algorithm: str, budget: int, traces: list, report) -> dict:
+    """One table row from the repeats' traces of one (algorithm, budget) and the first repeat's report."""
+    taus_by_req: dict[str, list[int]] = {}
+    step_ms: list[float] = []
+    tok_s: list[float] = []
+    for rep, trace in enumerate(traces):
+        settings = trace.provenance["engine"]["settings"]
+        emitted = sum(len(r.output_ids) for r in trace.requests)
+        if settings.get("generate_s"):
+            tok_s.append(emitted / settings["generate_s"])
+        steps = [s.timings.get("verify") for s in trace.steps]
+        steps = [t for t in steps if t == t and t is not None]
+        if steps:
+            step_ms.append(1e3 * statistics.median(steps))
+        if rep == 0:
+            for s in trace.steps:
+                taus_by_req.setdefault(s.request_id, []).append(s.accept_length)
+    all_taus = [t for ts in taus_by_req.values() for t in ts]
+    per_req = [statistics.mean(ts) for ts in taus_by_req.values() if ts]
+    return {
+        "algorithm": algorithm, "budget": budget, "steps": len(all_taus),
+        "mean_tau": statistics.mean(all_taus) if all_taus else None,
+        "tau_spread_over_requests": span(per_req),
+        "step_ms": span(step_ms), "tokens_per_s": span(tok_s),
+        "verdict": report.verdict if report else "not run",
+        "counts": report.counts if report else {},
+        "fail_categories": sorted({f.category for f in report.failures}) if report else [],
+        "first_divergence": _first(report) if report else "",
+        "replayed_steps": report.stats.get("steps", {}) if report else {},
+    }
+
+
 def run_sglang_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int], repeats: int = 1,
                      algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS, ref_dtype: str = "float32",
                      ref_device: str = "cuda", runner_factory: Callable | None = None,
-                     progress: Callable[[str, int, int], None] | None = None) -> dict:
+                     progress: Callable[[str, int, int], None] | None = None, triage_isolated: bool = False) -> dict:
     if runner_factory is None:
         from refcheck.runners.sglang import SGLangRunner
 
@@ -45,39 +77,47 @@ def run_sglang_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int]
     rows = []
     for alg in algorithms:
         for budget in budgets:
-            taus_by_req: dict[str, list[int]] = {}
-            step_ms: list[float] = []
-            tok_s: list[float] = []
+            traces = []
             report = None
             for rep in range(repeats):
                 if progress:
                     progress(alg, budget, rep)
                 trace = runner_factory(dataclasses.replace(spec, budget=budget), alg).trace(prompts)
-                settings = trace.provenance["engine"]["settings"]
-                emitted = sum(len(r.output_ids) for r in trace.requests)
-                if settings.get("generate_s"):
-                    tok_s.append(emitted / settings["generate_s"])
-                steps = [s.timings.get("verify") for s in trace.steps]
-                steps = [t for t in steps if t == t and t is not None]
-                if steps:
-                    step_ms.append(1e3 * statistics.median(steps))
+                traces.append(trace)
                 if rep == 0:
-                    for s in trace.steps:
-                        taus_by_req.setdefault(s.request_id, []).append(s.accept_length)
                     report = session.diff(trace, f"{alg}-b{budget}", mode="replay", ref_dtype=ref_dtype,
-                                          ref_device=ref_device)
-            all_taus = [t for ts in taus_by_req.values() for t in ts]
-            per_req = [statistics.mean(ts) for ts in taus_by_req.values() if ts]
-            rows.append({
-                "algorithm": alg, "budget": budget, "steps": len(all_taus),
-                "mean_tau": statistics.mean(all_taus) if all_taus else None,
-                "tau_spread_over_requests": span(per_req),
-                "step_ms": span(step_ms), "tokens_per_s": span(tok_s),
-                "verdict": report.verdict if report else "not run",
-                "counts": report.counts if report else {},
-                "fail_categories": sorted({f.category for f in report.failures}) if report else [],
-                "first_divergence": _first(report) if report else "",
-                "replayed_steps": report.stats.get("steps", {}) if report else {},
-            })
+                                          ref_device=ref_device, triage_isolated=triage_isolated)
+            rows.append(sweep_row(alg, budget, traces, report))
     return {"model": spec.model_label, "dtype": spec.dtype, "repeats": repeats, "prompts": len(prompts),
             "max_new_tokens": spec.max_new_tokens, "rows": rows}
+
+
+def tabulate_traces(traces: list, ref_device: str = "cpu", ref_dtype: str = "float32",
+                    triage_isolated: bool = False) -> dict:
+    """The sweep table from saved SGLang traces (``diff --save-trace`` / the suite's ``.arrow`` files):
+    grouped by (algorithm, budget) from each trace's provenance (NGRAM: and its BFS breadth), repeats in the order given; the
+    first trace of each group is replayed for the verdict."""
+    from refcheck.errors import UsageError
+
+    groups: dict[tuple[str, int], list] = {}
+    for trace in traces:
+        prov = trace.provenance
+        if prov.get("engine", {}).get("name") != "sglang":
+            raise UsageError(f"not an SGLang trace (engine {prov.get('engine', {}).get('name')!r}); "
+                             "sweep --from-traces tabulates SGLang captures")
+        settings = prov["engine"]["settings"]
+        alg = str(settings.get("algorithm", "?"))
+        if settings.get("speculative_ngram_max_bfs_breadth") is not None:  # NGRAM's layout is its breadth
+            alg += f" breadth {settings['speculative_ngram_max_bfs_breadth']}"
+        groups.setdefault((alg, int(prov.get("budget") or 0)), []).append(trace)
+    session = DiffSession()
+    rows = []
+    for (alg, budget), group in sorted(groups.items()):
+        report = session.diff(group[0], f"{alg}-b{budget}", mode="replay", ref_dtype=ref_dtype, ref_device=ref_device,
+                              triage_isolated=triage_isolated)
+        rows.append(sweep_row(alg, budget, group, report))
+    first = traces[0].provenance if traces else {}
+    return {"model": str(first.get("model", "?")),
+            "dtype": first.get("dtype", "?"), "repeats": max((len(g) for g in groups.values()), default=0),
+            "prompts": len(traces[0].requests) if traces else 0, "max_new_tokens": first.get("max_new_tokens"),
+            "rows": rows}

@@ -201,3 +201,30 @@ def test_sglang_sweep_table_from_recorded_traces(monkeypatch):
     assert leaky["first_divergence"].split(" · ")[1] == "logits" and "step 0" in leaky["first_divergence"]
     assert good["tokens_per_s"]["median"] == sum(len(r.output_ids) for r in traces["GOOD"].requests) / 2.0
     assert abs(good["mean_tau"] - 1.785) < 1e-3 and good["steps"] == 219
+
+
+def test_sglang_sweep_from_saved_traces_groups_by_algorithm_and_budget(tmp_path):
+    """`sweep --engine sglang --from-traces`: the same rows from saved traces, no engine; bad input refused."""
+    from click.testing import CliRunner
+
+    from refcheck.cli import main
+    from refcheck.errors import UsageError
+    from refcheck.golden import REPO_GOLDEN
+    from refcheck.sweep_sglang import tabulate_traces
+    from refcheck.trace.io import read_trace
+    from refcheck.trace.manifest import load_manifest
+
+    cases = load_manifest(REPO_GOLDEN).cases
+    good = read_trace(REPO_GOLDEN / cases["sglang-hybrid-ngram-b11"].file)
+    leaky = read_trace(REPO_GOLDEN / cases["sglang-hybrid-ngram-b11-breadth1-leak"].file)
+    res = tabulate_traces([leaky, good, good], ref_device="cpu", triage_isolated=True)
+    rows = {r["algorithm"]: r for r in res["rows"]}
+    assert set(rows) == {"NGRAM breadth 1", "NGRAM breadth 10"} and res["repeats"] == 2
+    assert rows["NGRAM breadth 10"]["verdict"] == "pass"  # its 3 isolated nodes triaged by rule
+    assert rows["NGRAM breadth 1"]["verdict"] == "fail" and "recurrent" in rows["NGRAM breadth 1"]["fail_categories"]
+    assert rows["NGRAM breadth 10"]["steps"] == 219 and rows["NGRAM breadth 10"]["budget"] == 11
+    reference_trace = read_trace(REPO_GOLDEN / cases["hybrid-b15"].file)
+    with pytest.raises(UsageError, match="not an SGLang trace"):
+        tabulate_traces([reference_trace])
+    out = CliRunner().invoke(main, ["sweep", "--from-traces", str(REPO_GOLDEN / cases["hybrid-b15"].file)])
+    assert out.exit_code != 0 and "--engine sglang" in str(out.exception or out.output)

@@ -143,7 +143,10 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
             apply_triage(report, manifest.cases[name].provenance.get("triaged", []))
             reports.append(report)
             traces.append(trace)
-    report_table(reports, f"refcheck diff · budget {'chain' if budget is None else budget} · mode {mode}")
+    # the budgets diffed: the traces' own (an --against trace of budget 64 is not "budget 15")
+    shown = sorted({str(t.provenance.get("budget", budget)) for t in traces}) or [str(budget)]
+    shown = ["chain" if b == "None" else b for b in shown]
+    report_table(reports, f"refcheck diff · budget {', '.join(shown)} · mode {mode}")
     if steps:
         for report, trace in zip(reports, traces):
             steps_table(report, trace)

@@ -25,9 +25,14 @@ from refcheck.prompts import load_prompts
 @click.option("--sglang-algorithm", "sglang_algorithms", multiple=True,
               help="With --engine sglang: algorithms to sweep (default: REFCHECK_DDTREE and REFCHECK_DDTREE_LEAKY_CHAIN).")
 @click.option("--ref-device", default="cuda", show_default=True, help="With --engine sglang: the replay reference's device.")
+@click.option("--triage-isolated", is_flag=True,
+              help="With --engine sglang: report isolated per-node log-prob deviations as triaged (see diff --help).")
+@click.option("--from-traces", "from_traces", multiple=True, type=click.Path(path_type=Path),
+              help="With --engine sglang: tabulate saved SGLang traces (repeatable) instead of running the engine; "
+                   "rows are grouped by each trace's algorithm and budget.")
 @model_options
-def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_device, model_dir, draft_dir, pair,
-          prompts_file, budget, max_new_tokens, dtype, device, drafter, stop_ids, as_json):
+def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_device, triage_isolated, from_traces,
+          model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device, drafter, stop_ids, as_json):
     """Acceptance and speed against node budget: τ, histograms, per-phase time, speedup over target-only.
 
     With --engine sglang: per SGLang algorithm and budget, τ, step time, tokens/s and the replay verdict."""
@@ -36,9 +41,11 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
 
     quiet()
     blist = parse_budgets(budgets)
+    if from_traces and engine != "sglang":
+        raise UsageError("--from-traces tabulates SGLang traces: add --engine sglang")
     if engine == "sglang":
         _sweep_sglang(blist, repeats, out_dir, sglang_algorithms, ref_device, model_dir, draft_dir, pair, prompts_file,
-                      max_new_tokens, dtype, stop_ids, as_json)
+                      max_new_tokens, dtype, stop_ids, as_json, triage_isolated, from_traces)
         return
     spec = spec_from_options(model_dir, draft_dir, pair, blist[0], max_new_tokens, dtype, device, drafter, stop_ids)
     prompts = load_prompts(prompts_file)
@@ -69,20 +76,25 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
     sys.exit(EXIT_PASS if all(r["lossless"] for r in result["budgets"]) else EXIT_MISMATCH)
 
 def _sweep_sglang(blist, repeats, out_dir, algorithms, ref_device, model_dir, draft_dir, pair, prompts_file,
-                  max_new_tokens, dtype, stop_ids, as_json) -> None:
-    from refcheck.sweep_sglang import DEFAULT_ALGORITHMS, run_sglang_sweep
-    from refcheck.trace.io import atomic_write_bytes
+                  max_new_tokens, dtype, stop_ids, as_json, triage_isolated=False, from_traces=()) -> None:
+    from refcheck.sweep_sglang import DEFAULT_ALGORITHMS, run_sglang_sweep, tabulate_traces
+    from refcheck.trace.io import atomic_write_bytes, read_trace
 
-    if any(b is None or b < 1 for b in blist):
-        raise UsageError("--engine sglang sweeps tree budgets >= 1 (chain mode is --sglang-algorithm DFLASH in diff)")
-    dtype = unless_given("dtype", dtype, "bfloat16")
-    spec = spec_from_options(model_dir, draft_dir, pair, blist[0], max_new_tokens, dtype, "cuda", "dflash", stop_ids)
-    result = run_sglang_sweep(spec, load_prompts(prompts_file), blist, repeats, tuple(algorithms) or DEFAULT_ALGORITHMS,
-                              ref_device=ref_device,
-                              progress=lambda a, b, r: err.print(f"{a} budget {b} repeat {r}", markup=False))
+    if from_traces:
+        result = tabulate_traces([read_trace(p) for p in from_traces], ref_device=ref_device,
+                                 triage_isolated=triage_isolated)
+        dtype = result["dtype"]
+    else:
+        if any(b is None or b < 1 for b in blist):
+            raise UsageError("--engine sglang sweeps tree budgets >= 1 (chain mode is --sglang-algorithm DFLASH in diff)")
+        dtype = unless_given("dtype", dtype, "bfloat16")
+        spec = spec_from_options(model_dir, draft_dir, pair, blist[0], max_new_tokens, dtype, "cuda", "dflash", stop_ids)
+        result = run_sglang_sweep(spec, load_prompts(prompts_file), blist, repeats, tuple(algorithms) or DEFAULT_ALGORITHMS,
+                                  ref_device=ref_device, triage_isolated=triage_isolated,
+                                  progress=lambda a, b, r: err.print(f"{a} budget {b} repeat {r}", markup=False))
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / "sweep-sglang.json", (json.dumps(result, indent=2) + "\n").encode())
-    table = Table(title=f"refcheck sweep · SGLang · {result['model']} · {dtype} · {repeats} repeat(s)")
+    table = Table(title=f"refcheck sweep · SGLang · {result['model']} · {dtype} · {result['repeats']} repeat(s)")
     for col in ("algorithm", "budget", "τ", "steps", "step ms", "tok/s", "verdict", "first divergence"):
         table.add_column(col)
     for r in result["rows"]:
