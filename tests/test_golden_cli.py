@@ -28,17 +28,30 @@ def test_gate_passes_on_the_repository_goldens(cli, monkeypatch):
     assert verdicts.pop("zlab-hybrid-chain") == "expected failure caught"  # z-lab's Cache.crop bug stays caught
     # SGLang 0.5.17's NGRAM breadth-1 leak (branching trees through the GDN chain layout) stays caught
     assert verdicts.pop("sglang-hybrid-ngram-b11-breadth1-leak") == "expected failure caught"
+    # refcheck's DDTree on SGLang: the chain layout's leak stays caught, and budget 64's open finding
+    # (code-1 step 13 node 32, a leaf flipped at margin 6.5) stays reported until it is explained
+    assert verdicts.pop("sglang-hybrid-ddtree-b15-leaky-chain") == "expected failure caught"
+    assert verdicts.pop("sglang-hybrid-ddtree-b64") == "expected failure caught"
     assert set(verdicts.values()) == {"pass"}
     by_case = {r["case"]: r for r in report["reports"]}
     assert by_case["sglang-hybrid-dflash-b15"]["counts"]["triaged"] == 3  # reviewed findings, not hidden ones
     assert "recurrent" in by_case["sglang-hybrid-ngram-b11-breadth1-leak"]["fail_categories"]
+    leaky = by_case["sglang-hybrid-ddtree-b15-leaky-chain"]
+    assert "recurrent" in leaky["fail_categories"]
+    first = leaky["first_divergence"]["arith-1"]
+    assert (first["step"], first["node"], first["layer"]) == (0, 5, 0)  # step 0, node 5, the first GDN layer
+    b64 = by_case["sglang-hybrid-ddtree-b64"]
+    assert b64["counts"]["triaged"] == 4 and b64["fail_categories"] == {"logits": 2}
+    assert {(f["request_id"], f["step"], f["node"]) for f in b64["findings"] if f["verdict"] == "fail"} == {("code-1", 13, 32)}
+    assert by_case["sglang-hybrid-ddtree-b15"]["counts"]["triaged"] == 1 and by_case["sglang-hybrid-ddtree-b15"]["counts"]["fail"] == 0
 
 
 def test_diff_budget_15_against_goldens(cli, monkeypatch):
     code, out, err = cli("diff", "--budget", "15", "--json")
     assert code == EXIT_PASS, err
     cases = {r["case"] for r in json.loads(out)["reports"]}
-    assert cases == {"hybrid-b15", "hybrid-b15-scripted", "sglang-hybrid-dflash-b15"}  # SGLang's real steps too
+    assert cases == {"hybrid-b15", "hybrid-b15-scripted", "sglang-hybrid-dflash-b15",
+                     "sglang-hybrid-ddtree-b15"}  # SGLang's real steps too
 
 
 def test_diff_live_fault_engine_fails(cli, monkeypatch, tmp_path):
