@@ -6,7 +6,9 @@ capture on, and reports per (algorithm, budget): mean τ (bonus counted) and its
 requests, the scheduler step time per verify step (median over steps, then median and min–max over
 repeats), tokens per second of the generate call (median and min–max over repeats), and the replay
 verdict of the first repeat against the reference (pass / benign tie / fail counts, failing
-categories and the first divergence with its step, node and layer). Timings come from the capture,
+categories and the first divergence with its step, node and layer). Every capture is written to
+``save_dir`` (``sweep --out``) so failing rows can be reviewed and re-tabulated later
+(:func:`tabulate_traces`, ``sweep --from-traces``). Timings come from the capture,
 which synchronises the GPU around each scheduler step and writes its records outside that window.
 """
 
@@ -15,11 +17,13 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Callable
+from pathlib import Path
 
 from refcheck.diff.session import DiffSession
 from refcheck.prompts import Prompt
 from refcheck.runners.reference import EngineSpec
 from refcheck.sweep import span
+from refcheck.trace.io import write_trace
 
 DEFAULT_ALGORITHMS = ("REFCHECK_DDTREE", "REFCHECK_DDTREE_LEAKY_CHAIN")
 
@@ -37,6 +41,7 @@ def sweep_row(algorithm: str, budget: int, traces: list, report) -> dict:
     """One table row from the repeats' traces of one (algorithm, budget) and the first repeat's report."""
     taus_by_req: dict[str, list[int]] = {}
     step_ms: list[float] = []
+    draft_ms: list[float] = []
     tok_s: list[float] = []
     for rep, trace in enumerate(traces):
         settings = trace.provenance["engine"]["settings"]
@@ -47,6 +52,10 @@ def sweep_row(algorithm: str, budget: int, traces: list, report) -> dict:
         steps = [t for t in steps if t == t and t is not None]
         if steps:
             step_ms.append(1e3 * statistics.median(steps))
+        drafts = [s.timings.get("draft") for s in trace.steps]
+        drafts = [t for t in drafts if t == t and t is not None]
+        if drafts:
+            draft_ms.append(1e3 * statistics.median(drafts))
         if rep == 0:
             for s in trace.steps:
                 taus_by_req.setdefault(s.request_id, []).append(s.accept_length)
@@ -56,7 +65,7 @@ def sweep_row(algorithm: str, budget: int, traces: list, report) -> dict:
         "algorithm": algorithm, "budget": budget, "steps": len(all_taus),
         "mean_tau": statistics.mean(all_taus) if all_taus else None,
         "tau_spread_over_requests": span(per_req),
-        "step_ms": span(step_ms), "tokens_per_s": span(tok_s),
+        "step_ms": span(step_ms), "draft_ms": span(draft_ms), "tokens_per_s": span(tok_s),
         "verdict": report.verdict if report else "not run",
         "counts": report.counts if report else {},
         "fail_categories": sorted({f.category for f in report.failures}) if report else [],
@@ -68,7 +77,8 @@ def sweep_row(algorithm: str, budget: int, traces: list, report) -> dict:
 def run_sglang_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int], repeats: int = 1,
                      algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS, ref_dtype: str = "float32",
                      ref_device: str = "cuda", runner_factory: Callable | None = None,
-                     progress: Callable[[str, int, int], None] | None = None, triage_isolated: bool = False) -> dict:
+                     progress: Callable[[str, int, int], None] | None = None, triage_isolated: bool = False,
+                     save_dir: Path | None = None) -> dict:
     if runner_factory is None:
         from refcheck.runners.sglang import SGLangRunner
 
@@ -84,6 +94,9 @@ def run_sglang_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int]
                     progress(alg, budget, rep)
                 trace = runner_factory(dataclasses.replace(spec, budget=budget), alg).trace(prompts)
                 traces.append(trace)
+                if save_dir is not None:  # every capture kept: a failing row can be reviewed later, on CPU
+                    save_dir.mkdir(parents=True, exist_ok=True)
+                    write_trace(trace, save_dir / f"{alg}-b{budget}-r{rep}.arrow")
                 if rep == 0:
                     report = session.diff(trace, f"{alg}-b{budget}", mode="replay", ref_dtype=ref_dtype,
                                           ref_device=ref_device, triage_isolated=triage_isolated)

@@ -29,6 +29,13 @@ CONFIGS = {
     # refcheck's DDTree on SGLang (refcheck/sglang_ddtree): the four budgets, and the leaky chain layout
     **{f"ddtree-b{b}": ["--sglang-algorithm", "REFCHECK_DDTREE", "--budget", str(b)] for b in (15, 16, 32, 64)},
     "ddtree-b15-leaky": ["--sglang-algorithm", "REFCHECK_DDTREE_LEAKY_CHAIN", "--budget", "15"],
+    # budget 64's open finding (code-1 step 13 node 32): full state tensors and per-layer sketches to place it
+    "ddtree-b64-layers": ["--sglang-algorithm", "REFCHECK_DDTREE", "--budget", "64", "--layer-sketches", "--full-state"],
+    # tensor parallelism 2 (two GPUs): every rank captured, shards combined into the reference's layout
+    **{f"{name}-tp2": [*args, "--tp", "2"] for name, args in (
+        ("none", ["--sglang-algorithm", "NONE"]),
+        ("dflash", ["--sglang-algorithm", "DFLASH", "--budget", "15"]),
+        ("ngram", ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "10"]))},
     # SGLang in float32: the sharp check that tells bf16 numerics from engine bugs
     "dflash-fp32": ["--sglang-algorithm", "DFLASH", "--budget", "15", "--dtype", "float32"],
     "ngram-fp32": ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "10", "--dtype", "float32"],

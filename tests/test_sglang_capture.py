@@ -344,3 +344,19 @@ def test_branching_trees_in_the_chain_layout_are_flagged_from_the_capture_alone(
     rep = Report("x", "replay")
     capture_findings(rep, trace)
     assert [(f.category, f.step) for f in rep.failures] == [("tree", 0)] and "chain layout" in rep.failures[0].message
+
+
+def test_step_timings_come_from_the_scheduler_step_and_the_ddtree_drafting():
+    """The assembled step's "verify" is SGLang's whole scheduler step; "draft" is what REFCHECK_DDTREE
+    spent drafting inside it (NaN for SGLang's own algorithms, which report no such phase)."""
+    import math
+
+    from refcheck.sglang_capture.assemble import _step_row
+
+    base = dict(rid="r", committed_len=5, tokens=[7, 8], parents=[-1, 0], depths=[0, 1], topk_ids=[[1], [2]],
+                topk_logprobs=[[-0.1], [-0.2]], argmax=[8, 9], accepted=[0, 1], bonus=9, emitted=[8, 9],
+                emitted_logprobs=[-0.1, -0.2], layout="tree")
+    row = _step_row("p", 0, StepCapture(**base, meta={"batch_step_s": 0.25, "batch_draft_s": 0.1}), keep=2)
+    assert row.timings["verify"] == 0.25 and row.timings["draft"] == 0.1
+    row = _step_row("p", 0, StepCapture(**base, meta={"batch_step_s": 0.25}), keep=2)
+    assert math.isnan(row.timings["draft"]) and row.timings["verify"] == 0.25

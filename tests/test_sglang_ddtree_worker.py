@@ -201,6 +201,7 @@ def _run(module, engine_box, target, prompts, budget: int, max_new: int):
     batch = NS(reqs=reqs, forward_mode=ForwardMode.EXTEND, extend_lens=[len(r.origin_input_ids) for r in reqs],
                prefix_lens=[0] * len(reqs), seq_lens=torch.tensor([len(r.origin_input_ids) for r in reqs]))
     res = worker.forward_batch_generation(batch)
+    assert worker.last_draft_s is None  # a prefill drafts nothing
     for b, r in enumerate(reqs):
         r.output_ids.append(int(res.next_token_ids[b]))
     taus: dict[str, list[int]] = {r.rid: [] for r in reqs}
@@ -211,6 +212,7 @@ def _run(module, engine_box, target, prompts, budget: int, max_new: int):
                    seq_lens=torch.tensor([len(r.origin_input_ids) + len(r.output_ids) - 1 for r in live]))
         res = worker.forward_batch_generation(batch)
         assert res.speculative_num_draft_tokens == n and res.next_token_ids.shape[0] == len(live) * n
+        assert isinstance(worker.last_draft_s, float) and worker.last_draft_s > 0  # the capture's "draft" phase
         for b, r in enumerate(live):
             k = int(res.accept_lens[b])
             r.output_ids += [int(t) for t in res.next_token_ids[b * n: b * n + k]]

@@ -172,7 +172,7 @@ def test_engine_hang_times_out(fake_sglang):
     assert "timed out" in trace.provenance["capture"]["crash"]
 
 
-def test_sglang_sweep_table_from_recorded_traces(monkeypatch):
+def test_sglang_sweep_table_from_recorded_traces(tmp_path):
     """The sweep's bookkeeping over stand-in runs: the stored SGLang goldens play the engine."""
     from refcheck.golden import REPO_GOLDEN
     from refcheck.prompts import load_prompts
@@ -194,7 +194,8 @@ def test_sglang_sweep_table_from_recorded_traces(monkeypatch):
             return t
 
     res = run_sglang_sweep(EngineSpec(pair="hybrid", dtype="bfloat16"), load_prompts(), [11], repeats=2,
-                           algorithms=("GOOD", "LEAKY"), ref_device="cpu", runner_factory=Replayed)
+                           algorithms=("GOOD", "LEAKY"), ref_device="cpu", runner_factory=Replayed, save_dir=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{a}-b11-r{r}.arrow" for a in ("GOOD", "LEAKY") for r in (0, 1)]
     good, leaky = res["rows"]
     assert good["verdict"] == "fail" and good["fail_categories"] == ["logits"]  # 3 isolated nodes (triaged in the gate)
     assert leaky["verdict"] == "fail" and "recurrent" in leaky["fail_categories"]

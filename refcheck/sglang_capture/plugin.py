@@ -229,8 +229,11 @@ def _after(scheduler: Any, snap: _Batch, result: Any) -> None:
         return
     _attach_state(scheduler, snap, snap.pending)
     _attach_layers(scheduler, snap.pending)
+    draft_s = getattr(getattr(scheduler, "draft_worker", None), "last_draft_s", None)  # REFCHECK_DDTREE's drafting
     for s in snap.pending:
         s.meta["batch_step_s"] = snap.step_s
+        if isinstance(draft_s, float):
+            s.meta["batch_draft_s"] = draft_s
         s.meta["batch_size"] = len(snap.rids)
         rec.step(s)
 

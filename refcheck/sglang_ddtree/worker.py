@@ -21,6 +21,7 @@ request.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +90,9 @@ class DDTreeWorker(ngram.NGRAMWorker):
             raise ValueError(f"{type(model).__name__} cannot capture the hidden states DFlash drafts from")
         model.set_dflash_layers_to_capture(list(self.drafter.target_layer_ids))
         self.pool = DrafterPool(self.drafter)
+        #: seconds this worker spent drafting and building trees in its last decode step (None after a
+        #: prefill); refcheck's capture records it as the step's "draft" phase
+        self.last_draft_s: float | None = None
         self.ngram_corpus = _Contexts(self.pool)
         logger.info("REFCHECK_DDTREE: budget %d, draft block %d, target layers %s", self.budget,
                     self.drafter.block_size, self.drafter.target_layer_ids)
@@ -96,6 +100,7 @@ class DDTreeWorker(ngram.NGRAMWorker):
     # -- drafting -------------------------------------------------------------------------------------
     def _prepare_draft_tokens(self, batch) -> tuple[np.ndarray, np.ndarray]:
         """NGRAM's hook for its corpus lookup: here DFlash + DDTree, one tree per request."""
+        t0 = time.perf_counter()
         trees = []
         for req in batch.reqs:
             if not is_greedy(req.sampling_params):
@@ -106,6 +111,7 @@ class DDTreeWorker(ngram.NGRAMWorker):
             left = getattr(req.sampling_params, "max_new_tokens", None)
             depth = None if left is None else max(1, min(self.drafter.block_size - 1, int(left) - len(req.output_ids)))
             trees.append(draft_tree(self.pool, req.rid, int(req.output_ids[-1]), start, self.budget, depth))
+        self.last_draft_s = time.perf_counter() - t0  # the drafter's .cpu() hand-off has synchronised
         return batch_layout(trees, self.draft_token_num)
 
     def _extend(self, rids: list[str], hidden: torch.Tensor, rows: list[torch.Tensor], starts: list[int]) -> None:
@@ -117,6 +123,7 @@ class DDTreeWorker(ngram.NGRAMWorker):
         ngram.record_stream_for_v2_verify(batch, None, torch.get_device_module(self.device).current_stream())
         bs = len(batch.reqs)
         rids = [r.rid for r in batch.reqs]
+        self.last_draft_s = None
         if batch.forward_mode.is_decode():
             prefix = batch.seq_lens.cpu().tolist()
             self._prepare_for_speculative_decoding(batch)
