@@ -229,3 +229,37 @@ def test_sglang_sweep_from_saved_traces_groups_by_algorithm_and_budget(tmp_path)
         tabulate_traces([reference_trace])
     out = CliRunner().invoke(main, ["sweep", "--from-traces", str(REPO_GOLDEN / cases["hybrid-b15"].file)])
     assert out.exit_code != 0 and "--engine sglang" in str(out.exception or out.output)
+
+
+def test_ddtree_refusals_come_before_any_engine_starts(tmp_path):
+    """REFCHECK_DDTREE's bad input is refused on the CPU side: a tree beyond SGLang's verify kernels, a
+    draft that is not DFlash or not made for the target, and the leak demonstration on a target with
+    no recurrent layers. Never a scheduler dying at start-up, never a silent fallback."""
+    import json
+    import shutil
+
+    from refcheck.errors import ModelError
+    from refcheck.models import builtin_pair
+
+    tdir, ddir = builtin_pair("hybrid")
+    atdir, addir = builtin_pair("attention")
+    assert resolve_budget("REFCHECK_DDTREE", 64, ddir, tdir) == 64
+    assert resolve_budget("REFCHECK_DDTREE", 1023, ddir, tdir) == 1023
+    assert resolve_budget("REFCHECK_DDTREE", 15, addir, atdir) == 15  # DDTree itself runs on attention targets
+    with pytest.raises(UsageError, match="at most 1024 tokens"):
+        resolve_budget("REFCHECK_DDTREE", 1024, ddir, tdir)
+    with pytest.raises(ModelError, match="made for a 4-layer target, this target has 6 layers"):
+        resolve_budget("REFCHECK_DDTREE", 15, addir, tdir)
+    with pytest.raises(UsageError, match="no linear-attention layers"):
+        resolve_budget("REFCHECK_DDTREE_LEAKY_CHAIN", 15, addir, atdir)
+    plain = tmp_path / "plain"
+    shutil.copytree(ddir, plain)
+    cfg = json.loads((plain / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "dflash_config"}))
+    with pytest.raises(ModelError, match="not one"):
+        resolve_budget("REFCHECK_DDTREE", 15, plain, tdir)
+    wide = tmp_path / "wide"
+    shutil.copytree(ddir, wide)
+    (wide / "config.json").write_text(json.dumps({**cfg, "hidden_size": 96}))
+    with pytest.raises(ModelError, match="hidden_size is 96, the target's 128"):
+        resolve_budget("REFCHECK_DDTREE", 15, wide, tdir)

@@ -54,7 +54,58 @@ def draft_block_size(draft_dir: Path | None) -> int | None:
     return int(size) if size is not None else None
 
 
-def resolve_budget(algorithm: str, budget: int | None, draft_dir: Path | None) -> int:
+#: SGLang's tree-verify metadata kernel (``reconstruct_indices_from_tree_mask``) launches one CUDA thread
+#: per draft token of a request, so a tree is at most 1024 tokens: the root and 1023 drafted nodes
+MAX_TREE_TOKENS = 1024
+
+
+def _config(path: Path | None) -> dict:
+    f = Path(path) / "config.json" if path is not None else None
+    return json.loads(f.read_text()) if f is not None and f.is_file() else {}
+
+
+def is_hybrid_target(target_dir: Path) -> bool:
+    """Whether the target has recurrent (linear-attention) layers, by its config."""
+    cfg = _config(target_dir)
+    cfg = cfg.get("text_config", cfg)  # a multimodal checkpoint nests its language model's config
+    return "linear_attention" in (cfg.get("layer_types") or [])
+
+
+def check_ddtree_pair(algorithm: str, budget: int, target_dir: Path | None, draft_dir: Path | None) -> None:
+    """Refusals for refcheck's DDTree algorithms before any engine starts (the scheduler would
+    otherwise die at start-up, or worse, run something else): the tree size SGLang can verify, a
+    DFlash draft made for this target, and a hybrid target for the chain-layout leak."""
+    if budget + 1 > MAX_TREE_TOKENS:
+        raise UsageError(f"--budget {budget} is beyond SGLang's tree verify: at most {MAX_TREE_TOKENS} tokens per "
+                         f"tree (its reconstruct_indices_from_tree_mask kernel runs one thread per token), "
+                         f"i.e. --budget <= {MAX_TREE_TOKENS - 1}")
+    dcfg = _config(draft_dir)
+    if "dflash_config" not in dcfg:
+        raise ModelError(f"{algorithm} drafts with a DFlash checkpoint, and {draft_dir} is not one "
+                         "(its config.json has no dflash_config)")
+    tcfg = _config(target_dir)
+    tcfg = tcfg.get("text_config", tcfg)
+    dfl = dcfg["dflash_config"]
+    layers = tcfg.get("num_hidden_layers")
+    wanted = dfl.get("num_target_layers", dcfg.get("num_target_layers"))
+    problems = []
+    if layers is not None and wanted is not None and int(wanted) != int(layers):
+        problems.append(f"it was made for a {wanted}-layer target, this target has {layers} layers")
+    ids = dfl.get("target_layer_ids") or []
+    if layers is not None and ids and max(ids) >= int(layers):
+        problems.append(f"it reads target layers {ids}, beyond the target's {layers}")
+    for key in ("hidden_size", "vocab_size"):
+        if key in tcfg and key in dcfg and int(tcfg[key]) != int(dcfg[key]):
+            problems.append(f"its {key} is {dcfg[key]}, the target's {tcfg[key]}")
+    if problems:
+        raise ModelError(f"the draft {draft_dir} does not fit the target {target_dir}: " + "; ".join(problems))
+    if algorithm == "REFCHECK_DDTREE_LEAKY_CHAIN" and target_dir is not None and not is_hybrid_target(target_dir):
+        raise UsageError(f"{algorithm} demonstrates the leak of trees run through recurrent layers in their chain "
+                         f"layout; {target_dir} has no linear-attention layers, so it would verify correctly and "
+                         "show nothing (use a hybrid target, e.g. --pair hybrid)")
+
+
+def resolve_budget(algorithm: str, budget: int | None, draft_dir: Path | None, target_dir: Path | None = None) -> int:
     """The verify budget (drafted nodes per step) an algorithm runs with; refuses mismatches."""
     if algorithm == "NONE":
         return 0
@@ -70,6 +121,8 @@ def resolve_budget(algorithm: str, budget: int | None, draft_dir: Path | None) -
         raise UsageError(f"{algorithm} verifies trees of a node budget: pass --budget N (chain mode is DFLASH)")
     if budget < 1:
         raise UsageError(f"{algorithm} needs --budget >= 1, got {budget}")
+    if algorithm in DFLASH_DRAFTED:  # refcheck's DDTree algorithms
+        check_ddtree_pair(algorithm, budget, target_dir, draft_dir)
     return budget
 
 
@@ -149,8 +202,8 @@ class SGLangRunner:
         self.spec, self.cuda_graphs, self.capture, self.ngram_breadth = spec, cuda_graphs, capture, ngram_breadth
         self.capture_dir, self.full_state, self.timeout_s, self.tp = capture_dir, full_state, timeout_s, tp
         self.layer_sketches = layer_sketches and capture
-        _, ddir = spec.resolved_dirs()
-        self.budget = resolve_budget(self.algorithm, spec.budget, ddir)
+        tdir, ddir = spec.resolved_dirs()
+        self.budget = resolve_budget(self.algorithm, spec.budget, ddir, tdir)
         try:
             import torch
 
