@@ -11,8 +11,11 @@ the leaky masked forward (recurrent layers over the flattened tree as one chunk 
 the exact verify by depth levels and by one tree chunk; the commit; the end-to-end reference step
 (draft + tree + verify + walk + commit with a random DFlash drafter of the target's width); peak
 memory over the resident weights and state. Medians with min–max over repetitions (CUDA events on
-GPU), ratios to the floor and to the leaky forward. Eager only: the reference's forward plans each
-tree on the host, so it is not captured in CUDA graphs (see the README).
+GPU), ratios to the floor and to the leaky forward. On CUDA the decode step, the leaky forward and
+the exact tree chunk are also timed as CUDA-graph replays (``validate=False``: the chunk forward
+then never reads the device on the host). A graph bakes in its tree, the prefix length and the
+cache shapes, so those rows time one fixed tree; the end-to-end step, whose prefix and caches
+grow, runs eager.
 """
 
 from __future__ import annotations
