@@ -65,11 +65,14 @@ def attention_tree(
     past_keys: torch.Tensor,
     past_values: torch.Tensor,
     visible: torch.Tensor,
+    prefix_valid: torch.Tensor | None = None,
 ) -> AttentionOut:
     """Full attention for n nodes over the committed prefix and their own ancestors.
 
     x: [n, H] (already input-layernormed); cos/sin: [n, R]; past_*: [Hkv, P, D];
-    visible: [n, n] bool, visible[i, j] = node j is an ancestor-or-self of node i.
+    visible: [n, n] bool, visible[i, j] = node j is an ancestor-or-self of node i;
+    prefix_valid: [P] bool, which past slots hold committed tokens (fixed-size caches,
+    reference/static.py); None = all of them.
     Handles Qwen3 (plain) and Qwen3.5 / Qwen3-Next (output gate packed into q_proj).
     """
     n = x.shape[0]
@@ -89,7 +92,10 @@ def attention_tree(
     keys = torch.cat([past_keys, k], dim=1)  # [Hkv, P+n, D]
     values = torch.cat([past_values, v], dim=1)
     n_rep = n_heads // k.shape[0]
-    prefix = torch.ones(n, past_keys.shape[1], dtype=torch.bool, device=x.device)
+    if prefix_valid is None:
+        prefix = torch.ones(n, past_keys.shape[1], dtype=torch.bool, device=x.device)  # [n, P]
+    else:
+        prefix = prefix_valid[None, :].expand(n, -1)  # [n, P]
     mask = torch.cat([prefix, visible], dim=1)  # [n, P+n], True = may attend
     out = F.scaled_dot_product_attention(
         q.unsqueeze(0),

@@ -178,7 +178,8 @@ class Target:
                                     method=self.gdn_method, plan=plan)
                 fwd.conv[i], fwd.recurrent[i] = out.conv_windows, out.states
             else:
-                out = attention_tree(layer.self_attn, x, cos, sin, state.keys[i], state.values[i], visible)
+                out = attention_tree(layer.self_attn, x, cos, sin, state.keys[i], state.values[i], visible,
+                                     getattr(state, "prefix_valid", None))  # fixed-size caches mask unused slots
                 fwd.keys[i], fwd.values[i] = out.keys, out.values
             h = h + out.hidden
             h = h + _mlp(layer.mlp, layer.post_attention_layernorm(h))

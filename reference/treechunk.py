@@ -214,6 +214,14 @@ class TreeChunk:
         carry = self.cum[node].exp()[:, None, None] * self._initial_state  # [HV, Dk, Dv]
         return carry + (self._k * w[..., None]).transpose(-1, -2) @ self._v_new  # [HV, Dk, n] @ [HV, n, Dv]
 
+    def state_at(self, node: torch.Tensor) -> torch.Tensor:
+        """Post-state of the node a device scalar names: [HV, Dk, Dv]. Like :meth:`state`, without
+        reading the index on the host (CUDA-graph capture); the caller guarantees 0 <= node < n."""
+        at = node.view(1)
+        w = self._decay.index_select(1, at)[:, 0, :]  # [HV, n]
+        carry = self.cum.index_select(0, at)[0].exp()[:, None, None] * self._initial_state  # [HV, Dk, Dv]
+        return carry + (self._k * w[..., None]).transpose(-1, -2) @ self._v_new  # [HV, Dk, n] @ [HV, n, Dv]
+
     def states(self) -> torch.Tensor:
         """Post-states of all nodes: [n, HV, Dk, Dv] (materialises n * HV * Dk * Dv values)."""
         decay = self._decay.transpose(0, 1)  # [n, HV, n]: row t weighs every node's update in S_t

@@ -177,6 +177,61 @@ def main() -> None:
         add(name, budget, times, leaky_ms)
         return statistics.median(times)
 
+    def graphed_reference_step(b: int, leaky_ms: float) -> None:
+        """The end-to-end step with verify + walk + commit as one CUDA-graph replay over fixed-size
+        caches (reference/static.py); draft eager, tree on the host. First checks that a replay on
+        one tree equals the eager forward and walk."""
+        from reference.static import StaticState, verify_walk_commit
+
+        cap = tuple(drafter.target_layer_ids)
+        max_depth = drafter.block_size - 1
+        reps = max(3, args.reps // 2)
+        sstate = StaticState.from_state(state, capacity=state.length + (reps + 12) * (max_depth + 1))
+        ins = [torch.zeros(b + 1, dtype=torch.long, device=dev) for _ in range(3)]  # tokens, parents, depths [n]
+        root = int(prompt[-1])
+        tree0 = build_ddtree(root, drafter.propose(root, state.length), b)
+        for dst, src in zip(ins, (tree0.tokens, tree0.parents, tree0.depths)):
+            dst.copy_(src)
+        try:
+            snap = sstate.snapshot()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph wants
+                for _ in range(2):
+                    verify_walk_commit(target, sstate, *ins, max_depth, cap)
+                    sstate.restore(snap)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = verify_walk_commit(target, sstate, *ins, max_depth, cap)
+            sstate.restore(snap)
+            graph.replay()
+            eager = target.forward(state, tree0.tokens, tree0.parents, tree0.depths, capture=cap)
+            want = tree0.walk_greedy(eager.logits.argmax(-1).cpu())
+            n_acc = int(out.n_accepted)
+            same = out.path[:n_acc].tolist() == want and int(out.bonus) == int(eager.logits[want[-1]].argmax())
+            err = float((out.forward.logits - eager.logits).abs().max())
+            print(f"{'graphed step equals eager':28s} B={b:>4d} {'yes' if same else 'NO'} (max |Δ logit| {err:.3g})",
+                  flush=True)
+            sstate.restore(snap)
+        except Exception as exc:  # noqa: BLE001 - a benchmark row, not a crash: report why
+            print(f"{'reference step, graphed':28s} B={b:>4d} capture failed: {type(exc).__name__}: {exc}", flush=True)
+            rows.append({"what": "reference step, graphed", "budget": b, "error": f"{type(exc).__name__}: {exc}"})
+            return
+        add("verify+walk+commit, graphed", b, timer(graph.replay, reps), leaky_ms)
+        sstate.restore(snap)
+
+        def step() -> None:  # as the eager row: draft, tree, verify, walk, commit (no drafter extend)
+            lp = drafter.propose(root, state.length)
+            tr = build_ddtree(root, lp, b)
+            for dst, src in zip(ins, (tr.tokens, tr.parents, tr.depths)):
+                dst.copy_(src)
+            graph.replay()
+            int(out.n_accepted)  # the walk's result on the host, as the eager step has it
+
+        add("reference step, graphed", b, timer(step, reps), leaky_ms, {"graphed_equals_eager": same})
+        sstate.restore(snap)
+
     with torch.no_grad():
         add("decode step (1 token)", "-", timer(lambda: target.forward(state, one + 7, one - 1, one), args.reps))
         try_graph("decode step, graphed", "-", lambda: target.forward(state, one + 7, one - 1, one, validate=False))
@@ -217,6 +272,8 @@ def main() -> None:
                 state.commit(f, acc)
 
             add("reference step (end to end)", b, timer(step, max(3, args.reps // 2)), leaky_ms)
+            if dev.type == "cuda" and not args.no_graphs:
+                graphed_reference_step(b, leaky_ms)
     out = {"shape": args.shape, "dtype": args.dtype, "device": str(dev), "prefix": args.prefix,
            "weight_gb": weight_bytes / 1e9, "bandwidth_tb_s": bw / 1e12, "floor_ms": floor_ms, "rows": rows,
            "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None, "torch": torch.__version__}
