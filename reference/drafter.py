@@ -165,25 +165,66 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary_emb(like.unsqueeze(0), positions.view(1, -1))
         return cos[0], sin[0]  # [n, D]
 
-    @torch.no_grad()
-    def extend(self, context: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
-        """Append target hidden states ([n, len(target_layer_ids)*H]) at ``positions`` ([n])."""
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per draft layer, the keys and values ([Hkv, n, D] each) that target hidden states
+        ([n, len(target_layer_ids)*H]) at ``positions`` ([n]) add to the context."""
         ctx = self.hidden_norm(self.fc(context.to(self.fc.weight.dtype)))  # [n, H]
         cos, sin = self._rope(positions.to(ctx.device), ctx)
         n = ctx.shape[0]
-        for i, layer in enumerate(self.layers):
+        out = []
+        for layer in self.layers:
             attn = layer.self_attn
             k = attn.k_norm(attn.k_proj(ctx).view(n, self.n_kv, self.head_dim)).transpose(0, 1)  # [Hkv, n, D]
             v = attn.v_proj(ctx).view(n, self.n_kv, self.head_dim).transpose(0, 1)
-            k = apply_rope(k, cos, sin)
+            out.append((apply_rope(k, cos, sin), v))
+        return out
+
+    @torch.no_grad()
+    def extend(self, context: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
+        """Append target hidden states ([n, len(target_layer_ids)*H]) at ``positions`` ([n])."""
+        for i, (k, v) in enumerate(self.context_kv(context, positions)):
             if self.ctx_keys[i] is None:
                 self.ctx_keys[i], self.ctx_values[i] = k, v
             else:
                 self.ctx_keys[i] = torch.cat([self.ctx_keys[i], k], dim=1)
                 self.ctx_values[i] = torch.cat([self.ctx_values[i], v], dim=1)
-        self.ctx_len += n
+        self.ctx_len += context.shape[0]
 
     # -- proposal ---------------------------------------------------------------------------------
+    def block_hidden(self, ids: torch.Tensor, positions: torch.Tensor,
+                     context: list[tuple[torch.Tensor, torch.Tensor] | None],
+                     context_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-norm hidden states [bs, H] of the block ``ids`` ([bs]) at ``positions`` ([bs]),
+        attending (non-causally) to the whole block and to each layer's context keys/values
+        ([Hkv, P, D] each, or None for none); ``context_valid`` [P] bool marks the context slots that
+        hold tokens (fixed-size caches, reference/static_draft.py), None = all."""
+        bs = ids.shape[0]
+        h = F.embedding(ids, self.target.body.embed_tokens.weight) * self.embed_scale  # [bs, H]
+        cos, sin = self._rope(positions, h)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_norm(attn.q_proj(x).view(bs, self.n_heads, self.head_dim)).transpose(0, 1)  # [Hq, bs, D]
+            k = attn.k_norm(attn.k_proj(x).view(bs, self.n_kv, self.head_dim)).transpose(0, 1)  # [Hkv, bs, D]
+            v = attn.v_proj(x).view(bs, self.n_kv, self.head_dim).transpose(0, 1)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            mask = None
+            if context[i] is not None:
+                ck, cv = context[i]
+                k = torch.cat([ck, k], dim=1)  # [Hkv, ctx+bs, D]
+                v = torch.cat([cv, v], dim=1)
+                if context_valid is not None:
+                    block = torch.ones(bs, dtype=torch.bool, device=ids.device)
+                    mask = torch.cat([context_valid, block])[None, None, None, :]  # [1, 1, 1, ctx+bs]
+            rep = self.n_heads // self.n_kv
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(0), repeat_heads(k, rep).unsqueeze(0), repeat_heads(v, rep).unsqueeze(0),
+                attn_mask=mask, scale=self.head_dim**-0.5,
+            )[0]  # [Hq, bs, D], non-causal: every block position sees the whole block and context
+            h = h + attn.o_proj(out.transpose(0, 1).reshape(bs, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
     @torch.no_grad()
     def hidden(self, bonus: int, start: int, depth: int | None = None) -> torch.Tensor:
         """Final-norm hidden states [1+depth, H] of the block ``[bonus, MASK × depth]`` at ``start``.
@@ -195,34 +236,20 @@ class DFlashDrafter(nn.Module):
         bs = self.block_size if depth is None else min(depth + 1, self.block_size)
         ids = torch.full((bs,), self.mask_token_id, dtype=torch.long, device=dev)
         ids[0] = bonus
-        h = F.embedding(ids, self.target.body.embed_tokens.weight) * self.embed_scale  # [bs, H]
-        cos, sin = self._rope(torch.arange(start, start + bs, device=dev), h)
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_norm(attn.q_proj(x).view(bs, self.n_heads, self.head_dim)).transpose(0, 1)  # [Hq, bs, D]
-            k = attn.k_norm(attn.k_proj(x).view(bs, self.n_kv, self.head_dim)).transpose(0, 1)  # [Hkv, bs, D]
-            v = attn.v_proj(x).view(bs, self.n_kv, self.head_dim).transpose(0, 1)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            if self.ctx_keys[i] is not None:
-                k = torch.cat([self.ctx_keys[i], k], dim=1)  # [Hkv, ctx+bs, D]
-                v = torch.cat([self.ctx_values[i], v], dim=1)
-            rep = self.n_heads // self.n_kv
-            out = F.scaled_dot_product_attention(
-                q.unsqueeze(0), repeat_heads(k, rep).unsqueeze(0), repeat_heads(v, rep).unsqueeze(0),
-                scale=self.head_dim**-0.5,
-            )[0]  # [Hq, bs, D], non-causal: every block position sees the whole block and context
-            h = h + attn.o_proj(out.transpose(0, 1).reshape(bs, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
+        context = [None if k is None else (k, v) for k, v in zip(self.ctx_keys, self.ctx_values)]
+        return self.block_hidden(ids, torch.arange(start, start + bs, device=dev), context)
 
-    @torch.no_grad()
-    def logits(self, bonus: int, start: int, depth: int | None = None) -> torch.Tensor:
-        """Draft logits for depths 1..depth: [depth, V] float32 (cast for a dtype-free tree builder)."""
-        logits = self.target.model.lm_head(self.hidden(bonus, start, depth)[1:]).float() * self.output_multiplier
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits [n, V] float32 of block hidden states [n, H] (cast for a dtype-free tree builder)."""
+        logits = self.target.model.lm_head(hidden).float() * self.output_multiplier
         if self.softcap > 0:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    @torch.no_grad()
+    def logits(self, bonus: int, start: int, depth: int | None = None) -> torch.Tensor:
+        """Draft logits for depths 1..depth: [depth, V] float32."""
+        return self.logits_of(self.hidden(bonus, start, depth)[1:])
 
     def propose(self, bonus: int, start: int, depth: int | None = None) -> torch.Tensor:
         return torch.log_softmax(self.logits(bonus, start, depth), dim=-1)

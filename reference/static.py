@@ -14,7 +14,9 @@ and, without reading anything back to the host, does four things:
 - returns the step's outputs as device tensors.
 
 One captured graph therefore serves every step whose tree has that node count; the caller copies
-each new tree into the graph's input tensors.
+each new tree into the graph's input tensors. With a :class:`~reference.static_draft.StaticDraftContext`
+the same call also extends the drafter's context with the accepted nodes, so a whole decode step is
+two graphs (draft; verify + walk + commit + extend) around the host-side tree builder.
 
 It equals ``Target.forward`` + ``Tree.walk_greedy`` + ``TargetState.commit`` whenever sibling
 tokens are distinct, which holds for every DDTree tree: then at most one child of a node can match
@@ -35,6 +37,7 @@ import torch
 from reference.errors import PromptError
 from reference.layers import LazyStates
 from reference.state import TargetState, TreeForward
+from reference.static_draft import StaticDraftContext
 from reference.target import Target
 from reference.treechunk import ancestor_matrix
 
@@ -142,15 +145,20 @@ def _select_state(states: torch.Tensor | LazyStates, node: torch.Tensor) -> torc
 
 
 def verify_walk_commit(target: Target, state: StaticState, tokens: torch.Tensor, parents: torch.Tensor,
-                       depths: torch.Tensor, max_depth: int, capture: tuple[int, ...] = ()) -> StepOut:
+                       depths: torch.Tensor, max_depth: int, capture: tuple[int, ...] = (),
+                       draft: StaticDraftContext | None = None) -> StepOut:
     """Verify one tree exactly, walk it greedily and commit, all on the device; ``state`` is updated
-    in place. tokens/parents/depths: [n] int64 on the target's device."""
+    in place. tokens/parents/depths: [n] int64 on the target's device. With ``draft`` (and
+    ``capture`` = its target layers), the accepted nodes' hidden states extend the drafter's
+    context too, at their positions, as the decoder does after every step."""
     if target.gdn_method != "chunk":
         raise PromptError("the fixed-shape step needs the tree-chunk Gated DeltaNet method (target.gdn_method = 'chunk')")
     fwd = target.forward(state, tokens, parents, depths, capture=capture, validate=False)
     argmax = fwd.logits.argmax(dim=-1)  # [n]
     visible = ancestor_matrix(parents)  # [n, n]
     leaf, path, n_acc = device_walk(tokens, parents, depths, argmax, visible, max_depth)
+    if draft is not None:  # before the commit moves the length: the root sits at the committed length
+        draft.extend(fwd.context[path], state.length + depths[path], n_acc)
     slots = state.length + torch.arange(max_depth + 1, device=tokens.device)  # [max_depth + 1]
     for layer, k in fwd.keys.items():
         state.keys[layer][:, slots] = k[:, path]  # [Hkv, max_depth + 1, D]

@@ -178,59 +178,82 @@ def main() -> None:
         return statistics.median(times)
 
     def graphed_reference_step(b: int, leaky_ms: float) -> None:
-        """The end-to-end step with verify + walk + commit as one CUDA-graph replay over fixed-size
-        caches (reference/static.py); draft eager, tree on the host. First checks that a replay on
-        one tree equals the eager forward and walk."""
+        """The end-to-end step as two CUDA-graph replays around the host-side tree builder: the draft
+        from fixed-size context buffers (reference/static_draft.py), then verify + walk + commit +
+        context extend over fixed-size caches (reference/static.py). First checks that one replay of
+        each equals the eager drafter, forward and walk."""
         from reference.static import StaticState, verify_walk_commit
+        from reference.static_draft import StaticDraftContext
 
         cap = tuple(drafter.target_layer_ids)
         max_depth = drafter.block_size - 1
         reps = max(3, args.reps // 2)
-        sstate = StaticState.from_state(state, capacity=state.length + (reps + 12) * (max_depth + 1))
+        room = state.length + (2 * reps + 16) * (max_depth + 1)
+        sstate = StaticState.from_state(state, capacity=room)
+        ctx = StaticDraftContext.from_drafter(drafter, capacity=room)
         ins = [torch.zeros(b + 1, dtype=torch.long, device=dev) for _ in range(3)]  # tokens, parents, depths [n]
         root = int(prompt[-1])
-        tree0 = build_ddtree(root, drafter.propose(root, state.length), b)
+        bonus = torch.tensor(root, device=dev)  # [] the next block's first token, written by the verify graph
+        lp_eager = drafter.propose(root, state.length)
+        tree0 = build_ddtree(root, lp_eager, b)
         for dst, src in zip(ins, (tree0.tokens, tree0.parents, tree0.depths)):
             dst.copy_(src)
+
+        def verify_fn():
+            o = verify_walk_commit(target, sstate, *ins, max_depth, cap, ctx)
+            bonus.copy_(o.bonus)
+            return o
+
+        def undo():
+            sstate.restore(snap)
+            ctx.restore(ctx_snap)
+            bonus.fill_(root)
+
         try:
-            snap = sstate.snapshot()
+            snap, ctx_snap = sstate.snapshot(), ctx.snapshot()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph wants
                 for _ in range(2):
-                    verify_walk_commit(target, sstate, *ins, max_depth, cap)
-                    sstate.restore(snap)
+                    ctx.propose(bonus, sstate.length)
+                    verify_fn()
+                    undo()
             torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = verify_walk_commit(target, sstate, *ins, max_depth, cap)
-            sstate.restore(snap)
-            graph.replay()
+            g_draft, g_verify = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g_draft):
+                lp_out = ctx.propose(bonus, sstate.length)
+            with torch.cuda.graph(g_verify):
+                out = verify_fn()
+            undo()
+            g_draft.replay()
+            draft_err = float((lp_out - lp_eager).abs().max())
+            g_verify.replay()
             eager = target.forward(state, tree0.tokens, tree0.parents, tree0.depths, capture=cap)
             want = tree0.walk_greedy(eager.logits.argmax(-1).cpu())
             n_acc = int(out.n_accepted)
             same = out.path[:n_acc].tolist() == want and int(out.bonus) == int(eager.logits[want[-1]].argmax())
             err = float((out.forward.logits - eager.logits).abs().max())
-            print(f"{'graphed step equals eager':28s} B={b:>4d} {'yes' if same else 'NO'} (max |Δ logit| {err:.3g})",
-                  flush=True)
-            sstate.restore(snap)
+            print(f"{'graphed step equals eager':28s} B={b:>4d} {'yes' if same else 'NO'} (max |Δ logit| {err:.3g}, "
+                  f"max |Δ draft log-prob| {draft_err:.3g})", flush=True)
+            undo()
         except Exception as exc:  # noqa: BLE001 - a benchmark row, not a crash: report why
             print(f"{'reference step, graphed':28s} B={b:>4d} capture failed: {type(exc).__name__}: {exc}", flush=True)
             rows.append({"what": "reference step, graphed", "budget": b, "error": f"{type(exc).__name__}: {exc}"})
             return
-        add("verify+walk+commit, graphed", b, timer(graph.replay, reps), leaky_ms)
-        sstate.restore(snap)
+        add("  draft: propose, graphed", b, timer(g_draft.replay, reps))
+        add("verify+walk+commit, graphed", b, timer(g_verify.replay, reps), leaky_ms)
+        undo()
 
-        def step() -> None:  # as the eager row: draft, tree, verify, walk, commit (no drafter extend)
-            lp = drafter.propose(root, state.length)
-            tr = build_ddtree(root, lp, b)
+        def step() -> None:  # the whole decode step: graphed draft, host tree, graphed verify/walk/commit/extend
+            g_draft.replay()
+            tr = build_ddtree(int(bonus), lp_out, b)  # reads the bonus and the drafts' top-k on the host
             for dst, src in zip(ins, (tr.tokens, tr.parents, tr.depths)):
                 dst.copy_(src)
-            graph.replay()
-            int(out.n_accepted)  # the walk's result on the host, as the eager step has it
+            g_verify.replay()
 
-        add("reference step, graphed", b, timer(step, reps), leaky_ms, {"graphed_equals_eager": same})
-        sstate.restore(snap)
+        add("reference step, graphed", b, timer(step, reps), leaky_ms,
+            {"graphed_equals_eager": same, "max_abs_logit_diff": err, "max_abs_draft_diff": draft_err})
+        undo()
 
     with torch.no_grad():
         add("decode step (1 token)", "-", timer(lambda: target.forward(state, one + 7, one - 1, one), args.reps))

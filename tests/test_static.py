@@ -117,3 +117,39 @@ def test_snapshot_restore_undoes_a_step(hybrid):
     _assert_states_equal(sstate.to_state(), state, atol=0.0)
     again = verify_walk_commit(target, sstate, tree.tokens, tree.parents, tree.depths, drafter.block_size - 1)
     assert again.path[: int(again.n_accepted)].tolist() == first_path
+
+
+@pytest.mark.parametrize("budget", [15, 64])
+def test_whole_fixed_shape_step_with_the_static_drafter_decodes_like_the_decoder(pair, budget):
+    """Draft from fixed-size context buffers, tree on the host, verify + walk + commit + context
+    extend on the device: the same trees, accepted paths, bonus tokens and output as the eager
+    decoder, step after step (full draft blocks: max_new_tokens stays far away)."""
+    from reference.static_draft import StaticDraftContext
+
+    target, drafter = pair
+    prompt = list(load_prompts()[3].prompt_ids)
+    steps = 8
+    ref = DDTreeDecoder(target, drafter, DecodeConfig(budget=budget, max_new_tokens=400)).generate(prompt)
+    block = drafter.block_size
+    capture = tuple(drafter.target_layer_ids)
+    drafter.reset()
+    p = torch.tensor(prompt)
+    state, fwd = target.prefill(p, capture=capture)
+    drafter.extend(fwd.context, torch.arange(len(prompt)), p)
+    room = len(prompt) + (steps + 1) * block
+    sstate = StaticState.from_state(state, capacity=room)
+    ctx = StaticDraftContext.from_drafter(drafter, capacity=room)
+    bonus = fwd.logits[-1].argmax()
+    out_ids = [int(bonus)]
+    for k in range(steps):
+        lp = ctx.propose(bonus, sstate.length)
+        tree = build_ddtree(int(bonus), lp, budget)
+        rec = ref.steps[k]
+        assert torch.equal(tree.tokens, rec.tree.tokens) and torch.equal(tree.parents, rec.tree.parents), k
+        out = verify_walk_commit(target, sstate, tree.tokens, tree.parents, tree.depths, block - 1, capture, ctx)
+        n = int(out.n_accepted)
+        assert out.path[:n].tolist() == rec.accepted and int(out.bonus) == rec.bonus
+        assert int(ctx.length) == int(sstate.length)  # the context covers every committed position
+        out_ids += tree.tokens[out.path[1:n]].tolist() + [int(out.bonus)]
+        bonus = out.bonus
+    assert out_ids == ref.output_ids[: len(out_ids)]
