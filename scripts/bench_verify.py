@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from reference.tree import build_ddtree
+
 SHAPES = {
     # Qwen3.6-27B: 64 layers (48 Gated DeltaNet + 16 gated full attention), hidden 5120, vocab 248320
     "qwen3.6-27b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
@@ -111,6 +113,102 @@ def graphed(fn):
     return graph.replay
 
 
+def capture(fn, undo, use_graphs: bool):
+    """``(replay, outputs)`` for ``fn`` (returning a tuple of tensors; ``undo`` resets what it
+    changed). With ``use_graphs``: a CUDA graph (warm-up on a side stream, as torch.cuda.graph
+    wants), whose replays rewrite the same output tensors. Without: an eager stand-in whose replay
+    re-runs ``fn`` and copies into the same tensors, so callers read results the same way."""
+    if not use_graphs:
+        outputs = fn()
+        undo()
+
+        def replay() -> None:
+            for dst, src in zip(outputs, fn()):
+                dst.copy_(src)
+
+        return replay, outputs
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+            undo()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    undo()
+    return graph.replay, outputs
+
+
+def fixed_shape_step(target, drafter, state, root: int, budget: int, timer, reps: int, use_graphs: bool) -> dict:
+    """The end-to-end step over fixed-size caches: the draft from fixed-size context buffers
+    (reference/static_draft.py), the tree on the host, then verify + walk + commit + context extend
+    (reference/static.py); as two CUDA graphs with ``use_graphs``, else eagerly through the same
+    code. First checks one run of each against the eager drafter, forward and walk; then times the
+    draft, the verify and the whole step. Returns {"equal", "logit_err", "draft_err", "times"} or
+    {"error"} (a failed capture is a benchmark result, not a crash)."""
+    from reference.static import StaticState, verify_walk_commit
+    from reference.static_draft import StaticDraftContext
+
+    dev = target.device
+    cap = tuple(drafter.target_layer_ids)
+    max_depth = drafter.block_size - 1
+    room = state.length + (2 * reps + 16) * (max_depth + 1)
+    sstate = StaticState.from_state(state, capacity=room)
+    ctx = StaticDraftContext.from_drafter(drafter, capacity=room)
+    ins = [torch.zeros(budget + 1, dtype=torch.long, device=dev) for _ in range(3)]  # tokens, parents, depths [n]
+    bonus = torch.tensor(root, device=dev)  # [] the next block's first token, written by the verify step
+    lp_eager = drafter.propose(root, state.length)
+    tree0 = build_ddtree(root, lp_eager, budget)
+    for dst, src in zip(ins, (tree0.tokens, tree0.parents, tree0.depths)):
+        dst.copy_(src)
+    snap, ctx_snap = sstate.snapshot(), ctx.snapshot()
+
+    def undo() -> None:
+        sstate.restore(snap)
+        ctx.restore(ctx_snap)
+        bonus.fill_(root)
+
+    def draft_fn():
+        return (ctx.propose(bonus, sstate.length),)
+
+    def verify_fn():
+        o = verify_walk_commit(target, sstate, *ins, max_depth, cap, ctx)
+        bonus.copy_(o.bonus)
+        return o.n_accepted, o.path, o.bonus, o.forward.logits
+
+    try:
+        draft, (lp_out,) = capture(draft_fn, undo, use_graphs)
+        verify, (n_acc, path, out_bonus, logits) = capture(verify_fn, undo, use_graphs)
+        draft()
+        draft_err = float((lp_out - lp_eager).abs().max())
+        verify()
+    except Exception as exc:  # noqa: BLE001 - reported as the benchmark's result
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    eager = target.forward(state, tree0.tokens, tree0.parents, tree0.depths, capture=cap)
+    want = tree0.walk_greedy(eager.logits.argmax(-1).cpu())
+    k = int(n_acc)
+    equal = path[:k].tolist() == want and int(out_bonus) == int(eager.logits[want[-1]].argmax())
+    logit_err = float((logits - eager.logits).abs().max())
+    undo()
+    times = {"draft": timer(draft, reps)}
+    undo()
+    times["verify"] = timer(verify, reps)
+    undo()
+
+    def step() -> None:  # graphed draft, host tree, graphed verify + walk + commit + extend
+        draft()
+        tr = build_ddtree(int(bonus), lp_out, budget)  # reads the bonus and the drafts' top-k on the host
+        for dst, src in zip(ins, (tr.tokens, tr.parents, tr.depths)):
+            dst.copy_(src)
+        verify()
+
+    times["step"] = timer(step, reps)
+    undo()
+    return {"equal": equal, "logit_err": logit_err, "draft_err": draft_err, "times": times}
+
+
 def bandwidth(device: torch.device, timer: Timer) -> float:
     """Bytes/s of a large device-to-device copy (read + write counted)."""
     n = (1 << 30) if device.type == "cuda" else (1 << 26)
@@ -132,7 +230,6 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-graphs", action="store_true")
     args = ap.parse_args()
-    from reference.tree import build_ddtree
 
     dev = torch.device(args.device)
     t0 = time.time()
@@ -177,84 +274,6 @@ def main() -> None:
         add(name, budget, times, leaky_ms)
         return statistics.median(times)
 
-    def graphed_reference_step(b: int, leaky_ms: float) -> None:
-        """The end-to-end step as two CUDA-graph replays around the host-side tree builder: the draft
-        from fixed-size context buffers (reference/static_draft.py), then verify + walk + commit +
-        context extend over fixed-size caches (reference/static.py). First checks that one replay of
-        each equals the eager drafter, forward and walk."""
-        from reference.static import StaticState, verify_walk_commit
-        from reference.static_draft import StaticDraftContext
-
-        cap = tuple(drafter.target_layer_ids)
-        max_depth = drafter.block_size - 1
-        reps = max(3, args.reps // 2)
-        room = state.length + (2 * reps + 16) * (max_depth + 1)
-        sstate = StaticState.from_state(state, capacity=room)
-        ctx = StaticDraftContext.from_drafter(drafter, capacity=room)
-        ins = [torch.zeros(b + 1, dtype=torch.long, device=dev) for _ in range(3)]  # tokens, parents, depths [n]
-        root = int(prompt[-1])
-        bonus = torch.tensor(root, device=dev)  # [] the next block's first token, written by the verify graph
-        lp_eager = drafter.propose(root, state.length)
-        tree0 = build_ddtree(root, lp_eager, b)
-        for dst, src in zip(ins, (tree0.tokens, tree0.parents, tree0.depths)):
-            dst.copy_(src)
-
-        def verify_fn():
-            o = verify_walk_commit(target, sstate, *ins, max_depth, cap, ctx)
-            bonus.copy_(o.bonus)
-            return o
-
-        def undo():
-            sstate.restore(snap)
-            ctx.restore(ctx_snap)
-            bonus.fill_(root)
-
-        try:
-            snap, ctx_snap = sstate.snapshot(), ctx.snapshot()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph wants
-                for _ in range(2):
-                    ctx.propose(bonus, sstate.length)
-                    verify_fn()
-                    undo()
-            torch.cuda.current_stream().wait_stream(side)
-            g_draft, g_verify = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g_draft):
-                lp_out = ctx.propose(bonus, sstate.length)
-            with torch.cuda.graph(g_verify):
-                out = verify_fn()
-            undo()
-            g_draft.replay()
-            draft_err = float((lp_out - lp_eager).abs().max())
-            g_verify.replay()
-            eager = target.forward(state, tree0.tokens, tree0.parents, tree0.depths, capture=cap)
-            want = tree0.walk_greedy(eager.logits.argmax(-1).cpu())
-            n_acc = int(out.n_accepted)
-            same = out.path[:n_acc].tolist() == want and int(out.bonus) == int(eager.logits[want[-1]].argmax())
-            err = float((out.forward.logits - eager.logits).abs().max())
-            print(f"{'graphed step equals eager':28s} B={b:>4d} {'yes' if same else 'NO'} (max |Δ logit| {err:.3g}, "
-                  f"max |Δ draft log-prob| {draft_err:.3g})", flush=True)
-            undo()
-        except Exception as exc:  # noqa: BLE001 - a benchmark row, not a crash: report why
-            print(f"{'reference step, graphed':28s} B={b:>4d} capture failed: {type(exc).__name__}: {exc}", flush=True)
-            rows.append({"what": "reference step, graphed", "budget": b, "error": f"{type(exc).__name__}: {exc}"})
-            return
-        add("  draft: propose, graphed", b, timer(g_draft.replay, reps))
-        add("verify+walk+commit, graphed", b, timer(g_verify.replay, reps), leaky_ms)
-        undo()
-
-        def step() -> None:  # the whole decode step: graphed draft, host tree, graphed verify/walk/commit/extend
-            g_draft.replay()
-            tr = build_ddtree(int(bonus), lp_out, b)  # reads the bonus and the drafts' top-k on the host
-            for dst, src in zip(ins, (tr.tokens, tr.parents, tr.depths)):
-                dst.copy_(src)
-            g_verify.replay()
-
-        add("reference step, graphed", b, timer(step, reps), leaky_ms,
-            {"graphed_equals_eager": same, "max_abs_logit_diff": err, "max_abs_draft_diff": draft_err})
-        undo()
-
     with torch.no_grad():
         add("decode step (1 token)", "-", timer(lambda: target.forward(state, one + 7, one - 1, one), args.reps))
         try_graph("decode step, graphed", "-", lambda: target.forward(state, one + 7, one - 1, one, validate=False))
@@ -295,8 +314,20 @@ def main() -> None:
                 state.commit(f, acc)
 
             add("reference step (end to end)", b, timer(step, max(3, args.reps // 2)), leaky_ms)
-            if dev.type == "cuda" and not args.no_graphs:
-                graphed_reference_step(b, leaky_ms)
+            use_graphs = dev.type == "cuda" and not args.no_graphs
+            kind = "graphed" if use_graphs else "fixed-shape"
+            res = fixed_shape_step(target, drafter, state, int(prompt[-1]), b, timer, max(3, args.reps // 2), use_graphs)
+            if "error" in res:
+                print(f"{'reference step, ' + kind:28s} B={b:>4d} failed: {res['error']}", flush=True)
+                rows.append({"what": f"reference step, {kind}", "budget": b, "error": res["error"]})
+            else:
+                print(f"{kind + ' step equals eager':28s} B={b:>4d} {'yes' if res['equal'] else 'NO'} "
+                      f"(max |Δ logit| {res['logit_err']:.3g}, max |Δ draft log-prob| {res['draft_err']:.3g})", flush=True)
+                add(f"  draft: propose, {kind}", b, res["times"]["draft"])
+                add(f"verify+walk+commit, {kind}", b, res["times"]["verify"], leaky_ms)
+                add(f"reference step, {kind}", b, res["times"]["step"], leaky_ms,
+                    {"equals_eager": res["equal"], "max_abs_logit_diff": res["logit_err"],
+                     "max_abs_draft_diff": res["draft_err"]})
     out = {"shape": args.shape, "dtype": args.dtype, "device": str(dev), "prefix": args.prefix,
            "weight_gb": weight_bytes / 1e9, "bandwidth_tb_s": bw / 1e12, "floor_ms": floor_ms, "rows": rows,
            "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None, "torch": torch.__version__}
