@@ -105,3 +105,71 @@ def test_ddtree_builder_on_cuda_equals_cpu():
             a, b = build_ddtree(5, lp, budget), build_ddtree(5, lp.cuda(), budget)
             assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
             assert torch.equal(a.scores, b.scores)
+
+
+@pytest.mark.parametrize("pair", ["hybrid", "attention"])
+@pytest.mark.parametrize("budget", [15, 64])
+def test_graphed_fixed_shape_step_decodes_like_the_eager_decoder(pair, budget):
+    """The whole reference step as two CUDA graphs (draft; verify + walk + commit + context extend)
+    replayed step after step, each step's tree copied into the graph's inputs: the same trees,
+    accepted paths, bonus tokens and output as the eager decoder on the same GPU in fp32."""
+    from reference.static import StaticState, verify_walk_commit
+    from reference.static_draft import StaticDraftContext
+
+    tdir, ddir = builtin_pair(pair)
+    target = Target.load(tdir, dtype=torch.float32, device="cuda")
+    drafter = DFlashDrafter.load(ddir, target)
+    steps, block = 8, drafter.block_size
+    ref = DDTreeDecoder(target, drafter, DecodeConfig(budget=budget, max_new_tokens=400)).generate(PROMPT)
+    cap = tuple(drafter.target_layer_ids)
+    drafter.reset()
+    p = torch.tensor(PROMPT, device="cuda")
+    state, fwd = target.prefill(p, capture=cap)
+    drafter.extend(fwd.context, torch.arange(len(PROMPT), device="cuda"), p)
+    room = len(PROMPT) + (steps + 8) * block
+    sstate = StaticState.from_state(state, capacity=room)
+    ctx = StaticDraftContext.from_drafter(drafter, capacity=room)
+    ins = [torch.zeros(budget + 1, dtype=torch.long, device="cuda") for _ in range(3)]
+    bonus = fwd.logits[-1].argmax().clone()
+    first = int(bonus)
+    snap, ctx_snap = sstate.snapshot(), ctx.snapshot()
+    tree0 = build_ddtree(first, drafter.propose(first, len(PROMPT)), budget)
+    for dst, src in zip(ins, (tree0.tokens, tree0.parents, tree0.depths)):
+        dst.copy_(src)
+
+    def verify():
+        o = verify_walk_commit(target, sstate, *ins, block - 1, cap, ctx)
+        bonus.copy_(o.bonus)
+        return o
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            ctx.propose(bonus, sstate.length)
+            verify()
+            sstate.restore(snap)
+            ctx.restore(ctx_snap)
+            bonus.fill_(first)
+    torch.cuda.current_stream().wait_stream(side)
+    g_draft, g_verify = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_draft):
+        lp = ctx.propose(bonus, sstate.length)
+    with torch.cuda.graph(g_verify):
+        out = verify()
+    sstate.restore(snap)
+    ctx.restore(ctx_snap)
+    bonus.fill_(first)
+    out_ids = [first]
+    for k in range(steps):
+        g_draft.replay()
+        tree = build_ddtree(int(bonus), lp, budget)
+        rec = ref.steps[k]
+        assert torch.equal(tree.tokens.cpu(), rec.tree.tokens.cpu()) and torch.equal(tree.parents.cpu(), rec.tree.parents.cpu()), k
+        for dst, src in zip(ins, (tree.tokens, tree.parents, tree.depths)):
+            dst.copy_(src)
+        g_verify.replay()
+        n = int(out.n_accepted)
+        assert out.path[:n].tolist() == rec.accepted and int(out.bonus) == rec.bonus, k
+        out_ids += tree.tokens[out.path[1:n].cpu()].tolist() + [int(out.bonus)]
+    assert out_ids == ref.output_ids[: len(out_ids)]
