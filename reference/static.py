@@ -39,7 +39,7 @@ from reference.layers import LazyStates
 from reference.state import TargetState, TreeForward
 from reference.static_draft import StaticDraftContext
 from reference.target import Target
-from reference.treechunk import ancestor_matrix
+from reference.treechunk import ancestor_matrix, unchecked
 
 
 class StaticState:
@@ -153,6 +153,12 @@ def verify_walk_commit(target: Target, state: StaticState, tokens: torch.Tensor,
     context too, at their positions, as the decoder does after every step."""
     if target.gdn_method != "chunk":
         raise PromptError("the fixed-shape step needs the tree-chunk Gated DeltaNet method (target.gdn_method = 'chunk')")
+    with unchecked():  # no host-side value checks anywhere in the step: they read the device
+        return _step(target, state, tokens, parents, depths, max_depth, capture, draft)
+
+
+def _step(target: Target, state: StaticState, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+          max_depth: int, capture: tuple[int, ...], draft: StaticDraftContext | None) -> StepOut:
     fwd = target.forward(state, tokens, parents, depths, capture=capture, validate=False)
     argmax = fwd.logits.argmax(dim=-1)  # [n]
     visible = ancestor_matrix(parents)  # [n, n]

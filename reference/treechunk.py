@@ -68,11 +68,12 @@ _VALIDATE = [True]  # value checks read tensors on the host: off while a CUDA gr
 @contextmanager
 def unchecked():
     """Skip the host-side value checks of parents (they synchronise the device; graphs forbid it)."""
+    before = _VALIDATE[0]  # re-entrant: a nested use leaves the outer one's setting in force
     _VALIDATE[0] = False
     try:
         yield
     finally:
-        _VALIDATE[0] = True
+        _VALIDATE[0] = before
 
 
 def _check_parents(parents: torch.Tensor) -> torch.Tensor:

@@ -153,3 +153,30 @@ def test_whole_fixed_shape_step_with_the_static_drafter_decodes_like_the_decoder
         out_ids += tree.tokens[out.path[1:n]].tolist() + [int(out.bonus)]
         bonus = out.bonus
     assert out_ids == ref.output_ids[: len(out_ids)]
+
+
+def test_the_fixed_shape_step_reads_nothing_back_to_the_host(hybrid, monkeypatch):
+    """What a CUDA graph forbids, checked on CPU: no tensor is turned into a Python value (item,
+    bool, int, float, tolist) while the draft, the verify, the walk, the commit or the extend run."""
+    from reference.static_draft import StaticDraftContext
+
+    target, drafter = hybrid
+    prompt = torch.tensor(list(load_prompts()[5].prompt_ids))
+    cap = tuple(drafter.target_layer_ids)
+    drafter.reset()
+    state, fwd = target.prefill(prompt, capture=cap)
+    drafter.extend(fwd.context, torch.arange(len(prompt)), prompt)
+    sstate = StaticState.from_state(state, capacity=len(prompt) + 64)
+    ctx = StaticDraftContext.from_drafter(drafter, capacity=len(prompt) + 64)
+    bonus = fwd.logits[-1].argmax()
+    tree = build_ddtree(int(bonus), drafter.propose(int(bonus), len(prompt)), 15)
+
+    def host_read(*_a, **_k):
+        raise AssertionError("a host read inside the fixed-shape step")
+
+    with monkeypatch.context() as m:
+        for name in ("item", "__bool__", "__int__", "__float__", "tolist"):
+            m.setattr(torch.Tensor, name, host_read)
+        ctx.propose(bonus, sstate.length)
+        verify_walk_commit(target, sstate, tree.tokens, tree.parents, tree.depths, drafter.block_size - 1, cap, ctx)
+    assert int(sstate.length) > len(prompt)
