@@ -133,6 +133,8 @@ class Target:
         leaky: bool = False,
         keep_layer_outputs: bool = False,
         validate: bool = True,
+        recurrent_parents: torch.Tensor | None = None,
+        visible: torch.Tensor | None = None,
     ) -> TreeForward:
         """Evaluate n nodes below ``state``.
 
@@ -143,6 +145,10 @@ class Target:
         ``validate=False`` skips the host-side input checks (for CUDA-graph capture, where reading a
         device value on the host is not allowed); with the "chunk" method the forward then never
         synchronises.
+
+        Counterfactuals (``refcheck explain``): ``recurrent_parents`` [n] replaces the parents the
+        Gated DeltaNet layers follow (conv windows and recurrent state), ``visible`` [n, n] bool the
+        attention layers' ancestor-or-self mask; the other layers keep the tree's own.
         """
         dev = self.device
         tokens, parents, depths = (t.to(dev, torch.long) for t in (tokens, parents, depths))
@@ -158,12 +164,16 @@ class Target:
                     f"position {int(positions.max())} exceeds the model's context of {self.max_positions} tokens"
                 )
         with contextlib.nullcontext() if validate else unchecked():
-            return self._forward(state, tokens, parents, positions, capture, leaky, keep_layer_outputs)
+            return self._forward(state, tokens, parents, positions, capture, leaky, keep_layer_outputs,
+                                 recurrent_parents, visible)
 
-    def _forward(self, state, tokens, parents, positions, capture, leaky, keep_layer_outputs) -> TreeForward:
-        visible = ancestor_matrix(parents)  # [n, n] ancestor-or-self
+    def _forward(self, state, tokens, parents, positions, capture, leaky, keep_layer_outputs,
+                 recurrent_parents=None, visible=None) -> TreeForward:
+        if visible is None:
+            visible = ancestor_matrix(parents)  # [n, n] ancestor-or-self
+        rparents = parents if recurrent_parents is None else recurrent_parents.to(parents.device, torch.long)
         # leaky + chunk = the flattened tree as one chunk of a chain: what a leaking engine computes
-        plan = TreePlan.build(parents, leaky, need_levels=self.gdn_method == "levels")
+        plan = TreePlan.build(rparents, leaky, need_levels=self.gdn_method == "levels")
         n = tokens.shape[0]
         h = self._stage_input(tokens)  # [n, H]
         cos, sin = self.body.rotary_emb(h.unsqueeze(0), rope_position_ids(self.model_type, positions))
@@ -174,7 +184,7 @@ class Target:
             layer = self.layers[i]
             x = layer.input_layernorm(h)
             if self.is_linear(i):
-                out = deltanet_tree(layer.linear_attn, x, parents, state.conv[i], state.recurrent[i], leaky=leaky,
+                out = deltanet_tree(layer.linear_attn, x, rparents, state.conv[i], state.recurrent[i], leaky=leaky,
                                     method=self.gdn_method, plan=plan)
                 fwd.conv[i], fwd.recurrent[i] = out.conv_windows, out.states
             else:

@@ -1,0 +1,172 @@
+"""Explaining one failing node: which counterfactual makes the reference say what the engine said.
+
+Contract: :func:`explain_node` takes an engine trace, a request, a step and a node. It rebuilds the
+reference's committed state at that step by prefilling the committed tokens, then re-verifies the
+step's tree under a set of hypotheses about what the engine got wrong. Each hypothesis is scored by
+how well the reference's log-probs at the node fit the engine's recorded top-k: the largest
+absolute difference over the engine's top-k ids, the same measure the replay diff uses.
+
+| hypothesis | what it tests |
+|---|---|
+| the exact reference | the replay diff's own verdict |
+| the per-path oracle | transformers' plain forward over the committed tokens and the node's root path: does the reference itself agree with the model? |
+| another input token at the node | every token of the tree and of the engine's top-k, as the node's token |
+| another recurrent parent | Gated DeltaNet layers only (conv window and recurrent state), for every earlier node; the previous node in flat order is the flattened-tree leak |
+| another attention visibility | the flat causal order, self only, ancestors plus earlier siblings, the parent's row |
+
+A hypothesis *explains* the node when its fit is within the trace's log-prob tolerance while the
+exact reference's is not. The result says which hypotheses do, best first. Bad input (no such
+request, step or node) is a :class:`~refcheck.errors.UsageError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from refcheck.diff.tolerance import tolerance_for
+from refcheck.errors import UsageError
+from refcheck.trace.io import Trace
+from reference.compat import full_forward_logits
+from reference.target import Target
+from reference.treechunk import ancestor_matrix
+
+
+@dataclass(slots=True)
+class Hypothesis:
+    kind: str  # exact | oracle | token | recurrent_parent | visibility
+    detail: str
+    fit: float  # max |Δ log-prob| over the engine's top-k ids at the node
+    argmax: int  # the reference's argmax under this hypothesis
+    explains: bool = False
+
+
+@dataclass(slots=True)
+class Explanation:
+    request_id: str
+    step: int
+    node: int
+    token: int
+    parent: int
+    depth: int
+    engine_topk: list[tuple[int, float]]
+    reference_topk: list[tuple[int, float]]
+    tolerance: float
+    oracle_vs_reference: float = float("nan")  # max |Δ log-prob| over the vocabulary at the node
+    hypotheses: list[Hypothesis] = field(default_factory=list)
+
+    @property
+    def explained_by(self) -> list[Hypothesis]:
+        return sorted((h for h in self.hypotheses if h.explains), key=lambda h: h.fit)
+
+    def best(self, kind: str) -> Hypothesis | None:
+        cands = [h for h in self.hypotheses if h.kind == kind]
+        return min(cands, key=lambda h: h.fit) if cands else None
+
+
+def _step_row(trace: Trace, request_id: str, step: int, node: int):
+    ids = [r.request_id for r in trace.requests]
+    if request_id not in ids:
+        raise UsageError(f"no request {request_id!r} in the trace (it has {', '.join(ids[:12])})")
+    rows = [s for s in trace.steps_of(request_id) if s.step == step]
+    if not rows:
+        have = [s.step for s in trace.steps_of(request_id)]
+        raise UsageError(f"request {request_id} has no step {step} (steps {min(have)}..{max(have)})" if have
+                         else f"request {request_id} has no verify steps")
+    s = rows[0]
+    if not 0 <= node < len(s.tree_tokens):
+        raise UsageError(f"step {step} of {request_id} has nodes 0..{len(s.tree_tokens) - 1}, not {node}")
+    if not s.topk_ids:
+        raise UsageError(f"the engine recorded no top-k log-probs at step {step} of {request_id}: nothing to fit")
+    return [r for r in trace.requests if r.request_id == request_id][0], s
+
+
+def explain_node(trace: Trace, request_id: str, step: int, node: int, target: Target) -> Explanation:
+    req, s = _step_row(trace, request_id, step, node)
+    prov = trace.provenance
+    tol = tolerance_for(str(prov.get("dtype", "float32")), str(prov.get("device", "cpu"))).logprob_abs
+    P = len(req.prompt_ids)
+    committed = list(req.prompt_ids) + list(req.output_ids)[: s.committed_len - P]
+    dev = target.device
+    state, _ = target.prefill(torch.tensor(committed, device=dev))
+    tokens = torch.tensor(s.tree_tokens, dtype=torch.long)
+    parents = torch.tensor(s.tree_parents, dtype=torch.long)
+    depths = torch.tensor(s.tree_depths, dtype=torch.long)
+    n = tokens.shape[0]
+    eng_ids = torch.tensor(s.topk_ids[node], dtype=torch.long)
+    eng_lp = torch.tensor(s.topk_logprobs[node], dtype=torch.float32)
+
+    def score(logits_row: torch.Tensor) -> tuple[float, int]:
+        lp = torch.log_softmax(logits_row.float().cpu(), dim=-1)  # float32: log-probs compare across dtypes
+        return float((lp[eng_ids] - eng_lp).abs().max()), int(lp.argmax())
+
+    def row(fwd_logits: torch.Tensor, at: int = node) -> tuple[float, int]:
+        return score(fwd_logits[at])
+
+    exact = target.forward(state, tokens, parents, depths)
+    ref_lp = torch.log_softmax(exact.logits[node].float().cpu(), dim=-1)
+    top = ref_lp.topk(len(eng_ids))
+    out = Explanation(request_id, step, node, int(tokens[node]), int(parents[node]), int(depths[node]),
+                      list(zip(eng_ids.tolist(), eng_lp.tolist())), list(zip(top.indices.tolist(), top.values.tolist())),
+                      tol)
+    fit, arg = row(exact.logits)
+    out.hypotheses.append(Hypothesis("exact", "the exact reference (what the replay diff compares)", fit, arg))
+
+    path, j = [], node
+    while j >= 0:
+        path.append(int(tokens[j]))
+        j = int(parents[j])
+    seq = torch.tensor(committed + path[::-1], device=dev)
+    oracle_row = full_forward_logits(target.model, seq)[-1]
+    out.oracle_vs_reference = float((torch.log_softmax(oracle_row.float().cpu(), dim=-1) - ref_lp).abs().max())
+    fit, arg = score(oracle_row)
+    out.hypotheses.append(Hypothesis("oracle", "transformers' plain forward over the committed tokens and this "
+                                     "node's root path", fit, arg))
+
+    # another input token: extra leaves under the node's parent, one per candidate (one forward)
+    cands = sorted((set(tokens.tolist()) | set(eng_ids.tolist())) - {int(tokens[node])})
+    if cands:
+        par = int(parents[node])
+        ext_t = torch.cat([tokens, torch.tensor(cands)])
+        ext_p = torch.cat([parents, torch.full((len(cands),), par)])
+        ext_d = torch.cat([depths, torch.full((len(cands),), int(depths[node]))])
+        fwd = target.forward(state, ext_t, ext_p, ext_d)
+        for i, tok in enumerate(cands):
+            fit, arg = row(fwd.logits, n + i)
+            out.hypotheses.append(Hypothesis("token", f"token {tok} fed at this node instead of {int(tokens[node])}",
+                                             fit, arg))
+
+    # another recurrent parent (hybrid targets): the Gated DeltaNet layers follow it, attention does not
+    if any(target.is_linear(i) for i in range(len(target.layers))):
+        for p in range(-1, node):
+            if p == int(parents[node]):
+                continue
+            rp = parents.clone()
+            rp[node] = p
+            fit, arg = row(target.forward(state, tokens, parents, depths, recurrent_parents=rp).logits)
+            what = "the committed prefix" if p < 0 else f"node {p}"
+            if p == node - 1:
+                what += " (the previous node in flat order: the flattened-tree leak)"
+            out.hypotheses.append(Hypothesis("recurrent_parent", f"Gated DeltaNet state and conv window from {what}",
+                                             fit, arg))
+
+    # another attention visibility at this node (the rest of the tree keeps its own)
+    base = ancestor_matrix(parents).to(dev)
+    sibs = [j for j in range(node) if int(parents[j]) == int(parents[node])]
+    variants = {"the flat causal order (every earlier node)": torch.arange(n, device=dev) <= node,
+                "itself only (and the committed prefix)": torch.arange(n, device=dev) == node}
+    if sibs:
+        variants["its ancestors and earlier siblings"] = base[node].clone().index_fill_(0, torch.tensor(sibs, device=dev), True)
+    if int(parents[node]) >= 0:
+        variants["its parent's row (an off-by-one row)"] = base[int(parents[node])] | (torch.arange(n, device=dev) == node)
+    for what, vis_row in variants.items():
+        vis = base.clone()
+        vis[node] = vis_row
+        fit, arg = row(target.forward(state, tokens, parents, depths, visible=vis).logits)
+        out.hypotheses.append(Hypothesis("visibility", f"attention to {what}", fit, arg))
+
+    exact_fit = out.hypotheses[0].fit
+    for h in out.hypotheses[1:]:
+        h.explains = exact_fit > tol and h.fit <= tol and h.kind != "oracle"
+    return out
