@@ -59,3 +59,10 @@ def test_bad_input_is_a_usage_error(session, cli):
     code, _, err = cli("explain", str(REPO_GOLDEN / "sglang-hybrid-ddtree-b64.arrow"), "--request", "code-1",
                        "--step", "13", "--node", "99")
     assert code == EXIT_USAGE and "not 99" in err
+
+
+def test_diff_against_a_trace_prints_the_explain_command_for_its_first_failing_node(cli):
+    path = REPO_GOLDEN / "sglang-hybrid-ddtree-b15-leaky-chain.arrow"
+    code, _, err = cli("diff", "--against", str(path), "--mode", "replay")
+    assert code != 0
+    assert f"refcheck explain {path} --request arith-1 --step 0 --node 5" in err

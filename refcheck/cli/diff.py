@@ -150,4 +150,17 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
     if steps:
         for report, trace in zip(reports, traces):
             steps_table(report, trace)
+    files = list(against) if against else ([save_trace] * len(reports) if save_trace else [])
+    for report, path in zip(reports, files):
+        _explain_hint(report, path)
     finish(reports, as_json)
+
+
+def _explain_hint(report, path) -> None:
+    """The command that explains the earliest failing node with a per-node finding (logits)."""
+    nodes = [f for f in report.first_divergence().values() if f.node is not None and f.step is not None
+             and f.category == "logits"]
+    if nodes:
+        f = min(nodes, key=lambda f: (f.step, f.request_id))
+        err.print(f"explain it: refcheck explain {path} --request {f.request_id} --step {f.step} --node {f.node}",
+                  markup=False)
