@@ -163,4 +163,4 @@ def _explain_hint(report, path) -> None:
     if nodes:
         f = min(nodes, key=lambda f: (f.step, f.request_id))
         err.print(f"explain it: refcheck explain {path} --request {f.request_id} --step {f.step} --node {f.node}",
-                  markup=False)
+                  markup=False, soft_wrap=True)  # one line, whatever the width: a command to paste
