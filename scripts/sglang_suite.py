@@ -10,6 +10,8 @@ checks that the tokens are identical (capture must not change what SGLang comput
 in OUT: ``<config>.arrow`` (the SGLang trace), ``<config>.fp32.json`` / ``<config>.bf16.json`` (reports),
 ``<config>.log`` and ``summary.json`` (exit codes, wall times, verdict counts, τ, largest deviations).
 A configuration that crashes or times out is recorded as such; the others still run.
+``--parallel N`` runs N configurations side by side on the one GPU (each engine with 0.8/N of its
+memory, ``diff --sglang-mem-fraction``): fewer device minutes, timings under contention.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 CONFIGS = {
@@ -90,6 +94,9 @@ def main() -> None:
     ap.add_argument("--pair", default="hybrid")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=300.0, help="Per process, seconds.")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="Configurations run side by side on the one GPU (each engine then gets 0.8/N of its memory); "
+                         "saves device minutes, but their timings are taken under contention.")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--algorithm", default="DFLASH", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=int, default=15, help=argparse.SUPPRESS)
@@ -100,49 +107,75 @@ def main() -> None:
         return
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    py = sys.executable
-    common = ["--pair", args.pair, "--max-new-tokens", str(args.max_new_tokens), "--json"]
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS and n != "capture-off"]
+    if unknown:
+        raise SystemExit(f"unknown configuration(s) {', '.join(unknown)} (choose from {', '.join(CONFIGS)}, capture-off)")
+    # engines side by side share the GPU: each gets a smaller slice of its memory
+    mem = ["--sglang-mem-fraction", f"{min(0.3, 0.8 / args.parallel):.3f}"] if args.parallel > 1 else []
     summary: dict = {}
-    for name in args.configs.split(","):
-        log = out / f"{name}.log"
-        if name == "capture-off":
-            rc, wall, _ = _run([py, __file__, "--child", "--out", str(out), "--algorithm", "DFLASH", "--budget", "15",
-                                "--pair", args.pair, "--max-new-tokens", str(args.max_new_tokens),
-                                "--json-out", str(out / "capture-off.json")], log, args.timeout)
-            entry = {"rc": rc, "wall_s": round(wall, 1)}
-            if rc == 0 and (out / "dflash.arrow").is_file():
-                from refcheck.trace.io import read_trace
+    lock = threading.Lock()
 
-                with_cap = {r.request_id: r.output_ids for r in read_trace(out / "dflash.arrow").requests}
-                without = json.loads((out / "capture-off.json").read_text())
-                entry["tokens_identical"] = with_cap == without
-                entry["differing_requests"] = sorted(k for k in without if with_cap.get(k) != without[k])
+    def done(name: str, entry: dict) -> None:
+        with lock:
             summary[name] = entry
             print(name, json.dumps(entry), flush=True)
             (out / "summary.json").write_text(json.dumps(summary, indent=1))
-            continue
-        if name not in CONFIGS:
-            raise SystemExit(f"unknown configuration {name!r} (choose from {', '.join(CONFIGS)}, capture-off)")
-        trace = out / f"{name}.arrow"
-        rc, wall, text = _run([py, "-m", "refcheck", "diff", "--engine", "sglang", *CONFIGS[name], *common,
-                               "--ref-device", "cuda", "--ref-dtype", "float32", "--mode", "both", "--save-trace", str(trace)],
-                              log, args.timeout)
-        (out / f"{name}.fp32.json").write_text(text)
-        entry = {"rc": rc, "wall_s": round(wall, 1), "fp32": _report_summary(text)}
-        if trace.is_file():
-            from refcheck.trace.io import read_trace
 
-            cap = read_trace(trace).provenance.get("capture", {})
-            entry["capture"] = {k: cap.get(k) for k in ("stats", "errors", "problems", "incomplete", "crash")}
-            entry["engine_start_s"] = read_trace(trace).provenance["engine"]["settings"].get("engine_start_s")
-            rc2, wall2, text2 = _run([py, "-m", "refcheck", "diff", "--against", str(trace), "--ref-device", "cuda",
-                                      "--ref-dtype", "bfloat16", "--mode", "replay", "--json"], log, args.timeout)
-            (out / f"{name}.bf16.json").write_text(text2)
-            entry["bf16"] = {"rc": rc2, "wall_s": round(wall2, 1), **_report_summary(text2)}
-        summary[name] = entry
-        print(name, json.dumps(entry), flush=True)
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    def one(name: str) -> None:
+        if name == "capture-off":
+            done(name, capture_off(args, out))
+        else:
+            done(name, run_config(name, args, out, mem))
 
+    if args.parallel > 1:
+        with ThreadPoolExecutor(args.parallel) as pool:
+            list(pool.map(one, [n for n in names if n != "capture-off"]))
+        if "capture-off" in names:  # it compares against dflash.arrow: after the others
+            one("capture-off")
+    else:
+        for name in names:
+            one(name)
+
+
+def capture_off(args: argparse.Namespace, out: Path) -> dict:
+    log = out / "capture-off.log"
+    rc, wall, _ = _run([sys.executable, __file__, "--child", "--out", str(out), "--algorithm", "DFLASH", "--budget", "15",
+                        "--pair", args.pair, "--max-new-tokens", str(args.max_new_tokens),
+                        "--json-out", str(out / "capture-off.json")], log, args.timeout)
+    entry = {"rc": rc, "wall_s": round(wall, 1)}
+    if rc == 0 and (out / "dflash.arrow").is_file():
+        from refcheck.trace.io import read_trace
+
+        with_cap = {r.request_id: r.output_ids for r in read_trace(out / "dflash.arrow").requests}
+        without = json.loads((out / "capture-off.json").read_text())
+        entry["tokens_identical"] = with_cap == without
+        entry["differing_requests"] = sorted(k for k in without if with_cap.get(k) != without[k])
+    return entry
+
+
+def run_config(name: str, args: argparse.Namespace, out: Path, mem: list[str]) -> dict:
+    """One configuration: the fp32 diff with the live engine (trace saved), then a bf16 replay of it."""
+    py = sys.executable
+    common = ["--pair", args.pair, "--max-new-tokens", str(args.max_new_tokens), "--json"]
+    log = out / f"{name}.log"
+    trace = out / f"{name}.arrow"
+    rc, wall, text = _run([py, "-m", "refcheck", "diff", "--engine", "sglang", *CONFIGS[name], *common, *mem,
+                           "--ref-device", "cuda", "--ref-dtype", "float32", "--mode", "both", "--save-trace", str(trace)],
+                          log, args.timeout)
+    (out / f"{name}.fp32.json").write_text(text)
+    entry = {"rc": rc, "wall_s": round(wall, 1), "fp32": _report_summary(text), "engines_side_by_side": args.parallel}
+    if trace.is_file():
+        from refcheck.trace.io import read_trace
+
+        cap = read_trace(trace).provenance.get("capture", {})
+        entry["capture"] = {k: cap.get(k) for k in ("stats", "errors", "problems", "incomplete", "crash")}
+        entry["engine_start_s"] = read_trace(trace).provenance["engine"]["settings"].get("engine_start_s")
+        rc2, wall2, text2 = _run([py, "-m", "refcheck", "diff", "--against", str(trace), "--ref-device", "cuda",
+                                  "--ref-dtype", "bfloat16", "--mode", "replay", "--json"], log, args.timeout)
+        (out / f"{name}.bf16.json").write_text(text2)
+        entry["bf16"] = {"rc": rc2, "wall_s": round(wall2, 1), **_report_summary(text2)}
+    return entry
 
 if __name__ == "__main__":
     main()

@@ -94,6 +94,9 @@ def test_runner_refuses_without_gpu_or_sglang():
         SGLangRunner(EngineSpec(dtype="bfloat16"), "NONE")
     with pytest.raises(UsageError, match="block size"):
         SGLangRunner(EngineSpec(dtype="bfloat16", budget=63), "DFLASH")
+    with pytest.raises(UsageError, match="mem-fraction must be between 0 and 1, got 1.5"):
+        SGLangRunner(EngineSpec(dtype="bfloat16"), "NONE", mem_fraction=1.5)
+    assert engine_kwargs(EngineSpec(dtype="bfloat16"), "/m", "NONE", False, 0.2)["mem_fraction_static"] == 0.2
 
 
 def test_cli_sglang_unavailable_is_a_clear_usage_error(cli):
@@ -104,6 +107,8 @@ def test_cli_sglang_unavailable_is_a_clear_usage_error(cli):
     code, out, err = cli("diff", "--engine", "sglang", "--sglang-algorithm", "DFLASH", "--budget", "15", "--max-new-tokens", "4")
     assert code == EXIT_USAGE and "CUDA GPU" in err and "Traceback" not in err + out
     code, _, err = cli("diff", "--engine", "reference", "--sglang-algorithm", "DFLASH")
+    assert code == EXIT_USAGE and "need --engine sglang" in err
+    code, _, err = cli("diff", "--engine", "reference", "--sglang-mem-fraction", "0.2")
     assert code == EXIT_USAGE and "need --engine sglang" in err
 
 

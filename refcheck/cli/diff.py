@@ -14,18 +14,21 @@ from refcheck.prompts import load_prompts, prompt_set_hash
 from refcheck.runners.reference import DTYPES
 
 
-def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, device):
+def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, device, mem_fraction=None):
     """Fold the SGLang options into the engine name and options; SGLang runs bf16 on the GPU unless told."""
     is_sglang = bool(engine) and (engine == "sglang" or engine.startswith("sglang:"))
     if not is_sglang:
-        if algorithm or cuda_graphs or tp > 1:
-            raise UsageError("--sglang-algorithm, --cuda-graphs and --tp need --engine sglang")
+        if algorithm or cuda_graphs or tp > 1 or mem_fraction is not None:
+            raise UsageError("--sglang-algorithm, --cuda-graphs, --tp and --sglang-mem-fraction need --engine sglang")
         return engine, None, dtype, device
     if algorithm:
         if ":" in engine and engine.split(":", 1)[1].upper() != algorithm.upper():
             raise UsageError(f"--engine {engine} and --sglang-algorithm {algorithm} disagree")
         engine = f"sglang:{algorithm.upper()}"
-    return (engine, {"cuda_graphs": cuda_graphs, "ngram_breadth": ngram_breadth, "tp": tp},
+    opts = {"cuda_graphs": cuda_graphs, "ngram_breadth": ngram_breadth, "tp": tp}
+    if mem_fraction is not None:
+        opts["mem_fraction"] = mem_fraction
+    return (engine, opts,
             unless_given("dtype", dtype, "bfloat16"), unless_given("device", device, "cuda"))
 
 @main.command()
@@ -48,6 +51,9 @@ def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, dev
               help="With --sglang-algorithm NGRAM: speculative_ngram_max_bfs_breadth.")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --engine sglang: tensor parallelism (state captured on every rank and combined).")
+@click.option("--sglang-mem-fraction", "mem_fraction", type=float, default=None,
+              help="With --engine sglang: SGLang's mem_fraction_static (default 0.3); lower it to run several engines "
+                   "on one GPU side by side.")
 @click.option("--layer-sketches", is_flag=True,
               help="With --engine sglang: sketch every target layer's output (forward hooks) so a failing node gets "
                    "layer bisection; slower.")
@@ -60,7 +66,7 @@ def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, dev
                    "--ref-device cuda, NCCL; gloo on CPUs).")
 @model_options
 def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, workers, full_state, sglang_algorithm,
-         cuda_graphs, ngram_breadth, tp, layer_sketches, steps, triage_isolated, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
+         cuda_graphs, ngram_breadth, tp, mem_fraction, layer_sketches, steps, triage_isolated, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
          drafter, stop_ids, as_json):
     """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
 
@@ -91,7 +97,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
         from refcheck.trace.io import trace_from_bytes
 
         engine, engine_opts, dtype, device = _sglang_engine(engine, sglang_algorithm, cuda_graphs, ngram_breadth, tp,
-                                                            dtype, device)
+                                                            dtype, device, mem_fraction)
         if layer_sketches:
             if engine_opts is None:
                 raise UsageError("--layer-sketches needs --engine sglang")

@@ -197,11 +197,15 @@ class SGLangRunner:
 
     def __init__(self, spec: EngineSpec, algorithm: str = "NONE", cuda_graphs: bool = False, capture: bool = True,
                  ngram_breadth: int = 10, capture_dir: Path | None = None, full_state: bool = False,
-                 timeout_s: float = 3600.0, tp: int = 1, layer_sketches: bool = False) -> None:
+                 timeout_s: float = 3600.0, tp: int = 1, layer_sketches: bool = False,
+                 mem_fraction: float = 0.3) -> None:
         self.algorithm = algorithm.upper()
         self.spec, self.cuda_graphs, self.capture, self.ngram_breadth = spec, cuda_graphs, capture, ngram_breadth
         self.capture_dir, self.full_state, self.timeout_s, self.tp = capture_dir, full_state, timeout_s, tp
         self.layer_sketches = layer_sketches and capture
+        if not 0.0 < mem_fraction < 1.0:
+            raise UsageError(f"--sglang-mem-fraction must be between 0 and 1, got {mem_fraction}")
+        self.mem_fraction = mem_fraction  # SGLang's mem_fraction_static: lower it to run engines side by side
         tdir, ddir = spec.resolved_dirs()
         self.budget = resolve_budget(self.algorithm, spec.budget, ddir, tdir)
         try:
@@ -238,7 +242,7 @@ class SGLangRunner:
             env[ENV_DIR] = str(records)
         if self.full_state:
             env[ENV_FULL] = "1"
-        kw = engine_kwargs(self.spec, str(tdir), self.algorithm, self.cuda_graphs, budget=self.budget,
+        kw = engine_kwargs(self.spec, str(tdir), self.algorithm, self.cuda_graphs, self.mem_fraction, budget=self.budget,
                            draft_path=str(ddir) if ddir else None, ngram_breadth=self.ngram_breadth, tp=self.tp)
         if self.layer_sketches:  # per-layer sketches of every target forward, for layer bisection (slower)
             from refcheck.sglang_capture.layers import SPEC
