@@ -10,8 +10,10 @@ checks that the tokens are identical (capture must not change what SGLang comput
 in OUT: ``<config>.arrow`` (the SGLang trace), ``<config>.fp32.json`` / ``<config>.bf16.json`` (reports),
 ``<config>.log`` and ``summary.json`` (exit codes, wall times, verdict counts, τ, largest deviations).
 A configuration that crashes or times out is recorded as such; the others still run.
-``--parallel N`` runs N configurations side by side on the one GPU (each engine with 0.8/N of its
-memory, ``diff --sglang-mem-fraction``): fewer device minutes, timings under contention.
+``--parallel N`` runs N configurations side by side on the one GPU, their engine starts spaced by
+``--stagger`` seconds (SGLang sizes its pools from the memory free at its start; two engines
+profiling at once both count the same memory, which failed a third engine this session): fewer
+device minutes, timings under contention.
 """
 
 from __future__ import annotations
@@ -95,8 +97,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=300.0, help="Per process, seconds.")
     ap.add_argument("--parallel", type=int, default=1,
-                    help="Configurations run side by side on the one GPU (each engine then gets 0.8/N of its memory); "
-                         "saves device minutes, but their timings are taken under contention.")
+                    help="Configurations run side by side on the one GPU (engine starts spaced by --stagger); saves "
+                         "device minutes, but their timings are taken under contention.")
+    ap.add_argument("--stagger", type=float, default=45.0,
+                    help="With --parallel: seconds between engine starts (each must size its memory pools alone).")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--algorithm", default="DFLASH", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=int, default=15, help=argparse.SUPPRESS)
@@ -111,10 +115,19 @@ def main() -> None:
     unknown = [n for n in names if n not in CONFIGS and n != "capture-off"]
     if unknown:
         raise SystemExit(f"unknown configuration(s) {', '.join(unknown)} (choose from {', '.join(CONFIGS)}, capture-off)")
-    # engines side by side share the GPU: each gets a smaller slice of its memory
-    mem = ["--sglang-mem-fraction", f"{min(0.3, 0.8 / args.parallel):.3f}"] if args.parallel > 1 else []
     summary: dict = {}
     lock = threading.Lock()
+    # Engines side by side: SGLang sizes its KV pool from the memory free when it starts (a share of it,
+    # mem_fraction_static), so two engines profiling at once both count the same free memory and the
+    # second finds none left. Starts are therefore spaced by --stagger seconds.
+    starts = {"next": 0.0}
+
+    def wait_for_start_slot() -> None:
+        with lock:
+            now = time.time()
+            at = max(now, starts["next"])
+            starts["next"] = at + args.stagger
+        time.sleep(max(0.0, at - now))
 
     def done(name: str, entry: dict) -> None:
         with lock:
@@ -126,7 +139,7 @@ def main() -> None:
         if name == "capture-off":
             done(name, capture_off(args, out))
         else:
-            done(name, run_config(name, args, out, mem))
+            done(name, run_config(name, args, out, wait_for_start_slot if args.parallel > 1 else None))
 
     if args.parallel > 1:
         with ThreadPoolExecutor(args.parallel) as pool:
@@ -154,13 +167,15 @@ def capture_off(args: argparse.Namespace, out: Path) -> dict:
     return entry
 
 
-def run_config(name: str, args: argparse.Namespace, out: Path, mem: list[str]) -> dict:
+def run_config(name: str, args: argparse.Namespace, out: Path, before_engine=None) -> dict:
     """One configuration: the fp32 diff with the live engine (trace saved), then a bf16 replay of it."""
     py = sys.executable
     common = ["--pair", args.pair, "--max-new-tokens", str(args.max_new_tokens), "--json"]
     log = out / f"{name}.log"
     trace = out / f"{name}.arrow"
-    rc, wall, text = _run([py, "-m", "refcheck", "diff", "--engine", "sglang", *CONFIGS[name], *common, *mem,
+    if before_engine is not None:
+        before_engine()
+    rc, wall, text = _run([py, "-m", "refcheck", "diff", "--engine", "sglang", *CONFIGS[name], *common,
                            "--ref-device", "cuda", "--ref-dtype", "float32", "--mode", "both", "--save-trace", str(trace)],
                           log, args.timeout)
     (out / f"{name}.fp32.json").write_text(text)
