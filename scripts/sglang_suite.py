@@ -183,9 +183,10 @@ def run_config(name: str, args: argparse.Namespace, out: Path, before_engine=Non
     if trace.is_file():
         from refcheck.trace.io import read_trace
 
-        cap = read_trace(trace).provenance.get("capture", {})
+        prov = read_trace(trace).provenance
+        cap = prov.get("capture", {})
         entry["capture"] = {k: cap.get(k) for k in ("stats", "errors", "problems", "incomplete", "crash")}
-        entry["engine_start_s"] = read_trace(trace).provenance["engine"]["settings"].get("engine_start_s")
+        entry["engine_start_s"] = prov["engine"]["settings"].get("engine_start_s")
         rc2, wall2, text2 = _run([py, "-m", "refcheck", "diff", "--against", str(trace), "--ref-device", "cuda",
                                   "--ref-dtype", "bfloat16", "--mode", "replay", "--json"], log, args.timeout)
         (out / f"{name}.bf16.json").write_text(text2)

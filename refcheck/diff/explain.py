@@ -60,10 +60,6 @@ class Explanation:
     def explained_by(self) -> list[Hypothesis]:
         return sorted((h for h in self.hypotheses if h.explains), key=lambda h: h.fit)
 
-    def best(self, kind: str) -> Hypothesis | None:
-        cands = [h for h in self.hypotheses if h.kind == kind]
-        return min(cands, key=lambda h: h.fit) if cands else None
-
 
 def _step_row(trace: Trace, request_id: str, step: int, node: int):
     ids = [r.request_id for r in trace.requests]
