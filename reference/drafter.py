@@ -55,8 +55,9 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
-def _dflash_value(cfg: dict, name: str, default=None):
-    return cfg.get("dflash_config", {}).get(name, cfg.get(name, default))
+def dflash_value(cfg: dict, name: str, default=None):
+    """A DFlash setting of a draft config: ``dflash_config`` first, then the top level (older checkpoints)."""
+    return (cfg.get("dflash_config") or {}).get(name, cfg.get(name, default))
 
 
 class DFlashDrafter(nn.Module):
@@ -77,16 +78,16 @@ class DFlashDrafter(nn.Module):
         self.n_kv: int = qcfg.num_key_value_heads
         n_target = cfg.get("num_target_layers", len(target.layers))
         self.target_layer_ids: list[int] = list(
-            _dflash_value(cfg, "target_layer_ids", default_target_layer_ids(n_target, qcfg.num_hidden_layers))
+            dflash_value(cfg, "target_layer_ids", default_target_layer_ids(n_target, qcfg.num_hidden_layers))
         )
-        self.block_size = int(_dflash_value(cfg, "block_size", 16))
-        mask = _dflash_value(cfg, "mask_token_id")
+        self.block_size = int(dflash_value(cfg, "block_size", 16))
+        mask = dflash_value(cfg, "mask_token_id")
         if mask is None:
             raise CheckpointError("draft config has no dflash_config.mask_token_id")
         self.mask_token_id = int(mask)
-        self.embed_scale = float(_dflash_value(cfg, "input_embedding_scale", 1.0))
-        self.output_multiplier = float(_dflash_value(cfg, "output_multiplier", 1.0))
-        softcap = _dflash_value(cfg, "final_logit_softcapping")
+        self.embed_scale = float(dflash_value(cfg, "input_embedding_scale", 1.0))
+        self.output_multiplier = float(dflash_value(cfg, "output_multiplier", 1.0))
+        softcap = dflash_value(cfg, "final_logit_softcapping")
         self.softcap = float(softcap) if softcap else 0.0
 
         def lin(i: int, o: int) -> nn.Linear:

@@ -37,6 +37,7 @@ from refcheck.errors import ModelError, UsageError
 from refcheck.prompts import Prompt
 from refcheck.runners.reference import EngineSpec
 from refcheck.trace.io import Trace
+from reference.drafter import dflash_value
 
 DFLASH_DRAFTED = ("DFLASH", "REFCHECK_DDTREE", "REFCHECK_DDTREE_LEAKY_CHAIN")  # algorithms whose drafts come from the DFlash draft checkpoint
 PLUGIN_ENTRY = "refcheck = refcheck.sglang_capture.plugin:register"
@@ -46,22 +47,20 @@ class EngineUnavailableError(UsageError):
     """SGLang or a GPU is missing: the sglang engine cannot run here."""
 
 
-def draft_block_size(draft_dir: Path | None) -> int | None:
-    if draft_dir is None or not (Path(draft_dir) / "config.json").is_file():
-        return None
-    cfg = json.loads((Path(draft_dir) / "config.json").read_text())
-    size = (cfg.get("dflash_config") or {}).get("block_size", cfg.get("block_size"))
-    return int(size) if size is not None else None
-
-
 #: SGLang's tree-verify metadata kernel (``reconstruct_indices_from_tree_mask``) launches one CUDA thread
 #: per draft token of a request, so a tree is at most 1024 tokens: the root and 1023 drafted nodes
 MAX_TREE_TOKENS = 1024
 
 
 def _config(path: Path | None) -> dict:
+    """A checkpoint's config.json, or {} where there is none."""
     f = Path(path) / "config.json" if path is not None else None
     return json.loads(f.read_text()) if f is not None and f.is_file() else {}
+
+
+def draft_block_size(draft_dir: Path | None) -> int | None:
+    size = dflash_value(_config(draft_dir), "block_size")
+    return int(size) if size is not None else None
 
 
 def is_hybrid_target(target_dir: Path) -> bool:
@@ -85,13 +84,12 @@ def check_ddtree_pair(algorithm: str, budget: int, target_dir: Path | None, draf
                          "(its config.json has no dflash_config)")
     tcfg = _config(target_dir)
     tcfg = tcfg.get("text_config", tcfg)
-    dfl = dcfg["dflash_config"]
     layers = tcfg.get("num_hidden_layers")
-    wanted = dfl.get("num_target_layers", dcfg.get("num_target_layers"))
+    wanted = dflash_value(dcfg, "num_target_layers")
     problems = []
     if layers is not None and wanted is not None and int(wanted) != int(layers):
         problems.append(f"it was made for a {wanted}-layer target, this target has {layers} layers")
-    ids = dfl.get("target_layer_ids") or []
+    ids = dflash_value(dcfg, "target_layer_ids") or []
     if layers is not None and ids and max(ids) >= int(layers):
         problems.append(f"it reads target layers {ids}, beyond the target's {layers}")
     for key in ("hidden_size", "vocab_size"):
