@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from reference.graphs import capture
 from reference.tree import build_ddtree
 
 SHAPES = {
@@ -97,48 +98,6 @@ class Timer:
                 fn()
                 times.append(1e3 * (time.perf_counter() - t0))
         return times
-
-
-def graphed(fn):
-    """Capture fn (one no-sync forward) in a CUDA graph; returns the replay callable."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def capture(fn, undo, use_graphs: bool):
-    """``(replay, outputs)`` for ``fn`` (returning a tuple of tensors; ``undo`` resets what it
-    changed). With ``use_graphs``: a CUDA graph (warm-up on a side stream, as torch.cuda.graph
-    wants), whose replays rewrite the same output tensors. Without: an eager stand-in whose replay
-    re-runs ``fn`` and copies into the same tensors, so callers read results the same way."""
-    if not use_graphs:
-        outputs = fn()
-        undo()
-
-        def replay() -> None:
-            for dst, src in zip(outputs, fn()):
-                dst.copy_(src)
-
-        return replay, outputs
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-            undo()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = fn()
-    undo()
-    return graph.replay, outputs
 
 
 def fixed_shape_step(target, drafter, state, root: int, budget: int, timer, reps: int, use_graphs: bool) -> dict:
@@ -266,7 +225,7 @@ def main() -> None:
         if dev.type != "cuda" or args.no_graphs:
             return None
         try:
-            times = timer(graphed(fn), args.reps)
+            times = timer(capture(fn)[0], args.reps)
         except Exception as exc:  # noqa: BLE001 - a benchmark row, not a crash: report why
             print(f"{name:28s} B={str(budget):>4s} capture failed: {type(exc).__name__}: {exc}", flush=True)
             rows.append({"what": name, "budget": budget, "error": f"{type(exc).__name__}: {exc}"})

@@ -113,6 +113,7 @@ def test_graphed_fixed_shape_step_decodes_like_the_eager_decoder(pair, budget):
     """The whole reference step as two CUDA graphs (draft; verify + walk + commit + context extend)
     replayed step after step, each step's tree copied into the graph's inputs: the same trees,
     accepted paths, bonus tokens and output as the eager decoder on the same GPU in fp32."""
+    from reference.graphs import capture
     from reference.static import StaticState, verify_walk_commit
     from reference.static_draft import StaticDraftContext
 
@@ -137,38 +138,27 @@ def test_graphed_fixed_shape_step_decodes_like_the_eager_decoder(pair, budget):
     for dst, src in zip(ins, (tree0.tokens, tree0.parents, tree0.depths)):
         dst.copy_(src)
 
+    def undo():
+        sstate.restore(snap)
+        ctx.restore(ctx_snap)
+        bonus.fill_(first)
+
     def verify():
         o = verify_walk_commit(target, sstate, *ins, block - 1, cap, ctx)
         bonus.copy_(o.bonus)
         return o
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            ctx.propose(bonus, sstate.length)
-            verify()
-            sstate.restore(snap)
-            ctx.restore(ctx_snap)
-            bonus.fill_(first)
-    torch.cuda.current_stream().wait_stream(side)
-    g_draft, g_verify = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g_draft):
-        lp = ctx.propose(bonus, sstate.length)
-    with torch.cuda.graph(g_verify):
-        out = verify()
-    sstate.restore(snap)
-    ctx.restore(ctx_snap)
-    bonus.fill_(first)
+    g_draft, lp = capture(lambda: ctx.propose(bonus, sstate.length), undo)
+    g_verify, out = capture(verify, undo)
     out_ids = [first]
     for k in range(steps):
-        g_draft.replay()
+        g_draft()
         tree = build_ddtree(int(bonus), lp, budget)
         rec = ref.steps[k]
         assert torch.equal(tree.tokens.cpu(), rec.tree.tokens.cpu()) and torch.equal(tree.parents.cpu(), rec.tree.parents.cpu()), k
         for dst, src in zip(ins, (tree.tokens, tree.parents, tree.depths)):
             dst.copy_(src)
-        g_verify.replay()
+        g_verify()
         n = int(out.n_accepted)
         assert out.path[:n].tolist() == rec.accepted and int(out.bonus) == rec.bonus, k
         out_ids += tree.tokens[out.path[1:n].cpu()].tolist() + [int(out.bonus)]
