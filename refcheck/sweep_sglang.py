@@ -1,12 +1,14 @@
 """Budget sweeps of SGLang engines with a correctness verdict per budget (the seeds' table, checked).
 
-Contract: :func:`run_sglang_sweep` runs each SGLang algorithm (by default refcheck's DDTree and its
-leaky chain-layout twin) at every budget, ``repeats`` times, through :class:`SGLangRunner` with
-capture on, and reports per (algorithm, budget): mean τ (bonus counted) and its spread over
-requests, the scheduler step time per verify step (median over steps, then median and min–max over
-repeats), tokens per second of the generate call (median and min–max over repeats), and the replay
-verdict of the first repeat against the reference (pass / benign tie / fail counts, failing
-categories and the first divergence with its step, node and layer). Every capture is written to
+Contract: :func:`run_sglang_sweep` starts one SGLang engine per (algorithm, budget) (by default
+refcheck's DDTree and its leaky chain-layout twin), runs the prompts once with capture on, then
+``repeats`` more times on the same, now warm, engine untraced (the capture passes those requests
+through), and reports: mean τ (bonus counted) and its spread over requests, the scheduler step time
+per verify step (median over the captured run's steps), tokens per second over the warm repeats
+(median and min–max; the captured run's, which pays first-use kernel compilation and the capture,
+apart as ``cold_tokens_per_s``), whether every repeat produced the captured tokens, and the replay
+verdict against the reference (pass / benign tie / fail counts, failing categories and the first
+divergence with its step, node and layer). Every capture is written to
 ``save_dir`` (``sweep --out``) so failing rows can be reviewed and re-tabulated later
 (:func:`tabulate_traces`, ``sweep --from-traces``). Timings come from the capture,
 which synchronises the GPU around each scheduler step and writes its records outside that window.
@@ -43,11 +45,17 @@ def sweep_row(algorithm: str, budget: int, traces: list, report) -> dict:
     step_ms: list[float] = []
     draft_ms: list[float] = []
     tok_s: list[float] = []
+    cold: list[float] = []
+    repeats_match = None
     for rep, trace in enumerate(traces):
         settings = trace.provenance["engine"]["settings"]
         emitted = sum(len(r.output_ids) for r in trace.requests)
         if settings.get("generate_s"):
-            tok_s.append(emitted / settings["generate_s"])
+            cold.append(emitted / settings["generate_s"])
+        warm = [emitted / t for t in settings.get("repeat_generate_s") or [] if t > 0]
+        tok_s.extend(warm or cold[-1:])  # traces from before warm repeats: their own (cold) run
+        if settings.get("repeats_match") is not None:
+            repeats_match = bool(settings["repeats_match"]) and repeats_match is not False
         steps = [s.timings.get("verify") for s in trace.steps]
         steps = [t for t in steps if t == t and t is not None]
         if steps:
@@ -66,6 +74,7 @@ def sweep_row(algorithm: str, budget: int, traces: list, report) -> dict:
         "mean_tau": statistics.mean(all_taus) if all_taus else None,
         "tau_spread_over_requests": span(per_req),
         "step_ms": span(step_ms), "draft_ms": span(draft_ms), "tokens_per_s": span(tok_s),
+        "cold_tokens_per_s": span(cold), "repeats_match": repeats_match,
         "verdict": report.verdict if report else "not run",
         "counts": report.counts if report else {},
         "fail_categories": sorted({f.category for f in report.failures}) if report else [],
@@ -87,20 +96,15 @@ def run_sglang_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int]
     rows = []
     for alg in algorithms:
         for budget in budgets:
-            traces = []
-            report = None
-            for rep in range(repeats):
-                if progress:
-                    progress(alg, budget, rep)
-                trace = runner_factory(dataclasses.replace(spec, budget=budget), alg).trace(prompts)
-                traces.append(trace)
-                if save_dir is not None:  # every capture kept: a failing row can be reviewed later, on CPU
-                    save_dir.mkdir(parents=True, exist_ok=True)
-                    write_trace(trace, save_dir / f"{alg}-b{budget}-r{rep}.arrow")
-                if rep == 0:
-                    report = session.diff(trace, f"{alg}-b{budget}", mode="replay", ref_dtype=ref_dtype,
-                                          ref_device=ref_device, triage_isolated=triage_isolated)
-            rows.append(sweep_row(alg, budget, traces, report))
+            if progress:
+                progress(alg, budget, repeats)
+            trace = runner_factory(dataclasses.replace(spec, budget=budget), alg, timing_repeats=repeats).trace(prompts)
+            if save_dir is not None:  # every capture kept: a failing row can be reviewed later, on CPU
+                save_dir.mkdir(parents=True, exist_ok=True)
+                write_trace(trace, save_dir / f"{alg}-b{budget}.arrow")
+            report = session.diff(trace, f"{alg}-b{budget}", mode="replay", ref_dtype=ref_dtype,
+                                  ref_device=ref_device, triage_isolated=triage_isolated)
+            rows.append(sweep_row(alg, budget, [trace], report))
     return {"model": spec.model_label, "dtype": spec.dtype, "repeats": repeats, "prompts": len(prompts),
             "max_new_tokens": spec.max_new_tokens, "rows": rows}
 

@@ -71,6 +71,9 @@ class Target:
         #: how Gated DeltaNet layers evaluate a tree: "levels" (depth by depth) or "chunk" (one
         #: ancestor-masked chunk of the chunked delta rule, fast on GPUs); both exact.
         self.gdn_method: str = "chunk"
+        # The per-layer pieces of a forward; :meth:`compile` swaps in torch.compile'd versions.
+        self._deltanet, self._attention, self._mlp = deltanet_tree, attention_tree, _mlp
+        self.compiled = False
 
     # -- loading ------------------------------------------------------------------------------
     @classmethod
@@ -96,6 +99,26 @@ class Target:
     @property
     def dtype(self) -> torch.dtype:
         return self.body.embed_tokens.weight.dtype
+
+    def compile(self) -> None:
+        """Run each layer's token mixer and MLP through ``torch.compile`` (Inductor, static shapes).
+
+        The math is the eager code's, traced (no graph breaks); Inductor fuses the dozens of small
+        elementwise kernels per layer (norms, gates, conv, l2-norm, decay, RoPE) that otherwise cost
+        more than the weights take to stream at one to 65 tokens. Every layer of a kind shares one
+        compiled graph (parameters are graph inputs); each new node count compiles once. Results
+        equal eager to float rounding (fused reductions), not bit for bit: the eager path stays the
+        reference, this one is for speed at scale (tests/test_target.py, scripts/bench_verify.py).
+        """
+        import torch._dynamo
+
+        # one graph per (layer kind, node count, tree-plan cache state): budgets 15 and 64, decode,
+        # prefill chunks and the leaky variant need more than dynamo's default of 8
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        self._deltanet = torch.compile(deltanet_tree, dynamic=False)
+        self._attention = torch.compile(attention_tree, dynamic=False)
+        self._mlp = torch.compile(_mlp, dynamic=False)
+        self.compiled = True
 
     def is_linear(self, layer: int) -> bool:
         return self.layer_types[layer] == "linear_attention"
@@ -184,15 +207,15 @@ class Target:
             layer = self.layers[i]
             x = layer.input_layernorm(h)
             if self.is_linear(i):
-                out = deltanet_tree(layer.linear_attn, x, rparents, state.conv[i], state.recurrent[i], leaky=leaky,
+                out = self._deltanet(layer.linear_attn, x, rparents, state.conv[i], state.recurrent[i], leaky=leaky,
                                     method=self.gdn_method, plan=plan)
                 fwd.conv[i], fwd.recurrent[i] = out.conv_windows, out.states
             else:
-                out = attention_tree(layer.self_attn, x, cos, sin, state.keys[i], state.values[i], visible,
+                out = self._attention(layer.self_attn, x, cos, sin, state.keys[i], state.values[i], visible,
                                      getattr(state, "prefix_valid", None))  # fixed-size caches mask unused slots
                 fwd.keys[i], fwd.values[i] = out.keys, out.values
             h = h + out.hidden
-            h = h + _mlp(layer.mlp, layer.post_attention_layernorm(h))
+            h = h + self._mlp(layer.mlp, layer.post_attention_layernorm(h))
             if i in capture or keep_layer_outputs:
                 held[i] = h
         fwd.logits = self._stage_logits(h)

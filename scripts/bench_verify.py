@@ -16,6 +16,12 @@ the exact tree chunk are also timed as CUDA-graph replays (``validate=False``: t
 then never reads the device on the host). A graph bakes in its tree, the prefix length and the
 cache shapes, so those rows time one fixed tree; the end-to-end step, whose prefix and caches
 grow, runs eager.
+
+``--compile`` then runs the graphed rows again with :meth:`Target.compile` (Inductor fuses each
+layer's elementwise work; the weights still stream through cuBLAS), after checking its logits
+against the eager forward. ``--profile`` prints where the GPU time of one forward goes (kernel
+count; time in GEMM kernels, in attention, in everything else), eager and compiled: the
+measurement behind "what keeps it above the floor".
 """
 
 from __future__ import annotations
@@ -168,6 +174,39 @@ def fixed_shape_step(target, drafter, state, root: int, budget: int, timer, reps
     return {"equal": equal, "logit_err": logit_err, "draft_err": draft_err, "times": times}
 
 
+GEMM_MARKERS = ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk", "cublas")
+ATTENTION_MARKERS = ("flash", "fmha", "attention", "attn")
+
+
+def kernel_kind(name: str) -> str:
+    """GEMM (weights streaming through cuBLAS / CUTLASS), attention, or other (elementwise, norms,
+    reductions, copies, the delta rule's small matmuls are GEMMs too)."""
+    low = name.lower()
+    if any(m in low for m in GEMM_MARKERS):
+        return "gemm"
+    if any(m in low for m in ATTENTION_MARKERS):
+        return "attention"
+    return "other"
+
+
+def kernel_breakdown(fn) -> dict:
+    """One eager run of ``fn`` under the CUDA profiler: kernel count and summed kernel time by kind."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out = {"kernels": 0, "gemm_ms": 0.0, "attention_ms": 0.0, "other_ms": 0.0}
+    for ev in prof.events():
+        if ev.device_type.name != "CUDA" or ev.device_time <= 0:
+            continue
+        out["kernels"] += 1
+        out[f"{kernel_kind(ev.name)}_ms"] += ev.device_time / 1e3  # device_time is in microseconds
+    return out
+
+
 def bandwidth(device: torch.device, timer: Timer) -> float:
     """Bytes/s of a large device-to-device copy (read + write counted)."""
     n = (1 << 30) if device.type == "cuda" else (1 << 26)
@@ -188,6 +227,8 @@ def main() -> None:
     ap.add_argument("--level-reps", type=int, default=3, help="repetitions of the slow level-by-level verify")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="also time the graphed rows with Target.compile")
+    ap.add_argument("--profile", action="store_true", help="kernel-time breakdown of one forward (CUDA only)")
     args = ap.parse_args()
 
     dev = torch.device(args.device)
@@ -233,13 +274,66 @@ def main() -> None:
         add(name, budget, times, leaky_ms)
         return statistics.median(times)
 
+    def breakdown(name: str, budget, fn) -> None:
+        if dev.type != "cuda" or not args.profile:
+            return
+        k = kernel_breakdown(fn)
+        total = k["gemm_ms"] + k["attention_ms"] + k["other_ms"]
+        rows.append({"what": f"kernels: {name}", "budget": budget, **k, "gemm_x_floor": k["gemm_ms"] / floor_ms})
+        print(f"{'  kernels: ' + name:28s} B={str(budget):>4s} {k['kernels']:6d} kernels, {total:8.2f} ms: GEMM "
+              f"{k['gemm_ms']:.2f} ({k['gemm_ms'] / floor_ms:.2f}× floor), attention {k['attention_ms']:.2f}, "
+              f"other {k['other_ms']:.2f}", flush=True)
+
+    def step_rows(kind: str, b: int, res: dict, leaky_ms: float) -> None:
+        if "error" in res:
+            print(f"{'reference step, ' + kind:28s} B={b:>4d} failed: {res['error']}", flush=True)
+            rows.append({"what": f"reference step, {kind}", "budget": b, "error": res["error"]})
+            return
+        print(f"{kind + ' step equals eager':28s} B={b:>4d} {'yes' if res['equal'] else 'NO'} "
+              f"(max |Δ logit| {res['logit_err']:.3g}, max |Δ draft log-prob| {res['draft_err']:.3g})", flush=True)
+        add(f"  draft: propose, {kind}", b, res["times"]["draft"])
+        add(f"verify+walk+commit, {kind}", b, res["times"]["verify"], leaky_ms)
+        add(f"reference step, {kind}", b, res["times"]["step"], leaky_ms,
+            {"equals_eager": res["equal"], "max_abs_logit_diff": res["logit_err"],
+             "max_abs_draft_diff": res["draft_err"]})
+
+    def compiled_rows(target, drafter, state, prompt, trees, leaky_by_budget, one, use_graphs) -> None:
+        """The graphed rows again, each layer's pieces through torch.compile (the drafter stays eager)."""
+        kind = "compiled+graphed" if use_graphs else "compiled"
+        eager_out = {b: target.forward(state, *trees[b], validate=False).logits for b in trees}
+        t0 = time.time()
+        target.compile()
+        for b, (tt, tp, td) in trees.items():  # compile every shape once, and check it against eager
+            err = float((target.forward(state, tt, tp, td, validate=False).logits - eager_out[b]).abs().max())
+            target.forward(state, tt, tp, td, leaky=True, validate=False)
+            rows.append({"what": "compiled forward vs eager", "budget": b, "max_abs_logit_diff": err})
+            print(f"{'compiled equals eager':28s} B={b:>4d} max |Δ logit| {err:.3g}", flush=True)
+        target.forward(state, one + 7, one - 1, one, validate=False)
+        print(f"compiled every shape in {time.time() - t0:.1f} s", flush=True)
+        try_graph(f"decode step, {kind}", "-", lambda: target.forward(state, one + 7, one - 1, one, validate=False))
+        breakdown("decode step, compiled", "-", lambda: target.forward(state, one + 7, one - 1, one, validate=False))
+        for b, (tt, tp, td) in trees.items():
+            g_leaky = try_graph(f"leaky forward, {kind}", b,
+                                lambda: target.forward(state, tt, tp, td, leaky=True, validate=False))
+            try_graph(f"exact tree chunk, {kind}", b, lambda: target.forward(state, tt, tp, td, validate=False),
+                      g_leaky)
+            breakdown("exact tree chunk, compiled", b, lambda: target.forward(state, tt, tp, td, validate=False))
+            res = fixed_shape_step(target, drafter, state, int(prompt[-1]), b, timer, max(3, args.reps // 2),
+                                   use_graphs)
+            step_rows(kind, b, res, leaky_by_budget[b])
+
+    trees: dict[int, tuple] = {}
+    leaky_by_budget: dict[int, float] = {}
+    use_graphs = dev.type == "cuda" and not args.no_graphs
     with torch.no_grad():
         add("decode step (1 token)", "-", timer(lambda: target.forward(state, one + 7, one - 1, one), args.reps))
         try_graph("decode step, graphed", "-", lambda: target.forward(state, one + 7, one - 1, one, validate=False))
+        breakdown("decode step", "-", lambda: target.forward(state, one + 7, one - 1, one, validate=False))
         for b in [int(x) for x in args.budgets.split(",")]:
             lp = torch.log_softmax(3 * torch.randn(15, target.vocab_size, generator=gen), dim=-1)
             tree = build_ddtree(int(prompt[-1]), lp, b)
             tt, tp, td = tree.tokens.to(dev), tree.parents.to(dev), tree.depths.to(dev)
+            trees[b] = (tt, tp, td)
             target.gdn_method = "chunk"
             leaky = timer(lambda: target.forward(state, tt, tp, td, leaky=True), args.reps)
             leaky_ms = statistics.median(leaky)
@@ -252,6 +346,7 @@ def main() -> None:
             g_leaky = try_graph("leaky forward, graphed", b, lambda: target.forward(state, tt, tp, td, leaky=True,
                                                                                    validate=False))
             try_graph("exact tree chunk, graphed", b, lambda: target.forward(state, tt, tp, td, validate=False), g_leaky)
+            breakdown("exact tree chunk", b, lambda: target.forward(state, tt, tp, td, validate=False))
             fwd = target.forward(state, tt, tp, td)
             path = tree.path(int(tree.depths.argmax()))
             add("commit", b, timer(lambda: state.commit(fwd, path), args.reps))
@@ -273,20 +368,13 @@ def main() -> None:
                 state.commit(f, acc)
 
             add("reference step (end to end)", b, timer(step, max(3, args.reps // 2)), leaky_ms)
-            use_graphs = dev.type == "cuda" and not args.no_graphs
             kind = "graphed" if use_graphs else "fixed-shape"
             res = fixed_shape_step(target, drafter, state, int(prompt[-1]), b, timer, max(3, args.reps // 2), use_graphs)
-            if "error" in res:
-                print(f"{'reference step, ' + kind:28s} B={b:>4d} failed: {res['error']}", flush=True)
-                rows.append({"what": f"reference step, {kind}", "budget": b, "error": res["error"]})
-            else:
-                print(f"{kind + ' step equals eager':28s} B={b:>4d} {'yes' if res['equal'] else 'NO'} "
-                      f"(max |Δ logit| {res['logit_err']:.3g}, max |Δ draft log-prob| {res['draft_err']:.3g})", flush=True)
-                add(f"  draft: propose, {kind}", b, res["times"]["draft"])
-                add(f"verify+walk+commit, {kind}", b, res["times"]["verify"], leaky_ms)
-                add(f"reference step, {kind}", b, res["times"]["step"], leaky_ms,
-                    {"equals_eager": res["equal"], "max_abs_logit_diff": res["logit_err"],
-                     "max_abs_draft_diff": res["draft_err"]})
+            step_rows(kind, b, res, leaky_ms)
+            leaky_by_budget[b] = leaky_ms
+
+        if args.compile:
+            compiled_rows(target, drafter, state, prompt, trees, leaky_by_budget, one, use_graphs)
     out = {"shape": args.shape, "dtype": args.dtype, "device": str(dev), "prefix": args.prefix,
            "weight_gb": weight_bytes / 1e9, "bandwidth_tb_s": bw / 1e12, "floor_ms": floor_ms, "rows": rows,
            "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None, "torch": torch.__version__}

@@ -41,7 +41,8 @@ CONFIGS = {
     **{f"{name}-tp2": [*args, "--tp", "2"] for name, args in (
         ("none", ["--sglang-algorithm", "NONE"]),
         ("dflash", ["--sglang-algorithm", "DFLASH", "--budget", "15"]),
-        ("ngram", ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "10"]))},
+        ("ngram", ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "10"]),
+        ("ddtree-b15", ["--sglang-algorithm", "REFCHECK_DDTREE", "--budget", "15"]))},
     # SGLang in float32: the sharp check that tells bf16 numerics from engine bugs
     "dflash-fp32": ["--sglang-algorithm", "DFLASH", "--budget", "15", "--dtype", "float32"],
     "ngram-fp32": ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "10", "--dtype", "float32"],

@@ -107,12 +107,14 @@ def test_ddtree_builder_on_cuda_equals_cpu():
             assert torch.equal(a.scores, b.scores)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("pair", ["hybrid", "attention"])
 @pytest.mark.parametrize("budget", [15, 64])
-def test_graphed_fixed_shape_step_decodes_like_the_eager_decoder(pair, budget):
+def test_graphed_fixed_shape_step_decodes_like_the_eager_decoder(pair, budget, compiled):
     """The whole reference step as two CUDA graphs (draft; verify + walk + commit + context extend)
     replayed step after step, each step's tree copied into the graph's inputs: the same trees,
-    accepted paths, bonus tokens and output as the eager decoder on the same GPU in fp32."""
+    accepted paths, bonus tokens and output as the eager decoder on the same GPU in fp32 — also
+    with the target's layers through torch.compile (Target.compile) inside the graphs."""
     from reference.graphs import capture
     from reference.static import StaticState, verify_walk_commit
     from reference.static_draft import StaticDraftContext
@@ -122,6 +124,8 @@ def test_graphed_fixed_shape_step_decodes_like_the_eager_decoder(pair, budget):
     drafter = DFlashDrafter.load(ddir, target)
     steps, block = 8, drafter.block_size
     ref = DDTreeDecoder(target, drafter, DecodeConfig(budget=budget, max_new_tokens=400)).generate(PROMPT)
+    if compiled:  # the eager decoder above is the reference; the graphs below run the compiled layers
+        target.compile()
     cap = tuple(drafter.target_layer_ids)
     drafter.reset()
     p = torch.tensor(PROMPT, device="cuda")

@@ -141,3 +141,21 @@ def test_hook_failures_are_recorded_not_raised(capture_dir):
     # a speculative batch whose verify was never seen is an error too
     plugin._run_batch(lambda self, b: NS(logits_output=None, next_token_ids=None), _scheduler()[0], _batch("decode", True, [[5]]))
     assert any("no verify step was captured" in e for e in read_capture(capture_dir).errors)
+
+
+def test_untraced_timing_requests_pass_straight_through(capture_dir):
+    """Requests under UNTRACED_RID_PREFIX (a sweep's warm timing repeats) are neither synchronised nor
+    recorded: SGLang's result comes back untouched and the capture directory holds nothing for them."""
+    from refcheck.sglang_capture.records import UNTRACED_RID_PREFIX
+
+    sched, *_ = _scheduler()
+    batch = _batch("decode", True, [[5], [6]])
+    for r in batch.reqs:
+        r.rid = UNTRACED_RID_PREFIX + r.rid
+    sentinel = NS(logits_output=None, next_token_ids=None)
+    assert plugin._run_batch(lambda self, b: sentinel, sched, batch) is sentinel
+    cap = read_capture(capture_dir)
+    assert not cap.steps and not cap.errors and not cap.status  # a traced batch of this kind is an error (above)
+    batch.reqs[0].rid = "r0"  # one traced request in the batch: the whole batch is captured
+    plugin._run_batch(lambda self, b: sentinel, sched, batch)
+    assert any("no verify step was captured" in e for e in read_capture(capture_dir).errors)

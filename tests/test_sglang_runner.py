@@ -147,6 +147,22 @@ def test_engine_process_outputs_become_the_trace(fake_sglang):
     assert trace.provenance["engine"]["version"] == "0.0-fake" and not trace.provenance["capture"]["crash"]
 
 
+@pytest.mark.parametrize("mode", ["ok", "drift"])
+def test_timing_repeats_run_on_the_warm_engine_and_are_checked_against_the_capture(fake_sglang, mode):
+    """--repeats of an SGLang sweep: k more untraced generates after the captured one, each timed and
+    compared with the captured tokens (a nondeterministic engine is reported, not averaged over)."""
+    from refcheck.prompts import load_prompts
+
+    prompts = load_prompts()[:2]
+    trace = fake_sglang(mode, capture=False, timing_repeats=3).trace(prompts)
+    settings = trace.provenance["engine"]["settings"]
+    assert len(settings["repeat_generate_s"]) == 3 and all(t >= 0 for t in settings["repeat_generate_s"])
+    assert settings["repeats_match"] is (mode == "ok")
+    assert [r.output_ids for r in trace.requests] == [[p.prompt_ids[-1]] * 3 for p in prompts]  # the captured run
+    with pytest.raises(UsageError, match="timing repeats"):
+        fake_sglang("ok", timing_repeats=-1)
+
+
 def test_engine_start_failure_is_a_model_error_with_the_scheduler_message(fake_sglang):
     from refcheck.errors import ModelError
     from refcheck.prompts import load_prompts
@@ -190,22 +206,26 @@ def test_sglang_sweep_table_from_recorded_traces(tmp_path):
               "LEAKY": read_trace(REPO_GOLDEN / cases["sglang-hybrid-ngram-b11-breadth1-leak"].file)}
 
     class Replayed:
-        def __init__(self, spec, alg):
-            self.alg = alg
+        def __init__(self, spec, alg, timing_repeats=0):
+            self.alg, self.repeats = alg, timing_repeats
 
         def trace(self, prompts):
             t = traces[self.alg]
-            t.provenance["engine"]["settings"]["generate_s"] = 2.0
+            t.provenance["engine"]["settings"].update(generate_s=2.0, repeat_generate_s=[0.5, 1.0, 0.25][: self.repeats],
+                                                      repeats_match=self.alg == "GOOD")
             return t
 
-    res = run_sglang_sweep(EngineSpec(pair="hybrid", dtype="bfloat16"), load_prompts(), [11], repeats=2,
+    res = run_sglang_sweep(EngineSpec(pair="hybrid", dtype="bfloat16"), load_prompts(), [11], repeats=3,
                            algorithms=("GOOD", "LEAKY"), ref_device="cpu", runner_factory=Replayed, save_dir=tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{a}-b11-r{r}.arrow" for a in ("GOOD", "LEAKY") for r in (0, 1)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{a}-b11.arrow" for a in ("GOOD", "LEAKY")]
     good, leaky = res["rows"]
     assert good["verdict"] == "fail" and good["fail_categories"] == ["logits"]  # 3 isolated nodes (triaged in the gate)
     assert leaky["verdict"] == "fail" and "recurrent" in leaky["fail_categories"]
     assert leaky["first_divergence"].split(" · ")[1] == "logits" and "step 0" in leaky["first_divergence"]
-    assert good["tokens_per_s"]["median"] == sum(len(r.output_ids) for r in traces["GOOD"].requests) / 2.0
+    emitted = sum(len(r.output_ids) for r in traces["GOOD"].requests)
+    assert good["cold_tokens_per_s"]["median"] == emitted / 2.0  # the captured run
+    assert good["tokens_per_s"] == {"median": emitted / 0.5, "min": emitted / 1.0, "max": emitted / 0.25}  # warm repeats
+    assert good["repeats_match"] is True and leaky["repeats_match"] is False
     assert abs(good["mean_tau"] - 1.785) < 1e-3 and good["steps"] == 219
 
 

@@ -8,6 +8,8 @@ siblings before them in the flattened order: the only trees on which a leaky ver
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -158,3 +160,28 @@ def test_qwen3_6_style_composite_checkpoint_loads(tmp_path):
     with torch.no_grad():
         ref = vlm(input_ids=ids[None]).logits[0]
     assert _close(fwd.logits, ref)
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                    reason="torch.compile's CPU backend needs a C++ compiler")
+def test_compiled_target_equals_eager_on_decoy_trees(hybrid):
+    """Target.compile (Inductor, for speed at scale) computes the eager reference's math: exact
+    and leaky verify of a decoy tree, and the commit built from it, agree to float rounding."""
+    from reference.target import Target
+
+    eager = hybrid[0]
+    compiled = Target(eager.model)  # its own wrapper: the session fixture stays eager
+    compiled.compile()
+    prompt = [int(t) for t in (torch.arange(7, 31) * 5) % (eager.vocab_size - 1)]
+    state, tree = _decoy_tree(eager, prompt)
+    for leaky in (True, False):  # the exact pair last: its commit is checked below
+        want = eager.forward(state, tree.tokens, tree.parents, tree.depths, leaky=leaky)
+        got = compiled.forward(state, tree.tokens, tree.parents, tree.depths, leaky=leaky)
+        assert _close(got.logits, want.logits)
+        assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+    accepted = tree.walk_greedy(want.logits.argmax(-1))
+    assert len(accepted) >= 3
+    got_state, want_state = state.commit(got, accepted).tensors(), state.commit(want, accepted).tensors()
+    assert got_state.keys() == want_state.keys()
+    for name, ref in want_state.items():
+        assert _close(got_state[name], ref), name

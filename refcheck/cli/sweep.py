@@ -17,7 +17,8 @@ from refcheck.prompts import load_prompts
 
 @main.command()
 @click.option("--budgets", default="chain,1,4,8,15,16,32,64", show_default=True, help="Comma-separated budgets or 'chain'.")
-@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Timed repetitions. With --engine sglang: untraced runs on the warm engine after the captured one.")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("sweep-out"), show_default=True,
               help="Directory for sweep.json and the PNG plots.")
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots (no matplotlib needed).")
@@ -91,18 +92,22 @@ def _sweep_sglang(blist, repeats, out_dir, algorithms, ref_device, model_dir, dr
         spec = spec_from_options(model_dir, draft_dir, pair, blist[0], max_new_tokens, dtype, "cuda", "dflash", stop_ids)
         result = run_sglang_sweep(spec, load_prompts(prompts_file), blist, repeats, tuple(algorithms) or DEFAULT_ALGORITHMS,
                                   ref_device=ref_device, triage_isolated=triage_isolated, save_dir=out_dir / "traces",
-                                  progress=lambda a, b, r: err.print(f"{a} budget {b} repeat {r}", markup=False))
+                                  progress=lambda a, b, r: err.print(f"{a} budget {b}: captured run + {r} warm repeat(s)",
+                                                                    markup=False))
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / "sweep-sglang.json", (json.dumps(result, indent=2) + "\n").encode())
     table = Table(title=f"refcheck sweep · SGLang · {result['model']} · {dtype} · {result['repeats']} repeat(s)")
-    for col in ("algorithm", "budget", "τ", "steps", "step ms", "of which draft ms", "tok/s", "verdict", "first divergence"):
+    for col in ("algorithm", "budget", "τ", "steps", "step ms", "of which draft ms", "tok/s warm", "tok/s captured",
+                "verdict", "first divergence"):
         table.add_column(col)
     for r in result["rows"]:
-        ms, ts, dm = r["step_ms"], r["tokens_per_s"], r.get("draft_ms") or {}
+        ms, ts, dm, cold = r["step_ms"], r["tokens_per_s"], r.get("draft_ms") or {}, r.get("cold_tokens_per_s") or {}
+        same = "" if r.get("repeats_match") is not False else " (repeats differ!)"
         table.add_row(r["algorithm"], str(r["budget"]), f"{r['mean_tau']:.2f}" if r["mean_tau"] else "-", str(r["steps"]),
                       f"{ms['median']:.1f} ({ms['min']:.1f}–{ms['max']:.1f})" if ms else "-",
                       f"{dm['median']:.1f}" if dm else "-",
-                      f"{ts['median']:.0f} ({ts['min']:.0f}–{ts['max']:.0f})" if ts else "-",
+                      (f"{ts['median']:.0f} ({ts['min']:.0f}–{ts['max']:.0f})" if ts else "-") + same,
+                      f"{cold['median']:.0f}" if cold else "-",
                       r["verdict"] + (f" ({', '.join(r['fail_categories'])})" if r["fail_categories"] else ""),
                       r["first_divergence"] or "-")
     err.print(table)

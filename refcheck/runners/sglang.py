@@ -36,6 +36,7 @@ from typing import Any
 from refcheck.errors import ModelError, UsageError
 from refcheck.prompts import Prompt
 from refcheck.runners.reference import EngineSpec
+from refcheck.sglang_capture.records import UNTRACED_RID_PREFIX
 from refcheck.trace.io import Trace
 from reference.drafter import dflash_value
 
@@ -196,7 +197,7 @@ class SGLangRunner:
     def __init__(self, spec: EngineSpec, algorithm: str = "NONE", cuda_graphs: bool = False, capture: bool = True,
                  ngram_breadth: int = 10, capture_dir: Path | None = None, full_state: bool = False,
                  timeout_s: float = 3600.0, tp: int = 1, layer_sketches: bool = False,
-                 mem_fraction: float = 0.3) -> None:
+                 mem_fraction: float = 0.3, timing_repeats: int = 0) -> None:
         self.algorithm = algorithm.upper()
         self.spec, self.cuda_graphs, self.capture, self.ngram_breadth = spec, cuda_graphs, capture, ngram_breadth
         self.capture_dir, self.full_state, self.timeout_s, self.tp = capture_dir, full_state, timeout_s, tp
@@ -204,6 +205,9 @@ class SGLangRunner:
         if not 0.0 < mem_fraction < 1.0:
             raise UsageError(f"--sglang-mem-fraction must be between 0 and 1, got {mem_fraction}")
         self.mem_fraction = mem_fraction  # SGLang's mem_fraction_static: lower it to run engines side by side
+        if timing_repeats < 0:
+            raise UsageError(f"timing repeats must be >= 0, got {timing_repeats}")
+        self.timing_repeats = timing_repeats  # warm, untraced generates after the captured one (sweep tok/s)
         tdir, ddir = spec.resolved_dirs()
         self.budget = resolve_budget(self.algorithm, spec.budget, ddir, tdir)
         try:
@@ -257,6 +261,8 @@ class SGLangRunner:
         settings = {k: v for k, v in kw.items() if k not in ("model_path", "speculative_draft_model_path")}
         settings.update(algorithm=self.algorithm, pair=self.spec.pair, stop_token_ids=sorted(self.spec.stop_token_ids),
                         engine_start_s=round(run.get("start_s") or 0.0, 2), generate_s=round(run.get("generate_s") or 0.0, 2),
+                        repeat_generate_s=[round(t, 3) for t in run.get("repeat_generate_s") or []],
+                        repeats_match=run.get("repeats_match"),
                         tree_rules="structural",
                         draft_dir=str(ddir) if ddir and self.spec.model_dir is not None else None)
         prov = build_provenance(
@@ -289,6 +295,7 @@ class SGLangRunner:
         job.write_text(json.dumps({
             "engine_kwargs": kw, "result": str(result), "input_ids": [list(p.prompt_ids) for p in prompts],
             "rids": [rids[p.id] for p in prompts],
+            "timing_rids": [[f"{UNTRACED_RID_PREFIX}{k}-{rids[p.id]}" for p in prompts] for k in range(self.timing_repeats)],
             # ignore_eos: refcheck stops only at the explicit --stop ids, exactly like the reference
             "sampling_params": [{"temperature": 0.0, "max_new_tokens": p.max_new_tokens or self.spec.max_new_tokens,
                                  "stop_token_ids": sorted(self.spec.stop_token_ids), "ignore_eos": True} for p in prompts]}))

@@ -3,7 +3,11 @@
 Contract: runs one ``sglang.Engine`` for a job written by :class:`refcheck.runners.sglang.SGLangRunner`
 (engine arguments, token ids, sampling parameters, rids) and reports through ``JOB.result.json``,
 rewritten atomically at each stage: ``started`` (engine up, ``start_s``), then ``done`` (output ids per
-request, ``generate_s``), or ``failed`` with the stage and a one-line summary of the error. SGLang
+request, ``generate_s``), or ``failed`` with the stage and a one-line summary of the error. With
+``timing_repeats`` k > 0 the same requests then run k more times on the warm engine under untraced
+rids (the capture plugin passes them through: no synchronisation, no records), and ``done`` also
+carries ``repeat_generate_s`` (their wall times: tokens/s without first-use kernel compilation or
+capture) and ``repeats_match`` (whether every repeat produced the captured output ids). SGLang
 answers a dead scheduler by killing its whole process tree (SIGQUIT, then SIGKILL): running it here
 keeps refcheck's own process, and the records captured so far, alive; whatever stage the file last
 reached tells the runner what happened. Exit codes: 0 done, 3 SGLang missing, 4 start-up failed,
@@ -53,8 +57,16 @@ def main(job_path: str) -> int:
     code = 0
     try:
         out = engine.generate(input_ids=job["input_ids"], sampling_params=job["sampling_params"], rid=job["rids"])
-        _write(result, {"stage": "done", "start_s": start_s, "generate_s": time.time() - t1, "sglang": version,
-                        "outputs": [[int(t) for t in r["output_ids"]] for r in out],
+        generate_s = time.time() - t1
+        outputs = [[int(t) for t in r["output_ids"]] for r in out]
+        repeat_s, match = [], True
+        for k, rids in enumerate(job.get("timing_rids") or []):
+            t2 = time.time()
+            again = engine.generate(input_ids=job["input_ids"], sampling_params=job["sampling_params"], rid=rids)
+            repeat_s.append(time.time() - t2)
+            match = match and [[int(t) for t in r["output_ids"]] for r in again] == outputs
+        _write(result, {"stage": "done", "start_s": start_s, "generate_s": generate_s, "sglang": version,
+                        "outputs": outputs, "repeat_generate_s": repeat_s, "repeats_match": match,
                         "meta": [{k: v for k, v in r.get("meta_info", {}).items() if isinstance(v, (int, float, str))}
                                  for r in out]})
     except Exception as exc:  # noqa: BLE001

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from refcheck.sglang_capture import layers, versions
-from refcheck.sglang_capture.records import ENV_DIR, ENV_FULL, Recorder
+from refcheck.sglang_capture.records import ENV_DIR, ENV_FULL, UNTRACED_RID_PREFIX, Recorder
 from refcheck.sglang_capture.state import committed_rows, summarise, summarise_shard
 from refcheck.sglang_capture.steps import StepCapture, chain_steps, prefill_records, root_steps, tree_steps
 
@@ -238,8 +238,16 @@ def _after(scheduler: Any, snap: _Batch, result: Any) -> None:
         rec.step(s)
 
 
+def _untraced(batch: Any) -> bool:
+    """A batch made only of timing requests (rid prefix UNTRACED_RID_PREFIX) runs as if no capture were loaded."""
+    reqs = getattr(batch, "reqs", None) or []
+    return bool(reqs) and all(str(r.rid).startswith(UNTRACED_RID_PREFIX) for r in reqs)
+
+
 def _run_batch(original, self, batch, *args, **kwargs):
     global _batch
+    if _untraced(batch):
+        return original(self, batch, *args, **kwargs)
     _rec(self)
     snap = _guard("run_batch:snapshot", _snapshot, self, batch)
     _batch = snap

@@ -22,6 +22,8 @@ from refcheck.sglang_capture.steps import PrefillCapture, StepCapture
 
 ENV_DIR = "REFCHECK_CAPTURE_DIR"
 ENV_FULL = "REFCHECK_CAPTURE_FULL"
+#: requests whose rid starts with this are not captured (timing repeats: no synchronisation, no records)
+UNTRACED_RID_PREFIX = "refcheck-untraced-"
 
 
 class Recorder:

@@ -1,6 +1,7 @@
 """A stand-in for ``sglang`` (tests only): an Engine whose behaviour FAKE_SGLANG_MODE chooses.
 
-ok: echo greedy-looking outputs; start_fail: print a scheduler traceback and fail at start-up the
+ok: echo greedy-looking outputs; drift: like ok, but every generate after the first answers
+differently (a nondeterministic engine); start_fail: print a scheduler traceback and fail at start-up the
 way SGLang does; crash: die (SIGKILL-like exit) in the middle of generate; hang: never return.
 """
 
@@ -14,6 +15,7 @@ __version__ = "0.0-fake"
 class Engine:
     def __init__(self, **kwargs):
         self.kwargs = kwargs
+        self.calls = 0
         mode = os.environ.get("FAKE_SGLANG_MODE", "ok")
         if mode == "start_fail":
             print("Traceback (most recent call last):", file=sys.stderr)
@@ -27,7 +29,9 @@ class Engine:
             os._exit(137)
         if mode == "hang":
             time.sleep(3600)
-        return [{"output_ids": [ids[-1]] * sp["max_new_tokens"], "meta_info": {"id": r}}
+        shift = self.calls if mode == "drift" else 0
+        self.calls += 1
+        return [{"output_ids": [ids[-1] + shift] * sp["max_new_tokens"], "meta_info": {"id": r}}
                 for ids, sp, r in zip(input_ids, sampling_params, rid)]
 
     def shutdown(self):
