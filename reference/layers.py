@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from reference.treechunk import gated_delta_tree_chunk
+from reference.treechunk import ancestor_matrix, gated_delta_tree_chunk
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -201,14 +201,16 @@ class TreePlan:
     parents: torch.Tensor  # [n] recurrence parents (the flat chain when leaky)
     levels: list[torch.Tensor]  # node indices per depth level (device)
     window_rows: dict[int, torch.Tensor]  # conv kernel size -> [n, K] rows into cat([conv_state, nodes])
+    ancestors: torch.Tensor | None = None  # [n, n] ancestor-or-self of ``parents`` (tree-chunk method)
 
     @classmethod
     def build(cls, parents: torch.Tensor, leaky: bool = False, need_levels: bool = True) -> TreePlan:
-        """need_levels=False (tree-chunk method) builds nothing on the host, so it can be graphed."""
+        """need_levels=False (tree-chunk method) builds nothing on the host, so it can be graphed;
+        it also derives the ancestor matrix once, for every Gated DeltaNet layer of the forward."""
         if not need_levels:
             n = parents.shape[0]
-            chain = torch.arange(-1, n - 1, device=parents.device)
-            return cls(chain if leaky else parents, [], {})
+            rec = torch.arange(-1, n - 1, device=parents.device) if leaky else parents
+            return cls(rec, [], {}, ancestor_matrix(rec))
         rec_parents, levels = _depth_levels(parents, leaky)
         return cls(rec_parents, levels, {})
 
@@ -265,7 +267,7 @@ def deltanet_tree(
     g = -gdn.A_log.float().exp() * F.softplus(a.float() + gdn.dt_bias)  # [n, HV]
 
     if method == "chunk":
-        chunk = gated_delta_tree_chunk(q, k, v, g, beta, rec_parents, recurrent_state.float())
+        chunk = gated_delta_tree_chunk(q, k, v, g, beta, rec_parents, recurrent_state.float(), plan.ancestors)
         core = chunk.out.to(x.dtype).reshape(-1, gdn.head_v_dim)  # [n*HV, Dv]
         out = gdn.norm(core, z.reshape(-1, gdn.head_v_dim)).reshape(n, -1)  # [n, HV*Dv]
         return DeltaNetOut(hidden=gdn.out_proj(out), conv_windows=windows[:, 1:], states=LazyStates(chunk))

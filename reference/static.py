@@ -132,9 +132,11 @@ def device_walk(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tenso
     score = torch.where(on_path, depths * (n + 1) + (n - order), torch.full_like(depths, -1))  # deepest, then first
     leaf = score.argmax()
     levels = torch.arange(max_depth + 1, device=tokens.device)
-    on_leaf_path = visible[leaf][None, :] & (depths[None, :] == levels[:, None])  # [max_depth + 1, n]
+    # a 0-dim index tensor would be read on the host (item): index with [1]-shaped ones instead
+    at_leaf = leaf.view(1)  # [1]
+    on_leaf_path = visible.index_select(0, at_leaf) & (depths[None, :] == levels[:, None])  # [max_depth + 1, n]
     path = on_leaf_path.to(torch.int8).argmax(dim=1)  # [max_depth + 1] (int8: argmax needs a number type)
-    return leaf, path, depths[leaf] + 1
+    return leaf, path, depths.index_select(0, at_leaf)[0] + 1
 
 
 def _select_state(states: torch.Tensor | LazyStates, node: torch.Tensor) -> torch.Tensor:
@@ -173,4 +175,4 @@ def _step(target: Target, state: StaticState, tokens: torch.Tensor, parents: tor
         state.conv[layer].copy_(windows.index_select(0, leaf.view(1))[0])  # [K-1, C]
         state.recurrent[layer].copy_(_select_state(fwd.recurrent[layer], leaf))
     state.length.add_(n_acc)
-    return StepOut(leaf=leaf, path=path, n_accepted=n_acc, bonus=argmax[leaf], forward=fwd)
+    return StepOut(leaf=leaf, path=path, n_accepted=n_acc, bonus=argmax.index_select(0, leaf.view(1))[0], forward=fwd)

@@ -25,7 +25,7 @@ from reference.compat import rope_position_ids
 from reference.errors import CheckpointError, PromptError, UnsupportedModelError
 from reference.layers import TreePlan, attention_tree, deltanet_tree
 from reference.state import TargetState, TreeForward
-from reference.treechunk import ancestor_matrix, unchecked
+from reference.treechunk import ancestor_matrix, checks_enabled, unchecked
 
 SUPPORTED_MODEL_TYPES = frozenset({"qwen3", "qwen3_5", "qwen3_5_text", "qwen3_next"})
 PREFILL_CHUNK = 64  # prompt tokens per prefill forward
@@ -74,6 +74,8 @@ class Target:
         # The per-layer pieces of a forward; :meth:`compile` swaps in torch.compile'd versions.
         self._deltanet, self._attention, self._mlp = deltanet_tree, attention_tree, _mlp
         self.compiled = False
+        self._conv_kernels = sorted({int(self.layers[i].linear_attn.conv_kernel_size)
+                                     for i in range(len(self.layers)) if self.is_linear(i)})
 
     # -- loading ------------------------------------------------------------------------------
     @classmethod
@@ -109,8 +111,15 @@ class Target:
         compiled graph (parameters are graph inputs); each new node count compiles once. Results
         equal eager to float rounding (fused reductions), not bit for bit: the eager path stays the
         reference, this one is for speed at scale (tests/test_target.py, scripts/bench_verify.py).
+        Compiled layers serve forwards without host-side checks (``validate=False``: the graphed
+        step, the benchmark); a validated forward (prefill, the decoder's checks) runs eager.
         """
         import torch._dynamo
+        import torch._inductor.config
+
+        # Inductor's mm-padding pass benchmarks with random tensors while compiling, which trips
+        # CUDA-graph RNG bookkeeping; these matmuls go to cuBLAS unpadded anyway.
+        torch._inductor.config.shape_padding = False
 
         # one graph per (layer kind, node count, tree-plan cache state): budgets 15 and 64, decode,
         # prefill chunks and the leaky variant need more than dynamo's default of 8
@@ -197,6 +206,11 @@ class Target:
         rparents = parents if recurrent_parents is None else recurrent_parents.to(parents.device, torch.long)
         # leaky + chunk = the flattened tree as one chunk of a chain: what a leaking engine computes
         plan = TreePlan.build(rparents, leaky, need_levels=self.gdn_method == "levels")
+        for kernel in self._conv_kernels:  # index bookkeeping once per forward, outside any compiled layer
+            plan.rows(kernel)
+        # compiled layers run only where nothing is checked on the host (a check would break the graph)
+        deltanet, attention, mlp = (self._deltanet, self._attention, self._mlp) if self.compiled and not \
+            checks_enabled() else (deltanet_tree, attention_tree, _mlp)
         n = tokens.shape[0]
         h = self._stage_input(tokens)  # [n, H]
         cos, sin = self.body.rotary_emb(h.unsqueeze(0), rope_position_ids(self.model_type, positions))
@@ -207,15 +221,15 @@ class Target:
             layer = self.layers[i]
             x = layer.input_layernorm(h)
             if self.is_linear(i):
-                out = self._deltanet(layer.linear_attn, x, rparents, state.conv[i], state.recurrent[i], leaky=leaky,
+                out = deltanet(layer.linear_attn, x, rparents, state.conv[i], state.recurrent[i], leaky=leaky,
                                     method=self.gdn_method, plan=plan)
                 fwd.conv[i], fwd.recurrent[i] = out.conv_windows, out.states
             else:
-                out = self._attention(layer.self_attn, x, cos, sin, state.keys[i], state.values[i], visible,
+                out = attention(layer.self_attn, x, cos, sin, state.keys[i], state.values[i], visible,
                                      getattr(state, "prefix_valid", None))  # fixed-size caches mask unused slots
                 fwd.keys[i], fwd.values[i] = out.keys, out.values
             h = h + out.hidden
-            h = h + self._mlp(layer.mlp, layer.post_attention_layernorm(h))
+            h = h + mlp(layer.mlp, layer.post_attention_layernorm(h))
             if i in capture or keep_layer_outputs:
                 held[i] = h
         fwd.logits = self._stage_logits(h)

@@ -76,6 +76,11 @@ def unchecked():
         _VALIDATE[0] = before
 
 
+def checks_enabled() -> bool:
+    """False inside :func:`unchecked` (a forward that must not read the device on the host)."""
+    return _VALIDATE[0]
+
+
 def _check_parents(parents: torch.Tensor) -> torch.Tensor:
     """Validate a topological parent vector; return it as int64 (same device)."""
     if not isinstance(parents, torch.Tensor) or parents.dim() != 1:
@@ -240,14 +245,19 @@ def gated_delta_tree_chunk(
     beta: torch.Tensor,
     parents: torch.Tensor,
     initial_state: torch.Tensor,
+    ancestors: torch.Tensor | None = None,
 ) -> TreeChunk:
     """All tree nodes as one chunk of the chunked gated delta rule (see the module docstring).
 
     q, k: [n, HV, Dk]; v: [n, HV, Dv]; g, beta: [n, HV]; parents: [n] (-1 = committed);
     initial_state: [HV, Dk, Dv]. Same float dtype (float32 / float64) for all floating inputs.
+    ancestors: ``ancestor_matrix(parents)`` [n, n] bool when the caller has it already (a forward
+    computes it once for all its layers); not re-derived or checked against ``parents``.
     """
     n, hv, dk, dv, parents = _check_inputs(q, k, v, g, beta, parents, initial_state)
-    anc = ancestor_matrix(parents)  # [n, n]
+    if ancestors is not None and tuple(ancestors.shape) != (n, n):
+        raise ValueError(f"ancestors must have shape ({n}, {n}), got {tuple(ancestors.shape)}")
+    anc = ancestor_matrix(parents) if ancestors is None else ancestors  # [n, n]
     # The bool mask becomes the compute dtype so the root-path sum is one matmul.
     cum = anc.to(g.dtype) @ g  # [n, HV]
 

@@ -159,3 +159,25 @@ def test_untraced_timing_requests_pass_straight_through(capture_dir):
     batch.reqs[0].rid = "r0"  # one traced request in the batch: the whole batch is captured
     plugin._run_batch(lambda self, b: sentinel, sched, batch)
     assert any("no verify step was captured" in e for e in read_capture(capture_dir).errors)
+
+
+def test_tensor_parallel_rank_is_found_where_each_release_keeps_it():
+    """0.5.17 keeps the rank on scheduler.ps (a ParallelState); reading only scheduler.tp_rank made every
+    rank of a TP=2 engine record itself as rank 0 on the H200, and its state shards could not combine."""
+    from refcheck.sglang_capture.versions import tp_of
+
+    assert tp_of(NS(tp_rank=1, tp_size=2)) == (1, 2)  # older releases
+    assert tp_of(NS(ps=NS(tp_rank=1, tp_size=2), server_args=NS(tp_size=2))) == (1, 2)  # 0.5.17
+    assert tp_of(NS(server_args=NS(tp_size=4))) == (0, 4)
+    assert tp_of(NS()) == (0, 1)
+
+
+def test_two_schedulers_claiming_one_rank_are_a_capture_error(capture_dir):
+    """Records of two processes under one tensor-parallel rank cannot be combined: read_capture says so."""
+    from refcheck.sglang_capture.records import Recorder
+
+    for pid in (111, 222):
+        rec = Recorder(capture_dir, 0)
+        rec.dir.rename(capture_dir / f"rank0-pid{pid}")
+    errors = read_capture(capture_dir).errors
+    assert len(errors) == 1 and "pids 111, 222" in errors[0] and "rank 0" in errors[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import rooted_parents  # tests/strategies.py
@@ -155,9 +156,23 @@ def test_whole_fixed_shape_step_with_the_static_drafter_decodes_like_the_decoder
     assert out_ids == ref.output_ids[: len(out_ids)]
 
 
+class _NoHostReads(TorchDispatchMode):
+    """Fails any operator that hands a tensor's value to the host: item() and the C++ paths that
+    call it (indexing with a 0-dim tensor, int(), bool()), and data-dependent shapes (nonzero)."""
+
+    READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
+             torch.ops.aten.nonzero.default)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            raise AssertionError(f"a host read inside the fixed-shape step: {func}")
+        return func(*args, **(kwargs or {}))
+
+
 def test_the_fixed_shape_step_reads_nothing_back_to_the_host(hybrid, monkeypatch):
     """What a CUDA graph forbids, checked on CPU: no tensor is turned into a Python value (item,
-    bool, int, float, tolist) while the draft, the verify, the walk, the commit or the extend run."""
+    bool, int, float, tolist, or indexing by a 0-dim tensor, which reads it in C++) while the draft,
+    the verify, the walk, the commit or the extend run."""
     from reference.static_draft import StaticDraftContext
 
     target, drafter = hybrid
@@ -174,7 +189,7 @@ def test_the_fixed_shape_step_reads_nothing_back_to_the_host(hybrid, monkeypatch
     def host_read(*_a, **_k):
         raise AssertionError("a host read inside the fixed-shape step")
 
-    with monkeypatch.context() as m:
+    with monkeypatch.context() as m, _NoHostReads():
         for name in ("item", "__bool__", "__int__", "__float__", "tolist"):
             m.setattr(torch.Tensor, name, host_read)
         ctx.propose(bonus, sstate.length)

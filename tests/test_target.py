@@ -172,11 +172,18 @@ def test_compiled_target_equals_eager_on_decoy_trees(hybrid):
     eager = hybrid[0]
     compiled = Target(eager.model)  # its own wrapper: the session fixture stays eager
     compiled.compile()
+    calls: list[str] = []
+    for name in ("_deltanet", "_attention", "_mlp"):  # count calls into the compiled pieces
+        fn = getattr(compiled, name)
+        setattr(compiled, name, lambda *a, _fn=fn, _name=name, **k: (calls.append(_name), _fn(*a, **k))[1])
     prompt = [int(t) for t in (torch.arange(7, 31) * 5) % (eager.vocab_size - 1)]
     state, tree = _decoy_tree(eager, prompt)
+    compiled.forward(state, tree.tokens, tree.parents, tree.depths)
+    assert not calls  # a validated forward checks on the host: it runs eager
     for leaky in (True, False):  # the exact pair last: its commit is checked below
         want = eager.forward(state, tree.tokens, tree.parents, tree.depths, leaky=leaky)
-        got = compiled.forward(state, tree.tokens, tree.parents, tree.depths, leaky=leaky)
+        got = compiled.forward(state, tree.tokens, tree.parents, tree.depths, leaky=leaky, validate=False)
+        assert set(calls) == {"_deltanet", "_attention", "_mlp"}
         assert _close(got.logits, want.logits)
         assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
     accepted = tree.walk_greedy(want.logits.argmax(-1))

@@ -113,7 +113,7 @@ def hook_status() -> dict[str, Any]:
 def _rec(scheduler: Any = None) -> Recorder:
     global _recorder
     if _recorder is None:
-        _recorder = Recorder(Path(os.environ[ENV_DIR]), int(getattr(scheduler, "tp_rank", 0) or 0))
+        _recorder = Recorder(Path(os.environ[ENV_DIR]), versions.tp_of(scheduler)[0] if scheduler is not None else 0)
         try:
             _recorder.status({"pid": os.getpid(), "tp_rank": _recorder.tp_rank, "sglang": versions.sglang_version(),
                               "hooks": hook_status(), "patched": _patched,

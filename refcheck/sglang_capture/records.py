@@ -71,8 +71,10 @@ def read_capture(root: Path) -> Capture:
             cap.status.append(json.loads(st.read_text()))
         except (OSError, ValueError) as exc:
             cap.errors.append(f"{st.name}: unreadable status ({exc})")
+    pids: dict[int, list[str]] = {}
     for d in sorted(root.glob("rank*-pid*")):
         rank = int(d.name[4:].split("-", 1)[0])
+        pids.setdefault(rank, []).append(d.name.split("-pid", 1)[1])
         for f in sorted(d.glob("[0-9]*.pt")):
             try:
                 rec = torch.load(f, map_location="cpu", weights_only=True)
@@ -88,4 +90,8 @@ def read_capture(root: Path) -> Capture:
                 cap.errors.append(f"{d.name}: hook error in {rec.get('where')}: {rec.get('message')}")
             else:
                 cap.errors.append(f"{d.name}/{f.name}: unknown record type {kind!r}")
+    for rank, ps in sorted(pids.items()):
+        if len(ps) > 1:  # two engines' records in one directory, or ranks that do not know who they are
+            cap.errors.append(f"{len(ps)} scheduler processes (pids {', '.join(ps)}) recorded as tensor-parallel rank "
+                              f"{rank}: their shards cannot be told apart, so the committed state cannot be combined")
     return cap

@@ -84,7 +84,28 @@ def server_topk(scheduler: Any) -> int | None:
 
 
 def tp_of(scheduler: Any) -> tuple[int, int]:
-    """(tensor-parallel rank, size) of a scheduler process."""
+    """(tensor-parallel rank, size) of a scheduler process.
+
+    Where releases keep them: older ones on the scheduler (``tp_rank``, ``tp_size``); 0.5.17 on its
+    ``ParallelState`` (``scheduler.ps``); 0.5.23 in the process-wide runtime context
+    (``sglang.srt.runtime_context.get_parallel()``). The server arguments' ``tp_size`` is the last word on
+    the size. (Reading only the first of these made every 0.5.17 rank call itself rank 0.)
+    """
+    holders = [scheduler, getattr(scheduler, "ps", None)]
+    try:
+        from sglang.srt.runtime_context import get_parallel  # 0.5.23
+
+        holders.append(get_parallel())
+    except Exception:  # older releases: no runtime context
+        pass
+    rank = size = None
+    for h in holders:
+        if h is None:
+            continue
+        if rank is None and isinstance(getattr(h, "tp_rank", None), int):
+            rank = h.tp_rank
+        if size is None and isinstance(getattr(h, "tp_size", None), int):
+            size = h.tp_size
     args = getattr(scheduler, "server_args", None)
-    size = getattr(scheduler, "tp_size", None) or getattr(args, "tp_size", None) or 1
-    return int(getattr(scheduler, "tp_rank", 0) or 0), int(size)
+    size = size or getattr(args, "tp_size", None) or 1
+    return int(rank or 0), int(size)
