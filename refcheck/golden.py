@@ -210,23 +210,36 @@ def apply_triage(report: Report, triaged: list[dict]) -> None:
 
 
 def add_trace(golden_dir: Path, trace_path: Path, case: str, expect: str, allow_unsupported: list[str],
-              reason: str, triage: list[str] | None = None) -> Path:
+              reason: str, triage: list[str] | None = None, session: DiffSession | None = None) -> Path:
     """Store an engine trace as a golden case (atomic; an existing case is replaced only with history).
-    ``triage``: findings a person reviewed (REQUEST:STEP:NODE:CATEGORY), reported as TRIAGED by the gate."""
+    ``triage``: findings a person reviewed (REQUEST:STEP:NODE:CATEGORY), reported as TRIAGED by the gate.
+    The trace is first put through the gate's own check with these settings: a trace that would fail
+    the gate the moment it lands (``--expect pass`` with failures, an expected failure not caught, or
+    stale models) is refused with the first failing findings, and nothing is written."""
     if expect != "pass" and not expect.startswith("fail"):
         raise UsageError(f"--expect must be 'pass', 'fail' or 'fail:CATEGORY', got {expect!r}")
     triaged = parse_triage(triage or [])
     if case in GOLDEN_CASES:
         raise UsageError(f"{case!r} is a built-in reference case; choose another name")
     trace = read_trace(Path(trace_path))  # typed errors for a bad trace
+    summary = {**_summary(trace.provenance), "expect": expect, "allow_unsupported": allow_unsupported,
+               "triaged": triaged}
+    report = check_trace(case, trace, summary, session or DiffSession())
+    if report.verdict not in ("pass", "expected failure caught"):
+        fails = [f for f in report.failures][:3]
+        raise GoldenError(
+            f"{trace_path} would fail the gate as {case!r} ({report.verdict}: {report.counts.get('fail', 0)} failing "
+            f"checks; first: " + "; ".join(f"{f.request_id} step {f.step} node {f.node} {f.category}: {f.message[:120]}"
+                                          for f in fails)
+            + "). Review them, then add --triage REQUEST:STEP:NODE:CATEGORY for reviewed findings, "
+              "--allow-unsupported CATEGORY for what the engine cannot record, or --expect fail:CATEGORY for a "
+              "known-buggy engine; nothing was written")
     golden_dir = Path(golden_dir)
     golden_dir.mkdir(parents=True, exist_ok=True)
     manifest = load_manifest(golden_dir, allow_missing=True)
     data = Path(trace_path).read_bytes()
     path = golden_dir / f"{case}.arrow"
     atomic_write_bytes(path, data)
-    summary = {**_summary(trace.provenance), "expect": expect, "allow_unsupported": allow_unsupported,
-               "triaged": triaged}
     manifest.record(case, path.name, sha256_file(path), len(data), summary, reason=reason)
     manifest.save(golden_dir)
     return path
@@ -264,7 +277,13 @@ def live_provenance_reasons(trace: Trace, session: DiffSession) -> list[str]:
 
 
 def gate_case(name: str, entry, golden_dir: Path, session: DiffSession) -> Report:
-    trace = read_trace(Path(golden_dir) / entry.file)
+    return check_trace(name, read_trace(Path(golden_dir) / entry.file), entry.provenance, session)
+
+
+def check_trace(name: str, trace: Trace, settings: dict, session: DiffSession) -> Report:
+    """The gate's verdict on one engine trace under a golden entry's settings (``expect``,
+    ``allow_unsupported``, ``triaged``): a GoldenError if the trace's models or prompts have changed
+    since it was recorded, else the diff with unrecorded categories failed and reviewed findings triaged."""
     stale = live_provenance_reasons(trace, session)
     if stale:
         raise GoldenError(f"stale golden {name}: " + "; ".join(stale)
@@ -274,13 +293,13 @@ def gate_case(name: str, entry, golden_dir: Path, session: DiffSession) -> Repor
                                   f"--reason ...; the manifest keeps the old entry in its history)"))
     strict = trace.provenance.get("engine", {}).get("name") == "reference"
     report = session.diff(trace, name, mode="both", strict_acceptance=strict)
-    expect = entry.provenance.get("expect", "pass")
-    allowed = set(entry.provenance.get("allow_unsupported", []))
+    expect = settings.get("expect", "pass")
+    allowed = set(settings.get("allow_unsupported", []))
     for f in list(report.findings):
         if f.verdict in (Verdict.UNSUPPORTED, Verdict.SKIPPED) and f.category not in allowed:
             report.add(Finding(Verdict.FAIL, f.category, f.request_id, f.step,
                                message=f"gate is strict about skips: {f.verdict.value} {f.category} ({f.message})"))
-    apply_triage(report, entry.provenance.get("triaged", []))
+    apply_triage(report, settings.get("triaged", []))
     if expect != "pass":
         report.expect_failure = expect
     return report

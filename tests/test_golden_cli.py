@@ -44,6 +44,11 @@ def test_gate_passes_on_the_repository_goldens(cli, monkeypatch):
     assert b64["counts"]["triaged"] == 4 and b64["fail_categories"] == {"logits": 2}
     assert {(f["request_id"], f["step"], f["node"]) for f in b64["findings"] if f["verdict"] == "fail"} == {("code-1", 13, 32)}
     assert by_case["sglang-hybrid-ddtree-b15"]["counts"]["triaged"] == 1 and by_case["sglang-hybrid-ddtree-b15"]["counts"]["fail"] == 0
+    # SGLang at tensor parallelism 2: both ranks' KV, conv and SSM shards combined, every state check passes
+    for case, triaged in (("sglang-hybrid-dflash-tp2", 3), ("sglang-hybrid-ngram-tp2", 1)):
+        r = by_case[case]
+        assert r["counts"]["triaged"] == triaged and r["counts"]["fail"] == 0, case
+        assert all(r["checks"][c] >= 400 for c in ("kv", "conv", "recurrent")), r["checks"]
 
 
 def test_diff_budget_15_against_goldens(cli, monkeypatch):
@@ -248,3 +253,22 @@ def test_triage_isolated_reproduces_the_manual_triage_and_keeps_the_leak(cli):
 def test_regen_explains_how_engine_goldens_are_replaced(cli):
     code, _, err = cli("golden", "regen", "--case", "sglang-hybrid-none")
     assert code == EXIT_USAGE and "another engine's trace" in err and "golden add" in err
+
+
+def test_golden_add_refuses_a_trace_that_would_fail_the_gate(cli, tmp_path):
+    """`golden add` puts the trace through the gate first: an SGLang trace with unreviewed findings and
+    unrecorded categories is refused (nothing written); with its findings triaged it lands and passes."""
+    from refcheck.errors import EXIT_GOLDEN
+
+    src = REPO_GOLDEN / "sglang-hybrid-ngram-tp2.arrow"
+    gdir = tmp_path / "golden"
+    code, _, err = cli("golden", "add", str(src), "--case", "tp2", "--reason", "test", "--golden", str(gdir))
+    assert code == EXIT_GOLDEN and "would fail the gate" in err and "nothing was written" in err
+    assert "prose-2 step 19 node 9 logits" in err or "draft" in err
+    assert not gdir.exists() or not any(gdir.iterdir())
+    code, _, err = cli("golden", "add", str(src), "--case", "tp2", "--reason", "test", "--golden", str(gdir),
+                       "--allow-unsupported", "draft", "--triage", "prose-2:19:9:logits")
+    assert code == EXIT_PASS, err
+    code, out, err = cli("gate", str(gdir), "--json")
+    assert code == EXIT_PASS, err
+    assert [r["verdict"] for r in json.loads(out)["reports"]] == ["pass"]
