@@ -213,29 +213,46 @@ class Target:
             checks_enabled() else (deltanet_tree, attention_tree, _mlp)
         n = tokens.shape[0]
         h = self._stage_input(tokens)  # [n, H]
-        cos, sin = self.body.rotary_emb(h.unsqueeze(0), rope_position_ids(self.model_type, positions))
-        cos, sin = cos[0], sin[0]  # [n, R]
+        cos, sin = self.rope(h, positions)
         fwd = TreeForward(logits=torch.empty(0), context=torch.empty(0))
         held: dict[int, torch.Tensor] = {}
         for i in self._layer_ids():
-            layer = self.layers[i]
-            x = layer.input_layernorm(h)
+            h, out = self.layer(i, h, state, plan, visible, cos, sin, leaky, (deltanet, attention, mlp))
             if self.is_linear(i):
-                out = deltanet(layer.linear_attn, x, rparents, state.conv[i], state.recurrent[i], leaky=leaky,
-                                    method=self.gdn_method, plan=plan)
                 fwd.conv[i], fwd.recurrent[i] = out.conv_windows, out.states
             else:
-                out = attention(layer.self_attn, x, cos, sin, state.keys[i], state.values[i], visible,
-                                     getattr(state, "prefix_valid", None))  # fixed-size caches mask unused slots
                 fwd.keys[i], fwd.values[i] = out.keys, out.values
-            h = h + out.hidden
-            h = h + mlp(layer.mlp, layer.post_attention_layernorm(h))
             if i in capture or keep_layer_outputs:
                 held[i] = h
         fwd.logits = self._stage_logits(h)
         fwd.context = torch.cat([self._layer_output(i, held, n) for i in capture], dim=-1) if capture else h[:, :0]
         fwd.layer_outputs = [self._layer_output(i, held, n) for i in range(len(self.layers))] if keep_layer_outputs else None
         return fwd
+
+    def rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, R] of the rotary embedding at absolute ``positions`` [n] (h [n, H] for dtype/device)."""
+        cos, sin = self.body.rotary_emb(h.unsqueeze(0), rope_position_ids(self.model_type, positions))
+        return cos[0], sin[0]  # [n, R]
+
+    def layer(self, i: int, h: torch.Tensor, state: TargetState, plan: TreePlan, visible: torch.Tensor,
+              cos: torch.Tensor, sin: torch.Tensor, leaky: bool = False, mixers: tuple | None = None):
+        """Decoder layer ``i`` over n nodes: h [n, H] in, (h after the layer [n, H], the mixer's output).
+
+        The Gated DeltaNet mixer follows ``plan`` (its recurrence parents, ancestors and conv-window rows,
+        which may differ: ``refcheck explain --layer`` builds such plans); attention follows ``visible``.
+        ``mixers`` (deltanet, attention, mlp) defaults to the eager ones.
+        """
+        deltanet, attention, mlp = mixers or (deltanet_tree, attention_tree, _mlp)
+        layer = self.layers[i]
+        x = layer.input_layernorm(h)
+        if self.is_linear(i):
+            out = deltanet(layer.linear_attn, x, plan.parents, state.conv[i], state.recurrent[i], leaky=leaky,
+                           method=self.gdn_method, plan=plan)
+        else:
+            out = attention(layer.self_attn, x, cos, sin, state.keys[i], state.values[i], visible,
+                            getattr(state, "prefix_valid", None))  # fixed-size caches mask unused slots
+        h = h + out.hidden
+        return h + mlp(layer.mlp, layer.post_attention_layernorm(h)), out
 
     # -- the stages a layer-sharded target (reference/sharded.py) replaces ------------------------------------
     def _stage_input(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -66,3 +66,32 @@ def test_diff_against_a_trace_prints_the_explain_command_for_its_first_failing_n
     code, _, err = cli("diff", "--against", str(path), "--mode", "replay")
     assert code != 0
     assert f"refcheck explain {path} --request arith-1 --step 0 --node 5" in err
+
+
+def _explain_layer(session, case: str, rid: str, step: int, node: int, layer=None):
+    from refcheck.diff.layer_explain import explain_layer
+
+    trace = read_trace(REPO_GOLDEN / f"{case}.arrow")
+    return explain_layer(trace, rid, step, node, session.runner(reference_spec_for(trace)).target, layer)
+
+
+def test_layer_explain_names_the_leak_at_the_first_gated_deltanet_layer(session):
+    """`explain --layer` on the leaky golden (recorded with layer sketches): the first differing layer is
+    layer 0, and there the node's output is the one it gets from the previous node in flat order."""
+    ex = _explain_layer(session, "sglang-hybrid-ddtree-b15-leaky-chain", "arith-1", 0, 5)
+    assert ex.layer == 0 and ex.layer_type == "linear_attention" and ex.per_layer[0] > 1.0
+    best = ex.explained_by[0]
+    assert best.kind in ("parent", "conv_parent") and "node 4" in best.detail and best.rel_l2 < 0.02
+    assert not any(h.explains for h in ex.hypotheses if h.kind in ("token", "row", "zero_state"))
+
+
+def test_layer_explain_refuses_what_it_cannot_explain(session, cli):
+    with pytest.raises(UsageError, match="no layer sketches"):
+        _explain_layer(session, "sglang-hybrid-ddtree-b64", "code-1", 13, 32)
+    with pytest.raises(UsageError, match="nothing to explain"):  # node 0, the root, is right at every layer
+        _explain_layer(session, "sglang-hybrid-ddtree-b15-leaky-chain", "arith-1", 0, 0)
+    path = REPO_GOLDEN / "sglang-hybrid-ddtree-b15-leaky-chain.arrow"
+    code, _, err = cli("explain", str(path), "--request", "arith-1", "--step", "0", "--node", "5", "--layer", "9")
+    assert code == EXIT_USAGE and "not 9" in err
+    code, _, err = cli("explain", str(path), "--request", "arith-1", "--step", "0", "--node", "5", "--layer")
+    assert code == 0 and "explained by: conv window" in err and "node 4" in err

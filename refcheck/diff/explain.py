@@ -78,14 +78,38 @@ def _step_row(trace: Trace, request_id: str, step: int, node: int):
     return [r for r in trace.requests if r.request_id == request_id][0], s
 
 
+def committed_tokens(req, s) -> list[int]:
+    """The prompt plus the output tokens committed before step ``s`` of request ``req``."""
+    return list(req.prompt_ids) + list(req.output_ids)[: s.committed_len - len(req.prompt_ids)]
+
+
+def committed_state(req, s, target: Target):
+    """The reference's committed state before step ``s``: a prefill of the committed tokens."""
+    state, _ = target.prefill(torch.tensor(committed_tokens(req, s), device=target.device))
+    return state
+
+
+def visibility_variants(parents: torch.Tensor, node: int) -> dict[str, torch.Tensor]:
+    """Wrong attention rows for ``node`` ([n] bool each), by what an engine might have got wrong."""
+    n, dev = parents.shape[0], parents.device
+    base = ancestor_matrix(parents)
+    sibs = [j for j in range(node) if int(parents[j]) == int(parents[node])]
+    variants = {"the flat causal order (every earlier node)": torch.arange(n, device=dev) <= node,
+                "itself only (and the committed prefix)": torch.arange(n, device=dev) == node}
+    if sibs:
+        variants["its ancestors and earlier siblings"] = base[node].clone().index_fill_(0, torch.tensor(sibs, device=dev), True)
+    if int(parents[node]) >= 0:
+        variants["its parent's row (an off-by-one row)"] = base[int(parents[node])] | (torch.arange(n, device=dev) == node)
+    return variants
+
+
 def explain_node(trace: Trace, request_id: str, step: int, node: int, target: Target) -> Explanation:
     req, s = _step_row(trace, request_id, step, node)
     prov = trace.provenance
     tol = tolerance_for(str(prov.get("dtype", "float32")), str(prov.get("device", "cpu"))).logprob_abs
-    P = len(req.prompt_ids)
-    committed = list(req.prompt_ids) + list(req.output_ids)[: s.committed_len - P]
+    committed = committed_tokens(req, s)
     dev = target.device
-    state, _ = target.prefill(torch.tensor(committed, device=dev))
+    state = committed_state(req, s, target)
     tokens = torch.tensor(s.tree_tokens, dtype=torch.long)
     parents = torch.tensor(s.tree_parents, dtype=torch.long)
     depths = torch.tensor(s.tree_depths, dtype=torch.long)
@@ -149,14 +173,7 @@ def explain_node(trace: Trace, request_id: str, step: int, node: int, target: Ta
 
     # another attention visibility at this node (the rest of the tree keeps its own)
     base = ancestor_matrix(parents).to(dev)
-    sibs = [j for j in range(node) if int(parents[j]) == int(parents[node])]
-    variants = {"the flat causal order (every earlier node)": torch.arange(n, device=dev) <= node,
-                "itself only (and the committed prefix)": torch.arange(n, device=dev) == node}
-    if sibs:
-        variants["its ancestors and earlier siblings"] = base[node].clone().index_fill_(0, torch.tensor(sibs, device=dev), True)
-    if int(parents[node]) >= 0:
-        variants["its parent's row (an off-by-one row)"] = base[int(parents[node])] | (torch.arange(n, device=dev) == node)
-    for what, vis_row in variants.items():
+    for what, vis_row in visibility_variants(parents.to(dev), node).items():
         vis = base.clone()
         vis[node] = vis_row
         fit, arg = row(target.forward(state, tokens, parents, depths, visible=vis).logits)
