@@ -46,6 +46,9 @@ CONFIGS = {
     # SGLang in float32: the sharp check that tells bf16 numerics from engine bugs
     "dflash-fp32": ["--sglang-algorithm", "DFLASH", "--budget", "15", "--dtype", "float32"],
     "ngram-fp32": ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "10", "--dtype", "float32"],
+    # budget 64's open findings (layer 0 at node indices >= 16): does the engine still deviate in float32?
+    "ddtree-b64-fp32": ["--sglang-algorithm", "REFCHECK_DDTREE", "--budget", "64", "--dtype", "float32",
+                        "--layer-sketches"],
 }
 
 
