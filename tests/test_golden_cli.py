@@ -55,8 +55,8 @@ def test_diff_budget_15_against_goldens(cli, monkeypatch):
     code, out, err = cli("diff", "--budget", "15", "--json")
     assert code == EXIT_PASS, err
     cases = {r["case"] for r in json.loads(out)["reports"]}
-    assert cases == {"hybrid-b15", "hybrid-b15-scripted", "sglang-hybrid-dflash-b15",
-                     "sglang-hybrid-ddtree-b15"}  # SGLang's real steps too
+    assert cases == {"hybrid-b15", "hybrid-b15-scripted", "sglang-hybrid-dflash-b15", "sglang-hybrid-dflash-tp2",
+                     "sglang-hybrid-ddtree-b15"}  # SGLang's real steps too, at tensor parallelism 2 as well
 
 
 def test_diff_live_fault_engine_fails(cli, monkeypatch, tmp_path):
