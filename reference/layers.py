@@ -134,7 +134,7 @@ class DeltaNetOut:
     states: torch.Tensor | LazyStates  # [n, HV, Dk, Dv] float32, each node's recurrent post-state
 
 
-def _project(gdn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def gdn_projections(gdn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Input projections of one Gated DeltaNet layer for n tokens.
 
     Returns mixed_qkv [n, C], z [n, HV, Dv], b [n, HV], a [n, HV] in the model dtype.
@@ -152,11 +152,11 @@ def _project(gdn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return mixed, z[0], b[0], a[0]
 
 
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _window_rows(parents: torch.Tensor, kernel: int) -> torch.Tensor:
+def conv_window_rows(parents: torch.Tensor, kernel: int) -> torch.Tensor:
     """Row indices of each node's conv window in ``cat([conv_state, nodes])``.
 
     parents: [n] (-1 = committed). Rows 0..K-2 hold the committed conv state, row K-1+t node t.
@@ -216,7 +216,7 @@ class TreePlan:
 
     def rows(self, kernel: int) -> torch.Tensor:
         if kernel not in self.window_rows:
-            self.window_rows[kernel] = _window_rows(self.parents, kernel)
+            self.window_rows[kernel] = conv_window_rows(self.parents, kernel)
         return self.window_rows[kernel]
 
 
@@ -240,7 +240,7 @@ def deltanet_tree(
     """
     n = x.shape[0]
     kernel = gdn.conv_kernel_size
-    mixed, z, b, a = _project(gdn, x)
+    mixed, z, b, a = gdn_projections(gdn, x)
     plan = plan or TreePlan.build(parents, leaky)
     rec_parents, levels = plan.parents, plan.levels
 
@@ -260,8 +260,8 @@ def deltanet_tree(
     q = q.reshape(n, -1, gdn.head_k_dim).repeat_interleave(rep, dim=1).float()  # [n, HV, Dk]
     k = k.reshape(n, -1, gdn.head_k_dim).repeat_interleave(rep, dim=1).float()  # [n, HV, Dk]
     v = v.reshape(n, hv, gdn.head_v_dim).float()  # [n, HV, Dv]
-    q = _l2norm(q) / (gdn.head_k_dim**0.5)
-    k = _l2norm(k)
+    q = l2norm(q) / (gdn.head_k_dim**0.5)
+    k = l2norm(k)
     beta = b.sigmoid().float()  # [n, HV]
     # A_log and a in float32 so that exp/softplus cannot overflow in half precision.
     g = -gdn.A_log.float().exp() * F.softplus(a.float() + gdn.dt_bias)  # [n, HV]

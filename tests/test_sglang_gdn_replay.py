@@ -50,11 +50,11 @@ def test_the_inputs_are_the_reference_layer_s_own(b64):
     gdn = target.layers[0].linear_attn
     s = [x for x in trace.steps_of("code-1") if x.step == 13][0]
     x = target.layers[0].input_layernorm(target.body.embed_tokens(torch.tensor(s.tree_tokens)))
-    from reference.layers import _project
+    from reference.layers import gdn_projections
 
     hv, dv = inp.core.shape[1], inp.core.shape[2]
     with torch.no_grad():
-        _, z, _, _ = _project(gdn, x)
+        _, z, _, _ = gdn_projections(gdn, x)
         mine = gdn.out_proj(gdn.norm(inp.core.reshape(-1, dv), z.reshape(-1, dv)).reshape(inp.nodes, hv * dv))
         want = deltanet_tree(gdn, x, inp.parents, inp.conv_state, inp.recurrent_state, method="chunk",
                              plan=TreePlan.build(inp.parents, need_levels=False)).hidden

@@ -61,7 +61,7 @@ class Explanation:
         return sorted((h for h in self.hypotheses if h.explains), key=lambda h: h.fit)
 
 
-def _step_row(trace: Trace, request_id: str, step: int, node: int):
+def find_step(trace: Trace, request_id: str, step: int, node: int):
     ids = [r.request_id for r in trace.requests]
     if request_id not in ids:
         raise UsageError(f"no request {request_id!r} in the trace (it has {', '.join(ids[:12])})")
@@ -104,7 +104,7 @@ def visibility_variants(parents: torch.Tensor, node: int) -> dict[str, torch.Ten
 
 
 def explain_node(trace: Trace, request_id: str, step: int, node: int, target: Target) -> Explanation:
-    req, s = _step_row(trace, request_id, step, node)
+    req, s = find_step(trace, request_id, step, node)
     prov = trace.provenance
     tol = tolerance_for(str(prov.get("dtype", "float32")), str(prov.get("device", "cpu"))).logprob_abs
     committed = committed_tokens(req, s)

@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refcheck.diff.explain import _step_row, committed_state, visibility_variants
+from refcheck.diff.explain import find_step, committed_state, visibility_variants
 from refcheck.diff.tolerance import tolerance_for
 from refcheck.errors import UsageError
 from refcheck.sketch import layer_sketch, rel_l2, sketch_rows
 from refcheck.trace.io import Trace
-from reference.layers import TreePlan, _window_rows
+from reference.layers import TreePlan, conv_window_rows
 from reference.target import Target
 from reference.treechunk import ancestor_matrix
 
@@ -67,7 +67,7 @@ class LayerExplanation:
 @torch.no_grad()
 def explain_layer(trace: Trace, request_id: str, step: int, node: int, target: Target,
                   layer: int | None = None) -> LayerExplanation:
-    req, s = _step_row(trace, request_id, step, node)
+    req, s = find_step(trace, request_id, step, node)
     if s.layer_sketch is None:
         raise UsageError(f"step {step} of {request_id} carries no layer sketches: record the engine with per-layer "
                          "sketches (SGLang: diff --layer-sketches, or the suite's *-layers configurations)")
@@ -106,7 +106,7 @@ def explain_layer(trace: Trace, request_id: str, step: int, node: int, target: T
     def plan_of(conv_parents: torch.Tensor, rec_parents: torch.Tensor) -> TreePlan:
         plan = TreePlan(rec_parents, [], {}, ancestor_matrix(rec_parents))
         for k in target._conv_kernels:
-            plan.window_rows[k] = _window_rows(conv_parents, k)
+            plan.window_rows[k] = conv_window_rows(conv_parents, k)
         return plan
 
     def run(h=h_in, conv_parents=parents, rec_parents=parents, vis=visible, st=state) -> torch.Tensor:

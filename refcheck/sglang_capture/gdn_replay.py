@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from refcheck.diff.explain import _step_row, committed_state
+from refcheck.diff.explain import find_step, committed_state
 from refcheck.errors import UsageError
 from refcheck.sketch import rel_l2
 from refcheck.trace.io import Trace
-from reference.layers import TreePlan, _l2norm, _project
+from reference.layers import TreePlan, l2norm, gdn_projections
 from reference.target import Target
 from reference.treechunk import gated_delta_tree_chunk
 
@@ -96,7 +96,7 @@ def parents_from_links(next_token: torch.Tensor, next_sibling: torch.Tensor) -> 
 
 @torch.no_grad()
 def gdn_inputs(trace: Trace, request_id: str, step: int, target: Target, layer: int) -> GDNStepInputs:
-    req, s = _step_row(trace, request_id, step, 0)
+    req, s = find_step(trace, request_id, step, 0)
     if not 0 <= layer < len(target.layers) or not target.is_linear(layer):
         linear = [i for i in range(len(target.layers)) if target.is_linear(i)]
         raise UsageError(f"layer {layer} is not a Gated DeltaNet layer of this target (those are {linear})")
@@ -110,7 +110,7 @@ def gdn_inputs(trace: Trace, request_id: str, step: int, target: Target, layer: 
     h_in = target.body.embed_tokens(tokens) if layer == 0 else fwd.layer_outputs[layer - 1]  # [T, H]
     gdn = target.layers[layer].linear_attn
     x = target.layers[layer].input_layernorm(h_in)
-    mixed, _z, b, a = _project(gdn, x)
+    mixed, _z, b, a = gdn_projections(gdn, x)
     ref = ReferenceKernels()
     inp = GDNStepInputs(layer, parents, mixed, a, b, state.conv[layer], state.recurrent[layer].float(),
                         gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, gdn.A_log, gdn.dt_bias,
@@ -152,7 +152,7 @@ class ReferenceKernels:
         # float32 for the recurrence whatever the model dtype, as the reference and SGLang's kernel do
         qf = q[0].repeat_interleave(rep, dim=1).float()  # [T, HV, Dk]
         kf = k[0].repeat_interleave(rep, dim=1).float()
-        qf, kf = _l2norm(qf) / dk**0.5, _l2norm(kf)
+        qf, kf = l2norm(qf) / dk**0.5, l2norm(kf)
         beta = inp.b.float().sigmoid()  # [T, HV]
         g = -inp.A_log.float().exp() * F.softplus(inp.a.float() + inp.dt_bias.float())  # [T, HV]
         chunk = gated_delta_tree_chunk(qf, kf, v[0].float(), g, beta, parents.to(qf.device), inp.recurrent_state)
