@@ -298,9 +298,10 @@ def _as_fp32_matrix(name: str, x: object) -> torch.Tensor:
     # heap order and the stored fp32 scores are a function of one fixed set of
     # fp32 values no matter what dtype the caller's drafter produced.
     out = x.detach().to(dtype=torch.float32)
-    if bool(torch.isnan(out).any()):
+    has_nan, has_posinf = torch.stack([torch.isnan(out).any(), torch.isposinf(out).any()]).tolist()  # one host read
+    if has_nan:
         raise TreeError(f"{name} contains NaN")
-    if bool(torch.isposinf(out).any()):
+    if has_posinf:
         raise TreeError(f"{name} contains +inf")
     return out
 
@@ -322,16 +323,19 @@ def _sorted_rows(lp: torch.Tensor, k: int) -> tuple[list[list[float]], list[list
     # Large vocabularies: sorting every row whole costs ~250 ms at V = 248k. Only entries at least as
     # large as the row's k-th largest value can be among its first k (ties at that value included),
     # so sort just those, in ascending token-id order, stably: the same k entries in the same order.
-    kth = torch.topk(lp, k, dim=-1).values[:, -1]  # [L]
-    out_v: list[list[float]] = []
-    out_i: list[list[int]] = []
-    for row, t in zip(lp, kth):
-        cand = torch.nonzero(row >= t).flatten()  # [c], c >= k, ascending ids
-        v = row[cand]
-        order = torch.sort(v, descending=True, stable=True).indices[:k]
-        out_v.append(v[order].tolist())
-        out_i.append(cand[order].tolist())
-    return out_v, out_i
+    # One batch for all rows (a per-row loop read the device ~4 times a row: ~4 ms a tree on an H200).
+    n_rows = lp.shape[0]
+    kth = torch.topk(lp, k, dim=-1).values[:, -1:]  # [L, 1]
+    rows, cols = torch.nonzero(lp >= kth, as_tuple=True)  # [c] each, row-major: rows, then ids, ascending
+    v = lp[rows, cols]  # [c]
+    order = torch.sort(v, descending=True, stable=True).indices  # value descending; equal values keep id order
+    order = order[torch.sort(rows[order], stable=True).indices]  # grouped by row, each group still in that order
+    counts = torch.bincount(rows, minlength=n_rows)  # [L], each >= k
+    starts = torch.cumsum(counts, 0) - counts  # [L]
+    take = order[starts[:, None] + torch.arange(k, device=lp.device)]  # [L, k]
+    # float64 holds every fp32 value and every token id exactly: one host read for both
+    vals, ids = torch.stack([v[take].double(), cols[take].double()]).tolist()
+    return vals, [[int(i) for i in row] for row in ids]
 
 
 def _make_tree(
