@@ -65,7 +65,7 @@ def test_diff_against_a_trace_prints_the_explain_command_for_its_first_failing_n
     path = REPO_GOLDEN / "sglang-hybrid-ddtree-b15-leaky-chain.arrow"
     code, _, err = cli("diff", "--against", str(path), "--mode", "replay")
     assert code != 0
-    assert f"refcheck explain {path} --request arith-1 --step 0 --node 5" in err
+    assert f"refcheck explain {path} --request arith-1 --step 0 --node 5 --layer" in err  # it has layer sketches
 
 
 def _explain_layer(session, case: str, rid: str, step: int, node: int, layer=None):

@@ -163,10 +163,12 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
 
 
 def _explain_hint(report, path) -> None:
-    """The command that explains the earliest failing node with a per-node finding (logits)."""
+    """The command that explains the earliest failing node with a per-node finding (logits); with
+    ``--layer`` when layer bisection placed it (the trace carries layer sketches)."""
     nodes = [f for f in report.first_divergence().values() if f.node is not None and f.step is not None
              and f.category == "logits"]
     if nodes:
         f = min(nodes, key=lambda f: (f.step, f.request_id))
-        err.print(f"explain it: refcheck explain {path} --request {f.request_id} --step {f.step} --node {f.node}",
+        layer = " --layer" if f.layer is not None else ""  # bisected: the trace has layer sketches to explain with
+        err.print(f"explain it: refcheck explain {path} --request {f.request_id} --step {f.step} --node {f.node}{layer}",
                   markup=False, soft_wrap=True)  # one line, whatever the width: a command to paste
