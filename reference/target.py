@@ -74,7 +74,8 @@ class Target:
         # The per-layer pieces of a forward; :meth:`compile` swaps in torch.compile'd versions.
         self._deltanet, self._attention, self._mlp = deltanet_tree, attention_tree, _mlp
         self.compiled = False
-        self._conv_kernels = sorted({int(self.layers[i].linear_attn.conv_kernel_size)
+        #: the Gated DeltaNet layers' conv kernel sizes (their window rows are planned once per forward)
+        self.conv_kernels: list[int] = sorted({int(self.layers[i].linear_attn.conv_kernel_size)
                                      for i in range(len(self.layers)) if self.is_linear(i)})
 
     # -- loading ------------------------------------------------------------------------------
@@ -206,7 +207,7 @@ class Target:
         rparents = parents if recurrent_parents is None else recurrent_parents.to(parents.device, torch.long)
         # leaky + chunk = the flattened tree as one chunk of a chain: what a leaking engine computes
         plan = TreePlan.build(rparents, leaky, need_levels=self.gdn_method == "levels")
-        for kernel in self._conv_kernels:  # index bookkeeping once per forward, outside any compiled layer
+        for kernel in self.conv_kernels:  # index bookkeeping once per forward, outside any compiled layer
             plan.rows(kernel)
         # compiled layers run only where nothing is checked on the host (a check would break the graph)
         deltanet, attention, mlp = (self._deltanet, self._attention, self._mlp) if self.compiled and not \

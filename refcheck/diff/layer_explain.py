@@ -105,7 +105,7 @@ def explain_layer(trace: Trace, request_id: str, step: int, node: int, target: T
 
     def plan_of(conv_parents: torch.Tensor, rec_parents: torch.Tensor) -> TreePlan:
         plan = TreePlan(rec_parents, [], {}, ancestor_matrix(rec_parents))
-        for k in target._conv_kernels:
+        for k in target.conv_kernels:
             plan.window_rows[k] = conv_window_rows(conv_parents, k)
         return plan
 
