@@ -76,7 +76,7 @@ class Target:
         self.compiled = False
         #: the Gated DeltaNet layers' conv kernel sizes (their window rows are planned once per forward)
         self.conv_kernels: list[int] = sorted({int(self.layers[i].linear_attn.conv_kernel_size)
-                                     for i in range(len(self.layers)) if self.is_linear(i)})
+                                               for i in range(len(self.layers)) if self.is_linear(i)})
 
     # -- loading ------------------------------------------------------------------------------
     @classmethod
