@@ -202,6 +202,9 @@ class DFlashDrafter(nn.Module):
         bs = ids.shape[0]
         h = F.embedding(ids, self.target.body.embed_tokens.weight) * self.embed_scale  # [bs, H]
         cos, sin = self._rope(positions, h)
+        mask = None  # [1, 1, 1, ctx+bs]: the same for every layer
+        if context_valid is not None:
+            mask = torch.cat([context_valid, torch.ones(bs, dtype=torch.bool, device=ids.device)])[None, None, None, :]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
@@ -209,18 +212,14 @@ class DFlashDrafter(nn.Module):
             k = attn.k_norm(attn.k_proj(x).view(bs, self.n_kv, self.head_dim)).transpose(0, 1)  # [Hkv, bs, D]
             v = attn.v_proj(x).view(bs, self.n_kv, self.head_dim).transpose(0, 1)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            mask = None
             if context[i] is not None:
                 ck, cv = context[i]
                 k = torch.cat([ck, k], dim=1)  # [Hkv, ctx+bs, D]
                 v = torch.cat([cv, v], dim=1)
-                if context_valid is not None:
-                    block = torch.ones(bs, dtype=torch.bool, device=ids.device)
-                    mask = torch.cat([context_valid, block])[None, None, None, :]  # [1, 1, 1, ctx+bs]
             rep = self.n_heads // self.n_kv
             out = F.scaled_dot_product_attention(
                 q.unsqueeze(0), repeat_heads(k, rep).unsqueeze(0), repeat_heads(v, rep).unsqueeze(0),
-                attn_mask=mask, scale=self.head_dim**-0.5,
+                attn_mask=mask if context[i] is not None else None, scale=self.head_dim**-0.5,
             )[0]  # [Hq, bs, D], non-causal: every block position sees the whole block and context
             h = h + attn.o_proj(out.transpose(0, 1).reshape(bs, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))

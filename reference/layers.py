@@ -204,13 +204,15 @@ class TreePlan:
     ancestors: torch.Tensor | None = None  # [n, n] ancestor-or-self of ``parents`` (tree-chunk method)
 
     @classmethod
-    def build(cls, parents: torch.Tensor, leaky: bool = False, need_levels: bool = True) -> TreePlan:
+    def build(cls, parents: torch.Tensor, leaky: bool = False, need_levels: bool = True,
+              ancestors: torch.Tensor | None = None) -> TreePlan:
         """need_levels=False (tree-chunk method) builds nothing on the host, so it can be graphed;
-        it also derives the ancestor matrix once, for every Gated DeltaNet layer of the forward."""
+        it also derives the ancestor matrix once, for every Gated DeltaNet layer of the forward
+        (``ancestors``: that of ``parents``, when the caller has it; ignored when leaky)."""
         if not need_levels:
             n = parents.shape[0]
             rec = torch.arange(-1, n - 1, device=parents.device) if leaky else parents
-            return cls(rec, [], {}, ancestor_matrix(rec))
+            return cls(rec, [], {}, ancestor_matrix(rec) if leaky or ancestors is None else ancestors)
         rec_parents, levels = _depth_levels(parents, leaky)
         return cls(rec_parents, levels, {})
 

@@ -28,6 +28,7 @@ class TreeForward:
     conv: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n, K-1, C]
     recurrent: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n, HV, Dk, Dv]
     layer_outputs: list[torch.Tensor] | None = None  # per layer [n, H], only when asked for
+    visible: torch.Tensor | None = None  # [n, n] bool: the attention mask used (the tree's ancestor-or-self)
 
 
 @dataclass(slots=True)

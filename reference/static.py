@@ -39,7 +39,7 @@ from reference.layers import LazyStates
 from reference.state import TargetState, TreeForward
 from reference.static_draft import StaticDraftContext
 from reference.target import Target
-from reference.treechunk import ancestor_matrix, unchecked
+from reference.treechunk import unchecked
 
 
 class StaticState:
@@ -163,8 +163,7 @@ def _step(target: Target, state: StaticState, tokens: torch.Tensor, parents: tor
           max_depth: int, capture: tuple[int, ...], draft: StaticDraftContext | None) -> StepOut:
     fwd = target.forward(state, tokens, parents, depths, capture=capture, validate=False)
     argmax = fwd.logits.argmax(dim=-1)  # [n]
-    visible = ancestor_matrix(parents)  # [n, n]
-    leaf, path, n_acc = device_walk(tokens, parents, depths, argmax, visible, max_depth)
+    leaf, path, n_acc = device_walk(tokens, parents, depths, argmax, fwd.visible, max_depth)  # the tree's own mask
     if draft is not None:  # before the commit moves the length: the root sits at the committed length
         draft.extend(fwd.context[path], state.length + depths[path], n_acc)
     slots = state.length + torch.arange(max_depth + 1, device=tokens.device)  # [max_depth + 1]

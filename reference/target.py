@@ -202,11 +202,12 @@ class Target:
 
     def _forward(self, state, tokens, parents, positions, capture, leaky, keep_layer_outputs,
                  recurrent_parents=None, visible=None) -> TreeForward:
-        if visible is None:
-            visible = ancestor_matrix(parents)  # [n, n] ancestor-or-self
+        tree_ancestors = ancestor_matrix(parents)  # [n, n] ancestor-or-self: attention's mask and the GDN plan's
+        visible = tree_ancestors if visible is None else visible
         rparents = parents if recurrent_parents is None else recurrent_parents.to(parents.device, torch.long)
         # leaky + chunk = the flattened tree as one chunk of a chain: what a leaking engine computes
-        plan = TreePlan.build(rparents, leaky, need_levels=self.gdn_method == "levels")
+        plan = TreePlan.build(rparents, leaky, need_levels=self.gdn_method == "levels",
+                              ancestors=tree_ancestors if recurrent_parents is None else None)
         for kernel in self.conv_kernels:  # index bookkeeping once per forward, outside any compiled layer
             plan.rows(kernel)
         # compiled layers run only where nothing is checked on the host (a check would break the graph)
@@ -215,7 +216,7 @@ class Target:
         n = tokens.shape[0]
         h = self._stage_input(tokens)  # [n, H]
         cos, sin = self.rope(h, positions)
-        fwd = TreeForward(logits=torch.empty(0), context=torch.empty(0))
+        fwd = TreeForward(logits=torch.empty(0), context=torch.empty(0), visible=visible)
         held: dict[int, torch.Tensor] = {}
         for i in self._layer_ids():
             h, out = self.layer(i, h, state, plan, visible, cos, sin, leaky, (deltanet, attention, mlp))

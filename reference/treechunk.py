@@ -215,16 +215,13 @@ class TreeChunk:
         n = self.num_nodes
         if not 0 <= int(node) < n:
             raise IndexError(f"node {node} out of range for a tree of {n} nodes")
-        node = int(node)
-        w = self._decay[:, node, :]  # [HV, n] weights of every node's update in this node's state
-        carry = self.cum[node].exp()[:, None, None] * self._initial_state  # [HV, Dk, Dv]
-        return carry + (self._k * w[..., None]).transpose(-1, -2) @ self._v_new  # [HV, Dk, n] @ [HV, n, Dv]
+        return self.state_at(torch.tensor(int(node), device=self.cum.device))
 
     def state_at(self, node: torch.Tensor) -> torch.Tensor:
         """Post-state of the node a device scalar names: [HV, Dk, Dv]. Like :meth:`state`, without
         reading the index on the host (CUDA-graph capture); the caller guarantees 0 <= node < n."""
         at = node.view(1)
-        w = self._decay.index_select(1, at)[:, 0, :]  # [HV, n]
+        w = self._decay.index_select(1, at)[:, 0, :]  # [HV, n] weights of every node's update in this node's state
         carry = self.cum.index_select(0, at)[0].exp()[:, None, None] * self._initial_state  # [HV, Dk, Dv]
         return carry + (self._k * w[..., None]).transpose(-1, -2) @ self._v_new  # [HV, Dk, n] @ [HV, n, Dv]
 
