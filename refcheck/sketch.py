@@ -69,6 +69,14 @@ def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / base if base > 0 else (0.0 if diff == 0 else float("inf"))
 
 
+def rel_l2_rows(got: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
+    """:func:`rel_l2` of ``got`` [r] against every row of ``refs`` [m, r] at once: [m] float64."""
+    diff = (got.double()[None, :] - refs.double()).norm(dim=-1)  # [m]
+    base = refs.double().norm(dim=-1)  # [m]
+    same = torch.where(diff == 0, 0.0, float("inf")).to(torch.float64)  # a zero reference row
+    return torch.where(base > 0, diff / base.clamp_min(torch.finfo(torch.float64).tiny), same)
+
+
 def cosine(got: torch.Tensor, ref: torch.Tensor) -> float:
     a, b = got.double().flatten(), ref.double().flatten()
     na, nb = float(a.norm()), float(b.norm())

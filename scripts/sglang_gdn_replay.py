@@ -47,8 +47,8 @@ def main() -> int:
                   else [int(x) for x in args.layers.split(",")])
         kernels = SGLangKernels() if args.kernels == "sglang" else ReferenceKernels()
         results = {}
-        for layer in layers:
-            inp = gdn_inputs(trace, args.request, args.step, target, layer)
+        for inp in gdn_inputs(trace, args.request, args.step, target, layers):
+            layer = inp.layer
             res = replay(inp, kernels)
             results[layer] = res
             for name, errs in (("conv", res.conv_rel), ("core", res.core_rel)):

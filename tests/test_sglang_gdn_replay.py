@@ -45,7 +45,7 @@ def test_the_inputs_are_the_reference_layer_s_own(b64):
     from reference.layers import TreePlan, deltanet_tree
 
     trace, target = b64
-    inp = gdn_inputs(trace, "code-1", 13, target, 0)
+    (inp,) = gdn_inputs(trace, "code-1", 13, target, [0])
     assert inp.nodes == 65 and inp.conv_out.shape == inp.mixed_qkv.shape
     gdn = target.layers[0].linear_attn
     s = [x for x in trace.steps_of("code-1") if x.step == 13][0]
@@ -84,7 +84,7 @@ class _StaleRecurrence(ReferenceKernels):
 
 def test_kernel_bugs_are_caught_at_the_nodes_they_touch(b64):
     trace, target = b64
-    inp = gdn_inputs(trace, "code-1", 13, target, 0)
+    (inp,) = gdn_inputs(trace, "code-1", 13, target, [0])
     res = replay(inp, _FlatConv())
     flat_ok = {i for i in range(inp.nodes) if all(int(inp.parents[j]) == j - 1 for j in range(max(1, i - 2), i + 1))}
     bad = {i for i, e in enumerate(res.conv_rel) if e > 1e-3}
@@ -97,6 +97,6 @@ def test_kernel_bugs_are_caught_at_the_nodes_they_touch(b64):
 def test_bad_layer_and_step_are_usage_errors(b64):
     trace, target = b64
     with pytest.raises(UsageError, match="not a Gated DeltaNet layer"):
-        gdn_inputs(trace, "code-1", 13, target, 2)
+        gdn_inputs(trace, "code-1", 13, target, [0, 2])
     with pytest.raises(UsageError, match="no step 999"):
-        gdn_inputs(trace, "code-1", 999, target, 0)
+        gdn_inputs(trace, "code-1", 999, target, [0])

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refcheck.diff.tolerance import tolerance_for
+from refcheck.diff.tolerance import tolerance_of
 from refcheck.errors import UsageError
 from refcheck.trace.io import Trace
 from reference.compat import full_forward_logits
@@ -89,10 +89,10 @@ def committed_state(req, s, target: Target):
     return state
 
 
-def visibility_variants(parents: torch.Tensor, node: int) -> dict[str, torch.Tensor]:
-    """Wrong attention rows for ``node`` ([n] bool each), by what an engine might have got wrong."""
+def visibility_variants(base: torch.Tensor, parents: torch.Tensor, node: int) -> dict[str, torch.Tensor]:
+    """Wrong attention rows for ``node`` ([n] bool each), by what an engine might have got wrong;
+    ``base`` is the tree's ancestor-or-self matrix [n, n] (``ancestor_matrix(parents)``)."""
     n, dev = parents.shape[0], parents.device
-    base = ancestor_matrix(parents)
     sibs = [j for j in range(node) if int(parents[j]) == int(parents[node])]
     variants = {"the flat causal order (every earlier node)": torch.arange(n, device=dev) <= node,
                 "itself only (and the committed prefix)": torch.arange(n, device=dev) == node}
@@ -105,8 +105,7 @@ def visibility_variants(parents: torch.Tensor, node: int) -> dict[str, torch.Ten
 
 def explain_node(trace: Trace, request_id: str, step: int, node: int, target: Target) -> Explanation:
     req, s = find_step(trace, request_id, step, node)
-    prov = trace.provenance
-    tol = tolerance_for(str(prov.get("dtype", "float32")), str(prov.get("device", "cpu"))).logprob_abs
+    tol = tolerance_of(trace.provenance).logprob_abs
     committed = committed_tokens(req, s)
     dev = target.device
     state = committed_state(req, s, target)
@@ -173,7 +172,7 @@ def explain_node(trace: Trace, request_id: str, step: int, node: int, target: Ta
 
     # another attention visibility at this node (the rest of the tree keeps its own)
     base = ancestor_matrix(parents).to(dev)
-    for what, vis_row in visibility_variants(parents.to(dev), node).items():
+    for what, vis_row in visibility_variants(base, parents.to(dev), node).items():
         vis = base.clone()
         vis[node] = vis_row
         fit, arg = row(target.forward(state, tokens, parents, depths, visible=vis).logits)

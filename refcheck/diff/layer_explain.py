@@ -30,13 +30,16 @@ from dataclasses import dataclass, field
 import torch
 
 from refcheck.diff.explain import find_step, committed_state, visibility_variants
-from refcheck.diff.tolerance import tolerance_for
+from refcheck.diff.tolerance import tolerance_of
 from refcheck.errors import UsageError
-from refcheck.sketch import layer_sketch, rel_l2, sketch_rows
+from refcheck.sketch import layer_sketch, rel_l2, rel_l2_rows, sketch_rows
 from refcheck.trace.io import Trace
 from reference.layers import TreePlan, conv_window_rows
 from reference.target import Target
 from reference.treechunk import ancestor_matrix
+
+
+TOKEN_CHUNK = 1024  # candidate tokens per layer-0 pass (a 248k vocabulary runs in ~240 passes)
 
 
 @dataclass(slots=True)
@@ -71,8 +74,7 @@ def explain_layer(trace: Trace, request_id: str, step: int, node: int, target: T
     if s.layer_sketch is None:
         raise UsageError(f"step {step} of {request_id} carries no layer sketches: record the engine with per-layer "
                          "sketches (SGLang: diff --layer-sketches, or the suite's *-layers configurations)")
-    prov = trace.provenance
-    tol = tolerance_for(str(prov.get("dtype", "float32")), str(prov.get("device", "cpu"))).tensor_rel_l2
+    tol = tolerance_of(trace.provenance).tensor_rel_l2
     state = committed_state(req, s, target)
     dev = target.device
     tokens, parents, depths = (torch.tensor(v, dtype=torch.long, device=dev)
@@ -119,19 +121,21 @@ def explain_layer(trace: Trace, request_id: str, step: int, node: int, target: T
     exact = run()
     add("exact", "the exact reference (what the replay compares)", exact[node])
 
-    if layer == 0:  # every vocabulary id as the node's token: extra leaves under its parent (one pass)
-        vocab = torch.arange(target.vocab_size, device=dev)
-        ext_p = torch.cat([parents, torch.full_like(vocab, int(parents[node]))])
-        ext_d = torch.cat([depths, torch.full_like(vocab, int(depths[node]))])
-        h_ext = target.body.embed_tokens(torch.cat([tokens, vocab]))
-        cos_e, sin_e = target.rope(h_ext, state.length + ext_d)
-        plan = plan_of(ext_p, ext_p)
-        h_out, _ = target.layer(layer, h_ext, state, plan, ancestor_matrix(ext_p), cos_e, sin_e)
-        sk = sketch_rows(h_out[n:])  # [V, r]
-        errs = torch.tensor([rel_l2(eng[layer, node], sk[v]) for v in range(sk.shape[0])])
-        for v in errs.argsort()[:5].tolist():
+    if layer == 0:  # every vocabulary id as the node's token: extra leaves under its parent
+        errs = []
+        for lo in range(0, target.vocab_size, TOKEN_CHUNK):  # in chunks: the tree chunk is [n', n'] per head
+            vocab = torch.arange(lo, min(lo + TOKEN_CHUNK, target.vocab_size), device=dev)
+            ext_p = torch.cat([parents, torch.full_like(vocab, int(parents[node]))])
+            ext_d = torch.cat([depths, torch.full_like(vocab, int(depths[node]))])
+            h_ext = target.body.embed_tokens(torch.cat([tokens, vocab]))
+            cos_e, sin_e = target.rope(h_ext, state.length + ext_d)
+            h_out, _ = target.layer(layer, h_ext, state, plan_of(ext_p, ext_p), ancestor_matrix(ext_p), cos_e, sin_e)
+            errs.append(rel_l2_rows(eng[layer, node], sketch_rows(h_out[n:])))  # [chunk]
+        token_errs = torch.cat(errs)  # [V]
+        for v in token_errs.argsort()[:5].tolist():
             if v != int(tokens[node]):
-                add("token", f"token {v} fed at this node instead of {int(tokens[node])}", sk[v])
+                out.hypotheses.append(LayerHypothesis("token", f"token {v} fed at this node instead of "
+                                                      f"{int(tokens[node])}", float(token_errs[v])))
 
     if linear:
         for p in range(-1, node):
@@ -149,7 +153,7 @@ def explain_layer(trace: Trace, request_id: str, step: int, node: int, target: T
             zeroed = dataclasses.replace(state, **{what: per_layer_state})  # only this layer's slot cleared
             add("zero_state", f"the committed {what} state zeroed", run(st=zeroed)[node])
     else:
-        for what, vis_row in visibility_variants(parents, node).items():
+        for what, vis_row in visibility_variants(visible, parents, node).items():
             vis = visible.clone()
             vis[node] = vis_row
             add("visibility", f"attention to {what}", run(vis=vis)[node])

@@ -14,7 +14,7 @@ from pathlib import Path
 from refcheck.diff.findings import Report
 from refcheck.diff.freerun import free_run
 from refcheck.diff.replay import replay
-from refcheck.diff.tolerance import tolerance_for
+from refcheck.diff.tolerance import engine_numerics, tolerance_for
 from refcheck.errors import UsageError
 from refcheck.models import BUILTIN_PAIRS
 from refcheck.prompts import Prompt
@@ -74,7 +74,7 @@ class DiffSession:
             raise UsageError(f"unknown diff mode {mode!r} (choose from {', '.join(MODES)})")
         spec = reference_spec_for(trace, ref_dtype, ref_device)
         runner = self.runner(spec)
-        eng_dtype, eng_device = str(trace.provenance.get("dtype", "float32")), str(trace.provenance.get("device", "cpu"))
+        eng_dtype, eng_device = engine_numerics(trace.provenance)
         tol = tolerance_for(eng_dtype, eng_device)
         same_numerics = eng_dtype == ref_dtype and eng_device.split(":")[0] == ref_device.split(":")[0]
         strict_acceptance = strict_acceptance and same_numerics

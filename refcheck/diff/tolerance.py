@@ -54,3 +54,13 @@ def tolerance_for(dtype: str, device: str) -> Tolerance:
         if key in RULES:
             return RULES[key]
     raise NoToleranceRule(f"no tolerance rule for dtype {dtype!r} on device {device!r} (known: {sorted(RULES)})")
+
+
+def engine_numerics(provenance: dict) -> tuple[str, str]:
+    """(dtype, device) an engine trace was recorded in (fp32 on CPU where the provenance is silent)."""
+    return str(provenance.get("dtype", "float32")), str(provenance.get("device", "cpu"))
+
+
+def tolerance_of(provenance: dict) -> Tolerance:
+    """The tolerance an engine trace is judged by: its own recording numerics'."""
+    return tolerance_for(*engine_numerics(provenance))

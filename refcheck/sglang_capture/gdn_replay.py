@@ -1,7 +1,7 @@
 """SGLang's Gated DeltaNet tree-verify kernels, replayed on the reference's own inputs, node by node.
 
-Contract: for one step of an engine trace, :func:`gdn_inputs` builds what a Gated DeltaNet layer's
-mixer receives there, computed by the reference (fp32 or bf16): the pre-conv projections
+Contract: for one step of an engine trace, :func:`gdn_inputs` builds what each asked-for Gated
+DeltaNet layer's mixer receives there, computed by the reference (fp32 or bf16): the pre-conv projections
 ``mixed_qkv`` [T, C], the gate inputs ``a``, ``b`` [T, HV], the committed conv state [K-1, C] and
 recurrent state [HV, Dk, Dv], and the reference's outputs: the post-SiLU conv ``conv_out`` [T, C]
 and the core output ``core`` [T, HV, Dv] (before the gated norm). :func:`replay` hands those inputs
@@ -37,7 +37,7 @@ from refcheck.diff.explain import find_step, committed_state
 from refcheck.errors import UsageError
 from refcheck.sketch import rel_l2
 from refcheck.trace.io import Trace
-from reference.layers import TreePlan, l2norm, gdn_projections
+from reference.layers import conv_window_rows, gdn_projections, l2norm
 from reference.target import Target
 from reference.treechunk import gated_delta_tree_chunk
 
@@ -95,11 +95,13 @@ def parents_from_links(next_token: torch.Tensor, next_sibling: torch.Tensor) -> 
 
 
 @torch.no_grad()
-def gdn_inputs(trace: Trace, request_id: str, step: int, target: Target, layer: int) -> GDNStepInputs:
+def gdn_inputs(trace: Trace, request_id: str, step: int, target: Target, layers: list[int]) -> list[GDNStepInputs]:
+    """The step's mixer inputs and reference outputs at each of ``layers`` (one prefill, one forward)."""
     req, s = find_step(trace, request_id, step, 0)
-    if not 0 <= layer < len(target.layers) or not target.is_linear(layer):
-        linear = [i for i in range(len(target.layers)) if target.is_linear(i)]
-        raise UsageError(f"layer {layer} is not a Gated DeltaNet layer of this target (those are {linear})")
+    linear = [i for i in range(len(target.layers)) if target.is_linear(i)]
+    bad = [i for i in layers if i not in linear]
+    if bad:
+        raise UsageError(f"layer {bad[0]} is not a Gated DeltaNet layer of this target (those are {linear})")
     if s.tree_parents[0] != -1 or any(p >= i for i, p in enumerate(s.tree_parents) if i):
         raise UsageError(f"step {step} of {request_id}: the tree is not rooted at node 0 in topological order")
     state = committed_state(req, s, target)
@@ -107,19 +109,21 @@ def gdn_inputs(trace: Trace, request_id: str, step: int, target: Target, layer: 
     tokens, parents, depths = (torch.tensor(v, dtype=torch.long, device=dev)
                                for v in (s.tree_tokens, s.tree_parents, s.tree_depths))
     fwd = target.forward(state, tokens, parents, depths, keep_layer_outputs=True)
-    h_in = target.body.embed_tokens(tokens) if layer == 0 else fwd.layer_outputs[layer - 1]  # [T, H]
-    gdn = target.layers[layer].linear_attn
-    x = target.layers[layer].input_layernorm(h_in)
-    mixed, _z, b, a = gdn_projections(gdn, x)
-    ref = ReferenceKernels()
-    inp = GDNStepInputs(layer, parents, mixed, a, b, state.conv[layer], state.recurrent[layer].float(),
-                        gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, gdn.A_log, gdn.dt_bias,
-                        (gdn.key_dim, gdn.value_dim, gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim),
-                        conv_out=torch.empty(0), core=torch.empty(0))
     nt, ns = tree_links(parents.cpu())
-    inp.conv_out, par = ref.conv(inp, nt, ns)
-    inp.core = ref.recurrent(inp, *split_qkv(inp, inp.conv_out), par)
-    return inp
+    ref = ReferenceKernels()
+    out = []
+    for layer in layers:
+        h_in = target.body.embed_tokens(tokens) if layer == 0 else fwd.layer_outputs[layer - 1]  # [T, H]
+        gdn = target.layers[layer].linear_attn
+        mixed, _z, b, a = gdn_projections(gdn, target.layers[layer].input_layernorm(h_in))
+        inp = GDNStepInputs(layer, parents, mixed, a, b, state.conv[layer], state.recurrent[layer].float(),
+                            gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, gdn.A_log, gdn.dt_bias,
+                            (gdn.key_dim, gdn.value_dim, gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim),
+                            conv_out=torch.empty(0), core=torch.empty(0))
+        inp.conv_out, par = ref.conv(inp, nt, ns)
+        inp.core = ref.recurrent(inp, *split_qkv(inp, inp.conv_out), par)
+        out.append(inp)
+    return out
 
 
 def split_qkv(inp: GDNStepInputs, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -137,10 +141,8 @@ class ReferenceKernels:
 
     def conv(self, inp: GDNStepInputs, next_token: torch.Tensor, next_sibling: torch.Tensor):
         parents = parents_from_links(next_token, next_sibling).to(inp.mixed_qkv.device)
-        kernel = inp.weight.shape[1]
-        plan = TreePlan(parents, [], {})
         rows = torch.cat([inp.conv_state.to(inp.mixed_qkv.dtype), inp.mixed_qkv], dim=0)  # [K-1+T, C]
-        windows = rows[plan.rows(kernel)]  # [T, K, C]
+        windows = rows[conv_window_rows(parents, inp.weight.shape[1])]  # [T, K, C]
         conv = torch.einsum("nkc,ck->nc", windows.to(inp.weight.dtype), inp.weight)
         if inp.bias is not None:
             conv = conv + inp.bias
