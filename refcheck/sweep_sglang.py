@@ -39,6 +39,12 @@ def _first(report) -> str:
     return f"{where} · {f.category}"
 
 
+def _median_ms(trace, phase: str) -> float | None:
+    """The median over a trace's steps of one phase's time (NaN where a phase is not reported), in ms."""
+    times = [t for t in (s.timings.get(phase) for s in trace.steps) if t is not None and t == t]
+    return 1e3 * statistics.median(times) if times else None
+
+
 def sweep_row(algorithm: str, budget: int, traces: list, report) -> dict:
     """One table row from the repeats' traces of one (algorithm, budget) and the first repeat's report."""
     taus_by_req: dict[str, list[int]] = {}
@@ -50,20 +56,16 @@ def sweep_row(algorithm: str, budget: int, traces: list, report) -> dict:
     for rep, trace in enumerate(traces):
         settings = trace.provenance["engine"]["settings"]
         emitted = sum(len(r.output_ids) for r in trace.requests)
-        if settings.get("generate_s"):
-            cold.append(emitted / settings["generate_s"])
+        captured = [emitted / settings["generate_s"]] if settings.get("generate_s") else []
+        cold += captured
         warm = [emitted / t for t in settings.get("repeat_generate_s") or [] if t > 0]
-        tok_s.extend(warm or cold[-1:])  # traces from before warm repeats: their own (cold) run
+        tok_s.extend(warm or captured)  # traces from before warm repeats: their own (captured) run
         if settings.get("repeats_match") is not None:
             repeats_match = bool(settings["repeats_match"]) and repeats_match is not False
-        steps = [s.timings.get("verify") for s in trace.steps]
-        steps = [t for t in steps if t == t and t is not None]
-        if steps:
-            step_ms.append(1e3 * statistics.median(steps))
-        drafts = [s.timings.get("draft") for s in trace.steps]
-        drafts = [t for t in drafts if t == t and t is not None]
-        if drafts:
-            draft_ms.append(1e3 * statistics.median(drafts))
+        for phase, acc in (("verify", step_ms), ("draft", draft_ms)):
+            ms = _median_ms(trace, phase)
+            if ms is not None:
+                acc.append(ms)
         if rep == 0:
             for s in trace.steps:
                 taus_by_req.setdefault(s.request_id, []).append(s.accept_length)
@@ -75,11 +77,9 @@ def sweep_row(algorithm: str, budget: int, traces: list, report) -> dict:
         "tau_spread_over_requests": span(per_req),
         "step_ms": span(step_ms), "draft_ms": span(draft_ms), "tokens_per_s": span(tok_s),
         "cold_tokens_per_s": span(cold), "repeats_match": repeats_match,
-        "verdict": report.verdict if report else "not run",
-        "counts": report.counts if report else {},
-        "fail_categories": sorted({f.category for f in report.failures}) if report else [],
-        "first_divergence": _first(report) if report else "",
-        "replayed_steps": report.stats.get("steps", {}) if report else {},
+        "verdict": report.verdict, "counts": report.counts,
+        "fail_categories": sorted({f.category for f in report.failures}),
+        "first_divergence": _first(report), "replayed_steps": report.stats.get("steps", {}),
     }
 
 

@@ -59,6 +59,12 @@ def _config(path: Path | None) -> dict:
     return json.loads(f.read_text()) if f is not None and f.is_file() else {}
 
 
+def _text_config(target_dir: Path | None) -> dict:
+    """The language model's config of a target (a multimodal checkpoint nests it as text_config)."""
+    cfg = _config(target_dir)
+    return cfg.get("text_config", cfg)
+
+
 def draft_block_size(draft_dir: Path | None) -> int | None:
     size = dflash_value(_config(draft_dir), "block_size")
     return int(size) if size is not None else None
@@ -66,9 +72,7 @@ def draft_block_size(draft_dir: Path | None) -> int | None:
 
 def is_hybrid_target(target_dir: Path) -> bool:
     """Whether the target has recurrent (linear-attention) layers, by its config."""
-    cfg = _config(target_dir)
-    cfg = cfg.get("text_config", cfg)  # a multimodal checkpoint nests its language model's config
-    return "linear_attention" in (cfg.get("layer_types") or [])
+    return "linear_attention" in (_text_config(target_dir).get("layer_types") or [])
 
 
 def check_ddtree_pair(algorithm: str, budget: int, target_dir: Path | None, draft_dir: Path | None) -> None:
@@ -83,8 +87,7 @@ def check_ddtree_pair(algorithm: str, budget: int, target_dir: Path | None, draf
     if "dflash_config" not in dcfg:
         raise ModelError(f"{algorithm} drafts with a DFlash checkpoint, and {draft_dir} is not one "
                          "(its config.json has no dflash_config)")
-    tcfg = _config(target_dir)
-    tcfg = tcfg.get("text_config", tcfg)
+    tcfg = _text_config(target_dir)
     layers = tcfg.get("num_hidden_layers")
     wanted = dflash_value(dcfg, "num_target_layers")
     problems = []
