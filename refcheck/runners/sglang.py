@@ -253,6 +253,10 @@ class SGLangRunner:
             from refcheck.sglang_capture.layers import SPEC
 
             kw["forward_hooks"] = [SPEC]
+        from refcheck.sglang_capture import gdn_probe
+
+        if os.environ.get(gdn_probe.ENV_DIR):  # diagnostic: the GDN kernels' exact inputs/outputs per verify
+            kw["forward_hooks"] = [*kw.get("forward_hooks", []), gdn_probe.spec()]
         rids = {p.id: f"refcheck-{os.getpid()}-{i}-{p.id}" for i, p in enumerate(prompts)}
         run = self._run_engine(cdir, env, kw, prompts, rids)
         if run.get("failed_at") in ("import", "start"):
