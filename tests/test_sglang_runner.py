@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from refcheck.diff.triage import Triage
 from refcheck.errors import EXIT_USAGE, UsageError
 from refcheck.models import builtin_pair
 from refcheck.runners.reference import EngineSpec
@@ -243,7 +244,7 @@ def test_sglang_sweep_from_saved_traces_groups_by_algorithm_and_budget(tmp_path)
     cases = load_manifest(REPO_GOLDEN).cases
     good = read_trace(REPO_GOLDEN / cases["sglang-hybrid-ngram-b11"].file)
     leaky = read_trace(REPO_GOLDEN / cases["sglang-hybrid-ngram-b11-breadth1-leak"].file)
-    res = tabulate_traces([leaky, good, good], ref_device="cpu", triage_isolated=True)
+    res = tabulate_traces([leaky, good, good], ref_device="cpu", triage=Triage(isolated=True))
     rows = {r["algorithm"]: r for r in res["rows"]}
     assert set(rows) == {"NGRAM breadth 1", "NGRAM breadth 10"} and res["repeats"] == 2
     assert rows["NGRAM breadth 10"]["verdict"] == "pass"  # its 3 isolated nodes triaged by rule

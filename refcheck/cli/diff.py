@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from refcheck.cli.app import err, main
-from refcheck.cli.options import model_options, spec_from_options, unless_given
+from refcheck.cli.options import make_triage, model_options, spec_from_options, triage_options, unless_given
 from refcheck.cli.reports import finish, report_table, steps_table
 from refcheck.errors import GoldenError, UsageError
 from refcheck.prompts import load_prompts, prompt_set_hash
@@ -58,15 +58,13 @@ def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, dev
               help="With --engine sglang: sketch every target layer's output (forward hooks) so a failing node gets "
                    "layer bisection; slower.")
 @click.option("--steps", is_flag=True, help="Also print one row per verify step: tree size, τ, verdict, first finding.")
-@click.option("--triage-isolated", is_flag=True,
-              help="Report a node whose log-probs deviate while its argmax and every descendant agree as triaged "
-                   "(rounding at that node), not failed. Off by default.")
+@triage_options
 @click.option("--ref-shards", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --against and --mode replay: split the reference by layers over N processes (N GPUs with "
                    "--ref-device cuda, NCCL; gloo on CPUs).")
 @model_options
 def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, workers, full_state, sglang_algorithm,
-         cuda_graphs, ngram_breadth, tp, mem_fraction, layer_sketches, steps, triage_isolated, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
+         cuda_graphs, ngram_breadth, tp, mem_fraction, layer_sketches, steps, triage_isolated, triage_ill_conditioned, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
          drafter, stop_ids, as_json):
     """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
 
@@ -75,6 +73,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
     from refcheck.golden import (
         apply_triage,
         default_golden_dir,
+        triage_of,
         live_provenance_reasons,
         verify,
     )
@@ -83,8 +82,12 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
     session = DiffSession()
     reports = []
     traces = []  # the engine trace behind each report (for --steps)
+    triage = make_triage(triage_isolated, triage_ill_conditioned)
     if ref_shards > 1 and not against:
         raise UsageError("--ref-shards works with --against TRACE (record live engines with --save-trace first)")
+    if ref_shards > 1 and triage.any:
+        raise UsageError("--triage-isolated / --triage-ill-conditioned need the whole reference in one process "
+                         "(drop --ref-shards)")
     if engine:
         from refcheck.parallel import (
             engine_decoder,
@@ -108,7 +111,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
         shards = split(prompts, workers)
         err.print(f"running live engine {engine} on {len(prompts)} prompts in {len(shards)} process(es)", markup=False)
         results = run_parallel(engine_shard, [(engine, spec, sh, mode, ref_dtype, ref_device, i, len(shards), full_state,
-                                               engine_opts) for i, sh in enumerate(shards)], len(shards))
+                                               engine_opts, triage) for i, sh in enumerate(shards)], len(shards))
         trace = merge_traces([trace_from_bytes(b) for b, _ in results], [p.id for p in prompts], prompt_set_hash(prompts))
         if save_trace:
             write_trace(trace, save_trace)
@@ -125,7 +128,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
                 reports.append(sharded_diff(traces[-1], Path(path).stem, mode, ref_shards, ref_dtype, ref_device))
             else:
                 reports.append(session.diff(traces[-1], Path(path).stem, mode, ref_dtype=ref_dtype,
-                                            ref_device=ref_device, triage_isolated=triage_isolated))
+                                            ref_device=ref_device, triage=triage))
     else:
         gdir = golden_dir or default_golden_dir()
         manifest = verify(gdir)
@@ -145,7 +148,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
             err.print(f"diffing golden {name} against the live reference", markup=False)
             strict = trace.provenance.get("engine", {}).get("name") == "reference"
             report = session.diff(trace, name, mode, strict_acceptance=strict, ref_dtype=ref_dtype, ref_device=ref_device,
-                                  triage_isolated=triage_isolated)
+                                  triage=triage.union(triage_of(manifest.cases[name].provenance)))
             apply_triage(report, manifest.cases[name].provenance.get("triaged", []))
             reports.append(report)
             traces.append(trace)

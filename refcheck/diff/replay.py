@@ -27,6 +27,7 @@ import torch
 
 from refcheck.diff.findings import Finding, Report, Verdict, worst_verdict
 from refcheck.diff.tolerance import Tolerance
+from refcheck.diff.triage import RoundingEnsemble, StepSpread, Triage
 from refcheck.sketch import cosine, layer_sketch, rel_l2, sketch_rows, state_rows
 from refcheck.trace.io import StepRow, Trace
 from reference.drafter import Drafter
@@ -43,15 +44,31 @@ def _abs_dev(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(got), dev, torch.full_like(dev, float("inf")))
 
 
+class _Lazy:
+    """A value computed on first call (the rounding ensemble runs only for steps that need it)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.done, self.value = fn, False, None
+
+    def __call__(self):
+        if not self.done:
+            self.value, self.done = self.fn(), True
+        return self.value
+
+
 class _Request:
     """Replay of one request: the reference state follows the engine's committed path."""
 
     def __init__(self, rep: Report, target: Target, drafter: Drafter, tol: Tolerance, rid: str, stop: frozenset[int],
-                 check_draft: bool = True, structural_trees: bool = False, triage_isolated: bool = False):
+                 check_draft: bool = True, structural_trees: bool = False, triage: Triage = Triage(),
+                 ensemble: RoundingEnsemble | None = None):
         self.rep, self.target, self.drafter, self.tol, self.rid, self.stop = rep, target, drafter, tol, rid, stop
         self.check_draft_enabled = check_draft
         self.structural_trees = structural_trees  # engine trees (SGLang NGRAM, ...) need not follow DDTree's rules
-        self.triage_isolated = triage_isolated
+        self.triage = triage
+        self.ensemble = ensemble  # set when triage.ill_conditioned
+        #: this step's nodes triaged as ill-conditioned -> their log-prob spread under rounding noise
+        self.ill_conditioned: dict[int, float] = {}
         self.capture = tuple(drafter.target_layer_ids)
         self.state: TargetState | None = None
         self.root: int | None = None
@@ -116,19 +133,29 @@ class _Request:
                       f"(first at depth {depth}); the drafter's context or input differs",
                       details={"max_abs": float(dev.max()), "depth": depth})
 
-    def check_nodes(self, s: StepRow, tree: Tree, logp: torch.Tensor, layers: list[torch.Tensor] | None) -> torch.Tensor:
+    def check_nodes(self, s: StepRow, tree: Tree, logp: torch.Tensor, layers: list[torch.Tensor] | None,
+                    committed: list[int]) -> torch.Tensor:
         """Argmax and top-k log-probs at every node; returns the argmax to walk with (teacher-forced)."""
         n = tree.num_nodes
         self.rep.check("logits", n)
+        self.ill_conditioned = {}
         ref_arg = logp.argmax(dim=-1).cpu()
         eng_arg = torch.tensor(s.target_argmax, dtype=torch.long)
         if eng_arg.shape != ref_arg.shape:
             self.fail("logits", s.step, f"engine reported {eng_arg.shape[0]} argmaxes for {n} nodes")
             return ref_arg
+        spread = _Lazy(lambda: self.step_spread(s, tree, logp, committed, ref_arg, eng_arg))
         walk = ref_arg.clone()
         bad_nodes: list[int] = []
         for i in torch.nonzero(eng_arg != ref_arg).flatten().tolist():
-            if self.token_flip("logits", s.step, i, logp[i].cpu(), int(eng_arg[i]), position=self.state.length + int(tree.depths[i])):
+            pos = self.state.length + int(tree.depths[i])
+            lp = logp[i].cpu()
+            margin = float(lp[ref_arg[i]] - lp[eng_arg[i]])
+            if margin >= self.tol.tie_margin and self.ensemble is not None \
+                    and margin <= self.triage.factor * float(spread().margin[i]):
+                self.triage_ill_conditioned("logits", s, i, pos, spread(), flip=(int(eng_arg[i]), int(ref_arg[i]), margin))
+                walk[i] = eng_arg[i]
+            elif self.token_flip("logits", s.step, i, lp, int(eng_arg[i]), position=pos):
                 walk[i] = eng_arg[i]
             else:
                 bad_nodes.append(i)
@@ -138,8 +165,17 @@ class _Request:
             dev = _abs_dev(lps, logp.cpu().gather(1, ids)).max(dim=1).values  # [N]
             self.track_max("max_logprob_abs", float(dev.max()))
             over = torch.nonzero(dev > self.tol.logprob_abs).flatten().tolist()
-            if over and self.triage_isolated:
+            if over and self.triage.isolated:
                 over = self.triage_isolated_nodes(s, tree, over, dev, eng_arg, ref_arg)
+            if over and self.ensemble is not None:
+                keep = []
+                for i in over:
+                    if float(dev[i]) <= self.triage.factor * float(spread().topk[i]):
+                        self.triage_ill_conditioned("logits", s, i, self.state.length + int(tree.depths[i]), spread(),
+                                                    dev=float(dev[i]))
+                    else:
+                        keep.append(i)
+                over = keep
             if over:
                 i = over[0]
                 self.fail("logits", s.step, f"top-k log-probs differ by up to {float(dev.max()):.4g} at {len(over)} of {n} nodes "
@@ -149,6 +185,36 @@ class _Request:
         if bad_nodes and s.layer_sketch is not None and layers is not None:
             self.bisect(s, min(bad_nodes), layers)
         return walk
+
+    def step_spread(self, s: StepRow, tree: Tree, logp: torch.Tensor, committed: list[int], ref_arg: torch.Tensor,
+                    eng_arg: torch.Tensor) -> StepSpread:
+        """The rounding ensemble's spread at every node of this step (columns: the engine's top-k ids,
+        the reference's argmax, the engine's argmax)."""
+        n = tree.num_nodes
+        ids = torch.tensor(s.topk_ids, dtype=torch.long) if s.topk_ids else torch.zeros(n, 0, dtype=torch.long)
+        cols = torch.cat([ids, ref_arg[:, None], eng_arg.clamp(0, logp.shape[-1] - 1)[:, None]], dim=1)  # [N, k+2]
+        samples = self.ensemble.sample(committed, tree.tokens, tree.parents, tree.depths, cols)  # [S, N, k+2]
+        return StepSpread.of(samples, logp.cpu().gather(1, cols), ids.shape[1])
+
+    def triage_ill_conditioned(self, category: str, s: StepRow, node: int, position: int, spread: StepSpread,
+                               dev: float | None = None, flip: tuple[int, int, float] | None = None) -> None:
+        t = self.triage
+        self.ill_conditioned[node] = float(spread.topk[node])
+        common = (f"rounding noise at the engine's unit roundoff ({self.ensemble.u:.3g}, {t.samples} samples) moves the "
+                  f"reference's log-probs here by up to {float(spread.topk[node]):.4g} (median node "
+                  f"{spread.median_topk:.3g})")
+        if flip is not None:
+            eng_tok, ref_tok, margin = flip
+            msg = (f"ill-conditioned node: engine token {eng_tok} vs reference {ref_tok} at margin {margin:.4g}; the same "
+                   f"noise moves that margin by up to {float(spread.margin[node]):.4g}; {common}")
+            details = {"engine_token": eng_tok, "reference_token": ref_tok, "margin": margin}
+        else:
+            msg = f"ill-conditioned node: log-probs off by {dev:.4g}, within {t.factor:g}x of what {common}"
+            details = {"max_abs": dev}
+        details.update(spread=float(spread.topk[node]), margin_spread=float(spread.margin[node]),
+                       median_spread=spread.median_topk, samples=t.samples, factor=t.factor, rule="ill_conditioned")
+        self.rep.add(Finding(Verdict.TRIAGED, category, self.rid, s.step, node=node, position=position, message=msg,
+                             details=details))
 
     def triage_isolated_nodes(self, s: StepRow, tree: Tree, over: list[int], dev: torch.Tensor, eng_arg: torch.Tensor,
                               ref_arg: torch.Tensor) -> list[int]:
@@ -241,6 +307,14 @@ class _Request:
             return
         for j, (tok, lp) in enumerate(zip(s.emitted, s.emitted_logprobs)):
             ref = float(logp[s.accepted[j], tok])
+            node = s.accepted[j]
+            if math.isfinite(lp) and abs(lp - ref) > self.tol.logprob_abs and node in self.ill_conditioned \
+                    and abs(lp - ref) <= self.triage.factor * self.ill_conditioned[node]:
+                self.rep.add(Finding(Verdict.TRIAGED, "logprobs", self.rid, s.step, node=node,
+                                     message=f"log-prob of emitted token {j} ({tok}) {lp:.5g} vs reference {ref:.5g} at an "
+                                             f"ill-conditioned node (spread {self.ill_conditioned[node]:.4g})",
+                                     details={"index": j, "engine": lp, "reference": ref, "rule": "ill_conditioned"}))
+                continue
             if not math.isfinite(lp) or abs(lp - ref) > self.tol.logprob_abs:
                 what = "missing (NaN)" if math.isnan(lp) else f"{lp:.5g} vs reference {ref:.5g}"
                 self.fail("logprobs", s.step, f"log-prob of emitted token {j} ({tok}) {what}", node=s.accepted[j],
@@ -302,7 +376,7 @@ class _Request:
         fwd = self.target.forward(self.state, tree.tokens, tree.parents, tree.depths, capture=self.capture,
                                   keep_layer_outputs=want_layers)
         logp = torch.log_softmax(fwd.logits, dim=-1)
-        walk = self.check_nodes(s, tree, logp, fwd.layer_outputs)
+        walk = self.check_nodes(s, tree, logp, fwd.layer_outputs, prompt + output[: s.committed_len - P])
         ref_acc = tree.walk_greedy(walk)
         self.rep.check("accepted_path")
         valid_path = bool(s.accepted) and s.accepted[0] == 0 and all(0 <= a < n for a in s.accepted) \
@@ -355,12 +429,13 @@ def capture_findings(rep: Report, trace: Trace) -> None:
 
 def replay(trace: Trace, target: Target, drafter: Drafter, tol: Tolerance, case: str = "",
            stop_token_ids: frozenset[int] = frozenset(), check_draft: bool = True,
-           triage_isolated: bool = False) -> Report:
+           triage: Triage = Triage(), engine_dtype: str = "float32") -> Report:
     rep = Report(case=case, mode="replay")
     capture_findings(rep, trace)
     structural = trace.provenance.get("engine", {}).get("settings", {}).get("tree_rules") == "structural"
+    ensemble = RoundingEnsemble(target, engine_dtype, triage) if triage.ill_conditioned else None
     for req in trace.requests:
-        _Request(rep, target, drafter, tol, req.request_id, stop_token_ids, check_draft, structural, triage_isolated).run(
+        _Request(rep, target, drafter, tol, req.request_id, stop_token_ids, check_draft, structural, triage, ensemble).run(
             list(req.prompt_ids), list(req.output_ids), list(req.output_logprobs), trace.steps_of(req.request_id)
         )
     return rep

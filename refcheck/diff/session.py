@@ -15,6 +15,7 @@ from refcheck.diff.findings import Report
 from refcheck.diff.freerun import free_run
 from refcheck.diff.replay import replay
 from refcheck.diff.tolerance import engine_numerics, tolerance_for
+from refcheck.diff.triage import Triage
 from refcheck.errors import UsageError
 from refcheck.models import BUILTIN_PAIRS
 from refcheck.prompts import Prompt
@@ -69,7 +70,7 @@ class DiffSession:
         return self._greedy[key]
 
     def diff(self, trace: Trace, case: str, mode: str = "both", strict_acceptance: bool = False,
-             ref_dtype: str = "float32", ref_device: str = "cpu", triage_isolated: bool = False) -> Report:
+             ref_dtype: str = "float32", ref_device: str = "cpu", triage: Triage = Triage()) -> Report:
         if mode not in MODES:
             raise UsageError(f"unknown diff mode {mode!r} (choose from {', '.join(MODES)})")
         spec = reference_spec_for(trace, ref_dtype, ref_device)
@@ -84,7 +85,7 @@ class DiffSession:
         report = Report(case=case, mode=mode)
         if mode in ("replay", "both"):
             report.merge(replay(trace, runner.target, runner.drafter, tol, case, spec.stop_token_ids, check_draft,
-                                triage_isolated))
+                                triage, eng_dtype))
         if mode in ("free", "both"):
             greedy = {r.request_id: self.greedy(runner, list(r.prompt_ids), spec.max_new_tokens) for r in trace.requests}
             prompts = [Prompt(r.request_id, tuple(r.prompt_ids), r.kind) for r in trace.requests]

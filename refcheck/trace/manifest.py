@@ -95,8 +95,9 @@ class Manifest:
         previous: ManifestEntry | None = None,
     ) -> ManifestEntry:
         """Set ``case`` to the given file and hash. ``previous`` is the entry being replaced
-        (default: the case's current entry); when its hash differs from ``sha256`` a history
-        entry is appended to its history, which the new entry carries on."""
+        (default: the case's current entry); when its hash differs from ``sha256``, or its recorded
+        settings from ``provenance`` (a golden's expectation or triage changed), a history entry is
+        appended to its history, which the new entry carries on."""
         if not isinstance(case, str) or not case:
             raise UsageError(f"manifest case name must be a non-empty string, got {case!r}")
         if not _plain_name(file):
@@ -105,7 +106,7 @@ class Manifest:
             raise UsageError(f"manifest provenance must be a dict, got {type(provenance).__name__}")
         old = previous if previous is not None else self.cases.get(case)
         history = list(old.history) if old is not None else []
-        if old is not None and old.sha256 != sha256:
+        if old is not None and (old.sha256 != sha256 or old.provenance != provenance):  # new bytes or new gate settings
             history.append(
                 HistoryEntry(
                     sha256_old=old.sha256,
