@@ -289,3 +289,19 @@ def test_ddtree_refusals_come_before_any_engine_starts(tmp_path):
     (wide / "config.json").write_text(json.dumps({**cfg, "hidden_size": 96}))
     with pytest.raises(ModelError, match="hidden_size is 96, the target's 128"):
         resolve_budget("REFCHECK_DDTREE", 15, wide, tdir)
+
+
+def test_float32_is_refused_where_the_release_has_no_float32_kernel(monkeypatch):
+    """SGLang 0.5.17 cannot run the Qwen3.5 built-in pair in float32 (gemma_rmsnorm): a usage error up
+    front, not an engine that dies mid-run; bf16, and releases with no known limit, go on to the GPU check."""
+    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.17")
+    with pytest.raises(UsageError, match="cannot run this target in float32: sgl_kernel's gemma_rmsnorm"):
+        SGLangRunner(EngineSpec(dtype="float32"), "NONE")
+    assert versions.float32_refusal("0.5.23", "qwen3_5_text") is None
+    assert versions.float32_refusal("0.5.17", "llama") is None
+    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.23")
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(EngineUnavailableError, match="CUDA GPU"):
+            SGLangRunner(EngineSpec(dtype="float32"), "NONE")

@@ -213,6 +213,13 @@ class SGLangRunner:
         self.timing_repeats = timing_repeats  # warm, untraced generates after the captured one (sweep tok/s)
         tdir, ddir = spec.resolved_dirs()
         self.budget = resolve_budget(self.algorithm, spec.budget, ddir, tdir)
+        if spec.dtype == "float32":
+            from refcheck.sglang_capture.versions import float32_refusal, installed_version
+
+            why = float32_refusal(installed_version(), str(_text_config(tdir).get("model_type", "")))
+            if why:
+                raise UsageError(f"SGLang {installed_version()} cannot run this target in float32: {why}; "
+                                 "use --dtype bfloat16")
         try:
             import torch
 

@@ -42,6 +42,31 @@ def resolve(target: str) -> Any:
     raise ImportError(f"cannot import any module of {target}")
 
 
+#: (release, model_type prefix) -> why that release cannot run that model family in float32 (measured)
+NO_FLOAT32 = {
+    ("0.5.17", "qwen3_5"): "sgl_kernel's gemma_rmsnorm (Qwen3.5's RMSNorm) has no float32 kernel: the engine "
+                           "fails with 'failed to dispatch data type Float' (measured on the H200)",
+}
+
+
+def float32_refusal(version: str, model_type: str) -> str | None:
+    """Why SGLang ``version`` cannot run a ``model_type`` target in float32, or None where nothing is known."""
+    for (release, prefix), why in NO_FLOAT32.items():
+        if version == release and model_type.startswith(prefix):
+            return why
+    return None
+
+
+def installed_version() -> str:
+    """The installed SGLang's version from its distribution metadata (no import), or 'not installed'."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def sglang_version() -> str:
     try:
         import sglang
