@@ -16,7 +16,7 @@ they move is reported TRIAGED with its evidence, never dropped):
   conditioned nodes move by ~0.1 nat under bf16 noise; a wrong state, mask or position moves
   log-probs by whole nats at nodes that noise leaves alone, so it is not triaged (the leak goldens
   still fail under the rule). Measured on the H200 trace of SGLang's DDTree at budget 64 (code-1
-  step 13 node 32): the layer-0 Gated DeltaNet core output there is 70x smaller than its peers, the
+  step 13 node 32): the layer-0 Gated DeltaNet core output there is 68x smaller than its peers, the
   gated RMSNorm scales its rounding up, and the ensemble moves the node's log-probs by 5.4 nats
   against a median of 0.07; the engine's deviation is 6.4.
 
