@@ -14,6 +14,10 @@ engine's drafts differ from the reference's), then checks, each counted in the r
 * the accepted path, τ (bonus counted), the bonus, the emitted tokens and their log-probs;
 * the committed KV rows, conv and recurrent state per layer (sketches or full tensors).
 
+Opt-in triage rules (:class:`refcheck.diff.triage.Triage`) report a failing node as TRIAGED with
+their evidence: ``isolated`` (its argmax and every descendant agree) and ``ill_conditioned`` (the
+engine dtype's rounding, emulated by a seeded ensemble of the reference, moves the node as far).
+
 The reference then commits the *engine's* accepted path, so one bug does not cascade into every
 later step; if the engine's step is unusable, the reference re-prefills the engine's committed
 tokens.
@@ -21,6 +25,7 @@ tokens.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -42,18 +47,6 @@ def _abs_dev(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """|got - ref| with NaN/inf in the engine's values counted as infinitely far (never a pass)."""
     dev = (got - ref).abs()
     return torch.where(torch.isfinite(got), dev, torch.full_like(dev, float("inf")))
-
-
-class _Lazy:
-    """A value computed on first call (the rounding ensemble runs only for steps that need it)."""
-
-    def __init__(self, fn) -> None:
-        self.fn, self.done, self.value = fn, False, None
-
-    def __call__(self):
-        if not self.done:
-            self.value, self.done = self.fn(), True
-        return self.value
 
 
 class _Request:
@@ -144,7 +137,8 @@ class _Request:
         if eng_arg.shape != ref_arg.shape:
             self.fail("logits", s.step, f"engine reported {eng_arg.shape[0]} argmaxes for {n} nodes")
             return ref_arg
-        spread = _Lazy(lambda: self.step_spread(s, tree, logp, committed, ref_arg, eng_arg))
+        # the rounding ensemble runs once, and only for a step that has a node to judge
+        spread = functools.cache(lambda: self.step_spread(s, tree, logp, committed, ref_arg, eng_arg))
         walk = ref_arg.clone()
         bad_nodes: list[int] = []
         for i in torch.nonzero(eng_arg != ref_arg).flatten().tolist():
