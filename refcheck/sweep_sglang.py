@@ -40,6 +40,19 @@ def _first(report) -> str:
     return f"{where} · {f.category}"
 
 
+_STATE_ORDER = ("recurrent", "conv", "kv")
+
+
+def _first_state(report) -> str:
+    """The earliest committed-state failure (recurrent before conv before KV at one step), with its layer:
+    where a leak lands in the state the engine carries forward."""
+    fails = [f for f in report.failures if f.category in _STATE_ORDER and f.step is not None]
+    if not fails:
+        return ""
+    f = min(fails, key=lambda f: (f.step, _STATE_ORDER.index(f.category), f.layer if f.layer is not None else 1 << 30))
+    return f"{f.request_id} step {f.step} · {f.category}" + (f" layer {f.layer}" if f.layer is not None else "")
+
+
 def _median_ms(trace, phase: str) -> float | None:
     """The median over a trace's steps of one phase's time (NaN where a phase is not reported), in ms."""
     times = [t for t in (s.timings.get(phase) for s in trace.steps) if t is not None and t == t]
@@ -80,7 +93,8 @@ def sweep_row(algorithm: str, budget: int, traces: list, report) -> dict:
         "cold_tokens_per_s": span(cold), "repeats_match": repeats_match,
         "verdict": report.verdict, "counts": report.counts,
         "fail_categories": sorted({f.category for f in report.failures}),
-        "first_divergence": _first(report), "replayed_steps": report.stats.get("steps", {}),
+        "first_divergence": _first(report), "first_state_failure": _first_state(report),
+        "replayed_steps": report.stats.get("steps", {}),
     }
 
 

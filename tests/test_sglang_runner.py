@@ -249,6 +249,9 @@ def test_sglang_sweep_from_saved_traces_groups_by_algorithm_and_budget(tmp_path)
     assert set(rows) == {"NGRAM breadth 1", "NGRAM breadth 10"} and res["repeats"] == 2
     assert rows["NGRAM breadth 10"]["verdict"] == "pass"  # its 3 isolated nodes triaged by rule
     assert rows["NGRAM breadth 1"]["verdict"] == "fail" and "recurrent" in rows["NGRAM breadth 1"]["fail_categories"]
+    # where the leak lands in the carried state: the first GDN layer's recurrent state
+    assert rows["NGRAM breadth 1"]["first_state_failure"].endswith("recurrent layer 0")
+    assert rows["NGRAM breadth 10"]["first_state_failure"] == ""
     assert rows["NGRAM breadth 10"]["steps"] == 219 and rows["NGRAM breadth 10"]["budget"] == 11
     reference_trace = read_trace(REPO_GOLDEN / cases["hybrid-b15"].file)
     with pytest.raises(UsageError, match="not an SGLang trace"):

@@ -98,7 +98,7 @@ def _sweep_sglang(blist, repeats, out_dir, algorithms, ref_device, model_dir, dr
     atomic_write_bytes(out_dir / "sweep-sglang.json", (json.dumps(result, indent=2) + "\n").encode())
     table = Table(title=f"refcheck sweep · SGLang · {result['model']} · {dtype} · {result['repeats']} repeat(s)")
     for col in ("algorithm", "budget", "τ", "steps", "step ms", "of which draft ms", "tok/s warm", "tok/s captured",
-                "verdict", "first divergence"):
+                "verdict", "first divergence", "first state failure"):
         table.add_column(col)
     for r in result["rows"]:
         ms, ts, dm, cold = r["step_ms"], r["tokens_per_s"], r.get("draft_ms") or {}, r.get("cold_tokens_per_s") or {}
@@ -109,7 +109,7 @@ def _sweep_sglang(blist, repeats, out_dir, algorithms, ref_device, model_dir, dr
                       (f"{ts['median']:.0f} ({ts['min']:.0f}–{ts['max']:.0f})" if ts else "-") + same,
                       f"{cold['median']:.0f}" if cold else "-",
                       r["verdict"] + (f" ({', '.join(r['fail_categories'])})" if r["fail_categories"] else ""),
-                      r["first_divergence"] or "-")
+                      r["first_divergence"] or "-", r.get("first_state_failure") or "-")
     err.print(table)
     err.print(f"wrote {out_dir / 'sweep-sglang.json'}", markup=False)
     if as_json:
