@@ -31,15 +31,22 @@ def test_the_chain_layout_leak_is_explained_as_the_previous_node_in_flat_order(s
     assert best.kind == "recurrent_parent" and "node 4" in best.detail and "flattened-tree leak" in best.detail
     assert best.fit < 0.1 and best.argmax == ex.engine_topk[1][0]  # 493 (tied with 497 in the engine's bf16)
     assert ex.oracle_vs_reference < 1e-4
+    # not a node rounding can move that far: the leak is not mistaken for an ill-conditioned node
+    rounding = [h for h in ex.hypotheses if h.kind == "rounding"][0]
+    assert not rounding.explains and ex.hypotheses[0].fit > ex.conditioning["factor"] * ex.conditioning["spread"]
 
 
-def test_the_open_budget_64_finding_is_explained_by_nothing(session):
+def test_the_budget_64_finding_is_an_ill_conditioned_node(session):
+    """The finding that stayed open for a session: no token, parent or visibility reproduces it, but
+    bf16-sized rounding noise moves the node by 5.4 nats (median node 0.07), and one noisy run of the
+    reference lands within tolerance of the engine."""
     ex = _explain(session, "sglang-hybrid-ddtree-b64", "code-1", 13, 32)
-    assert ex.hypotheses[0].fit > 6 and ex.explained_by == []
-    assert ex.oracle_vs_reference < 1e-4  # transformers' own forward agrees with the reference
+    assert ex.hypotheses[0].fit > 6 and ex.oracle_vs_reference < 1e-4  # transformers agrees with the reference
     assert ex.reference_topk[0][0] == 13 and ex.engine_topk[0][0] == 261
-    kinds = {h.kind for h in ex.hypotheses}
-    assert kinds == {"exact", "oracle", "token", "recurrent_parent", "visibility"}
+    assert {h.kind for h in ex.explained_by} == {"rounding"}
+    c = ex.conditioning
+    assert c["dtype"] == "bfloat16" and c["spread"] > 50 * c["median_spread"]
+    assert ex.explained_by[0].fit <= ex.tolerance  # a noisy run fits the engine's top-k
 
 
 def test_a_node_the_engine_got_right_needs_no_explanation(session):

@@ -53,7 +53,8 @@ def explain(trace_path, request_id, step, node, ref_dtype, ref_device, top, at_l
         table.add_column(col)
     shown = [ex.hypotheses[0], ex.hypotheses[1]] + sorted(ex.hypotheses[2:], key=lambda h: h.fit)[:top]
     for h in shown:
-        table.add_row(h.detail, f"{h.fit:.3f}", str(h.argmax), "[green]yes[/]" if h.explains else "")
+        table.add_row(h.detail, f"{h.fit:.3f}", str(h.argmax) if h.argmax >= 0 else "-",
+                      "[green]yes[/]" if h.explains else "")
     err.print(table)
     err.print(f"reference vs the per-path oracle at this node: max |Δ log-prob| {ex.oracle_vs_reference:.3g} over the "
               "vocabulary", markup=False)

@@ -13,6 +13,7 @@ absolute difference over the engine's top-k ids, the same measure the replay dif
 | another input token at the node | every token of the tree and of the engine's top-k, as the node's token |
 | another recurrent parent | Gated DeltaNet layers only (conv window and recurrent state), for every earlier node; the previous node in flat order is the flattened-tree leak |
 | another attention visibility | the flat causal order, self only, ancestors plus earlier siblings, the parent's row |
+| rounding at the engine's dtype | the rounding ensemble of :mod:`refcheck.diff.triage` (8 seeded runs, every linear output perturbed by one unit roundoff): how far it moves this node (its *spread*) against the step's median node; it explains the node when the exact fit is within the triage factor of the spread (an ill-conditioned node) |
 
 A hypothesis *explains* the node when its fit is within the trace's log-prob tolerance while the
 exact reference's is not. The result says which hypotheses do, best first. Bad input (no such
@@ -25,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refcheck.diff.tolerance import tolerance_of
+from refcheck.diff.tolerance import engine_numerics, tolerance_of
+from refcheck.diff.triage import UNIT_ROUNDOFF, RoundingEnsemble, Triage
 from refcheck.errors import UsageError
 from refcheck.trace.io import Trace
 from reference.compat import full_forward_logits
@@ -54,6 +56,8 @@ class Explanation:
     reference_topk: list[tuple[int, float]]
     tolerance: float
     oracle_vs_reference: float = float("nan")  # max |Δ log-prob| over the vocabulary at the node
+    #: the rounding ensemble at the node: spread, the step's median spread, samples, factor, unit roundoff
+    conditioning: dict = field(default_factory=dict)
     hypotheses: list[Hypothesis] = field(default_factory=list)
 
     @property
@@ -181,4 +185,21 @@ def explain_node(trace: Trace, request_id: str, step: int, node: int, target: Ta
     exact_fit = out.hypotheses[0].fit
     for h in out.hypotheses[1:]:
         h.explains = exact_fit > tol and h.fit <= tol and h.kind != "oracle"
+
+    # rounding at the engine's dtype: is this an ill-conditioned node?
+    dtype = engine_numerics(trace.provenance)[0]
+    if dtype in UNIT_ROUNDOFF and s.topk_ids:
+        triage = Triage(ill_conditioned=True)
+        cols = torch.tensor(s.topk_ids, dtype=torch.long)  # [N, k] each node's engine top-k ids
+        samples = RoundingEnsemble(target, dtype, triage).sample(committed, tokens, parents, depths, cols)  # [S, N, k]
+        ref_cols = torch.log_softmax(exact.logits.float().cpu(), dim=-1).gather(1, cols)  # [N, k]
+        spreads = (samples - ref_cols[None]).abs().amax(dim=(0, 2))  # [N]
+        spread = float(spreads[node])
+        fits = (samples[:, node] - eng_lp[None]).abs().amax(dim=1)  # [S]
+        out.conditioning = {"spread": spread, "median_spread": float(spreads.median()), "samples": triage.samples,
+                            "factor": triage.factor, "unit_roundoff": UNIT_ROUNDOFF[dtype], "dtype": dtype}
+        out.hypotheses.append(Hypothesis(
+            "rounding", f"rounding at {dtype}: {triage.samples} noisy runs move this node by up to {spread:.4g} "
+                        f"(median node {float(spreads.median()):.3g}); best run fits within {float(fits.min()):.4g}",
+            float(fits.min()), -1, explains=exact_fit > tol and exact_fit <= triage.factor * spread))
     return out
