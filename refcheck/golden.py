@@ -211,14 +211,15 @@ def triage_of(settings: dict) -> Triage:
 def apply_triage(report: Report, triaged: list[dict]) -> None:
     """Failures listed in the manifest become TRIAGED; any other failure still fails the case."""
     keys = {(t["request_id"], t["step"], t["node"], t["category"]) for t in triaged}
+    changed = []
     for f in report.findings:
         if f.verdict == Verdict.FAIL and triage_key(f) in keys:
             f.verdict = Verdict.TRIAGED
+            changed.append(f)
     steps = report.stats.get("steps")
-    if steps and triaged:  # replayed steps whose every failure is now triaged
+    if steps and changed:  # replayed steps that failed and whose every failure is now triaged
         failing = {(f.request_id, f.step) for f in report.failures if f.step is not None}
-        moved = {(f.request_id, f.step) for f in report.findings
-                 if f.verdict == Verdict.TRIAGED and f.step is not None} - failing
+        moved = {(f.request_id, f.step) for f in changed if f.step is not None} - failing
         steps["fail"] = steps.get("fail", 0) - len(moved)
         steps["triaged"] = steps.get("triaged", 0) + len(moved)
 

@@ -100,3 +100,19 @@ def test_golden_triage_rules_are_named_and_checked():
     assert Triage(isolated=True).union(Triage(ill_conditioned=True)) == Triage(isolated=True, ill_conditioned=True)
     with pytest.raises(GoldenError, match="unknown triage rule"):
         triage_of({"triage_rules": ["everything"]})
+
+
+def test_manual_triage_moves_only_the_steps_it_changed():
+    """A golden's reviewed findings move their steps from fail to triaged; steps a rule already triaged
+    are not moved again (the step counts of a golden with both never go negative)."""
+    from refcheck.diff.findings import Finding, Report
+    from refcheck.golden import apply_triage
+
+    rep = Report(case="c", mode="replay")
+    rep.add(Finding(Verdict.TRIAGED, "logits", "r", 1, node=3, message="by the rule"))
+    rep.add(Finding(Verdict.FAIL, "logits", "r", 2, node=5, message="reviewed"))
+    rep.add(Finding(Verdict.FAIL, "logits", "r", 4, node=1, message="not reviewed"))
+    rep.stats["steps"] = {"pass": 10, "benign_tie": 0, "triaged": 1, "fail": 2}
+    apply_triage(rep, [{"request_id": "r", "step": 2, "node": 5, "category": "logits"}])
+    assert rep.stats["steps"] == {"pass": 10, "benign_tie": 0, "triaged": 2, "fail": 1}
+    assert [f.step for f in rep.failures] == [4]
