@@ -78,7 +78,7 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
     sys.exit(EXIT_PASS if all(r["lossless"] for r in result["budgets"]) else EXIT_MISMATCH)
 
 def _sweep_sglang(blist, repeats, out_dir, algorithms, ref_device, model_dir, draft_dir, pair, prompts_file,
-                  max_new_tokens, dtype, stop_ids, as_json, triage=None, from_traces=()) -> None:
+                  max_new_tokens, dtype, stop_ids, as_json, triage, from_traces=()) -> None:
     from refcheck.sweep_sglang import DEFAULT_ALGORITHMS, run_sglang_sweep, tabulate_traces
     from refcheck.trace.io import atomic_write_bytes, read_trace
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from refcheck.diff.tolerance import engine_numerics, tolerance_of
-from refcheck.diff.triage import UNIT_ROUNDOFF, RoundingEnsemble, Triage
+from refcheck.diff.triage import UNIT_ROUNDOFF, RoundingEnsemble, Triage, topk_spread
 from refcheck.errors import UsageError
 from refcheck.trace.io import Trace
 from reference.compat import full_forward_logits
@@ -37,7 +37,7 @@ from reference.treechunk import ancestor_matrix
 
 @dataclass(slots=True)
 class Hypothesis:
-    kind: str  # exact | oracle | token | recurrent_parent | visibility
+    kind: str  # exact | oracle | token | recurrent_parent | visibility | rounding
     detail: str
     fit: float  # max |Δ log-prob| over the engine's top-k ids at the node
     argmax: int  # the reference's argmax under this hypothesis
@@ -193,7 +193,7 @@ def explain_node(trace: Trace, request_id: str, step: int, node: int, target: Ta
         cols = torch.tensor(s.topk_ids, dtype=torch.long)  # [N, k] each node's engine top-k ids
         samples = RoundingEnsemble(target, dtype, triage).sample(committed, tokens, parents, depths, cols)  # [S, N, k]
         ref_cols = torch.log_softmax(exact.logits.float().cpu(), dim=-1).gather(1, cols)  # [N, k]
-        spreads = (samples - ref_cols[None]).abs().amax(dim=(0, 2))  # [N]
+        spreads = topk_spread(samples, ref_cols)  # [N]
         spread = float(spreads[node])
         fits = (samples[:, node] - eng_lp[None]).abs().amax(dim=1)  # [S]
         out.conditioning = {"spread": spread, "median_spread": float(spreads.median()), "samples": triage.samples,
@@ -201,5 +201,5 @@ def explain_node(trace: Trace, request_id: str, step: int, node: int, target: Ta
         out.hypotheses.append(Hypothesis(
             "rounding", f"rounding at {dtype}: {triage.samples} noisy runs move this node by up to {spread:.4g} "
                         f"(median node {float(spreads.median()):.3g}); best run fits within {float(fits.min()):.4g}",
-            float(fits.min()), -1, explains=exact_fit > tol and exact_fit <= triage.factor * spread))
+            float(fits.min()), -1, explains=exact_fit > tol and triage.covers(exact_fit, spread)))
     return out

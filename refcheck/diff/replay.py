@@ -146,7 +146,7 @@ class _Request:
             lp = logp[i].cpu()
             margin = float(lp[ref_arg[i]] - lp[eng_arg[i]])
             if margin >= self.tol.tie_margin and self.ensemble is not None \
-                    and margin <= self.triage.factor * float(spread().margin[i]):
+                    and self.triage.covers(margin, float(spread().margin[i])):
                 self.triage_ill_conditioned("logits", s, i, pos, spread(), flip=(int(eng_arg[i]), int(ref_arg[i]), margin))
                 walk[i] = eng_arg[i]
             elif self.token_flip("logits", s.step, i, lp, int(eng_arg[i]), position=pos):
@@ -164,7 +164,7 @@ class _Request:
             if over and self.ensemble is not None:
                 keep = []
                 for i in over:
-                    if float(dev[i]) <= self.triage.factor * float(spread().topk[i]):
+                    if self.triage.covers(float(dev[i]), float(spread().topk[i])):
                         self.triage_ill_conditioned("logits", s, i, self.state.length + int(tree.depths[i]), spread(),
                                                     dev=float(dev[i]))
                     else:
@@ -303,7 +303,7 @@ class _Request:
             ref = float(logp[s.accepted[j], tok])
             node = s.accepted[j]
             if math.isfinite(lp) and abs(lp - ref) > self.tol.logprob_abs and node in self.ill_conditioned \
-                    and abs(lp - ref) <= self.triage.factor * self.ill_conditioned[node]:
+                    and self.triage.covers(abs(lp - ref), self.ill_conditioned[node]):
                 self.rep.add(Finding(Verdict.TRIAGED, "logprobs", self.rid, s.step, node=node,
                                      message=f"log-prob of emitted token {j} ({tok}) {lp:.5g} vs reference {ref:.5g} at an "
                                              f"ill-conditioned node (spread {self.ill_conditioned[node]:.4g})",

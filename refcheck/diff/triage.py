@@ -48,6 +48,10 @@ class Triage:
     def any(self) -> bool:
         return self.isolated or self.ill_conditioned
 
+    def covers(self, deviation: float, spread: float) -> bool:
+        """The ill-conditioned rule: a deviation within ``factor`` x the node's rounding spread."""
+        return deviation <= self.factor * spread
+
     def union(self, other: Triage) -> Triage:
         """Every rule either side applies (the sampling settings are this side's)."""
         return replace(self, isolated=self.isolated or other.isolated,
@@ -94,6 +98,11 @@ class RoundingEnsemble:
         return torch.stack(out)  # [samples, N, c]
 
 
+def topk_spread(samples: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``samples`` [S, N, c] and ``ref`` [N, c] log-probs -> [N]: the largest change of a node's values."""
+    return (samples - ref[None]).abs().amax(dim=(0, 2))
+
+
 @dataclass(slots=True)
 class StepSpread:
     """What the ensemble says about one step: per-node top-k spread and per-node margin spread."""
@@ -106,7 +115,7 @@ class StepSpread:
     def of(cls, samples: torch.Tensor, ref: torch.Tensor, k: int) -> StepSpread:
         """``samples`` [S, N, k+2] and ``ref`` [N, k+2]: columns = the engine's top-k ids, then the
         reference's argmax, then the engine's argmax."""
-        topk = (samples[:, :, :k] - ref[None, :, :k]).abs().amax(dim=(0, 2))  # [N]
+        topk = topk_spread(samples[:, :, :k], ref[:, :k])  # [N]
         m_ref = ref[:, k] - ref[:, k + 1]  # [N]
         m_s = samples[:, :, k] - samples[:, :, k + 1]  # [S, N]
         margin = (m_s - m_ref[None]).abs().amax(dim=0)  # [N]
