@@ -24,7 +24,6 @@ from pathlib import Path
 
 from refcheck.diff.findings import Finding, Report, Verdict
 from refcheck.diff.session import DiffSession, reference_spec_for
-from refcheck.diff.triage import Triage
 from refcheck.errors import CorruptTraceError, GoldenError, UsageError
 from refcheck.prompts import load_prompts
 from refcheck.provenance import dir_sha256, stale_reasons
@@ -195,17 +194,13 @@ def triage_key(f: Finding) -> tuple:
     return (f.request_id, f.step, f.node, f.category)
 
 
-#: the rule names a golden may carry (``golden add --triage-rule``) -> Triage fields
-TRIAGE_RULES = {"isolated": "isolated", "ill-conditioned": "ill_conditioned"}
-
-
-def triage_of(settings: dict) -> Triage:
-    """The triage rules a golden entry's settings name (``triage_rules``), applied by the gate."""
-    rules = list(settings.get("triage_rules") or [])
-    unknown = [r for r in rules if r not in TRIAGE_RULES]
-    if unknown:
-        raise GoldenError(f"unknown triage rule(s) {unknown} in the manifest (known: {sorted(TRIAGE_RULES)})")
-    return Triage(**{TRIAGE_RULES[r]: True for r in rules})
+def refuse_triage_rules(name: str, settings: dict) -> None:
+    """Per-golden triage rules are gone: every engine trace is judged by its dtype's calibrated verdict
+    (refcheck/diff/tolerance.py); an entry that still names rules is refused, never half-applied."""
+    if settings.get("triage_rules"):
+        raise GoldenError(f"golden {name!r} names triage rules {settings['triage_rules']} in the manifest: per-golden "
+                          "rules were replaced by the calibrated verdict, which every diff applies; remove "
+                          "'triage_rules' from the entry (reviewed findings stay in 'triaged')")
 
 
 def apply_triage(report: Report, triaged: list[dict]) -> None:
@@ -225,27 +220,20 @@ def apply_triage(report: Report, triaged: list[dict]) -> None:
 
 
 def add_trace(golden_dir: Path, trace_path: Path, case: str, expect: str, allow_unsupported: list[str],
-              reason: str, triage: list[str] | None = None, session: DiffSession | None = None,
-              triage_rules: list[str] | None = None) -> Path:
+              reason: str, triage: list[str] | None = None, session: DiffSession | None = None) -> Path:
     """Store an engine trace as a golden case (atomic; an existing case is replaced only with history).
-    ``triage``: findings a person reviewed (REQUEST:STEP:NODE:CATEGORY), reported as TRIAGED by the gate;
-    ``triage_rules``: rules the gate applies to this case (:data:`TRIAGE_RULES`: ``isolated``,
-    ``ill-conditioned``; refcheck/diff/triage.py).
+    ``triage``: findings a person reviewed (REQUEST:STEP:NODE:CATEGORY), reported as TRIAGED by the gate.
     The trace is first put through the gate's own check with these settings: a trace that would fail
     the gate the moment it lands (``--expect pass`` with failures, an expected failure not caught, or
     stale models) is refused with the first failing findings, and nothing is written."""
     if expect != "pass" and not expect.startswith("fail"):
         raise UsageError(f"--expect must be 'pass', 'fail' or 'fail:CATEGORY', got {expect!r}")
     triaged = parse_triage(triage or [])
-    rules = sorted(set(triage_rules or []))
-    bad = [r for r in rules if r not in TRIAGE_RULES]
-    if bad:
-        raise UsageError(f"--triage-rule {bad[0]!r}: choose from {', '.join(sorted(TRIAGE_RULES))}")
     if case in GOLDEN_CASES:
         raise UsageError(f"{case!r} is a built-in reference case; choose another name")
     trace = read_trace(Path(trace_path))  # typed errors for a bad trace
     summary = {**_summary(trace.provenance), "expect": expect, "allow_unsupported": allow_unsupported,
-               "triaged": triaged, **({"triage_rules": rules} if rules else {})}
+               "triaged": triaged}
     report = check_trace(case, trace, summary, session or DiffSession())
     if report.verdict not in ("pass", "expected failure caught"):
         fails = [f for f in report.failures][:3]
@@ -304,7 +292,7 @@ def gate_case(name: str, entry, golden_dir: Path, session: DiffSession) -> Repor
 
 def check_trace(name: str, trace: Trace, settings: dict, session: DiffSession) -> Report:
     """The gate's verdict on one engine trace under a golden entry's settings (``expect``,
-    ``allow_unsupported``, ``triaged``, ``triage_rules``): a GoldenError if the trace's models or prompts have changed
+    ``allow_unsupported``, ``triaged``): a GoldenError if the trace's models or prompts have changed
     since it was recorded, else the diff with unrecorded categories failed and reviewed findings triaged."""
     stale = live_provenance_reasons(trace, session)
     if stale:
@@ -313,8 +301,9 @@ def check_trace(name: str, trace: Trace, settings: dict, session: DiffSession) -
                              else f" (an engine trace: record it again with its engine, e.g. SGLang's with "
                                   f"scripts/sglang_suite.py on a GPU, then replace it: refcheck golden add TRACE --case {name} "
                                   f"--reason ...; the manifest keeps the old entry in its history)"))
+    refuse_triage_rules(name, settings)
     strict = trace.provenance.get("engine", {}).get("name") == "reference"
-    report = session.diff(trace, name, mode="both", strict_acceptance=strict, triage=triage_of(settings))
+    report = session.diff(trace, name, mode="both", strict_acceptance=strict)
     expect = settings.get("expect", "pass")
     allowed = set(settings.get("allow_unsupported", []))
     for f in list(report.findings):

@@ -102,13 +102,11 @@ def _worker_setup(workers: int) -> None:
 
 
 def engine_shard(engine: str, spec, prompts, mode: str, ref_dtype: str, ref_device: str, index: int,
-                 workers: int, full_state: bool = False, engine_opts: dict | None = None,
-                 triage=None) -> tuple[bytes, Report]:
+                 workers: int, full_state: bool = False, engine_opts: dict | None = None) -> tuple[bytes, Report]:
     """Run a live engine on one shard of prompts and diff it; returns (trace bytes, report)."""
     import dataclasses
 
     from refcheck.diff.session import DiffSession
-    from refcheck.diff.triage import Triage
     from refcheck.trace.io import trace_bytes
 
     _worker_setup(workers)
@@ -116,7 +114,7 @@ def engine_shard(engine: str, spec, prompts, mode: str, ref_dtype: str, ref_devi
     session = DiffSession()
     trace = live_trace(engine, spec, prompts, session, full_state, engine_opts)
     report = session.diff(trace, engine, mode, strict_acceptance=engine == "reference", ref_dtype=ref_dtype,
-                          ref_device=shard_device(ref_device, index), triage=triage or Triage())
+                          ref_device=shard_device(ref_device, index))
     return trace_bytes(trace), report
 
 

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from refcheck.diff.session import DiffSession
-from refcheck.diff.triage import Triage
 from refcheck.prompts import Prompt
 from refcheck.runners.reference import EngineSpec
 from refcheck.sweep import span
@@ -101,7 +100,7 @@ def sweep_row(algorithm: str, budget: int, traces: list, report) -> dict:
 def run_sglang_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int], repeats: int = 1,
                      algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS, ref_dtype: str = "float32",
                      ref_device: str = "cuda", runner_factory: Callable | None = None,
-                     progress: Callable[[str, int, int], None] | None = None, triage: Triage = Triage(),
+                     progress: Callable[[str, int, int], None] | None = None,
                      save_dir: Path | None = None) -> dict:
     if runner_factory is None:
         from refcheck.runners.sglang import SGLangRunner
@@ -118,14 +117,13 @@ def run_sglang_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int]
                 save_dir.mkdir(parents=True, exist_ok=True)
                 write_trace(trace, save_dir / f"{alg}-b{budget}.arrow")
             report = session.diff(trace, f"{alg}-b{budget}", mode="replay", ref_dtype=ref_dtype,
-                                  ref_device=ref_device, triage=triage)
+                                  ref_device=ref_device)
             rows.append(sweep_row(alg, budget, [trace], report))
     return {"model": spec.model_label, "dtype": spec.dtype, "repeats": repeats, "prompts": len(prompts),
             "max_new_tokens": spec.max_new_tokens, "rows": rows}
 
 
-def tabulate_traces(traces: list, ref_device: str = "cpu", ref_dtype: str = "float32",
-                    triage: Triage = Triage()) -> dict:
+def tabulate_traces(traces: list, ref_device: str = "cpu", ref_dtype: str = "float32") -> dict:
     """The sweep table from saved SGLang traces (``diff --save-trace`` / the suite's ``.arrow`` files):
     grouped by (algorithm, budget) from each trace's provenance (NGRAM: and its BFS breadth), repeats in the order given; the
     first trace of each group is replayed for the verdict."""
@@ -145,8 +143,7 @@ def tabulate_traces(traces: list, ref_device: str = "cpu", ref_dtype: str = "flo
     session = DiffSession()
     rows = []
     for (alg, budget), group in sorted(groups.items()):
-        report = session.diff(group[0], f"{alg}-b{budget}", mode="replay", ref_dtype=ref_dtype, ref_device=ref_device,
-                              triage=triage)
+        report = session.diff(group[0], f"{alg}-b{budget}", mode="replay", ref_dtype=ref_dtype, ref_device=ref_device)
         rows.append(sweep_row(alg, budget, group, report))
     first = traces[0].provenance if traces else {}
     return {"model": str(first.get("model", "?")),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -72,6 +73,8 @@ class DFlashDrafter(nn.Module):
         qcfg = Qwen3Config(**{k: v for k, v in cfg.items() if k not in ("dflash_config", "architectures")})
         self.qcfg = qcfg
         self.target = target
+        #: applied to the block's residual stream after each add when set (None: exact); see Target
+        self.residual_rounding: Callable[[torch.Tensor], torch.Tensor] | None = None
         h, eps = qcfg.hidden_size, qcfg.rms_norm_eps
         self.head_dim: int = getattr(qcfg, "head_dim", None) or h // qcfg.num_attention_heads
         self.n_heads: int = qcfg.num_attention_heads
@@ -222,7 +225,11 @@ class DFlashDrafter(nn.Module):
                 attn_mask=mask if context[i] is not None else None, scale=self.head_dim**-0.5,
             )[0]  # [Hq, bs, D], non-causal: every block position sees the whole block and context
             h = h + attn.o_proj(out.transpose(0, 1).reshape(bs, -1))
+            if self.residual_rounding is not None:
+                h = self.residual_rounding(h)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if self.residual_rounding is not None:
+                h = self.residual_rounding(h)
         return self.norm(h)
 
     @torch.no_grad()

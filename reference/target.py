@@ -16,6 +16,7 @@ HF model to ~1e-6 (tests/test_target.py).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 import json
 from pathlib import Path
 
@@ -74,6 +75,9 @@ class Target:
         # The per-layer pieces of a forward; :meth:`compile` swaps in torch.compile'd versions.
         self._deltanet, self._attention, self._mlp = deltanet_tree, attention_tree, _mlp
         self.compiled = False
+        #: applied to the residual stream after each add when set (None: exact). refcheck's rounding ensemble
+        #: sets it to emulate an engine that stores the residual stream in its own dtype.
+        self.residual_rounding: Callable[[torch.Tensor], torch.Tensor] | None = None
         #: the Gated DeltaNet layers' conv kernel sizes (their window rows are planned once per forward)
         self.conv_kernels: list[int] = sorted({int(self.layers[i].linear_attn.conv_kernel_size)
                                                for i in range(len(self.layers)) if self.is_linear(i)})
@@ -254,7 +258,10 @@ class Target:
             out = attention(layer.self_attn, x, cos, sin, state.keys[i], state.values[i], visible,
                             getattr(state, "prefix_valid", None))  # fixed-size caches mask unused slots
         h = h + out.hidden
-        return h + mlp(layer.mlp, layer.post_attention_layernorm(h)), out
+        if self.residual_rounding is not None:
+            h = self.residual_rounding(h)
+        h = h + mlp(layer.mlp, layer.post_attention_layernorm(h))
+        return (h if self.residual_rounding is None else self.residual_rounding(h)), out
 
     # -- the stages a layer-sharded target (reference/sharded.py) replaces ------------------------------------
     def _stage_input(self, tokens: torch.Tensor) -> torch.Tensor:

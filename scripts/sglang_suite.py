@@ -43,6 +43,18 @@ CONFIGS = {
         ("dflash", ["--sglang-algorithm", "DFLASH", "--budget", "15"]),
         ("ngram", ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "10"]),
         ("ddtree-b15", ["--sglang-algorithm", "REFCHECK_DDTREE", "--budget", "15"]))},
+    # the calibration corpus (refcheck calibrate --traces): budget 8, CUDA graphs on, one request at a time
+    "ddtree-b8": ["--sglang-algorithm", "REFCHECK_DDTREE", "--budget", "8"],
+    **{f"{name}-graphs": [*args, "--cuda-graphs"] for name, args in (
+        ("none", ["--sglang-algorithm", "NONE"]),
+        ("dflash", ["--sglang-algorithm", "DFLASH", "--budget", "15"]),
+        ("ngram", ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "10"]),
+        ("ddtree-b15", ["--sglang-algorithm", "REFCHECK_DDTREE", "--budget", "15"]),
+        ("ddtree-b64", ["--sglang-algorithm", "REFCHECK_DDTREE", "--budget", "64"]))},
+    **{f"{name}-bs1": [*args, "--sglang-max-running", "1"] for name, args in (
+        ("dflash", ["--sglang-algorithm", "DFLASH", "--budget", "15"]),
+        ("ngram", ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "10"]),
+        ("ddtree-b15", ["--sglang-algorithm", "REFCHECK_DDTREE", "--budget", "15"]))},
     # SGLang in float32 (the sharp check that tells bf16 numerics from engine bugs) is refused for the
     # built-in Qwen3.5 pair on 0.5.17: its gemma_rmsnorm has no float32 kernel (refcheck/sglang_capture/versions.py)
     "dflash-fp32": ["--sglang-algorithm", "DFLASH", "--budget", "15", "--dtype", "float32"],
@@ -102,6 +114,10 @@ def main() -> None:
                          "device minutes, but their timings are taken under contention.")
     ap.add_argument("--stagger", type=float, default=45.0,
                     help="With --parallel: seconds between engine starts (each must size its memory pools alone).")
+    ap.add_argument("--mem-fraction", type=float, default=None,
+                    help="SGLang's mem_fraction_static for every configuration (lower it to run more side by side).")
+    ap.add_argument("--no-bf16-replay", action="store_true",
+                    help="Skip the bf16 replay of each saved trace (the fp32 diff is the verdict).")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--algorithm", default="DFLASH", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=int, default=15, help=argparse.SUPPRESS)
@@ -176,12 +192,14 @@ def run_config(name: str, args: argparse.Namespace, out: Path, before_engine=Non
     trace = out / f"{name}.arrow"
     if before_engine is not None:
         before_engine()
+    if getattr(args, "mem_fraction", None) is not None:
+        common += ["--sglang-mem-fraction", str(args.mem_fraction)]
     rc, wall, text = _run([py, "-m", "refcheck", "diff", "--engine", "sglang", *CONFIGS[name], *common,
                            "--ref-device", "cuda", "--ref-dtype", "float32", "--mode", "both", "--save-trace", str(trace)],
                           log, args.timeout)
     (out / f"{name}.fp32.json").write_text(text)
     entry = {"rc": rc, "wall_s": round(wall, 1), "fp32": _report_summary(text), "engines_side_by_side": args.parallel}
-    if trace.is_file():
+    if trace.is_file() and not getattr(args, "no_bf16_replay", False):
         from refcheck.trace.io import read_trace
 
         prov = read_trace(trace).provenance

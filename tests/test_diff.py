@@ -11,7 +11,7 @@ import pytest
 from refcheck.diff.findings import Verdict
 from refcheck.diff.replay import replay
 from refcheck.diff.session import DiffSession
-from refcheck.diff.tolerance import NoToleranceRule, tolerance_for
+from refcheck.diff.tolerance import NoCalibration, tolerance_for
 from refcheck.prompts import load_prompts
 from refcheck.runners.reference import EngineSpec
 from refcheck.selftest.faults import FAULTS
@@ -108,8 +108,10 @@ def test_engine_without_state_is_unsupported_not_pass(session, clean):
 
 def test_tolerance_rules():
     assert tolerance_for("bfloat16", "cuda:0") == tolerance_for("bfloat16", "cpu")
-    with pytest.raises(NoToleranceRule):
+    with pytest.raises(NoCalibration, match="refcheck calibrate"):
         tolerance_for("int8", "cpu")
+    with pytest.raises(NoCalibration):  # fp16 is under measurement: no verdict falls back to other bounds
+        tolerance_for("float16", "cuda")
 
 
 def test_full_state_traces_are_compared_in_full(session):

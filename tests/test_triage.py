@@ -1,6 +1,9 @@
-"""The triage rules (refcheck/diff/triage.py): the rounding ensemble perturbs what it says it does, its
-spread arithmetic, and the ill-conditioned-node rule on a real SGLang trace: the budget-64 findings are
-triaged with their evidence, while the same deviation moved to a well-conditioned node still fails."""
+"""The calibrated verdict (refcheck/diff/tolerance.py, triage.py, replay.py): the rounding ensemble
+perturbs what it says it does, its spread arithmetic, and the verdict on real traces: the budget-64
+SGLang findings are judged consistent with bf16 rounding by default, with their evidence, while the
+same deviation at a well-conditioned node fails; a consistent node is never triaged at a step or in a
+request that fails elsewhere; per-golden rules are refused; a dtype with no calibration is an error
+naming the command that measures one."""
 
 from __future__ import annotations
 
@@ -11,9 +14,10 @@ import torch
 
 from refcheck.diff.findings import Verdict
 from refcheck.diff.session import DiffSession, reference_spec_for
-from refcheck.diff.triage import UNIT_ROUNDOFF, RoundingEnsemble, StepSpread, Triage, rounding_noise
-from refcheck.golden import REPO_GOLDEN, TRIAGE_RULES, triage_of
+from refcheck.diff.tolerance import CALIBRATIONS, NoCalibration, calibration_for
+from refcheck.diff.triage import UNIT_ROUNDOFF, RoundingEnsemble, Rule, StepInputs, StepSpread, rounding_noise
 from refcheck.errors import GoldenError
+from refcheck.golden import REPO_GOLDEN, check_trace
 from refcheck.trace.io import read_trace
 
 B64 = REPO_GOLDEN / "sglang-hybrid-ddtree-b64.arrow"
@@ -25,8 +29,13 @@ def b64():
 
 
 @pytest.fixture(scope="module")
-def target(b64):
-    return DiffSession().runner(reference_spec_for(b64)).target
+def session():
+    return DiffSession()
+
+
+@pytest.fixture(scope="module")
+def target(b64, session):
+    return session.runner(reference_spec_for(b64)).target
 
 
 def test_noise_multiplies_every_linear_output_by_one_unit_roundoff_at_most(target):
@@ -34,7 +43,7 @@ def test_noise_multiplies_every_linear_output_by_one_unit_roundoff_at_most(targe
     lin = next(m for m in target.model.modules() if isinstance(m, torch.nn.Linear))
     clean = lin(x)
     gen = torch.Generator().manual_seed(3)
-    with rounding_noise(target, 2.0 ** -8, gen):
+    with rounding_noise([target.model], 2.0 ** -8, gen):
         noisy = lin(x)
     rel = ((noisy - clean) / clean).abs().detach()
     assert float(rel.max()) <= 2.0 ** -8 * 1.0001 and float(rel.max()) > 2.0 ** -9  # uses its budget, no more
@@ -50,61 +59,105 @@ def test_spread_columns_are_topk_then_the_two_argmaxes():
     assert sp.margin.tolist() == pytest.approx([0.5]) and sp.median_topk == pytest.approx(0.3)
 
 
+def test_the_rule_never_covers_nan_or_inf():
+    r = Rule(factor=2.0)
+    assert r.covers(1.0, 0.5) and not r.covers(1.01, 0.5)
+    assert not r.covers(float("nan"), 1.0) and not r.covers(float("inf"), float("inf"))
+
+
 def test_the_ensemble_is_seeded_and_scales_with_the_dtype(b64, target):
     req, s = b64.requests[0], [x for x in b64.steps if x.request_id == b64.requests[0].request_id][0]
     committed = list(req.prompt_ids) + list(req.output_ids)[: s.committed_len - len(req.prompt_ids)]
     toks, par, dep = (torch.tensor(v) for v in (s.tree_tokens, s.tree_parents, s.tree_depths))
-    cols = torch.tensor(s.topk_ids)
-    one = RoundingEnsemble(target, "bfloat16", Triage(ill_conditioned=True, samples=2)).sample(committed, toks, par, dep, cols)
-    two = RoundingEnsemble(target, "bfloat16", Triage(ill_conditioned=True, samples=2)).sample(committed, toks, par, dep, cols)
-    fp32 = RoundingEnsemble(target, "float32", Triage(ill_conditioned=True, samples=2)).sample(committed, toks, par, dep, cols)
-    assert torch.equal(one, two) and one.shape == (2, len(s.tree_tokens), cols.shape[1])
+    x = StepInputs(committed, toks, par, dep, list(s.accepted), torch.tensor(s.topk_ids), None, None)
+
+    def sample(dtype):
+        return RoundingEnsemble(target, None, dtype, Rule(samples=2), ()).sample(x).node
+
+    one, two, fp32 = sample("bfloat16"), sample("bfloat16"), sample("float32")
+    assert torch.equal(one, two) and one.shape == (2, len(s.tree_tokens), len(s.topk_ids[0]))
     assert float((one[0] - one[1]).abs().max()) > 1e-3  # bf16-sized noise moves log-probs
     assert float((fp32[0] - fp32[1]).abs().max()) < 1e-4  # fp32-sized noise does not
     assert UNIT_ROUNDOFF["bfloat16"] == 2.0 ** -8
     with pytest.raises(ValueError, match="unit roundoff"):
-        RoundingEnsemble(target, "int8", Triage())
+        RoundingEnsemble(target, None, "int8", Rule(), ())
 
 
-def _diff(trace, triage):
-    return DiffSession().diff(trace, "t", mode="replay", triage=triage)
+def test_every_calibration_is_explicit_and_an_uncovered_dtype_names_the_command():
+    assert calibration_for("float32", "cpu").rule is None  # the reference's own precision: bounds are final
+    assert calibration_for("bfloat16", "cuda:1") is CALIBRATIONS[("bfloat16", "*")]
+    assert calibration_for("bfloat16", "cuda").rule is not None
+    with pytest.raises(NoCalibration, match="refcheck calibrate --dtype int8 --device cpu"):
+        calibration_for("int8", "cpu")
 
 
-def test_the_budget_64_findings_are_ill_conditioned_nodes_with_their_evidence(b64):
-    plain = _diff(b64, Triage())
-    assert {(f.request_id, f.step, f.node) for f in plain.failures} >= {("code-1", 13, 32), ("code-1", 4, 16)}
-    ruled = _diff(b64, Triage(ill_conditioned=True))
-    assert not ruled.failures
-    tri = [f for f in ruled.findings if f.verdict == Verdict.TRIAGED]
-    failing = {(f.request_id, f.step, n) for f in plain.failures for n in f.details.get("nodes", [f.node])}
-    assert {(f.request_id, f.step, f.node) for f in tri} == failing  # every failing node, no other
+def _diff(session, trace):
+    return session.diff(trace, "t", mode="replay")
+
+
+def _where(findings):
+    return {(f.request_id, f.step, f.node) for f in findings}
+
+
+def test_the_budget_64_findings_are_judged_rounding_by_default_with_their_evidence(b64, session):
+    rep = _diff(session, b64)
+    assert not rep.failures
+    tri = [f for f in rep.findings if f.verdict == Verdict.TRIAGED]
+    assert {("code-1", 13, 32), ("code-1", 4, 16)} <= _where(tri)
     n32 = [f for f in tri if (f.request_id, f.step, f.node) == ("code-1", 13, 32) and "max_abs" in f.details][0]
     d = n32.details
-    assert d["rule"] == "ill_conditioned" and d["max_abs"] <= d["factor"] * d["spread"]
+    assert d["rule"] == "rounding" and d["max_abs"] <= d["factor"] * d["spread"] and d["max_abs"] > 1.5
     assert d["spread"] > 20 * d["median_spread"]  # a node noise moves far more than its peers
-    assert ruled.stats["steps"]["fail"] == 0 and ruled.stats["steps"]["triaged"] == plain.stats["steps"]["fail"]
+    assert rep.stats["steps"]["fail"] == 0 and rep.stats["steps"]["triaged"] >= 2
+    assert rep.stats["ensemble_steps"] < sum(rep.stats["steps"].values())  # only steps over a bound pay for it
+    assert rep.stats["rounding_ratios"] and max(rep.stats["rounding_ratios"]) <= 2.0
 
 
-def test_the_same_deviation_at_a_well_conditioned_node_still_fails(b64):
+def _step(trace, rid, step):
+    return [x for x in trace.steps if x.request_id == rid and x.step == step][0]
+
+
+def test_the_same_deviation_at_a_well_conditioned_node_still_fails(b64, session):
     """Move node 32's deviation (6.4 nats) to node 1 of the same step, which noise barely moves."""
     bad = copy.deepcopy(b64)
-    s = [x for x in bad.steps if x.request_id == "code-1" and x.step == 13][0]
+    s = _step(bad, "code-1", 13)
     s.topk_logprobs[1] = [v - 6.0 for v in s.topk_logprobs[1]]
-    rep = _diff(bad, Triage(ill_conditioned=True, isolated=True))
-    assert ("code-1", 13, 1) in {(f.request_id, f.step, f.node) for f in rep.failures}
+    rep = _diff(session, bad)
+    assert ("code-1", 13, 1) in _where(rep.failures)
 
 
-def test_golden_triage_rules_are_named_and_checked():
-    assert triage_of({"triage_rules": ["ill-conditioned"]}) == Triage(ill_conditioned=True)
-    assert triage_of({}) == Triage() and set(TRIAGE_RULES) == {"isolated", "ill-conditioned"}
-    assert Triage(isolated=True).union(Triage(ill_conditioned=True)) == Triage(isolated=True, ill_conditioned=True)
-    with pytest.raises(GoldenError, match="unknown triage rule"):
-        triage_of({"triage_rules": ["everything"]})
+def test_a_rounding_consistent_node_is_not_triaged_at_a_step_that_fails_elsewhere(b64, session):
+    bad = copy.deepcopy(b64)
+    s = _step(bad, "code-1", 13)
+    s.topk_logprobs[1] = [v - 6.0 for v in s.topk_logprobs[1]]  # an outright failure at the same step
+    rep = _diff(session, bad)
+    n32 = [f for f in rep.findings if (f.request_id, f.step, f.node) == ("code-1", 13, 32)]
+    assert n32 and all(f.verdict == Verdict.FAIL and f.details["not_triaged"] == "this step" for f in n32)
+    assert "not triaged" in n32[0].message
+
+
+def test_nothing_is_triaged_in_a_request_after_it_failed(b64, session):
+    bad = copy.deepcopy(b64)
+    s = _step(bad, "code-1", 2)
+    s.topk_logprobs[1] = [v - 6.0 for v in s.topk_logprobs[1]]  # code-1 fails at step 2
+    rep = _diff(session, bad)
+    later = [f for f in rep.findings if f.request_id == "code-1" and f.step > 2 and f.details.get("rule") == "rounding"]
+    assert later and all(f.verdict == Verdict.FAIL and f.details["not_triaged"] == "step 2" for f in later)
+    others = [f for f in rep.findings if f.request_id != "code-1" and f.verdict == Verdict.TRIAGED]
+    assert others  # other requests keep their verdicts
+    first = rep.first_divergence()["code-1"]
+    assert (first.step, first.node) == (2, 1)  # the first finding stays where the request first fails
+
+
+def test_per_golden_triage_rules_are_refused(b64, session):
+    with pytest.raises(GoldenError, match="remove 'triage_rules'"):
+        check_trace("x", b64, {"expect": "pass", "allow_unsupported": ["draft"], "triage_rules": ["ill-conditioned"]},
+                    session)
 
 
 def test_manual_triage_moves_only_the_steps_it_changed():
-    """A golden's reviewed findings move their steps from fail to triaged; steps a rule already triaged
-    are not moved again (the step counts of a golden with both never go negative)."""
+    """A golden's reviewed findings move their steps from fail to triaged; steps the verdict already
+    triaged are not moved again (the step counts of a golden with both never go negative)."""
     from refcheck.diff.findings import Finding, Report
     from refcheck.golden import apply_triage
 

@@ -7,19 +7,20 @@ from pathlib import Path
 import click
 
 from refcheck.cli.app import err, main
-from refcheck.cli.options import make_triage, model_options, spec_from_options, triage_options, unless_given
+from refcheck.cli.options import model_options, spec_from_options, unless_given
 from refcheck.cli.reports import finish, report_table, steps_table
 from refcheck.errors import GoldenError, UsageError
 from refcheck.prompts import load_prompts, prompt_set_hash
 from refcheck.runners.reference import DTYPES
 
 
-def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, device, mem_fraction=None):
+def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, device, mem_fraction=None, max_running=None):
     """Fold the SGLang options into the engine name and options; SGLang runs bf16 on the GPU unless told."""
     is_sglang = bool(engine) and (engine == "sglang" or engine.startswith("sglang:"))
     if not is_sglang:
-        if algorithm or cuda_graphs or tp > 1 or mem_fraction is not None:
-            raise UsageError("--sglang-algorithm, --cuda-graphs, --tp and --sglang-mem-fraction need --engine sglang")
+        if algorithm or cuda_graphs or tp > 1 or mem_fraction is not None or max_running is not None:
+            raise UsageError("--sglang-algorithm, --cuda-graphs, --tp, --sglang-mem-fraction and --sglang-max-running "
+                             "need --engine sglang")
         return engine, None, dtype, device
     if algorithm:
         if ":" in engine and engine.split(":", 1)[1].upper() != algorithm.upper():
@@ -28,6 +29,8 @@ def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, dev
     opts = {"cuda_graphs": cuda_graphs, "ngram_breadth": ngram_breadth, "tp": tp}
     if mem_fraction is not None:
         opts["mem_fraction"] = mem_fraction
+    if max_running is not None:
+        opts["max_running"] = max_running
     return (engine, opts,
             unless_given("dtype", dtype, "bfloat16"), unless_given("device", device, "cuda"))
 
@@ -51,6 +54,8 @@ def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, dev
               help="With --sglang-algorithm NGRAM: speculative_ngram_max_bfs_breadth.")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --engine sglang: tensor parallelism (state captured on every rank and combined).")
+@click.option("--sglang-max-running", "max_running", type=click.IntRange(min=1), default=None,
+              help="With --engine sglang: SGLang's max_running_requests (1: one request at a time).")
 @click.option("--sglang-mem-fraction", "mem_fraction", type=float, default=None,
               help="With --engine sglang: SGLang's mem_fraction_static (default 0.3); lower it to run several engines "
                    "on one GPU side by side.")
@@ -58,13 +63,12 @@ def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, dev
               help="With --engine sglang: sketch every target layer's output (forward hooks) so a failing node gets "
                    "layer bisection; slower.")
 @click.option("--steps", is_flag=True, help="Also print one row per verify step: tree size, τ, verdict, first finding.")
-@triage_options
 @click.option("--ref-shards", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --against and --mode replay: split the reference by layers over N processes (N GPUs with "
                    "--ref-device cuda, NCCL; gloo on CPUs).")
 @model_options
 def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, workers, full_state, sglang_algorithm,
-         cuda_graphs, ngram_breadth, tp, mem_fraction, layer_sketches, steps, triage_isolated, triage_ill_conditioned, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
+         cuda_graphs, ngram_breadth, tp, max_running, mem_fraction, layer_sketches, steps, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
          drafter, stop_ids, as_json):
     """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
 
@@ -73,7 +77,6 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
     from refcheck.golden import (
         apply_triage,
         default_golden_dir,
-        triage_of,
         live_provenance_reasons,
         verify,
     )
@@ -82,12 +85,8 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
     session = DiffSession()
     reports = []
     traces = []  # the engine trace behind each report (for --steps)
-    triage = make_triage(triage_isolated, triage_ill_conditioned)
     if ref_shards > 1 and not against:
         raise UsageError("--ref-shards works with --against TRACE (record live engines with --save-trace first)")
-    if ref_shards > 1 and triage.any:
-        raise UsageError("--triage-isolated / --triage-ill-conditioned need the whole reference in one process "
-                         "(drop --ref-shards)")
     if engine:
         from refcheck.parallel import (
             engine_decoder,
@@ -100,7 +99,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
         from refcheck.trace.io import trace_from_bytes
 
         engine, engine_opts, dtype, device = _sglang_engine(engine, sglang_algorithm, cuda_graphs, ngram_breadth, tp,
-                                                            dtype, device, mem_fraction)
+                                                            dtype, device, mem_fraction, max_running)
         if layer_sketches:
             if engine_opts is None:
                 raise UsageError("--layer-sketches needs --engine sglang")
@@ -108,10 +107,13 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
         spec = spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids)
         prompts = load_prompts(prompts_file)
         engine_decoder(engine)  # unknown engine: a usage error before any process starts
+        from refcheck.diff.tolerance import calibration_for
+
+        calibration_for(spec.dtype, spec.device)  # no verdict for these numerics: say so before the engine runs
         shards = split(prompts, workers)
         err.print(f"running live engine {engine} on {len(prompts)} prompts in {len(shards)} process(es)", markup=False)
         results = run_parallel(engine_shard, [(engine, spec, sh, mode, ref_dtype, ref_device, i, len(shards), full_state,
-                                               engine_opts, triage) for i, sh in enumerate(shards)], len(shards))
+                                               engine_opts) for i, sh in enumerate(shards)], len(shards))
         trace = merge_traces([trace_from_bytes(b) for b, _ in results], [p.id for p in prompts], prompt_set_hash(prompts))
         if save_trace:
             write_trace(trace, save_trace)
@@ -128,7 +130,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
                 reports.append(sharded_diff(traces[-1], Path(path).stem, mode, ref_shards, ref_dtype, ref_device))
             else:
                 reports.append(session.diff(traces[-1], Path(path).stem, mode, ref_dtype=ref_dtype,
-                                            ref_device=ref_device, triage=triage))
+                                            ref_device=ref_device))
     else:
         gdir = golden_dir or default_golden_dir()
         manifest = verify(gdir)
@@ -147,8 +149,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
                 raise GoldenError(f"stale golden {name}: " + "; ".join(stale))
             err.print(f"diffing golden {name} against the live reference", markup=False)
             strict = trace.provenance.get("engine", {}).get("name") == "reference"
-            report = session.diff(trace, name, mode, strict_acceptance=strict, ref_dtype=ref_dtype, ref_device=ref_device,
-                                  triage=triage.union(triage_of(manifest.cases[name].provenance)))
+            report = session.diff(trace, name, mode, strict_acceptance=strict, ref_dtype=ref_dtype, ref_device=ref_device)
             apply_triage(report, manifest.cases[name].provenance.get("triaged", []))
             reports.append(report)
             traces.append(trace)

@@ -78,16 +78,13 @@ def golden_regen(cases, reason, accept, golden_dir, as_json):
 @click.option("--reason", required=True, help="Why this trace becomes a golden (recorded in MANIFEST.json).")
 @click.option("--triage", multiple=True, help="A reviewed finding the gate reports as triaged, not failed: "
               "REQUEST:STEP:NODE:CATEGORY (NODE '-' for none); repeat for each. Any other failure still fails.")
-@click.option("--triage-rule", "triage_rules", multiple=True, type=click.Choice(["isolated", "ill-conditioned"]),
-              help="A triage rule the gate applies to this case (see diff --triage-isolated / --triage-ill-conditioned); "
-                   "repeat for both.")
 @click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None)
-def golden_add(trace_path, case, expect, allow_unsupported, reason, triage, triage_rules, golden_dir):
+def golden_add(trace_path, case, expect, allow_unsupported, reason, triage, golden_dir):
     """Store an engine's trace (SGLang, z-lab, ...) as a golden case the gate re-checks."""
     from refcheck.golden import add_trace, default_golden_dir
 
     path = add_trace(golden_dir or default_golden_dir(), trace_path, case, expect,
-                     [c for c in allow_unsupported.split(",") if c], reason, list(triage), triage_rules=list(triage_rules))
+                     [c for c in allow_unsupported.split(",") if c], reason, list(triage))
     err.print(f"added golden {case}: {path}", markup=False)
     sys.exit(EXIT_PASS)
 

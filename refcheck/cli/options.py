@@ -59,24 +59,6 @@ def model_options(f):
         f = opt(f)
     return f
 
-def triage_options(f):
-    """--triage-isolated / --triage-ill-conditioned (refcheck/diff/triage.py); the command gets ``triage``."""
-    f = click.option("--triage-ill-conditioned", "triage_ill_conditioned", is_flag=True,
-                     help="Report a node whose deviation rounding noise at the engine's dtype reproduces (the "
-                          "reference re-run 8 times with every linear output perturbed by one unit roundoff moves it "
-                          "as far, within 2x) as triaged, not failed. Off by default.")(f)
-    f = click.option("--triage-isolated", "triage_isolated", is_flag=True,
-                     help="Report a node whose log-probs deviate while its argmax and every descendant agree as "
-                          "triaged (rounding at that node), not failed. Off by default.")(f)
-    return f
-
-
-def make_triage(isolated: bool, ill_conditioned: bool):
-    from refcheck.diff.triage import Triage
-
-    return Triage(isolated=isolated, ill_conditioned=ill_conditioned)
-
-
 def spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids) -> EngineSpec:
     return EngineSpec(
         model_dir=model_dir, draft_dir=draft_dir, pair=pair, dtype=dtype, device=device, drafter=drafter,

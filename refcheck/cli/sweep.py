@@ -10,7 +10,7 @@ import click
 from rich.table import Table
 
 from refcheck.cli.app import err, main, quiet
-from refcheck.cli.options import make_triage, model_options, spec_from_options, triage_options, unless_given
+from refcheck.cli.options import model_options, spec_from_options, unless_given
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS, UsageError
 from refcheck.prompts import load_prompts
 
@@ -26,13 +26,11 @@ from refcheck.prompts import load_prompts
 @click.option("--sglang-algorithm", "sglang_algorithms", multiple=True,
               help="With --engine sglang: algorithms to sweep (default: REFCHECK_DDTREE and REFCHECK_DDTREE_LEAKY_CHAIN).")
 @click.option("--ref-device", default="cuda", show_default=True, help="With --engine sglang: the replay reference's device.")
-@triage_options
 @click.option("--from-traces", "from_traces", multiple=True, type=click.Path(path_type=Path),
               help="With --engine sglang: tabulate saved SGLang traces (repeatable) instead of running the engine; "
                    "rows are grouped by each trace's algorithm and budget.")
 @model_options
-def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_device, triage_isolated,
-          triage_ill_conditioned, from_traces,
+def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_device, from_traces,
           model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device, drafter, stop_ids, as_json):
     """Acceptance and speed against node budget: τ, histograms, per-phase time, speedup over target-only.
 
@@ -46,8 +44,7 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
         raise UsageError("--from-traces tabulates SGLang traces: add --engine sglang")
     if engine == "sglang":
         _sweep_sglang(blist, repeats, out_dir, sglang_algorithms, ref_device, model_dir, draft_dir, pair, prompts_file,
-                      max_new_tokens, dtype, stop_ids, as_json, make_triage(triage_isolated, triage_ill_conditioned),
-                      from_traces)
+                      max_new_tokens, dtype, stop_ids, as_json, from_traces)
         return
     spec = spec_from_options(model_dir, draft_dir, pair, blist[0], max_new_tokens, dtype, device, drafter, stop_ids)
     prompts = load_prompts(prompts_file)
@@ -78,12 +75,12 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
     sys.exit(EXIT_PASS if all(r["lossless"] for r in result["budgets"]) else EXIT_MISMATCH)
 
 def _sweep_sglang(blist, repeats, out_dir, algorithms, ref_device, model_dir, draft_dir, pair, prompts_file,
-                  max_new_tokens, dtype, stop_ids, as_json, triage, from_traces=()) -> None:
+                  max_new_tokens, dtype, stop_ids, as_json, from_traces=()) -> None:
     from refcheck.sweep_sglang import DEFAULT_ALGORITHMS, run_sglang_sweep, tabulate_traces
     from refcheck.trace.io import atomic_write_bytes, read_trace
 
     if from_traces:
-        result = tabulate_traces([read_trace(p) for p in from_traces], ref_device=ref_device, triage=triage)
+        result = tabulate_traces([read_trace(p) for p in from_traces], ref_device=ref_device)
         dtype = result["dtype"]
     else:
         if any(b is None or b < 1 for b in blist):
@@ -91,7 +88,7 @@ def _sweep_sglang(blist, repeats, out_dir, algorithms, ref_device, model_dir, dr
         dtype = unless_given("dtype", dtype, "bfloat16")
         spec = spec_from_options(model_dir, draft_dir, pair, blist[0], max_new_tokens, dtype, "cuda", "dflash", stop_ids)
         result = run_sglang_sweep(spec, load_prompts(prompts_file), blist, repeats, tuple(algorithms) or DEFAULT_ALGORITHMS,
-                                  ref_device=ref_device, triage=triage, save_dir=out_dir / "traces",
+                                  ref_device=ref_device, save_dir=out_dir / "traces",
                                   progress=lambda a, b, r: err.print(f"{a} budget {b}: captured run + {r} warm repeat(s)",
                                                                     markup=False))
     out_dir.mkdir(parents=True, exist_ok=True)

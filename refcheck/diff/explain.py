@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 from refcheck.diff.tolerance import engine_numerics, tolerance_of
-from refcheck.diff.triage import UNIT_ROUNDOFF, RoundingEnsemble, Triage, topk_spread
+from refcheck.diff.tolerance import calibration_for
+from refcheck.diff.triage import UNIT_ROUNDOFF, RoundingEnsemble, StepInputs, topk_spread
 from refcheck.errors import UsageError
 from refcheck.trace.io import Trace
 from reference.compat import full_forward_logits
@@ -189,17 +190,18 @@ def explain_node(trace: Trace, request_id: str, step: int, node: int, target: Ta
     # rounding at the engine's dtype: is this an ill-conditioned node?
     dtype = engine_numerics(trace.provenance)[0]
     if dtype in UNIT_ROUNDOFF and s.topk_ids:
-        triage = Triage(ill_conditioned=True)
+        rule = calibration_for(*engine_numerics(trace.provenance)).rule
         cols = torch.tensor(s.topk_ids, dtype=torch.long)  # [N, k] each node's engine top-k ids
-        samples = RoundingEnsemble(target, dtype, triage).sample(committed, tokens, parents, depths, cols)  # [S, N, k]
+        inputs = StepInputs(committed, tokens, parents, depths, [0], cols, None, None)
+        samples = RoundingEnsemble(target, None, dtype, rule, ()).sample(inputs).node  # [S, N, k]
         ref_cols = torch.log_softmax(exact.logits.float().cpu(), dim=-1).gather(1, cols)  # [N, k]
         spreads = topk_spread(samples, ref_cols)  # [N]
         spread = float(spreads[node])
         fits = (samples[:, node] - eng_lp[None]).abs().amax(dim=1)  # [S]
-        out.conditioning = {"spread": spread, "median_spread": float(spreads.median()), "samples": triage.samples,
-                            "factor": triage.factor, "unit_roundoff": UNIT_ROUNDOFF[dtype], "dtype": dtype}
+        out.conditioning = {"spread": spread, "median_spread": float(spreads.median()), "samples": rule.samples,
+                            "factor": rule.factor, "unit_roundoff": UNIT_ROUNDOFF[dtype], "dtype": dtype}
         out.hypotheses.append(Hypothesis(
-            "rounding", f"rounding at {dtype}: {triage.samples} noisy runs move this node by up to {spread:.4g} "
+            "rounding", f"rounding at {dtype}: {rule.samples} noisy runs move this node by up to {spread:.4g} "
                         f"(median node {float(spreads.median()):.3g}); best run fits within {float(fits.min()):.4g}",
-            float(fits.min()), -1, explains=exact_fit > tol and triage.covers(exact_fit, spread)))
+            float(fits.min()), -1, explains=exact_fit > tol and rule.covers(exact_fit, spread)))
     return out

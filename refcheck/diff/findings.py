@@ -99,6 +99,10 @@ class Report:
                 mine = self.stats.setdefault("steps", {})
                 for k, v in value.items():
                     mine[k] = mine.get(k, 0) + v
+            elif key == "ensemble_steps":  # counts add up
+                self.stats[key] = self.stats.get(key, 0) + value
+            elif key == "rounding_ratios":  # the judged deviations of both
+                self.stats[key] = self.stats.get(key, []) + value
             elif key.startswith("max_"):  # largest deviations: the larger wins
                 self.stats[key] = max(self.stats.get(key, value), value)
             else:

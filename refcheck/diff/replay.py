@@ -14,9 +14,14 @@ engine's drafts differ from the reference's), then checks, each counted in the r
 * the accepted path, τ (bonus counted), the bonus, the emitted tokens and their log-probs;
 * the committed KV rows, conv and recurrent state per layer (sketches or full tensors).
 
-Opt-in triage rules (:class:`refcheck.diff.triage.Triage`) report a failing node as TRIAGED with
-their evidence: ``isolated`` (its argmax and every descendant agree) and ``ill_conditioned`` (the
-engine dtype's rounding, emulated by a seeded ensemble of the reference, moves the node as far).
+**The calibrated verdict** (:mod:`refcheck.diff.tolerance`): a quantity within its cheap bound
+passes. For an engine dtype coarser than the reference, a draft, node, emitted log-prob or state
+entry over its bound is judged by the rounding ensemble (:mod:`refcheck.diff.triage`, run once per
+such step): within the calibrated factor of how far a correct engine's rounding moves it, it is
+*consistent with rounding*. Consistent deviations are reported TRIAGED, with their evidence, only
+at a step where nothing fails outright and in a request that has not failed before; otherwise they
+are failures ("not triaged: ..."). A fault that moves one ill-conditioned node also moves the
+state it commits or the nodes around it, so it cannot hide behind rounding at one node.
 
 The reference then commits the *engine's* accepted path, so one bug does not cascade into every
 later step; if the engine's step is unusable, the reference re-prefills the engine's committed
@@ -27,20 +32,22 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 
 from refcheck.diff.findings import Finding, Report, Verdict, worst_verdict
-from refcheck.diff.tolerance import Tolerance
-from refcheck.diff.triage import RoundingEnsemble, StepSpread, Triage
+from refcheck.diff.tolerance import Calibration
+from refcheck.diff.triage import RoundingEnsemble, StepInputs, StepSpread
 from refcheck.sketch import cosine, layer_sketch, rel_l2, sketch_rows, state_rows
-from refcheck.trace.io import StepRow, Trace
+from refcheck.trace.io import StateEntry, StepRow, Trace
 from reference.drafter import Drafter
 from reference.state import TargetState
 from reference.target import Target
 from reference.tree import Tree, TreeError
 
 STATE_CATEGORY = {"kv_k": "kv", "kv_v": "kv", "conv": "conv", "rec": "recurrent"}
+MAX_RATIOS = 4000  # judged deviations kept per report for `refcheck calibrate`
 
 
 def _abs_dev(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -49,25 +56,67 @@ def _abs_dev(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(got), dev, torch.full_like(dev, float("inf")))
 
 
+def _as_compared(entry: StateEntry, rows: torch.Tensor) -> torch.Tensor:
+    """Reference state rows in the form the engine recorded them: full rows, or their sketch."""
+    return rows.float().cpu() if entry.full is not None else sketch_rows(rows)
+
+
 class _Request:
     """Replay of one request: the reference state follows the engine's committed path."""
 
-    def __init__(self, rep: Report, target: Target, drafter: Drafter, tol: Tolerance, rid: str, stop: frozenset[int],
-                 check_draft: bool = True, structural_trees: bool = False, triage: Triage = Triage(),
-                 ensemble: RoundingEnsemble | None = None):
-        self.rep, self.target, self.drafter, self.tol, self.rid, self.stop = rep, target, drafter, tol, rid, stop
+    def __init__(self, rep: Report, target: Target, drafter: Drafter, cal: Calibration, rid: str, stop: frozenset[int],
+                 check_draft: bool = True, structural_trees: bool = False, ensemble: RoundingEnsemble | None = None):
+        self.rep, self.target, self.drafter, self.tol, self.rid, self.stop = rep, target, drafter, cal.tolerance, rid, stop
+        self.rule = cal.rule
         self.check_draft_enabled = check_draft
         self.structural_trees = structural_trees  # engine trees (SGLang NGRAM, ...) need not follow DDTree's rules
-        self.triage = triage
-        self.ensemble = ensemble  # set when triage.ill_conditioned
-        #: this step's nodes triaged as ill-conditioned -> their log-prob spread under rounding noise
-        self.ill_conditioned: dict[int, float] = {}
+        self.ensemble = ensemble  # set when the calibration has a rule
         self.capture = tuple(drafter.target_layer_ids)
         self.state: TargetState | None = None
         self.root: int | None = None
+        #: this step's deviations consistent with rounding, settled at the step's end
+        self.pending: list[Finding] = []
+        #: this step's nodes whose log-probs are consistent with rounding -> their spread
+        self.ill_conditioned: dict[int, float] = {}
+        self.spread: Callable[[], StepSpread] | None = None  # this step's ensemble, run at most once
+        self.failed_at: int | None = None  # the first step of this request with a failure
 
     def fail(self, category: str, step: int | None, message: str, **kw) -> None:
         self.rep.add(Finding(Verdict.FAIL, category, self.rid, step, message=message, **kw))
+
+    def consistent(self, category: str, step: int, message: str, details: dict, **kw) -> None:
+        """A deviation over its bound that rounding at the engine's dtype explains: triaged or failed at
+        the step's end (:meth:`settle`)."""
+        details.update(rule="rounding", samples=self.rule.samples, factor=self.rule.factor)
+        self.pending.append(Finding(Verdict.TRIAGED, category, self.rid, step, message=message, details=details, **kw))
+
+    def judged(self, deviation: float, spread: Callable[[StepSpread], float | None]) -> float | None:
+        """The quantity's rounding spread when the calibration judges over-bound deviations and this one
+        is within it; else None (the deviation fails)."""
+        if self.rule is None or self.spread is None:
+            return None
+        value = spread(self.spread())
+        if value is None:
+            return None
+        ratios = self.rep.stats.setdefault("rounding_ratios", [])
+        if len(ratios) < MAX_RATIOS:  # deviation / spread of every judged quantity: the calibration's raw data
+            ratios.append(round(deviation / value, 4) if value > 0 else float("inf"))
+        return value if self.rule.covers(deviation, value) else None
+
+    def settle(self, since: int, step: int) -> None:
+        """Report the step's rounding-consistent deviations: triaged only if nothing else failed at this
+        step or earlier in the request."""
+        failed_here = any(f.verdict == Verdict.FAIL for f in self.rep.findings[since:])
+        if self.pending and (failed_here or self.failed_at is not None):
+            where = f"step {self.failed_at}" if self.failed_at is not None else "this step"
+            for f in self.pending:
+                f.verdict = Verdict.FAIL
+                f.message += f"; not triaged: the request fails at {where}, so rounding cannot be presumed"
+                f.details["not_triaged"] = where
+        self.rep.findings.extend(self.pending)
+        self.pending = []
+        if self.failed_at is None and any(f.verdict == Verdict.FAIL for f in self.rep.findings[since:]):
+            self.failed_at = step
 
     # -- state handling ---------------------------------------------------------------------
     def prefill(self, tokens: list[int]) -> torch.Tensor:
@@ -89,7 +138,40 @@ class _Request:
         steps = self.rep.stats.setdefault("steps", {"pass": 0, "benign_tie": 0, "fail": 0})
         steps[key] = steps.get(key, 0) + 1
 
-    # -- checks -------------------------------------------------------------------------------
+    def step_ensemble(self, s: StepRow, tree: Tree, logp: torch.Tensor, committed: list[int],
+                      draft_ref: torch.Tensor | None, new_state: TargetState | None, prev: int) -> None:
+        """Set up this step's rounding ensemble (run on first use): node log-probs at the engine's
+        top-k ids and both argmaxes, the draft at the engine's draft ids, the committed state."""
+        self.spread = None
+        if self.ensemble is None:
+            return
+        n, V = tree.num_nodes, logp.shape[-1]
+        ids = torch.tensor(s.topk_ids, dtype=torch.long) if s.topk_ids else torch.zeros(n, 0, dtype=torch.long)
+        ref_arg = logp.argmax(dim=-1).cpu()
+        eng_arg = torch.tensor(s.target_argmax, dtype=torch.long)
+        eng_arg = eng_arg.clamp(0, V - 1) if eng_arg.shape == ref_arg.shape else ref_arg
+        cols = torch.cat([ids, ref_arg[:, None], eng_arg[:, None]], dim=1)  # [N, k+2]
+        draft_ids = torch.tensor(s.draft_topk_ids, dtype=torch.long) if draft_ref is not None else None
+        entries = {e.name: e for e in s.state}
+        ref_rows = {name: _as_compared(entries[name], rows)
+                    for name, (_, _, rows) in (state_rows(new_state, prev).items() if new_state is not None else ())
+                    if name in entries}
+
+        def state_error(state: TargetState, length: int) -> dict[str, float]:
+            got = state_rows(state, length)
+            return {name: rel_l2(_as_compared(entries[name], got[name][2]), ref) for name, ref in ref_rows.items()
+                    if name in got}
+
+        inputs = StepInputs(committed, tree.tokens, tree.parents, tree.depths, list(s.accepted), cols, draft_ids,
+                            state_error if ref_rows else None)
+        node_ref = logp.cpu().gather(1, cols)  # [N, k+2]
+
+        def run() -> StepSpread:
+            self.rep.stats["ensemble_steps"] = self.rep.stats.get("ensemble_steps", 0) + 1
+            return StepSpread.of_step(self.ensemble.sample(inputs), node_ref, ids.shape[1], draft_ref)
+
+        self.spread = functools.cache(run)
+
     def token_flip(self, category: str, step: int, node: int | None, logp: torch.Tensor, engine_tok: int, **kw) -> bool:
         """Engine picked engine_tok where the reference's argmax differs. True if benign."""
         ref_tok = int(logp.argmax())
@@ -104,7 +186,9 @@ class _Request:
         self.rep.add(Finding(verdict, category, self.rid, step, node=node, message=msg, details=details, **kw))
         return benign
 
-    def check_draft(self, s: StepRow) -> None:
+    def check_draft(self, s: StepRow, ref: torch.Tensor | None) -> None:
+        """The engine's draft top-k log-probs against the reference drafter's (``ref`` [L, k] at the
+        engine's ids, computed by the caller; None when not comparable)."""
         if not self.check_draft_enabled:
             self.rep.add(Finding(Verdict.UNSUPPORTED, "draft", self.rid, s.step,
                                  message="drafts not comparable: scripted drafter at different numerics"))
@@ -113,21 +197,37 @@ class _Request:
             self.rep.add(Finding(Verdict.UNSUPPORTED, "draft", self.rid, s.step, message="engine recorded no draft top-k"))
             return
         self.rep.check("draft")
+        if ref is None:
+            self.fail("draft", s.step, f"engine drafted {len(s.draft_topk_ids)} depths, more than the drafter's block")
+            return
+        dev = _abs_dev(torch.tensor(s.draft_topk_logprobs, dtype=torch.float32), ref).amax(dim=1)  # [L]
+        self.track_max("max_draft_logprob_abs", float(dev.max()))
+        over = torch.nonzero(dev > self.tol.draft_logprob_abs).flatten().tolist()
+        if not over:
+            return
+        depth = over[0] + 1
+        spread = [self.judged(float(dev[d]), lambda sp, d=d: None if sp.draft is None else float(sp.draft[d])) for d in over]
+        details = {"max_abs": float(dev.max()), "depth": depth}
+        if all(v is not None for v in spread):
+            self.consistent("draft", s.step, f"draft log-probs off by up to {float(dev.max()):.4g} (first over "
+                            f"{self.tol.draft_logprob_abs:g} at depth {depth}), within {self.rule.factor:g}x of what "
+                            f"rounding at the engine's dtype moves them (up to {max(spread):.4g})",
+                            {**details, "spread": max(spread)})
+            return
+        self.fail("draft", s.step, f"draft log-probs differ from the reference drafter's by {float(dev.max()):.4g} "
+                  f"(first at depth {depth}); the drafter's context or input differs", details=details)
+
+    def draft_reference(self, s: StepRow) -> torch.Tensor | None:
+        """The reference drafter's log-probs at the engine's draft ids ([L, k] float32), or None."""
+        if not (self.check_draft_enabled and s.draft_topk_ids):
+            return None
         ref = self.drafter.propose(s.tree_tokens[0], self.state.length, len(s.draft_topk_ids))  # [L, V]
         ids = torch.tensor(s.draft_topk_ids, dtype=torch.long)
-        lps = torch.tensor(s.draft_topk_logprobs, dtype=torch.float32)
         if ids.shape[0] > ref.shape[0]:
-            self.fail("draft", s.step, f"engine drafted {ids.shape[0]} depths, the drafter has {ref.shape[0]}")
-            return
-        dev = _abs_dev(lps, ref[: ids.shape[0]].cpu().gather(1, ids))  # [L, k]
-        if float(dev.max()) > self.tol.draft_logprob_abs:
-            depth = int(dev.max(dim=1).values.argmax()) + 1
-            self.fail("draft", s.step, f"draft log-probs differ from the reference drafter's by {float(dev.max()):.4g} "
-                      f"(first at depth {depth}); the drafter's context or input differs",
-                      details={"max_abs": float(dev.max()), "depth": depth})
+            return None
+        return ref[: ids.shape[0]].float().cpu().gather(1, ids)
 
-    def check_nodes(self, s: StepRow, tree: Tree, logp: torch.Tensor, layers: list[torch.Tensor] | None,
-                    committed: list[int]) -> torch.Tensor:
+    def check_nodes(self, s: StepRow, tree: Tree, logp: torch.Tensor, layers: list[torch.Tensor] | None) -> torch.Tensor:
         """Argmax and top-k log-probs at every node; returns the argmax to walk with (teacher-forced)."""
         n = tree.num_nodes
         self.rep.check("logits", n)
@@ -137,17 +237,18 @@ class _Request:
         if eng_arg.shape != ref_arg.shape:
             self.fail("logits", s.step, f"engine reported {eng_arg.shape[0]} argmaxes for {n} nodes")
             return ref_arg
-        # the rounding ensemble runs once, and only for a step that has a node to judge
-        spread = functools.cache(lambda: self.step_spread(s, tree, logp, committed, ref_arg, eng_arg))
         walk = ref_arg.clone()
         bad_nodes: list[int] = []
         for i in torch.nonzero(eng_arg != ref_arg).flatten().tolist():
             pos = self.state.length + int(tree.depths[i])
             lp = logp[i].cpu()
             margin = float(lp[ref_arg[i]] - lp[eng_arg[i]])
-            if margin >= self.tol.tie_margin and self.ensemble is not None \
-                    and self.triage.covers(margin, float(spread().margin[i])):
-                self.triage_ill_conditioned("logits", s, i, pos, spread(), flip=(int(eng_arg[i]), int(ref_arg[i]), margin))
+            spread = self.judged(margin, lambda sp, i=i: float(sp.margin[i])) if margin >= self.tol.tie_margin else None
+            if spread is not None:
+                self.consistent("logits", s.step, f"argmax flip at margin {margin:.4g}: engine token {int(eng_arg[i])} vs "
+                                f"reference {int(ref_arg[i])}; rounding at the engine's dtype moves that margin by up to "
+                                f"{spread:.4g} here", {"engine_token": int(eng_arg[i]), "reference_token": int(ref_arg[i]),
+                                                       "margin": margin, "margin_spread": spread}, node=i, position=pos)
                 walk[i] = eng_arg[i]
             elif self.token_flip("logits", s.step, i, lp, int(eng_arg[i]), position=pos):
                 walk[i] = eng_arg[i]
@@ -158,81 +259,28 @@ class _Request:
             lps = torch.tensor(s.topk_logprobs, dtype=torch.float32)
             dev = _abs_dev(lps, logp.cpu().gather(1, ids)).max(dim=1).values  # [N]
             self.track_max("max_logprob_abs", float(dev.max()))
-            over = torch.nonzero(dev > self.tol.logprob_abs).flatten().tolist()
-            if over and self.triage.isolated:
-                over = self.triage_isolated_nodes(s, tree, over, dev, eng_arg, ref_arg)
-            if over and self.ensemble is not None:
-                keep = []
-                for i in over:
-                    if self.triage.covers(float(dev[i]), float(spread().topk[i])):
-                        self.triage_ill_conditioned("logits", s, i, self.state.length + int(tree.depths[i]), spread(),
-                                                    dev=float(dev[i]))
-                    else:
-                        keep.append(i)
-                over = keep
+            over = []
+            for i in torch.nonzero(dev > self.tol.logprob_abs).flatten().tolist():
+                spread = self.judged(float(dev[i]), lambda sp, i=i: float(sp.topk[i]))
+                if spread is None:
+                    over.append(i)
+                    continue
+                self.ill_conditioned[i] = spread
+                median = self.spread().median_topk
+                self.consistent("logits", s.step, f"log-probs off by {float(dev[i]):.4g}, within {self.rule.factor:g}x of "
+                                f"what rounding at the engine's dtype moves them here ({spread:.4g}; median node "
+                                f"{median:.3g})", {"max_abs": float(dev[i]), "spread": spread, "median_spread": median},
+                                node=i, position=self.state.length + int(tree.depths[i]))
             if over:
                 i = over[0]
-                self.fail("logits", s.step, f"top-k log-probs differ by up to {float(dev.max()):.4g} at {len(over)} of {n} nodes "
-                          f"(first node {i}, tolerance {self.tol.logprob_abs:g})", node=i,
-                          position=self.state.length + int(tree.depths[i]), details={"max_abs": float(dev.max()), "nodes": over[:16]})
+                self.fail("logits", s.step, f"top-k log-probs differ by up to {float(dev[over].max()):.4g} at {len(over)} "
+                          f"of {n} nodes (first node {i}, tolerance {self.tol.logprob_abs:g})", node=i,
+                          position=self.state.length + int(tree.depths[i]),
+                          details={"max_abs": float(dev[over].max()), "nodes": over[:16]})
                 bad_nodes.append(i)
         if bad_nodes and s.layer_sketch is not None and layers is not None:
             self.bisect(s, min(bad_nodes), layers)
         return walk
-
-    def step_spread(self, s: StepRow, tree: Tree, logp: torch.Tensor, committed: list[int], ref_arg: torch.Tensor,
-                    eng_arg: torch.Tensor) -> StepSpread:
-        """The rounding ensemble's spread at every node of this step (columns: the engine's top-k ids,
-        the reference's argmax, the engine's argmax)."""
-        n = tree.num_nodes
-        ids = torch.tensor(s.topk_ids, dtype=torch.long) if s.topk_ids else torch.zeros(n, 0, dtype=torch.long)
-        cols = torch.cat([ids, ref_arg[:, None], eng_arg.clamp(0, logp.shape[-1] - 1)[:, None]], dim=1)  # [N, k+2]
-        samples = self.ensemble.sample(committed, tree.tokens, tree.parents, tree.depths, cols)  # [S, N, k+2]
-        return StepSpread.of(samples, logp.cpu().gather(1, cols), ids.shape[1])
-
-    def triage_ill_conditioned(self, category: str, s: StepRow, node: int, position: int, spread: StepSpread,
-                               dev: float | None = None, flip: tuple[int, int, float] | None = None) -> None:
-        t = self.triage
-        self.ill_conditioned[node] = float(spread.topk[node])
-        common = (f"rounding noise at the engine's unit roundoff ({self.ensemble.u:.3g}, {t.samples} samples) moves the "
-                  f"reference's log-probs here by up to {float(spread.topk[node]):.4g} (median node "
-                  f"{spread.median_topk:.3g})")
-        if flip is not None:
-            eng_tok, ref_tok, margin = flip
-            msg = (f"ill-conditioned node: engine token {eng_tok} vs reference {ref_tok} at margin {margin:.4g}; the same "
-                   f"noise moves that margin by up to {float(spread.margin[node]):.4g}; {common}")
-            details = {"engine_token": eng_tok, "reference_token": ref_tok, "margin": margin}
-        else:
-            msg = f"ill-conditioned node: log-probs off by {dev:.4g}, within {t.factor:g}x of what {common}"
-            details = {"max_abs": dev}
-        details.update(spread=float(spread.topk[node]), margin_spread=float(spread.margin[node]),
-                       median_spread=spread.median_topk, samples=t.samples, factor=t.factor, rule="ill_conditioned")
-        self.rep.add(Finding(Verdict.TRIAGED, category, self.rid, s.step, node=node, position=position, message=msg,
-                             details=details))
-
-    def triage_isolated_nodes(self, s: StepRow, tree: Tree, over: list[int], dev: torch.Tensor, eng_arg: torch.Tensor,
-                              ref_arg: torch.Tensor) -> list[int]:
-        """Opt-in triage: a node whose log-probs deviate beyond tolerance while its argmax agrees and every
-        descendant stays within tolerance is reported TRIAGED, not failed. A wrong state, mask or position
-        at a node reaches its descendants (they attend to it or inherit its recurrent state), so a
-        deviation confined to one node is rounding at that node's output; leaves, having no
-        descendants, cannot be judged and stay failures. Returns the nodes that still fail."""
-        parents = s.tree_parents
-        keep = []
-        for i in over:
-            desc = [j for j in range(len(parents)) if j != i and i in tree.path(j)]
-            clean = bool(desc) and float(dev[desc].max()) <= self.tol.logprob_abs \
-                and bool((eng_arg[desc] == ref_arg[desc]).all()) and int(eng_arg[i]) == int(ref_arg[i])
-            if not clean:
-                keep.append(i)
-                continue
-            self.rep.add(Finding(Verdict.TRIAGED, "logits", self.rid, s.step, node=i,
-                                 position=self.state.length + int(tree.depths[i]),
-                                 message=f"isolated deviation: log-probs off by {float(dev[i]):.4g} at this node only; "
-                                         f"its {len(desc)} descendants stay within {self.tol.logprob_abs:g} "
-                                         f"(max {float(dev[desc].max()):.3g})",
-                                 details={"max_abs": float(dev[i]), "descendants": len(desc)}))
-        return keep
 
     def bisect(self, s: StepRow, node: int, layers: list[torch.Tensor]) -> None:
         ref = layer_sketch(torch.stack(layers))  # [layers, N, r]
@@ -279,6 +327,12 @@ class _Request:
             self.track_max(f"max_rel_l2_{cat}", err)
             if err > self.tol.tensor_rel_l2 or cos < self.tol.tensor_min_cos:
                 layer_type = "linear_attention" if self.target.is_linear(layer) else "attention"
+                spread = self.judged(err, lambda sp, name=name: (sp.state or {}).get(name))
+                if spread is not None:
+                    self.consistent(cat, s.step, f"{name}: rel L2 {err:.3g}, cosine {cos:.6f}, within {self.rule.factor:g}x "
+                                    f"of what rounding at the engine's dtype moves it ({spread:.3g})",
+                                    {"rel_l2": err, "cosine": cos, "spread": spread}, layer=layer, layer_type=layer_type)
+                    continue
                 self.fail(cat, s.step, f"{name}: rel L2 {err:.3g}, cosine {cos:.6f} (tolerance {self.tol.tensor_rel_l2:g} / "
                           f"{self.tol.tensor_min_cos:g})", layer=layer, layer_type=layer_type,
                           details={"rel_l2": err, "cosine": cos})
@@ -303,11 +357,11 @@ class _Request:
             ref = float(logp[s.accepted[j], tok])
             node = s.accepted[j]
             if math.isfinite(lp) and abs(lp - ref) > self.tol.logprob_abs and node in self.ill_conditioned \
-                    and self.triage.covers(abs(lp - ref), self.ill_conditioned[node]):
-                self.rep.add(Finding(Verdict.TRIAGED, "logprobs", self.rid, s.step, node=node,
-                                     message=f"log-prob of emitted token {j} ({tok}) {lp:.5g} vs reference {ref:.5g} at an "
-                                             f"ill-conditioned node (spread {self.ill_conditioned[node]:.4g})",
-                                     details={"index": j, "engine": lp, "reference": ref, "rule": "ill_conditioned"}))
+                    and self.rule.covers(abs(lp - ref), self.ill_conditioned[node]):
+                self.consistent("logprobs", s.step, f"log-prob of emitted token {j} ({tok}) {lp:.5g} vs reference {ref:.5g} "
+                                f"at a node whose log-probs rounding moves by up to {self.ill_conditioned[node]:.4g}",
+                                {"index": j, "engine": lp, "reference": ref, "spread": self.ill_conditioned[node]},
+                                node=node)
                 continue
             if not math.isfinite(lp) or abs(lp - ref) > self.tol.logprob_abs:
                 what = "missing (NaN)" if math.isnan(lp) else f"{lp:.5g} vs reference {ref:.5g}"
@@ -335,6 +389,7 @@ class _Request:
         for k, s in enumerate(steps):
             since = len(self.rep.findings)
             usable = self.replay_step(s, last=k == len(steps) - 1, prompt=prompt, output=output)
+            self.settle(since, s.step)
             self.step_verdict(since)
             if not usable:
                 return  # the engine's step cannot be followed: later steps would only repeat this finding
@@ -365,16 +420,20 @@ class _Request:
         except (TreeError, RuntimeError, ValueError) as exc:
             self.fail("tree", s.step, f"malformed tree: {exc}")
             return False
-        self.check_draft(s)
         want_layers = s.layer_sketch is not None
         fwd = self.target.forward(self.state, tree.tokens, tree.parents, tree.depths, capture=self.capture,
                                   keep_layer_outputs=want_layers)
         logp = torch.log_softmax(fwd.logits, dim=-1)
-        walk = self.check_nodes(s, tree, logp, fwd.layer_outputs, prompt + output[: s.committed_len - P])
-        ref_acc = tree.walk_greedy(walk)
-        self.rep.check("accepted_path")
+        draft_ref = self.draft_reference(s)
+        prev = self.state.length
         valid_path = bool(s.accepted) and s.accepted[0] == 0 and all(0 <= a < n for a in s.accepted) \
             and s.accepted == tree.path(s.accepted[-1])
+        new_state = self.state.commit(fwd, s.accepted) if valid_path else None
+        self.step_ensemble(s, tree, logp, prompt + output[: s.committed_len - P], draft_ref, new_state, prev)
+        self.check_draft(s, draft_ref)
+        walk = self.check_nodes(s, tree, logp, fwd.layer_outputs)
+        ref_acc = tree.walk_greedy(walk)
+        self.rep.check("accepted_path")
         if s.accepted != ref_acc:
             self.fail("accepted_path", s.step, f"engine accepted {s.accepted}, the greedy walk gives {ref_acc}",
                       details={"engine": s.accepted, "reference": ref_acc})
@@ -382,15 +441,13 @@ class _Request:
         if s.accept_length != len(s.accepted):
             self.fail("accept_length", s.step, f"engine reports τ={s.accept_length} for {len(s.accepted)} accepted nodes "
                       f"(τ counts root+accepted = drafted tokens accepted + 1, bonus included)")
-        if not valid_path:
+        if new_state is None:
             self.fail("accepted_path", s.step, f"engine's accepted nodes {s.accepted} are not a root path of its tree")
             return False
         self.rep.check("bonus")
         if s.bonus != int(walk[s.accepted[-1]]):
             self.token_flip("bonus", s.step, s.accepted[-1], logp[s.accepted[-1]].cpu(), s.bonus)
         self.check_emitted(s, tree, logp, last=last)
-        prev = self.state.length
-        new_state = self.state.commit(fwd, s.accepted)
         self.check_state(s, new_state, prev)
         acc = torch.tensor(s.accepted, device=self.target.device)
         self.drafter.extend(fwd.context[acc], prev + tree.depths.to(acc.device)[acc], tree.tokens.to(acc.device)[acc])
@@ -421,15 +478,17 @@ def capture_findings(rep: Report, trace: Trace) -> None:
                                 "through each other's state (first at this step)"))
 
 
-def replay(trace: Trace, target: Target, drafter: Drafter, tol: Tolerance, case: str = "",
-           stop_token_ids: frozenset[int] = frozenset(), check_draft: bool = True,
-           triage: Triage = Triage(), engine_dtype: str = "float32") -> Report:
+def replay(trace: Trace, target: Target, drafter: Drafter, cal: Calibration, case: str = "",
+           stop_token_ids: frozenset[int] = frozenset(), check_draft: bool = True, engine_dtype: str = "float32") -> Report:
+    """Replay every request of ``trace``, judged by ``cal`` (the calibration of the engine's numerics)."""
     rep = Report(case=case, mode="replay")
     capture_findings(rep, trace)
     structural = trace.provenance.get("engine", {}).get("settings", {}).get("tree_rules") == "structural"
-    ensemble = RoundingEnsemble(target, engine_dtype, triage) if triage.ill_conditioned else None
+    ensemble = None
+    if cal.rule is not None:
+        ensemble = RoundingEnsemble(target, drafter, engine_dtype, cal.rule, tuple(drafter.target_layer_ids))
     for req in trace.requests:
-        _Request(rep, target, drafter, tol, req.request_id, stop_token_ids, check_draft, structural, triage, ensemble).run(
+        _Request(rep, target, drafter, cal, req.request_id, stop_token_ids, check_draft, structural, ensemble).run(
             list(req.prompt_ids), list(req.output_ids), list(req.output_logprobs), trace.steps_of(req.request_id)
         )
     return rep

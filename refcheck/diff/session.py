@@ -14,8 +14,7 @@ from pathlib import Path
 from refcheck.diff.findings import Report
 from refcheck.diff.freerun import free_run
 from refcheck.diff.replay import replay
-from refcheck.diff.tolerance import engine_numerics, tolerance_for
-from refcheck.diff.triage import Triage
+from refcheck.diff.tolerance import Calibration, calibration_for, engine_numerics
 from refcheck.errors import UsageError
 from refcheck.models import BUILTIN_PAIRS
 from refcheck.prompts import Prompt
@@ -70,13 +69,16 @@ class DiffSession:
         return self._greedy[key]
 
     def diff(self, trace: Trace, case: str, mode: str = "both", strict_acceptance: bool = False,
-             ref_dtype: str = "float32", ref_device: str = "cpu", triage: Triage = Triage()) -> Report:
+             ref_dtype: str = "float32", ref_device: str = "cpu", calibration: Calibration | None = None) -> Report:
+        """Diff ``trace`` against the reference, judged by the calibration of the engine's numerics
+        (``calibration`` overrides it: ``refcheck calibrate`` measuring candidate bounds)."""
         if mode not in MODES:
             raise UsageError(f"unknown diff mode {mode!r} (choose from {', '.join(MODES)})")
         spec = reference_spec_for(trace, ref_dtype, ref_device)
         runner = self.runner(spec)
         eng_dtype, eng_device = engine_numerics(trace.provenance)
-        tol = tolerance_for(eng_dtype, eng_device)
+        cal = calibration or calibration_for(eng_dtype, eng_device)
+        tol = cal.tolerance
         same_numerics = eng_dtype == ref_dtype and eng_device.split(":")[0] == ref_device.split(":")[0]
         strict_acceptance = strict_acceptance and same_numerics
         # The scripted drafter proposes the target's own greedy continuation: its drafts depend on the
@@ -84,8 +86,8 @@ class DiffSession:
         check_draft = same_numerics or spec.drafter != "scripted"
         report = Report(case=case, mode=mode)
         if mode in ("replay", "both"):
-            report.merge(replay(trace, runner.target, runner.drafter, tol, case, spec.stop_token_ids, check_draft,
-                                triage, eng_dtype))
+            report.merge(replay(trace, runner.target, runner.drafter, cal, case, spec.stop_token_ids, check_draft,
+                                eng_dtype))
         if mode in ("free", "both"):
             greedy = {r.request_id: self.greedy(runner, list(r.prompt_ids), spec.max_new_tokens) for r in trace.requests}
             prompts = [Prompt(r.request_id, tuple(r.prompt_ids), r.kind) for r in trace.requests]

@@ -1,32 +1,39 @@
-"""Tolerance policy, keyed by the engine's (dtype, device type).
+"""The calibrated verdict's parameters, keyed by the engine's (dtype, device type).
 
-Contract: :func:`tolerance_for` returns the rule for a (dtype, device) pair, falling back from
-("bfloat16", "cuda") to ("bfloat16", "*"); a pair no rule covers raises :class:`NoToleranceRule`
-(an uncovered comparison is an error, never a silent pass). Tokens are always compared exactly;
-log-probs by absolute difference; tensors (KV, conv, recurrent state, layer outputs) by relative
-L2 *and* cosine; an argmax flip is benign only when the reference's log-prob margin between its
-top-1 and the engine's token is under ``tie_margin``.
+Contract: :func:`calibration_for` returns the :class:`Calibration` a trace recorded in (dtype,
+device) is judged by, falling back from ("bfloat16", "cuda") to ("bfloat16", "*"). A pair with no
+measured calibration raises :class:`NoCalibration` naming the command that measures one (never a
+silent fallback to some other dtype's bounds). A calibration has two parts:
 
-fp32 values come from measurements (CPU: reference vs transformers <= 1e-5 relative; the two exact
-Gated DeltaNet tree methods, depth levels and one tree chunk, differ in node log-probs by up to
-1.2e-4 on the budget-64 goldens; CUDA fp32: 1e-5 relative on the H200). bf16 values come from the three-way calibration on the H200: the bf16
-reference (a correct engine) diffed by the fp32 reference on the built-in hybrid pair, budget 15,
-6 prompts x 64 tokens (`refcheck diff --engine reference --dtype bfloat16 --device cuda
---ref-device cuda`): max tensor rel L2 0.19 (KV), 0.14 (recurrent), 0.13 (conv); min cosine 0.982;
-node log-prob deviation up to 1.16; draft log-prob deviation up to 0.31; argmax flips at reference
-margins up to 0.52. The rule is ~1.3x those maxima. They are loose because random weights amplify
-bf16 rounding; recalibrate on trained models. fp16 has not been calibrated (provisional).
+* ``tolerance`` — the cheap fixed bounds. Tokens are always compared exactly; log-probs by absolute
+  difference; tensors (KV, conv, recurrent state, layer outputs) by relative L2 *and* cosine; an
+  argmax flip is benign only when the reference's log-prob margin between its top-1 and the
+  engine's token is under ``tie_margin``. A quantity within its bound passes at once (a clean diff
+  stays fast).
+* ``rule`` — for engine dtypes coarser than the reference (bf16, fp16): a quantity over its bound is
+  judged against what a *correct* engine in that dtype can produce at that node, measured by the
+  rounding ensemble (:mod:`refcheck.diff.triage`); ``None`` for fp32, whose bounds are measured
+  directly (CPU: reference vs transformers <= 1e-5 relative; the two exact Gated DeltaNet tree
+  methods differ in node log-probs by up to 1.2e-4 on the budget-64 goldens; CUDA fp32 1e-5 relative
+  on the H200).
+
+bf16's bounds come from the three-way calibration on the H200 (the bf16 reference diffed by the fp32
+reference on the built-in hybrid pair: max tensor rel L2 0.19 (KV), 0.14 (recurrent), 0.13 (conv);
+node log-prob deviation up to 1.16; argmax flips at margins up to 0.52) and from the corpus that
+``refcheck calibrate`` runs (docs/calibration.md has the argument and docs/results/calibration/ the
+table). :data:`CANDIDATES` holds bounds under measurement: only ``refcheck calibrate`` uses them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
+from refcheck.diff.triage import Rule
 from refcheck.errors import UsageError
 
 
-class NoToleranceRule(UsageError):
-    """No tolerance rule covers this (dtype, device)."""
+class NoCalibration(UsageError):
+    """No measured calibration covers this (dtype, device)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,22 +45,54 @@ class Tolerance:
     tie_margin: float  # reference log-prob margin under which an argmax flip is a benign near-tie
 
 
-RULES: dict[tuple[str, str], Tolerance] = {
-    ("float32", "cpu"): Tolerance(5e-4, 5e-4, 1e-4, 0.99999, 1e-4),
-    ("float32", "cuda"): Tolerance(5e-4, 5e-4, 5e-4, 0.9999, 1e-3),
-    # min cosine 0.965 ~ 1 - 0.25**2 / 2: consistent with the rel-L2 bound (0.98 flagged SGLang's bf16
-    # state at rel L2 0.20-0.22, inside the bound; measured on the H200, docs/results/sglang-h200.md)
-    ("bfloat16", "*"): Tolerance(1.5, 0.4, 0.25, 0.965, 0.7),
-    ("float16", "*"): Tolerance(0.05, 0.05, 0.02, 0.999, 0.03),
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    tolerance: Tolerance
+    rule: Rule | None  # the rounding-ensemble judgement over the bounds (None: the bounds are final)
+    source: str  # what measured it
+
+    def to_json(self) -> dict:
+        return {"tolerance": asdict(self.tolerance), "rule": self.rule.to_json() if self.rule else None,
+                "source": self.source}
+
+
+CALIBRATIONS: dict[tuple[str, str], Calibration] = {
+    ("float32", "cpu"): Calibration(Tolerance(5e-4, 5e-4, 1e-4, 0.99999, 1e-4), None,
+                                    "reference vs transformers and the two exact GDN tree methods, CPU"),
+    ("float32", "cuda"): Calibration(Tolerance(5e-4, 5e-4, 5e-4, 0.9999, 1e-3), None,
+                                     "reference fp32 on the H200 vs CPU"),
+    # min cosine 0.965 ~ 1 - 0.25**2 / 2: consistent with the rel-L2 bound
+    ("bfloat16", "*"): Calibration(Tolerance(1.5, 0.4, 0.25, 0.965, 0.7), Rule(samples=8, factor=2.0),
+                                   "three-way bf16 calibration and the refcheck calibrate corpus, H200"),
+}
+
+#: bounds under measurement, used only by ``refcheck calibrate`` (never by a verdict)
+CANDIDATES: dict[tuple[str, str], Calibration] = {
+    ("float16", "*"): Calibration(Tolerance(0.4, 0.2, 0.05, 0.998, 0.2), Rule(samples=8, factor=2.0),
+                                  "candidate: bf16's bounds scaled by fp16's 8x smaller unit roundoff"),
 }
 
 
-def tolerance_for(dtype: str, device: str) -> Tolerance:
+def _lookup(table: dict[tuple[str, str], Calibration], dtype: str, device: str) -> Calibration | None:
     kind = device.split(":")[0]
-    for key in ((dtype, kind), (dtype, "*")):
-        if key in RULES:
-            return RULES[key]
-    raise NoToleranceRule(f"no tolerance rule for dtype {dtype!r} on device {device!r} (known: {sorted(RULES)})")
+    return next((table[k] for k in ((dtype, kind), (dtype, "*")) if k in table), None)
+
+
+def calibration_for(dtype: str, device: str, candidates: bool = False) -> Calibration:
+    """The calibration for engines recorded in ``dtype`` on ``device`` (``candidates``: also bounds
+    under measurement, for ``refcheck calibrate``)."""
+    found = _lookup(CALIBRATIONS, dtype, device) or (_lookup(CANDIDATES, dtype, device) if candidates else None)
+    if found is None:
+        raise NoCalibration(
+            f"no calibration for engines in {dtype} on {device.split(':')[0]} (calibrated: "
+            f"{', '.join(f'{d}/{k}' for d, k in sorted(CALIBRATIONS))}); measure one on that device with "
+            f"`refcheck calibrate --dtype {dtype} --device {device.split(':')[0]} --out DIR` and add it to "
+            f"refcheck/diff/tolerance.py (docs/calibration.md)")
+    return found
+
+
+def tolerance_for(dtype: str, device: str) -> Tolerance:
+    return calibration_for(dtype, device).tolerance
 
 
 def engine_numerics(provenance: dict) -> tuple[str, str]:
@@ -62,5 +101,5 @@ def engine_numerics(provenance: dict) -> tuple[str, str]:
 
 
 def tolerance_of(provenance: dict) -> Tolerance:
-    """The tolerance an engine trace is judged by: its own recording numerics'."""
+    """The cheap bounds an engine trace is judged by: its own recording numerics'."""
     return tolerance_for(*engine_numerics(provenance))

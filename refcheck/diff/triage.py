@@ -1,35 +1,40 @@
-"""Triage rules for replay findings, and the rounding ensemble behind the ill-conditioned-node rule.
+"""The rounding ensemble: how far a *correct* engine in a given dtype can move each compared quantity.
 
-Contract: :class:`Triage` says which opt-in rules a diff applies (both off by default; a finding
-they move is reported TRIAGED with its evidence, never dropped):
+Contract: :class:`RoundingEnsemble` recomputes one replayed step ``samples`` times in the
+reference's own precision with every ``nn.Linear`` output of the target (and of a DFlash drafter), and
+its residual stream after every add, multiplied by ``1 + u*U(-1, 1)``, ``u`` the engine dtype's unit
+roundoff (bf16 2^-8, fp16 2^-11): the size of one rounding of each stored activation, the error a
+correct engine in that dtype commits. (Linear outputs alone under-estimate it: the residual stream is
+far larger than each layer's update, so its rounding dominates the hidden states a drafter reads; on
+the first corpus the draft deviation of a bf16 engine was up to 3.9x the linear-only spread.)
+Each sample re-prefills the committed tokens (so rounding accumulates over the prefix as it does in
+the engine's carried state), re-drafts from that context, verifies the step's tree and commits the
+engine's accepted path. :class:`StepSpread` holds, per quantity, the largest change over the
+samples against the noise-free reference:
 
-* ``isolated``: a node whose log-probs deviate while its argmax and every descendant agree
-  (rounding at that node; applied in :mod:`refcheck.diff.replay`).
-* ``ill_conditioned``: a node whose deviation the engine's own dtype can produce. The
-  :class:`RoundingEnsemble` recomputes the step (prefill of the committed tokens, then the tree) in
-  float32 ``samples`` times with every ``nn.Linear`` output of the target multiplied by
-  ``1 + u*U(-1, 1)``, ``u`` the engine dtype's unit roundoff (bf16 2^-8): the size of one rounding
-  of each stored activation, the error a correct engine in that dtype commits. A node's *spread* is
-  the largest change of its log-probs (at the engine's top-k ids) over the samples; an over-tolerance
-  node is triaged when the engine's deviation is at most ``factor`` x its spread, an argmax flip
-  when the reference's margin is at most ``factor`` x the largest change of that margin. Well-
-  conditioned nodes move by ~0.1 nat under bf16 noise; a wrong state, mask or position moves
-  log-probs by whole nats at nodes that noise leaves alone, so it is not triaged (the leak goldens
-  still fail under the rule). Measured on the H200 trace of SGLang's DDTree at budget 64 (code-1
-  step 13 node 32): the layer-0 Gated DeltaNet core output there is 68x smaller than its peers, the
-  gated RMSNorm scales its rounding up, and the ensemble moves the node's log-probs by 5.4 nats
-  against a median of 0.07; the engine's deviation is 6.4.
+* ``topk`` [N]: a node's log-probs at the engine's top-k ids; ``margin`` [N]: the reference's
+  argmax-vs-engine-argmax margin;
+* ``draft`` [L]: the drafter's log-probs at the engine's draft top-k ids, per depth;
+* ``state``: rel L2 of each committed state entry (``kv_k.3``, ``conv.0``, ``rec.0``, ...).
+
+:class:`Rule` is the decision on top: a deviation over the cheap fixed bound is *consistent with
+rounding* when it is at most ``factor`` x that spread (the factor and sample count are calibrated by
+``refcheck calibrate``; see docs/calibration.md). Whether a consistent deviation is then reported
+as triaged is the replay's step-level decision (:mod:`refcheck.diff.replay`): never at a step or
+after a step where anything fails outright.
 
 The ensemble is seeded (``seed``): the same trace gives the same verdicts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
+from reference.state import TargetState
 from reference.target import Target
 
 #: unit roundoff (half the machine epsilon) of the engine dtypes refcheck diffs
@@ -37,65 +42,117 @@ UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 2.0 **
 
 
 @dataclass(frozen=True, slots=True)
-class Triage:
-    isolated: bool = False
-    ill_conditioned: bool = False
+class Rule:
+    """The ensemble-backed decision: ``samples`` noisy re-runs, consistent when within ``factor`` x spread."""
+
     samples: int = 8
     factor: float = 2.0
     seed: int = 0
 
-    @property
-    def any(self) -> bool:
-        return self.isolated or self.ill_conditioned
-
     def covers(self, deviation: float, spread: float) -> bool:
-        """The ill-conditioned rule: a deviation within ``factor`` x the node's rounding spread."""
-        return deviation <= self.factor * spread
+        """A deviation within ``factor`` x the quantity's rounding spread (never a NaN or infinite one)."""
+        return deviation == deviation and deviation != float("inf") and deviation <= self.factor * spread
 
-    def union(self, other: Triage) -> Triage:
-        """Every rule either side applies (the sampling settings are this side's)."""
-        return replace(self, isolated=self.isolated or other.isolated,
-                       ill_conditioned=self.ill_conditioned or other.ill_conditioned)
+    def to_json(self) -> dict:
+        return {"samples": self.samples, "factor": self.factor, "seed": self.seed}
 
 
 @contextmanager
-def rounding_noise(target: Target, unit_roundoff: float, generator: torch.Generator):
-    """Every ``nn.Linear`` output of the target is multiplied by ``1 + u*U(-1, 1)`` while active."""
+def rounding_noise(modules: list[torch.nn.Module], unit_roundoff: float, generator: torch.Generator,
+                   residual: list = ()) -> Iterator[None]:
+    """Every ``nn.Linear`` output inside ``modules``, and the residual stream of every object in
+    ``residual`` (a :class:`~reference.target.Target` or DFlash drafter: its ``residual_rounding``
+    hook, after each add), is multiplied by ``1 + u*U(-1, 1)`` while active."""
 
-    def hook(_module, _inputs, out: torch.Tensor) -> torch.Tensor:
+    def perturb(out: torch.Tensor) -> torch.Tensor:
         noise = torch.rand(out.shape, generator=generator, device=out.device, dtype=torch.float32)
+        # the factor is built in float32 (u = 2^-8 is below bf16's own resolution near 1) and cast to
+        # the activation's dtype only for the multiply
         return out * (1.0 + unit_roundoff * (2.0 * noise - 1.0)).to(out.dtype)
 
-    handles = [m.register_forward_hook(hook) for m in target.model.modules() if isinstance(m, torch.nn.Linear)]
+    def hook(_module, _inputs, out: torch.Tensor) -> torch.Tensor:
+        return perturb(out)
+
+    for owner in residual:
+        owner.residual_rounding = perturb
+
+    seen: set[int] = set()
+    handles = []
+    for root in modules:
+        for m in root.modules():
+            if isinstance(m, torch.nn.Linear) and id(m) not in seen:
+                seen.add(id(m))
+                handles.append(m.register_forward_hook(hook))
     try:
         yield
     finally:
         for h in handles:
             h.remove()
+        for owner in residual:
+            owner.residual_rounding = None
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """What one replayed step's ensemble needs: the committed prefix, the engine's tree and path, and
+    the columns and entries to measure."""
+
+    committed: list[int]
+    tokens: torch.Tensor  # [N]
+    parents: torch.Tensor  # [N]
+    depths: torch.Tensor  # [N]
+    accepted: list[int]
+    cols: torch.Tensor  # [N, c] vocabulary ids whose log-probs are measured per node
+    draft_ids: torch.Tensor | None  # [L, kd] the engine's draft top-k ids (None: no draft measured)
+    state_error: Callable[[TargetState, int], dict[str, float]] | None  # committed state -> rel L2 per entry
+
+
+@dataclass(slots=True)
+class StepSamples:
+    node: torch.Tensor  # [S, N, c]
+    draft: torch.Tensor | None  # [S, L, kd]
+    state: list[dict[str, float]]  # per sample: entry -> rel L2 against the noise-free reference
 
 
 class RoundingEnsemble:
-    """Log-probs of one step's tree under independent rounding-noise samples ([samples, N, c] at ``cols``)."""
+    """Noisy re-runs of one step of the reference at an engine dtype's unit roundoff."""
 
-    def __init__(self, target: Target, dtype: str, triage: Triage) -> None:
+    def __init__(self, target: Target, drafter, dtype: str, rule: Rule, capture: tuple[int, ...]) -> None:
         if dtype not in UNIT_ROUNDOFF:
             raise ValueError(f"no unit roundoff known for engine dtype {dtype!r}")
-        self.target, self.u, self.triage = target, UNIT_ROUNDOFF[dtype], triage
+        self.target, self.drafter, self.u, self.rule, self.capture = target, drafter, UNIT_ROUNDOFF[dtype], rule, capture
+
+    def _draft(self, context: torch.Tensor, committed: torch.Tensor, bonus: int, ids: torch.Tensor) -> torch.Tensor:
+        """The drafter's log-probs at ``ids`` [L, kd] from a fresh context; the replay's own context is restored."""
+        d = self.drafter
+        saved = (d.ctx_keys, d.ctx_values, d.ctx_len)
+        try:
+            d.reset()
+            d.extend(context, torch.arange(len(committed), device=context.device), committed)
+            lp = d.propose(bonus, len(committed), ids.shape[0])  # [L, V]
+            return lp.gather(1, ids.to(lp.device)).float().cpu()
+        finally:
+            d.ctx_keys, d.ctx_values, d.ctx_len = saved
 
     @torch.no_grad()
-    def sample(self, committed: list[int], tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
-               cols: torch.Tensor) -> torch.Tensor:
+    def sample(self, x: StepInputs) -> StepSamples:
         dev = self.target.device
         gen = torch.Generator(device=dev)
-        gen.manual_seed(self.triage.seed)
-        cols = cols.to(dev)
-        out = []
-        with rounding_noise(self.target, self.u, gen):
-            for _ in range(self.triage.samples):
-                state, _ = self.target.prefill(torch.tensor(committed, device=dev))
-                logits = self.target.forward(state, tokens.to(dev), parents.to(dev), depths.to(dev)).logits
-                out.append(torch.log_softmax(logits.float(), dim=-1).gather(1, cols).cpu())  # [N, c]
-        return torch.stack(out)  # [samples, N, c]
+        gen.manual_seed(self.rule.seed)
+        committed = torch.tensor(x.committed, device=dev)
+        drafting = x.draft_ids is not None and hasattr(self.drafter, "ctx_keys")
+        modules = [self.target.model] + ([self.drafter] if drafting else [])
+        nodes, drafts, states = [], [], []
+        with rounding_noise(modules, self.u, gen, residual=[self.target] + ([self.drafter] if drafting else [])):
+            for _ in range(self.rule.samples):
+                state, pre = self.target.prefill(committed, capture=self.capture if drafting else ())
+                if drafting:
+                    drafts.append(self._draft(pre.context, committed, int(x.tokens[0]), x.draft_ids))
+                fwd = self.target.forward(state, x.tokens.to(dev), x.parents.to(dev), x.depths.to(dev))
+                nodes.append(torch.log_softmax(fwd.logits.float(), dim=-1).gather(1, x.cols.to(dev)).cpu())  # [N, c]
+                if x.state_error is not None:
+                    states.append(x.state_error(state.commit(fwd, x.accepted), state.length))
+        return StepSamples(torch.stack(nodes), torch.stack(drafts) if drafts else None, states)
 
 
 def topk_spread(samples: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -105,11 +162,13 @@ def topk_spread(samples: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 @dataclass(slots=True)
 class StepSpread:
-    """What the ensemble says about one step: per-node top-k spread and per-node margin spread."""
+    """What the ensemble says about one step, per quantity (see the module docstring)."""
 
     topk: torch.Tensor  # [N] max over samples and the engine's top-k ids of |logp_s - logp_ref|
     margin: torch.Tensor  # [N] max over samples of |margin_s - margin_ref| (reference argmax vs engine argmax)
     median_topk: float
+    draft: torch.Tensor | None = None  # [L] max over samples and draft ids of |draft_s - draft_ref|
+    state: dict[str, float] | None = None  # entry -> max over samples of its rel L2
 
     @classmethod
     def of(cls, samples: torch.Tensor, ref: torch.Tensor, k: int) -> StepSpread:
@@ -120,3 +179,12 @@ class StepSpread:
         m_s = samples[:, :, k] - samples[:, :, k + 1]  # [S, N]
         margin = (m_s - m_ref[None]).abs().amax(dim=0)  # [N]
         return cls(topk, margin, float(topk.median()))
+
+    @classmethod
+    def of_step(cls, got: StepSamples, node_ref: torch.Tensor, k: int, draft_ref: torch.Tensor | None) -> StepSpread:
+        spread = cls.of(got.node, node_ref, k)
+        if got.draft is not None and draft_ref is not None:
+            spread.draft = (got.draft - draft_ref[None]).abs().amax(dim=(0, 2))  # [L]
+        if got.state:
+            spread.state = {name: max(s[name] for s in got.state) for name in got.state[0]}
+        return spread

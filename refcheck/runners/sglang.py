@@ -130,7 +130,7 @@ def resolve_budget(algorithm: str, budget: int | None, draft_dir: Path | None, t
 
 def engine_kwargs(spec: EngineSpec, model_path: str, algorithm: str = "NONE", cuda_graphs: bool = False,
                   mem_fraction_static: float = 0.3, budget: int = 0, draft_path: str | None = None,
-                  ngram_breadth: int = 10, tp: int = 1) -> dict[str, Any]:
+                  ngram_breadth: int = 10, tp: int = 1, max_running: int | None = None) -> dict[str, Any]:
     """The one place that turns refcheck settings into ``sglang.Engine`` arguments."""
     if spec.dtype not in ("bfloat16", "float16", "float32"):
         raise UsageError(f"SGLang runs bfloat16/float16/float32, got {spec.dtype!r}")
@@ -146,6 +146,10 @@ def engine_kwargs(spec: EngineSpec, model_path: str, algorithm: str = "NONE", cu
         dtype=spec.dtype,
         mem_fraction_static=mem_fraction_static,
     )
+    if max_running is not None:
+        if max_running < 1:
+            raise UsageError(f"--sglang-max-running must be >= 1, got {max_running}")
+        kw["max_running_requests"] = max_running  # 1: one request at a time (no batching across requests)
     if tp < 1:
         raise UsageError(f"--tp must be >= 1, got {tp}")
     if tp > 1:
@@ -200,11 +204,12 @@ class SGLangRunner:
     def __init__(self, spec: EngineSpec, algorithm: str = "NONE", cuda_graphs: bool = False, capture: bool = True,
                  ngram_breadth: int = 10, capture_dir: Path | None = None, full_state: bool = False,
                  timeout_s: float = 3600.0, tp: int = 1, layer_sketches: bool = False,
-                 mem_fraction: float = 0.3, timing_repeats: int = 0) -> None:
+                 mem_fraction: float = 0.3, timing_repeats: int = 0, max_running: int | None = None) -> None:
         self.algorithm = algorithm.upper()
         self.spec, self.cuda_graphs, self.capture, self.ngram_breadth = spec, cuda_graphs, capture, ngram_breadth
         self.capture_dir, self.full_state, self.timeout_s, self.tp = capture_dir, full_state, timeout_s, tp
         self.layer_sketches = layer_sketches and capture
+        self.max_running = max_running
         if not 0.0 < mem_fraction < 1.0:
             raise UsageError(f"--sglang-mem-fraction must be between 0 and 1, got {mem_fraction}")
         self.mem_fraction = mem_fraction  # SGLang's mem_fraction_static: lower it to run engines side by side
@@ -255,7 +260,8 @@ class SGLangRunner:
         if self.full_state:
             env[ENV_FULL] = "1"
         kw = engine_kwargs(self.spec, str(tdir), self.algorithm, self.cuda_graphs, self.mem_fraction, budget=self.budget,
-                           draft_path=str(ddir) if ddir else None, ngram_breadth=self.ngram_breadth, tp=self.tp)
+                           draft_path=str(ddir) if ddir else None, ngram_breadth=self.ngram_breadth, tp=self.tp,
+                           max_running=self.max_running)
         if self.layer_sketches:  # per-layer sketches of every target forward, for layer bisection (slower)
             from refcheck.sglang_capture.layers import SPEC
 

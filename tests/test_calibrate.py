@@ -1,0 +1,88 @@
+"""The calibration corpus (refcheck/calibrate.py, `refcheck calibrate`) and the default verdict in the
+engine's own dtype, on CPU: a correct bf16 engine passes with default options; faults run in bf16 are
+caught at the step where they first act with nothing triaged; the table's counts follow the rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from refcheck.calibrate import CorpusRun, default_corpus, detectability, first_change, markdown, run_one, summarize
+from refcheck.diff.session import DiffSession
+from refcheck.prompts import load_prompts
+from refcheck.runners.reference import EngineSpec
+from refcheck.selftest.faults import FAULTS
+from reference.decode import DDTreeDecoder
+
+
+def _run(kind: str, engine: str, dtype: str = "bfloat16", budget: int | None = 15, drafter: str = "scripted") -> dict:
+    run = CorpusRun(f"{kind}-{engine}", kind, engine, "hybrid", drafter, budget, dtype, "cpu")
+    row, data = run_one(run, n_prompts=2, max_new_tokens=16, ref_device="cpu")
+    assert data[:6] == b"ARROW1"  # the trace comes back whole
+    return row
+
+
+def test_a_correct_bf16_engine_passes_with_default_options():
+    row = _run("clean", "reference", drafter="dflash")
+    assert row["verdict"] == "pass", row["first_finding"]
+    assert row["fail_findings"] == 0 and row["calibration"]["rule"] is not None
+
+
+@pytest.mark.parametrize("fault", ["sibling-leak", "state-flat-index", "conv-not-rolled-back"])
+def test_faults_in_bf16_are_caught_where_they_first_act_with_nothing_triaged(fault):
+    row = _run("fault", f"fault:{fault}")
+    assert row["verdict"] == "fail" and row["triaged"] == 0, row
+    assert row["first_change"] is not None and row["located"], (row["first_change"], row["first_finding_in_request"])
+
+
+def test_first_change_finds_the_first_differing_step_and_node():
+    session = DiffSession()
+    runner = session.runner(EngineSpec(pair="hybrid", drafter="scripted", budget=15, max_new_tokens=16))
+    prompts = load_prompts()[:2]
+    clean, _ = runner.trace(prompts, cls=DDTreeDecoder)
+    again, _ = runner.trace(prompts, cls=DDTreeDecoder)
+    assert first_change(clean, again) is None  # deterministic: the clean engine equals itself
+    leak, _ = runner.trace(prompts, cls=FAULTS["sibling-leak"][0], engine="fault:sibling-leak")
+    ch = first_change(clean, leak)
+    assert ch is not None and ch["step"] == 0 and ch["what"] == "logits" and ch["node"] >= 1
+
+
+def test_the_default_corpus_covers_dtypes_budgets_pairs_and_every_fault():
+    runs = default_corpus(["bfloat16", "float16"], "cuda", ["sibling-leak", "rec-scale:0.01"])
+    clean = [r for r in runs if r.kind == "clean"]
+    assert len(clean) == 2 * 2 * 5 + 2 * 2 and {r.dtype for r in clean} == {"bfloat16", "float16"}
+    assert {r.budget for r in clean} == {8, 15, 32, 64, None}
+    assert [(r.kind, r.engine, r.dtype) for r in runs if r.kind != "clean"] == [
+        ("fault", "fault:sibling-leak", "bfloat16"), ("graded", "fault:rec-scale:0.01", "bfloat16")]
+
+
+def _row(name, kind, verdict, triaged=0, located=None, ratios=(), engine="reference"):
+    return {"name": name, "kind": kind, "engine": engine, "dtype": "bfloat16", "verdict": verdict, "fail_findings": 0,
+            "triaged": triaged, "ensemble_steps": 1, "first_finding": None, "rounding_ratios": list(ratios),
+            "max": {"max_logprob_abs": 0.5}, "located": located, "located_node": located}
+
+
+def test_summary_counts_follow_the_rows():
+    rows = [_row("c1", "clean", "pass", 2, ratios=(0.1, 0.5, 1.2)), _row("c2", "clean", "fail"),
+            _row("f1", "fault", "fail", located=True), _row("f2", "fault", "pass", 3, located=False),
+            _row("g1", "graded", "pass", engine="fault:rec-scale:0.001"),
+            _row("g2", "graded", "fail", engine="fault:rec-scale:0.1")]
+    s = summarize(rows)
+    assert (s["clean_runs"], s["false_alarms"], s["faulty_runs"], s["detected"], s["located"]) == (2, 1, 2, 1, 1)
+    assert s["faulty_nodes_triaged"] == 3 and s["clean_triaged"] == 2 and s["clean_ratio_quantiles"]["max"] == 1.2
+    assert detectability(rows) == {"rec-scale": [(0.001, False), (0.1, True)]}
+    md = markdown(rows, s)
+    assert "1 false alarms of 2" in md and "| rec-scale | . | x |" in md
+
+
+def test_the_command_writes_the_table_and_exits_by_its_claims(tmp_path, cli):
+    code, out, err = cli("calibrate", "--out", str(tmp_path), "--dtype", "bfloat16", "--device", "cpu", "--pair", "hybrid",
+                         "--budget", "15", "--fault", "sibling-leak", "--prompts", "1", "--max-new-tokens", "12", "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["clean_runs"] == 3 and summary["false_alarms"] == 0 and summary["detected"] == 1
+    assert (tmp_path / "calibration.md").read_text().count("| clean |") == 3
+    assert len(json.loads((tmp_path / "calibration.json").read_text())["rows"]) == 4
+    code, _, err = cli("calibrate", "--out", str(tmp_path), "--fault", "no-such-fault", "--device", "cpu")
+    assert code == 2 and "unknown fault" in err
