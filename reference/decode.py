@@ -132,7 +132,7 @@ class DDTreeDecoder:
             bonus = int(argmax[source])
             prev_len = state.length
             state = self.commit(state, fwd, accepted)
-            ctx = torch.tensor(self.context_nodes(tree, accepted), device=dev)
+            ctx = torch.tensor(self.context_nodes(tree, accepted), dtype=torch.long, device=dev)
             drafter.extend(fwd.context[ctx], prev_len + tree.depths.to(dev)[ctx], tree.tokens.to(dev)[ctx])
             t4 = _clock(dev)
 

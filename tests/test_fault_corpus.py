@@ -147,3 +147,12 @@ def test_a_large_graded_fault_is_caught_at_its_first_step(corpus):
     trace, _ = runner.trace(prompts, cls=fault("rec-scale:0.1")[0], engine="fault:rec-scale:0.1")
     first = next(iter(session.diff(trace, "rec", mode="replay").first_divergence().values()))
     assert (first.step, first.category, first.layer) == (0, "recurrent", 0)
+
+
+def test_draft_context_without_the_root_survives_root_only_steps(corpus):
+    """A step that accepts only the root feeds the drafter an empty context (an index list of no nodes)."""
+    _, runner, prompts, _, _ = corpus
+    cfg = DecodeConfig(budget=0, max_new_tokens=4)
+    got = FAULTS["draft-context-no-root"][0](runner.target, runner.drafter, cfg).generate(list(prompts[0].prompt_ids))
+    want = DDTreeDecoder(runner.target, runner.drafter, cfg).generate(list(prompts[0].prompt_ids))
+    assert got.accept_lengths == [1, 1, 1] and got.output_ids == want.output_ids

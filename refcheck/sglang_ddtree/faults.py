@@ -40,6 +40,11 @@ def algorithm_name(fault: str) -> str:
 #: SGLang algorithm name -> fault key
 ALGORITHMS: dict[str, str] = {algorithm_name(f): f for f in FAULTS}
 
+#: fault key -> the diff category of the first finding expected on a hybrid target (conv ranks before
+#: recurrent; the neighbour's bonus shows as the next step's root, i.e. at the step after it acts)
+EXPECTED: dict[str, str] = {"mamba-flat-index": "conv", "kv-move-last": "kv", "flat-positions": "logits",
+                            "bonus-neighbour": "alignment"}
+
 
 def chain_accept_index(accept_index: torch.Tensor, accept_lens: torch.Tensor, n: int) -> torch.Tensor:
     """[bs, W] accept index of a chain with the same lengths: entry (b, j) = b*n + j for j < accept_lens[b], else -1."""
