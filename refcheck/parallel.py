@@ -121,17 +121,17 @@ def engine_shard(engine: str, spec, prompts, mode: str, ref_dtype: str, ref_devi
 def engine_decoder(engine: str):
     """The decoder class of a live engine name (reference or an injected fault); None for engines
     that are not the reference's decoder (zlab, sglang[:ALGORITHM]). Unknown names: UsageError."""
-    from refcheck.selftest.faults import FAULTS
+    from refcheck.selftest.faults import fault_names, find_fault
     from reference.decode import DDTreeDecoder
 
     if engine in ("zlab", "sglang") or engine.startswith("sglang:"):
         return None
     if engine == "reference":
         return DDTreeDecoder
-    if engine.startswith("fault:") and engine[6:] in FAULTS:
-        return FAULTS[engine[6:]][0]
+    if engine.startswith("fault:") and (found := find_fault(engine[6:])) is not None:
+        return found[0]
     raise UsageError(f"unknown engine {engine!r} (live engines: reference, zlab, sglang[:ALGORITHM], "
-                     + ", ".join(f"fault:{f}" for f in FAULTS) + ")")
+                     + ", ".join(f"fault:{f}" for f in fault_names()) + "; graded faults take any EPS in (0, 1])")
 
 
 def live_trace(engine: str, spec, prompts, session, full_state: bool = False, engine_opts: dict | None = None) -> Trace:

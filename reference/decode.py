@@ -127,29 +127,31 @@ class DDTreeDecoder:
             logp = torch.log_softmax(fwd.logits, dim=-1)  # [N, V]
             argmax = logp.argmax(dim=-1)
             t3 = _clock(dev)
-            accepted = tree.walk_greedy(argmax.cpu())
-            bonus = int(argmax[accepted[-1]])
+            accepted = self.walk(tree, argmax.cpu())
+            source = self.bonus_node(accepted)
+            bonus = int(argmax[source])
             prev_len = state.length
             state = self.commit(state, fwd, accepted)
-            ctx = torch.tensor(self.context_nodes(tree, accepted), device=dev)
+            ctx = torch.tensor(self.context_nodes(tree, accepted), dtype=torch.long, device=dev)
             drafter.extend(fwd.context[ctx], prev_len + tree.depths.to(dev)[ctx], tree.tokens.to(dev)[ctx])
             t4 = _clock(dev)
 
             emitted = [int(tree.tokens[i]) for i in accepted[1:]] + [bonus]
-            lps = [float(logp[p, tok]) for p, tok in zip(accepted, emitted)]
+            lps = [float(logp[p, tok]) for p, tok in zip(accepted[:-1] + [source], emitted)]
             emitted, lps = self._cut(emitted, lps, cfg.max_new_tokens - len(out))
             shown, shown_lps = self.report_emitted(emitted, lps)
             out.extend(shown)
             out_lp.extend(shown_lps)
             top = logp.topk(min(cfg.topk, logp.shape[-1]), dim=-1)
+            topk_ids, topk_lps = self.report_topk(top.indices.cpu(), top.values.cpu())
             result.steps.append(
                 StepRecord(
                     step=len(result.steps),
                     committed_len=prev_len,
                     tree=tree,
                     target_argmax=argmax.cpu(),
-                    topk_ids=top.indices.cpu(),
-                    topk_logprobs=top.values.cpu(),
+                    topk_ids=topk_ids,
+                    topk_logprobs=topk_lps,
                     accepted=accepted,
                     accept_length=self.report_accept_length(accepted),
                     bonus=bonus,
@@ -172,6 +174,14 @@ class DDTreeDecoder:
             state, tree.tokens, tree.parents, tree.depths, capture=capture, keep_layer_outputs=self.cfg.keep_layers
         )
 
+    def walk(self, tree: Tree, argmax: torch.Tensor) -> list[int]:
+        """Accepted nodes, root first: follow the target's argmax ([N] int64, host) down the tree."""
+        return tree.walk_greedy(argmax)
+
+    def bonus_node(self, accepted: list[int]) -> int:
+        """The node whose argmax is the step's bonus token (and whose log-prob it reports): the last accepted."""
+        return accepted[-1]
+
     def commit(self, state: TargetState, fwd: TreeForward, accepted: list[int]) -> TargetState:
         """KV of the accepted path in path order; conv/recurrent state of the last accepted node."""
         return state.commit(fwd, accepted)
@@ -183,6 +193,10 @@ class DDTreeDecoder:
     def report_emitted(self, emitted: list[int], lps: list[float]) -> tuple[list[int], list[float]]:
         """What the engine returns to the user for this step (every token, mask id included)."""
         return emitted, lps
+
+    def report_topk(self, ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-node target top-k the engine reports: ids [N, k] int64 and their log-probs [N, k] fp32."""
+        return ids, logprobs
 
     def report_accept_length(self, accepted: list[int]) -> int:
         """τ of the step, bonus counted."""

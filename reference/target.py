@@ -24,7 +24,7 @@ import torch
 
 from reference.compat import rope_position_ids
 from reference.errors import CheckpointError, PromptError, UnsupportedModelError
-from reference.layers import TreePlan, attention_tree, deltanet_tree
+from reference.layers import TreePlan, attention_tree, conv_window_rows, deltanet_tree
 from reference.state import TargetState, TreeForward
 from reference.treechunk import ancestor_matrix, checks_enabled, unchecked
 
@@ -172,6 +172,7 @@ class Target:
         validate: bool = True,
         recurrent_parents: torch.Tensor | None = None,
         visible: torch.Tensor | None = None,
+        conv_parents: torch.Tensor | None = None,
     ) -> TreeForward:
         """Evaluate n nodes below ``state``.
 
@@ -186,6 +187,10 @@ class Target:
         Counterfactuals (``refcheck explain``): ``recurrent_parents`` [n] replaces the parents the
         Gated DeltaNet layers follow (conv windows and recurrent state), ``visible`` [n, n] bool the
         attention layers' ancestor-or-self mask; the other layers keep the tree's own.
+        ``conv_parents`` [n] replaces only the parents the Gated DeltaNet conv windows follow (each
+        window is the K-1 rows before a node along ``conv_parents``; the recurrence keeps the tree's
+        parents): injected engine faults (refcheck/selftest/faults.py) use it. Every override is None
+        by default and then costs nothing.
         """
         dev = self.device
         tokens, parents, depths = (t.to(dev, torch.long) for t in (tokens, parents, depths))
@@ -202,16 +207,19 @@ class Target:
                 )
         with contextlib.nullcontext() if validate else unchecked():
             return self._forward(state, tokens, parents, positions, capture, leaky, keep_layer_outputs,
-                                 recurrent_parents, visible)
+                                 recurrent_parents, visible, conv_parents)
 
     def _forward(self, state, tokens, parents, positions, capture, leaky, keep_layer_outputs,
-                 recurrent_parents=None, visible=None) -> TreeForward:
+                 recurrent_parents=None, visible=None, conv_parents=None) -> TreeForward:
         tree_ancestors = ancestor_matrix(parents)  # [n, n] ancestor-or-self: attention's mask and the GDN plan's
         visible = tree_ancestors if visible is None else visible
         rparents = parents if recurrent_parents is None else recurrent_parents.to(parents.device, torch.long)
         # leaky + chunk = the flattened tree as one chunk of a chain: what a leaking engine computes
         plan = TreePlan.build(rparents, leaky, need_levels=self.gdn_method == "levels",
                               ancestors=tree_ancestors if recurrent_parents is None else None)
+        if conv_parents is not None:  # conv windows along other parents than the recurrence's
+            cparents = conv_parents.to(parents.device, torch.long)
+            plan.window_rows.update({k: conv_window_rows(cparents, k) for k in self.conv_kernels})
         for kernel in self.conv_kernels:  # index bookkeeping once per forward, outside any compiled layer
             plan.rows(kernel)
         # compiled layers run only where nothing is checked on the host (a check would break the graph)

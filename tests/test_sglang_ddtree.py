@@ -155,3 +155,81 @@ def test_spec_class_answers_like_ngram_where_the_registry_base_is_silent():
     assert algo.carries_draft_hidden_states() is False and algo.need_topk() is False
     assert {"carries_draft_hidden_states", "need_topk"} <= set(dir(cls))  # what 0.5.23's check reads
     assert "from_string" not in vars(cls)  # classmethods stay the enum's
+
+
+# -- faults injected into SGLang (refcheck/sglang_ddtree/faults.py) ---------------------------------------
+def test_fault_algorithm_names():
+    from refcheck.runners.sglang import DFLASH_DRAFTED
+    from refcheck.sglang_ddtree.faults import ALGORITHMS
+
+    assert ALGORITHMS == {"REFCHECK_DDTREE_FAULT_MAMBA_FLAT_INDEX": "mamba-flat-index",
+                          "REFCHECK_DDTREE_FAULT_KV_MOVE_LAST": "kv-move-last",
+                          "REFCHECK_DDTREE_FAULT_FLAT_POSITIONS": "flat-positions",
+                          "REFCHECK_DDTREE_FAULT_BONUS_NEIGHBOUR": "bonus-neighbour"}
+    assert set(ALGORITHMS) <= set(DFLASH_DRAFTED)  # drafted from the DFlash checkpoint, budget checked like DDTree
+
+
+def test_fault_indices():
+    from refcheck.sglang_ddtree.faults import chain_accept_index, flat_positions, neighbour_bonus, skip_last_move
+
+    n = 4
+    # request 0 accepted nodes 0, 2, 3 (flat 0, 2, 3); request 1 only its root (flat 4)
+    accept_index = torch.tensor([[0, 2, 3, -1], [4, -1, -1, -1]], dtype=torch.int32)
+    lens = torch.tensor([3, 1], dtype=torch.int32)
+    assert chain_accept_index(accept_index, lens, n).tolist() == [[0, 1, 2, -1], [4, -1, -1, -1]]
+    assert skip_last_move(accept_index, lens, n).tolist() == [[0, 2, 2, -1], [4, -1, -1, -1]]
+    assert accept_index.tolist()[0] == [0, 2, 3, -1]  # inputs untouched
+    # depths 0 1 1 2 below seq_len 10, and 0 1 2 3 below 20
+    pos = torch.tensor([10, 11, 11, 12, 20, 21, 22, 23])
+    assert flat_positions(pos, 2, n).tolist() == [10, 11, 12, 13, 20, 21, 22, 23]
+    logits = torch.zeros(2 * n, 9)
+    for row in range(2 * n):
+        logits[row, row] = 1.0  # the argmax of row r is token r
+    predict = torch.tensor([5, 0, 7, 8, 6, 0, 0, 0], dtype=torch.int32)
+    got = neighbour_bonus(predict, accept_index, lens, logits, n).tolist()
+    assert got == [5, 0, 7, 7, 0, 0, 0, 0]  # request 0's bonus (flat 3) from flat 7; request 1's (flat 4) from flat 0
+
+
+def test_fault_algorithms_register_with_their_worker(monkeypatch):
+    """register_algorithm registers every fault algorithm with the tree layout's check and a worker
+    subclass that carries the fault (the registry and the worker module are stand-ins here)."""
+    import sys
+    from types import ModuleType
+
+    import refcheck.sglang_ddtree.algorithm as alg
+
+    registered: dict[str, tuple] = {}
+
+    class SpeculativeAlgorithm:
+        @staticmethod
+        def register(name, supports_overlap, validate_server_args, spec_class):
+            return lambda factory: registered.setdefault(name, (validate_server_args, factory))
+
+    class DDTreeWorker:
+        fault = None
+
+    mods = {"sglang": ModuleType("sglang"), "sglang.srt": ModuleType("sglang.srt"),
+            "sglang.srt.speculative": ModuleType("sglang.srt.speculative"),
+            "sglang.srt.speculative.spec_info": ModuleType("sglang.srt.speculative.spec_info"),
+            "sglang.srt.speculative.spec_registry": ModuleType("sglang.srt.speculative.spec_registry"),
+            "refcheck.sglang_ddtree.worker": ModuleType("refcheck.sglang_ddtree.worker")}
+    mods["sglang.srt.speculative.spec_info"].SpeculativeAlgorithm = SpeculativeAlgorithm
+    mods["sglang.srt.speculative.spec_registry"].CustomSpecAlgo = type("CustomSpecAlgo", (), {})
+    mods["refcheck.sglang_ddtree.worker"].DDTreeWorker = DDTreeWorker
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(alg, "_done", False)
+    assert alg.register_algorithm()
+    assert set(registered) == {alg.NAME, alg.LEAKY_NAME, *alg.FAULT_NAMES}
+    assert registered[alg.NAME][1](None) is DDTreeWorker
+    _, ddir = builtin_pair("hybrid")
+    for name, fault in (("REFCHECK_DDTREE_FAULT_KV_MOVE_LAST", "kv-move-last"),
+                        ("REFCHECK_DDTREE_FAULT_BONUS_NEIGHBOUR", "bonus-neighbour")):
+        validate, factory = registered[name]
+        worker = factory(None)
+        assert issubclass(worker, DDTreeWorker) and worker.fault == fault
+        args = NS(speculative_draft_model_path=str(ddir), speculative_num_draft_tokens=16, tp_size=1,
+                  disable_overlap_schedule=True, speculative_eagle_topk=None, speculative_num_steps=None,
+                  max_running_requests=None, enable_mixed_chunk=True)
+        validate(args)
+        assert args.speculative_eagle_topk == 2  # the tree layout: only the injected fault is wrong

@@ -24,6 +24,9 @@ import pytest
 import torch
 
 from refcheck.models import builtin_pair
+from refcheck.selftest.faults import SequentialPositions, StateFromFlatIndex, _commit
+from refcheck.selftest.onset import fault_onset
+from refcheck.sglang_ddtree.algorithm import faulty_worker
 from refcheck.prompts import load_prompts
 from reference.decode import DDTreeDecoder, DecodeConfig
 from reference.tree import Tree
@@ -120,6 +123,7 @@ class Engine:
         self.target, self.capture = target, tuple(capture)
         self.states: dict[str, object] = {}
         self.fwds: dict[str, object] = {}
+        self.mamba: dict[str, int] = {}  # request -> the node whose state the mamba commit chose
         model = NS(model=NS(embed_tokens=target.body.embed_tokens), lm_head=target.model.lm_head,
                    set_dflash_layers_to_capture=lambda ids: setattr(self, "captured_ids", list(ids)))
         self.model_runner = NS(model=model, model_config=NS(vocab_size=target.vocab_size,
@@ -149,10 +153,22 @@ class Engine:
         return NS(logits_output=NS(next_token_logits=torch.cat(logits), hidden_states=torch.cat(hidden)),
                   can_run_cuda_graph=False)
 
-    def commit(self, batch, accept_lens, accept_index, n) -> None:
+    def commit_mamba(self, batch, accept_lens, accept_index, n) -> None:
+        """SGLang's mamba commit: the conv/recurrent state of entry accept_lens-1 of the accept index."""
         for b, r in enumerate(batch.reqs):
-            acc = [int(i) - b * n for i in accept_index[b, : int(accept_lens[b])]]
-            self.states[r.rid] = self.states[r.rid].commit(self.fwds[r.rid], acc)
+            self.mamba[r.rid] = int(accept_index[b, int(accept_lens[b]) - 1]) - b * n
+
+    def move_kv(self, batch, accept_index, num_correct) -> None:
+        """SGLang's KV move: the rows of the accept index's first num_correct+1 entries, in order."""
+        n = batch.spec_info.draft_token_num
+        for b, r in enumerate(batch.reqs):
+            fwd = self.fwds[r.rid]
+            kv_rows = [int(i) - b * n for i in accept_index[b, : int(num_correct[b]) + 1]]
+            new = self.states[r.rid].commit(fwd, kv_rows)
+            last = self.mamba.pop(r.rid)
+            for layer in fwd.conv:
+                new.conv[layer], new.recurrent[layer] = fwd.conv[layer][last].clone(), fwd.recurrent[layer][last].clone()
+            self.states[r.rid] = new
 
 
 @pytest.fixture
@@ -169,8 +185,9 @@ def worker_module(monkeypatch):
     ng.__dict__.update(
         NGRAMWorker=NGRAMWorker, GenerationBatchResult=lambda **kw: NS(**kw),
         record_stream_for_v2_verify=lambda *a: None,
-        commit_mamba_states_after_verify=lambda tw, batch, lens, idx, n: engine_box["engine"].commit(batch, lens, idx, n),
-        move_accept_tokens_to_target_kvcache=lambda *a: None)
+        commit_mamba_states_after_verify=lambda tw, batch, lens, idx, n: engine_box["engine"].commit_mamba(batch, lens, idx, n),
+        move_accept_tokens_to_target_kvcache=lambda batch, idx, num_correct, alloc: engine_box["engine"].move_kv(
+            batch, idx, num_correct))
     mods["sglang.srt.speculative.base_spec_worker"].BaseSpecWorker = BaseSpecWorker
     mods["sglang.srt.speculative.ngram_info"].NgramVerifyInput = NgramVerifyInput
     mods["sglang.srt.speculative"].eagle_utils = mods["sglang.srt.speculative.eagle_utils"]
@@ -183,7 +200,7 @@ def worker_module(monkeypatch):
     sys.modules.pop("refcheck.sglang_ddtree.worker", None)
 
 
-def _run(module, engine_box, target, prompts, budget: int, max_new: int):
+def _run(module, engine_box, target, prompts, budget: int, max_new: int, fault: str | None = None):
     from reference.drafter import DFlashDrafter
 
     _, ddir = builtin_pair("hybrid")
@@ -193,7 +210,8 @@ def _run(module, engine_box, target, prompts, budget: int, max_new: int):
     args = NS(disable_overlap_schedule=True, page_size=1, speculative_num_draft_tokens=budget + 1,
               speculative_eagle_topk=2, speculative_num_steps=budget, device="cpu", tp_size=1,
               speculative_draft_model_path=str(ddir))
-    worker = module.DDTreeWorker(server_args=args, gpu_id=0, ps=NS(tp_rank=0), nccl_port=0, target_worker=engine)
+    cls = module.DDTreeWorker if fault is None else faulty_worker(module.DDTreeWorker, fault)
+    worker = cls(server_args=args, gpu_id=0, ps=NS(tp_rank=0), nccl_port=0, target_worker=engine)
     worker.alloc_memory_pool()
     assert engine.captured_ids == list(capture)
     reqs = [NS(rid=f"r{i}", origin_input_ids=list(p.prompt_ids), output_ids=[],
@@ -255,3 +273,42 @@ def test_worker_refuses_sampling(worker_module, hybrid):
 def test_greedy_is_temperature_zero_or_top_k_one(worker_module, temperature, top_k, greedy):
     module, _ = worker_module
     assert module.is_greedy(NS(temperature=temperature, top_k=top_k)) is greedy
+
+
+# -- faults injected into SGLang (refcheck/sglang_ddtree/faults.py) ---------------------------------------
+class KvMoveSkippedLast(DDTreeDecoder):
+    """The reference twin of ``kv-move-last``: the last accepted node's committed KV row is flat node
+    len(accepted)-1's (what the verify left in that slot); conv/recurrent state right."""
+
+    def commit(self, state, fwd, accepted):
+        return _commit(state, fwd, accepted[:-1] + [len(accepted) - 1], accepted[-1], accepted[-1])
+
+
+@pytest.mark.parametrize(("fault", "twin"), [("mamba-flat-index", StateFromFlatIndex), ("kv-move-last", KvMoveSkippedLast),
+                                             ("flat-positions", SequentialPositions)])
+def test_injected_sglang_fault_decodes_like_its_reference_twin(worker_module, hybrid, fault, twin):
+    """Each fault fed into SGLang's commit / move / positions makes the worker decode exactly as the
+    reference decoder with the same bug does, and that decoder's steps differ from the correct one's."""
+    module, box = worker_module
+    target, drafter = hybrid
+    prompts = load_prompts()[:2]
+    outputs, taus, _ = _run(module, box, target, prompts, 15, 16, fault=fault)
+    onsets = []
+    for i, p in enumerate(prompts):
+        cfg = DecodeConfig(budget=15, max_new_tokens=16, keep_states=True)
+        bad = twin(target, drafter, cfg).generate(list(p.prompt_ids))
+        assert outputs[f"r{i}"] == bad.output_ids and taus[f"r{i}"] == [s.accept_length for s in bad.steps]
+        onsets.append(fault_onset(DDTreeDecoder(target, drafter, cfg).generate(list(p.prompt_ids)), bad))
+    assert any(onsets), f"{fault} changed nothing on these prompts"
+
+
+def test_bonus_from_the_neighbour_needs_two_requests(worker_module, hybrid):
+    module, box = worker_module
+    target, drafter = hybrid
+    prompts = load_prompts()[:2]
+    clean = {f"r{i}": DDTreeDecoder(target, drafter, DecodeConfig(budget=15, max_new_tokens=16)).generate(
+        list(p.prompt_ids)).output_ids for i, p in enumerate(prompts)}
+    alone, _, _ = _run(module, box, target, prompts[:1], 15, 16, fault="bonus-neighbour")
+    assert alone["r0"] == clean["r0"]  # one request: its neighbour is itself
+    both, _, _ = _run(module, box, target, prompts, 15, 16, fault="bonus-neighbour")
+    assert both != clean

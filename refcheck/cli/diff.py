@@ -48,7 +48,8 @@ def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, dev
 @click.option("--full-state", is_flag=True, help="Record full KV/state tensors in the trace (not only sketches).")
 @click.option("--sglang-algorithm", default=None,
               help="With --engine sglang: NONE (target-only), DFLASH, NGRAM, REFCHECK_DDTREE (refcheck's DDTree on "
-                   "SGLang; REFCHECK_DDTREE_LEAKY_CHAIN is its leaky twin), or any algorithm your SGLang registers.")
+                   "SGLang; REFCHECK_DDTREE_LEAKY_CHAIN is its leaky twin, REFCHECK_DDTREE_FAULT_* its fault-injected "
+                   "ones), or any algorithm your SGLang registers.")
 @click.option("--cuda-graphs", is_flag=True, help="With --engine sglang: run SGLang with CUDA graphs (off by default).")
 @click.option("--ngram-breadth", type=click.IntRange(min=1), default=10, show_default=True,
               help="With --sglang-algorithm NGRAM: speculative_ngram_max_bfs_breadth.")

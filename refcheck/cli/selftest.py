@@ -13,7 +13,8 @@ from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
 
 
 @main.command()
-@click.option("--fault", "faults", multiple=True, help="Only these faults.")
+@click.option("--fault", "faults", multiple=True,
+              help="Only these faults (default: every discrete fault; graded ones by name, e.g. rec-scale:0.01).")
 @click.option("--json", "as_json", is_flag=True)
 def selftest(faults, as_json):
     """Inject every known engine bug class into the reference and check that the diff catches each."""

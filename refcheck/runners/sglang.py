@@ -37,10 +37,12 @@ from refcheck.errors import ModelError, UsageError
 from refcheck.prompts import Prompt
 from refcheck.runners.reference import EngineSpec
 from refcheck.sglang_capture.records import UNTRACED_RID_PREFIX
+from refcheck.sglang_ddtree.faults import ALGORITHMS as FAULT_ALGORITHMS
 from refcheck.trace.io import Trace
 from reference.drafter import dflash_value
 
-DFLASH_DRAFTED = ("DFLASH", "REFCHECK_DDTREE", "REFCHECK_DDTREE_LEAKY_CHAIN")  # algorithms whose drafts come from the DFlash draft checkpoint
+# algorithms whose drafts come from the DFlash draft checkpoint (refcheck's DDTree and its leaky and faulty twins)
+DFLASH_DRAFTED = ("DFLASH", "REFCHECK_DDTREE", "REFCHECK_DDTREE_LEAKY_CHAIN", *FAULT_ALGORITHMS)
 PLUGIN_ENTRY = "refcheck = refcheck.sglang_capture.plugin:register"
 
 

@@ -1,17 +1,28 @@
 """Deliberately broken variants of the reference decoder, one per known engine bug class.
 
 Contract: each fault is a :class:`~reference.decode.DDTreeDecoder` subclass that overrides exactly
-one of the decoder's engine steps (verify, commit, draft context, what is reported) the way a real
-engine got it wrong; real bug reports exist for every class (DESIGN §5). ``FAULTS`` maps the fault
-name to (class, the diff category that must catch it). The clean decoder is the control.
+one of the decoder's engine steps (verify, walk, bonus, commit, draft context, what is reported)
+the way a real engine got it wrong, and changes nothing else; real bug reports exist for the first
+nine classes (DESIGN §5), the others are the calibration corpus of issue 16. ``FAULTS`` maps a
+discrete fault's name to (class, the diff category that must catch it first: the category of the
+report's first divergence at the step where the fault first changes anything). The clean decoder
+is the control.
+
+**Graded faults** (``GRADED``) measure the detection threshold: their name is ``KIND:EPS`` with
+``EPS`` a float in (0, 1] (``rec-scale:0.01``, ``conv-noise:1e-3``; the canonical spelling is
+``f"{kind}:{eps:g}"``), and ``EPSILONS`` is the calibration grid. :func:`fault` resolves any
+name (discrete or graded) and raises a :class:`~refcheck.errors.UsageError` listing the names;
+:func:`fault_names` lists the discrete faults and the graded ones on the grid.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
+from refcheck.errors import UsageError
 from reference.decode import DDTreeDecoder
 from reference.state import TargetState, TreeForward
 from reference.tree import Tree
@@ -99,7 +110,156 @@ class LogprobsFirstOnly(DDTreeDecoder):
         return emitted, lps[:1] + [math.nan] * (len(lps) - 1)
 
 
-#: fault name -> (decoder class, diff category expected to catch it)
+class ParentState(DDTreeDecoder):
+    """Commits the conv/recurrent state of the last accepted node's *parent* (one node behind).
+
+    KV is right. With only the root accepted the parent is the last committed token, whose state
+    the engine already holds, so the state stays as before the step (an engine that indexes the
+    path with ``accept_length - 2`` and skips the write when that is negative).
+    """
+
+    def commit(self, state, fwd, accepted):
+        if len(accepted) < 2:
+            return _with_state(state.commit(fwd, accepted), state.conv, state.recurrent)
+        return _commit(state, fwd, accepted, accepted[-2], accepted[-2])
+
+
+class AttentionExtraNode(DDTreeDecoder):
+    """Attention lets node i also see node i-1 of the flat order when that is not its ancestor."""
+
+    def verify(self, state, tree, capture):
+        visible = tree.visibility().clone()
+        i = torch.arange(1, tree.num_nodes)
+        visible[i, i - 1] = True
+        return self.target.forward(state, tree.tokens, tree.parents, tree.depths, capture=capture, visible=visible,
+                                   keep_layer_outputs=self.cfg.keep_layers)
+
+
+class DeepPositionsPlusOne(DDTreeDecoder):
+    """Gives nodes of depth >= 2 the position committed_len + depth + 1 (depths 0 and 1 are right)."""
+
+    def verify(self, state, tree, capture):
+        depths = tree.depths + (tree.depths >= 2).long()
+        return self.target.forward(state, tree.tokens, tree.parents, depths, capture=capture,
+                                   keep_layer_outputs=self.cfg.keep_layers)
+
+
+class TopkIdsShifted(DDTreeDecoder):
+    """Reports each node's top-k ids rolled by one rank against their log-probs (rank r gets id r+1)."""
+
+    def report_topk(self, ids, logprobs):
+        return ids.roll(-1, dims=-1), logprobs
+
+
+class KvLastUnwritten(DDTreeDecoder):
+    """Never writes the last accepted node's KV row: it stays as a freshly allocated page left it (zeros).
+
+    A paged engine whose pool is zero-initialised reads zeros there; one that reuses pages would
+    read stale rows instead (the SGLang fault ``kv-move-last`` leaves the verify's own row there).
+    """
+
+    def commit(self, state, fwd, accepted):
+        new = state.commit(fwd, accepted)
+        for layer in fwd.keys:
+            for rows in (new.keys, new.values):
+                rows[layer] = rows[layer].clone()
+                rows[layer][:, -1] = 0
+        return new
+
+
+class WalkStopsEarly(DDTreeDecoder):
+    """The greedy walk stops one node early whenever it accepted at least one drafted node.
+
+    Self-consistent: the bonus is the argmax at the new last node (= the dropped node's token), the
+    commit and the drafter's context follow the shortened path, so the output stays lossless and
+    only the walk rule (and the speed) is wrong.
+    """
+
+    def walk(self, tree, argmax):
+        accepted = super().walk(tree, argmax)
+        return accepted[:-1] if len(accepted) >= 2 else accepted
+
+
+class ConvFirstSibling(DDTreeDecoder):
+    """A node with an earlier sibling takes its conv window through the first sibling.
+
+    Its window is the K-1 rows before it along (..., parent, first sibling) instead of (..., parent):
+    the first sibling's conv input sits where the node's own path has none; the recurrence is right.
+    """
+
+    def verify(self, state, tree, capture):
+        return self.target.forward(state, tree.tokens, tree.parents, tree.depths, capture=capture,
+                                   conv_parents=first_sibling_parents(tree.parents),
+                                   keep_layer_outputs=self.cfg.keep_layers)
+
+
+class BonusFromRoot(DDTreeDecoder):
+    """Takes the bonus token (and its log-prob) from the root's row instead of the last accepted node's."""
+
+    def bonus_node(self, accepted):
+        return accepted[0]
+
+
+class DraftContextNoRoot(DDTreeDecoder):
+    """Feeds the drafter the accepted drafted nodes' hidden states without the root's."""
+
+    def context_nodes(self, tree: Tree, accepted: list[int]) -> list[int]:
+        return accepted[1:]
+
+
+# -- graded faults ---------------------------------------------------------------------------------
+class RecScale(DDTreeDecoder):
+    """Commits every Gated DeltaNet recurrent state scaled by (1 + eps): relative L2 error exactly eps."""
+
+    eps: float = 0.0
+
+    def commit(self, state, fwd, accepted):
+        new = state.commit(fwd, accepted)
+        rec = [r if r is None else r * (1.0 + self.eps) for r in new.recurrent]
+        return _with_state(new, new.conv, rec)
+
+
+class ConvNoise(DDTreeDecoder):
+    """Commits every conv window multiplied elementwise by (1 ± eps), the signs seeded by (layer, length).
+
+    Relative L2 error exactly eps before rounding to the conv dtype (in bf16, whose spacing is 2^-8,
+    eps = 1e-3 survives only partly: what an engine in that dtype could carry). Deterministic.
+    """
+
+    eps: float = 0.0
+
+    def commit(self, state, fwd, accepted):
+        new = state.commit(fwd, accepted)
+        conv = [c if c is None else _sign_noise(c, self.eps, seed=layer * 1_000_003 + new.length)
+                for layer, c in enumerate(new.conv)]
+        return _with_state(new, conv, new.recurrent)
+
+
+def _with_state(state: TargetState, conv: list, recurrent: list) -> TargetState:
+    """``state`` with its conv and recurrent lists replaced (KV and length kept)."""
+    return TargetState(state.length, state.keys, state.values, list(conv), list(recurrent))
+
+
+def _sign_noise(x: torch.Tensor, eps: float, seed: int) -> torch.Tensor:
+    """x * (1 + eps * s) with s = ±1 per element from a CPU generator seeded by ``seed``; x's dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, tuple(x.shape), generator=gen).float().mul_(2).sub_(1).to(x.device)
+    return (x.float() * (1.0 + eps * signs)).to(x.dtype)
+
+
+def first_sibling_parents(parents: torch.Tensor) -> torch.Tensor:
+    """[n] conv parents of ConvFirstSibling: a node's first earlier sibling where it has one, else its parent."""
+    out = parents.clone()
+    first: dict[int, int] = {}
+    for t, p in enumerate(parents.tolist()):
+        if p in first:
+            out[t] = first[p]
+        else:
+            first[p] = t
+    return out
+
+
+#: fault name -> (decoder class, diff category expected to catch it first)
 FAULTS: dict[str, tuple[type[DDTreeDecoder], str]] = {
     "sibling-leak": (SiblingLeak, "logits"),
     "state-flat-index": (StateFromFlatIndex, "recurrent"),
@@ -110,4 +270,64 @@ FAULTS: dict[str, tuple[type[DDTreeDecoder], str]] = {
     "mask-token-dropped": (MaskTokenDropped, "output"),
     "tau-without-bonus": (TauWithoutBonus, "accept_length"),
     "logprobs-first-only": (LogprobsFirstOnly, "logprobs"),
+    "parent-state": (ParentState, "conv"),
+    "attention-extra-node": (AttentionExtraNode, "logits"),
+    "deep-positions-plus-one": (DeepPositionsPlusOne, "logits"),
+    "topk-ids-shifted": (TopkIdsShifted, "logits"),
+    "kv-last-unwritten": (KvLastUnwritten, "kv"),
+    "walk-stops-early": (WalkStopsEarly, "accepted_path"),
+    "conv-first-sibling": (ConvFirstSibling, "logits"),
+    "bonus-from-root": (BonusFromRoot, "bonus"),
+    "draft-context-no-root": (DraftContextNoRoot, "draft"),
 }
+
+#: graded fault kind -> (base class with an ``eps`` attribute, diff category it perturbs)
+GRADED: dict[str, tuple[type[DDTreeDecoder], str]] = {
+    "rec-scale": (RecScale, "recurrent"),
+    "conv-noise": (ConvNoise, "conv"),
+}
+
+#: the calibration grid of graded faults' eps
+EPSILONS: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
+
+
+def graded_name(kind: str, eps: float) -> str:
+    """Canonical name of a graded fault: ``rec-scale:0.001``."""
+    return f"{kind}:{eps:g}"
+
+
+def fault_names() -> list[str]:
+    """Every discrete fault, then every graded kind on the ``EPSILONS`` grid."""
+    return [*FAULTS, *(graded_name(kind, eps) for kind in GRADED for eps in EPSILONS)]
+
+
+def find_fault(name: str) -> tuple[type[DDTreeDecoder], str] | None:
+    """(decoder class, expected category) of a discrete or graded fault name; None when unknown."""
+    if name in FAULTS:
+        return FAULTS[name]
+    kind, sep, value = name.partition(":")
+    if not sep or kind not in GRADED:
+        return None
+    try:
+        eps = float(value)
+    except ValueError:
+        return None
+    if not 0.0 < eps <= 1.0:  # also rejects nan
+        return None
+    return _graded_class(kind, eps), GRADED[kind][1]
+
+
+def fault(name: str) -> tuple[type[DDTreeDecoder], str]:
+    """Like :func:`find_fault`, but an unknown name is a UsageError that lists the names."""
+    found = find_fault(name)
+    if found is None:
+        raise UsageError(f"unknown fault {name!r} (faults: {', '.join(fault_names())}; graded faults take any "
+                         f"eps in (0, 1]: {', '.join(f'{k}:EPS' for k in GRADED)})")
+    return found
+
+
+@functools.cache
+def _graded_class(kind: str, eps: float) -> type[DDTreeDecoder]:
+    """One subclass per (kind, eps), so a name always gives the same class."""
+    base = GRADED[kind][0]
+    return type(f"{base.__name__}_{graded_name(kind, eps)}", (base,), {"eps": eps, "__doc__": base.__doc__})

@@ -2,7 +2,8 @@
 
 Contract: :func:`selftest` decodes the built-in prompts on the built-in hybrid pair with the
 scripted drafter (deep accepted paths through decoy siblings, the only trees on which several of
-these bugs show) with the clean decoder and with each fault of :data:`FAULTS`, records traces with
+these bugs show) with the clean decoder and with each discrete fault of :data:`FAULTS` (or the
+named faults, graded ones such as ``rec-scale:0.01`` included), records traces with
 state and layer sketches, diffs each against the live reference (replay + free-run) and reports:
 detected or not, the first divergence (request, step, node, category, layer) and whether the
 expected category is among the failures. The clean decoder must give zero non-pass findings. The
@@ -17,7 +18,7 @@ from refcheck.diff.findings import Verdict
 from refcheck.diff.session import DiffSession
 from refcheck.prompts import Prompt, load_prompts
 from refcheck.runners.reference import EngineSpec
-from refcheck.selftest.faults import FAULTS
+from refcheck.selftest.faults import FAULTS, fault
 from reference.decode import DDTreeDecoder
 
 
@@ -57,7 +58,7 @@ def selftest(faults: list[str] | None = None, prompts: list[Prompt] | None = Non
     for name in ["clean", *names]:
         if progress:
             progress(name)
-        cls, expected = (DDTreeDecoder, "-") if name == "clean" else FAULTS[name]
+        cls, expected = (DDTreeDecoder, "-") if name == "clean" else fault(name)
         trace, _ = runner.trace(prompts, cls=cls, engine=name if name == "clean" else f"fault:{name}", record_layers=True)
         report = session.diff(trace, name, mode="both", strict_acceptance=True)
         fd = report.first_divergence()

@@ -1,7 +1,8 @@
 """Registering ``REFCHECK_DDTREE`` with SGLang's speculative-algorithm registry.
 
 Contract: :func:`register_algorithm` (called by refcheck's plugin in SGLang's main and scheduler
-processes) registers the algorithm under refcheck's own name, so it never collides with a future
+processes) registers the algorithm under refcheck's own name (and its leaky and fault-injected
+twins: ``REFCHECK_DDTREE_LEAKY_CHAIN``, ``REFCHECK_DDTREE_FAULT_*``), so it never collides with a future
 builtin DDTree, and returns whether it did (False where SGLang or its registry is missing, or the
 name is taken). The algorithm presents itself to SGLang as NGRAM-like (``is_ngram``): tree verify
 with no draft model of SGLang's, NGRAM's verify input and KV sizing. Its server-args check runs in
@@ -16,10 +17,15 @@ import json
 import types
 from pathlib import Path
 
+from refcheck.sglang_ddtree.faults import ALGORITHMS as FAULT_ALGORITHMS
+
 NAME = "REFCHECK_DDTREE"
 #: the same worker with the hybrid backend in its chain layout (topk 1): the tree flattened through the
 #: recurrent layers, as the seeds' engine ran it; registered so refcheck can show it is caught
 LEAKY_NAME = "REFCHECK_DDTREE_LEAKY_CHAIN"
+#: the same worker with one engine fault injected into SGLang's tree verify, one algorithm per fault
+#: (``REFCHECK_DDTREE_FAULT_MAMBA_FLAT_INDEX`` ...; refcheck/sglang_ddtree/faults.py says what each does)
+FAULT_NAMES: tuple[str, ...] = tuple(FAULT_ALGORITHMS)
 _done = False
 
 
@@ -73,6 +79,11 @@ def ngram_like_spec_class(base: type, builtin: type) -> type:
     return type("RefcheckDDTreeAlgo", (base,), attrs)
 
 
+def faulty_worker(worker: type, fault: str) -> type:
+    """The worker class with ``fault`` injected (one subclass per fault, so SGLang instantiates it as usual)."""
+    return type(f"{worker.__name__}_{fault.replace('-', '_')}", (worker,), {"fault": fault, "__module__": worker.__module__})
+
+
 def register_algorithm() -> bool:
     global _done
     if _done:
@@ -85,15 +96,19 @@ def register_algorithm() -> bool:
 
     spec_class = ngram_like_spec_class(CustomSpecAlgo, SpeculativeAlgorithm)
 
-    def factory(server_args):
-        from refcheck.sglang_ddtree.worker import DDTreeWorker
+    def factory_for(fault: str | None):
+        def factory(server_args):
+            from refcheck.sglang_ddtree.worker import DDTreeWorker
 
-        return DDTreeWorker
+            return DDTreeWorker if fault is None else faulty_worker(DDTreeWorker, fault)
+        return factory
 
-    for name, validate in ((NAME, check_server_args), (LEAKY_NAME, lambda a: check_server_args(a, leaky=True))):
+    entries = [(NAME, check_server_args, None), (LEAKY_NAME, lambda a: check_server_args(a, leaky=True), None),
+               *((name, check_server_args, fault) for name, fault in FAULT_ALGORITHMS.items())]
+    for name, validate, fault in entries:
         try:
             SpeculativeAlgorithm.register(name, supports_overlap=False, validate_server_args=validate,
-                                          spec_class=spec_class)(factory)
+                                          spec_class=spec_class)(factory_for(fault))
         except (ValueError, TypeError) as exc:  # already registered (another copy of the plugin) or refused
             if "already" not in str(exc).lower():
                 raise

@@ -11,6 +11,10 @@ last accepted node's conv/recurrent state, and ``move_accept_tokens_to_target_kv
 accepted nodes' KV. The drafter's context is extended with the target's captured hidden states of
 the root and the accepted nodes, in path order (prefill: every prompt position).
 
+``fault`` (a key of :mod:`refcheck.sglang_ddtree.faults`, set by the ``REFCHECK_DDTREE_FAULT_*``
+algorithms; None = correct) feeds one of SGLang's steps a wrong index: the verify positions, the
+bonus, the mamba commit's or the KV move's accept index.
+
 Every SGLang call goes through its module attribute (``eagle_utils.eagle_sample`` ...), so
 refcheck's capture hooks see this worker exactly as they see NGRAM's. Refusals (ValueError at
 start-up, SGLang reports them): tensor parallelism > 1, a draft checkpoint that is not DFlash, a
@@ -33,6 +37,7 @@ from sglang.srt.speculative import ngram_worker as ngram
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
+from refcheck.sglang_ddtree import faults
 from refcheck.sglang_ddtree.drafts import DrafterPool, TargetView, draft_tree, extend_context
 from refcheck.sglang_ddtree.layout import batch_layout
 from reference.drafter import DFlashDrafter
@@ -62,6 +67,9 @@ class _Contexts:
 
 
 class DDTreeWorker(ngram.NGRAMWorker):
+    #: an injected engine fault (refcheck/sglang_ddtree/faults.py), or None for the correct worker
+    fault: str | None = None
+
     # SGLang passes keywords: 0.5.17 gives ``ps`` (its parallel state), 0.5.23 does not
     def __init__(self, server_args, gpu_id, nccl_port, target_worker, ps=None, **_ignored) -> None:
         BaseSpecWorker.__init__(self)  # not NGRAM's: no n-gram corpus to build
@@ -129,15 +137,23 @@ class DDTreeWorker(ngram.NGRAMWorker):
             self._prepare_for_speculative_decoding(batch)
             verify_input: NgramVerifyInput = batch.spec_info
             verify_input.capture_hidden_mode = CaptureHiddenMode.FULL
+            if self.fault == "flat-positions":  # in place: SGLang's preallocated buffer is what the forward reads
+                verify_input.positions.copy_(faults.flat_positions(verify_input.positions, bs, self.draft_token_num))
             out = self.target_worker.forward_batch_generation(batch, is_verify=True,
                                                              capture_hidden_mode=CaptureHiddenMode.FULL)
             logits_output = out.logits_output
             predict, accept_lens, accept_index = eagle_utils.eagle_sample(verify_input, batch, logits_output, None)
             new_seq_lens = batch.seq_lens + accept_lens
-            ngram.commit_mamba_states_after_verify(self.target_worker, batch, accept_lens, accept_index,
-                                                   self.draft_token_num)
+            n = self.draft_token_num
+            if self.fault == "bonus-neighbour":
+                predict = faults.neighbour_bonus(predict, accept_index, accept_lens, logits_output.next_token_logits, n)
+            commit_index = faults.chain_accept_index(accept_index, accept_lens, n) \
+                if self.fault == "mamba-flat-index" else accept_index
+            ngram.commit_mamba_states_after_verify(self.target_worker, batch, accept_lens, commit_index, n)
             next_token_ids = predict[accept_index].flatten()
-            ngram.move_accept_tokens_to_target_kvcache(batch, accept_index, accept_lens - 1,
+            move_index = faults.skip_last_move(accept_index, accept_lens, n) if self.fault == "kv-move-last" \
+                else accept_index
+            ngram.move_accept_tokens_to_target_kvcache(batch, move_index, accept_lens - 1,
                                                        self.token_to_kv_pool_allocator)
             idx, lens = accept_index.cpu(), accept_lens.cpu().tolist()
             # the drafter's context grows by the root and the accepted drafts (flat node rows), in path order

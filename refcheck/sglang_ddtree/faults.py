@@ -1,0 +1,84 @@
+"""Engine faults injected into SGLang itself, through ``REFCHECK_DDTREE``'s worker (pure torch; no SGLang).
+
+Contract: each fault is registered as its own speculative algorithm, ``REFCHECK_DDTREE_FAULT_<NAME>``
+(``ALGORITHMS`` maps the algorithm name to the fault's key), running the correct worker with one
+step of SGLang's tree verify fed a wrong index, as a real engine bug would:
+
+* ``mamba-flat-index`` (``REFCHECK_DDTREE_FAULT_MAMBA_FLAT_INDEX``): ``commit_mamba_states_after_verify``
+  gets the chain's accept index (request ``b``'s ``j``-th accepted entry = flat node ``b*N + j``), so the
+  conv/recurrent state of flat node ``accept_len - 1`` is committed instead of the last accepted node's.
+  Acts at the first step whose last accepted node is not flat node ``accept_len - 1``.
+* ``kv-move-last`` (``..._KV_MOVE_LAST``): ``move_accept_tokens_to_target_kvcache`` skips the last
+  accepted node (its entry is made a move of slot ``accept_len - 1`` onto itself, a no-op), so the
+  committed row ``seq_len + accept_len - 1`` keeps what the verify wrote there: flat node
+  ``accept_len - 1``'s KV. Acts where ``mamba-flat-index`` does; attention layers only.
+* ``flat-positions`` (``..._FLAT_POSITIONS``): the verify's positions are ``seq_len + j`` for flat node
+  ``j`` instead of ``seq_len + depth(j)``. Acts at the first node whose flat index differs from its
+  depth (the second child of the root, in DDTree's order), at the first decode step.
+* ``bonus-neighbour`` (``..._BONUS_NEIGHBOUR``): request ``b``'s bonus token is the argmax of the
+  next request's (``(b+1) % bs``) logits row at the same local node instead of its own. Needs at least
+  two requests in one batch (with one request the neighbour is itself: no fault). SGLang's per-step
+  record (its ``eagle_sample`` output, which refcheck's capture reads) is right; the token the engine
+  emits, and the next step's root, are not.
+
+The functions below compute the faulty indices from SGLang's tensors; the worker applies them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PREFIX = "REFCHECK_DDTREE_FAULT_"
+FAULTS = ("mamba-flat-index", "kv-move-last", "flat-positions", "bonus-neighbour")
+
+
+def algorithm_name(fault: str) -> str:
+    """``mamba-flat-index`` -> ``REFCHECK_DDTREE_FAULT_MAMBA_FLAT_INDEX``."""
+    return PREFIX + fault.upper().replace("-", "_")
+
+
+#: SGLang algorithm name -> fault key
+ALGORITHMS: dict[str, str] = {algorithm_name(f): f for f in FAULTS}
+
+#: fault key -> the diff category of the first finding expected on a hybrid target (conv ranks before
+#: recurrent; the neighbour's bonus shows as the next step's root, i.e. at the step after it acts)
+EXPECTED: dict[str, str] = {"mamba-flat-index": "conv", "kv-move-last": "kv", "flat-positions": "logits",
+                            "bonus-neighbour": "alignment"}
+
+
+def chain_accept_index(accept_index: torch.Tensor, accept_lens: torch.Tensor, n: int) -> torch.Tensor:
+    """[bs, W] accept index of a chain with the same lengths: entry (b, j) = b*n + j for j < accept_lens[b], else -1."""
+    bs, width = accept_index.shape
+    j = torch.arange(width, device=accept_index.device, dtype=accept_index.dtype)[None, :]
+    base = (torch.arange(bs, device=accept_index.device, dtype=accept_index.dtype) * n)[:, None]
+    inside = j < accept_lens.to(accept_index.device)[:, None].to(accept_index.dtype)
+    return torch.where(inside, base + j, torch.full_like(accept_index, -1))
+
+
+def skip_last_move(accept_index: torch.Tensor, accept_lens: torch.Tensor, n: int) -> torch.Tensor:
+    """``accept_index`` with each request's last accepted entry replaced by its own target slot's flat
+    node (b*n + accept_lens[b] - 1): the KV move of that node becomes a no-op."""
+    out = accept_index.clone()
+    rows = torch.arange(out.shape[0], device=out.device)
+    last = accept_lens.to(out.device).long() - 1
+    out[rows, last] = (rows * n + last).to(out.dtype)
+    return out
+
+
+def flat_positions(positions: torch.Tensor, bs: int, n: int) -> torch.Tensor:
+    """[bs*n] positions ``seq_len + j`` (j the flat index) from the verify's ``seq_len + depth(j)``."""
+    root = positions.view(bs, n)[:, :1]  # node 0 is the root, at depth 0: its position is seq_len
+    return (root + torch.arange(n, device=positions.device, dtype=positions.dtype)[None, :]).reshape(-1)
+
+
+def neighbour_bonus(predict: torch.Tensor, accept_index: torch.Tensor, accept_lens: torch.Tensor,
+                    logits: torch.Tensor, n: int) -> torch.Tensor:
+    """``predict`` with each request's bonus (at its last accepted node) replaced by the argmax of the
+    next request's logits row at the same local node; logits [bs*n, V]."""
+    out = predict.clone()
+    bs = accept_index.shape[0]
+    rows = torch.arange(bs, device=accept_index.device)
+    last = accept_index[rows, accept_lens.to(accept_index.device).long() - 1].long()  # [bs] flat index
+    neighbour = (last + n) % (bs * n)
+    out[last.to(out.device)] = logits[neighbour.to(logits.device)].argmax(-1).to(out.dtype).to(out.device)
+    return out
