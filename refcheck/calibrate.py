@@ -63,9 +63,9 @@ def default_corpus(dtypes: list[str], device: str, faults: list[str], pairs: tup
 def _fault_drafter(name: str) -> str:
     """Faults of the drafter's input run with the DFlash drafter (its draft is checked at any numerics);
     the rest with the scripted drafter's deep accepted paths, on which commit faults show."""
-    from refcheck.selftest.faults import FAULTS
+    from refcheck.selftest.faults import find_fault
 
-    entry = FAULTS.get(name)
+    entry = find_fault(name)
     return "dflash" if entry is not None and entry[1] == "draft" else "scripted"
 
 

@@ -9,7 +9,7 @@
 # Knobs (environment): CONFIGS (sglang_suite configurations), PARALLEL engines side by side, MEM (each
 # engine's mem_fraction_static), TOKENS per request, WORKERS (reference corpus processes), CAL_ARGS (extra
 # refcheck calibrate options, e.g. --bounds ...), LIMIT (seconds for each half; the table is written
-# from whatever finished).
+# from whatever finished), EXTRA (a directory of engine traces captured earlier, added to the table).
 set -uo pipefail
 OUT=${1:?usage: scripts/calibrate_gpu.sh OUT}
 CONFIGS=${CONFIGS:-none,dflash,ngram,ddtree-b8,ddtree-b15,ddtree-b32,ddtree-b64,none-graphs,dflash-graphs,ngram-graphs,ddtree-b15-graphs,ddtree-b64-graphs,dflash-bs1,ngram-bs1,ddtree-b15-bs1,ddtree-b15-leaky}
@@ -31,7 +31,7 @@ echo "reference corpus: rc $? after $(( $(date +%s) - t0 )) s" >> "$OUT/times.tx
 rows=()
 [ -f "$OUT/reference/calibration.json" ] && rows=(--rows "$OUT/reference/calibration.json")
 traces=()
-for t in "$OUT"/suite/*.arrow; do [ -f "$t" ] && traces+=(--traces "$t"); done
+for t in "$OUT"/suite/*.arrow ${EXTRA:+$EXTRA/*.arrow}; do [ -f "$t" ] && traces+=(--traces "$t"); done
 # shellcheck disable=SC2086
 $RUN python3 -m refcheck calibrate --out "$OUT" --no-corpus --device cuda --workers "${WORKERS:-6}" ${CAL_ARGS:-} \
   "${rows[@]}" "${traces[@]}" > "$OUT/table.log" 2>&1

@@ -55,6 +55,10 @@ CONFIGS = {
         ("dflash", ["--sglang-algorithm", "DFLASH", "--budget", "15"]),
         ("ngram", ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "10"]),
         ("ddtree-b15", ["--sglang-algorithm", "REFCHECK_DDTREE", "--budget", "15"]))},
+    # faults injected into SGLang through refcheck's plugin (refcheck/sglang_ddtree/faults.py): must fail
+    **{f"ddtree-fault-{f.lower().replace('_', '-')}": ["--sglang-algorithm", f"REFCHECK_DDTREE_FAULT_{f}", "--budget", "15",
+                                                         "--layer-sketches"]
+       for f in ("MAMBA_FLAT_INDEX", "KV_MOVE_LAST", "FLAT_POSITIONS", "BONUS_NEIGHBOUR")},
     # SGLang in float32 (the sharp check that tells bf16 numerics from engine bugs) is refused for the
     # built-in Qwen3.5 pair on 0.5.17: its gemma_rmsnorm has no float32 kernel (refcheck/sglang_capture/versions.py)
     "dflash-fp32": ["--sglang-algorithm", "DFLASH", "--budget", "15", "--dtype", "float32"],

@@ -85,4 +85,4 @@ def test_the_command_writes_the_table_and_exits_by_its_claims(tmp_path, cli):
     assert (tmp_path / "calibration.md").read_text().count("| clean |") == 3
     assert len(json.loads((tmp_path / "calibration.json").read_text())["rows"]) == 4
     code, _, err = cli("calibrate", "--out", str(tmp_path), "--fault", "no-such-fault", "--device", "cpu")
-    assert code == 2 and "unknown fault" in err
+    assert code == 2 and "unknown fault" in err and "rec-scale:EPS" in err

@@ -12,14 +12,13 @@ from refcheck.cli.app import err, main, quiet
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS, UsageError
 
 
-def _fault_names(selected: tuple[str, ...], graded: bool) -> list[str]:
-    from refcheck.selftest.faults import FAULTS
+def _fault_names(selected: tuple[str, ...]) -> list[str]:
+    """The faults to run: the named ones (each checked), or every discrete and graded fault."""
+    from refcheck.selftest.faults import fault, fault_names
 
-    names = list(selected) or [f for f in FAULTS if graded or ":" not in f]
-    unknown = [f for f in names if f not in FAULTS]
-    if unknown:
-        raise UsageError(f"unknown fault(s) {unknown} (known: {', '.join(FAULTS)})")
-    return names
+    for name in selected:
+        fault(name)  # an unknown name is a usage error listing the faults
+    return list(selected) or fault_names()
 
 
 def _pairs(text: str, option: str) -> dict[str, float]:
@@ -75,7 +74,7 @@ def calibrate(out_dir, dtypes, device, ref_device, faults, no_faults, no_corpus,
     quiet()
     dtypes = list(dtypes) or ["bfloat16", "float16"]
     ref_device = ref_device or device
-    names = [] if no_faults else _fault_names(faults, graded=not faults)
+    names = [] if no_faults else _fault_names(faults)
     from refcheck.calibrate import CLEAN_BUDGETS
     from refcheck.sweep import parse_budgets
 
