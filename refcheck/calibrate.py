@@ -119,7 +119,7 @@ def _where(f: Finding | None) -> dict | None:
 
 def _first_failure(report: Report) -> Finding | None:
     fails = [f for f in report.first_divergence().values()]
-    return min(fails, key=lambda f: (1 << 30 if f.step is None else f.step, f.request_id), default=None)
+    return min(fails, key=lambda f: (1 << 30 if f.step is None else f.step, f.request_id or ""), default=None)
 
 
 def report_row(report: Report, kind: str, change: dict | None = None) -> dict:

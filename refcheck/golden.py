@@ -68,7 +68,7 @@ def _summary(prov: dict) -> dict:
     """The provenance kept in the manifest (enough to review a replacement)."""
     keys = ("engine", "model", "model_sha256", "draft_sha256", "tokenizer_sha256", "dtype", "device", "budget",
             "block_size", "max_new_tokens", "drafter", "prompt_set_sha256", "versions", "created", "case", "expect",
-            "allow_unsupported", "triaged", "triage_rules")
+            "allow_unsupported", "triaged", "triage_rules", "expect_first")
     return {k: prov[k] for k in keys if k in prov}
 
 
@@ -219,8 +219,21 @@ def apply_triage(report: Report, triaged: list[dict]) -> None:
         steps["triaged"] = steps.get("triaged", 0) + len(moved)
 
 
+def parse_expect_first(key: str | None) -> dict | None:
+    """'REQUEST:STEP:NODE:LAYER' (NODE / LAYER '-' for any) -> the manifest's ``expect_first``."""
+    if not key:
+        return None
+    try:
+        rid, step, node, layer = key.rsplit(":", 3)
+        return {"request_id": rid, "step": int(step), "node": None if node == "-" else int(node),
+                "layer": None if layer == "-" else int(layer)}
+    except ValueError:
+        raise UsageError(f"--expect-first {key!r}: expected REQUEST:STEP:NODE:LAYER (NODE, LAYER '-' for any)") from None
+
+
 def add_trace(golden_dir: Path, trace_path: Path, case: str, expect: str, allow_unsupported: list[str],
-              reason: str, triage: list[str] | None = None, session: DiffSession | None = None) -> Path:
+              reason: str, triage: list[str] | None = None, session: DiffSession | None = None,
+              expect_first: str | None = None) -> Path:
     """Store an engine trace as a golden case (atomic; an existing case is replaced only with history).
     ``triage``: findings a person reviewed (REQUEST:STEP:NODE:CATEGORY), reported as TRIAGED by the gate.
     The trace is first put through the gate's own check with these settings: a trace that would fail
@@ -229,11 +242,14 @@ def add_trace(golden_dir: Path, trace_path: Path, case: str, expect: str, allow_
     if expect != "pass" and not expect.startswith("fail"):
         raise UsageError(f"--expect must be 'pass', 'fail' or 'fail:CATEGORY', got {expect!r}")
     triaged = parse_triage(triage or [])
+    first = parse_expect_first(expect_first)
+    if first is not None and expect == "pass":
+        raise UsageError("--expect-first is where an expected failure must first show: it needs --expect fail[:CATEGORY]")
     if case in GOLDEN_CASES:
         raise UsageError(f"{case!r} is a built-in reference case; choose another name")
     trace = read_trace(Path(trace_path))  # typed errors for a bad trace
     summary = {**_summary(trace.provenance), "expect": expect, "allow_unsupported": allow_unsupported,
-               "triaged": triaged}
+               "triaged": triaged, **({"expect_first": first} if first else {})}
     report = check_trace(case, trace, summary, session or DiffSession())
     if report.verdict not in ("pass", "expected failure caught"):
         fails = [f for f in report.failures][:3]
@@ -313,6 +329,7 @@ def check_trace(name: str, trace: Trace, settings: dict, session: DiffSession) -
     apply_triage(report, settings.get("triaged", []))
     if expect != "pass":
         report.expect_failure = expect
+        report.expect_first = settings.get("expect_first")
     return report
 
 

@@ -78,13 +78,15 @@ def golden_regen(cases, reason, accept, golden_dir, as_json):
 @click.option("--reason", required=True, help="Why this trace becomes a golden (recorded in MANIFEST.json).")
 @click.option("--triage", multiple=True, help="A reviewed finding the gate reports as triaged, not failed: "
               "REQUEST:STEP:NODE:CATEGORY (NODE '-' for none); repeat for each. Any other failure still fails.")
+@click.option("--expect-first", default=None, help="With --expect fail[:CATEGORY]: where the first failure must be, "
+              "REQUEST:STEP:NODE:LAYER (NODE, LAYER '-' for any); the gate fails the case if it moves.")
 @click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None)
-def golden_add(trace_path, case, expect, allow_unsupported, reason, triage, golden_dir):
+def golden_add(trace_path, case, expect, allow_unsupported, reason, triage, expect_first, golden_dir):
     """Store an engine's trace (SGLang, z-lab, ...) as a golden case the gate re-checks."""
     from refcheck.golden import add_trace, default_golden_dir
 
     path = add_trace(golden_dir or default_golden_dir(), trace_path, case, expect,
-                     [c for c in allow_unsupported.split(",") if c], reason, list(triage))
+                     [c for c in allow_unsupported.split(",") if c], reason, list(triage), expect_first=expect_first)
     err.print(f"added golden {case}: {path}", markup=False)
     sys.exit(EXIT_PASS)
 

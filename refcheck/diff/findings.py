@@ -84,6 +84,8 @@ class Report:
     checks: Counter = field(default_factory=Counter)  # category -> checks made
     stats: dict = field(default_factory=dict)
     expect_failure: str | None = None  # golden of a known-buggy engine: "fail" or "fail:CATEGORY"
+    #: ... and where its first failure must be: {request_id, step, node, layer} (None: any)
+    expect_first: dict | None = None
 
     def check(self, category: str, n: int = 1) -> None:
         self.checks[category] += n
@@ -125,7 +127,7 @@ class Report:
         def order(f: Finding) -> tuple:
             step = 1 << 30 if f.step is None else f.step  # request-level summaries come last
             rank = CATEGORIES.index(f.category) if f.category in CATEGORIES else len(CATEGORIES)
-            return (f.request_id, step, rank, f.node if f.node is not None else -1, f.layer is None, f.layer or 0)
+            return (f.request_id or "", step, rank, f.node if f.node is not None else -1, f.layer is None, f.layer or 0)
 
         for f in sorted(self.failures, key=order):
             out.setdefault(f.request_id, f)
@@ -138,7 +140,16 @@ class Report:
             return None
         wanted = self.expect_failure.split(":", 1)[1] if ":" in self.expect_failure else None
         found = {f.category for f in self.failures}
-        return bool(found) and (wanted is None or wanted in found)
+        return bool(found) and (wanted is None or wanted in found) and self.expected_first_met is not False
+
+    @property
+    def expected_first_met(self) -> bool | None:
+        """Is the request's first failure where ``expect_first`` says (None when nothing is expected)?"""
+        want = self.expect_first
+        if not want:
+            return None
+        got = self.first_divergence().get(want["request_id"])
+        return got is not None and all(want.get(k) is None or getattr(got, k) == want[k] for k in ("step", "node", "layer"))
 
     @property
     def exit_code(self) -> int:
@@ -162,6 +173,7 @@ class Report:
             "mode": self.mode,
             "verdict": self.verdict,
             "expect_failure": self.expect_failure,
+            "expect_first": self.expect_first,
             "counts": self.counts,
             "checks": dict(self.checks),
             "fail_categories": dict(Counter(f.category for f in self.failures)),

@@ -80,6 +80,8 @@ class _Request:
         self.ill_conditioned: dict[int, float] = {}
         self.spread: Callable[[], StepSpread] | None = None  # this step's ensemble, run at most once
         self.failed_at: int | None = None  # the first step of this request with a failure
+        self.last_spread: float | None = None  # the spread the last judged deviation was held against
+        self.since = 0  # index of this step's first finding in the report
 
     def fail(self, category: str, step: int | None, message: str, **kw) -> None:
         self.rep.add(Finding(Verdict.FAIL, category, self.rid, step, message=message, **kw))
@@ -93,15 +95,21 @@ class _Request:
     def judged(self, deviation: float, spread: Callable[[StepSpread], float | None]) -> float | None:
         """The quantity's rounding spread when the calibration judges over-bound deviations and this one
         is within it; else None (the deviation fails)."""
-        if self.rule is None or self.spread is None:
-            return None
+        self.last_spread = None
+        if self.rule is None or self.spread is None or self.failing():
+            return None  # (after a failure the deviation could not be triaged anyway: no ensemble is run)
         value = spread(self.spread())
+        self.last_spread = value
         if value is None:
             return None
         ratios = self.rep.stats.setdefault("rounding_ratios", [])
         if len(ratios) < MAX_RATIOS:  # deviation / spread of every judged quantity: the calibration's raw data
             ratios.append(round(deviation / value, 4) if value > 0 else float("inf"))
         return value if self.rule.covers(deviation, value) else None
+
+    def failing(self) -> bool:
+        """Has this request failed, earlier or at this step so far?"""
+        return self.failed_at is not None or any(f.verdict == Verdict.FAIL for f in self.rep.findings[self.since:])
 
     def settle(self, since: int, step: int) -> None:
         """Report the step's rounding-consistent deviations: triaged only if nothing else failed at this
@@ -214,8 +222,10 @@ class _Request:
                             f"rounding at the engine's dtype moves them (up to {max(spread):.4g})",
                             {**details, "spread": max(spread)})
             return
+        bad = [d for d, v in zip(over, spread) if v is None]
         self.fail("draft", s.step, f"draft log-probs differ from the reference drafter's by {float(dev.max()):.4g} "
-                  f"(first at depth {depth}); the drafter's context or input differs", details=details)
+                  f"(first at depth {depth}); the drafter's context or input differs",
+                  details={**details, "failing_depths": [d + 1 for d in bad]})
 
     def draft_reference(self, s: StepRow) -> torch.Tensor | None:
         """The reference drafter's log-probs at the engine's draft ids ([L, k] float32), or None."""
@@ -335,7 +345,7 @@ class _Request:
                     continue
                 self.fail(cat, s.step, f"{name}: rel L2 {err:.3g}, cosine {cos:.6f} (tolerance {self.tol.tensor_rel_l2:g} / "
                           f"{self.tol.tensor_min_cos:g})", layer=layer, layer_type=layer_type,
-                          details={"rel_l2": err, "cosine": cos})
+                          details={"rel_l2": err, "cosine": cos, "spread": self.last_spread})
 
     def check_emitted(self, s: StepRow, tree: Tree, logp: torch.Tensor, last: bool) -> None:
         expected = [int(tree.tokens[i]) for i in s.accepted[1:]] + [s.bonus]
@@ -387,7 +397,7 @@ class _Request:
         self.root = output[0] if output else None
         emitted_all = output[:1]
         for k, s in enumerate(steps):
-            since = len(self.rep.findings)
+            since = self.since = len(self.rep.findings)
             usable = self.replay_step(s, last=k == len(steps) - 1, prompt=prompt, output=output)
             self.settle(since, s.step)
             self.step_verdict(since)

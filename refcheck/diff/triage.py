@@ -1,12 +1,13 @@
 """The rounding ensemble: how far a *correct* engine in a given dtype can move each compared quantity.
 
 Contract: :class:`RoundingEnsemble` recomputes one replayed step ``samples`` times in the
-reference's own precision with every ``nn.Linear`` output of the target (and of a DFlash drafter), and
-its residual stream after every add, multiplied by ``1 + u*U(-1, 1)``, ``u`` the engine dtype's unit
+reference's own precision with every ``nn.Linear`` input and output of the target (and of a DFlash
+drafter), and its residual stream after every add, multiplied by ``1 + u*U(-1, 1)``, ``u`` the engine dtype's unit
 roundoff (bf16 2^-8, fp16 2^-11): the size of one rounding of each stored activation, the error a
-correct engine in that dtype commits. (Linear outputs alone under-estimate it: the residual stream is
-far larger than each layer's update, so its rounding dominates the hidden states a drafter reads; on
-the first corpus the draft deviation of a bf16 engine was up to 3.9x the linear-only spread.)
+correct engine in that dtype commits: every tensor a GEMM reads (norm outputs, attention and Gated
+DeltaNet core outputs, the gated MLP product) and writes is stored rounded, and so is the residual
+stream. (Linear outputs alone under-estimate it: on the first H200 corpus a bf16 engine's draft
+log-probs deviated by up to 3.9x the linear-output-only spread.)
 Each sample re-prefills the committed tokens (so rounding accumulates over the prefix as it does in
 the engine's carried state), re-drafts from that context, verifies the step's tree and commits the
 engine's accepted path. :class:`StepSpread` holds, per quantity, the largest change over the
@@ -60,7 +61,7 @@ class Rule:
 @contextmanager
 def rounding_noise(modules: list[torch.nn.Module], unit_roundoff: float, generator: torch.Generator,
                    residual: list = ()) -> Iterator[None]:
-    """Every ``nn.Linear`` output inside ``modules``, and the residual stream of every object in
+    """Every ``nn.Linear`` input and output inside ``modules``, and the residual stream of every object in
     ``residual`` (a :class:`~reference.target.Target` or DFlash drafter: its ``residual_rounding``
     hook, after each add), is multiplied by ``1 + u*U(-1, 1)`` while active."""
 
@@ -73,6 +74,9 @@ def rounding_noise(modules: list[torch.nn.Module], unit_roundoff: float, generat
     def hook(_module, _inputs, out: torch.Tensor) -> torch.Tensor:
         return perturb(out)
 
+    def pre_hook(_module, inputs: tuple) -> tuple:
+        return (perturb(inputs[0]), *inputs[1:])
+
     for owner in residual:
         owner.residual_rounding = perturb
 
@@ -83,6 +87,7 @@ def rounding_noise(modules: list[torch.nn.Module], unit_roundoff: float, generat
             if isinstance(m, torch.nn.Linear) and id(m) not in seen:
                 seen.add(id(m))
                 handles.append(m.register_forward_hook(hook))
+                handles.append(m.register_forward_pre_hook(pre_hook))
     try:
         yield
     finally:
