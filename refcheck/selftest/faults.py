@@ -128,11 +128,11 @@ class AttentionExtraNode(DDTreeDecoder):
     """Attention lets node i also see node i-1 of the flat order when that is not its ancestor."""
 
     def verify(self, state, tree, capture):
-        visible = tree.visibility().clone()
+        visible = tree.visibility().clone()  # [N, N] on the host
         i = torch.arange(1, tree.num_nodes)
         visible[i, i - 1] = True
-        return self.target.forward(state, tree.tokens, tree.parents, tree.depths, capture=capture, visible=visible,
-                                   keep_layer_outputs=self.cfg.keep_layers)
+        return self.target.forward(state, tree.tokens, tree.parents, tree.depths, capture=capture,
+                                   visible=visible.to(self.target.device), keep_layer_outputs=self.cfg.keep_layers)
 
 
 class DeepPositionsPlusOne(DDTreeDecoder):

@@ -47,6 +47,7 @@ class SelftestRow:
 def selftest(faults: list[str] | None = None, prompts: list[Prompt] | None = None, budget: int = 15,
              max_new_tokens: int = 24, progress=None) -> list[SelftestRow]:
     names = list(FAULTS) if faults is None else list(faults)
+    chosen = {name: fault(name) for name in names}  # unknown names fail before anything runs
     prompts = prompts or load_prompts()[:3]
     session = DiffSession()
     spec = EngineSpec(pair="hybrid", drafter="scripted", budget=budget, max_new_tokens=max_new_tokens)
@@ -58,7 +59,7 @@ def selftest(faults: list[str] | None = None, prompts: list[Prompt] | None = Non
     for name in ["clean", *names]:
         if progress:
             progress(name)
-        cls, expected = (DDTreeDecoder, "-") if name == "clean" else fault(name)
+        cls, expected = (DDTreeDecoder, "-") if name == "clean" else chosen[name]
         trace, _ = runner.trace(prompts, cls=cls, engine=name if name == "clean" else f"fault:{name}", record_layers=True)
         report = session.diff(trace, name, mode="both", strict_acceptance=True)
         fd = report.first_divergence()
