@@ -197,11 +197,15 @@ def run_one(run: CorpusRun, n_prompts: int, max_new_tokens: int, ref_device: str
     return row, trace_bytes(trace)
 
 
-def row_of_trace(trace: Trace, name: str, ref_device: str, bounds: dict | None = None, rule: dict | None = None) -> dict:
-    """The corpus row of an engine trace recorded elsewhere (an SGLang capture): faulty when its engine
-    is one of refcheck's deliberately broken layouts (LEAKY / FAULT in the algorithm name)."""
+def row_of_trace(path: str, name: str, ref_device: str, bounds: dict | None = None, rule: dict | None = None) -> dict:
+    """The corpus row of an engine trace recorded elsewhere (an SGLang capture; a worker entry point, so
+    it takes the path): faulty when its engine is one of refcheck's deliberately broken layouts (LEAKY /
+    FAULT in the algorithm name)."""
     from refcheck.diff.session import DiffSession
     from refcheck.diff.tolerance import engine_numerics
+    from refcheck.trace.io import read_trace
+
+    trace = read_trace(path)
 
     settings = trace.provenance.get("engine", {}).get("settings", {})
     alg = str(settings.get("algorithm", trace.provenance.get("engine", {}).get("name", "?")))

@@ -61,6 +61,13 @@ def sharded_diff(trace: Trace, case: str, mode: str, shards: int, ref_dtype: str
     if mode != "replay":
         raise UsageError("--ref-shards shards the replay only (the free-run oracle is transformers' whole-model "
                          "forward): pass --mode replay")
+    from refcheck.diff.tolerance import calibration_for, engine_numerics
+
+    numerics = engine_numerics(trace.provenance)
+    if calibration_for(*numerics).rule is not None:
+        raise UsageError(f"--ref-shards: an engine trace in {numerics[0]} is judged by the calibrated verdict, whose "
+                         "rounding ensemble needs the whole reference in one process; drop --ref-shards (layer "
+                         "sharding replays float32 engine traces)")
     if ref_device.split(":")[0] == "cuda" and torch.cuda.device_count() < shards:
         raise UsageError(f"--ref-shards {shards} needs {shards} CUDA devices, {torch.cuda.device_count()} visible")
     with tempfile.TemporaryDirectory(prefix="refcheck-shards-") as tmp:

@@ -308,3 +308,13 @@ def test_float32_is_refused_where_the_release_has_no_float32_kernel(monkeypatch)
     if not torch.cuda.is_available():
         with pytest.raises(EngineUnavailableError, match="CUDA GPU"):
             SGLangRunner(EngineSpec(dtype="float32"), "NONE")
+
+
+def test_refchecks_ddtree_under_cuda_graphs_is_refused_up_front():
+    """Measured on the H200: REFCHECK_DDTREE dies at its first decode step under SGLang's CUDA graphs; the
+    runner refuses the combination before any engine starts (a usage error, not a crashed run)."""
+    from refcheck.errors import UsageError
+    from refcheck.runners.sglang import SGLangRunner
+
+    with pytest.raises(UsageError, match="CUDA graphs"):
+        SGLangRunner(EngineSpec(pair="hybrid", dtype="bfloat16", budget=15), "REFCHECK_DDTREE", cuda_graphs=True)

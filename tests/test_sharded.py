@@ -108,12 +108,17 @@ def test_cli_replay_against_a_sharded_reference_equals_unsharded(cli, tmp_path):
     from refcheck.golden import REPO_GOLDEN
     from refcheck.trace.manifest import load_manifest
 
-    path = REPO_GOLDEN / load_manifest(REPO_GOLDEN).cases["sglang-hybrid-dflash-b15"].file
+    cases = load_manifest(REPO_GOLDEN).cases
+    path = REPO_GOLDEN / cases["hybrid-b15-scripted"].file
     code1, out1, _ = cli("diff", "--against", str(path), "--mode", "replay", "--json")
     code2, out2, err2 = cli("diff", "--against", str(path), "--mode", "replay", "--ref-shards", "2", "--json")
     r1, r2 = json.loads(out1)["reports"][0], json.loads(out2)["reports"][0]
-    assert code1 == code2 == 1  # the three reviewed findings are failures outside the gate's triage
-    assert r1["counts"] == r2["counts"] and r1["fail_categories"] == r2["fail_categories"], err2
+    assert code1 == code2 == 0
+    assert r1["counts"] == r2["counts"] and r1["checks"] == r2["checks"], err2
     assert r1["stats"]["steps"] == r2["stats"]["steps"]
     code, _, err = cli("diff", "--against", str(path), "--ref-shards", "2")
     assert code == 2 and "--mode replay" in err
+    # a bf16 engine's trace is judged by the calibrated verdict, which needs the whole reference
+    bf16 = REPO_GOLDEN / cases["sglang-hybrid-dflash-b15"].file
+    code, _, err = cli("diff", "--against", str(bf16), "--mode", "replay", "--ref-shards", "2")
+    assert code == 2 and "calibrated verdict" in err

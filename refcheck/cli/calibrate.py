@@ -69,7 +69,7 @@ def calibrate(out_dir, dtypes, device, ref_device, faults, no_faults, no_corpus,
     Dtypes with no measured calibration are run with their candidate bounds (refcheck/diff/tolerance.py)."""
     from refcheck.calibrate import calibration_under_test, default_corpus, markdown, row_of_trace, run_one, summarize
     from refcheck.parallel import run_parallel
-    from refcheck.trace.io import atomic_write_bytes, read_trace
+    from refcheck.trace.io import atomic_write_bytes
 
     quiet()
     dtypes = list(dtypes) or ["bfloat16", "float16"]
@@ -91,7 +91,7 @@ def calibrate(out_dir, dtypes, device, ref_device, faults, no_faults, no_corpus,
         (out_dir / "traces").mkdir(exist_ok=True)
         for run, (_, data) in zip(corpus, results):
             atomic_write_bytes(out_dir / "traces" / f"{run.name}.arrow", data)
-    rows += run_parallel(row_of_trace, [(read_trace(p), p.stem, ref_device, over, rule) for p in traces], workers)
+    rows += run_parallel(row_of_trace, [(str(p), p.stem, ref_device, over, rule) for p in traces], workers)
     for f in row_files:
         try:
             rows += json.loads(f.read_text())["rows"]

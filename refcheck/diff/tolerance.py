@@ -61,16 +61,20 @@ CALIBRATIONS: dict[tuple[str, str], Calibration] = {
                                     "reference vs transformers and the two exact GDN tree methods, CPU"),
     ("float32", "cuda"): Calibration(Tolerance(5e-4, 5e-4, 5e-4, 0.9999, 1e-3), None,
                                      "reference fp32 on the H200 vs CPU"),
-    # min cosine 0.965 ~ 1 - 0.25**2 / 2: consistent with the rel-L2 bound
+    # min cosine 0.965 ~ 1 - 0.25**2 / 2: consistent with the rel-L2 bound. Factor 3: over the H200 corpus's
+    # clean runs (docs/results/calibration.md) the largest deviation / spread of a correct engine was 2.34
+    # (p50 0.37, p99 2.34 over 158 judged deviations); with the factor 2 of the linear-output-only model 8 of
+    # 30 clean runs had failed.
     ("bfloat16", "*"): Calibration(Tolerance(1.5, 0.4, 0.25, 0.965, 0.7), Rule(samples=8, factor=3.0),
                                    "three-way bf16 calibration and the refcheck calibrate corpus, H200"),
+    # fp16: bf16's bounds scaled by the 8x smaller unit roundoff; the H200 corpus's 10 clean fp16 runs (both
+    # pairs, budgets 8-64 and chain) pass with 0 false alarms. Faults were run in bf16 only.
+    ("float16", "*"): Calibration(Tolerance(0.4, 0.2, 0.05, 0.998, 0.2), Rule(samples=8, factor=3.0),
+                                  "refcheck calibrate corpus, H200: 10 clean fp16 runs"),
 }
 
 #: bounds under measurement, used only by ``refcheck calibrate`` (never by a verdict)
-CANDIDATES: dict[tuple[str, str], Calibration] = {
-    ("float16", "*"): Calibration(Tolerance(0.4, 0.2, 0.05, 0.998, 0.2), Rule(samples=8, factor=3.0),
-                                  "candidate: bf16's bounds scaled by fp16's 8x smaller unit roundoff"),
-}
+CANDIDATES: dict[tuple[str, str], Calibration] = {}
 
 
 def _lookup(table: dict[tuple[str, str], Calibration], dtype: str, device: str) -> Calibration | None:
