@@ -50,8 +50,20 @@ class GoldenError(RefcheckError):
     exit_code = EXIT_GOLDEN
 
 
+class GoldenLockError(GoldenError):
+    """Another process holds the golden directory's writer lock past the wait timeout."""
+
+
 class CorruptTraceError(RefcheckError):
     exit_code = EXIT_CORRUPT
+
+
+class NonFiniteError(ModelError):
+    """NaN or Inf in a model's weights or in the logits it produced (names the model, tensor or step)."""
+
+
+class OutputPathError(UsageError):
+    """An output path (--save-trace, --out, --json FILE) that cannot be written, found before any work."""
 
 
 class NothingComparedError(RefcheckError):

@@ -321,7 +321,8 @@ def trace_bytes(trace: Trace) -> bytes:
 
 
 # ----------------------------------------------------------------------------- atomic write
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """fsync a directory (its entries' renames become durable); a no-op where unsupported."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # platforms without directory handles (Windows): nothing to sync
@@ -362,7 +363,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> int:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return len(data)
 
 
