@@ -149,3 +149,40 @@ def test_flipped_golden_is_corrupt_not_a_finding(cli, tmp_path: Path) -> None:
     (tmp_path / "flipped.arrow").write_bytes(bytes(data))
     code, _, err = cli("diff", "--against", str(tmp_path / "flipped.arrow"))
     assert code == EXIT_CORRUPT and "checksum mismatch" in err and "Traceback" not in err
+
+
+def test_repository_goldens_are_sealed() -> None:
+    manifest = load_manifest(REPO_GOLDEN)
+    for case, entry in manifest.cases.items():
+        assert read_trace(REPO_GOLDEN / entry.file).checksummed, case
+        assert entry.history and entry.history[-1].reason.startswith("sealed as trace schema 1.1"), case
+
+
+def test_seal_script_proves_content_and_is_idempotent(cli, tmp_path: Path) -> None:
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.spec_from_file_location("seal_goldens", Path(__file__).parents[1] / "scripts" / "seal_goldens.py")
+    seal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(seal)
+    gdir = tmp_path / "g"
+    gdir.mkdir()
+    entry = load_manifest(REPO_GOLDEN).cases["hybrid-b1"]
+    rewrite_legacy(REPO_GOLDEN / entry.file, tmp_path / "legacy.arrow",
+                   meta_fn=lambda m: {**m, trace_schema.KEY_VERSION: b"1.0"})
+    shutil.copy(tmp_path / "legacy.arrow", gdir / "hybrid-b1.arrow")
+    from refcheck.trace import store
+
+    store.commit(gdir, [store.Write("hybrid-b1", (gdir / "hybrid-b1.arrow").read_bytes(), entry.provenance)])
+    legacy = read_trace(gdir / "hybrid-b1.arrow")
+    assert not legacy.checksummed
+    code, _, err = cli("golden", "verify", "--golden", str(gdir))
+    assert code == 0 and "without their own checksums" in err and "hybrid-b1" in err
+    (case, digest, _, _), = seal.seal(gdir)
+    sealed = read_trace(gdir / "hybrid-b1.arrow")
+    assert case == "hybrid-b1" and sealed.checksummed
+    assert seal.content_sha256(sealed) == seal.content_sha256(legacy) == digest
+    assert seal.content_sha256(read_trace(REPO_GOLDEN / entry.file)) == digest  # the repository's sealed golden too
+    assert seal.seal(gdir) == []  # idempotent
+    sealed.steps[0].topk_logprobs[0][0] += 1e-3  # the digest sees a changed value
+    assert seal.content_sha256(sealed) != digest

@@ -119,5 +119,12 @@ def golden_verify(golden_dir, clean, clean_orphans):
             err.print(f"removed {name}", markup=False)
     for msg in store.leftovers(gdir, manifest).messages():
         err.print(f"warning: {msg}", markup=False)
+    from refcheck.trace.io import file_checksummed
+
+    legacy = [c for c, e in sorted(manifest.cases.items()) if not file_checksummed(gdir / e.file)]
+    if legacy:
+        err.print(f"warning: {len(legacy)} golden(s) are schema 1.0 traces without their own checksums (unchecked on "
+                  f"read; the manifest's sha256 protects them; seal them: python scripts/seal_goldens.py): "
+                  + ", ".join(legacy), markup=False)
     err.print(f"{len(manifest.cases)} golden traces match {gdir / 'MANIFEST.json'}", markup=False)
     sys.exit(EXIT_PASS)

@@ -648,6 +648,16 @@ def trace_from_bytes(data: bytes, source: str = "<bytes>") -> Trace:
     return trace
 
 
+def file_checksummed(path: Path) -> bool:
+    """Whether the trace file at ``path`` carries checksums (reads the footer only; False for a
+    1.0 file, and for a file that is not an Arrow file at all)."""
+    try:
+        meta = pa.ipc.open_file(pa.memory_map(str(path))).schema.metadata or {}
+    except (pa.ArrowException, OSError, ValueError):
+        return False
+    return KEY_FILE_SHA256 in meta
+
+
 def _version_or_none(meta: dict[bytes, bytes]) -> tuple[int, int] | None:
     try:
         major, minor = meta[KEY_VERSION].decode("ascii").split(".")
