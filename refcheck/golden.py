@@ -282,11 +282,11 @@ def remove_case(golden_dir: Path, case: str, reason: str) -> Manifest:
 def verify(golden_dir: Path) -> Manifest:
     """Hash check of every golden: GoldenError for missing files, CorruptTraceError for mismatches.
     A golden change interrupted after its commit point is completed first (``store.recover``)."""
-    store.recover_locked(Path(golden_dir))
-    manifest = load_manifest(Path(golden_dir))
+    with store.reading(Path(golden_dir)):
+        manifest = load_manifest(Path(golden_dir))
+        problems = manifest.verify(Path(golden_dir))
     if not manifest.cases:
         raise GoldenError(f"{golden_dir}: the manifest lists no golden traces (run: refcheck golden regen --accept)")
-    problems = manifest.verify(Path(golden_dir))
     missing = [p for p in problems if "missing" in p]
     if missing:
         raise GoldenError("missing golden trace(s): " + "; ".join(missing))

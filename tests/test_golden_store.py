@@ -230,3 +230,18 @@ def test_symlinked_golden_is_a_problem(cli, tmp_path: Path) -> None:
     # a write replaces the link itself, never the file it points to
     store.commit(gdir, [store.Write("a", NEW_A, {}, "r")])
     assert outside.read_bytes() == OLD["a"] and not (gdir / "a.arrow").is_symlink()
+
+
+def test_readers_wait_for_a_writer_and_share_with_each_other(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gdir = tmp_path / "g"
+    _initial(gdir)
+    holder = _hold_lock(gdir, 0.6)  # a writer mid-change
+    monkeypatch.setenv(store.LOCK_TIMEOUT_ENV, "0.1")
+    with pytest.raises(GoldenLockError, match="locked by a writer"):
+        verify(gdir)
+    monkeypatch.setenv(store.LOCK_TIMEOUT_ENV, "10")
+    assert set(verify(gdir).cases) == {"a", "b", "c"}  # waited for the writer
+    holder.join()
+    with store.locked(gdir, shared=True):  # another reader does not block verify
+        monkeypatch.setenv(store.LOCK_TIMEOUT_ENV, "0.1")
+        assert set(verify(gdir).cases) == {"a", "b", "c"}

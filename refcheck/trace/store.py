@@ -21,8 +21,9 @@ Contract:
 
   A crash before the commit point leaves the old store (plus staged leftovers, reported by
   :func:`leftovers`); a crash after it is rolled forward by :func:`recover`, which every writer
-  and :func:`~refcheck.golden.verify` run first (idempotent). So a reader after ``recover`` sees
-  every case at its old or its new version, never a mix of manifest and bytes.
+  and :func:`~refcheck.golden.verify` run first (idempotent). Readers take a shared lock
+  (:func:`reading`), so a reader sees every case at its old or its new version, never a mix of
+  manifest and bytes.
 * **Fault injection**: with ``REFCHECK_CRASH_AT=k`` the process ``os._exit(CRASH_EXIT)``-s right
   after its k-th durable write step (``REFCHECK_CRASH_LOG=1`` prints each step's label to stderr).
 * **Case names** are plain names (:data:`CASE_NAME_RE`: letters, digits, ``_``, ``-``, ``+``, and
@@ -118,21 +119,22 @@ def _lock_timeout(timeout: float | None) -> float:
 
 
 @contextlib.contextmanager
-def locked(directory: Path, timeout: float | None = None) -> Iterator[None]:
-    """Hold the golden directory's exclusive writer lock (waits up to ``timeout`` seconds)."""
+def locked(directory: Path, timeout: float | None = None, shared: bool = False) -> Iterator[None]:
+    """Hold the golden directory's exclusive writer lock, or with ``shared`` a reader's lock (many
+    readers at once, none while a writer applies a change); waits up to ``timeout`` seconds."""
     wait = _lock_timeout(timeout)
     fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         deadline = time.monotonic() + wait
         while True:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
                 break
             except OSError as exc:
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
                 if time.monotonic() >= deadline:
-                    raise GoldenLockError(f"golden directory {directory} is locked by another writer (waited "
+                    raise GoldenLockError(f"golden directory {directory} is locked by {'a' if shared else 'another'} writer (waited "
                                           f"{wait:g} s; set {LOCK_TIMEOUT_ENV} to wait longer); nothing was changed") from None
                 time.sleep(_POLL_S)
         yield
@@ -219,6 +221,20 @@ def recover_locked(directory: Path, timeout: float | None = None) -> bool:
         return False
     with locked(directory, timeout):
         return recover(directory)
+
+
+@contextlib.contextmanager
+def reading(directory: Path, timeout: float | None = None) -> Iterator[None]:
+    """A consistent view for a reader (manifest + files): a committed change is completed first,
+    then a shared lock is held. A missing directory yields without a lock (the manifest loader
+    reports it)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        yield
+        return
+    recover_locked(directory, timeout)
+    with locked(directory, timeout, shared=True):
+        yield
 
 
 # ---------------------------------------------------------------------------- transaction
