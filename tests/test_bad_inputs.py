@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from refcheck.errors import EXIT_CORRUPT, EXIT_GOLDEN, EXIT_MISMATCH, EXIT_MODEL, EXIT_PASS, EXIT_USAGE
+from refcheck.errors import EXIT_CORRUPT, EXIT_GOLDEN, EXIT_MODEL, EXIT_PASS, EXIT_USAGE
 from refcheck.golden import REPO_GOLDEN
 from refcheck.models import builtin_pair
 from refcheck.trace import schema as trace_schema
