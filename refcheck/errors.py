@@ -7,12 +7,20 @@ with the code. Codes follow pytest's spirit:
 ==== =====================================================================
 0    pass
 1    mismatch found (tokens, logprobs, acceptance, state) / AR check failed
-2    usage: bad option, malformed prompts file, bad budget, bad prompt
-3    missing or stale golden trace
-4    corrupt trace: bad magic, truncated, checksum or schema error
+2    usage: bad option, malformed prompts file, bad budget (also one too big
+     for the context or the memory), bad prompt, a case name that is not a
+     plain name, an output path or golden directory that cannot be written
+     (:class:`OutputPathError`, checked before any work)
+3    missing or stale golden trace; a golden directory locked by another
+     writer past the wait (:class:`GoldenLockError`)
+4    corrupt trace: bad magic, truncated, checksum mismatch (naming the
+     record batch), schema error, malformed content (tree, step numbers,
+     token ids: naming request, step and node), malformed manifest/journal
 5    nothing compared
-6    model error: checkpoint missing or malformed, draft/target mismatch,
-     unsupported model type
+6    model error: checkpoint missing or malformed (garbage safetensors),
+     draft/target mismatch (layer count, layer ids, widths, vocabulary),
+     unsupported model type, NaN/Inf in weights or log-probs
+     (:class:`NonFiniteError`, naming the model and tensor or the prompt)
 ==== =====================================================================
 """
 
@@ -50,8 +58,20 @@ class GoldenError(RefcheckError):
     exit_code = EXIT_GOLDEN
 
 
+class GoldenLockError(GoldenError):
+    """Another process holds the golden directory's writer lock past the wait timeout."""
+
+
 class CorruptTraceError(RefcheckError):
     exit_code = EXIT_CORRUPT
+
+
+class NonFiniteError(ModelError):
+    """NaN or Inf in a model's weights or in the logits it produced (names the model, tensor or step)."""
+
+
+class OutputPathError(UsageError):
+    """An output path (--save-trace, --out, --json FILE) that cannot be written, found before any work."""
 
 
 class NothingComparedError(RefcheckError):

@@ -7,8 +7,10 @@ Contract:
 * :func:`regenerate` re-runs the reference for each case and prints a review summary against the
   stored golden (first divergent token per prompt, τ deltas, what in the provenance changed).
   Without ``accept`` it writes ``<case>.arrow.pending`` beside the golden and the old golden stays
-  untouched; with ``accept`` (and a reason, when a golden is replaced) it replaces the golden
-  atomically (write, fsync, rename) and records old -> new provenance and the reason.
+  untouched; with ``accept`` (and a reason, when a golden is replaced) it replaces every case in
+  one locked, crash-safe transaction of :mod:`refcheck.trace.store` (all cases or none) and records
+  old -> new provenance and the reason. :func:`add_trace` and :func:`remove_case` go through the
+  same store; case names are plain names (``store.check_case_name``).
 * :func:`gate` verifies hashes (missing -> exit 3, mismatch -> exit 4), refuses stale goldens
   (model/draft/tokenizer/budget/prompt-set changed -> exit 3), diffs every case in replay and
   free-run mode against the live reference and is strict about skips: an unsupported or skipped
@@ -28,8 +30,9 @@ from refcheck.errors import CorruptTraceError, GoldenError, UsageError
 from refcheck.prompts import load_prompts
 from refcheck.provenance import dir_sha256, stale_reasons
 from refcheck.runners.reference import EngineSpec
-from refcheck.trace.io import Trace, atomic_write_bytes, read_trace, trace_bytes
-from refcheck.trace.manifest import Manifest, load_manifest, sha256_file
+from refcheck.trace import store
+from refcheck.trace.io import Trace, atomic_write_bytes, read_trace, trace_bytes, trace_from_bytes
+from refcheck.trace.manifest import Manifest, load_manifest
 
 REPO_GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 PENDING_SUFFIX = ".pending"
@@ -138,10 +141,11 @@ def regenerate(
                              "again with that engine (SGLang: scripts/sglang_suite.py on a GPU) and replace them with "
                              "refcheck golden add TRACE --case NAME --reason ...")
         raise UsageError(f"unknown golden case(s) {unknown} (known: {', '.join(GOLDEN_CASES)})")
-    golden_dir.mkdir(parents=True, exist_ok=True)
-    manifest = load_manifest(golden_dir, allow_missing=True)
+    if accept:
+        store.check_writable(golden_dir)  # before minutes of decoding, not after
     prompts = load_prompts()
     reviews: list[Review] = []
+    writes: list[store.Write] = []
     for name in names:
         if progress:
             progress(name)
@@ -163,17 +167,16 @@ def regenerate(
         if accept:
             if old is not None and rev.status != "unchanged" and not reason:
                 raise UsageError(f"golden {name} changes: give --reason for the record (nothing was written)")
-            atomic_write_bytes(path, data)
-            manifest.record(name, path.name, sha256_file(path), len(data), _summary(trace.provenance), reason=reason)
-            manifest.save(golden_dir)  # after every case: an interrupted regen leaves a consistent manifest
-            pending = path.with_name(path.name + PENDING_SUFFIX)
-            pending.unlink(missing_ok=True)
+            writes.append(store.Write(name, data, _summary(trace.provenance), reason))
             rev.written = str(path)
         else:
+            golden_dir.mkdir(parents=True, exist_ok=True)
             pending = path.with_name(path.name + PENDING_SUFFIX)
             atomic_write_bytes(pending, data)
             rev.written = str(pending)
         reviews.append(rev)
+    if writes:
+        store.commit(golden_dir, writes)  # every case or none, whatever instant the process dies
     return reviews
 
 
@@ -239,6 +242,7 @@ def add_trace(golden_dir: Path, trace_path: Path, case: str, expect: str, allow_
     The trace is first put through the gate's own check with these settings: a trace that would fail
     the gate the moment it lands (``--expect pass`` with failures, an expected failure not caught, or
     stale models) is refused with the first failing findings, and nothing is written."""
+    store.check_case_name(case)
     if expect != "pass" and not expect.startswith("fail"):
         raise UsageError(f"--expect must be 'pass', 'fail' or 'fail:CATEGORY', got {expect!r}")
     triaged = parse_triage(triage or [])
@@ -247,7 +251,13 @@ def add_trace(golden_dir: Path, trace_path: Path, case: str, expect: str, allow_
         raise UsageError("--expect-first is where an expected failure must first show: it needs --expect fail[:CATEGORY]")
     if case in GOLDEN_CASES:
         raise UsageError(f"{case!r} is a built-in reference case; choose another name")
-    trace = read_trace(Path(trace_path))  # typed errors for a bad trace
+    store.check_writable(Path(golden_dir))
+    try:
+        data = Path(trace_path).read_bytes()  # the bytes checked are the bytes stored
+    except OSError:
+        read_trace(Path(trace_path))  # raises the typed error for a missing or unreadable trace
+        raise
+    trace = trace_from_bytes(data, str(trace_path))
     summary = {**_summary(trace.provenance), "expect": expect, "allow_unsupported": allow_unsupported,
                "triaged": triaged, **({"expect_first": first} if first else {})}
     report = check_trace(case, trace, summary, session or DiffSession())
@@ -260,24 +270,27 @@ def add_trace(golden_dir: Path, trace_path: Path, case: str, expect: str, allow_
             + "). Review them, then add --triage REQUEST:STEP:NODE:CATEGORY for reviewed findings, "
               "--allow-unsupported CATEGORY for what the engine cannot record, or --expect fail:CATEGORY for a "
               "known-buggy engine; nothing was written")
-    golden_dir = Path(golden_dir)
-    golden_dir.mkdir(parents=True, exist_ok=True)
-    manifest = load_manifest(golden_dir, allow_missing=True)
-    data = Path(trace_path).read_bytes()
-    path = golden_dir / f"{case}.arrow"
-    atomic_write_bytes(path, data)
-    manifest.record(case, path.name, sha256_file(path), len(data), summary, reason=reason)
-    manifest.save(golden_dir)
-    return path
+    store.commit(Path(golden_dir), [store.Write(case, data, summary, reason)])
+    return Path(golden_dir) / store.trace_file_name(case)
+
+
+def remove_case(golden_dir: Path, case: str, reason: str) -> Manifest:
+    """Remove a golden case (its entry moves to the manifest's ``removed`` list with the reason;
+    its file is deleted), in one store transaction."""
+    if not reason or not reason.strip():
+        raise UsageError("golden remove needs --reason (recorded in MANIFEST.json)")
+    return store.commit(Path(golden_dir), removes=[store.Remove(store.check_case_name(case), reason)])
 
 
 # -- verification and the gate ------------------------------------------------------------------------
 def verify(golden_dir: Path) -> Manifest:
-    """Hash check of every golden: GoldenError for missing files, CorruptTraceError for mismatches."""
-    manifest = load_manifest(Path(golden_dir))
+    """Hash check of every golden: GoldenError for missing files, CorruptTraceError for mismatches.
+    A golden change interrupted after its commit point is completed first (``store.recover``)."""
+    with store.reading(Path(golden_dir)):
+        manifest = load_manifest(Path(golden_dir))
+        problems = manifest.verify(Path(golden_dir))
     if not manifest.cases:
         raise GoldenError(f"{golden_dir}: the manifest lists no golden traces (run: refcheck golden regen --accept)")
-    problems = manifest.verify(Path(golden_dir))
     missing = [p for p in problems if "missing" in p]
     if missing:
         raise GoldenError("missing golden trace(s): " + "; ".join(missing))

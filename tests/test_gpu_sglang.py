@@ -76,3 +76,46 @@ def test_ddtree_leaky_chain_layout_is_caught():
     cats = {f.category for f in rep.failures}
     assert "tree" in cats  # branching trees through the chain layout, flagged from the capture
     assert cats & {"recurrent", "logits"}, cats  # and the numerics show the leak
+
+
+def test_scheduler_killed_mid_run_keeps_the_partial_trace_and_fails(tmp_path):
+    """SIGKILL the scheduler once it has captured 20 step records: the steps captured so far come back as
+    a (checksummed) partial trace, the crash is in the provenance, and the diff fails (exit 1).
+    Written for issue 19; not run on the CPU machine it was written on."""
+    import os
+    import signal
+    import threading
+    import time
+    from pathlib import Path
+
+    from refcheck.errors import EXIT_MISMATCH
+    from refcheck.trace.io import read_trace
+
+    spec = EngineSpec(pair="hybrid", dtype="bfloat16", device="cuda", budget=15, max_new_tokens=256)
+    runner = SGLangRunner(spec, "DFLASH", capture_dir=tmp_path, timeout_s=300)
+    killed: dict[str, int] = {}
+
+    def kill_scheduler() -> None:
+        deadline = time.monotonic() + 280
+        while time.monotonic() < deadline and not killed:
+            for d in (tmp_path / "records").glob("rank0-pid*"):
+                n = len(list(d.glob("[0-9]*.pt")))
+                if n >= 20:
+                    pid = int(d.name.split("-pid", 1)[1])
+                    os.kill(pid, signal.SIGKILL)
+                    killed.update(pid=pid, records=n)
+            time.sleep(0.02)
+
+    killer = threading.Thread(target=kill_scheduler)
+    killer.start()
+    trace = runner.trace(load_prompts())
+    killer.join()
+    assert killed, "the scheduler finished before 20 step records were captured"
+    cap = trace.provenance["capture"]
+    assert cap["crash"], cap
+    partial = read_trace(Path(cap["partial_trace"]))
+    assert partial.checksummed and 0 < len(partial.steps)
+    assert len(partial.steps) <= sum(p.max_new_tokens or 256 for p in load_prompts())
+    rep = DiffSession().diff(trace, "sglang-killed", mode="replay", ref_dtype="float32", ref_device="cuda", triage=TRIAGE)
+    assert rep.exit_code == EXIT_MISMATCH
+    assert any("incomplete" in f.message or f.category == "engine" for f in rep.failures)

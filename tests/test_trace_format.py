@@ -43,7 +43,7 @@ from trace_helpers import (  # noqa: E402
 def test_round_trip_realistic(trace_file: tuple[Trace, Path]) -> None:
     trace, path = trace_file
     back = read_trace(path)
-    assert back.schema_version == SCHEMA_VERSION == "1.0"
+    assert back.schema_version == SCHEMA_VERSION == "1.1" and back.checksummed
     assert_traces_equal(trace, back)
     # bf16 bit-exact, explicitly
     s0, b0 = trace.steps[0], back.steps[0]
@@ -250,7 +250,8 @@ def test_invalid_trace_is_not_written(trace_file: tuple[Trace, Path]) -> None:
         (lambda t: setattr(t.steps[0], "timings", {"draft": 1.0}), "timings"),
         (lambda t: setattr(t.steps[0].state[0], "kind", "kv"), "kind"),
         (lambda t: setattr(t.steps[0], "layer_sketch", torch.zeros(2, 3)), "layer_sketch"),
-        (lambda t: setattr(t.steps[0], "step", 2**40), "do not fit"),
+        (lambda t: setattr(t.steps[0], "committed_len", 2**40), "do not fit"),
+            (lambda t: setattr(t.steps[0], "step", 2**40), "without gaps"),
         (lambda t: t.steps[0].tree_tokens.__setitem__(0, None), "do not fit|null"),
         (lambda t: t.steps[0].accepted.append(None), "wrongly typed"),
         (lambda t: setattr(t.steps[0], "emitted", None), "wrongly typed"),

@@ -16,6 +16,7 @@ from refcheck.trace import (
     Trace,
     write_trace,
 )
+from refcheck.trace import io as trace_io
 from refcheck.trace import schema as trace_schema
 
 TIMINGS = {"draft": 0.001, "tree": 0.0002, "verify": 0.01, "commit": 0.0005}
@@ -156,8 +157,16 @@ def rewrite(src: Path, dst: Path, table_fn=lambda t: t, meta_fn=lambda m: m) -> 
     reader = pa.ipc.open_file(pa.memory_map(str(src)))
     table = table_fn(reader.read_all())
     meta = meta_fn(dict(reader.schema.metadata))
-    schema = table.schema.with_metadata(meta)
-    with pa.ipc.new_file(str(dst), schema) as w:
+    Path(dst).write_bytes(trace_io.sealed_file_bytes(table.schema.with_metadata(meta), table.to_batches()))
+
+
+def rewrite_legacy(src: Path, dst: Path, table_fn=lambda t: t, meta_fn=lambda m: m) -> None:
+    """Like :func:`rewrite`, as a schema 1.0 writer would: no checksum keys."""
+    reader = pa.ipc.open_file(pa.memory_map(str(src)))
+    table = table_fn(reader.read_all())
+    meta = {k: v for k, v in meta_fn(dict(reader.schema.metadata)).items() if k not in trace_schema.CHECKSUM_KEYS}
+    meta.setdefault(trace_schema.KEY_VERSION, b"1.0")
+    with pa.ipc.new_file(str(dst), table.schema.with_metadata(meta)) as w:
         w.write_table(table.replace_schema_metadata(meta))
 
 

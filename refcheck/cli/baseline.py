@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -35,8 +36,14 @@ def baseline(trace_path, source, bl_model, dataset, temperature, method, bl_budg
         per_position_acceptance,
         positions_from_histogram,
     )
+    from refcheck.errors import UsageError
     from refcheck.trace.io import read_trace
 
+    for name, value in (("--rtol", rtol), ("--position-floor", position_floor)):
+        if not math.isfinite(value) or value < 0:
+            raise UsageError(f"{name} must be a finite number >= 0, got {value}")
+    if bl_budget not in (None, "best") and not str(bl_budget).isdigit():
+        raise UsageError(f"--budget must be a non-negative integer or 'best', got {bl_budget!r}")
     trace = read_trace(trace_path)
     taus_by_req = [[s.accept_length for s in trace.steps_of(r.request_id)] for r in trace.requests]
     taus = [t for r in taus_by_req for t in r]

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from refcheck.cli.app import err, main
-from refcheck.cli.options import model_options, spec_from_options, unless_given
+from refcheck.cli.options import DeviceType, model_options, spec_from_options, unless_given
 from refcheck.cli.reports import finish, report_table, steps_table
 from refcheck.errors import GoldenError, UsageError
 from refcheck.prompts import load_prompts, prompt_set_hash
@@ -41,7 +41,7 @@ def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, dev
 @click.option("--mode", type=click.Choice(["replay", "free", "both"]), default="both", show_default=True)
 @click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None, help="Golden directory.")
 @click.option("--ref-dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True)
-@click.option("--ref-device", default="cpu", show_default=True)
+@click.option("--ref-device", type=DeviceType(), default="cpu", show_default=True)
 @click.option("--save-trace", type=click.Path(path_type=Path), default=None, help="Write the live engine's trace here.")
 @click.option("--workers", "--gpus", "workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Processes to spread the prompts over (one per GPU: worker i uses cuda:i).")
@@ -83,6 +83,9 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
     )
     from refcheck.trace.io import read_trace, write_trace
 
+    from refcheck.outputs import check_output_file, late_write_error
+
+    check_output_file(save_trace, "--save-trace")  # before the run, not after it
     session = DiffSession()
     reports = []
     traces = []  # the engine trace behind each report (for --steps)
@@ -116,8 +119,6 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
         results = run_parallel(engine_shard, [(engine, spec, sh, mode, ref_dtype, ref_device, i, len(shards), full_state,
                                                engine_opts) for i, sh in enumerate(shards)], len(shards))
         trace = merge_traces([trace_from_bytes(b) for b, _ in results], [p.id for p in prompts], prompt_set_hash(prompts))
-        if save_trace:
-            write_trace(trace, save_trace)
         reports.append(merge_reports([r for _, r in results], engine, mode))
         traces.append(trace)
     elif against:
@@ -164,7 +165,21 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
     files = list(against) if against else ([save_trace] * len(reports) if save_trace else [])
     for report, path in zip(reports, files):
         _explain_hint(report, path)
+    if engine and save_trace:  # after the report: a late write failure cannot lose it
+        try:
+            write_trace(traces[0], save_trace)
+        except OSError as exc:
+            report_json_and_raise(reports, as_json, late_write_error(save_trace, exc, "the trace"))
     finish(reports, as_json)
+
+
+def report_json_and_raise(reports, as_json: bool, error: Exception) -> None:
+    """Print the JSON report (the table is already out), then raise ``error`` (its exit code wins)."""
+    if as_json:
+        import json
+
+        click.echo(json.dumps({"reports": [r.to_json() for r in reports]}, indent=2, default=str))
+    raise error
 
 
 def _explain_hint(report, path) -> None:

@@ -11,6 +11,7 @@ import click
 from rich.table import Table
 
 from refcheck.cli.app import err, main, quiet
+from refcheck.cli.options import DeviceType
 from refcheck.errors import EXIT_PASS
 
 
@@ -20,7 +21,7 @@ from refcheck.errors import EXIT_PASS
 @click.option("--step", type=int, required=True, help="Verify step of that request.")
 @click.option("--node", type=int, required=True, help="Node of that step's tree.")
 @click.option("--ref-dtype", default="float32", show_default=True)
-@click.option("--ref-device", default="cpu", show_default=True)
+@click.option("--ref-device", type=DeviceType(), default="cpu", show_default=True)
 @click.option("--top", type=int, default=8, show_default=True, help="Hypotheses shown, best fit first.")
 @click.option("--layer", "at_layer", is_flag=False, flag_value=-1, type=int, default=None,
               help="Explain at one layer instead (needs the trace's layer sketches): --layer alone takes the node's "

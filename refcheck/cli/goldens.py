@@ -90,13 +90,40 @@ def golden_add(trace_path, case, expect, allow_unsupported, reason, triage, expe
     err.print(f"added golden {case}: {path}", markup=False)
     sys.exit(EXIT_PASS)
 
+@golden.command("remove")
+@click.argument("case")
+@click.option("--reason", required=True, help="Why the case goes (its entry is kept in MANIFEST.json's 'removed').")
+@click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None)
+def golden_remove(case, reason, golden_dir):
+    """Remove a golden case (one locked, crash-safe change; its manifest entry is kept with the reason)."""
+    from refcheck.golden import default_golden_dir, remove_case
+
+    remove_case(golden_dir or default_golden_dir(), case, reason)
+    err.print(f"removed golden {case}", markup=False)
+    sys.exit(EXIT_PASS)
+
 @golden.command("verify")
 @click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None)
-def golden_verify(golden_dir):
-    """Check every golden trace's sha256 against MANIFEST.json."""
+@click.option("--clean", is_flag=True, help="Delete leftover temporary and *.pending files (under the writer lock).")
+@click.option("--clean-orphans", is_flag=True, help="Also delete *.arrow files the manifest does not list.")
+def golden_verify(golden_dir, clean, clean_orphans):
+    """Check every golden trace's sha256 against MANIFEST.json; warn about orphan and leftover files."""
     from refcheck.golden import default_golden_dir, verify
+    from refcheck.trace import store
 
     gdir = golden_dir or default_golden_dir()
     manifest = verify(gdir)
+    if clean or clean_orphans:
+        for name in store.clean(gdir, orphans=clean_orphans):
+            err.print(f"removed {name}", markup=False)
+    for msg in store.leftovers(gdir, manifest).messages():
+        err.print(f"warning: {msg}", markup=False)
+    from refcheck.trace.io import file_checksummed
+
+    legacy = [c for c, e in sorted(manifest.cases.items()) if not file_checksummed(gdir / e.file)]
+    if legacy:
+        err.print(f"warning: {len(legacy)} golden(s) are schema 1.0 traces without their own checksums (unchecked on "
+                  f"read; the manifest's sha256 protects them; seal them: python scripts/seal_goldens.py): "
+                  + ", ".join(legacy), markup=False)
     err.print(f"{len(manifest.cases)} golden traces match {gdir / 'MANIFEST.json'}", markup=False)
     sys.exit(EXIT_PASS)

@@ -31,6 +31,18 @@ class BudgetType(click.ParamType):
             self.fail(f"budget must be >= 0 or 'chain', got {b}", param, ctx)
         return b
 
+class DeviceType(click.ParamType):
+    """A torch device refcheck runs on: ``cpu``, ``cuda`` or ``cuda:N``."""
+
+    name = "device"
+
+    def convert(self, value, param, ctx):  # type: ignore[override]
+        text = str(value)
+        if text == "cpu" or text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
+            return text
+        self.fail(f"unknown device {text!r} (choose cpu, cuda or cuda:N)", param, ctx)
+
+
 def parse_ids(text: str | None) -> frozenset[int]:
     if not text:
         return frozenset()
@@ -49,7 +61,7 @@ def model_options(f):
         click.option("--budget", type=BudgetType(), default="15", show_default=True, help="Node budget B, or 'chain'."),
         click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True),
         click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True),
-        click.option("--device", default="cpu", show_default=True),
+        click.option("--device", type=DeviceType(), default="cpu", show_default=True),
         click.option("--drafter", type=click.Choice(DRAFTERS), default="dflash", show_default=True,
                      help="'scripted' = the target's own continuation with decoys (testing)."),
         click.option("--stop", "stop_ids", default=None, help="Comma-separated stop token ids."),

@@ -10,7 +10,7 @@ import click
 from rich.table import Table
 
 from refcheck.cli.app import err, main, quiet
-from refcheck.cli.options import model_options, spec_from_options, unless_given
+from refcheck.cli.options import DeviceType, model_options, spec_from_options, unless_given
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS, UsageError
 from refcheck.prompts import load_prompts
 
@@ -25,7 +25,7 @@ from refcheck.prompts import load_prompts
 @click.option("--engine", type=click.Choice(["reference", "sglang"]), default="reference", show_default=True)
 @click.option("--sglang-algorithm", "sglang_algorithms", multiple=True,
               help="With --engine sglang: algorithms to sweep (default: REFCHECK_DDTREE and REFCHECK_DDTREE_LEAKY_CHAIN).")
-@click.option("--ref-device", default="cuda", show_default=True, help="With --engine sglang: the replay reference's device.")
+@click.option("--ref-device", type=DeviceType(), default="cuda", show_default=True, help="With --engine sglang: the replay reference's device.")
 @click.option("--from-traces", "from_traces", multiple=True, type=click.Path(path_type=Path),
               help="With --engine sglang: tabulate saved SGLang traces (repeatable) instead of running the engine; "
                    "rows are grouped by each trace's algorithm and budget.")
@@ -38,8 +38,11 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
     from refcheck.sweep import parse_budgets, plot_sweep, run_sweep
     from refcheck.trace.io import atomic_write_bytes
 
+    from refcheck.outputs import check_output_dir, late_write_error
+
     quiet()
     blist = parse_budgets(budgets)
+    check_output_dir(out_dir, "--out")  # before minutes of decoding, not after
     if from_traces and engine != "sglang":
         raise UsageError("--from-traces tabulates SGLang traces: add --engine sglang")
     if engine == "sglang":
@@ -54,9 +57,13 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
         except ImportError as exc:
             raise UsageError("plotting backend missing: pip install matplotlib (or pass --no-plots)") from exc
     result = run_sweep(spec, prompts, blist, repeats, progress=lambda r, b: err.print(f"repeat {r} budget {b}", markup=False))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out_dir / "sweep.json", (json.dumps(result, indent=2) + "\n").encode())
-    plots = [] if no_plots else plot_sweep(result, out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(out_dir / "sweep.json", (json.dumps(result, indent=2) + "\n").encode())
+        plots = [] if no_plots else plot_sweep(result, out_dir)
+        late = None
+    except OSError as exc:  # the table and the JSON still print; the error follows them
+        plots, late = [], late_write_error(out_dir, exc, "the sweep results")
     table = Table(title=f"refcheck sweep · {result['model']} · {dtype} · {device} · {drafter} drafter · {repeats} repeat(s)")
     for col in ("budget", "τ", "τ range (req.)", "steps", "draft ms", "tree ms", "verify ms", "commit ms", "tok/s", "speedup", "lossless"):
         table.add_column(col, justify="right")
@@ -72,6 +79,8 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
               + "".join(f", {p}" for p in plots), markup=False)
     if as_json:
         click.echo(json.dumps(result, indent=2))
+    if late is not None:
+        raise late
     sys.exit(EXIT_PASS if all(r["lossless"] for r in result["budgets"]) else EXIT_MISMATCH)
 
 def _sweep_sglang(blist, repeats, out_dir, algorithms, ref_device, model_dir, draft_dir, pair, prompts_file,

@@ -27,7 +27,8 @@ def trace_show(path, as_json):
     t = read_trace(path)
     size = path.stat().st_size
     taus = [s.accept_length for s in t.steps]
-    info = {"path": str(path), "schema_version": t.schema_version, "bytes": size, "requests": len(t.requests),
+    info = {"path": str(path), "schema_version": t.schema_version,
+            "integrity": "checksums verified" if t.checksummed else "unchecked (schema 1.0 file: no checksums)", "bytes": size, "requests": len(t.requests),
             "steps": len(t.steps), "bytes_per_step": size / max(len(t.steps), 1),
             "mean_tau": statistics.fmean(taus) if taus else None, "provenance": t.provenance}
     if as_json:

@@ -19,7 +19,7 @@ from refcheck.errors import UsageError
 from refcheck.models import BUILTIN_PAIRS
 from refcheck.prompts import Prompt
 from refcheck.runners.reference import EngineSpec, ReferenceRunner
-from refcheck.trace.io import Trace
+from refcheck.trace.io import Trace, check_token_ids
 from reference.oracle import greedy_decode
 
 MODES = ("replay", "free", "both")
@@ -76,6 +76,7 @@ class DiffSession:
             raise UsageError(f"unknown diff mode {mode!r} (choose from {', '.join(MODES)})")
         spec = reference_spec_for(trace, ref_dtype, ref_device)
         runner = self.runner(spec)
+        check_token_ids(trace, runner.target.vocab_size, case)  # an id beyond the target's vocabulary: a corrupt trace
         eng_dtype, eng_device = engine_numerics(trace.provenance)
         cal = calibration or calibration_for(eng_dtype, eng_device)
         tol = cal.tolerance

@@ -9,6 +9,7 @@ oracle for each prompt.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from refcheck.errors import UsageError
+from refcheck import model_checks
+from refcheck.errors import NonFiniteError, UsageError
 from refcheck.models import DEFAULT_PAIR, builtin_pair
 from refcheck.prompts import Prompt
 from refcheck.prompts import prompt_set_hash
@@ -28,6 +30,7 @@ from refcheck.trace.record import request_rows
 from reference.oracle import greedy_decode
 from reference.scripted import ScriptedDrafter
 from reference.target import Target
+from reference.tree import TreeError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DRAFTERS = ("dflash", "scripted")
@@ -69,18 +72,25 @@ def load_pair(spec: EngineSpec) -> tuple[Target, Drafter]:
     _quiet_transformers()
     if spec.dtype not in DTYPES:
         raise UsageError(f"unknown dtype {spec.dtype!r} (choose from {', '.join(DTYPES)})")
-    if spec.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"device {spec.device!r} requested but no CUDA device is available")
+    model_checks.check_device(spec.device)
     if spec.drafter not in DRAFTERS:
         raise UsageError(f"unknown drafter {spec.drafter!r} (choose from {', '.join(DRAFTERS)})")
     tdir, ddir = spec.resolved_dirs()
+    model_checks.check_safetensors(tdir, "target")
     target = Target.load(tdir, dtype=DTYPES[spec.dtype], device=spec.device)
+    model_checks.check_finite_weights(target.model, f"target model {tdir}")
+    model_checks.check_budget(spec.budget, target.max_positions, target.hidden_size, target.vocab_size,
+                              len(target.layers), target.dtype.itemsize, spec.device)
     if spec.drafter == "scripted":
         mask = target.vocab_size - 1
         return target, ScriptedDrafter(target.model, target.vocab_size, mask, seed=spec.seed)
     if ddir is None:
         raise UsageError("--model given without --draft: a DFlash drafter needs its checkpoint directory")
-    return target, DFlashDrafter.load(ddir, target)
+    model_checks.check_draft_for_target(ddir, len(target.layers), target.hidden_size, target.vocab_size)
+    model_checks.check_safetensors(ddir, "draft")
+    drafter = DFlashDrafter.load(ddir, target)
+    model_checks.check_finite_weights(drafter, f"draft model {ddir}")
+    return target, drafter
 
 
 @dataclass(slots=True)
@@ -99,6 +109,17 @@ class PromptRun:
             return None
         out = self.result.output_ids
         return next((i for i, (a, b) in enumerate(zip(out, self.greedy)) if a != b), min(len(out), len(self.greedy)))
+
+
+@contextlib.contextmanager
+def _non_finite_named(prompt_id: str):
+    """A tree builder refusing NaN / +inf draft scores mid-decode -> NonFiniteError naming the prompt."""
+    try:
+        yield
+    except TreeError as exc:
+        if "NaN" not in str(exc) and "inf" not in str(exc):
+            raise
+        raise NonFiniteError(f"prompt {prompt_id}: non-finite log-probs while decoding ({exc})") from None
 
 
 class ReferenceRunner:
@@ -132,7 +153,8 @@ class ReferenceRunner:
         requests, steps, results = [], [], {}
         for prompt in prompts:
             max_new = prompt.max_new_tokens or self.spec.max_new_tokens
-            result = self.decoder(max_new, cls, record=True, record_layers=record_layers).generate(list(prompt.prompt_ids))
+            with _non_finite_named(prompt.id):
+                result = self.decoder(max_new, cls, record=True, record_layers=record_layers).generate(list(prompt.prompt_ids))
             req, rows = request_rows(prompt.id, prompt.kind, result, full_state)
             requests.append(req)
             steps += rows
@@ -150,7 +172,8 @@ class ReferenceRunner:
             if progress:
                 progress(i, prompt)
             max_new = prompt.max_new_tokens or self.spec.max_new_tokens
-            result = self.decoder(max_new).generate(list(prompt.prompt_ids))
+            with _non_finite_named(prompt.id):
+                result = self.decoder(max_new).generate(list(prompt.prompt_ids))
             greedy = (
                 greedy_decode(self.target.model, list(prompt.prompt_ids), max_new, self.spec.stop_token_ids)
                 if check_ar

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from refcheck.errors import UsageError
+from refcheck.errors import CorruptTraceError, UsageError
 from refcheck.sglang_capture.gdn_replay import GDNStepInputs, gdn_inputs, parents_from_links, split_qkv
 from refcheck.sketch import rel_l2
 from refcheck.trace.io import Trace
@@ -38,7 +38,20 @@ def read_probes(directory: Path) -> list[dict]:
     files = sorted(Path(directory).glob("gdn-*.pt"))
     if not files:
         raise UsageError(f"no GDN probe records (gdn-*.pt) in {directory}")
-    return [torch.load(f, map_location="cpu", weights_only=False) | {"file": f.name} for f in files]
+    return [_load_probe(f) | {"file": f.name} for f in files]
+
+
+def _load_probe(path: Path) -> dict:
+    """One probe record: tensors and plain Python values only (``weights_only=True``: a file from a
+    user-named directory never runs code); anything else is a corrupt record."""
+    try:
+        rec = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises pickle/runtime errors of many kinds
+        raise CorruptTraceError(f"GDN probe record {path} is unreadable or not plain data: "
+                                f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from None
+    if not isinstance(rec, dict):
+        raise CorruptTraceError(f"GDN probe record {path} is a {type(rec).__name__}, not a dict")
+    return rec
 
 
 @dataclass(slots=True)

@@ -17,6 +17,16 @@ Contract:
   any minor are accepted: they are routed through ``schema._MIGRATIONS`` (see
   :func:`refcheck.trace.schema.migrate`) before the column check; columns of a newer minor that
   this version does not know are ignored.
+* Integrity (schema 1.1): the file carries its own checksums in the schema metadata (a sha256 per
+  record batch, one over the requests table, and one over the whole file with its own two copies
+  zeroed). :func:`read_trace` checks them before decoding anything: any changed byte is a
+  :class:`~refcheck.errors.CorruptTraceError` naming the record batch (or the requests table, or
+  "outside the record batches"). A 1.0 file has no checksums: it reads with
+  ``Trace.checksummed = False`` ("unchecked"); a file of 1.1 or later without them is corrupt.
+* Content: the tree is a tree (``parents[0] = -1``, every other parent an earlier node, depths
+  consistent), each request's steps are 0, 1, 2, ... without gaps or repeats, and
+  :func:`check_token_ids` bounds token ids by a known vocabulary; a violation is a
+  :class:`~refcheck.trace.schema.TraceValidationError` naming the request, step and node.
 * Round trip: every field reads back equal; float32 columns hold float32 values (a Python float
   is rounded to float32 on write); tensors round-trip bit-exactly (see :mod:`.codec`);
   ``provenance`` must be JSON-native (str keys, lists, no NaN) and reads back equal.
@@ -24,8 +34,10 @@ Contract:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import secrets
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,9 +50,14 @@ import torch
 from refcheck.errors import CorruptTraceError, GoldenError
 from refcheck.trace.codec import decode_tensor, encode_tensor
 from refcheck.trace.schema import (
+    CHECKSUM_KEYS,
+    CHECKSUM_VERSION,
+    KEY_BATCH_SHA256,
+    KEY_FILE_SHA256,
     KEY_MAGIC,
     KEY_PROVENANCE,
     KEY_REQUESTS,
+    KEY_REQUESTS_SHA256,
     KEY_VERSION,
     MAGIC,
     REQUESTS_SCHEMA,
@@ -117,6 +134,7 @@ class Trace:
     requests: list[RequestRow]
     steps: list[StepRow]
     schema_version: str = SCHEMA_VERSION
+    checksummed: bool = True  # False: read from a 1.0 file, which carries no checksums ("unchecked")
 
     def steps_of(self, request_id: str) -> list[StepRow]:
         """The steps of one request, sorted by step."""
@@ -160,6 +178,7 @@ def _validate_step(s: StepRow, source: str) -> None:
     bad = [i for i in s.accepted if not 0 <= i < n]
     if bad:
         _fail(source, where, f"accepted node indices {bad} out of range [0, {n})")
+    _validate_tree(s, source, where)
     if not isinstance(s.timings, dict) or set(s.timings) != set(TIMING_FIELDS):
         got = sorted(s.timings) if isinstance(s.timings, dict) else type(s.timings).__name__
         _fail(source, where, f"timings must have exactly the keys {list(TIMING_FIELDS)}, got {got}")
@@ -172,6 +191,59 @@ def _validate_step(s: StepRow, source: str) -> None:
         shape = tuple(s.layer_sketch.shape)
         if len(shape) != 3 or shape[1] != n:
             _fail(source, where, f"layer_sketch must be [layers, N={n}, r], got {list(shape)}")
+
+
+def _validate_tree(s: StepRow, source: str, where: str) -> None:
+    """The tree is a tree: root parent -1 at depth 0, every other parent an earlier node, depth = parent's + 1."""
+    parents, depths = s.tree_parents, s.tree_depths
+    if parents[0] != -1 or depths[0] != 0:
+        _fail(source, f"{where} node 0", f"the root must have parent -1 and depth 0, got {parents[0]} and {depths[0]}")
+    for i in range(1, len(parents)):
+        p = parents[i]
+        if not 0 <= p < i:
+            _fail(source, f"{where} node {i}", f"parent {p} out of range (an earlier node in [0, {i}))")
+        if depths[i] != depths[p] + 1:
+            _fail(source, f"{where} node {i}", f"depth {depths[i]} but its parent {p} has depth {depths[p]}")
+
+
+def _validate_step_numbers(trace: Trace, source: str) -> None:
+    """Each request's steps are exactly 0..n-1 (no gap, no jump)."""
+    numbers: dict[str, list[int]] = {}
+    for s in trace.steps:
+        numbers.setdefault(s.request_id, []).append(s.step)
+    for rid, steps in numbers.items():
+        steps.sort()
+        gap = next((i for i, k in enumerate(steps) if k != i), None)
+        if gap is not None:
+            raise TraceValidationError(f"{source}: request {rid!r} step {steps[gap]}: steps must run 0, 1, 2, ... "
+                                       f"without gaps, but step {gap} is missing")
+
+
+def check_token_ids(trace: Trace, vocab_size: int, source: str = "trace") -> None:
+    """Every token id of the trace (prompts, outputs, trees, top-k, argmax, bonus, emitted) lies in
+    ``[0, vocab_size)``; else a :class:`TraceValidationError` naming the request, step and node."""
+    def bad(ids) -> int | None:
+        return next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
+
+    for r in trace.requests:
+        for name in ("prompt_ids", "output_ids"):
+            i = bad(getattr(r, name))
+            if i is not None:
+                raise TraceValidationError(f"{source}: request {r.request_id!r} {name}[{i}] = {getattr(r, name)[i]} is "
+                                           f"outside the vocabulary [0, {vocab_size})")
+    for s in trace.steps:
+        where = f"request {s.request_id!r} step {s.step}"
+        for name in ("tree_tokens", "target_argmax"):
+            i = bad(getattr(s, name))
+            if i is not None:
+                _fail(source, f"{where} node {i}", f"{name} {getattr(s, name)[i]} is outside the vocabulary [0, {vocab_size})")
+        for node, row in enumerate(s.topk_ids):
+            if bad(row) is not None:
+                _fail(source, f"{where} node {node}", f"topk_ids holds {row[bad(row)]}, outside the vocabulary [0, {vocab_size})")
+        for name, ids in (("bonus", [s.bonus]), ("emitted", s.emitted), ("draft_topk_ids", [t for r in s.draft_topk_ids for t in r])):
+            i = bad(ids)
+            if i is not None:
+                _fail(source, where, f"{name} holds {ids[i]}, outside the vocabulary [0, {vocab_size})")
 
 
 def _validate_trace(trace: Trace, source: str) -> None:
@@ -191,6 +263,7 @@ def _validate_trace(trace: Trace, source: str) -> None:
             raise TraceValidationError(f"{source}: request {s.request_id!r} has step {s.step} twice")
         seen.add(key)
         _validate_step(s, source)
+    _validate_step_numbers(trace, source)
 
 
 def _provenance_json(provenance: dict[str, Any]) -> bytes:
@@ -312,16 +385,106 @@ def trace_bytes(trace: Trace) -> bytes:
         KEY_PROVENANCE: _provenance_json(trace.provenance),
         KEY_REQUESTS: _requests_stream(trace.requests),
     }
-    schema = STEPS_SCHEMA.with_metadata(metadata)
+    return sealed_file_bytes(STEPS_SCHEMA.with_metadata(metadata), _step_batches(trace.steps))
+
+
+# ------------------------------------------------------------------------------ checksums
+_SLOT = 64  # hex characters of a sha256
+_ZERO_SLOT = b"0" * _SLOT
+_SLOT_COPIES = 2  # the schema is written twice in an Arrow file: the header message and the footer
+
+
+def batch_sha256(batch: pa.RecordBatch) -> str:
+    """sha256 of a record batch's uncompressed IPC serialization (the same for a written batch and
+    the batch read back)."""
+    return hashlib.sha256(batch.serialize()).hexdigest()
+
+
+def _find_all(data: bytes, needle: bytes) -> list[int]:
+    out, i = [], data.find(needle)
+    while i >= 0:
+        out.append(i)
+        i = data.find(needle, i + 1)
+    return out
+
+
+def _file_digest(data: bytes, positions: list[int]) -> bytes:
+    buf = bytearray(data)
+    for p in positions:
+        buf[p:p + _SLOT] = _ZERO_SLOT
+    return hashlib.sha256(buf).hexdigest().encode()
+
+
+def sealed_file_bytes(schema: pa.Schema, batches: Sequence[pa.RecordBatch]) -> bytes:
+    """An Arrow IPC file of ``batches`` whose schema metadata is ``schema``'s plus the checksum keys
+    (any old ones replaced): per-batch and requests sha256, and the file's own sha256, computed
+    with both copies of its value zeroed and then written into them in place."""
+    meta = {k: v for k, v in (schema.metadata or {}).items() if k not in CHECKSUM_KEYS}
+    meta[KEY_BATCH_SHA256] = json.dumps([batch_sha256(b) for b in batches]).encode()
+    if KEY_REQUESTS in meta:
+        meta[KEY_REQUESTS_SHA256] = hashlib.sha256(meta[KEY_REQUESTS]).hexdigest().encode()
+    slot = secrets.token_hex(_SLOT // 2).encode()  # unique placeholder, replaced below: output is deterministic
+    meta[KEY_FILE_SHA256] = slot
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, schema, options=_IPC_OPTIONS) as writer:
-        for batch in _step_batches(trace.steps):
+    with pa.ipc.new_file(sink, schema.with_metadata(meta), options=_IPC_OPTIONS) as writer:
+        for batch in batches:
             writer.write_batch(batch)
-    return sink.getvalue().to_pybytes()
+    data = sink.getvalue().to_pybytes()
+    positions = _find_all(data, slot)
+    if len(positions) != _SLOT_COPIES:
+        raise TraceValidationError(f"cannot seal the trace: {len(positions)} copies of the checksum slot, "
+                                   f"expected {_SLOT_COPIES}")
+    digest = _file_digest(data, positions)
+    buf = bytearray(data)
+    for p in positions:
+        buf[p:p + _SLOT] = digest
+    return bytes(buf)
+
+
+def _locate_damage(reader: pa.ipc.RecordBatchFileReader, meta: dict[bytes, bytes]) -> str:
+    """Where a file whose checksum fails is damaged: a record batch, the requests table, or elsewhere."""
+    try:
+        expected = json.loads(meta[KEY_BATCH_SHA256])
+        assert isinstance(expected, list)
+    except (KeyError, ValueError, UnicodeDecodeError, AssertionError):
+        return "in the record batch checksum table (schema metadata)"
+    for i in range(reader.num_record_batches):
+        try:
+            batch = reader.get_batch(i)
+            batch.validate(full=True)
+            digest = batch_sha256(batch)
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            return f"in record batch {i} (unreadable: {str(exc).splitlines()[0][:120]})"
+        if i >= len(expected) or digest != expected[i]:
+            return f"in record batch {i} ({batch.num_rows} step rows; its sha256 differs)"
+    if len(expected) != reader.num_record_batches:
+        return f"in the record batch count ({reader.num_record_batches}, checksums for {len(expected)})"
+    requests = meta.get(KEY_REQUESTS, b"")
+    if hashlib.sha256(requests).hexdigest().encode() != meta.get(KEY_REQUESTS_SHA256):
+        return "in the requests table (schema metadata)"
+    return "outside the record batches (file header, schema message or footer)"
+
+
+def check_checksums(data: bytes, reader: pa.ipc.RecordBatchFileReader, version: tuple[int, int] | None,
+                    source: str) -> bool:
+    """Verify a file's own checksums (module docstring). True when checked, False for a legacy
+    file without them (schema < 1.1); a mismatch is a :class:`CorruptTraceError` naming the place."""
+    meta = reader.schema.metadata or {}
+    digest = meta.get(KEY_FILE_SHA256)
+    if digest is None:
+        if version is not None and version >= CHECKSUM_VERSION:
+            raise CorruptTraceError(f"{source}: a schema {version[0]}.{version[1]} trace without its checksums "
+                                    f"({KEY_FILE_SHA256.decode()} is missing)")
+        return False
+    positions = _find_all(data, digest) if len(digest) == _SLOT else []
+    if len(positions) != _SLOT_COPIES or _file_digest(data, positions) != digest:
+        raise CorruptTraceError(f"{source}: checksum mismatch {_locate_damage(reader, meta)}: the file is corrupt")
+    return True
 
 
 # ----------------------------------------------------------------------------- atomic write
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """fsync a directory (its entries' renames become durable); a no-op where unsupported."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # platforms without directory handles (Windows): nothing to sync
@@ -362,7 +525,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> int:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return len(data)
 
 
@@ -441,11 +604,15 @@ def trace_from_bytes(data: bytes, source: str = "<bytes>") -> Trace:
         raise CorruptTraceError(f"{source}: not an Arrow IPC file (bad magic)")
     try:
         reader = pa.ipc.open_file(pa.py_buffer(data))
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise CorruptTraceError(f"{source}: truncated or corrupt Arrow file: {exc}") from None
+    meta = reader.schema.metadata or {}
+    checksummed = check_checksums(data, reader, _version_or_none(meta), source)
+    try:
         steps = reader.read_all()
         steps.validate(full=True)
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise CorruptTraceError(f"{source}: truncated or corrupt Arrow file: {exc}") from None
-    meta = reader.schema.metadata or {}
     if meta.get(KEY_MAGIC) != MAGIC.encode():
         raise CorruptTraceError(f"{source}: an Arrow file but not a refcheck trace (no refcheck.magic)")
     for key in (KEY_VERSION, KEY_REQUESTS, KEY_PROVENANCE):
@@ -475,9 +642,28 @@ def trace_from_bytes(data: bytes, source: str = "<bytes>") -> Trace:
         requests=[RequestRow(**rec) for rec in _rows(requests)],
         steps=[_step_from(rec, source) for rec in _rows(steps)],
         schema_version=version_text,
+        checksummed=checksummed,
     )
     _validate_trace(trace, source)
     return trace
+
+
+def file_checksummed(path: Path) -> bool:
+    """Whether the trace file at ``path`` carries checksums (reads the footer only; False for a
+    1.0 file, and for a file that is not an Arrow file at all)."""
+    try:
+        meta = pa.ipc.open_file(pa.memory_map(str(path))).schema.metadata or {}
+    except (pa.ArrowException, OSError, ValueError):
+        return False
+    return KEY_FILE_SHA256 in meta
+
+
+def _version_or_none(meta: dict[bytes, bytes]) -> tuple[int, int] | None:
+    try:
+        major, minor = meta[KEY_VERSION].decode("ascii").split(".")
+        return int(major), int(minor)
+    except (KeyError, UnicodeDecodeError, ValueError):
+        return None  # the full version check below reports it
 
 
 def read_trace(path: Path) -> Trace:

@@ -5,7 +5,10 @@ Contract: the file is
 where ``file`` is a plain file name inside the directory, ``sha256`` the hex digest of its bytes,
 ``provenance`` a JSON subset of the trace's provenance, and ``history`` one entry
 ``{"sha256_old", "sha256_new", "reason", "time", "provenance_old", "provenance_new"}`` per hash
-change, oldest first. Arrow IPC has no checksum, so the manifest is what detects bit flips.
+change, oldest first; an optional top-level ``"removed": [{"case", "reason", "time", "entry"}]``
+keeps the entries of removed cases (``refcheck golden remove``). Traces of schema 1.1 carry their
+own checksums too (docs/trace-format.md); the manifest's sha256 also covers legacy 1.0 files.
+Writes go through :mod:`refcheck.trace.store` (locked, crash-safe transactions).
 
 * :func:`load_manifest`: missing file -> empty manifest with ``allow_missing=True``, else
   :class:`~refcheck.errors.GoldenError`; unreadable or malformed JSON, or a wrong structure ->
@@ -48,10 +51,18 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def _plain_name(name: Any) -> bool:
-    if not isinstance(name, str) or name in ("", ".", "..") or "\\" in name:
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def plain_name(name: Any) -> bool:
+    """A file name inside the directory: no separators, not '.', '..' or empty."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "\\" in name or "\0" in name:
         return False
     return Path(name).name == name
+
+
+_plain_name = plain_name
 
 
 @dataclass(slots=True)
@@ -83,6 +94,7 @@ class ManifestEntry:
 class Manifest:
     cases: dict[str, ManifestEntry] = field(default_factory=dict)
     version: int = MANIFEST_VERSION
+    removed: list[dict[str, Any]] = field(default_factory=list)  # entries of removed cases, with reasons
 
     def record(
         self,
@@ -98,8 +110,8 @@ class Manifest:
         (default: the case's current entry); when its hash differs from ``sha256``, or its recorded
         settings from ``provenance`` (a golden's expectation or triage changed), a history entry is
         appended to its history, which the new entry carries on."""
-        if not isinstance(case, str) or not case:
-            raise UsageError(f"manifest case name must be a non-empty string, got {case!r}")
+        if not isinstance(case, str) or not case or not plain_name(case) or case.startswith("."):
+            raise UsageError(f"manifest case name must be a plain name, got {case!r}")
         if not _plain_name(file):
             raise UsageError(f"manifest file must be a plain file name in the directory, got {file!r}")
         if not isinstance(provenance, dict):
@@ -122,16 +134,23 @@ class Manifest:
         return entry
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "version": self.version,
             "cases": {case: self.cases[case].to_json() for case in sorted(self.cases)},
         }
+        if self.removed:
+            out["removed"] = self.removed
+        return out
+
+    def to_bytes(self) -> bytes:
+        """The ``MANIFEST.json`` bytes."""
+        return (json.dumps(self.to_json(), indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
 
     def save(self, directory: Path) -> Path:
-        """Write ``directory/MANIFEST.json`` atomically; returns its path."""
+        """Write ``directory/MANIFEST.json`` atomically (no lock, no transaction: the golden store,
+        :mod:`refcheck.trace.store`, is the writer for golden directories); returns its path."""
         path = Path(directory) / MANIFEST_NAME
-        text = json.dumps(self.to_json(), indent=2, ensure_ascii=False, allow_nan=False) + "\n"
-        atomic_write_bytes(path, text.encode("utf-8"))
+        atomic_write_bytes(path, self.to_bytes())
         return path
 
     def verify(self, directory: Path) -> list[str]:
@@ -140,6 +159,9 @@ class Manifest:
         for case in sorted(self.cases):
             entry = self.cases[case]
             path = Path(directory) / entry.file
+            if path.is_symlink():
+                problems.append(f"{case}: {entry.file} is a symbolic link (a golden must be a regular file in the directory)")
+                continue
             if not path.is_file():
                 problems.append(f"{case}: {entry.file} is missing")
                 continue
@@ -217,7 +239,14 @@ def load_manifest(directory: Path, allow_missing: bool = False) -> Manifest:
             f"{path}: manifest version {version} is newer than this refcheck supports ({MANIFEST_VERSION})"
         )
     cases = _need(obj, "cases", dict, str(path))
+    bad = [c for c in cases if not plain_name(c) or c.startswith(".")]
+    if bad:
+        raise CorruptTraceError(f"{path}: case name {bad[0]!r} is not a plain name")
+    removed = obj.get("removed", [])
+    if not isinstance(removed, list) or not all(isinstance(r, dict) for r in removed):
+        raise CorruptTraceError(f"{path}: 'removed' is not a list of objects")
     return Manifest(
         cases={case: _entry_from(e, f"{path} case {case!r}") for case, e in cases.items()},
         version=MANIFEST_VERSION,
+        removed=removed,
     )

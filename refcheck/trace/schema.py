@@ -5,14 +5,14 @@ Contract:
 * A trace is one Arrow IPC *file* holding the **steps table** (:data:`STEPS_SCHEMA`, one row per
   (request, verify step)). The **requests table** (:data:`REQUESTS_SCHEMA`) is an Arrow IPC
   *stream* stored as bytes in the steps schema's metadata under :data:`KEY_REQUESTS`. The other
-  metadata keys are :data:`KEY_MAGIC` (= :data:`MAGIC`), :data:`KEY_VERSION` (= "major.minor")
-  and :data:`KEY_PROVENANCE` (a JSON object).
+  metadata keys are :data:`KEY_MAGIC` (= :data:`MAGIC`), :data:`KEY_VERSION` (= "major.minor"),
+  :data:`KEY_PROVENANCE` (a JSON object) and, from 1.1, the checksums :data:`CHECKSUM_KEYS`.
 * Versioning: a minor bump only *adds* columns (old readers ignore them, new readers get them
   through a migration); a major bump may change or remove anything. A reader accepts every file
   whose major is <= its own major, whatever the minor, and raises :class:`SchemaVersionError`
   for a newer major. Before the column check, :func:`migrate` upgrades the tables of an older
-  version step by step through :data:`_MIGRATIONS` (empty while 1.0 is the only version; a
-  ``refcheck trace migrate`` command can rewrite files through the same registry).
+  version step by step through :data:`_MIGRATIONS` (1.1 only adds metadata keys, so 1.0 needs no
+  table step; a 1.0 file is read as *unchecked*, see :mod:`refcheck.trace.io`).
 * :func:`check_columns` and :func:`check_no_nulls` turn every structural defect (missing column,
   wrong type, null in a required value) into :class:`~refcheck.errors.CorruptTraceError`.
 * Every field and list item is non-nullable except ``layer_sketch`` and ``state[].full``.
@@ -27,13 +27,18 @@ import pyarrow as pa
 
 from refcheck.errors import CorruptTraceError
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"  # 1.1 adds the checksum keys (docs/trace-format.md); 1.0 files read as unchecked
 MAGIC = "refcheck-trace"
+CHECKSUM_VERSION = (1, 1)  # the first version whose files must carry checksums
 
 KEY_MAGIC = b"refcheck.magic"
 KEY_VERSION = b"refcheck.schema_version"
 KEY_PROVENANCE = b"refcheck.provenance"
 KEY_REQUESTS = b"refcheck.requests"
+KEY_FILE_SHA256 = b"refcheck.file_sha256"  # sha256 of the file with both copies of this value zeroed
+KEY_BATCH_SHA256 = b"refcheck.batch_sha256"  # JSON list: sha256 of each record batch's uncompressed IPC bytes
+KEY_REQUESTS_SHA256 = b"refcheck.requests_sha256"  # sha256 of the refcheck.requests bytes
+CHECKSUM_KEYS = (KEY_FILE_SHA256, KEY_BATCH_SHA256, KEY_REQUESTS_SHA256)
 
 STATE_KINDS = ("kv_k", "kv_v", "conv", "rec")
 TIMING_FIELDS = ("draft", "tree", "verify", "commit")
@@ -149,7 +154,7 @@ class Migration:
     upgrade: Callable[[pa.Table, pa.Table], tuple[pa.Table, pa.Table]]  # (steps, requests)
 
 
-# (major, minor) of the file -> the step that upgrades it. Empty while 1.0 is the only version.
+# (major, minor) of the file -> the step that upgrades it. Empty: 1.1 only added metadata keys.
 # When 1.1 exists, register (1, 0) -> Migration(to=(1, 1), upgrade=...) that adds its columns.
 _MIGRATIONS: dict[tuple[int, int], Migration] = {}
 
