@@ -26,6 +26,7 @@ from refcheck.diff.findings import Finding, Report, Verdict
 from refcheck.diff.session import DiffSession, reference_spec_for
 from refcheck.diff.triage import Triage
 from refcheck.errors import CorruptTraceError, GoldenError, UsageError
+from refcheck.profile import Profile, phase
 from refcheck.prompts import load_prompts
 from refcheck.provenance import dir_sha256, stale_reasons
 from refcheck.runners.reference import EngineSpec
@@ -299,14 +300,27 @@ def live_provenance_reasons(trace: Trace, session: DiffSession) -> list[str]:
 
 
 def gate_case(name: str, entry, golden_dir: Path, session: DiffSession) -> Report:
-    return check_trace(name, read_trace(Path(golden_dir) / entry.file), entry.provenance, session)
+    with phase("load_trace"):
+        trace = read_trace(Path(golden_dir) / entry.file)
+    return check_trace(name, trace, entry.provenance, session)
+
+
+def profiled_gate_case(name: str, entry, golden_dir: Path, session: DiffSession,
+                       profiles: dict[str, Profile] | None) -> Report:
+    """:func:`gate_case`, under a fresh profile stored in ``profiles[name]`` when ``profiles`` is given."""
+    if profiles is None:
+        return gate_case(name, entry, golden_dir, session)
+    prof = profiles[name] = Profile()
+    with prof.active(), phase("gate.other"):
+        return gate_case(name, entry, golden_dir, session)
 
 
 def check_trace(name: str, trace: Trace, settings: dict, session: DiffSession) -> Report:
     """The gate's verdict on one engine trace under a golden entry's settings (``expect``,
     ``allow_unsupported``, ``triaged``, ``triage_rules``): a GoldenError if the trace's models or prompts have changed
     since it was recorded, else the diff with unrecorded categories failed and reviewed findings triaged."""
-    stale = live_provenance_reasons(trace, session)
+    with phase("stale_check"):
+        stale = live_provenance_reasons(trace, session)
     if stale:
         raise GoldenError(f"stale golden {name}: " + "; ".join(stale)
                           + (f" (review and regenerate: refcheck golden regen --case {name} --reason ...)" if name in GOLDEN_CASES
@@ -328,7 +342,9 @@ def check_trace(name: str, trace: Trace, settings: dict, session: DiffSession) -
 
 
 def gate(golden_dir: Path, session: DiffSession, cases: list[str] | None = None, progress=None,
-         workers: int = 1) -> list[Report]:
+         workers: int = 1, profiles: dict[str, Profile] | None = None) -> list[Report]:
+    """Verify the goldens' hashes, then each case's verdict (:func:`check_trace`), in the order of
+    ``cases`` (default: every case). ``profiles``: a dict that receives each case's :class:`Profile`."""
     manifest = verify(golden_dir)
     names = cases or sorted(manifest.cases)
     unknown = [n for n in names if n not in manifest.cases]
@@ -338,12 +354,15 @@ def gate(golden_dir: Path, session: DiffSession, cases: list[str] | None = None,
         from refcheck.parallel import gate_shard, run_parallel, split
 
         shards = split(names, workers)
-        done = run_parallel(gate_shard, [(sh, str(golden_dir), len(shards)) for sh in shards], len(shards))
-        by_name = {r.case: r for rs in done for r in rs}
+        done = run_parallel(gate_shard, [(sh, str(golden_dir), len(shards), profiles is not None) for sh in shards],
+                            len(shards))
+        by_name = {r.case: r for rs, _ in done for r in rs}
+        if profiles is not None:
+            profiles.update({n: Profile.from_json(p) for _, ps in done for n, p in ps.items()})
         return [by_name[n] for n in names]
     reports = []
     for name in names:
         if progress:
             progress(name)
-        reports.append(gate_case(name, manifest.cases[name], golden_dir, session))
+        reports.append(profiled_gate_case(name, manifest.cases[name], golden_dir, session, profiles))
     return reports

@@ -153,15 +153,17 @@ def live_trace(engine: str, spec, prompts, session, full_state: bool = False, en
     return trace
 
 
-def gate_shard(names: list[str], golden_dir: str, workers: int) -> list[Report]:
-    """Gate some golden cases in this process."""
+def gate_shard(names: list[str], golden_dir: str, workers: int, profile: bool = False) -> tuple[list[Report], dict]:
+    """Gate some golden cases in this process: (reports, case -> profile as JSON; empty unless ``profile``)."""
     from pathlib import Path
 
     from refcheck.diff.session import DiffSession
-    from refcheck.golden import gate_case
+    from refcheck.golden import profiled_gate_case
     from refcheck.trace.manifest import load_manifest
 
     _worker_setup(workers)
     manifest = load_manifest(Path(golden_dir))
     session = DiffSession()
-    return [gate_case(n, manifest.cases[n], Path(golden_dir), session) for n in names]
+    profiles: dict | None = {} if profile else None
+    reports = [profiled_gate_case(n, manifest.cases[n], Path(golden_dir), session, profiles) for n in names]
+    return reports, {n: p.to_json() for n, p in (profiles or {}).items()}

@@ -33,6 +33,7 @@ import torch
 from refcheck.diff.findings import Finding, Report, Verdict, worst_verdict
 from refcheck.diff.tolerance import Tolerance
 from refcheck.diff.triage import RoundingEnsemble, StepSpread, Triage
+from refcheck.profile import timed
 from refcheck.sketch import cosine, layer_sketch, rel_l2, sketch_rows, state_rows
 from refcheck.trace.io import StepRow, Trace
 from reference.drafter import Drafter
@@ -70,6 +71,7 @@ class _Request:
         self.rep.add(Finding(Verdict.FAIL, category, self.rid, step, message=message, **kw))
 
     # -- state handling ---------------------------------------------------------------------
+    @timed("replay.prefill")
     def prefill(self, tokens: list[int]) -> torch.Tensor:
         """(Re)build the reference state and drafter context from committed tokens; last logp [V]."""
         dev = self.target.device
@@ -104,6 +106,7 @@ class _Request:
         self.rep.add(Finding(verdict, category, self.rid, step, node=node, message=msg, details=details, **kw))
         return benign
 
+    @timed("replay.drafter")
     def check_draft(self, s: StepRow) -> None:
         if not self.check_draft_enabled:
             self.rep.add(Finding(Verdict.UNSUPPORTED, "draft", self.rid, s.step,
@@ -180,6 +183,7 @@ class _Request:
             self.bisect(s, min(bad_nodes), layers)
         return walk
 
+    @timed("ensemble", counter="ensemble_steps")
     def step_spread(self, s: StepRow, tree: Tree, logp: torch.Tensor, committed: list[int], ref_arg: torch.Tensor,
                     eng_arg: torch.Tensor) -> StepSpread:
         """The rounding ensemble's spread at every node of this step (columns: the engine's top-k ids,
@@ -234,6 +238,7 @@ class _Request:
                                  details={"max_abs": float(dev[i]), "descendants": len(desc)}))
         return keep
 
+    @timed("replay.bisect")
     def bisect(self, s: StepRow, node: int, layers: list[torch.Tensor]) -> None:
         ref = layer_sketch(torch.stack(layers))  # [layers, N, r]
         eng = s.layer_sketch.float()
@@ -249,6 +254,7 @@ class _Request:
                                      details={"rel_l2": err}))
                 return
 
+    @timed("replay.state")
     def check_state(self, s: StepRow, new_state: TargetState, new_from: int) -> None:
         if not s.state:
             for cat in ("kv", "conv", "recurrent"):
@@ -345,6 +351,7 @@ class _Request:
             self.fail("output", None, f"request output differs from the steps' emitted tokens at index {i}",
                       position=P + i, details={"index": i})
 
+    @timed("replay.verify", counter="steps_replayed")
     def replay_step(self, s: StepRow, last: bool, prompt: list[int], output: list[int]) -> bool:
         """Re-verify one engine step and follow its commit; False when the step cannot be followed."""
         P, root = len(prompt), self.root

@@ -18,6 +18,7 @@ from refcheck.diff.tolerance import engine_numerics, tolerance_for
 from refcheck.diff.triage import Triage
 from refcheck.errors import UsageError
 from refcheck.models import BUILTIN_PAIRS
+from refcheck.profile import count, phase, watch_forwards
 from refcheck.prompts import Prompt
 from refcheck.runners.reference import EngineSpec, ReferenceRunner
 from refcheck.trace.io import Trace
@@ -58,7 +59,9 @@ class DiffSession:
     def runner(self, spec: EngineSpec) -> ReferenceRunner:
         key = (spec.model_label, str(spec.draft_dir), spec.dtype, spec.device, spec.drafter, spec.seed)
         if key not in self._runners:
-            self._runners[key] = ReferenceRunner(spec)
+            with phase("load_models"):
+                self._runners[key] = ReferenceRunner(spec)
+            watch_forwards(self._runners[key].target.model)
         runner = self._runners[key]
         runner.spec = spec  # budget / limits may differ between cases; the models do not
         return runner
@@ -66,7 +69,9 @@ class DiffSession:
     def greedy(self, runner: ReferenceRunner, prompt: list[int], n: int) -> list[int]:
         key = (runner.spec.model_label, runner.spec.dtype, runner.spec.device, tuple(prompt), n, runner.spec.stop_token_ids)
         if key not in self._greedy:
-            self._greedy[key] = greedy_decode(runner.target.model, prompt, n, runner.spec.stop_token_ids)
+            with phase("greedy_oracle"):
+                self._greedy[key] = greedy_decode(runner.target.model, prompt, n, runner.spec.stop_token_ids)
+            count("greedy_tokens", len(self._greedy[key]))
         return self._greedy[key]
 
     def diff(self, trace: Trace, case: str, mode: str = "both", strict_acceptance: bool = False,
@@ -84,13 +89,17 @@ class DiffSession:
         check_draft = same_numerics or spec.drafter != "scripted"
         report = Report(case=case, mode=mode)
         if mode in ("replay", "both"):
-            report.merge(replay(trace, runner.target, runner.drafter, tol, case, spec.stop_token_ids, check_draft,
-                                triage, eng_dtype))
+            with phase("replay.other"):
+                report.merge(replay(trace, runner.target, runner.drafter, tol, case, spec.stop_token_ids, check_draft,
+                                    triage, eng_dtype))
         if mode in ("free", "both"):
             greedy = {r.request_id: self.greedy(runner, list(r.prompt_ids), spec.max_new_tokens) for r in trace.requests}
             prompts = [Prompt(r.request_id, tuple(r.prompt_ids), r.kind) for r in trace.requests]
-            ref_runs = {p.id: runner.decoder(spec.max_new_tokens).generate(list(p.prompt_ids)) for p in prompts}
-            fr = free_run(trace, runner.target.model, greedy, tol, ref_runs, strict_acceptance, case)
+            with phase("free.reference_decode"):
+                ref_runs = {p.id: runner.decoder(spec.max_new_tokens).generate(list(p.prompt_ids)) for p in prompts}
+            count("reference_decodes", len(ref_runs))
+            with phase("free.check"):
+                fr = free_run(trace, runner.target.model, greedy, tol, ref_runs, strict_acceptance, case)
             report.merge(fr)
             report.stats.update(fr.stats)
         return report
