@@ -26,7 +26,7 @@ from refcheck.diff.findings import Finding, Report, Verdict
 from refcheck.diff.session import DiffSession, reference_spec_for
 from refcheck.diff.triage import Triage
 from refcheck.errors import CorruptTraceError, GoldenError, UsageError
-from refcheck.profile import Profile, phase
+from refcheck.profile import Profile, count, phase
 from refcheck.prompts import load_prompts
 from refcheck.provenance import dir_sha256, stale_reasons
 from refcheck.runners.reference import EngineSpec
@@ -305,14 +305,29 @@ def gate_case(name: str, entry, golden_dir: Path, session: DiffSession) -> Repor
     return check_trace(name, trace, entry.provenance, session)
 
 
-def profiled_gate_case(name: str, entry, golden_dir: Path, session: DiffSession,
-                       profiles: dict[str, Profile] | None) -> Report:
-    """:func:`gate_case`, under a fresh profile stored in ``profiles[name]`` when ``profiles`` is given."""
-    if profiles is None:
+def cached_gate_case(name: str, entry, golden_dir: Path, session: DiffSession, cache=None) -> Report:
+    """:func:`gate_case` through ``cache`` (a :class:`refcheck.gate_cache.ReportCache`, or None)."""
+    if cache is None:
         return gate_case(name, entry, golden_dir, session)
+    with phase("cache"):
+        report = cache.get(entry)
+    if report is not None:
+        count("cache_hits")
+        return report
+    report = gate_case(name, entry, golden_dir, session)
+    with phase("cache"):
+        cache.put(entry, report)
+    return report
+
+
+def profiled_gate_case(name: str, entry, golden_dir: Path, session: DiffSession,
+                       profiles: dict[str, Profile] | None, cache=None) -> Report:
+    """:func:`cached_gate_case`, under a fresh profile stored in ``profiles[name]`` when ``profiles`` is given."""
+    if profiles is None:
+        return cached_gate_case(name, entry, golden_dir, session, cache)
     prof = profiles[name] = Profile()
     with prof.active(), phase("gate.other"):
-        return gate_case(name, entry, golden_dir, session)
+        return cached_gate_case(name, entry, golden_dir, session, cache)
 
 
 def check_trace(name: str, trace: Trace, settings: dict, session: DiffSession) -> Report:
@@ -341,28 +356,57 @@ def check_trace(name: str, trace: Trace, settings: dict, session: DiffSession) -
     return report
 
 
+def shared_work_key(entry) -> tuple:
+    """Cases with equal keys share their free run's reference work (the target-only greedy
+    continuations and the reference's own DDTree runs): one process should gate them together."""
+    p = entry.provenance
+    drafter = "scripted" if p.get("drafter") == "none" else p.get("drafter", "dflash")
+    return (str(p.get("model", "")), str(drafter), str(p.get("budget")), int(p.get("max_new_tokens", 64)))
+
+
+def gate_shards(manifest: Manifest, names: list[str], workers: int) -> list[list[str]]:
+    """Cases over at most ``workers`` processes: cases that share work together, heaviest first onto
+    the least loaded process (a case's cost estimated by its trace's size)."""
+    from refcheck.parallel import balance
+
+    groups: dict[tuple, list[str]] = {}
+    for n in names:
+        groups.setdefault(shared_work_key(manifest.cases[n]), []).append(n)
+    return balance(groups, lambda n: float(manifest.cases[n].bytes), workers)
+
+
 def gate(golden_dir: Path, session: DiffSession, cases: list[str] | None = None, progress=None,
-         workers: int = 1, profiles: dict[str, Profile] | None = None) -> list[Report]:
+         workers: int | None = 1, profiles: dict[str, Profile] | None = None, cache_dir: Path | None = None) -> list[Report]:
     """Verify the goldens' hashes, then each case's verdict (:func:`check_trace`), in the order of
-    ``cases`` (default: every case). ``profiles``: a dict that receives each case's :class:`Profile`."""
+    ``cases`` (default: every case). ``workers``: processes to spread the cases over (None: one per
+    usable core; the first shard runs in this process). ``profiles``: a dict that receives each
+    case's :class:`Profile`. ``cache_dir``: reports cached there under a key of the golden's bytes,
+    its settings, the packages' code and the environment (:mod:`refcheck.gate_cache`)."""
+    from refcheck.parallel import usable_cpus
+
     manifest = verify(golden_dir)
     names = cases or sorted(manifest.cases)
     unknown = [n for n in names if n not in manifest.cases]
     if unknown:
         raise GoldenError(f"no golden trace for case(s) {unknown} in {golden_dir}")
-    if workers > 1:
-        from refcheck.parallel import gate_shard, run_parallel, split
+    workers = usable_cpus() if workers is None else workers
+    if workers > 1 and len(names) > 1:
+        from refcheck.parallel import gate_shard, run_parallel
 
-        shards = split(names, workers)
-        done = run_parallel(gate_shard, [(sh, str(golden_dir), len(shards), profiles is not None) for sh in shards],
-                            len(shards))
+        shards = gate_shards(manifest, names, workers)
+        jobs = [(sh, str(golden_dir), len(shards), profiles is not None, str(cache_dir) if cache_dir else None)
+                for sh in shards]
+        done = run_parallel(gate_shard, jobs, len(shards), first_inline=True)
         by_name = {r.case: r for rs, _ in done for r in rs}
         if profiles is not None:
             profiles.update({n: Profile.from_json(p) for _, ps in done for n, p in ps.items()})
         return [by_name[n] for n in names]
+    from refcheck.gate_cache import ReportCache
+
+    cache = ReportCache(Path(cache_dir)) if cache_dir else None
     reports = []
     for name in names:
         if progress:
             progress(name)
-        reports.append(profiled_gate_case(name, manifest.cases[name], golden_dir, session, profiles))
+        reports.append(profiled_gate_case(name, manifest.cases[name], golden_dir, session, profiles, cache))
     return reports

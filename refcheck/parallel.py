@@ -12,7 +12,8 @@ Workers are spawned processes (CUDA-safe); worker ``i`` uses ``cuda:i`` when the
 from __future__ import annotations
 
 import multiprocessing as mp
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import TypeVar
 
@@ -29,6 +30,29 @@ def split(items: Sequence[T], n: int) -> list[list[T]]:
         raise UsageError(f"--workers must be >= 1, got {n}")
     shards = [list(items[i::n]) for i in range(n)]
     return [s for s in shards if s]
+
+
+def usable_cpus() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. under ``taskset``), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def balance(groups: Mapping[Hashable, Sequence[T]], cost: Callable[[T], float], n: int) -> list[list[T]]:
+    """Deal whole groups over at most ``n`` shards, heaviest group first onto the lightest shard
+    (items of one group share work that their shard then does once). Items keep their group's
+    order; empty shards are dropped."""
+    if n < 1:
+        raise UsageError(f"--workers must be >= 1, got {n}")
+    shards: list[list[T]] = [[] for _ in range(n)]
+    load = [0.0] * n
+    for _, items in sorted(groups.items(), key=lambda kv: -sum(cost(i) for i in kv[1])):
+        k = load.index(min(load))
+        shards[k] += list(items)
+        load[k] += sum(cost(i) for i in items)
+    return [sh for sh in shards if sh]
 
 
 def shard_device(device: str, index: int) -> str:
@@ -81,24 +105,29 @@ def merge_reports(reports: Sequence[Report], case: str, mode: str) -> Report:
     return out
 
 
-def run_parallel(fn: Callable[..., T], jobs: Sequence[tuple], workers: int) -> list[T]:
-    """fn(*job) for every job, in spawned worker processes (in order); inline when workers == 1."""
+def run_parallel(fn: Callable[..., T], jobs: Sequence[tuple], workers: int, first_inline: bool = False) -> list[T]:
+    """fn(*job) for every job, in spawned worker processes (in order); inline when workers == 1.
+    ``first_inline``: the first job runs in this process while the workers run the others (one
+    process fewer to start; for jobs that leave this process's state as it was)."""
     if workers <= 1 or len(jobs) <= 1:
         return [fn(*job) for job in jobs]
     ctx = mp.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as pool:
-        futures = [pool.submit(fn, *job) for job in jobs]
-        return [f.result() for f in futures]
+    rest = jobs[1:] if first_inline else jobs
+    with ProcessPoolExecutor(max_workers=min(workers, len(rest)), mp_context=ctx) as pool:
+        futures = [pool.submit(fn, *job) for job in rest]
+        head = [fn(*jobs[0])] if first_inline else []
+        return head + [f.result() for f in futures]
 
 
 # -- worker entry points (module level: spawned processes import them by name) ------------------------
-def _worker_setup(workers: int) -> None:
-    import os
-
+def _worker_setup(workers: int) -> int:
+    """Offline, and this process's share of the usable cores as torch threads; returns the old count."""
     import torch
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(workers, 1)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, usable_cpus() // max(workers, 1)))
+    return before
 
 
 def engine_shard(engine: str, spec, prompts, mode: str, ref_dtype: str, ref_device: str, index: int,
@@ -153,17 +182,26 @@ def live_trace(engine: str, spec, prompts, session, full_state: bool = False, en
     return trace
 
 
-def gate_shard(names: list[str], golden_dir: str, workers: int, profile: bool = False) -> tuple[list[Report], dict]:
-    """Gate some golden cases in this process: (reports, case -> profile as JSON; empty unless ``profile``)."""
+def gate_shard(names: list[str], golden_dir: str, workers: int, profile: bool = False,
+               cache_dir: str | None = None) -> tuple[list[Report], dict]:
+    """Gate some golden cases in this process (its torch threads restored after): (reports, case ->
+    profile as JSON; empty unless ``profile``)."""
     from pathlib import Path
 
+    import torch
+
     from refcheck.diff.session import DiffSession
+    from refcheck.gate_cache import ReportCache
     from refcheck.golden import profiled_gate_case
     from refcheck.trace.manifest import load_manifest
 
-    _worker_setup(workers)
-    manifest = load_manifest(Path(golden_dir))
-    session = DiffSession()
-    profiles: dict | None = {} if profile else None
-    reports = [profiled_gate_case(n, manifest.cases[n], Path(golden_dir), session, profiles) for n in names]
-    return reports, {n: p.to_json() for n, p in (profiles or {}).items()}
+    threads = _worker_setup(workers)
+    try:
+        manifest = load_manifest(Path(golden_dir))
+        session = DiffSession()
+        profiles: dict | None = {} if profile else None
+        cache = ReportCache(Path(cache_dir)) if cache_dir else None
+        reports = [profiled_gate_case(n, manifest.cases[n], Path(golden_dir), session, profiles, cache) for n in names]
+        return reports, {n: p.to_json() for n, p in (profiles or {}).items()}
+    finally:
+        torch.set_num_threads(threads)

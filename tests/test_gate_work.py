@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
+from refcheck.diff.session import DiffSession
+from refcheck.gate_cache import ReportCache, package_roots, report_from_json, source_digest
+from refcheck import golden as golden_mod
+from refcheck.golden import REPO_GOLDEN, cached_gate_case, gate, gate_shards
+from refcheck.parallel import balance
 from refcheck.profile import Profile, count, phase, timed
+from refcheck.trace.manifest import load_manifest
+from reference.oracle import GreedyMemo, greedy_decode
+from reference.scripted import ScriptedDrafter
 
 
 def test_profile_phases_are_exclusive_and_nest():
@@ -30,3 +41,97 @@ def test_profile_phases_are_exclusive_and_nest():
     again = Profile.from_json(json.loads(json.dumps(prof.to_json())))
     again.merge(prof)
     assert again.counts == {"inner_calls": 4, "things": 6} and again.wall["inner"] == pytest.approx(2 * prof.wall["inner"], abs=1e-3)
+
+
+def test_balance_keeps_groups_together_heaviest_first():
+    groups = {"a": [5, 5], "b": [8], "c": [1, 1], "d": [3]}
+    shards = balance(groups, float, 2)
+    assert shards == [[5, 5, 1, 1], [8, 3]]  # a (10) | b (8), then d (3) onto b, c (2) onto a
+    assert balance({"a": [1]}, float, 4) == [[1]]
+    manifest = load_manifest(REPO_GOLDEN)
+    names = sorted(manifest.cases)
+    two = gate_shards(manifest, names, 2)
+    assert sorted(n for sh in two for n in sh) == names and len(two) == 2
+    # the three SGLang DFlash-budget-15 traces share their reference runs: one process gates them
+    shard_of = {n: i for i, sh in enumerate(two) for n in sh}
+    assert shard_of["sglang-hybrid-dflash-b15"] == shard_of["sglang-hybrid-dflash-tp2"] == shard_of["sglang-hybrid-ddtree-b15"]
+
+
+def test_greedy_memo_equals_the_oracle_and_runs_each_sequence_once(attention):
+    """The memo's continuations are greedy_decode's, token for token (stop tokens too), and a
+    continuation asked again, or a shorter one, or one from a later point of it, runs no forward."""
+    target, _ = attention
+    memo = GreedyMemo(target.model)
+    prompt = [1, 5, 9, 2]
+    full = greedy_decode(target.model, prompt, 12)
+    assert memo.decode(prompt, 12) == full and memo.forwards == 12
+    assert memo.decode(prompt, 5) == full[:5] and memo.decode(prompt + full[:4], 8) == full[4:12]
+    assert memo.forwards == 12
+    stop = {full[4]}
+    assert memo.decode(prompt, 9, stop) == greedy_decode(target.model, prompt, 9, stop) == full[:5]
+    other = [3, 3, 7]
+    assert memo.decode(other, 3) == greedy_decode(target.model, other, 3) and memo.forwards == 15
+
+
+def test_scripted_drafter_with_a_memo_drafts_the_same(hybrid):
+    target, _ = hybrid
+    plain = ScriptedDrafter(target.model, target.vocab_size, target.vocab_size - 1, seed=3)
+    memo = ScriptedDrafter(target.model, target.vocab_size, target.vocab_size - 1, seed=3, oracle=GreedyMemo(target.model))
+    for d in (plain, memo):
+        d.extend(torch.zeros(0), torch.zeros(0), torch.tensor([4, 8, 15, 16]))
+    for bonus, start in ((23, 4), (42, 5), (23, 4)):
+        assert torch.equal(plain.propose(bonus, start), memo.propose(bonus, start))
+    assert memo.oracle.forwards == 2 * 15  # the repeated proposal ran nothing
+
+
+@pytest.fixture
+def tiny_golden(tmp_path, monkeypatch) -> Path:
+    """A golden dir with one small reference case, written by the real regen workflow."""
+    gdir = tmp_path / "golden"
+    monkeypatch.setitem(golden_mod.GOLDEN_CASES, "tiny", golden_mod.GoldenCase("tiny", "attention", 4, max_new_tokens=5))
+    golden_mod.regenerate(gdir, ["tiny"], "test", True, DiffSession())
+    return gdir
+
+
+def test_source_digest_covers_every_file_of_the_packages(tmp_path):
+    roots = package_roots()
+    assert [r.name for r in roots] == ["refcheck", "reference"]
+    assert any(p.name == "target.py" for p in roots[1].iterdir())  # the reference's code, not a copy
+    copy = tmp_path / "reference"
+    shutil.copytree(roots[1], copy, ignore=shutil.ignore_patterns("__pycache__"))
+    before = source_digest((roots[0], copy))
+    assert before == source_digest(roots)
+    (copy / "target.py").write_text((copy / "target.py").read_text() + "\n# a change\n")
+    assert source_digest((roots[0], copy)) != before
+    (copy / "data.bin").write_bytes(b"\0")  # any file, not only Python
+    assert len({before, source_digest((roots[0], copy))}) == 2
+
+
+def test_report_cache_hits_and_a_changed_reference_misses(tmp_path, tiny_golden):
+    """A cached report is the stored one, and is used only while the key holds: after a change of
+    the reference's code the case is diffed again (its steps replayed, its forwards run)."""
+    case, gdir = "tiny", tiny_golden
+    cache_dir = tmp_path / "cache"
+
+    def run() -> tuple[dict, Profile]:
+        profiles: dict[str, Profile] = {}
+        reps = gate(gdir, DiffSession(), profiles=profiles, cache_dir=cache_dir)
+        return json.loads(json.dumps(reps[0].to_json(), default=str)), profiles[case]
+
+    first, p1 = run()
+    assert p1.counts["cache_hits"] == 0 and p1.counts["steps_replayed"] > 0 and p1.forwards > 0
+    assert len(list(cache_dir.iterdir())) == 1
+    second, p2 = run()
+    assert p2.counts["cache_hits"] == 1 and p2.forwards == 0 and second == first
+    assert json.loads(json.dumps(report_from_json(first).to_json())) == first
+
+    copy = tmp_path / "reference"
+    shutil.copytree(package_roots()[1], copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "decode.py").write_text((copy / "decode.py").read_text() + "\n# a change\n")
+    changed = ReportCache(cache_dir, (package_roots()[0], copy))
+    entry = load_manifest(gdir).cases[case]
+    assert changed.get(entry) is None
+    with Profile().active() as p3:
+        third = cached_gate_case(case, entry, gdir, DiffSession(), changed)
+    assert p3.counts["cache_hits"] == 0 and p3.counts["steps_replayed"] == p1.counts["steps_replayed"]
+    assert third.to_json()["counts"] == first["counts"] and len(list(cache_dir.iterdir())) == 2
