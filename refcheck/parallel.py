@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-from collections.abc import Callable, Hashable, Mapping, Sequence
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import TypeVar
 
@@ -38,21 +40,6 @@ def usable_cpus() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
         return max(1, os.cpu_count() or 1)
-
-
-def balance(groups: Mapping[Hashable, Sequence[T]], cost: Callable[[T], float], n: int) -> list[list[T]]:
-    """Deal whole groups over at most ``n`` shards, heaviest group first onto the lightest shard
-    (items of one group share work that their shard then does once). Items keep their group's
-    order; empty shards are dropped."""
-    if n < 1:
-        raise UsageError(f"--workers must be >= 1, got {n}")
-    shards: list[list[T]] = [[] for _ in range(n)]
-    load = [0.0] * n
-    for _, items in sorted(groups.items(), key=lambda kv: -sum(cost(i) for i in kv[1])):
-        k = load.index(min(load))
-        shards[k] += list(items)
-        load[k] += sum(cost(i) for i in items)
-    return [sh for sh in shards if sh]
 
 
 def shard_device(device: str, index: int) -> str:
@@ -105,18 +92,53 @@ def merge_reports(reports: Sequence[Report], case: str, mode: str) -> Report:
     return out
 
 
-def run_parallel(fn: Callable[..., T], jobs: Sequence[tuple], workers: int, first_inline: bool = False) -> list[T]:
-    """fn(*job) for every job, in spawned worker processes (in order); inline when workers == 1.
-    ``first_inline``: the first job runs in this process while the workers run the others (one
-    process fewer to start; for jobs that leave this process's state as it was)."""
+def run_parallel(fn: Callable[..., T], jobs: Sequence[tuple], workers: int) -> list[T]:
+    """fn(*job) for every job, in spawned worker processes (in order); inline when workers == 1."""
     if workers <= 1 or len(jobs) <= 1:
         return [fn(*job) for job in jobs]
     ctx = mp.get_context("spawn")
-    rest = jobs[1:] if first_inline else jobs
-    with ProcessPoolExecutor(max_workers=min(workers, len(rest)), mp_context=ctx) as pool:
-        futures = [pool.submit(fn, *job) for job in rest]
-        head = [fn(*jobs[0])] if first_inline else []
-        return head + [f.result() for f in futures]
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as pool:
+        futures = [pool.submit(fn, *job) for job in jobs]
+        return [f.result() for f in futures]
+
+
+def run_queue(fn: Callable[..., T], jobs: Sequence[tuple], workers: int, inline: Callable[..., T]) -> list[T]:
+    """Every job, results in order, ``workers`` at a time, each taken from one queue in order as soon
+    as a worker is free (put the longest first): ``inline(*job)`` in this process, ``fn(*job)`` in
+    ``workers - 1`` spawned processes, which stay up from job to job. A job's exception is raised
+    here once the running jobs are done; jobs not started by then are not run."""
+    pending = deque(enumerate(jobs))
+    lock = threading.Lock()
+    results: list = [None] * len(jobs)
+    errors: list[BaseException] = []
+
+    def take() -> tuple[int, tuple] | None:
+        with lock:
+            return pending.popleft() if pending and not errors else None
+
+    def drain(run: Callable[[tuple], T]) -> None:
+        while (item := take()) is not None:
+            try:
+                results[item[0]] = run(item[1])
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                with lock:
+                    errors.append(exc)
+
+    helpers = min(workers, len(jobs)) - 1
+    if helpers < 1:
+        drain(lambda job: inline(*job))
+    else:
+        with ProcessPoolExecutor(max_workers=helpers, mp_context=mp.get_context("spawn")) as pool:
+            feeders = [threading.Thread(target=drain, args=(lambda job: pool.submit(fn, *job).result(),), daemon=True)
+                       for _ in range(helpers)]
+            for t in feeders:
+                t.start()
+            drain(lambda job: inline(*job))
+            for t in feeders:
+                t.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 # -- worker entry points (module level: spawned processes import them by name) ------------------------
@@ -182,10 +204,14 @@ def live_trace(engine: str, spec, prompts, session, full_state: bool = False, en
     return trace
 
 
+_SESSION = None  # a gate worker's DiffSession, kept from job to job (its models and shared work)
+
+
 def gate_shard(names: list[str], golden_dir: str, workers: int, profile: bool = False,
-               cache_dir: str | None = None) -> tuple[list[Report], dict]:
-    """Gate some golden cases in this process (its torch threads restored after): (reports, case ->
-    profile as JSON; empty unless ``profile``)."""
+               cache_dir: str | None = None, session=None) -> tuple[list[Report], dict]:
+    """Gate some golden cases in this process (torch threads: its share of the cores, restored
+    after), with ``session`` or this process's own: (reports, case -> profile as JSON; empty unless
+    ``profile``)."""
     from pathlib import Path
 
     import torch
@@ -195,10 +221,12 @@ def gate_shard(names: list[str], golden_dir: str, workers: int, profile: bool = 
     from refcheck.golden import profiled_gate_case
     from refcheck.trace.manifest import load_manifest
 
+    global _SESSION
+    if session is None:
+        session = _SESSION = _SESSION or DiffSession()
     threads = _worker_setup(workers)
     try:
         manifest = load_manifest(Path(golden_dir))
-        session = DiffSession()
         profiles: dict | None = {} if profile else None
         cache = ReportCache(Path(cache_dir)) if cache_dir else None
         reports = [profiled_gate_case(n, manifest.cases[n], Path(golden_dir), session, profiles, cache) for n in names]

@@ -13,8 +13,8 @@ import torch
 from refcheck.diff.session import DiffSession
 from refcheck.gate_cache import ReportCache, package_roots, report_from_json, source_digest
 from refcheck import golden as golden_mod
-from refcheck.golden import REPO_GOLDEN, cached_gate_case, gate, gate_shards
-from refcheck.parallel import balance
+from refcheck.golden import REPO_GOLDEN, cached_gate_case, estimated_cost, gate, gate_jobs
+from refcheck.parallel import run_queue
 from refcheck.profile import Profile, count, phase, timed
 from refcheck.trace.manifest import load_manifest
 from reference.oracle import GreedyMemo, greedy_decode
@@ -43,18 +43,46 @@ def test_profile_phases_are_exclusive_and_nest():
     assert again.counts == {"inner_calls": 4, "things": 6} and again.wall["inner"] == pytest.approx(2 * prof.wall["inner"], abs=1e-3)
 
 
-def test_balance_keeps_groups_together_heaviest_first():
-    groups = {"a": [5, 5], "b": [8], "c": [1, 1], "d": [3]}
-    shards = balance(groups, float, 2)
-    assert shards == [[5, 5, 1, 1], [8, 3]]  # a (10) | b (8), then d (3) onto b, c (2) onto a
-    assert balance({"a": [1]}, float, 4) == [[1]]
+def _square(x: int) -> tuple[int, int]:
+    import os
+
+    return x * x, os.getpid()
+
+
+def _slow_square(x: int) -> tuple[int, int]:
+    time.sleep(0.3)  # long enough that the worker's feeder takes a job before this process drains the queue
+    return _square(x)
+
+
+def _fail_on_three(x: int) -> int:
+    if x == 3:
+        raise ValueError("three")
+    return x
+
+
+def test_run_queue_runs_every_job_once_in_this_process_and_the_workers():
+    import os
+
+    jobs = [(i,) for i in range(6)]
+    got = run_queue(_square, jobs, 2, inline=_slow_square)
+    assert [r for r, _ in got] == [i * i for i in range(6)]  # results in job order
+    assert len({pid for _, pid in got}) == 2 and os.getpid() in {pid for _, pid in got}
+    assert run_queue(_square, [(4,)], 4, inline=lambda x: (x, 0)) == [(4, 0)]  # one job: here
+    with pytest.raises(ValueError, match="three"):
+        run_queue(_fail_on_three, [(i,) for i in range(5)], 2, inline=_fail_on_three)
+
+
+def test_gate_jobs_keep_shared_work_together_costliest_first():
     manifest = load_manifest(REPO_GOLDEN)
     names = sorted(manifest.cases)
-    two = gate_shards(manifest, names, 2)
-    assert sorted(n for sh in two for n in sh) == names and len(two) == 2
-    # the three SGLang DFlash-budget-15 traces share their reference runs: one process gates them
-    shard_of = {n: i for i, sh in enumerate(two) for n in sh}
-    assert shard_of["sglang-hybrid-dflash-b15"] == shard_of["sglang-hybrid-dflash-tp2"] == shard_of["sglang-hybrid-ddtree-b15"]
+    jobs = gate_jobs(manifest, names)
+    assert sorted(n for job in jobs for n in job) == names
+    # the three SGLang budget-15 DFlash/DDTree traces share their reference runs: one job
+    job_of = {n: i for i, job in enumerate(jobs) for n in job}
+    assert job_of["sglang-hybrid-dflash-b15"] == job_of["sglang-hybrid-dflash-tp2"] == job_of["sglang-hybrid-ddtree-b15"]
+    assert job_of["sglang-hybrid-ngram-b11"] == job_of["sglang-hybrid-ngram-b11-breadth1-leak"]
+    costs = [sum(estimated_cost(manifest.cases[n]) for n in job) for job in jobs]
+    assert costs == sorted(costs, reverse=True) and job_of["sglang-hybrid-ngram-b11-breadth1-leak"] == 0
 
 
 def test_greedy_memo_equals_the_oracle_and_runs_each_sequence_once(attention):

@@ -75,6 +75,7 @@ class DiffSession:
         if key not in self._runners:
             with phase("load_models"):
                 runner = self._runners[key] = ReferenceRunner(spec)
+            count("runner_loads")
             watch_forwards(runner.target.model)
             if isinstance(runner.drafter, ScriptedDrafter):
                 runner.drafter.oracle = self.memo(runner)
