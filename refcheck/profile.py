@@ -158,16 +158,41 @@ def watch_forwards(model: torch.nn.Module) -> None:
     head._refcheck_counted = True
 
 
-def table_rows(profiles: dict[str, Profile]) -> tuple[list[str], list[list[str]]]:
-    """(columns, rows) of a per-case profile table: wall seconds per phase, then the main counts."""
-    phases = sorted({p for prof in profiles.values() for p in prof.wall}, key=lambda p: -sum(
-        prof.wall.get(p, 0.0) for prof in profiles.values()))
-    cols = ["case", *phases, "wall", "cpu", "steps", "forwards"]
+#: the per-case table's columns: phase groups (every phase not named here counts as "other")
+GROUPS = {"load": ("load_trace", "load_models", "stale_check", "cache"), "oracle": ("greedy_oracle",),
+          "replay": ("replay.verify", "replay.prefill", "replay.drafter", "replay.state", "replay.bisect", "replay.other"),
+          "ensemble": ("ensemble",), "free": ("free.reference_decode", "free.check")}
+
+
+def _group(phase_name: str) -> str:
+    return next((g for g, members in GROUPS.items() if phase_name in members), "other")
+
+
+def total(profiles: dict[str, Profile]) -> Profile:
+    out = Profile()
+    for prof in profiles.values():
+        out.merge(prof)
+    return out
+
+
+def case_rows(profiles: dict[str, Profile]) -> tuple[list[str], list[list[str]]]:
+    """(columns, rows) per case and a total: wall seconds per phase group, wall, CPU, steps, forwards."""
+    cols = ["case", *GROUPS, "other", "wall", "cpu", "steps", "forwards"]
     rows = []
-    total = Profile()
-    for case, prof in [*profiles.items(), ("total", total)]:
-        if case != "total":
-            total.merge(prof)
-        rows.append([case, *(f"{prof.wall.get(p, 0.0):.2f}" for p in phases), f"{sum(prof.wall.values()):.2f}",
-                     f"{sum(prof.cpu.values()):.2f}", str(prof.counts.get("steps_replayed", 0)), str(prof.forwards)])
+    for case, prof in [*profiles.items(), ("total", total(profiles))]:
+        by_group: dict[str, float] = {}
+        for name, sec in prof.wall.items():
+            by_group[_group(name)] = by_group.get(_group(name), 0.0) + sec
+        rows.append([case, *(f"{by_group.get(g, 0.0):.2f}" for g in [*GROUPS, "other"]),
+                     f"{sum(prof.wall.values()):.2f}", f"{sum(prof.cpu.values()):.2f}",
+                     str(prof.counts.get("steps_replayed", 0)), str(prof.forwards)])
+    return cols, rows
+
+
+def phase_rows(profiles: dict[str, Profile]) -> tuple[list[str], list[list[str]]]:
+    """(columns, rows) per phase over all cases, costliest first: wall and CPU seconds, forwards."""
+    tot = total(profiles)
+    cols = ["phase", "wall", "cpu", "forwards"]
+    rows = [[name, f"{tot.wall[name]:.2f}", f"{tot.cpu.get(name, 0.0):.2f}", str(tot.counts.get(f"forwards.{name}", 0))]
+            for name in sorted(tot.wall, key=lambda n: -tot.wall[n])]
     return cols, rows

@@ -15,7 +15,7 @@ from refcheck.gate_cache import ReportCache, package_roots, report_from_json, so
 from refcheck import golden as golden_mod
 from refcheck.golden import REPO_GOLDEN, cached_gate_case, estimated_cost, gate, gate_jobs
 from refcheck.parallel import run_queue
-from refcheck.profile import Profile, count, phase, timed
+from refcheck.profile import Profile, case_rows, count, phase, phase_rows, timed
 from refcheck.trace.manifest import load_manifest
 from reference.oracle import GreedyMemo, greedy_decode
 from reference.scripted import ScriptedDrafter
@@ -38,6 +38,10 @@ def test_profile_phases_are_exclusive_and_nest():
     assert 0.035 <= prof.wall["inner"] < 0.2 and 0.015 <= prof.wall["outer"] < 0.1  # outer pauses while inner runs
     inner()  # no active profile: nothing recorded
     assert prof.counts["inner_calls"] == 2
+    cols, rows = case_rows({"a": prof, "b": prof})
+    assert cols[-2:] == ["steps", "forwards"] and [r[0] for r in rows] == ["a", "b", "total"]
+    assert float(rows[2][cols.index("other")]) == pytest.approx(2 * (prof.wall["inner"] + prof.wall["outer"]), abs=0.02)
+    assert [r[0] for r in phase_rows({"a": prof})[1]] == ["inner", "outer"]  # costliest first
     again = Profile.from_json(json.loads(json.dumps(prof.to_json())))
     again.merge(prof)
     assert again.counts == {"inner_calls": 4, "things": 6} and again.wall["inner"] == pytest.approx(2 * prof.wall["inner"], abs=1e-3)

@@ -50,16 +50,18 @@ def gate(golden_dir, cases, workers, profile, cache_dir, as_json):
 
 
 def profile_table(profiles: dict) -> None:
-    """The per-case profile: seconds per phase (exclusive), total wall and CPU, steps and forwards."""
-    from refcheck.profile import table_rows
+    """The profile: per case, seconds per phase group (exclusive), wall, CPU, steps and forwards;
+    then per phase over all cases."""
+    from refcheck.profile import case_rows, phase_rows
 
-    cols, rows = table_rows(profiles)
-    table = Table(title="refcheck gate --profile (wall seconds per phase, exclusive)")
-    for col in cols:
-        table.add_column(col, justify="left" if col == "case" else "right")
-    for row in rows:
-        table.add_row(*row)
-    err.print(table)
+    for title, (cols, rows) in (("refcheck gate --profile: wall seconds per case and phase group", case_rows(profiles)),
+                                ("refcheck gate --profile: seconds per phase, all cases", phase_rows(profiles))):
+        table = Table(title=title)
+        for col in cols:
+            table.add_column(col, justify="left" if col in ("case", "phase") else "right", no_wrap=True)
+        for row in rows:
+            table.add_row(*row)
+        err.print(table)
 
 @main.group()
 def golden() -> None:
