@@ -13,7 +13,10 @@ Contract:
   (model/draft/tokenizer/budget/prompt-set changed -> exit 3), diffs every case in replay and
   free-run mode against the live reference and is strict about skips: an unsupported or skipped
   check fails the case unless the manifest allows it. A case may expect a failure (a stored trace
-  of a known-buggy engine): it then passes only if refcheck finds that failure.
+  of a known-buggy engine): it then passes only if refcheck finds that failure. Cases go over one
+  process per usable core by default (:func:`gate_jobs`: cases that share work together, costliest
+  first); ``profiles`` collects each case's :class:`refcheck.profile.Profile`; ``cache_dir`` reuses
+  reports whose key (:mod:`refcheck.gate_cache`) is unchanged. None of these changes a verdict.
 """
 
 from __future__ import annotations
@@ -386,9 +389,10 @@ def gate(golden_dir: Path, session: DiffSession, cases: list[str] | None = None,
          workers: int | None = 1, profiles: dict[str, Profile] | None = None, cache_dir: Path | None = None) -> list[Report]:
     """Verify the goldens' hashes, then each case's verdict (:func:`check_trace`), in the order of
     ``cases`` (default: every case). ``workers``: processes to spread the cases over (None: one per
-    usable core; this process is one of them; jobs of cases that share work, taken longest first). ``profiles``: a dict that receives each
-    case's :class:`Profile`. ``cache_dir``: reports cached there under a key of the golden's bytes,
-    its settings, the packages' code and the environment (:mod:`refcheck.gate_cache`)."""
+    usable core; this process is one of them; :func:`gate_jobs` taken costliest first). ``profiles``:
+    a dict that receives each case's :class:`Profile`. ``cache_dir``: reports cached there under a
+    key of the golden's bytes, its settings, the packages' files and the environment
+    (:mod:`refcheck.gate_cache`)."""
     from refcheck.parallel import usable_cpus
 
     manifest = verify(golden_dir)

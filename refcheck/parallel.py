@@ -6,7 +6,9 @@ they come from the same engine, models and settings (provenance equal up to the 
 creation time); :func:`merge_reports` adds findings and check counts. A diff run over ``n`` workers
 therefore gives the same trace and the same findings as a one-process run (tests/test_parallel.py).
 Workers are spawned processes (CUDA-safe); worker ``i`` uses ``cuda:i`` when the device is CUDA, so
-``--workers N`` on an N-GPU host is one process per GPU.
+``--workers N`` on an N-GPU host is one process per GPU. :func:`run_queue` runs jobs from one queue,
+longest first, on this process and ``N - 1`` workers that stay up between jobs (the gate's cases:
+:func:`gate_shard`, each worker keeping its :class:`DiffSession` and so its models and shared work).
 """
 
 from __future__ import annotations
