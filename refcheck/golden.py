@@ -15,7 +15,10 @@ Contract:
   (model/draft/tokenizer/budget/prompt-set changed -> exit 3), diffs every case in replay and
   free-run mode against the live reference and is strict about skips: an unsupported or skipped
   check fails the case unless the manifest allows it. A case may expect a failure (a stored trace
-  of a known-buggy engine): it then passes only if refcheck finds that failure.
+  of a known-buggy engine): it then passes only if refcheck finds that failure. Cases go over one
+  process per usable core by default (:func:`gate_jobs`: cases that share work together, costliest
+  first); ``profiles`` collects each case's :class:`refcheck.profile.Profile`; ``cache_dir`` reuses
+  reports whose key (:mod:`refcheck.gate_cache`) is unchanged. None of these changes a verdict.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 from refcheck.diff.findings import Finding, Report, Verdict
 from refcheck.diff.session import DiffSession, reference_spec_for
 from refcheck.errors import CorruptTraceError, GoldenError, UsageError
+from refcheck.profile import Profile, count, phase
 from refcheck.prompts import load_prompts
 from refcheck.provenance import dir_sha256, stale_reasons
 from refcheck.runners.reference import EngineSpec
@@ -316,14 +320,42 @@ def live_provenance_reasons(trace: Trace, session: DiffSession) -> list[str]:
 
 
 def gate_case(name: str, entry, golden_dir: Path, session: DiffSession) -> Report:
-    return check_trace(name, read_trace(Path(golden_dir) / entry.file), entry.provenance, session)
+    with phase("load_trace"):
+        trace = read_trace(Path(golden_dir) / entry.file)
+    return check_trace(name, trace, entry.provenance, session)
+
+
+def cached_gate_case(name: str, entry, golden_dir: Path, session: DiffSession, cache=None) -> Report:
+    """:func:`gate_case` through ``cache`` (a :class:`refcheck.gate_cache.ReportCache`, or None)."""
+    if cache is None:
+        return gate_case(name, entry, golden_dir, session)
+    with phase("cache"):
+        report = cache.get(entry)
+    if report is not None:
+        count("cache_hits")
+        return report
+    report = gate_case(name, entry, golden_dir, session)
+    with phase("cache"):
+        cache.put(entry, report)
+    return report
+
+
+def profiled_gate_case(name: str, entry, golden_dir: Path, session: DiffSession,
+                       profiles: dict[str, Profile] | None, cache=None) -> Report:
+    """:func:`cached_gate_case`, under a fresh profile stored in ``profiles[name]`` when ``profiles`` is given."""
+    if profiles is None:
+        return cached_gate_case(name, entry, golden_dir, session, cache)
+    prof = profiles[name] = Profile()
+    with prof.active(), phase("gate.other"):
+        return cached_gate_case(name, entry, golden_dir, session, cache)
 
 
 def check_trace(name: str, trace: Trace, settings: dict, session: DiffSession) -> Report:
     """The gate's verdict on one engine trace under a golden entry's settings (``expect``,
     ``allow_unsupported``, ``triaged``): a GoldenError if the trace's models or prompts have changed
     since it was recorded, else the diff with unrecorded categories failed and reviewed findings triaged."""
-    stale = live_provenance_reasons(trace, session)
+    with phase("stale_check"):
+        stale = live_provenance_reasons(trace, session)
     if stale:
         raise GoldenError(f"stale golden {name}: " + "; ".join(stale)
                           + (f" (review and regenerate: refcheck golden regen --case {name} --reason ...)" if name in GOLDEN_CASES
@@ -346,23 +378,62 @@ def check_trace(name: str, trace: Trace, settings: dict, session: DiffSession) -
     return report
 
 
+def shared_work_key(entry) -> tuple:
+    """Cases with equal keys share their free run's reference work (the target-only greedy
+    continuations and the reference's own DDTree runs): one process should gate them together."""
+    p = entry.provenance
+    drafter = "scripted" if p.get("drafter") == "none" else p.get("drafter", "dflash")
+    return (str(p.get("model", "")), str(drafter), str(p.get("budget")), int(p.get("max_new_tokens", 64)))
+
+
+def estimated_cost(entry) -> float:
+    """A case's cost for scheduling only (longest first): its trace's size, twice over for an engine
+    in a coarser dtype than fp32, whose over-bound steps run the rounding ensemble."""
+    heavy = str(entry.provenance.get("dtype", "float32")) != "float32"
+    return float(entry.bytes) * (2.0 if heavy else 1.0)
+
+
+def gate_jobs(manifest: Manifest, names: list[str]) -> list[list[str]]:
+    """The cases as jobs for the gate's processes: cases that share work in one job, the costliest
+    job first."""
+    groups: dict[tuple, list[str]] = {}
+    for n in names:
+        groups.setdefault(shared_work_key(manifest.cases[n]), []).append(n)
+    return sorted(groups.values(), key=lambda g: -sum(estimated_cost(manifest.cases[n]) for n in g))
+
+
 def gate(golden_dir: Path, session: DiffSession, cases: list[str] | None = None, progress=None,
-         workers: int = 1) -> list[Report]:
+         workers: int | None = 1, profiles: dict[str, Profile] | None = None, cache_dir: Path | None = None) -> list[Report]:
+    """Verify the goldens' hashes, then each case's verdict (:func:`check_trace`), in the order of
+    ``cases`` (default: every case). ``workers``: processes to spread the cases over (None: one per
+    usable core; this process is one of them; :func:`gate_jobs` taken costliest first). ``profiles``:
+    a dict that receives each case's :class:`Profile`. ``cache_dir``: reports cached there under a
+    key of the golden's bytes, its settings, the packages' files and the environment
+    (:mod:`refcheck.gate_cache`)."""
+    from refcheck.parallel import usable_cpus
+
     manifest = verify(golden_dir)
     names = cases or sorted(manifest.cases)
     unknown = [n for n in names if n not in manifest.cases]
     if unknown:
         raise GoldenError(f"no golden trace for case(s) {unknown} in {golden_dir}")
-    if workers > 1:
-        from refcheck.parallel import gate_shard, run_parallel, split
+    workers = usable_cpus() if workers is None else workers
+    if workers > 1 and len(names) > 1:
+        from refcheck.parallel import gate_shard, run_queue
 
-        shards = split(names, workers)
-        done = run_parallel(gate_shard, [(sh, str(golden_dir), len(shards)) for sh in shards], len(shards))
-        by_name = {r.case: r for rs in done for r in rs}
+        jobs = [(job, str(golden_dir), workers, profiles is not None, str(cache_dir) if cache_dir else None)
+                for job in gate_jobs(manifest, names)]
+        done = run_queue(gate_shard, jobs, workers, inline=lambda *job: gate_shard(*job, session=session))
+        by_name = {r.case: r for rs, _ in done for r in rs}
+        if profiles is not None:
+            profiles.update({n: Profile.from_json(p) for _, ps in done for n, p in ps.items()})
         return [by_name[n] for n in names]
+    from refcheck.gate_cache import ReportCache
+
+    cache = ReportCache(Path(cache_dir)) if cache_dir else None
     reports = []
     for name in names:
         if progress:
             progress(name)
-        reports.append(gate_case(name, manifest.cases[name], golden_dir, session))
+        reports.append(profiled_gate_case(name, manifest.cases[name], golden_dir, session, profiles, cache))
     return reports

@@ -6,12 +6,17 @@ they come from the same engine, models and settings (provenance equal up to the 
 creation time); :func:`merge_reports` adds findings and check counts. A diff run over ``n`` workers
 therefore gives the same trace and the same findings as a one-process run (tests/test_parallel.py).
 Workers are spawned processes (CUDA-safe); worker ``i`` uses ``cuda:i`` when the device is CUDA, so
-``--workers N`` on an N-GPU host is one process per GPU.
+``--workers N`` on an N-GPU host is one process per GPU. :func:`run_queue` runs jobs from one queue,
+longest first, on this process and ``N - 1`` workers that stay up between jobs (the gate's cases:
+:func:`gate_shard`, each worker keeping its :class:`DiffSession` and so its models and shared work).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import TypeVar
@@ -29,6 +34,14 @@ def split(items: Sequence[T], n: int) -> list[list[T]]:
         raise UsageError(f"--workers must be >= 1, got {n}")
     shards = [list(items[i::n]) for i in range(n)]
     return [s for s in shards if s]
+
+
+def usable_cpus() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. under ``taskset``), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def shard_device(device: str, index: int) -> str:
@@ -91,14 +104,54 @@ def run_parallel(fn: Callable[..., T], jobs: Sequence[tuple], workers: int) -> l
         return [f.result() for f in futures]
 
 
-# -- worker entry points (module level: spawned processes import them by name) ------------------------
-def _worker_setup(workers: int) -> None:
-    import os
+def run_queue(fn: Callable[..., T], jobs: Sequence[tuple], workers: int, inline: Callable[..., T]) -> list[T]:
+    """Every job, results in order, ``workers`` at a time, each taken from one queue in order as soon
+    as a worker is free (put the longest first): ``inline(*job)`` in this process, ``fn(*job)`` in
+    ``workers - 1`` spawned processes, which stay up from job to job. A job's exception is raised
+    here once the running jobs are done; jobs not started by then are not run."""
+    pending = deque(enumerate(jobs))
+    lock = threading.Lock()
+    results: list = [None] * len(jobs)
+    errors: list[BaseException] = []
 
+    def take() -> tuple[int, tuple] | None:
+        with lock:
+            return pending.popleft() if pending and not errors else None
+
+    def drain(run: Callable[[tuple], T]) -> None:
+        while (item := take()) is not None:
+            try:
+                results[item[0]] = run(item[1])
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                with lock:
+                    errors.append(exc)
+
+    helpers = min(workers, len(jobs)) - 1
+    if helpers < 1:
+        drain(lambda job: inline(*job))
+    else:
+        with ProcessPoolExecutor(max_workers=helpers, mp_context=mp.get_context("spawn")) as pool:
+            feeders = [threading.Thread(target=drain, args=(lambda job: pool.submit(fn, *job).result(),), daemon=True)
+                       for _ in range(helpers)]
+            for t in feeders:
+                t.start()
+            drain(lambda job: inline(*job))
+            for t in feeders:
+                t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+# -- worker entry points (module level: spawned processes import them by name) ------------------------
+def _worker_setup(workers: int) -> int:
+    """Offline, and this process's share of the usable cores as torch threads; returns the old count."""
     import torch
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(workers, 1)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, usable_cpus() // max(workers, 1)))
+    return before
 
 
 def engine_shard(engine: str, spec, prompts, mode: str, ref_dtype: str, ref_device: str, index: int,
@@ -151,15 +204,32 @@ def live_trace(engine: str, spec, prompts, session, full_state: bool = False, en
     return trace
 
 
-def gate_shard(names: list[str], golden_dir: str, workers: int) -> list[Report]:
-    """Gate some golden cases in this process."""
+_SESSION = None  # a gate worker's DiffSession, kept from job to job (its models and shared work)
+
+
+def gate_shard(names: list[str], golden_dir: str, workers: int, profile: bool = False,
+               cache_dir: str | None = None, session=None) -> tuple[list[Report], dict]:
+    """Gate some golden cases in this process (torch threads: its share of the cores, restored
+    after), with ``session`` or this process's own: (reports, case -> profile as JSON; empty unless
+    ``profile``)."""
     from pathlib import Path
 
+    import torch
+
     from refcheck.diff.session import DiffSession
-    from refcheck.golden import gate_case
+    from refcheck.gate_cache import ReportCache
+    from refcheck.golden import profiled_gate_case
     from refcheck.trace.manifest import load_manifest
 
-    _worker_setup(workers)
-    manifest = load_manifest(Path(golden_dir))
-    session = DiffSession()
-    return [gate_case(n, manifest.cases[n], Path(golden_dir), session) for n in names]
+    global _SESSION
+    if session is None:
+        session = _SESSION = _SESSION or DiffSession()
+    threads = _worker_setup(workers)
+    try:
+        manifest = load_manifest(Path(golden_dir))
+        profiles: dict | None = {} if profile else None
+        cache = ReportCache(Path(cache_dir)) if cache_dir else None
+        reports = [profiled_gate_case(n, manifest.cases[n], Path(golden_dir), session, profiles, cache) for n in names]
+        return reports, {n: p.to_json() for n, p in (profiles or {}).items()}
+    finally:
+        torch.set_num_threads(threads)

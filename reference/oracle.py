@@ -5,6 +5,7 @@ sequence, so they share no code (and no state handling) with the tree decoder:
 
 * :func:`greedy_decode` — the lossless invariant: DDTree's greedy output must equal this, token
   for token, whatever the drafter proposes;
+* :class:`GreedyMemo` — the same continuations, each distinct sequence's forward run once;
 * :func:`path_logits` — every tree node's logits obtained by running committed tokens + the
   node's root-to-node path as one plain sequence (each path on its own copy of the state, by
   construction, since nothing is cached).
@@ -39,6 +40,40 @@ def greedy_decode(
         if tok in stop_token_ids:
             break
     return out
+
+
+class GreedyMemo:
+    """:func:`greedy_decode` with every next-token lookup remembered by its exact token sequence.
+
+    ``decode(ids, n, stop)`` returns what ``greedy_decode(model, ids, n, stop)`` returns: the same
+    loop, where the plain forward of a sequence seen before is not run again (a forward is a pure
+    function of the sequence for fixed weights). Valid only while the model's weights and hooks stay
+    as they are; meant for the oracle and the scripted drafter of one diff session, whose calls
+    revisit the same greedy prefixes many times. ``forwards`` counts the forwards it ran.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._next: dict[tuple[int, ...], int] = {}
+        self.forwards = 0
+
+    @torch.no_grad()
+    def decode(self, prompt_ids: list[int], max_new_tokens: int,
+               stop_token_ids: frozenset[int] | set[int] = frozenset()) -> list[int]:
+        device = next(self.model.parameters()).device
+        seq = list(prompt_ids)
+        out: list[int] = []
+        while len(out) < max_new_tokens:
+            key = tuple(seq)
+            tok = self._next.get(key)
+            if tok is None:
+                tok = self._next[key] = int(full_forward_logits(self.model, torch.tensor(seq, device=device))[-1].argmax())
+                self.forwards += 1
+            out.append(tok)
+            seq.append(tok)
+            if tok in stop_token_ids:
+                break
+        return out
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from reference.oracle import greedy_decode
+from reference.oracle import GreedyMemo, greedy_decode
 
 
 class ScriptedDrafter:
@@ -34,8 +34,12 @@ class ScriptedDrafter:
         decoy_prob: float = 0.35,
         max_decoys: int = 2,
         miss_prob: float = 0.08,
+        oracle: GreedyMemo | None = None,
     ) -> None:
         self.model = model
+        #: where the true continuation comes from: ``greedy_decode`` on ``model``, or a memo of it
+        #: (:class:`reference.oracle.GreedyMemo` on the same weights; same tokens, fewer forwards)
+        self.oracle = oracle
         self.vocab_size = vocab_size
         self.mask_token_id = mask_token_id
         self.block_size = block_size
@@ -53,7 +57,8 @@ class ScriptedDrafter:
 
     def propose(self, bonus: int, start: int, depth: int | None = None) -> torch.Tensor:
         depth = self.block_size - 1 if depth is None else min(depth, self.block_size - 1)
-        truth = greedy_decode(self.model, self.tokens + [bonus], depth)
+        truth = (self.oracle.decode(self.tokens + [bonus], depth) if self.oracle is not None
+                 else greedy_decode(self.model, self.tokens + [bonus], depth))
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + start * 7919 + bonus)
         logits = torch.randn(depth, self.vocab_size, generator=gen)  # [L, V] background noise
         for d, tok in enumerate(truth):

@@ -17,9 +17,15 @@ from refcheck.errors import EXIT_GOLDEN, EXIT_PASS
 @main.command()
 @click.argument("golden_dir", required=False, type=click.Path(path_type=Path))
 @click.option("--case", "cases", multiple=True, help="Only these cases.")
-@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="Processes to spread cases over.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Processes to spread cases over (default: one per usable CPU core; 1 = this process only).")
+@click.option("--profile", "profile", is_flag=True,
+              help="Time each case's phases and count its work (steps replayed, forwards): a table, and 'profile' in --json.")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None, envvar="REFCHECK_GATE_CACHE",
+              help="Keep each case's report there, keyed by the golden's bytes, its settings, refcheck's and the "
+                   "reference's code and the library versions; a case whose key is stored is not diffed again.")
 @click.option("--json", "as_json", is_flag=True)
-def gate(golden_dir, cases, workers, as_json):
+def gate(golden_dir, cases, workers, profile, cache_dir, as_json):
     """CI gate: verify, then diff every golden case against the live reference (strict about skips)."""
     import time
 
@@ -27,14 +33,35 @@ def gate(golden_dir, cases, workers, as_json):
     from refcheck.golden import default_golden_dir
     from refcheck.golden import gate as run_gate
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     quiet()
+    profiles: dict | None = {} if profile else None
     reports = run_gate(golden_dir or default_golden_dir(), DiffSession(), list(cases) or None,
-                       progress=lambda n: err.print(f"gate: {n}", markup=False), workers=workers)
+                       progress=lambda n: err.print(f"gate: {n}", markup=False), workers=workers, profiles=profiles,
+                       cache_dir=cache_dir)
     report_table(reports, "refcheck gate")
     wall = time.perf_counter() - t0
+    extra: dict = {"wall_s": wall, "cpu_s_this_process": time.process_time() - c0}
+    if profiles is not None:
+        profile_table(profiles)
+        extra["profile"] = {n: p.to_json() for n, p in profiles.items()}
     err.print(f"gate: {len(reports)} cases in {wall:.1f} s", markup=False)
-    finish(reports, as_json, {"wall_s": wall})
+    finish(reports, as_json, extra)
+
+
+def profile_table(profiles: dict) -> None:
+    """The profile: per case, seconds per phase group (exclusive), wall, CPU, steps and forwards;
+    then per phase over all cases."""
+    from refcheck.profile import case_rows, phase_rows
+
+    for title, (cols, rows) in (("refcheck gate --profile: wall seconds per case and phase group", case_rows(profiles)),
+                                ("refcheck gate --profile: seconds per phase, all cases", phase_rows(profiles))):
+        table = Table(title=title)
+        for col in cols:
+            table.add_column(col, justify="left" if col in ("case", "phase") else "right", no_wrap=True)
+        for row in rows:
+            table.add_row(*row)
+        err.print(table)
 
 @main.group()
 def golden() -> None:

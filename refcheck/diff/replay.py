@@ -39,6 +39,7 @@ import torch
 from refcheck.diff.findings import Finding, Report, Verdict, worst_verdict
 from refcheck.diff.tolerance import Calibration
 from refcheck.diff.triage import RoundingEnsemble, StepInputs, StepSpread
+from refcheck.profile import timed
 from refcheck.sketch import cosine, layer_sketch, rel_l2, sketch_rows, state_rows
 from refcheck.trace.io import StateEntry, StepRow, Trace
 from reference.drafter import Drafter
@@ -127,6 +128,7 @@ class _Request:
             self.failed_at = step
 
     # -- state handling ---------------------------------------------------------------------
+    @timed("replay.prefill")
     def prefill(self, tokens: list[int]) -> torch.Tensor:
         """(Re)build the reference state and drafter context from committed tokens; last logp [V]."""
         dev = self.target.device
@@ -174,6 +176,7 @@ class _Request:
                             state_error if ref_rows else None)
         node_ref = logp.cpu().gather(1, cols)  # [N, k+2]
 
+        @timed("ensemble", counter="ensemble_steps")
         def run() -> StepSpread:
             self.rep.stats["ensemble_steps"] = self.rep.stats.get("ensemble_steps", 0) + 1
             return StepSpread.of_step(self.ensemble.sample(inputs), node_ref, ids.shape[1], draft_ref)
@@ -227,6 +230,7 @@ class _Request:
                   f"(first at depth {depth}); the drafter's context or input differs",
                   details={**details, "failing_depths": [d + 1 for d in bad]})
 
+    @timed("replay.drafter")
     def draft_reference(self, s: StepRow) -> torch.Tensor | None:
         """The reference drafter's log-probs at the engine's draft ids ([L, k] float32), or None."""
         if not (self.check_draft_enabled and s.draft_topk_ids):
@@ -292,6 +296,7 @@ class _Request:
             self.bisect(s, min(bad_nodes), layers)
         return walk
 
+    @timed("replay.bisect")
     def bisect(self, s: StepRow, node: int, layers: list[torch.Tensor]) -> None:
         ref = layer_sketch(torch.stack(layers))  # [layers, N, r]
         eng = s.layer_sketch.float()
@@ -307,6 +312,7 @@ class _Request:
                                      details={"rel_l2": err}))
                 return
 
+    @timed("replay.state")
     def check_state(self, s: StepRow, new_state: TargetState, new_from: int) -> None:
         if not s.state:
             for cat in ("kv", "conv", "recurrent"):
@@ -410,6 +416,7 @@ class _Request:
             self.fail("output", None, f"request output differs from the steps' emitted tokens at index {i}",
                       position=P + i, details={"index": i})
 
+    @timed("replay.verify", counter="steps_replayed")
     def replay_step(self, s: StepRow, last: bool, prompt: list[int], output: list[int]) -> bool:
         """Re-verify one engine step and follow its commit; False when the step cannot be followed."""
         P, root = len(prompt), self.root

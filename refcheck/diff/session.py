@@ -3,8 +3,9 @@ provenance, runs replay and/or free-run, and merges the reports.
 
 Contract: :func:`reference_spec_for` derives the reference's :class:`EngineSpec` from a trace's
 provenance (model, drafter kind, budget, token limits; the reference's own dtype/device are the
-caller's choice, fp32 CPU by default). :class:`DiffSession` caches loaded reference runners and
-greedy outputs so a gate over many cases loads each model once.
+caller's choice, fp32 CPU by default). :class:`DiffSession` keeps loaded reference runners, the
+target's greedy continuations and the reference's own runs, so a gate over many cases loads each
+model once and does work the cases share once (same results as computing it per case).
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ from refcheck.diff.replay import replay
 from refcheck.diff.tolerance import Calibration, calibration_for, engine_numerics
 from refcheck.errors import UsageError
 from refcheck.models import BUILTIN_PAIRS
+from refcheck.profile import count, phase, watch_forwards
 from refcheck.prompts import Prompt
 from refcheck.runners.reference import EngineSpec, ReferenceRunner
 from refcheck.trace.io import Trace, check_token_ids
-from reference.oracle import greedy_decode
+from reference.decode import DecodeResult
+from reference.oracle import GreedyMemo
+from reference.scripted import ScriptedDrafter
 
 MODES = ("replay", "free", "both")
 
@@ -50,23 +54,61 @@ def reference_spec_for(trace: Trace, dtype: str = "float32", device: str = "cpu"
 
 
 class DiffSession:
+    """Loaded reference runners and the work several diffs share, computed once per session:
+
+    * the target's greedy continuations (:class:`reference.oracle.GreedyMemo`, one per model and
+      numerics): the free run's target-only oracle and the scripted drafter's "true" drafts (the
+      stand-in drafter of engine traces without one) are the same plain forwards of the same greedy
+      prefixes, so each distinct sequence is run once, whichever case or runner asks;
+    * the reference's own DDTree run of a prompt (per complete :class:`EngineSpec` and prompt), which
+      the free run of every trace recorded with the same settings compares against.
+    """
+
     def __init__(self) -> None:
         self._runners: dict[tuple, ReferenceRunner] = {}
-        self._greedy: dict[tuple, list[int]] = {}
+        self._memos: dict[tuple, GreedyMemo] = {}
+        self._decodes: dict[tuple, DecodeResult] = {}
 
     def runner(self, spec: EngineSpec) -> ReferenceRunner:
         key = (spec.model_label, str(spec.draft_dir), spec.dtype, spec.device, spec.drafter, spec.seed)
         if key not in self._runners:
-            self._runners[key] = ReferenceRunner(spec)
+            with phase("load_models"):
+                runner = self._runners[key] = ReferenceRunner(spec)
+            count("runner_loads")
+            watch_forwards(runner.target.model)
+            if isinstance(runner.drafter, ScriptedDrafter):
+                runner.drafter.oracle = self.memo(runner)
         runner = self._runners[key]
         runner.spec = spec  # budget / limits may differ between cases; the models do not
         return runner
 
+    def memo(self, runner: ReferenceRunner) -> GreedyMemo:
+        """The greedy-continuation memo of ``runner``'s target (shared by runners of the same model
+        and numerics: their targets are loaded from the same files, so their forwards are equal)."""
+        key = (runner.spec.model_label, runner.spec.dtype, runner.spec.device)
+        if key not in self._memos:
+            self._memos[key] = GreedyMemo(runner.target.model)
+        return self._memos[key]
+
     def greedy(self, runner: ReferenceRunner, prompt: list[int], n: int) -> list[int]:
-        key = (runner.spec.model_label, runner.spec.dtype, runner.spec.device, tuple(prompt), n, runner.spec.stop_token_ids)
-        if key not in self._greedy:
-            self._greedy[key] = greedy_decode(runner.target.model, prompt, n, runner.spec.stop_token_ids)
-        return self._greedy[key]
+        """The target-only greedy continuation of ``prompt``: ``n`` tokens (fewer after a stop token)."""
+        memo = self.memo(runner)
+        before = memo.forwards
+        with phase("greedy_oracle"):
+            out = memo.decode(prompt, n, runner.spec.stop_token_ids)
+        count("greedy_forwards", memo.forwards - before)
+        return out
+
+    def reference_decode(self, runner: ReferenceRunner, prompt: list[int]) -> DecodeResult:
+        """The reference's own DDTree run of ``prompt`` under ``runner.spec`` (computed once per spec)."""
+        spec = runner.spec
+        key = (spec.model_label, str(spec.draft_dir), spec.dtype, spec.device, spec.drafter, spec.seed, spec.budget,
+               spec.max_new_tokens, spec.stop_token_ids, tuple(prompt))
+        if key not in self._decodes:
+            with phase("free.reference_decode"):
+                self._decodes[key] = runner.decoder(spec.max_new_tokens).generate(list(prompt))
+            count("reference_decodes")
+        return self._decodes[key]
 
     def diff(self, trace: Trace, case: str, mode: str = "both", strict_acceptance: bool = False,
              ref_dtype: str = "float32", ref_device: str = "cpu", calibration: Calibration | None = None) -> Report:
@@ -87,13 +129,15 @@ class DiffSession:
         check_draft = same_numerics or spec.drafter != "scripted"
         report = Report(case=case, mode=mode)
         if mode in ("replay", "both"):
-            report.merge(replay(trace, runner.target, runner.drafter, cal, case, spec.stop_token_ids, check_draft,
-                                eng_dtype))
+            with phase("replay.other"):
+                report.merge(replay(trace, runner.target, runner.drafter, cal, case, spec.stop_token_ids, check_draft,
+                                    eng_dtype))
         if mode in ("free", "both"):
             greedy = {r.request_id: self.greedy(runner, list(r.prompt_ids), spec.max_new_tokens) for r in trace.requests}
             prompts = [Prompt(r.request_id, tuple(r.prompt_ids), r.kind) for r in trace.requests]
-            ref_runs = {p.id: runner.decoder(spec.max_new_tokens).generate(list(p.prompt_ids)) for p in prompts}
-            fr = free_run(trace, runner.target.model, greedy, tol, ref_runs, strict_acceptance, case)
+            ref_runs = {p.id: self.reference_decode(runner, list(p.prompt_ids)) for p in prompts}
+            with phase("free.check"):
+                fr = free_run(trace, runner.target.model, greedy, tol, ref_runs, strict_acceptance, case)
             report.merge(fr)
             report.stats.update(fr.stats)
         return report
