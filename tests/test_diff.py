@@ -11,7 +11,7 @@ import pytest
 from refcheck.diff.findings import Verdict
 from refcheck.diff.replay import replay
 from refcheck.diff.session import DiffSession
-from refcheck.diff.tolerance import NoCalibration, tolerance_for
+from refcheck.diff.tolerance import Calibration, NoCalibration, tolerance_for
 from refcheck.prompts import load_prompts
 from refcheck.runners.reference import EngineSpec
 from refcheck.selftest.faults import FAULTS
@@ -73,11 +73,13 @@ def test_near_tie_triage(clean):
     runner, trace = clean
     flipped, node, margin = _flip(trace)
     base = tolerance_for("float32", "cpu")
-    benign = replay(flipped, runner.target, runner.drafter, dataclasses.replace(base, tie_margin=margin + 1.0))
+    benign = replay(flipped, runner.target, runner.drafter,
+                    Calibration(dataclasses.replace(base, tie_margin=margin + 1.0), None, "test"))
     ties = [f for f in benign.findings if f.verdict == Verdict.BENIGN_TIE]
     assert ties and ties[0].node == node and abs(ties[0].details["margin"] - margin) < 1e-4
     assert not [f for f in benign.failures if f.category == "logits"]
-    real = replay(flipped, runner.target, runner.drafter, dataclasses.replace(base, tie_margin=margin / 2))
+    real = replay(flipped, runner.target, runner.drafter,
+                  Calibration(dataclasses.replace(base, tie_margin=margin / 2), None, "test"))
     fails = [f for f in real.failures if f.category == "logits"]
     assert fails and fails[0].node == node and "not a near-tie" in fails[0].message
 
