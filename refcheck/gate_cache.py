@@ -28,7 +28,8 @@ from collections import Counter
 from pathlib import Path
 
 from refcheck.diff.findings import Finding, Report, Verdict
-from refcheck.trace.io import atomic_write_bytes
+from refcheck.provenance import file_sha256
+from refcheck.atomic_file import atomic_write_bytes
 
 _SKIP_DIRS = {"__pycache__"}
 _SKIP_SUFFIXES = (".pyc", ".pyo")
@@ -53,7 +54,7 @@ def source_digest(roots: tuple[Path, ...] | None = None) -> str:
         for f in sorted(p for p in root.rglob("*") if p.is_file() and not _SKIP_DIRS & set(p.relative_to(root).parts)
                         and not p.name.endswith(_SKIP_SUFFIXES)):
             h.update(str(f.relative_to(root)).encode() + b"\0")
-            h.update(hashlib.sha256(f.read_bytes()).digest())
+            h.update(file_sha256(f).digest())
     return h.hexdigest()
 
 

@@ -28,8 +28,17 @@ def dir_sha256(path: Path | None) -> str | None:
     h = hashlib.sha256()
     for f in sorted(p for p in Path(path).rglob("*") if p.is_file()):
         h.update(str(f.relative_to(path)).encode() + b"\0")
-        h.update(hashlib.sha256(f.read_bytes()).digest())
+        h.update(file_sha256(f).digest())
     return h.hexdigest()
+
+
+def file_sha256(path: Path, chunk: int = 1 << 20) -> "hashlib._Hash":
+    """sha256 of one file read in 1 MiB chunks (a 54 GB checkpoint shard never sits in memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h
 
 
 def library_versions() -> dict[str, str]:
@@ -68,7 +77,7 @@ def build_provenance(
         "model": model_label or str(model_dir),  # "builtin:<pair>" for the built-in models
         "model_sha256": dir_sha256(Path(model_dir)),
         "draft_sha256": dir_sha256(Path(draft_dir)) if draft_dir else None,
-        "tokenizer_sha256": hashlib.sha256(tok.read_bytes()).hexdigest() if tok.is_file() else None,
+        "tokenizer_sha256": file_sha256(tok).hexdigest() if tok.is_file() else None,
         "dtype": dtype,
         "device": device,
         "budget": "chain" if budget is None else budget,

@@ -40,20 +40,30 @@ def test_clean_reference_has_no_findings(session, clean):
     assert any(int(r) > 0 for s in trace.steps for r in (s.tree_ranks[i] for i in s.accepted)), "no non-first sibling"
 
 
+@pytest.fixture(scope="module")
+def selftest_rows():
+    """One selftest over every fault (as ``refcheck selftest`` runs it: one clean run shared by all)."""
+    rows = selftest(sorted(FAULTS), prompts=load_prompts()[:2], max_new_tokens=16)
+    return {r.fault: r for r in rows}
+
+
+@pytest.mark.xdist_group("selftest")
 @pytest.mark.parametrize("fault", sorted(FAULTS))
-def test_every_fault_is_detected_with_its_category(fault):
-    row = selftest([fault], prompts=load_prompts()[:2], max_new_tokens=20)[-1]
+def test_every_fault_is_detected_with_its_category(fault, selftest_rows):
+    row = selftest_rows[fault]
     assert row.detected, row
     assert row.category_found, row.to_json()
 
 
-def test_selftest_clean_row_is_clean():
-    rows = selftest([], prompts=load_prompts()[:1], max_new_tokens=12)
-    assert [r.fault for r in rows] == ["clean"] and rows[0].ok and rows[0].findings == 0
+@pytest.mark.xdist_group("selftest")
+def test_selftest_clean_row_is_clean(selftest_rows):
+    row = selftest_rows["clean"]
+    assert row.ok and row.findings == 0 and not row.detected
 
 
-def test_sibling_leak_bisects_to_a_linear_attention_layer():
-    row = selftest(["sibling-leak"], prompts=load_prompts()[:2], max_new_tokens=20)[-1]
+@pytest.mark.xdist_group("selftest")
+def test_sibling_leak_bisects_to_a_linear_attention_layer(selftest_rows):
+    row = selftest_rows["sibling-leak"]
     assert row.first["category"] == "logits"
     assert row.first["layer_type"] == "linear_attention"
 

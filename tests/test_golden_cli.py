@@ -288,10 +288,10 @@ def test_triaged_findings_pass_the_gate_and_others_still_fail(tmp_path):
 def test_diff_steps_table_shows_each_replayed_step(cli):
     path = REPO_GOLDEN / load_manifest(REPO_GOLDEN).cases["sglang-hybrid-dflash-b15"].file
     code, _, err = cli("diff", "--against", str(path), "--mode", "replay", "--steps")
-    assert code == EXIT_MISMATCH  # outside the gate, the three reviewed findings are plain failures
+    assert code == 0  # the calibrated verdict, with no manifest rule: the once-reviewed nodes are judged rounding
     assert "verify steps" in err
     rows = [ln for ln in err.splitlines() if ln.startswith("│ prose-1 │ 1 ")]
-    assert rows and "fail" in rows[0] and "logits" in rows[0]
+    assert rows and "triaged" in rows[0] and "logits" in rows[0] and "node 10" in rows[0]
 
 
 def test_an_expected_failure_must_first_show_where_the_manifest_says():

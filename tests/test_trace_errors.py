@@ -21,6 +21,7 @@ from refcheck.trace import (
     trace_bytes,
     write_trace,
 )
+from refcheck import atomic_file
 from refcheck.trace import io as trace_io
 from refcheck.trace import schema as trace_schema
 
@@ -340,7 +341,7 @@ def test_manifest_save_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     manifest.save(tmp_path)
     before = (tmp_path / "MANIFEST.json").read_bytes()
     manifest.record("b", "b.arrow", "1" * 64, 1, {})
-    monkeypatch.setattr(trace_io.os, "replace", lambda *a: (_ for _ in ()).throw(OSError("nope")))
+    monkeypatch.setattr(atomic_file.os, "replace", lambda *a: (_ for _ in ()).throw(OSError("nope")))
     with pytest.raises(OSError):
         manifest.save(tmp_path)
     assert (tmp_path / "MANIFEST.json").read_bytes() == before

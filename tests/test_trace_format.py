@@ -28,6 +28,7 @@ from refcheck.trace import (
     trace_bytes,
     write_trace,
 )
+from refcheck import atomic_file
 from refcheck.trace import io as trace_io
 from refcheck.trace import schema as trace_schema
 
@@ -201,7 +202,7 @@ def test_atomic_write_failure_at_replace_keeps_old_file(
     def boom(*args, **kwargs):
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(trace_io.os, "replace", boom)
+    monkeypatch.setattr(atomic_file.os, "replace", boom)
     with pytest.raises(OSError, match="disk on fire"):
         write_trace(make_trace(n_requests=1, n_steps=1), path)
     assert path.read_bytes() == before
@@ -220,7 +221,7 @@ def test_atomic_write_failure_mid_write_keeps_old_file(
         real_fsync(fd)
         raise KeyboardInterrupt  # even a BaseException cleans up
 
-    monkeypatch.setattr(trace_io.os, "fsync", fsync_then_fail)
+    monkeypatch.setattr(atomic_file.os, "fsync", fsync_then_fail)
     with pytest.raises(KeyboardInterrupt):
         write_trace(make_trace(n_requests=1, n_steps=1), path)
     assert path.read_bytes() == before

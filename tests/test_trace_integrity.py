@@ -152,10 +152,17 @@ def test_flipped_golden_is_corrupt_not_a_finding(cli, tmp_path: Path) -> None:
 
 
 def test_repository_goldens_are_sealed() -> None:
+    """Every golden carries checksums, and its history is one unbroken chain of contents ending at the
+    manifest's sha256 (a seal or a rule change that skipped a content, or a file swapped behind the
+    manifest's back, breaks the chain). Goldens added after trace schema 1.1 were written checksummed."""
     manifest = load_manifest(REPO_GOLDEN)
     for case, entry in manifest.cases.items():
         assert read_trace(REPO_GOLDEN / entry.file).checksummed, case
-        assert entry.history and entry.history[-1].reason.startswith("sealed as trace schema 1.1"), case
+        shas = [(h.sha256_old, h.sha256_new) for h in entry.history]
+        for (_, new), (old, _) in zip(shas, shas[1:]):
+            assert old == new, f"{case}: history chain broken"
+        if shas:
+            assert shas[-1][1] == entry.sha256, f"{case}: last history entry is not the current content"
 
 
 def test_seal_script_proves_content_and_is_idempotent(cli, tmp_path: Path) -> None:

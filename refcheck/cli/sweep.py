@@ -36,7 +36,7 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
 
     With --engine sglang: per SGLang algorithm and budget, τ, step time, tokens/s and the replay verdict."""
     from refcheck.sweep import parse_budgets, plot_sweep, run_sweep
-    from refcheck.trace.io import atomic_write_bytes
+    from refcheck.atomic_file import atomic_write_bytes
 
     from refcheck.outputs import check_output_dir, late_write_error
 

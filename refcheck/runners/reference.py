@@ -27,7 +27,7 @@ from reference.decode import DDTreeDecoder, DecodeConfig, DecodeResult
 from reference.drafter import DFlashDrafter, Drafter
 from refcheck.trace.io import Trace
 from refcheck.trace.record import request_rows
-from reference.oracle import greedy_decode
+from reference.oracle import GreedyMemo, greedy_decode
 from reference.scripted import ScriptedDrafter
 from reference.target import Target
 from reference.tree import TreeError
@@ -83,7 +83,11 @@ def load_pair(spec: EngineSpec) -> tuple[Target, Drafter]:
                               len(target.layers), target.dtype.itemsize, spec.device)
     if spec.drafter == "scripted":
         mask = target.vocab_size - 1
-        return target, ScriptedDrafter(target.model, target.vocab_size, mask, seed=spec.seed)
+        # The scripted drafter's truth is the target's greedy continuation; a memo of it on the same
+        # weights gives the same tokens with each distinct prefix's forward run once (the drafter is
+        # never called while the rounding ensemble's hooks are on the model).
+        return target, ScriptedDrafter(target.model, target.vocab_size, mask, seed=spec.seed,
+                                       oracle=GreedyMemo(target.model))
     if ddir is None:
         raise UsageError("--model given without --draft: a DFlash drafter needs its checkpoint directory")
     model_checks.check_draft_for_target(ddir, len(target.layers), target.hidden_size, target.vocab_size)

@@ -17,16 +17,15 @@ reached tells the runner what happened. Exit codes: 0 done, 3 SGLang missing, 4 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
+from refcheck.atomic_file import atomic_write_bytes
+
 
 def _write(path: Path, payload: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, path)
+    atomic_write_bytes(path, json.dumps(payload).encode(), durable=False)  # the parent polls it: whole or absent
 
 
 def summarise_error(exc: BaseException, limit: int = 600) -> str:

@@ -10,6 +10,7 @@ that cannot be read is reported (not skipped silently) in :attr:`Capture.errors`
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from refcheck.atomic_file import atomic_write_bytes
 from refcheck.sglang_capture.steps import PrefillCapture, StepCapture
 
 ENV_DIR = "REFCHECK_CAPTURE_DIR"
@@ -34,10 +36,10 @@ class Recorder:
         self.tp_rank, self.seq = tp_rank, 0
 
     def write(self, kind: str, payload: dict[str, Any]) -> None:
-        final = self.dir / f"{self.seq:08d}.pt"
-        tmp = self.dir / f".{self.seq:08d}.pt.tmp"
-        torch.save({"type": kind, **payload}, tmp)
-        os.replace(tmp, final)
+        buf = io.BytesIO()
+        torch.save({"type": kind, **payload}, buf)
+        # not fsynced: a record lost to a power cut is re-made by re-running; readers never see half of one
+        atomic_write_bytes(self.dir / f"{self.seq:08d}.pt", buf.getvalue(), durable=False)
         self.seq += 1
 
     def step(self, rec: StepCapture) -> None:
@@ -50,9 +52,7 @@ class Recorder:
         self.write("error", {"where": where, "message": message})
 
     def status(self, info: dict[str, Any]) -> None:
-        tmp = self.status_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(info, indent=1, default=str))
-        os.replace(tmp, self.status_path)
+        atomic_write_bytes(self.status_path, json.dumps(info, indent=1, default=str).encode(), durable=False)
 
 
 @dataclass

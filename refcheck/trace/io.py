@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import secrets
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +45,7 @@ from typing import Any, NoReturn
 import pyarrow as pa
 import torch
 
+from refcheck.atomic_file import atomic_write_bytes, fsync_dir  # noqa: F401 (re-exported: refcheck.trace)
 from refcheck.errors import CorruptTraceError, GoldenError
 from refcheck.trace.codec import decode_tensor, encode_tensor
 from refcheck.trace.schema import (
@@ -482,53 +481,7 @@ def check_checksums(data: bytes, reader: pa.ipc.RecordBatchFileReader, version: 
     return True
 
 
-# ----------------------------------------------------------------------------- atomic write
-def fsync_dir(directory: Path) -> None:
-    """fsync a directory (its entries' renames become durable); a no-op where unsupported."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # platforms without directory handles (Windows): nothing to sync
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _new_file_mode(path: Path) -> int:
-    try:
-        return path.stat().st_mode & 0o777  # replacing a file: keep its permissions
-    except OSError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> int:
-    """Write ``data`` to ``path`` atomically (temp file in the same directory, fsync,
-    ``os.replace``, directory fsync). On any exception the temp file is removed and an existing
-    file at ``path`` is untouched. Returns the bytes written."""
-    path = Path(path)
-    directory = path.parent if str(path.parent) else Path(".")
-    mode = _new_file_mode(path)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(directory)
-    return len(data)
-
-
+# ----------------------------------------------------------------------------- write
 def write_trace(trace: Trace, path: Path) -> int:
     """Validate, serialize and atomically write ``trace`` to ``path``; returns bytes written."""
     return atomic_write_bytes(Path(path), trace_bytes(trace))

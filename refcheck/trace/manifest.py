@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from refcheck.errors import CorruptTraceError, GoldenError, UsageError
-from refcheck.trace.io import atomic_write_bytes
+from refcheck.atomic_file import atomic_write_bytes
 from refcheck.trace.schema import SchemaVersionError
 
 MANIFEST_NAME = "MANIFEST.json"
