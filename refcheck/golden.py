@@ -350,10 +350,12 @@ def profiled_gate_case(name: str, entry, golden_dir: Path, session: DiffSession,
         return cached_gate_case(name, entry, golden_dir, session, cache)
 
 
-def check_trace(name: str, trace: Trace, settings: dict, session: DiffSession) -> Report:
+def check_trace(name: str, trace: Trace, settings: dict, session: DiffSession, mode: str = "both",
+                ref_dtype: str = "float32", ref_device: str = "cpu") -> Report:
     """The gate's verdict on one engine trace under a golden entry's settings (``expect``,
     ``allow_unsupported``, ``triaged``): a GoldenError if the trace's models or prompts have changed
-    since it was recorded, else the diff with unrecorded categories failed and reviewed findings triaged."""
+    since it was recorded, else the diff with unrecorded categories failed and reviewed findings triaged.
+    The one judgement of a golden: the gate and ``refcheck diff`` (on the goldens) both call it."""
     with phase("stale_check"):
         stale = live_provenance_reasons(trace, session)
     if stale:
@@ -364,7 +366,7 @@ def check_trace(name: str, trace: Trace, settings: dict, session: DiffSession) -
                                   f"--reason ...; the manifest keeps the old entry in its history)"))
     refuse_triage_rules(name, settings)
     strict = trace.provenance.get("engine", {}).get("name") == "reference"
-    report = session.diff(trace, name, mode="both", strict_acceptance=strict)
+    report = session.diff(trace, name, mode=mode, strict_acceptance=strict, ref_dtype=ref_dtype, ref_device=ref_device)
     expect = settings.get("expect", "pass")
     allowed = set(settings.get("allow_unsupported", []))
     for f in list(report.findings):

@@ -336,3 +336,27 @@ def test_golden_add_refuses_a_trace_that_would_fail_the_gate(cli, tmp_path):
     code, out, err = cli("gate", str(gdir), "--json")
     assert code == EXIT_PASS, err
     assert [r["verdict"] for r in json.loads(out)["reports"]] == ["pass"]
+
+
+def test_diff_on_the_goldens_judges_them_as_the_gate_does(cli, tmp_path):
+    """One judgement of a golden: `refcheck diff --budget 15` applies the manifest entry's rules as the gate
+    does. With its allowance for the engine's unrecorded draft top-k taken away, the DDTree golden fails in
+    both (the gate is strict about skips; diff once passed it)."""
+    import shutil
+
+    from refcheck.trace.manifest import Manifest
+
+    name = "sglang-hybrid-ddtree-b15"
+    repo = load_manifest(REPO_GOLDEN)
+    entry = repo.cases[name]
+    gdir = tmp_path / "golden"
+    gdir.mkdir()
+    shutil.copy(REPO_GOLDEN / entry.file, gdir / entry.file)
+    entry.provenance = {**entry.provenance, "allow_unsupported": []}
+    Manifest(cases={name: entry}).save(gdir)
+    code_d, out_d, err_d = cli("diff", "--golden", str(gdir), "--budget", "15", "--json")
+    code_g, out_g, err_g = cli("gate", str(gdir), "--json")
+    assert code_d == code_g == EXIT_MISMATCH, (err_d, err_g)
+    d, g = json.loads(out_d)["reports"][0], json.loads(out_g)["reports"][0]
+    assert d["verdict"] == g["verdict"] == "fail" and d["counts"] == g["counts"]
+    assert any("strict about skips" in f["message"] for f in d["findings"])
