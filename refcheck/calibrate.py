@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from refcheck.budget import budget_label
 from refcheck.diff.findings import Finding, Report, Verdict
 from refcheck.trace.io import StepRow, Trace
 
@@ -44,7 +45,7 @@ class CorpusRun:
 
 
 def _budget(b: int | None) -> str:
-    return "chain" if b is None else f"b{b}"
+    return budget_label(b) if b is None else f"b{b}"
 
 
 def default_corpus(dtypes: list[str], device: str, faults: list[str], pairs: tuple[str, ...] = ("hybrid", "attention"),
@@ -169,7 +170,7 @@ def run_one(run: CorpusRun, n_prompts: int, max_new_tokens: int, ref_device: str
             rule: dict | None = None) -> tuple[dict, bytes]:
     """Record and diff one corpus run (a worker entry point); returns (row, trace bytes)."""
     from refcheck.diff.session import DiffSession
-    from refcheck.parallel import engine_decoder
+    from refcheck.engines import open_engine
     from refcheck.prompts import load_prompts
     from refcheck.trace.io import trace_bytes
     from reference.decode import DDTreeDecoder
@@ -185,7 +186,7 @@ def run_one(run: CorpusRun, n_prompts: int, max_new_tokens: int, ref_device: str
             first = results[prompts[0].id].output_ids  # scripted drafter never reads it; DFlash's does)
             runner.drafter.mask_token_id = first[min(3, len(first) - 1)]
             clean, _ = runner.trace(prompts, cls=DDTreeDecoder, record_layers=True)
-        trace, _ = runner.trace(prompts, cls=engine_decoder(run.engine), engine=run.engine, record_layers=True)
+        trace = open_engine(run.engine, run.spec(max_new_tokens), session).trace(prompts)
         change = first_change(clean, trace)
     else:
         trace = clean

@@ -27,7 +27,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from refcheck.diff.findings import Finding, Report, Verdict
+from refcheck.budget import budget_label
+from refcheck.diff.findings import Finding, Report, Verdict, check_category
 from refcheck.diff.session import DiffSession, reference_spec_for
 from refcheck.errors import CorruptTraceError, GoldenError, UsageError
 from refcheck.profile import Profile, count, phase
@@ -59,7 +60,7 @@ class GoldenCase:
 
 
 def _budget_name(b: int | None) -> str:
-    return "chain" if b is None else f"b{b}"
+    return budget_label(b) if b is None else f"b{b}"
 
 
 #: the reference goldens: both built-in pairs at budgets 1, 15, 64 and chain (fp32, CPU), plus the
@@ -194,6 +195,7 @@ def parse_triage(keys: list[str]) -> list[dict]:
             out.append({"request_id": rid, "step": int(step), "node": None if node == "-" else int(node), "category": cat})
         except ValueError:
             raise UsageError(f"--triage {key!r}: expected REQUEST:STEP:NODE:CATEGORY (NODE '-' for none)") from None
+        check_category(cat, f"--triage {key!r}")
     return out
 
 
@@ -208,6 +210,19 @@ def refuse_triage_rules(name: str, settings: dict) -> None:
         raise GoldenError(f"golden {name!r} names triage rules {settings['triage_rules']} in the manifest: per-golden "
                           "rules were replaced by the calibrated verdict, which every diff applies; remove "
                           "'triage_rules' from the entry (reviewed findings stay in 'triaged')")
+
+
+def check_rule_categories(name: str, settings: dict) -> None:
+    """A manifest entry's rules name only real categories (a typo would silently never match): else a
+    GoldenError naming the entry."""
+    named = [("expect", settings.get("expect", "pass").split(":", 1)[1])] if ":" in settings.get("expect", "pass") else []
+    named += [("allow_unsupported", c) for c in settings.get("allow_unsupported", [])]
+    named += [("triaged", t.get("category")) for t in settings.get("triaged", [])]
+    for field_name, cat in named:
+        try:
+            check_category(cat, f"golden {name}: manifest {field_name}")
+        except UsageError as exc:
+            raise GoldenError(str(exc)) from None
 
 
 def apply_triage(report: Report, triaged: list[dict]) -> None:
@@ -249,6 +264,10 @@ def add_trace(golden_dir: Path, trace_path: Path, case: str, expect: str, allow_
     store.check_case_name(case)
     if expect != "pass" and not expect.startswith("fail"):
         raise UsageError(f"--expect must be 'pass', 'fail' or 'fail:CATEGORY', got {expect!r}")
+    if expect.startswith("fail:"):
+        check_category(expect.split(":", 1)[1], f"--expect {expect}")
+    for cat in allow_unsupported:
+        check_category(cat, "--allow-unsupported")
     triaged = parse_triage(triage or [])
     first = parse_expect_first(expect_first)
     if first is not None and expect == "pass":
@@ -365,6 +384,7 @@ def check_trace(name: str, trace: Trace, settings: dict, session: DiffSession, m
                                   f"scripts/sglang_suite.py on a GPU, then replace it: refcheck golden add TRACE --case {name} "
                                   f"--reason ...; the manifest keeps the old entry in its history)"))
     refuse_triage_rules(name, settings)
+    check_rule_categories(name, settings)
     strict = trace.provenance.get("engine", {}).get("name") == "reference"
     report = session.diff(trace, name, mode=mode, strict_acceptance=strict, ref_dtype=ref_dtype, ref_device=ref_device)
     expect = settings.get("expect", "pass")

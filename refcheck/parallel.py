@@ -171,37 +171,12 @@ def engine_shard(engine: str, spec, prompts, mode: str, ref_dtype: str, ref_devi
     return trace_bytes(trace), report
 
 
-def engine_decoder(engine: str):
-    """The decoder class of a live engine name (reference or an injected fault); None for engines
-    that are not the reference's decoder (zlab, sglang[:ALGORITHM]). Unknown names: UsageError."""
-    from refcheck.selftest.faults import fault_names, find_fault
-    from reference.decode import DDTreeDecoder
-
-    if engine in ("zlab", "sglang") or engine.startswith("sglang:"):
-        return None
-    if engine == "reference":
-        return DDTreeDecoder
-    if engine.startswith("fault:") and (found := find_fault(engine[6:])) is not None:
-        return found[0]
-    raise UsageError(f"unknown engine {engine!r} (live engines: reference, zlab, sglang[:ALGORITHM], "
-                     + ", ".join(f"fault:{f}" for f in fault_names()) + "; graded faults take any EPS in (0, 1])")
-
-
 def live_trace(engine: str, spec, prompts, session, full_state: bool = False, engine_opts: dict | None = None) -> Trace:
-    """Record a live engine's trace: the reference, z-lab's dflash, SGLang, or an injected fault.
-    ``engine_opts``: SGLang settings (``cuda_graphs``, ``ngram_breadth``)."""
-    cls = engine_decoder(engine)
-    if engine == "zlab":
-        from refcheck.runners.zlab import ZlabRunner
+    """Record a live engine's trace (:mod:`refcheck.engines`: the reference, an injected fault, z-lab's
+    dflash or SGLang); ``engine_opts``: the engine kind's own options (SGLang's ``cuda_graphs``, ...)."""
+    from refcheck.engines import open_engine
 
-        return ZlabRunner(spec).trace(prompts)
-    if cls is None:
-        from refcheck.runners.sglang import SGLangRunner
-
-        return SGLangRunner(spec, engine.split(":", 1)[1] if ":" in engine else "NONE", full_state=full_state,
-                            **(engine_opts or {})).trace(prompts)
-    trace, _ = session.runner(spec).trace(prompts, cls=cls, engine=engine, record_layers=True, full_state=full_state)
-    return trace
+    return open_engine(engine, spec, session, full_state, engine_opts).trace(prompts)
 
 
 _SESSION = None  # a gate worker's DiffSession, kept from job to job (its models and shared work)

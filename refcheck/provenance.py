@@ -15,6 +15,7 @@ import platform
 from pathlib import Path
 
 import refcheck
+from refcheck.budget import budget_json
 
 #: provenance keys whose change makes a golden trace stale
 STALE_KEYS = ("model_sha256", "draft_sha256", "tokenizer_sha256", "budget", "block_size",
@@ -80,7 +81,7 @@ def build_provenance(
         "tokenizer_sha256": file_sha256(tok).hexdigest() if tok.is_file() else None,
         "dtype": dtype,
         "device": device,
-        "budget": "chain" if budget is None else budget,
+        "budget": budget_json(budget),
         "block_size": block_size,
         "max_new_tokens": max_new_tokens,
         "drafter": drafter,

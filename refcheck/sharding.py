@@ -15,7 +15,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-from refcheck.diff.findings import Report, step_counts
+from refcheck.diff.findings import STATE_CATEGORIES, Report, step_counts
 from refcheck.errors import UsageError
 from refcheck.trace.io import Trace, trace_bytes, trace_from_bytes
 
@@ -75,9 +75,6 @@ def sharded_diff(trace: Trace, case: str, mode: str, shards: int, ref_dtype: str
         mp.start_processes(_rank, args=(shards, free_port(), trace_bytes(trace), case, ref_dtype, ref_device, out),
                            nprocs=shards, start_method="spawn")
         return merge_shard_reports([pickle.loads(Path(out).with_suffix(f".{r}.pkl").read_bytes()) for r in range(shards)])
-
-
-STATE_CATEGORIES = ("kv", "conv", "recurrent", "unmatched")
 
 
 def merge_shard_reports(reports: list[Report]) -> Report:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from refcheck.budget import budget_label, parse_budget
 from refcheck.errors import UsageError
 from refcheck.prompts import Prompt
 from refcheck.runners.reference import EngineSpec, ReferenceRunner
@@ -27,22 +28,10 @@ PHASES = ("draft", "tree", "verify", "commit")
 
 
 def parse_budgets(text: str) -> list[int | None]:
-    out: list[int | None] = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        if part == "chain":
-            out.append(None)
-            continue
-        try:
-            b = int(part)
-        except ValueError:
-            raise UsageError(f"--budgets must be comma-separated non-negative integers or 'chain', got {text!r}") from None
-        if b < 0:
-            raise UsageError(f"--budgets: budget must be >= 0, got {b}")
-        out.append(b)
-    if not out:
+    """``--budgets``: comma-separated budgets (:func:`refcheck.budget.parse_budget` each)."""
+    if not text.strip():
         raise UsageError("--budgets is empty")
-    return out
+    return [parse_budget(part, f"--budgets {text!r}") for part in text.split(",")]
 
 
 def _sync(device: torch.device) -> None:
@@ -64,7 +53,7 @@ def run_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int | None]
     ar_tps: list[float] = []
     ar_out: dict[str, list[int]] = {}
     rows: dict[str, dict] = {}
-    per_budget: dict[str, dict] = {("chain" if b is None else str(b)): {"tps": [], "phase": {p: [] for p in PHASES}}
+    per_budget: dict[str, dict] = {budget_label(b): {"tps": [], "phase": {p: [] for p in PHASES}}
                                    for b in budgets}
     for rep in range(repeats):
         _sync(dev)
@@ -77,7 +66,7 @@ def run_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int | None]
         _sync(dev)
         ar_tps.append(n / (time.perf_counter() - t0))
         for b in budgets:
-            key = "chain" if b is None else str(b)
+            key = budget_label(b)
             if progress:
                 progress(rep, key)
             runner.spec.budget = b

@@ -13,7 +13,7 @@ import torch
 
 from refcheck.diff.session import DiffSession
 from refcheck.errors import UsageError
-from refcheck.parallel import engine_decoder
+from refcheck.engines import check_engine, fault_decoder
 from refcheck.prompts import load_prompts
 from refcheck.runners.reference import EngineSpec
 from refcheck.selftest.faults import (EPSILONS, FAULTS, GRADED, ConvNoise, RecScale, fault, fault_names, find_fault,
@@ -120,10 +120,11 @@ def test_graded_names_resolve_to_one_class_per_eps():
 
 
 def test_engine_names_accept_graded_faults():
-    assert engine_decoder("fault:rec-scale:0.01").eps == 0.01
-    assert engine_decoder("fault:bonus-from-root") is FAULTS["bonus-from-root"][0]
+    assert fault_decoder("rec-scale:0.01").eps == 0.01
+    assert fault_decoder("bonus-from-root") is FAULTS["bonus-from-root"][0]
+    assert check_engine("fault:rec-scale:0.01").name == "fault"
     with pytest.raises(UsageError, match=r"fault:conv-noise:0\.001.*EPS"):
-        engine_decoder("fault:conv-noise:zero")
+        check_engine("fault:conv-noise:zero")
 
 
 @pytest.mark.parametrize("kind", ["rec-scale", "conv-noise"])

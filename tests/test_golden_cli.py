@@ -360,3 +360,20 @@ def test_diff_on_the_goldens_judges_them_as_the_gate_does(cli, tmp_path):
     d, g = json.loads(out_d)["reports"][0], json.loads(out_g)["reports"][0]
     assert d["verdict"] == g["verdict"] == "fail" and d["counts"] == g["counts"]
     assert any("strict about skips" in f["message"] for f in d["findings"])
+
+
+def test_a_category_typo_in_a_rule_is_refused(cli, tmp_path):
+    """--triage, --allow-unsupported and --expect fail:CATEGORY name real categories; a manifest whose rule
+    names none is refused by the gate (a typo would never match anything and pass silently)."""
+    from refcheck.diff.findings import CATEGORIES
+    from refcheck.golden import check_rule_categories
+
+    src = str(REPO_GOLDEN / "sglang-hybrid-ngram-tp2.arrow")
+    for args in (["--triage", "prose-2:19:9:logit"], ["--allow-unsupported", "drafts"], ["--expect", "fail:kvv"]):
+        code, _, err = cli("golden", "add", src, "--case", "x", "--reason", "r", "--golden", str(tmp_path / "g"), *args)
+        assert code == EXIT_USAGE and "unknown category" in err and "recurrent" in err, (args, err)
+    assert not (tmp_path / "g").exists() or not any((tmp_path / "g").iterdir())
+    with pytest.raises(golden_mod.GoldenError, match="golden x: manifest triaged: unknown category 'logit'"):
+        check_rule_categories("x", {"triaged": [{"request_id": "a", "step": 1, "node": 2, "category": "logit"}]})
+    check_rule_categories("x", {"expect": "fail:kv", "allow_unsupported": ["draft"],
+                                "triaged": [{"category": c} for c in CATEGORIES]})

@@ -107,9 +107,11 @@ def test_cli_sglang_unavailable_is_a_clear_usage_error(cli):
     code, out, err = cli("diff", "--engine", "sglang", "--sglang-algorithm", "DFLASH", "--budget", "15", "--max-new-tokens", "4")
     assert code == EXIT_USAGE and "CUDA GPU" in err and "Traceback" not in err + out
     code, _, err = cli("diff", "--engine", "reference", "--sglang-algorithm", "DFLASH")
-    assert code == EXIT_USAGE and "need --engine sglang" in err
+    assert code == EXIT_USAGE and "needs --engine sglang" in err
     code, _, err = cli("diff", "--engine", "reference", "--sglang-mem-fraction", "0.2")
-    assert code == EXIT_USAGE and "need --engine sglang" in err
+    assert code == EXIT_USAGE and "engine reference takes no mem_fraction option (only sglang[:ALGORITHM] does)" in err
+    code, _, err = cli("diff", "--engine", "fault:sibling-leak", "--cuda-graphs", "--layer-sketches")
+    assert code == EXIT_USAGE and "takes no cuda_graphs, layer_sketches option" in err
 
 
 def test_error_summary_keeps_the_end_of_long_messages():

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from refcheck.budget import budget_from_json, budget_json, budget_label
 from refcheck.cli.app import err, main
 from refcheck.cli.options import DeviceType, model_options, spec_from_options, unless_given
 from refcheck.cli.reports import finish, report_table, steps_table
@@ -14,25 +15,28 @@ from refcheck.prompts import load_prompts, prompt_set_hash
 from refcheck.runners.reference import DTYPES
 
 
-def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, device, mem_fraction=None, max_running=None):
-    """Fold the SGLang options into the engine name and options; SGLang runs bf16 on the GPU unless told."""
-    is_sglang = bool(engine) and (engine == "sglang" or engine.startswith("sglang:"))
-    if not is_sglang:
-        if algorithm or cuda_graphs or tp > 1 or mem_fraction is not None or max_running is not None:
-            raise UsageError("--sglang-algorithm, --cuda-graphs, --tp, --sglang-mem-fraction and --sglang-max-running "
-                             "need --engine sglang")
-        return engine, None, dtype, device
+def _engine_and_options(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, device, mem_fraction=None,
+                        max_running=None, layer_sketches=False):
+    """The engine name and its kind's options from the command line (only the options given), refused
+    where the engine's kind does not take them; dtype and device default to the kind's (SGLang: bf16 on
+    the GPU)."""
+    from refcheck.engines import check_engine
+
     if algorithm:
+        if not (engine == "sglang" or engine.startswith("sglang:")):
+            raise UsageError("--sglang-algorithm needs --engine sglang")
         if ":" in engine and engine.split(":", 1)[1].upper() != algorithm.upper():
             raise UsageError(f"--engine {engine} and --sglang-algorithm {algorithm} disagree")
         engine = f"sglang:{algorithm.upper()}"
-    opts = {"cuda_graphs": cuda_graphs, "ngram_breadth": ngram_breadth, "tp": tp}
-    if mem_fraction is not None:
-        opts["mem_fraction"] = mem_fraction
-    if max_running is not None:
-        opts["max_running"] = max_running
-    return (engine, opts,
-            unless_given("dtype", dtype, "bfloat16"), unless_given("device", device, "cuda"))
+    given = {"cuda_graphs": cuda_graphs or None, "tp": tp if tp > 1 else None, "mem_fraction": mem_fraction,
+             "max_running": max_running, "layer_sketches": layer_sketches or None}
+    opts = {k: v for k, v in given.items() if v is not None}
+    kind = check_engine(engine, opts)
+    if "ngram_breadth" in kind.options:
+        opts["ngram_breadth"] = ngram_breadth
+    return (engine, opts, unless_given("dtype", dtype, kind.dtype or dtype),
+            unless_given("device", device, kind.device or device))
+
 
 @main.command()
 @click.option("--engine", default=None,
@@ -87,25 +91,15 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
     if ref_shards > 1 and not against:
         raise UsageError("--ref-shards works with --against TRACE (record live engines with --save-trace first)")
     if engine:
-        from refcheck.parallel import (
-            engine_decoder,
-            engine_shard,
-            merge_reports,
-            merge_traces,
-            run_parallel,
-            split,
-        )
+        from refcheck.parallel import engine_shard, merge_reports, merge_traces, run_parallel, split
         from refcheck.trace.io import trace_from_bytes
 
-        engine, engine_opts, dtype, device = _sglang_engine(engine, sglang_algorithm, cuda_graphs, ngram_breadth, tp,
-                                                            dtype, device, mem_fraction, max_running)
-        if layer_sketches:
-            if engine_opts is None:
-                raise UsageError("--layer-sketches needs --engine sglang")
-            engine_opts["layer_sketches"] = True
+        # an unknown engine, or an option it does not take: a usage error before any process starts
+        engine, engine_opts, dtype, device = _engine_and_options(engine, sglang_algorithm, cuda_graphs, ngram_breadth,
+                                                                 tp, dtype, device, mem_fraction, max_running,
+                                                                 layer_sketches)
         spec = spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids)
         prompts = load_prompts(prompts_file)
-        engine_decoder(engine)  # unknown engine: a usage error before any process starts
         from refcheck.diff.tolerance import calibration_for
 
         calibration_for(spec.dtype, spec.device)  # no verdict for these numerics: say so before the engine runs
@@ -131,7 +125,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
     else:
         gdir = golden_dir or default_golden_dir()
         manifest = verify(gdir)
-        want_budget = "chain" if budget is None else budget
+        want_budget = budget_json(budget)
         model = f"builtin:{pair}" if model_dir is None else str(model_dir)
         names = [n for n, e in sorted(manifest.cases.items())
                  if e.provenance.get("budget") == want_budget and e.provenance.get("model") == model
@@ -146,8 +140,8 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
             reports.append(check_trace(name, trace, manifest.cases[name].provenance, session, mode, ref_dtype, ref_device))
             traces.append(trace)
     # the budgets diffed: the traces' own (an --against trace of budget 64 is not "budget 15")
-    shown = sorted({str(t.provenance.get("budget", budget)) for t in traces}) or [str(budget)]
-    shown = ["chain" if b == "None" else b for b in shown]
+    shown = sorted({budget_label(budget_from_json(t.provenance.get("budget", budget_json(budget)))) for t in traces}) \
+        or [budget_label(budget)]
     report_table(reports, f"refcheck diff · budget {', '.join(shown)} · mode {mode}")
     if steps:
         for report, trace in zip(reports, traces):

@@ -17,19 +17,13 @@ class BudgetType(click.ParamType):
     name = "budget"
 
     def convert(self, value, param, ctx):  # type: ignore[override]
-        if value is None or isinstance(value, int):
-            if isinstance(value, int) and value < 0:
-                self.fail(f"budget must be >= 0 or 'chain', got {value}", param, ctx)
-            return value
-        if str(value).lower() == "chain":
-            return None
+        from refcheck.budget import parse_budget
+        from refcheck.errors import UsageError
+
         try:
-            b = int(value)
-        except ValueError:
-            self.fail(f"budget must be a non-negative integer or 'chain', got {value!r}", param, ctx)
-        if b < 0:
-            self.fail(f"budget must be >= 0 or 'chain', got {b}", param, ctx)
-        return b
+            return parse_budget(value, f"--{self.name}")
+        except UsageError as exc:
+            self.fail(str(exc), param, ctx)
 
 class DeviceType(click.ParamType):
     """A torch device refcheck runs on: ``cpu``, ``cuda`` or ``cuda:N``."""

@@ -50,11 +50,45 @@ def step_counts(findings, total_steps: int) -> dict[str, int]:
     return counts
 
 
-#: categories, in the order a reader should care about them
-CATEGORIES = (
-    "engine", "alignment", "tree", "draft", "logits", "accepted_path", "accept_length", "bonus", "output",
-    "logprobs", "kv", "conv", "recurrent", "unmatched", "ar_tokens", "acceptance",
+@dataclass(frozen=True, slots=True)
+class Category:
+    name: str
+    scope: str  # "run" | "request" | "step" | "node" | "state" (committed KV / conv / recurrent state after a step)
+    checks: str  # what a finding of this category says is wrong
+
+
+#: every category a finding can have, in the order a reader should care about them: the one list the
+#: report, the golden manifests' rules (``--triage``, ``--allow-unsupported``) and the sharded merge use
+CATEGORY_TABLE: tuple[Category, ...] = (
+    Category("engine", "run", "the engine's run itself: crashed, incomplete capture, or a trace that cannot be compared"),
+    Category("alignment", "step", "the engine's steps do not line up with the reference's (committed length, root token)"),
+    Category("tree", "step", "the draft tree is malformed or is not the tree the reference builds from the same drafts"),
+    Category("draft", "step", "the drafter's top-k log-probs differ from the reference drafter's"),
+    Category("logits", "node", "a tree node's target log-probs or argmax differ from the reference's at that node"),
+    Category("accepted_path", "step", "the accepted nodes are not the greedy walk of the tree"),
+    Category("accept_length", "step", "the accepted length differs from what the tree and the target's argmaxes give"),
+    Category("bonus", "step", "the bonus token is not the target's argmax at the last accepted node"),
+    Category("output", "request", "the emitted tokens differ from the accepted path and bonus"),
+    Category("logprobs", "step", "the emitted tokens' log-probs differ from the reference's"),
+    Category("kv", "state", "committed attention KV rows differ from the reference's"),
+    Category("conv", "state", "committed conv (short convolution) windows differ from the reference's"),
+    Category("recurrent", "state", "committed recurrent (Gated DeltaNet) state differs from the reference's"),
+    Category("unmatched", "state", "a recorded state entry the reference has no counterpart for"),
+    Category("ar_tokens", "request", "free run: the output differs from target-only greedy decoding (not lossless)"),
+    Category("acceptance", "run", "mean accepted length differs from the reference's beyond the stated tolerance"),
 )
+CATEGORIES: tuple[str, ...] = tuple(c.name for c in CATEGORY_TABLE)
+STATE_CATEGORIES: tuple[str, ...] = tuple(c.name for c in CATEGORY_TABLE if c.scope == "state")
+
+
+def check_category(name: str, where: str) -> str:
+    """``name`` if it is a category, else a UsageError naming ``where`` it was given and every category
+    (a typo in a manifest rule would otherwise never match anything)."""
+    if name not in CATEGORIES:
+        from refcheck.errors import UsageError
+
+        raise UsageError(f"{where}: unknown category {name!r} (categories: {', '.join(CATEGORIES)})")
+    return name
 
 
 @dataclass(slots=True)

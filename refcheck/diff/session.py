@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from refcheck.budget import budget_from_json
 from refcheck.diff.findings import Report
 from refcheck.diff.freerun import free_run
 from refcheck.diff.replay import replay
@@ -41,7 +42,7 @@ def reference_spec_for(trace: Trace, dtype: str = "float32", device: str = "cpu"
                       max_new_tokens=int(prov.get("max_new_tokens", 64)),
                       stop_token_ids=frozenset(settings.get("stop_token_ids", [])), seed=int(settings.get("seed", 0)))
     budget = prov.get("budget", 15)
-    spec.budget = None if budget == "chain" else int(budget)
+    spec.budget = budget_from_json(budget)
     if model.startswith("builtin:"):
         pair = model.split(":", 1)[1]
         if pair not in BUILTIN_PAIRS:

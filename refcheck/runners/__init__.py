@@ -1,7 +1,8 @@
-"""Runners: things that decode prompts and report what their speculative decoding did.
+"""Runners: the modules that drive one kind of engine each and record what its decoding did.
 
-Contract (the runner interface the SGLang and z-lab runners implement too): a runner is built
-from an :class:`~refcheck.runners.reference.EngineSpec` and has ``name`` and
-``run(prompts, progress=None) -> list[DecodeResult]``; each result carries per-step records
-(tree, accepted nodes, bonus, emitted tokens, target top-k log-probs, timings).
+Contract: a runner is built from an :class:`~refcheck.runners.reference.EngineSpec` (plus its kind's
+own options) and records a :class:`~refcheck.trace.io.Trace` of a prompt set. Nothing outside
+:mod:`refcheck.engines` chooses a runner: the engine table there maps every ``--engine`` name to its
+runner and is the interface (``name``, ``trace(prompts) -> Trace``) the diff, the parallel driver and
+the CLI use. ``reference`` also serves the diff itself (the reference side of every comparison).
 """

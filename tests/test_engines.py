@@ -1,0 +1,47 @@
+"""The engine table (refcheck/engines.py): every --engine name resolves to one kind, unknown names and
+options a kind does not take are refused with what exists, and the reference and fault engines trace
+through the one interface (a fault engine's trace differs from the reference's where the fault acts)."""
+
+from __future__ import annotations
+
+import pytest
+
+from refcheck.engines import KINDS, check_engine, kind_of, open_engine
+from refcheck.errors import UsageError
+from refcheck.prompts import load_prompts
+from refcheck.runners.reference import EngineSpec
+
+
+@pytest.mark.parametrize("name, kind", [("reference", "reference"), ("fault:sibling-leak", "fault"),
+                                        ("fault:rec-scale:0.01", "fault"), ("zlab", "zlab"), ("sglang", "sglang"),
+                                        ("sglang:REFCHECK_DDTREE", "sglang")])
+def test_every_engine_name_has_one_kind(name, kind):
+    assert kind_of(name).name == kind
+
+
+@pytest.mark.parametrize("name", ["vllm", "fault", "fault:", "sglang:", "reference:x", "zlab:x", ""])
+def test_an_unknown_engine_lists_the_engines(name):
+    with pytest.raises(UsageError, match=r"unknown engine .*live engines: reference, fault:NAME, zlab, sglang"):
+        kind_of(name)
+
+
+def test_an_unknown_fault_is_refused_with_the_faults():
+    with pytest.raises(UsageError, match="fault:sibling-leak"):
+        check_engine("fault:nope")
+
+
+def test_options_only_where_the_kind_takes_them():
+    assert check_engine("sglang:NGRAM", {"cuda_graphs": True, "ngram_breadth": 3}).name == "sglang"
+    with pytest.raises(UsageError, match=r"engine zlab takes no tp option \(only sglang\[:ALGORITHM\] does\)"):
+        check_engine("zlab", {"tp": 2})
+    assert [k.name for k in KINDS if k.dtype] == ["sglang"]  # SGLang alone runs in its own dtype unless told
+
+
+def test_reference_and_fault_engines_trace_through_one_interface():
+    spec = EngineSpec(pair="hybrid", drafter="scripted", budget=4, max_new_tokens=6)
+    prompts = load_prompts()[:1]
+    ref = open_engine("reference", spec).trace(prompts)
+    bad = open_engine("fault:sibling-leak", spec).trace(prompts)
+    assert ref.provenance["engine"]["name"] == "reference" and bad.provenance["engine"]["name"] == "fault:sibling-leak"
+    assert [s.step for s in ref.steps] and [s.step for s in bad.steps]
+    assert [s.topk_logprobs for s in ref.steps] != [s.topk_logprobs for s in bad.steps]
