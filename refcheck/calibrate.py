@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from refcheck.budget import budget_label
+from refcheck.budget import budget_json, budget_label
 from refcheck.diff.findings import Finding, Report, Verdict
 from refcheck.trace.io import StepRow, Trace
 
@@ -38,7 +38,7 @@ class CorpusRun:
     device: str
 
     def spec(self, max_new_tokens: int):
-        from refcheck.runners.reference import EngineSpec
+        from refcheck.reference_runner import EngineSpec
 
         return EngineSpec(pair=self.pair, drafter=self.drafter, budget=self.budget, dtype=self.dtype, device=self.device,
                           max_new_tokens=max_new_tokens)
@@ -208,15 +208,16 @@ def row_of_trace(path: str, name: str, ref_device: str, bounds: dict | None = No
 
     trace = read_trace(path)
 
-    settings = trace.provenance.get("engine", {}).get("settings", {})
-    alg = str(settings.get("algorithm", trace.provenance.get("engine", {}).get("name", "?")))
+    prov = trace.prov
+    settings = prov.settings
+    alg = str(settings.get("algorithm", prov.engine))
     kind = "fault" if ("LEAKY" in alg or "FAULT" in alg) else "clean"
     dtype, device = engine_numerics(trace.provenance)
     cal = calibration_under_test(dtype, device, bounds, rule)
     t0 = time.perf_counter()
     report = DiffSession().diff(trace, name, mode="both", ref_dtype="float32", ref_device=ref_device, calibration=cal)
     row = {"name": name, "kind": kind, "engine": f"sglang:{alg}", "pair": settings.get("pair", "?"),
-           "drafter": trace.provenance.get("drafter"), "budget": trace.provenance.get("budget"), "dtype": dtype,
+           "drafter": prov.drafter, "budget": budget_json(prov.budget), "dtype": dtype,
            "device": device, "cuda_graphs": not settings.get("disable_cuda_graph", True),
            **report_row(report, kind), "engine_s": None, "diff_s": round(time.perf_counter() - t0, 2),
            "calibration": cal.to_json()}

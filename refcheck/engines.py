@@ -27,7 +27,7 @@ from refcheck.errors import UsageError
 if TYPE_CHECKING:
     from refcheck.diff.session import DiffSession
     from refcheck.prompts import Prompt
-    from refcheck.runners.reference import EngineSpec
+    from refcheck.reference_runner import EngineSpec
     from refcheck.trace.io import Trace
 
 
@@ -57,7 +57,7 @@ class _DecoderEngine:
     """The reference runner driving one decoder class (the reference's own, or a fault's)."""
 
     def __init__(self, name: str, cls: type, spec: EngineSpec, session: DiffSession | None, full_state: bool) -> None:
-        from refcheck.runners.reference import ReferenceRunner
+        from refcheck.reference_runner import ReferenceRunner
 
         self.name, self.cls, self.full_state = name, cls, full_state
         # the session's cached runner: its models (and its memo of greedy continuations) shared with the diff

@@ -34,7 +34,7 @@ from refcheck.errors import CorruptTraceError, GoldenError, UsageError
 from refcheck.profile import Profile, count, phase
 from refcheck.prompts import load_prompts
 from refcheck.provenance import dir_sha256, stale_reasons
-from refcheck.runners.reference import EngineSpec
+from refcheck.reference_runner import EngineSpec
 from refcheck.trace import store
 from refcheck.trace.io import Trace, atomic_write_bytes, read_trace, trace_bytes, trace_from_bytes
 from refcheck.trace.manifest import Manifest, load_manifest
@@ -324,16 +324,16 @@ def verify(golden_dir: Path) -> Manifest:
 
 def live_provenance_reasons(trace: Trace, session: DiffSession) -> list[str]:
     """Why a stored trace no longer matches the models and prompts it names (empty = fresh)."""
-    prov = trace.provenance
-    case = GOLDEN_CASES.get(str(prov.get("case", "")))
-    if prov.get("engine", {}).get("name") == "reference" and case is not None:
+    prov = trace.prov
+    case = GOLDEN_CASES.get(prov.case or "")
+    if prov.is_reference and case is not None:
         live = session.runner(case.spec()).provenance(load_prompts())
-        return stale_reasons(prov, live)
+        return stale_reasons(trace.provenance, live)
     reasons: list[str] = []
     tdir, ddir = reference_spec_for(trace).resolved_dirs()
-    if prov.get("model_sha256") and dir_sha256(tdir) != prov["model_sha256"]:
-        reasons.append(f"model_sha256: {prov.get('model')} changed since the trace was recorded")
-    if prov.get("draft_sha256") and ddir is not None and dir_sha256(ddir) != prov["draft_sha256"]:
+    if prov.model_sha256 and dir_sha256(tdir) != prov.model_sha256:
+        reasons.append(f"model_sha256: {prov.model} changed since the trace was recorded")
+    if prov.draft_sha256 and ddir is not None and dir_sha256(ddir) != prov.draft_sha256:
         reasons.append("draft_sha256: the draft checkpoint changed since the trace was recorded")
     return reasons
 
@@ -385,7 +385,7 @@ def check_trace(name: str, trace: Trace, settings: dict, session: DiffSession, m
                                   f"--reason ...; the manifest keeps the old entry in its history)"))
     refuse_triage_rules(name, settings)
     check_rule_categories(name, settings)
-    strict = trace.provenance.get("engine", {}).get("name") == "reference"
+    strict = trace.prov.is_reference
     report = session.diff(trace, name, mode=mode, strict_acceptance=strict, ref_dtype=ref_dtype, ref_device=ref_device)
     expect = settings.get("expect", "pass")
     allowed = set(settings.get("allow_unsupported", []))
@@ -441,7 +441,7 @@ def gate(golden_dir: Path, session: DiffSession, cases: list[str] | None = None,
         raise GoldenError(f"no golden trace for case(s) {unknown} in {golden_dir}")
     workers = usable_cpus() if workers is None else workers
     if workers > 1 and len(names) > 1:
-        from refcheck.parallel import gate_shard, run_queue
+        from refcheck.parallel import run_queue
 
         jobs = [(job, str(golden_dir), workers, profiles is not None, str(cache_dir) if cache_dir else None)
                 for job in gate_jobs(manifest, names)]
@@ -459,3 +459,30 @@ def gate(golden_dir: Path, session: DiffSession, cases: list[str] | None = None,
             progress(name)
         reports.append(profiled_gate_case(name, manifest.cases[name], golden_dir, session, profiles, cache))
     return reports
+
+
+_SESSION = None  # a gate worker's DiffSession, kept from job to job (its models and shared work)
+
+
+def gate_shard(names: list[str], golden_dir: str, workers: int, profile: bool = False,
+               cache_dir: str | None = None, session=None) -> tuple[list[Report], dict]:
+    """Gate some golden cases in this process (torch threads: its share of the cores, restored
+    after), with ``session`` or this process's own: (reports, case -> profile as JSON; empty unless
+    ``profile``)."""
+    import torch
+
+    from refcheck.gate_cache import ReportCache
+    from refcheck.parallel import worker_setup
+
+    global _SESSION
+    if session is None:
+        session = _SESSION = _SESSION or DiffSession()
+    threads = worker_setup(workers)
+    try:
+        manifest = load_manifest(Path(golden_dir))
+        profiles: dict | None = {} if profile else None
+        cache = ReportCache(Path(cache_dir)) if cache_dir else None
+        reports = [profiled_gate_case(n, manifest.cases[n], Path(golden_dir), session, profiles, cache) for n in names]
+        return reports, {n: p.to_json() for n, p in (profiles or {}).items()}
+    finally:
+        torch.set_num_threads(threads)

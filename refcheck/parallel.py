@@ -8,7 +8,8 @@ therefore gives the same trace and the same findings as a one-process run (tests
 Workers are spawned processes (CUDA-safe); worker ``i`` uses ``cuda:i`` when the device is CUDA, so
 ``--workers N`` on an N-GPU host is one process per GPU. :func:`run_queue` runs jobs from one queue,
 longest first, on this process and ``N - 1`` workers that stay up between jobs (the gate's cases:
-:func:`gate_shard`, each worker keeping its :class:`DiffSession` and so its models and shared work).
+:func:`refcheck.golden.gate_shard`, each worker keeping its :class:`DiffSession` and so its models and
+shared work). Nothing here knows goldens: the gate hands its jobs in.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def run_queue(fn: Callable[..., T], jobs: Sequence[tuple], workers: int, inline:
 
 
 # -- worker entry points (module level: spawned processes import them by name) ------------------------
-def _worker_setup(workers: int) -> int:
+def worker_setup(workers: int) -> int:
     """Offline, and this process's share of the usable cores as torch threads; returns the old count."""
     import torch
 
@@ -162,7 +163,7 @@ def engine_shard(engine: str, spec, prompts, mode: str, ref_dtype: str, ref_devi
     from refcheck.diff.session import DiffSession
     from refcheck.trace.io import trace_bytes
 
-    _worker_setup(workers)
+    worker_setup(workers)
     spec = dataclasses.replace(spec, device=shard_device(spec.device, index))
     session = DiffSession()
     trace = live_trace(engine, spec, prompts, session, full_state, engine_opts)
@@ -177,34 +178,3 @@ def live_trace(engine: str, spec, prompts, session, full_state: bool = False, en
     from refcheck.engines import open_engine
 
     return open_engine(engine, spec, session, full_state, engine_opts).trace(prompts)
-
-
-_SESSION = None  # a gate worker's DiffSession, kept from job to job (its models and shared work)
-
-
-def gate_shard(names: list[str], golden_dir: str, workers: int, profile: bool = False,
-               cache_dir: str | None = None, session=None) -> tuple[list[Report], dict]:
-    """Gate some golden cases in this process (torch threads: its share of the cores, restored
-    after), with ``session`` or this process's own: (reports, case -> profile as JSON; empty unless
-    ``profile``)."""
-    from pathlib import Path
-
-    import torch
-
-    from refcheck.diff.session import DiffSession
-    from refcheck.gate_cache import ReportCache
-    from refcheck.golden import profiled_gate_case
-    from refcheck.trace.manifest import load_manifest
-
-    global _SESSION
-    if session is None:
-        session = _SESSION = _SESSION or DiffSession()
-    threads = _worker_setup(workers)
-    try:
-        manifest = load_manifest(Path(golden_dir))
-        profiles: dict | None = {} if profile else None
-        cache = ReportCache(Path(cache_dir)) if cache_dir else None
-        reports = [profiled_gate_case(n, manifest.cases[n], Path(golden_dir), session, profiles, cache) for n in names]
-        return reports, {n: p.to_json() for n, p in (profiles or {}).items()}
-    finally:
-        torch.set_num_threads(threads)

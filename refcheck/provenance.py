@@ -1,6 +1,10 @@
 """Provenance of a trace: what produced it, on what, with which settings.
 
-Contract: :func:`build_provenance` returns a JSON-able dict stored in every trace. Content hashes
+Contract: :func:`build_provenance` returns a JSON-able dict stored in every trace (the file format);
+:meth:`Provenance.of` reads one back as a typed, validated value, and the diff, the gate and the
+reports read provenance only through it: an engine's private settings are kept for people, and the
+few of them that steer the diff (tree rules, draft directory, stop tokens, seed, the capture's own
+report) are typed fields here, so a runner cannot steer the diff by an untyped key. Content hashes
 (sha256 over each checkpoint directory's files, name + bytes) identify models independently of
 their paths; :func:`stale_reasons` lists the differences between a stored trace's provenance and
 the current setup that make a golden stale (model, draft, tokenizer, budget, block size, prompt
@@ -12,10 +16,14 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import platform
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import refcheck
-from refcheck.budget import budget_json
+from refcheck.budget import budget_from_json, budget_json
+from refcheck.errors import CorruptTraceError
 
 #: provenance keys whose change makes a golden trace stale
 STALE_KEYS = ("model_sha256", "draft_sha256", "tokenizer_sha256", "budget", "block_size",
@@ -104,3 +112,105 @@ def stale_reasons(stored: dict, current: dict) -> list[str]:
         for k in STALE_KEYS
         if stored.get(k) != current.get(k)
     ]
+
+
+class ProvenanceError(CorruptTraceError):
+    """A trace's provenance is not what refcheck writes (a field of the wrong type)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureReport:
+    """What an engine capture (SGLang's plugin) said about itself: a crash, requests without a result,
+    hook errors, assembly statistics."""
+
+    crash: str | None = None
+    incomplete: tuple[str, ...] = ()
+    errors: tuple[str, ...] = ()
+    problems: tuple[str, ...] = ()
+    partial_trace: str | None = None
+    stats: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _typed(d: Mapping, key: str, kind: type | tuple[type, ...], default: Any, where: str) -> Any:
+    value = d.get(key, default)
+    if value is None or isinstance(value, kind):
+        return value
+    raise ProvenanceError(f"{where}{key} is {type(value).__name__} {value!r}, expected {kind}")
+
+
+@dataclass(frozen=True, slots=True)
+class Provenance:
+    """A trace's provenance, typed. Defaults are what an old trace that lacks a key meant."""
+
+    engine: str
+    engine_version: str | None
+    model: str  # "builtin:<pair>" or the target's directory
+    model_sha256: str | None
+    draft_sha256: str | None
+    tokenizer_sha256: str | None
+    dtype: str
+    device: str
+    budget: int | None  # None: chain mode
+    block_size: int | None
+    max_new_tokens: int
+    drafter: str  # "dflash" | "scripted" | "none" (an engine that drafts nothing)
+    prompt_set_sha256: str | None
+    created: str | None
+    case: str | None  # the golden case it was recorded for
+    # -- the engine settings the diff reads (everything else in settings is for people)
+    tree_rules: str  # "exact" (the reference's own heap) | "structural" (any well-formed tree: other engines)
+    draft_dir: Path | None  # a user's draft checkpoint (built-in pairs: None)
+    stop_token_ids: frozenset[int]
+    seed: int
+    capture: CaptureReport | None  # None: not a captured engine
+    settings: Mapping[str, Any] = field(default_factory=dict)  # the engine's own settings, as recorded
+
+    @classmethod
+    def of(cls, d: Mapping[str, Any]) -> Provenance:
+        """Read and check a provenance dict (ProvenanceError on a field of the wrong type)."""
+        if not isinstance(d, Mapping):
+            raise ProvenanceError(f"provenance is {type(d).__name__}, expected a JSON object")
+        eng = _typed(d, "engine", Mapping, {}, "provenance ") or {}
+        st = _typed(eng, "settings", Mapping, {}, "provenance engine.") or {}
+        cap = _typed(d, "capture", Mapping, None, "provenance ")
+        rules = _typed(st, "tree_rules", str, "exact", "provenance engine.settings.") or "exact"
+        if rules not in ("exact", "structural"):
+            raise ProvenanceError(f"provenance engine.settings.tree_rules is {rules!r}, expected 'exact' or 'structural'")
+        draft_dir = _typed(st, "draft_dir", str, None, "provenance engine.settings.")
+        try:
+            budget = budget_from_json(d.get("budget", 15))
+        except Exception as exc:  # a UsageError from the parser: here it is the file that is wrong
+            raise ProvenanceError(f"provenance budget: {exc}") from None
+        return cls(
+            engine=str(_typed(eng, "name", str, "?", "provenance engine.") or "?"),
+            engine_version=_typed(eng, "version", str, None, "provenance engine."),
+            model=str(_typed(d, "model", str, "", "provenance ") or ""),
+            model_sha256=_typed(d, "model_sha256", str, None, "provenance "),
+            draft_sha256=_typed(d, "draft_sha256", str, None, "provenance "),
+            tokenizer_sha256=_typed(d, "tokenizer_sha256", str, None, "provenance "),
+            dtype=str(_typed(d, "dtype", str, "float32", "provenance ") or "float32"),
+            device=str(_typed(d, "device", str, "cpu", "provenance ") or "cpu"),
+            budget=budget,
+            block_size=_typed(d, "block_size", int, None, "provenance "),
+            max_new_tokens=int(_typed(d, "max_new_tokens", int, 64, "provenance ") or 64),
+            drafter=str(_typed(d, "drafter", str, "dflash", "provenance ") or "dflash"),
+            prompt_set_sha256=_typed(d, "prompt_set_sha256", str, None, "provenance "),
+            created=_typed(d, "created", str, None, "provenance "),
+            case=_typed(d, "case", str, None, "provenance "),
+            tree_rules=rules,
+            draft_dir=Path(draft_dir) if draft_dir else None,
+            stop_token_ids=frozenset(int(t) for t in _typed(st, "stop_token_ids", list, [], "provenance engine.settings.") or []),
+            seed=int(_typed(st, "seed", int, 0, "provenance engine.settings.") or 0),
+            capture=None if not cap else CaptureReport(
+                crash=_typed(cap, "crash", str, None, "provenance capture."),
+                incomplete=tuple(cap.get("incomplete") or ()), errors=tuple(cap.get("errors") or ()),
+                problems=tuple(cap.get("problems") or ()),
+                partial_trace=_typed(cap, "partial_trace", str, None, "provenance capture."),
+                stats=_typed(cap, "stats", Mapping, {}, "provenance capture.") or {}),
+            settings=st,
+        )
+
+    @property
+    def is_reference(self) -> bool:
+        """Recorded by the reference decoder itself (its acceptance is held to the reference's exactly)."""
+        return self.engine == "reference"

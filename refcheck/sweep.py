@@ -21,7 +21,7 @@ import torch
 from refcheck.budget import budget_label, parse_budget
 from refcheck.errors import UsageError
 from refcheck.prompts import Prompt
-from refcheck.runners.reference import EngineSpec, ReferenceRunner
+from refcheck.reference_runner import EngineSpec, ReferenceRunner
 from reference.decode import autoregressive_decode
 
 PHASES = ("draft", "tree", "verify", "commit")

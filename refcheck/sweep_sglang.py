@@ -23,7 +23,7 @@ from pathlib import Path
 
 from refcheck.diff.session import DiffSession
 from refcheck.prompts import Prompt
-from refcheck.runners.reference import EngineSpec
+from refcheck.reference_runner import EngineSpec
 from refcheck.sweep import span
 from refcheck.trace.io import write_trace
 
@@ -67,7 +67,7 @@ def sweep_row(algorithm: str, budget: int, traces: list, report) -> dict:
     cold: list[float] = []
     repeats_match = None
     for rep, trace in enumerate(traces):
-        settings = trace.provenance["engine"]["settings"]
+        settings = trace.prov.settings
         emitted = sum(len(r.output_ids) for r in trace.requests)
         captured = [emitted / settings["generate_s"]] if settings.get("generate_s") else []
         cold += captured
@@ -131,15 +131,14 @@ def tabulate_traces(traces: list, ref_device: str = "cpu", ref_dtype: str = "flo
 
     groups: dict[tuple[str, int], list] = {}
     for trace in traces:
-        prov = trace.provenance
-        if prov.get("engine", {}).get("name") != "sglang":
-            raise UsageError(f"not an SGLang trace (engine {prov.get('engine', {}).get('name')!r}); "
-                             "sweep --from-traces tabulates SGLang captures")
-        settings = prov["engine"]["settings"]
+        prov = trace.prov
+        if prov.engine != "sglang":
+            raise UsageError(f"not an SGLang trace (engine {prov.engine!r}); sweep --from-traces tabulates SGLang captures")
+        settings = prov.settings
         alg = str(settings.get("algorithm", "?"))
         if settings.get("speculative_ngram_max_bfs_breadth") is not None:  # NGRAM's layout is its breadth
             alg += f" breadth {settings['speculative_ngram_max_bfs_breadth']}"
-        groups.setdefault((alg, int(prov.get("budget") or 0)), []).append(trace)
+        groups.setdefault((alg, prov.budget or 0), []).append(trace)
     session = DiffSession()
     rows = []
     for (alg, budget), group in sorted(groups.items()):

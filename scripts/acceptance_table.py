@@ -13,7 +13,7 @@ import collections
 import json
 
 from refcheck.prompts import load_prompts
-from refcheck.runners.reference import EngineSpec, ReferenceRunner
+from refcheck.reference_runner import EngineSpec, ReferenceRunner
 
 
 def main() -> None:

@@ -97,7 +97,7 @@ def _report_summary(text: str) -> dict:
 def child(args: argparse.Namespace) -> None:
     """One SGLang run without capture: output tokens only (for the capture-does-not-change-tokens check)."""
     from refcheck.prompts import load_prompts
-    from refcheck.runners.reference import EngineSpec
+    from refcheck.reference_runner import EngineSpec
     from refcheck.runners.sglang import SGLangRunner
 
     spec = EngineSpec(pair=args.pair, dtype="bfloat16", device="cuda", budget=args.budget,

@@ -11,7 +11,7 @@ import pytest
 from refcheck.calibrate import CorpusRun, default_corpus, detectability, first_change, markdown, run_one, summarize
 from refcheck.diff.session import DiffSession
 from refcheck.prompts import load_prompts
-from refcheck.runners.reference import EngineSpec
+from refcheck.reference_runner import EngineSpec
 from refcheck.selftest.faults import FAULTS
 from reference.decode import DDTreeDecoder
 

@@ -13,7 +13,7 @@ from refcheck.diff.replay import replay
 from refcheck.diff.session import DiffSession
 from refcheck.diff.tolerance import Calibration, NoCalibration, tolerance_for
 from refcheck.prompts import load_prompts
-from refcheck.runners.reference import EngineSpec
+from refcheck.reference_runner import EngineSpec
 from refcheck.selftest.faults import FAULTS
 from refcheck.selftest.run import selftest
 

@@ -9,7 +9,7 @@ import pytest
 from refcheck.engines import KINDS, check_engine, kind_of, open_engine
 from refcheck.errors import UsageError
 from refcheck.prompts import load_prompts
-from refcheck.runners.reference import EngineSpec
+from refcheck.reference_runner import EngineSpec
 
 
 @pytest.mark.parametrize("name, kind", [("reference", "reference"), ("fault:sibling-leak", "fault"),

@@ -15,7 +15,7 @@ from refcheck.diff.session import DiffSession
 from refcheck.errors import UsageError
 from refcheck.engines import check_engine, fault_decoder
 from refcheck.prompts import load_prompts
-from refcheck.runners.reference import EngineSpec
+from refcheck.reference_runner import EngineSpec
 from refcheck.selftest.faults import (EPSILONS, FAULTS, GRADED, ConvNoise, RecScale, fault, fault_names, find_fault,
                                       first_sibling_parents)
 from refcheck.selftest.onset import fault_onset

@@ -12,7 +12,7 @@ import pytest
 from refcheck.diff.findings import Verdict
 from refcheck.diff.session import DiffSession
 from refcheck.prompts import load_prompts
-from refcheck.runners.reference import EngineSpec
+from refcheck.reference_runner import EngineSpec
 from refcheck.runners.sglang import SGLangRunner
 
 pytestmark = [pytest.mark.sglang, pytest.mark.gpu]

@@ -19,7 +19,7 @@ import torch
 
 from refcheck.diff.session import DiffSession
 from refcheck.prompts import load_prompts
-from refcheck.runners.reference import EngineSpec, ReferenceRunner
+from refcheck.reference_runner import EngineSpec, ReferenceRunner
 from refcheck.runners.sglang_layout import links_from_parents
 from refcheck.sglang_capture.assemble import assemble_trace, sibling_ranks
 from refcheck.sglang_capture.records import Capture, Recorder, read_capture

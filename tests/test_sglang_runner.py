@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from refcheck.errors import EXIT_USAGE, UsageError
 from refcheck.models import builtin_pair
-from refcheck.runners.reference import EngineSpec
+from refcheck.reference_runner import EngineSpec
 from refcheck.runners.sglang import (EngineUnavailableError, SGLangRunner, draft_block_size, engine_kwargs,
                                      install_entry_point, resolve_budget)
 from refcheck.runners.sglang_child import summarise_error

@@ -25,7 +25,7 @@ def main() -> None:
     """refcheck: correctness verification and reference diffs for tree speculative decoding."""
 
 def quiet() -> None:
-    from refcheck.runners.reference import _quiet_transformers
+    from refcheck.reference_runner import _quiet_transformers
 
     _quiet_transformers()
 

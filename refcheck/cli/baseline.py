@@ -51,14 +51,13 @@ def baseline(trace_path, source, bl_model, dataset, temperature, method, bl_budg
         from refcheck.errors import NothingComparedError
 
         raise NothingComparedError(f"{trace_path}: no verify steps to compare")
-    tb = trace.provenance.get("budget")
-    method = method or ("dflash" if tb == "chain" else "ddtree")
+    method = method or ("dflash" if trace.prov.budget is None else "ddtree")
     budget = None if bl_budget in (None, "best") else int(bl_budget)
     rows = match(load_baselines(source), model=bl_model, dataset=dataset, temperature=temperature, method=method,
                  budget=budget)
     rows = [r for r in rows if "histogram" not in r.extra] or rows
     row = rows[0]
-    bs = int(trace.provenance.get("block_size", row.block_size))
+    bs = trace.prov.block_size or row.block_size
     hist_rows = [r for r in load_baselines() if "histogram" in r.extra and r.method == method
                  and (bl_model is None or r.model.lower() == bl_model.lower())
                  and (dataset is None or r.dataset.lower() == dataset.lower())

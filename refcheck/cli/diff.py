@@ -6,13 +6,13 @@ from pathlib import Path
 
 import click
 
-from refcheck.budget import budget_from_json, budget_json, budget_label
+from refcheck.budget import budget_json, budget_label
 from refcheck.cli.app import err, main
 from refcheck.cli.options import DeviceType, model_options, spec_from_options, unless_given
 from refcheck.cli.reports import finish, report_table, steps_table
 from refcheck.errors import GoldenError, UsageError
 from refcheck.prompts import load_prompts, prompt_set_hash
-from refcheck.runners.reference import DTYPES
+from refcheck.reference_runner import DTYPES
 
 
 def _engine_and_options(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, device, mem_fraction=None,
@@ -140,8 +140,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
             reports.append(check_trace(name, trace, manifest.cases[name].provenance, session, mode, ref_dtype, ref_device))
             traces.append(trace)
     # the budgets diffed: the traces' own (an --against trace of budget 64 is not "budget 15")
-    shown = sorted({budget_label(budget_from_json(t.provenance.get("budget", budget_json(budget)))) for t in traces}) \
-        or [budget_label(budget)]
+    shown = sorted({budget_label(t.prov.budget) for t in traces}) or [budget_label(budget)]
     report_table(reports, f"refcheck diff · budget {', '.join(shown)} · mode {mode}")
     if steps:
         for report, trace in zip(reports, traces):

@@ -8,7 +8,7 @@ import click
 
 from refcheck.errors import UsageError
 from refcheck.models import BUILTIN_PAIRS, DEFAULT_PAIR
-from refcheck.runners.reference import DRAFTERS, DTYPES, EngineSpec
+from refcheck.reference_runner import DRAFTERS, DTYPES, EngineSpec
 
 
 class BudgetType(click.ParamType):

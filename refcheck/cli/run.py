@@ -13,7 +13,7 @@ from refcheck.cli.app import err, main
 from refcheck.cli.options import model_options, spec_from_options
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
 from refcheck.prompts import load_prompts, prompt_set_hash
-from refcheck.runners.reference import EngineSpec, PromptRun, ReferenceRunner
+from refcheck.reference_runner import EngineSpec, PromptRun, ReferenceRunner
 
 ENGINES = ("reference",)  # live engines; faults are "fault:<name>" (see `refcheck selftest`)
 

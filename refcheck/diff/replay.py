@@ -475,17 +475,17 @@ class _Request:
 
 def capture_findings(rep: Report, trace: Trace) -> None:
     """An engine run that crashed or whose capture failed is a failure of its own ("engine")."""
-    cap = trace.provenance.get("capture") or {}
-    if not cap:
+    cap = trace.prov.capture
+    if cap is None:
         return
     rep.check("engine")
-    if cap.get("crash") or cap.get("incomplete"):
+    if cap.crash or cap.incomplete:
         rep.add(Finding(Verdict.FAIL, "engine", None, None,
-                        message=f"engine run incomplete ({cap.get('crash') or 'no result'}); requests without a result: "
-                                f"{cap.get('incomplete') or []}; partial trace: {cap.get('partial_trace', '-')}"))
-    for msg in cap.get("errors") or []:
+                        message=f"engine run incomplete ({cap.crash or 'no result'}); requests without a result: "
+                                f"{list(cap.incomplete)}; partial trace: {cap.partial_trace or '-'}"))
+    for msg in cap.errors:
         rep.add(Finding(Verdict.FAIL, "engine", None, None, message=f"capture: {msg}"))
-    stats = cap.get("stats") or {}
+    stats = cap.stats
     if stats.get("chain_layout_branching_steps"):
         rid, step = stats.get("chain_layout_first", [None, None])
         rep.check("tree")
@@ -500,7 +500,7 @@ def replay(trace: Trace, target: Target, drafter: Drafter, cal: Calibration, cas
     """Replay every request of ``trace``, judged by ``cal`` (the calibration of the engine's numerics)."""
     rep = Report(case=case, mode="replay")
     capture_findings(rep, trace)
-    structural = trace.provenance.get("engine", {}).get("settings", {}).get("tree_rules") == "structural"
+    structural = trace.prov.tree_rules == "structural"
     ensemble = None
     if cal.rule is not None:
         ensemble = RoundingEnsemble(target, drafter, engine_dtype, cal.rule, tuple(drafter.target_layer_ids))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from refcheck.budget import budget_from_json
 from refcheck.diff.findings import Report
 from refcheck.diff.freerun import free_run
 from refcheck.diff.replay import replay
@@ -21,7 +20,7 @@ from refcheck.errors import UsageError
 from refcheck.models import BUILTIN_PAIRS
 from refcheck.profile import count, phase, watch_forwards
 from refcheck.prompts import Prompt
-from refcheck.runners.reference import EngineSpec, ReferenceRunner
+from refcheck.reference_runner import EngineSpec, ReferenceRunner
 from refcheck.trace.io import Trace, check_token_ids
 from reference.decode import DecodeResult
 from reference.oracle import GreedyMemo
@@ -31,18 +30,13 @@ MODES = ("replay", "free", "both")
 
 
 def reference_spec_for(trace: Trace, dtype: str = "float32", device: str = "cpu") -> EngineSpec:
-    prov = trace.provenance
-    settings = prov.get("engine", {}).get("settings", {})
-    model = str(prov.get("model", ""))
-    drafter = prov.get("drafter", "dflash")
+    prov = trace.prov
+    model = prov.model
     # An engine without a drafter (target-only decoding, budget 0) is replayed with root-only trees;
     # the reference then never calls its drafter, so the cheapest one stands in.
-    drafter = "scripted" if drafter == "none" else drafter
-    spec = EngineSpec(dtype=dtype, device=device, drafter=drafter,
-                      max_new_tokens=int(prov.get("max_new_tokens", 64)),
-                      stop_token_ids=frozenset(settings.get("stop_token_ids", [])), seed=int(settings.get("seed", 0)))
-    budget = prov.get("budget", 15)
-    spec.budget = budget_from_json(budget)
+    drafter = "scripted" if prov.drafter == "none" else prov.drafter
+    spec = EngineSpec(dtype=dtype, device=device, drafter=drafter, max_new_tokens=prov.max_new_tokens,
+                      stop_token_ids=prov.stop_token_ids, seed=prov.seed, budget=prov.budget)
     if model.startswith("builtin:"):
         pair = model.split(":", 1)[1]
         if pair not in BUILTIN_PAIRS:
@@ -50,7 +44,7 @@ def reference_spec_for(trace: Trace, dtype: str = "float32", device: str = "cpu"
         spec.pair = pair
     elif model:
         spec.model_dir = Path(model)
-        spec.draft_dir = Path(settings["draft_dir"]) if settings.get("draft_dir") else None
+        spec.draft_dir = prov.draft_dir
     return spec
 
 

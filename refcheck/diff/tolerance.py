@@ -101,7 +101,10 @@ def tolerance_for(dtype: str, device: str) -> Tolerance:
 
 def engine_numerics(provenance: dict) -> tuple[str, str]:
     """(dtype, device) an engine trace was recorded in (fp32 on CPU where the provenance is silent)."""
-    return str(provenance.get("dtype", "float32")), str(provenance.get("device", "cpu"))
+    from refcheck.provenance import Provenance
+
+    prov = Provenance.of(provenance)
+    return prov.dtype, prov.device
 
 
 def tolerance_of(provenance: dict) -> Tolerance:

@@ -35,7 +35,7 @@ from typing import Any
 
 from refcheck.errors import ModelError, UsageError
 from refcheck.prompts import Prompt
-from refcheck.runners.reference import EngineSpec
+from refcheck.reference_runner import EngineSpec
 from refcheck.sglang_capture.records import UNTRACED_RID_PREFIX
 from refcheck.sglang_ddtree.faults import ALGORITHMS as FAULT_ALGORITHMS
 from refcheck.trace.io import Trace

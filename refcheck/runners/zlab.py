@@ -24,7 +24,7 @@ import torch
 
 from refcheck.errors import UsageError
 from refcheck.prompts import Prompt
-from refcheck.runners.reference import EngineSpec, ReferenceRunner
+from refcheck.reference_runner import EngineSpec, ReferenceRunner
 from refcheck.trace.io import RequestRow, StepRow, Trace
 
 TOPK = 5

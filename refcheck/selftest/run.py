@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from refcheck.diff.findings import Verdict
 from refcheck.diff.session import DiffSession
 from refcheck.prompts import Prompt, load_prompts
-from refcheck.runners.reference import EngineSpec
+from refcheck.reference_runner import EngineSpec
 from refcheck.selftest.faults import FAULTS, fault
 from reference.decode import DDTreeDecoder
 

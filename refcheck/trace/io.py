@@ -47,6 +47,7 @@ import torch
 
 from refcheck.atomic_file import atomic_write_bytes, fsync_dir  # noqa: F401 (re-exported: refcheck.trace)
 from refcheck.errors import CorruptTraceError, GoldenError
+from refcheck.provenance import Provenance
 from refcheck.trace.codec import decode_tensor, encode_tensor
 from refcheck.trace.schema import (
     CHECKSUM_KEYS,
@@ -134,6 +135,11 @@ class Trace:
     steps: list[StepRow]
     schema_version: str = SCHEMA_VERSION
     checksummed: bool = True  # False: read from a 1.0 file, which carries no checksums ("unchecked")
+
+    @property
+    def prov(self) -> Provenance:
+        """The provenance, typed and checked (:class:`refcheck.provenance.Provenance`)."""
+        return Provenance.of(self.provenance)
 
     def steps_of(self, request_id: str) -> list[StepRow]:
         """The steps of one request, sorted by step."""

@@ -1,4 +1,7 @@
-"""The live reference runner: the pure-PyTorch DDTree decoder on a target + drafter pair.
+"""The reference, loaded and run: the pure-PyTorch DDTree decoder on a target + drafter pair.
+
+Not one of ``refcheck/runners/`` (the engines under test): the diff runs it as the reference side of
+every comparison, and the engine table runs it as the ``reference`` and ``fault:NAME`` engines.
 
 Contract: :class:`EngineSpec` says what to run (model and draft directories, dtype, device,
 drafter kind, budget, token limits); :func:`load_pair` turns it into a
