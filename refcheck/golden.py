@@ -38,6 +38,7 @@ from refcheck.reference_runner import EngineSpec
 from refcheck.trace import store
 from refcheck.trace.io import Trace, atomic_write_bytes, read_trace, trace_bytes, trace_from_bytes
 from refcheck.trace.manifest import Manifest, load_manifest
+from refcheck.progress import Progress, tell
 
 REPO_GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 PENDING_SUFFIX = ".pending"
@@ -133,7 +134,7 @@ def regenerate(
     reason: str | None,
     accept: bool,
     session: DiffSession,
-    progress=None,
+    progress: Progress | None = None,
 ) -> list[Review]:
     golden_dir = Path(golden_dir)
     names = case_names or list(GOLDEN_CASES)
@@ -152,8 +153,7 @@ def regenerate(
     reviews: list[Review] = []
     writes: list[store.Write] = []
     for name in names:
-        if progress:
-            progress(name)
+        tell(progress, f"regen: {name}")
         case = GOLDEN_CASES[name]
         runner = session.runner(case.spec())
         trace, _ = runner.trace(prompts)
@@ -424,7 +424,7 @@ def gate_jobs(manifest: Manifest, names: list[str]) -> list[list[str]]:
     return sorted(groups.values(), key=lambda g: -sum(estimated_cost(manifest.cases[n]) for n in g))
 
 
-def gate(golden_dir: Path, session: DiffSession, cases: list[str] | None = None, progress=None,
+def gate(golden_dir: Path, session: DiffSession, cases: list[str] | None = None, progress: Progress | None = None,
          workers: int | None = 1, profiles: dict[str, Profile] | None = None, cache_dir: Path | None = None) -> list[Report]:
     """Verify the goldens' hashes, then each case's verdict (:func:`check_trace`), in the order of
     ``cases`` (default: every case). ``workers``: processes to spread the cases over (None: one per
@@ -455,8 +455,7 @@ def gate(golden_dir: Path, session: DiffSession, cases: list[str] | None = None,
     cache = ReportCache(Path(cache_dir)) if cache_dir else None
     reports = []
     for name in names:
-        if progress:
-            progress(name)
+        tell(progress, f"gate: {name}")
         reports.append(profiled_gate_case(name, manifest.cases[name], golden_dir, session, profiles, cache))
     return reports
 

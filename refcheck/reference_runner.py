@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from reference.decode import DDTreeDecoder, DecodeConfig, DecodeResult
 from reference.drafter import DFlashDrafter, Drafter
 from refcheck.trace.io import Trace
 from refcheck.trace.record import request_rows
+from refcheck.progress import Progress, tell
 from reference.oracle import GreedyMemo, greedy_decode
 from reference.scripted import ScriptedDrafter
 from reference.target import Target
@@ -172,12 +172,11 @@ class ReferenceRunner:
         self,
         prompts: list[Prompt],
         check_ar: bool = False,
-        progress: Callable[[int, Prompt], None] | None = None,
+        progress: Progress | None = None,
     ) -> list[PromptRun]:
         runs = []
         for i, prompt in enumerate(prompts):
-            if progress:
-                progress(i, prompt)
+            tell(progress, f"[{i + 1}/{len(prompts)}] {prompt.id}")
             max_new = prompt.max_new_tokens or self.spec.max_new_tokens
             with _non_finite_named(prompt.id):
                 result = self.decoder(max_new).generate(list(prompt.prompt_ids))

@@ -22,6 +22,7 @@ from refcheck.budget import budget_label, parse_budget
 from refcheck.errors import UsageError
 from refcheck.prompts import Prompt
 from refcheck.reference_runner import EngineSpec, ReferenceRunner
+from refcheck.progress import Progress, tell
 from reference.decode import autoregressive_decode
 
 PHASES = ("draft", "tree", "verify", "commit")
@@ -45,7 +46,7 @@ def span(values: list[float]) -> dict:
 
 
 def run_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int | None], repeats: int = 1,
-              progress=None) -> dict:
+              progress: Progress | None = None) -> dict:
     if repeats < 1:
         raise UsageError(f"--repeats must be >= 1, got {repeats}")
     runner = ReferenceRunner(spec)
@@ -67,8 +68,7 @@ def run_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int | None]
         ar_tps.append(n / (time.perf_counter() - t0))
         for b in budgets:
             key = budget_label(b)
-            if progress:
-                progress(rep, key)
+            tell(progress, f"repeat {rep} budget {key}")
             runner.spec.budget = b
             taus_by_req: list[list[int]] = []
             phase_steps: dict[str, list[float]] = {ph: [] for ph in PHASES}

@@ -26,6 +26,7 @@ from refcheck.prompts import Prompt
 from refcheck.reference_runner import EngineSpec
 from refcheck.sweep import span
 from refcheck.trace.io import write_trace
+from refcheck.progress import Progress, tell
 
 DEFAULT_ALGORITHMS = ("REFCHECK_DDTREE", "REFCHECK_DDTREE_LEAKY_CHAIN")
 
@@ -100,7 +101,7 @@ def sweep_row(algorithm: str, budget: int, traces: list, report) -> dict:
 def run_sglang_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int], repeats: int = 1,
                      algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS, ref_dtype: str = "float32",
                      ref_device: str = "cuda", runner_factory: Callable | None = None,
-                     progress: Callable[[str, int, int], None] | None = None,
+                     progress: Progress | None = None,
                      save_dir: Path | None = None) -> dict:
     if runner_factory is None:
         from refcheck.runners.sglang import SGLangRunner
@@ -110,8 +111,7 @@ def run_sglang_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int]
     rows = []
     for alg in algorithms:
         for budget in budgets:
-            if progress:
-                progress(alg, budget, repeats)
+            tell(progress, f"{alg} budget {budget}: captured run + {repeats} warm repeat(s)")
             trace = runner_factory(dataclasses.replace(spec, budget=budget), alg, timing_repeats=repeats).trace(prompts)
             if save_dir is not None:  # every capture kept: a failing row can be reviewed later, on CPU
                 save_dir.mkdir(parents=True, exist_ok=True)

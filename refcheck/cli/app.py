@@ -15,6 +15,11 @@ from rich.console import Console
 from refcheck.errors import exit_code_for
 
 err = Console(stderr=True)
+
+
+def progress_line(line: str) -> None:
+    """A :data:`refcheck.progress.Progress` printing each line on stderr, as written (no markup)."""
+    err.print(line, markup=False)
 if not err.is_terminal:  # logs and CI: wide enough that tables do not wrap every cell
     err = Console(stderr=True, width=160)
 

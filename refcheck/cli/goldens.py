@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from refcheck.cli.app import err, main, quiet
+from refcheck.cli.app import err, main, progress_line, quiet
 from refcheck.cli.reports import finish, report_table
 from refcheck.errors import EXIT_GOLDEN, EXIT_PASS
 
@@ -37,7 +37,7 @@ def gate(golden_dir, cases, workers, profile, cache_dir, as_json):
     quiet()
     profiles: dict | None = {} if profile else None
     reports = run_gate(golden_dir or default_golden_dir(), DiffSession(), list(cases) or None,
-                       progress=lambda n: err.print(f"gate: {n}", markup=False), workers=workers, profiles=profiles,
+                       progress=progress_line, workers=workers, profiles=profiles,
                        cache_dir=cache_dir)
     report_table(reports, "refcheck gate")
     wall = time.perf_counter() - t0
@@ -80,7 +80,7 @@ def golden_regen(cases, reason, accept, golden_dir, as_json):
 
     quiet()
     reviews = regenerate(golden_dir or default_golden_dir(), list(cases) or None, reason, accept, DiffSession(),
-                         progress=lambda n: err.print(f"regen: {n}", markup=False))
+                         progress=progress_line)
     table = Table(title="golden regen review" + ("" if accept else " (pending: nothing replaced)"))
     for col in ("case", "status", "τ old → new", "first divergences", "provenance changes"):
         table.add_column(col)

@@ -9,7 +9,7 @@ import sys
 import click
 from rich.table import Table
 
-from refcheck.cli.app import err, main
+from refcheck.cli.app import err, main, progress_line
 from refcheck.cli.options import model_options, spec_from_options
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
 from refcheck.prompts import load_prompts, prompt_set_hash
@@ -27,7 +27,7 @@ def run(engine, check_ar, model_dir, draft_dir, pair, prompts_file, budget, max_
     spec = spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids)
     prompts = load_prompts(prompts_file)
     runner = ReferenceRunner(spec)
-    runs = runner.run(prompts, check_ar=check_ar, progress=lambda i, p: err.print(f"[{i + 1}/{len(prompts)}] {p.id}", markup=False))
+    runs = runner.run(prompts, check_ar=check_ar, progress=progress_line)
     report = _run_report(engine, spec, prompts, runs)
     _print_run_table(report)
     if as_json:

@@ -8,7 +8,7 @@ import sys
 import click
 from rich.table import Table
 
-from refcheck.cli.app import err, main, quiet
+from refcheck.cli.app import err, main, progress_line, quiet
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
 
 
@@ -21,7 +21,7 @@ def selftest(faults, as_json):
     from refcheck.selftest.run import selftest as run_selftest
 
     quiet()
-    rows = run_selftest(list(faults) or None, progress=lambda n: err.print(f"selftest: {n}", markup=False))
+    rows = run_selftest(list(faults) or None, progress=progress_line)
     table = Table(title="refcheck selftest")
     for col in ("fault", "detected", "expected category", "first divergence", "ok"):
         table.add_column(col)

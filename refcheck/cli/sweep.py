@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from refcheck.cli.app import err, main, quiet
+from refcheck.cli.app import err, main, progress_line, quiet
 from refcheck.cli.options import DeviceType, model_options, spec_from_options, unless_given
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS, UsageError
 from refcheck.prompts import load_prompts
@@ -56,7 +56,7 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
             import matplotlib  # noqa: F401
         except ImportError as exc:
             raise UsageError("plotting backend missing: pip install matplotlib (or pass --no-plots)") from exc
-    result = run_sweep(spec, prompts, blist, repeats, progress=lambda r, b: err.print(f"repeat {r} budget {b}", markup=False))
+    result = run_sweep(spec, prompts, blist, repeats, progress=progress_line)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(out_dir / "sweep.json", (json.dumps(result, indent=2) + "\n").encode())
@@ -98,8 +98,7 @@ def _sweep_sglang(blist, repeats, out_dir, algorithms, ref_device, model_dir, dr
         spec = spec_from_options(model_dir, draft_dir, pair, blist[0], max_new_tokens, dtype, "cuda", "dflash", stop_ids)
         result = run_sglang_sweep(spec, load_prompts(prompts_file), blist, repeats, tuple(algorithms) or DEFAULT_ALGORITHMS,
                                   ref_device=ref_device, save_dir=out_dir / "traces",
-                                  progress=lambda a, b, r: err.print(f"{a} budget {b}: captured run + {r} warm repeat(s)",
-                                                                    markup=False))
+                                  progress=progress_line)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / "sweep-sglang.json", (json.dumps(result, indent=2) + "\n").encode())
     table = Table(title=f"refcheck sweep · SGLang · {result['model']} · {dtype} · {result['repeats']} repeat(s)")

@@ -19,6 +19,7 @@ from refcheck.diff.session import DiffSession
 from refcheck.prompts import Prompt, load_prompts
 from refcheck.reference_runner import EngineSpec
 from refcheck.selftest.faults import FAULTS, fault
+from refcheck.progress import Progress, tell
 from reference.decode import DDTreeDecoder
 
 
@@ -45,7 +46,7 @@ class SelftestRow:
 
 
 def selftest(faults: list[str] | None = None, prompts: list[Prompt] | None = None, budget: int = 15,
-             max_new_tokens: int = 24, progress=None) -> list[SelftestRow]:
+             max_new_tokens: int = 24, progress: Progress | None = None) -> list[SelftestRow]:
     names = list(FAULTS) if faults is None else list(faults)
     chosen = {name: fault(name) for name in names}  # unknown names fail before anything runs
     prompts = prompts or load_prompts()[:3]
@@ -57,8 +58,7 @@ def selftest(faults: list[str] | None = None, prompts: list[Prompt] | None = Non
     runner.drafter.mask_token_id = first[min(3, len(first) - 1)]
     rows: list[SelftestRow] = []
     for name in ["clean", *names]:
-        if progress:
-            progress(name)
+        tell(progress, f"selftest: {name}")
         cls, expected = (DDTreeDecoder, "-") if name == "clean" else chosen[name]
         trace, _ = runner.trace(prompts, cls=cls, engine=name if name == "clean" else f"fault:{name}", record_layers=True)
         report = session.diff(trace, name, mode="both", strict_acceptance=True)
