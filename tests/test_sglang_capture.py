@@ -20,7 +20,7 @@ import torch
 from refcheck.diff.session import DiffSession
 from refcheck.prompts import load_prompts
 from refcheck.reference_runner import EngineSpec, ReferenceRunner
-from refcheck.runners.sglang_layout import links_from_parents
+from refcheck.sglang_capture.layout import links_from_parents
 from refcheck.sglang_capture.assemble import assemble_trace, sibling_ranks
 from refcheck.sglang_capture.records import Capture, Recorder, read_capture
 from refcheck.sglang_capture.state import committed_rows, summarise, summarise_shard

@@ -64,7 +64,7 @@ class BaseSpecWorker:
 
 
 def _links(parents: list[int]) -> tuple[list[int], list[int]]:
-    from refcheck.runners.sglang_layout import links_from_parents
+    from refcheck.sglang_capture.layout import links_from_parents
 
     return links_from_parents(parents)
 

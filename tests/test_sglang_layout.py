@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from strategies import rooted_parents  # tests/strategies.py
 
-from refcheck.runners.sglang_layout import (
+from refcheck.sglang_capture.layout import (
     accepted_from_accept_index,
     conv_to_reference,
     depths_from_parents,

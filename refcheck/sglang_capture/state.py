@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from refcheck.runners.sglang_layout import conv_to_reference, ssm_to_reference
+from refcheck.sglang_capture.layout import conv_to_reference, ssm_to_reference
 from refcheck.sketch import sketch_rows, sketch_slice
 
 
@@ -91,7 +91,7 @@ def summarise_shard(rows: dict[str, tuple[int, str, torch.Tensor]], tp_rank: int
 def combine_shards(shards: list[tuple[int, str, torch.Tensor, torch.Tensor | None]],
                    conv_groups: tuple[int, ...] | None = None) -> tuple[int, str, torch.Tensor, torch.Tensor | None]:
     """Ranks' entries (rank order) of one state -> the full entry."""
-    from refcheck.runners.sglang_layout import gather_conv_channels
+    from refcheck.sglang_capture.layout import gather_conv_channels
 
     layer, kind = shards[0][0], shards[0][1]
     if kind == "rec":

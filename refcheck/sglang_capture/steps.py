@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from refcheck.runners.sglang_layout import accepted_from_accept_index, depths_from_parents, parents_from_links
+from refcheck.sglang_capture.layout import accepted_from_accept_index, depths_from_parents, parents_from_links
 
 TOPK = 5
 
