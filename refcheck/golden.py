@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from refcheck.budget import budget_label
-from refcheck.diff.findings import Finding, Report, Verdict, check_category
+from refcheck.diff.findings import Report, check_category
 from refcheck.diff.session import DiffSession, reference_spec_for
 from refcheck.errors import CorruptTraceError, GoldenError, UsageError
+from refcheck.gate_policy import GatePolicy, parse_expect_first, parse_triage
 from refcheck.profile import Profile, count, phase
 from refcheck.prompts import load_prompts
 from refcheck.provenance import dir_sha256, stale_reasons
@@ -185,74 +186,6 @@ def regenerate(
     return reviews
 
 
-def parse_triage(keys: list[str]) -> list[dict]:
-    """'REQUEST:STEP:NODE:CATEGORY' (NODE '-' for a step-level finding) -> manifest entries."""
-    out = []
-    for key in keys:
-        parts = key.rsplit(":", 3)
-        try:
-            rid, step, node, cat = parts
-            out.append({"request_id": rid, "step": int(step), "node": None if node == "-" else int(node), "category": cat})
-        except ValueError:
-            raise UsageError(f"--triage {key!r}: expected REQUEST:STEP:NODE:CATEGORY (NODE '-' for none)") from None
-        check_category(cat, f"--triage {key!r}")
-    return out
-
-
-def triage_key(f: Finding) -> tuple:
-    return (f.request_id, f.step, f.node, f.category)
-
-
-def refuse_triage_rules(name: str, settings: dict) -> None:
-    """Per-golden triage rules are gone: every engine trace is judged by its dtype's calibrated verdict
-    (refcheck/diff/tolerance.py); an entry that still names rules is refused, never half-applied."""
-    if settings.get("triage_rules"):
-        raise GoldenError(f"golden {name!r} names triage rules {settings['triage_rules']} in the manifest: per-golden "
-                          "rules were replaced by the calibrated verdict, which every diff applies; remove "
-                          "'triage_rules' from the entry (reviewed findings stay in 'triaged')")
-
-
-def check_rule_categories(name: str, settings: dict) -> None:
-    """A manifest entry's rules name only real categories (a typo would silently never match): else a
-    GoldenError naming the entry."""
-    named = [("expect", settings.get("expect", "pass").split(":", 1)[1])] if ":" in settings.get("expect", "pass") else []
-    named += [("allow_unsupported", c) for c in settings.get("allow_unsupported", [])]
-    named += [("triaged", t.get("category")) for t in settings.get("triaged", [])]
-    for field_name, cat in named:
-        try:
-            check_category(cat, f"golden {name}: manifest {field_name}")
-        except UsageError as exc:
-            raise GoldenError(str(exc)) from None
-
-
-def apply_triage(report: Report, triaged: list[dict]) -> None:
-    """Failures listed in the manifest become TRIAGED; any other failure still fails the case."""
-    keys = {(t["request_id"], t["step"], t["node"], t["category"]) for t in triaged}
-    changed = []
-    for f in report.findings:
-        if f.verdict == Verdict.FAIL and triage_key(f) in keys:
-            f.verdict = Verdict.TRIAGED
-            changed.append(f)
-    steps = report.stats.get("steps")
-    if steps and changed:  # replayed steps that failed and whose every failure is now triaged
-        failing = {(f.request_id, f.step) for f in report.failures if f.step is not None}
-        moved = {(f.request_id, f.step) for f in changed if f.step is not None} - failing
-        steps["fail"] = steps.get("fail", 0) - len(moved)
-        steps["triaged"] = steps.get("triaged", 0) + len(moved)
-
-
-def parse_expect_first(key: str | None) -> dict | None:
-    """'REQUEST:STEP:NODE:LAYER' (NODE / LAYER '-' for any) -> the manifest's ``expect_first``."""
-    if not key:
-        return None
-    try:
-        rid, step, node, layer = key.rsplit(":", 3)
-        return {"request_id": rid, "step": int(step), "node": None if node == "-" else int(node),
-                "layer": None if layer == "-" else int(layer)}
-    except ValueError:
-        raise UsageError(f"--expect-first {key!r}: expected REQUEST:STEP:NODE:LAYER (NODE, LAYER '-' for any)") from None
-
-
 def add_trace(golden_dir: Path, trace_path: Path, case: str, expect: str, allow_unsupported: list[str],
               reason: str, triage: list[str] | None = None, session: DiffSession | None = None,
               expect_first: str | None = None) -> Path:
@@ -369,7 +302,7 @@ def profiled_gate_case(name: str, entry, golden_dir: Path, session: DiffSession,
         return cached_gate_case(name, entry, golden_dir, session, cache)
 
 
-def check_trace(name: str, trace: Trace, settings: dict, session: DiffSession, mode: str = "both",
+def check_trace(name: str, trace: Trace, settings: dict | GatePolicy, session: DiffSession, mode: str = "both",
                 ref_dtype: str = "float32", ref_device: str = "cpu") -> Report:
     """The gate's verdict on one engine trace under a golden entry's settings (``expect``,
     ``allow_unsupported``, ``triaged``): a GoldenError if the trace's models or prompts have changed
@@ -383,21 +316,10 @@ def check_trace(name: str, trace: Trace, settings: dict, session: DiffSession, m
                              else f" (an engine trace: record it again with its engine, e.g. SGLang's with "
                                   f"scripts/sglang_suite.py on a GPU, then replace it: refcheck golden add TRACE --case {name} "
                                   f"--reason ...; the manifest keeps the old entry in its history)"))
-    refuse_triage_rules(name, settings)
-    check_rule_categories(name, settings)
-    strict = trace.prov.is_reference
-    report = session.diff(trace, name, mode=mode, strict_acceptance=strict, ref_dtype=ref_dtype, ref_device=ref_device)
-    expect = settings.get("expect", "pass")
-    allowed = set(settings.get("allow_unsupported", []))
-    for f in list(report.findings):
-        if f.verdict in (Verdict.UNSUPPORTED, Verdict.SKIPPED) and f.category not in allowed:
-            report.add(Finding(Verdict.FAIL, f.category, f.request_id, f.step,
-                               message=f"gate is strict about skips: {f.verdict.value} {f.category} ({f.message})"))
-    apply_triage(report, settings.get("triaged", []))
-    if expect != "pass":
-        report.expect_failure = expect
-        report.expect_first = settings.get("expect_first")
-    return report
+    policy = settings if isinstance(settings, GatePolicy) else GatePolicy.of(name, settings)
+    report = session.diff(trace, name, mode=mode, strict_acceptance=trace.prov.is_reference, ref_dtype=ref_dtype,
+                          ref_device=ref_device)
+    return policy.apply(report)
 
 
 def shared_work_key(entry) -> tuple:

@@ -270,7 +270,7 @@ def test_triaged_findings_pass_the_gate_and_others_still_fail(tmp_path):
     """A golden's reviewed findings are reported as triaged; an unlisted failure still fails."""
 
     from refcheck.diff.findings import Finding, Report, Verdict
-    from refcheck.golden import apply_triage, parse_triage
+    from refcheck.gate_policy import apply_triage, parse_triage
     from refcheck.errors import UsageError
 
     triaged = parse_triage(["code-2:0:2:logits", "a:b:c:3:-:recurrent"])
@@ -366,7 +366,7 @@ def test_a_category_typo_in_a_rule_is_refused(cli, tmp_path):
     """--triage, --allow-unsupported and --expect fail:CATEGORY name real categories; a manifest whose rule
     names none is refused by the gate (a typo would never match anything and pass silently)."""
     from refcheck.diff.findings import CATEGORIES
-    from refcheck.golden import check_rule_categories
+    from refcheck.gate_policy import GatePolicy
 
     src = str(REPO_GOLDEN / "sglang-hybrid-ngram-tp2.arrow")
     for args in (["--triage", "prose-2:19:9:logit"], ["--allow-unsupported", "drafts"], ["--expect", "fail:kvv"]):
@@ -374,6 +374,9 @@ def test_a_category_typo_in_a_rule_is_refused(cli, tmp_path):
         assert code == EXIT_USAGE and "unknown category" in err and "recurrent" in err, (args, err)
     assert not (tmp_path / "g").exists() or not any((tmp_path / "g").iterdir())
     with pytest.raises(golden_mod.GoldenError, match="golden x: manifest triaged: unknown category 'logit'"):
-        check_rule_categories("x", {"triaged": [{"request_id": "a", "step": 1, "node": 2, "category": "logit"}]})
-    check_rule_categories("x", {"expect": "fail:kv", "allow_unsupported": ["draft"],
-                                "triaged": [{"category": c} for c in CATEGORIES]})
+        GatePolicy.of("x", {"triaged": [{"request_id": "a", "step": 1, "node": 2, "category": "logit"}]})
+    with pytest.raises(golden_mod.GoldenError, match="golden x: manifest expect is 'failed'"):
+        GatePolicy.of("x", {"expect": "failed"})
+    p = GatePolicy.of("x", {"expect": "fail:kv", "allow_unsupported": ["draft"],
+                            "triaged": [{"category": c} for c in CATEGORIES]})
+    assert p.expect == "fail:kv" and p.allow_unsupported == {"draft"} and len(p.triaged) == len(CATEGORIES)

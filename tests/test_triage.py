@@ -186,7 +186,7 @@ def test_manual_triage_moves_only_the_steps_it_changed():
     """A golden's reviewed findings move their steps from fail to triaged; steps the verdict already
     triaged are not moved again (the step counts of a golden with both never go negative)."""
     from refcheck.diff.findings import Finding, Report
-    from refcheck.golden import apply_triage
+    from refcheck.gate_policy import apply_triage
 
     rep = Report(case="c", mode="replay")
     rep.add(Finding(Verdict.TRIAGED, "logits", "r", 1, node=3, message="by the rule"))

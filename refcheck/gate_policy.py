@@ -1,0 +1,113 @@
+"""A golden's gate policy: what its manifest entry says the gate must hold it to, typed and applied.
+
+Contract: :meth:`GatePolicy.of` reads a manifest entry's rules — ``expect`` (``pass``, ``fail`` or
+``fail:CATEGORY``), ``expect_first`` (where an expected failure must first show), ``allow_unsupported``
+(categories the engine cannot record) and ``triaged`` (findings a person reviewed) — and refuses
+what it cannot honour (a category that does not exist, the retired per-golden ``triage_rules``) with
+a :class:`~refcheck.errors.GoldenError` naming the entry. :meth:`GatePolicy.apply` turns a diff report
+into the gate's: unsupported or skipped checks outside the allowance fail ("the gate is strict about
+skips"), reviewed findings become TRIAGED, an expected failure is marked. The entry's file format is
+the manifest's (:mod:`refcheck.trace.manifest`); ``golden add`` parses its command-line forms here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from refcheck.diff.findings import Finding, Report, Verdict, check_category
+from refcheck.errors import GoldenError, UsageError
+
+POLICY_KEYS = ("expect", "expect_first", "allow_unsupported", "triaged")
+
+
+def refuse_triage_rules(name: str, settings: dict) -> None:
+    """Per-golden triage rules are gone: every engine trace is judged by its dtype's calibrated verdict
+    (refcheck/diff/tolerance.py); an entry that still names rules is refused, never half-applied."""
+    if settings.get("triage_rules"):
+        raise GoldenError(f"golden {name!r} names triage rules {settings['triage_rules']} in the manifest: per-golden "
+                          "rules were replaced by the calibrated verdict, which every diff applies; remove "
+                          "'triage_rules' from the entry (reviewed findings stay in 'triaged')")
+
+
+@dataclass(frozen=True, slots=True)
+class GatePolicy:
+    expect: str = "pass"
+    expect_first: dict | None = None  # {request_id, step, node, layer}; node / layer None = any
+    allow_unsupported: frozenset[str] = frozenset()
+    triaged: tuple[dict, ...] = field(default_factory=tuple)  # {request_id, step, node, category}
+
+    @classmethod
+    def of(cls, name: str, settings: dict) -> GatePolicy:
+        """The policy in a manifest entry's settings; GoldenError naming the entry if it cannot be honoured."""
+        refuse_triage_rules(name, settings)
+        expect = str(settings.get("expect", "pass"))
+        if expect != "pass" and expect != "fail" and not expect.startswith("fail:"):
+            raise GoldenError(f"golden {name}: manifest expect is {expect!r}, expected 'pass', 'fail' or 'fail:CATEGORY'")
+        named = [("expect", expect.split(":", 1)[1])] if expect.startswith("fail:") else []
+        named += [("allow_unsupported", c) for c in settings.get("allow_unsupported", [])]
+        named += [("triaged", t.get("category")) for t in settings.get("triaged", [])]
+        for where, cat in named:
+            try:
+                check_category(cat, f"golden {name}: manifest {where}")
+            except UsageError as exc:
+                raise GoldenError(str(exc)) from None
+        return cls(expect, settings.get("expect_first"), frozenset(settings.get("allow_unsupported", [])),
+                   tuple(settings.get("triaged", [])))
+
+    def apply(self, report: Report) -> Report:
+        """The gate's report from the diff's (in place; returned for chaining)."""
+        for f in list(report.findings):
+            if f.verdict in (Verdict.UNSUPPORTED, Verdict.SKIPPED) and f.category not in self.allow_unsupported:
+                report.add(Finding(Verdict.FAIL, f.category, f.request_id, f.step,
+                                   message=f"gate is strict about skips: {f.verdict.value} {f.category} ({f.message})"))
+        apply_triage(report, list(self.triaged))
+        if self.expect != "pass":
+            report.expect_failure = self.expect
+            report.expect_first = self.expect_first
+        return report
+
+
+def parse_triage(keys: list[str]) -> list[dict]:
+    """'REQUEST:STEP:NODE:CATEGORY' (NODE '-' for a step-level finding) -> manifest entries."""
+    out = []
+    for key in keys:
+        parts = key.rsplit(":", 3)
+        try:
+            rid, step, node, cat = parts
+            out.append({"request_id": rid, "step": int(step), "node": None if node == "-" else int(node), "category": cat})
+        except ValueError:
+            raise UsageError(f"--triage {key!r}: expected REQUEST:STEP:NODE:CATEGORY (NODE '-' for none)") from None
+        check_category(cat, f"--triage {key!r}")
+    return out
+
+
+def triage_key(f: Finding) -> tuple:
+    return (f.request_id, f.step, f.node, f.category)
+
+
+def apply_triage(report: Report, triaged: list[dict]) -> None:
+    """Failures listed in the manifest become TRIAGED; any other failure still fails the case."""
+    keys = {(t["request_id"], t["step"], t["node"], t["category"]) for t in triaged}
+    changed = []
+    for f in report.findings:
+        if f.verdict == Verdict.FAIL and triage_key(f) in keys:
+            f.verdict = Verdict.TRIAGED
+            changed.append(f)
+    steps = report.stats.get("steps")
+    if steps and changed:  # replayed steps that failed and whose every failure is now triaged
+        failing = {(f.request_id, f.step) for f in report.failures if f.step is not None}
+        moved = {(f.request_id, f.step) for f in changed if f.step is not None} - failing
+        steps["fail"] = steps.get("fail", 0) - len(moved)
+        steps["triaged"] = steps.get("triaged", 0) + len(moved)
+
+
+def parse_expect_first(key: str | None) -> dict | None:
+    """'REQUEST:STEP:NODE:LAYER' (NODE / LAYER '-' for any) -> the manifest's ``expect_first``."""
+    if not key:
+        return None
+    try:
+        rid, step, node, layer = key.rsplit(":", 3)
+        return {"request_id": rid, "step": int(step), "node": None if node == "-" else int(node),
+                "layer": None if layer == "-" else int(layer)}
+    except ValueError:
+        raise UsageError(f"--expect-first {key!r}: expected REQUEST:STEP:NODE:LAYER (NODE, LAYER '-' for any)") from None
