@@ -11,7 +11,7 @@ from refcheck.cli.options import DeviceType, model_options, spec_from_options, u
 from refcheck.cli.reports import finish, report_table, steps_table
 from refcheck.errors import GoldenError, UsageError
 from refcheck.prompts import load_prompts, prompt_set_hash
-from refcheck.runners.reference import DTYPES
+from refcheck.spec import DTYPE_NAMES
 
 
 def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, device, mem_fraction=None, max_running=None):
@@ -40,7 +40,7 @@ def _sglang_engine(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, dev
 @click.option("--against", "against", type=click.Path(path_type=Path), multiple=True, help="Engine trace file(s) to diff.")
 @click.option("--mode", type=click.Choice(["replay", "free", "both"]), default="both", show_default=True)
 @click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None, help="Golden directory.")
-@click.option("--ref-dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True)
+@click.option("--ref-dtype", type=click.Choice(list(DTYPE_NAMES)), default="float32", show_default=True)
 @click.option("--ref-device", type=DeviceType(), default="cpu", show_default=True)
 @click.option("--save-trace", type=click.Path(path_type=Path), default=None, help="Write the live engine's trace here.")
 @click.option("--workers", "--gpus", "workers", type=click.IntRange(min=1), default=1, show_default=True,

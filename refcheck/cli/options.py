@@ -8,7 +8,7 @@ import click
 
 from refcheck.errors import UsageError
 from refcheck.models import BUILTIN_PAIRS, DEFAULT_PAIR
-from refcheck.runners.reference import DRAFTERS, DTYPES, EngineSpec
+from refcheck.spec import DRAFTERS, DTYPE_NAMES, EngineSpec
 
 
 class BudgetType(click.ParamType):
@@ -60,7 +60,7 @@ def model_options(f):
         click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), help="Prompts JSONL (default: built-in)."),
         click.option("--budget", type=BudgetType(), default="15", show_default=True, help="Node budget B, or 'chain'."),
         click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True),
-        click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True),
+        click.option("--dtype", type=click.Choice(list(DTYPE_NAMES)), default="float32", show_default=True),
         click.option("--device", type=DeviceType(), default="cpu", show_default=True),
         click.option("--drafter", type=click.Choice(DRAFTERS), default="dflash", show_default=True,
                      help="'scripted' = the target's own continuation with decoys (testing)."),

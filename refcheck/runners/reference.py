@@ -12,14 +12,13 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from refcheck import model_checks
 from refcheck.errors import NonFiniteError, UsageError
-from refcheck.models import DEFAULT_PAIR, builtin_pair
 from refcheck.prompts import Prompt
 from refcheck.prompts import prompt_set_hash
 from refcheck.provenance import build_provenance
@@ -32,32 +31,10 @@ from reference.scripted import ScriptedDrafter
 from reference.target import Target
 from reference.tree import TreeError
 
+from refcheck.spec import DRAFTERS, DTYPE_NAMES, EngineSpec  # noqa: F401 - re-exported: runners take a spec
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DRAFTERS = ("dflash", "scripted")
-
-
-@dataclass(slots=True)
-class EngineSpec:
-    model_dir: Path | None = None  # None = the built-in pair's target
-    draft_dir: Path | None = None
-    pair: str = DEFAULT_PAIR
-    dtype: str = "float32"
-    device: str = "cpu"
-    drafter: str = "dflash"
-    budget: int | None = 15  # None = chain mode
-    max_new_tokens: int = 64
-    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
-    seed: int = 0
-
-    @property
-    def model_label(self) -> str:
-        return f"builtin:{self.pair}" if self.model_dir is None else str(self.model_dir)
-
-    def resolved_dirs(self) -> tuple[Path, Path | None]:
-        if self.model_dir is None:
-            tdir, ddir = builtin_pair(self.pair)
-            return tdir, self.draft_dir or ddir
-        return Path(self.model_dir), (Path(self.draft_dir) if self.draft_dir else None)
+assert tuple(DTYPES) == DTYPE_NAMES
 
 
 def _quiet_transformers() -> None:
