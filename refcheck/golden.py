@@ -29,7 +29,8 @@ from pathlib import Path
 
 from refcheck.diff.findings import Finding, Report, Verdict
 from refcheck.diff.session import DiffSession, reference_spec_for
-from refcheck.errors import CorruptTraceError, GoldenError, UsageError
+from refcheck.drift import Drift, numeric_drift, version_changes
+from refcheck.errors import CorruptTraceError, GoldenError, RefcheckError, UsageError
 from refcheck.profile import Profile, count, phase
 from refcheck.prompts import load_prompts
 from refcheck.provenance import dir_sha256, stale_reasons
@@ -82,18 +83,26 @@ def _summary(prov: dict) -> dict:
 # -- review -----------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Review:
+    """One case's regeneration against its stored golden. ``status``: "new"; "unchanged" (same tokens,
+    acceptance, numbers and library versions); "drifted" (same tokens and acceptance, but numbers or
+    recorded library versions differ: the bytes change); "changed" (tokens, acceptance or the stale-
+    making provenance differ); "old unreadable"."""
+
     case: str
-    status: str  # "new" | "unchanged" | "changed" | "old unreadable"
+    status: str
     provenance_changes: list[str] = field(default_factory=list)
     first_divergence: dict[str, int] = field(default_factory=dict)  # request -> first differing output index
     tau_old: float | None = None
     tau_new: float | None = None
     written: str = ""
+    version_changes: list[str] = field(default_factory=list)  # "transformers 5.23.0 → 5.24.0"
+    drift: Drift | None = None  # numbers where old and new describe the same step
 
     def to_json(self) -> dict:
         return {"case": self.case, "status": self.status, "provenance_changes": self.provenance_changes,
                 "first_divergence": self.first_divergence, "tau_old": self.tau_old, "tau_new": self.tau_new,
-                "written": self.written}
+                "written": self.written, "version_changes": self.version_changes,
+                "numeric_drift": self.drift.to_json() if self.drift else None}
 
 
 def _mean_tau(trace: Trace) -> float | None:
@@ -120,8 +129,10 @@ def review(case: str, old: Trace | None, new: Trace) -> Review:
             rev.first_divergence[r.request_id] = i
     old_steps = [(s.request_id, s.step, s.accept_length, s.accepted) for s in old.steps]
     new_steps = [(s.request_id, s.step, s.accept_length, s.accepted) for s in new.steps]
+    rev.version_changes = version_changes(old.provenance, new.provenance)
+    rev.drift = numeric_drift(old, new)
     same = not rev.first_divergence and old_steps == new_steps and not rev.provenance_changes
-    rev.status = "unchanged" if same else "changed"
+    rev.status = "changed" if not same else ("drifted" if rev.version_changes or rev.drift.any else "unchanged")
     return rev
 
 
@@ -210,13 +221,15 @@ def refuse_triage_rules(name: str, settings: dict) -> None:
                           "'triage_rules' from the entry (reviewed findings stay in 'triaged')")
 
 
-def apply_triage(report: Report, triaged: list[dict]) -> None:
-    """Failures listed in the manifest become TRIAGED; any other failure still fails the case."""
+def apply_triage(report: Report, triaged: list[dict]) -> list[Finding]:
+    """Failures listed in the manifest become TRIAGED (marked ``details["triaged_by"] = "manifest"``);
+    any other failure still fails the case. Returns the findings it changed."""
     keys = {(t["request_id"], t["step"], t["node"], t["category"]) for t in triaged}
     changed = []
     for f in report.findings:
         if f.verdict == Verdict.FAIL and triage_key(f) in keys:
             f.verdict = Verdict.TRIAGED
+            f.details["triaged_by"] = "manifest"
             changed.append(f)
     steps = report.stats.get("steps")
     if steps and changed:  # replayed steps that failed and whose every failure is now triaged
@@ -224,6 +237,7 @@ def apply_triage(report: Report, triaged: list[dict]) -> None:
         moved = {(f.request_id, f.step) for f in changed if f.step is not None} - failing
         steps["fail"] = steps.get("fail", 0) - len(moved)
         steps["triaged"] = steps.get("triaged", 0) + len(moved)
+    return changed
 
 
 def parse_expect_first(key: str | None) -> dict | None:
@@ -367,15 +381,79 @@ def check_trace(name: str, trace: Trace, settings: dict, session: DiffSession) -
     report = session.diff(trace, name, mode="both", strict_acceptance=strict)
     expect = settings.get("expect", "pass")
     allowed = set(settings.get("allow_unsupported", []))
+    let_through: dict[str, int] = {}
     for f in list(report.findings):
-        if f.verdict in (Verdict.UNSUPPORTED, Verdict.SKIPPED) and f.category not in allowed:
-            report.add(Finding(Verdict.FAIL, f.category, f.request_id, f.step,
-                               message=f"gate is strict about skips: {f.verdict.value} {f.category} ({f.message})"))
-    apply_triage(report, settings.get("triaged", []))
+        if f.verdict in (Verdict.UNSUPPORTED, Verdict.SKIPPED):
+            if f.category in allowed:
+                let_through[f.category] = let_through.get(f.category, 0) + 1
+            else:
+                report.add(Finding(Verdict.FAIL, f.category, f.request_id, f.step,
+                                   message=f"gate is strict about skips: {f.verdict.value} {f.category} ({f.message})"))
+    triaged = apply_triage(report, settings.get("triaged", []))
     if expect != "pass":
         report.expect_failure = expect
         report.expect_first = settings.get("expect_first")
+    report.stats["manifest_rules"] = manifest_rules(settings, let_through, triaged)
     return report
+
+
+def manifest_rules(settings: dict, let_through: dict[str, int], triaged: list[Finding]) -> list[str]:
+    """The manifest entry's rules that changed a verdict, in words: unrecorded categories it allows
+    (with how many checks), reviewed failures it triages (where), and an expected failure."""
+    rules = [f"allow_unsupported {cat}: {n} {cat} check(s) the engine did not record are allowed (without this "
+             "entry the gate fails them)" for cat, n in sorted(let_through.items())]
+    if triaged:
+        rules.append(f"triaged: {len(triaged)} reviewed failure(s) reported as triaged, not failed: " + ", ".join(
+            f"{f.request_id} step {f.step}" + ("" if f.node is None else f" node {f.node}") + f" {f.category}"
+            for f in triaged))
+    expect = settings.get("expect", "pass")
+    if expect != "pass":
+        rules.append(describe_expect(expect, settings.get("expect_first")))
+    return rules
+
+
+def describe_expect(expect: str, first: dict | None) -> str:
+    """``expect fail:logits, first at code-1 step 0 node 6 layer 3: ...`` in words."""
+    text = f"expect {expect}: a known-buggy engine's trace; the case passes only when refcheck finds " + (
+        f"a {expect.split(':', 1)[1]} failure" if ":" in expect else "a failure")
+    if first:
+        at = f"{first['request_id']} step {first['step']}" + ("" if first.get("node") is None else f" node {first['node']}") + (
+            "" if first.get("layer") is None else f" layer {first['layer']}")
+        text += f", first at {at}"
+    return text
+
+
+def entry_rules(entry) -> list[str]:
+    """Everything a golden's manifest entry tells the gate, in words (for ``refcheck diff --against``
+    a golden file: what the gate will apply that a plain diff does not)."""
+    s = entry.provenance
+    rules = [describe_expect(s.get("expect", "pass"), s.get("expect_first")) if s.get("expect", "pass") != "pass"
+             else "expect pass: any failure fails the case"]
+    if s.get("allow_unsupported"):
+        rules.append("allow_unsupported " + ",".join(s["allow_unsupported"]) + ": checks the engine did not record in "
+                     "these categories do not fail the case (any other unsupported or skipped check does)")
+    else:
+        rules.append("no allow_unsupported: every unsupported or skipped check fails the case")
+    if s.get("triaged"):
+        rules.append("triaged (reviewed findings reported as triaged): " + ", ".join(
+            f"{t['request_id']} step {t['step']}" + ("" if t.get("node") is None else f" node {t['node']}") + f" {t['category']}"
+            for t in s["triaged"]))
+    return rules
+
+
+def golden_entry_for(path: Path):
+    """(case name, manifest entry) when ``path`` is a golden listed in the MANIFEST.json beside it, else None."""
+    path = Path(path)
+    if not (path.parent / "MANIFEST.json").is_file():
+        return None
+    try:
+        manifest = load_manifest(path.parent)
+    except (RefcheckError, OSError):
+        return None  # a broken manifest beside a trace says nothing about this diff
+    for name, entry in manifest.cases.items():
+        if entry.file == path.name:
+            return name, entry
+    return None
 
 
 def shared_work_key(entry) -> tuple:

@@ -8,6 +8,7 @@ import click
 
 from refcheck.cli.app import err, main
 from refcheck.cli.options import DeviceType, model_options, spec_from_options, unless_given
+from refcheck.cli.notes import explain_target, headline, where
 from refcheck.cli.reports import finish, report_table, steps_table
 from refcheck.errors import GoldenError, UsageError
 from refcheck.prompts import load_prompts, prompt_set_hash
@@ -89,6 +90,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
     session = DiffSession()
     reports = []
     traces = []  # the engine trace behind each report (for --steps)
+    golden_notes: list[tuple[Path, bool]] = []  # goldens diffed: (file, whether their reviewed findings were applied)
     if ref_shards > 1 and not against:
         raise UsageError("--ref-shards works with --against TRACE (record live engines with --save-trace first)")
     if engine:
@@ -109,7 +111,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
                 raise UsageError("--layer-sketches needs --engine sglang")
             engine_opts["layer_sketches"] = True
         spec = spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids)
-        prompts = load_prompts(prompts_file)
+        prompts = load_prompts(prompts_file, spec.resolved_dirs()[0])
         engine_decoder(engine)  # unknown engine: a usage error before any process starts
         from refcheck.diff.tolerance import calibration_for
 
@@ -126,6 +128,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
             err.print(f"diffing {path}" + (f" against the reference sharded over {ref_shards} processes" if ref_shards > 1
                                             else ""), markup=False)
             traces.append(read_trace(path))
+            golden_notes.append((Path(path), False))
             if ref_shards > 1:
                 from refcheck.sharding import sharded_diff
 
@@ -154,6 +157,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
             report = session.diff(trace, name, mode, strict_acceptance=strict, ref_dtype=ref_dtype, ref_device=ref_device)
             apply_triage(report, manifest.cases[name].provenance.get("triaged", []))
             reports.append(report)
+            golden_notes.append((gdir / manifest.cases[name].file, True))
             traces.append(trace)
     # the budgets diffed: the traces' own (an --against trace of budget 64 is not "budget 15")
     shown = sorted({str(t.provenance.get("budget", budget)) for t in traces}) or [str(budget)]
@@ -162,6 +166,8 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
     if steps:
         for report, trace in zip(reports, traces):
             steps_table(report, trace)
+    for path, applied in golden_notes:
+        golden_note(path, applied)
     files = list(against) if against else ([save_trace] * len(reports) if save_trace else [])
     for report, path in zip(reports, files):
         _explain_hint(report, path)
@@ -183,12 +189,32 @@ def report_json_and_raise(reports, as_json: bool, error: Exception) -> None:
 
 
 def _explain_hint(report, path) -> None:
-    """The command that explains the earliest failing node with a per-node finding (logits); with
+    """The command that explains the node the table shows (:func:`refcheck.cli.notes.explain_target`:
+    the headline finding when it is a node-level logits finding, else the earliest one that is); with
     ``--layer`` when layer bisection placed it (the trace carries layer sketches)."""
-    nodes = [f for f in report.first_divergence().values() if f.node is not None and f.step is not None
-             and f.category == "logits"]
-    if nodes:
-        f = min(nodes, key=lambda f: (f.step, f.request_id))
-        layer = " --layer" if f.layer is not None else ""  # bisected: the trace has layer sketches to explain with
-        err.print(f"explain it: refcheck explain {path} --request {f.request_id} --step {f.step} --node {f.node}{layer}",
-                  markup=False, soft_wrap=True)  # one line, whatever the width: a command to paste
+    f = explain_target(report)
+    if f is None:
+        return
+    shown = headline(report)
+    layer = " --layer" if f.layer is not None else ""  # bisected: the trace has layer sketches to explain with
+    why = "" if f is shown else f" (the table's {where(shown)} is not a node-level logits finding; this is the earliest one)"
+    err.print(f"explain it: refcheck explain {path} --request {f.request_id} --step {f.step} --node {f.node}{layer}{why}",
+              markup=False, soft_wrap=True)  # one line, whatever the width: a command to paste
+
+
+def golden_note(path: Path, applied: bool) -> None:
+    """When ``path`` is a golden listed in the manifest beside it: say that ``refcheck gate`` judges it
+    through that entry, what the entry says, and whether this diff applied it."""
+    from refcheck.golden import entry_rules, golden_entry_for
+
+    found = golden_entry_for(path)
+    if found is None:
+        return
+    name, entry = found
+    head = (f"note: {path} is golden case {name!r} of {Path(path).parent / 'MANIFEST.json'}; "
+            + ("its reviewed findings were applied here, the gate applies the whole entry:" if applied else
+               f"refcheck gate judges it through its manifest entry, which this diff does not apply "
+               f"(the gate's verdict: refcheck gate {Path(path).parent} --case {name}):"))
+    err.print(head, markup=False, soft_wrap=True)
+    for rule in entry_rules(entry):
+        err.print(f"  {rule}", markup=False, soft_wrap=True)

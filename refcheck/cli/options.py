@@ -57,7 +57,9 @@ def model_options(f):
         click.option("--model", "model_dir", type=click.Path(path_type=Path), help="Target checkpoint directory (default: built-in)."),
         click.option("--draft", "draft_dir", type=click.Path(path_type=Path), help="DFlash draft checkpoint directory."),
         click.option("--pair", type=click.Choice(BUILTIN_PAIRS), default=DEFAULT_PAIR, show_default=True, help="Built-in model pair."),
-        click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), help="Prompts JSONL (default: built-in)."),
+        click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), help="Prompts JSONL, one object a line with \"prompt_ids\" (token ids), \"prompt\" (text) or "
+                     "\"messages\" (chat); text is tokenized with the --model directory's own tokenizer (default: the "
+                     "built-in prompts)."),
         click.option("--budget", type=BudgetType(), default="15", show_default=True, help="Node budget B, or 'chain'."),
         click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True),
         click.option("--dtype", type=click.Choice(list(DTYPE_NAMES)), default="float32", show_default=True),

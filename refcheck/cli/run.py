@@ -27,7 +27,7 @@ def run(engine, check_ar, model_dir, draft_dir, pair, prompts_file, budget, max_
     from refcheck.runners.reference import ReferenceRunner
 
     spec = spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids)
-    prompts = load_prompts(prompts_file)
+    prompts = load_prompts(prompts_file, spec.resolved_dirs()[0])
     runner = ReferenceRunner(spec)
     runs = runner.run(prompts, check_ar=check_ar, progress=lambda i, p: err.print(f"[{i + 1}/{len(prompts)}] {p.id}", markup=False))
     report = _run_report(engine, spec, prompts, runs)
