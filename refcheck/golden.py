@@ -152,8 +152,10 @@ def regenerate(
         stored = set(load_manifest(golden_dir, allow_missing=True).cases)
         engine = [n for n in unknown if n in stored]
         if engine:
-            raise UsageError(f"golden case(s) {engine} hold another engine's trace, which regen cannot re-run: record them "
-                             "again with that engine (SGLang: scripts/sglang_suite.py on a GPU) and replace them with "
+            raise UsageError(f"golden case(s) {engine} hold another engine's trace (or one of your own model), which regen "
+                             "cannot re-run: regen re-runs only the built-in reference cases. Record them again with "
+                             "their engine (SGLang: scripts/sglang_suite.py on a GPU; your model: refcheck diff --engine "
+                             "reference --model DIR --draft DIR --prompts FILE --save-trace TRACE) and replace them with "
                              "refcheck golden add TRACE --case NAME --reason ...")
         raise UsageError(f"unknown golden case(s) {unknown} (known: {', '.join(GOLDEN_CASES)})")
     if accept:

@@ -117,6 +117,8 @@ class ReferenceRunner:
         return build_provenance(
             engine=engine, engine_version=__import__("refcheck").__version__,
             settings={"pair": self.spec.pair, "seed": self.spec.seed, "stop_token_ids": sorted(self.spec.stop_token_ids),
+                      # your own pair: the draft as given, so a diff or the gate can load it again (like SGLang's)
+                      **({"draft_dir": str(ddir)} if self.spec.model_dir is not None and ddir is not None else {}),
                       **(settings or {})},
             model_dir=tdir, draft_dir=ddir if self.spec.drafter == "dflash" else None, dtype=self.spec.dtype,
             device=self.spec.device, budget=self.spec.budget, block_size=self.drafter.block_size,
