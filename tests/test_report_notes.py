@@ -120,3 +120,32 @@ def test_diff_of_a_golden_file_names_its_manifest_entry():
     assert "refcheck gate judges it through its manifest entry, which this diff does not apply" in out
     assert "allow_unsupported kv,conv,recurrent" in out
     assert golden_entry_for(ROOT / "README.md") is None
+
+
+def test_trace_show_prints_one_readable_fact_a_line(cli):
+    code, _, out = cli("trace", "show", str(default_golden_dir() / "sglang-hybrid-ngram-b11.arrow"))
+    assert code == 0 and "{" not in out and "None" not in out
+    assert "engine: sglang 0.5.17 · algorithm NGRAM" in out and "no draft model" in out
+    assert "requests: 6 (code-1, code-2, arith-1, arith-2, prose-1, prose-2) · verify steps: 219 · mean τ 1.785" in out
+    assert "recorded with: refcheck 0.1.0, torch 2.11.0+cu130, transformers 5.12.1" in out
+
+
+def test_the_readme_lists_every_fault_engine():
+    """README's fault:NAME table names every discrete fault and the graded ones' stems, nothing else."""
+    from refcheck.selftest.faults import fault_names
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| NAME | what the engine gets wrong |"):]
+    table = table[:table.index("\n\n")]
+    listed = {m.group(1) for m in re.finditer(r"^\| `([a-z0-9:.\-A-Z]+)` \|", table, re.M)}
+    want = {n.split(":")[0] + (":EPS" if ":" in n else "") for n in fault_names()}
+    assert listed == want
+
+
+def test_an_expected_failure_row_shows_the_request_its_manifest_checks():
+    other = Finding(Verdict.FAIL, "logits", "arith-2", 0, node=7, message="m")
+    checked = Finding(Verdict.FAIL, "logits", "code-1", 0, node=6, layer=3, message="m")
+    r = report(other, checked)
+    r.expect_failure, r.expect_first = "fail:logits", {"request_id": "code-1", "step": 0, "node": 6, "layer": 3}
+    assert headline(r) is checked
+    assert "expected failure caught" in printed(report_table, [r], "t") and "code-1 step 0 node 6" in printed(report_table, [r], "t")

@@ -86,9 +86,14 @@ def _order(f: Finding) -> tuple:
 
 
 def headline(report: Report) -> Finding | None:
-    """The finding the table shows: the earliest (by step, then category order) of the requests'
-    first divergences."""
-    firsts = list(report.first_divergence().values())
+    """The finding the table shows: for an expected failure with an ``expect_first``, that request's
+    first divergence (what the manifest checks); else the earliest (by step, then category order) of
+    the requests' first divergences."""
+    fd = report.first_divergence()
+    want = (report.expect_first or {}).get("request_id") if report.expect_failure is not None else None
+    if want in fd:
+        return fd[want]
+    firsts = list(fd.values())
     return min(firsts, key=_order) if firsts else None
 
 
