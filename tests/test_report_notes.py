@@ -149,3 +149,11 @@ def test_an_expected_failure_row_shows_the_request_its_manifest_checks():
     r.expect_failure, r.expect_first = "fail:logits", {"request_id": "code-1", "step": 0, "node": 6, "layer": 3}
     assert headline(r) is checked
     assert "expected failure caught" in printed(report_table, [r], "t") and "code-1 step 0 node 6" in printed(report_table, [r], "t")
+
+
+def test_the_goldens_diff_notes_only_entries_with_rules():
+    gdir = default_golden_dir()
+    assert printed(golden_note, gdir / "hybrid-b15.arrow", True) == ""
+    out = printed(golden_note, gdir / "zlab-hybrid-chain.arrow", True)
+    assert out.startswith("note: golden zlab-hybrid-chain: its reviewed findings were applied here")
+    assert "expect fail:logits; allow_unsupported kv,conv,recurrent" in out

@@ -211,10 +211,16 @@ def golden_note(path: Path, applied: bool) -> None:
     if found is None:
         return
     name, entry = found
-    head = (f"note: {path} is golden case {name!r} of {Path(path).parent / 'MANIFEST.json'}; "
-            + ("its reviewed findings were applied here, the gate applies the whole entry:" if applied else
-               f"refcheck gate judges it through its manifest entry, which this diff does not apply "
-               f"(the gate's verdict: refcheck gate {Path(path).parent} --case {name}):"))
-    err.print(head, markup=False, soft_wrap=True)
-    for rule in entry_rules(entry):
+    rules = entry_rules(entry)
+    if applied:  # the goldens of `refcheck diff [--budget B]`: only entries with rules beyond "expect pass" are news
+        s = entry.provenance
+        if s.get("expect", "pass") == "pass" and not s.get("allow_unsupported") and not s.get("triaged"):
+            return
+        err.print(f"note: golden {name}: its reviewed findings were applied here; refcheck gate applies its whole "
+                  f"manifest entry: " + "; ".join(r.split(": ")[0] for r in rules), markup=False, soft_wrap=True)
+        return
+    err.print(f"note: {path} is golden case {name!r} of {Path(path).parent / 'MANIFEST.json'}; refcheck gate judges it "
+              f"through its manifest entry, which this diff does not apply (the gate's verdict: refcheck gate "
+              f"{Path(path).parent} --case {name}):", markup=False, soft_wrap=True)
+    for rule in rules:
         err.print(f"  {rule}", markup=False, soft_wrap=True)
