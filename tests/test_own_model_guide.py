@@ -69,7 +69,7 @@ def own_pair(tmp_path: Path) -> tuple[Path, Path]:
     return t, d
 
 
-@pytest.mark.slow  # five refcheck commands, four of them full diffs: about 10 s on an idle 2-core machine
+@pytest.mark.slow  # five refcheck commands, four of them full diffs of two 8-token prompts
 def test_the_readme_own_model_guide_runs_end_to_end(cli, monkeypatch, tmp_path):
     t, d = own_pair(tmp_path)
     work = tmp_path / "work"
