@@ -7,7 +7,8 @@ with the code. Codes follow pytest's spirit:
 ==== =====================================================================
 0    pass
 1    mismatch found (tokens, logprobs, acceptance, state) / AR check failed
-2    usage: bad option, malformed prompts file, bad budget (also one too big
+2    usage: bad option, malformed prompts file (text prompts for a model
+     directory without a tokenizer or chat template: :class:`TokenizerError`), bad budget (also one too big
      for the context or the memory), bad prompt, a case name that is not a
      plain name, an output path or golden directory that cannot be written
      (:class:`OutputPathError`, checked before any work)
@@ -48,6 +49,11 @@ class UsageError(RefcheckError):
 
 class PromptsFileError(UsageError):
     """The prompts file is missing or not valid JSONL of the documented shape."""
+
+
+class TokenizerError(UsageError):
+    """A prompts file gives text (``prompt`` / ``messages``) but the target's directory has no tokenizer
+    (or no chat template) to turn it into ids; names the directory and the files looked for."""
 
 
 class ModelError(RefcheckError):

@@ -87,7 +87,7 @@ def report_from_json(d: dict) -> Report:
     """The :class:`Report` whose ``to_json()`` is ``d``."""
     findings = [Finding(**{**f, "verdict": Verdict(f["verdict"])}) for f in d["findings"]]
     return Report(case=d["case"], mode=d["mode"], findings=findings, checks=Counter(d["checks"]), stats=d["stats"],
-                  expect_failure=d["expect_failure"])
+                  expect_failure=d["expect_failure"], expect_first=d.get("expect_first"))
 
 
 class ReportCache:

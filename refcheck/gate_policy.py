@@ -55,16 +55,46 @@ class GatePolicy:
                    tuple(settings.get("triaged", [])))
 
     def apply(self, report: Report) -> Report:
-        """The gate's report from the diff's (in place; returned for chaining)."""
+        """The gate's report from the diff's (in place; returned for chaining), with the rules that changed
+        a verdict listed in words in ``report.stats["manifest_rules"]``."""
+        let_through: dict[str, int] = {}
         for f in list(report.findings):
-            if f.verdict in (Verdict.UNSUPPORTED, Verdict.SKIPPED) and f.category not in self.allow_unsupported:
-                report.add(Finding(Verdict.FAIL, f.category, f.request_id, f.step,
-                                   message=f"gate is strict about skips: {f.verdict.value} {f.category} ({f.message})"))
-        apply_triage(report, list(self.triaged))
+            if f.verdict in (Verdict.UNSUPPORTED, Verdict.SKIPPED):
+                if f.category in self.allow_unsupported:
+                    let_through[f.category] = let_through.get(f.category, 0) + 1
+                else:
+                    report.add(Finding(Verdict.FAIL, f.category, f.request_id, f.step,
+                                       message=f"gate is strict about skips: {f.verdict.value} {f.category} ({f.message})"))
+        triaged = apply_triage(report, list(self.triaged))
         if self.expect != "pass":
             report.expect_failure = self.expect
             report.expect_first = self.expect_first
+        report.stats["manifest_rules"] = self.rules_applied(let_through, triaged)
         return report
+
+    def rules_applied(self, let_through: dict[str, int], triaged: list[Finding]) -> list[str]:
+        """The rules that changed a verdict, in words: unrecorded categories allowed (with how many checks),
+        reviewed failures triaged (where), and an expected failure."""
+        rules = [f"allow_unsupported {cat}: {n} {cat} check(s) the engine did not record are allowed (without this "
+                 "entry the gate fails them)" for cat, n in sorted(let_through.items())]
+        if triaged:
+            rules.append(f"triaged: {len(triaged)} reviewed failure(s) reported as triaged, not failed: " + ", ".join(
+                f"{f.request_id} step {f.step}" + ("" if f.node is None else f" node {f.node}") + f" {f.category}"
+                for f in triaged))
+        if self.expect != "pass":
+            rules.append(describe_expect(self.expect, self.expect_first))
+        return rules
+
+
+def describe_expect(expect: str, first: dict | None) -> str:
+    """``expect fail:logits, first at code-1 step 0 node 6 layer 3: ...`` in words."""
+    text = f"expect {expect}: a known-buggy engine's trace; the case passes only when refcheck finds " + (
+        f"a {expect.split(':', 1)[1]} failure" if ":" in expect else "a failure")
+    if first:
+        at = f"{first['request_id']} step {first['step']}" + ("" if first.get("node") is None else f" node {first['node']}") + (
+            "" if first.get("layer") is None else f" layer {first['layer']}")
+        text += f", first at {at}"
+    return text
 
 
 def parse_triage(keys: list[str]) -> list[dict]:
@@ -85,13 +115,15 @@ def triage_key(f: Finding) -> tuple:
     return (f.request_id, f.step, f.node, f.category)
 
 
-def apply_triage(report: Report, triaged: list[dict]) -> None:
-    """Failures listed in the manifest become TRIAGED; any other failure still fails the case."""
+def apply_triage(report: Report, triaged: list[dict]) -> list[Finding]:
+    """Failures listed in the manifest become TRIAGED (marked ``details["triaged_by"] = "manifest"``);
+    any other failure still fails the case. Returns the findings it changed."""
     keys = {(t["request_id"], t["step"], t["node"], t["category"]) for t in triaged}
     changed = []
     for f in report.findings:
         if f.verdict == Verdict.FAIL and triage_key(f) in keys:
             f.verdict = Verdict.TRIAGED
+            f.details["triaged_by"] = "manifest"
             changed.append(f)
     steps = report.stats.get("steps")
     if steps and changed:  # replayed steps that failed and whose every failure is now triaged
@@ -99,6 +131,7 @@ def apply_triage(report: Report, triaged: list[dict]) -> None:
         moved = {(f.request_id, f.step) for f in changed if f.step is not None} - failing
         steps["fail"] = steps.get("fail", 0) - len(moved)
         steps["triaged"] = steps.get("triaged", 0) + len(moved)
+    return changed
 
 
 def parse_expect_first(key: str | None) -> dict | None:

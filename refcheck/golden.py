@@ -30,8 +30,9 @@ from pathlib import Path
 from refcheck.budget import budget_label
 from refcheck.diff.findings import Report, check_category
 from refcheck.diff.session import DiffSession, reference_spec_for
-from refcheck.errors import CorruptTraceError, GoldenError, UsageError
-from refcheck.gate_policy import GatePolicy, parse_expect_first, parse_triage
+from refcheck.drift import Drift, numeric_drift, version_changes
+from refcheck.errors import CorruptTraceError, GoldenError, RefcheckError, UsageError
+from refcheck.gate_policy import GatePolicy, describe_expect, parse_expect_first, parse_triage
 from refcheck.profile import Profile, count, phase
 from refcheck.prompts import load_prompts
 from refcheck.provenance import dir_sha256, stale_reasons
@@ -85,18 +86,26 @@ def _summary(prov: dict) -> dict:
 # -- review -----------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Review:
+    """One case's regeneration against its stored golden. ``status``: "new"; "unchanged" (same tokens,
+    acceptance, numbers and library versions); "drifted" (same tokens and acceptance, but numbers or
+    recorded library versions differ: the bytes change); "changed" (tokens, acceptance or the stale-
+    making provenance differ); "old unreadable"."""
+
     case: str
-    status: str  # "new" | "unchanged" | "changed" | "old unreadable"
+    status: str
     provenance_changes: list[str] = field(default_factory=list)
     first_divergence: dict[str, int] = field(default_factory=dict)  # request -> first differing output index
     tau_old: float | None = None
     tau_new: float | None = None
     written: str = ""
+    version_changes: list[str] = field(default_factory=list)  # "transformers 5.23.0 → 5.24.0"
+    drift: Drift | None = None  # numbers where old and new describe the same step
 
     def to_json(self) -> dict:
         return {"case": self.case, "status": self.status, "provenance_changes": self.provenance_changes,
                 "first_divergence": self.first_divergence, "tau_old": self.tau_old, "tau_new": self.tau_new,
-                "written": self.written}
+                "written": self.written, "version_changes": self.version_changes,
+                "numeric_drift": self.drift.to_json() if self.drift else None}
 
 
 def _mean_tau(trace: Trace) -> float | None:
@@ -123,8 +132,10 @@ def review(case: str, old: Trace | None, new: Trace) -> Review:
             rev.first_divergence[r.request_id] = i
     old_steps = [(s.request_id, s.step, s.accept_length, s.accepted) for s in old.steps]
     new_steps = [(s.request_id, s.step, s.accept_length, s.accepted) for s in new.steps]
+    rev.version_changes = version_changes(old.provenance, new.provenance)
+    rev.drift = numeric_drift(old, new)
     same = not rev.first_divergence and old_steps == new_steps and not rev.provenance_changes
-    rev.status = "unchanged" if same else "changed"
+    rev.status = "changed" if not same else ("drifted" if rev.version_changes or rev.drift.any else "unchanged")
     return rev
 
 
@@ -144,8 +155,10 @@ def regenerate(
         stored = set(load_manifest(golden_dir, allow_missing=True).cases)
         engine = [n for n in unknown if n in stored]
         if engine:
-            raise UsageError(f"golden case(s) {engine} hold another engine's trace, which regen cannot re-run: record them "
-                             "again with that engine (SGLang: scripts/sglang_suite.py on a GPU) and replace them with "
+            raise UsageError(f"golden case(s) {engine} hold another engine's trace (or one of your own model), which regen "
+                             "cannot re-run: regen re-runs only the built-in reference cases. Record them again with "
+                             "their engine (SGLang: scripts/sglang_suite.py on a GPU; your model: refcheck diff --engine "
+                             "reference --model DIR --draft DIR --prompts FILE --save-trace TRACE) and replace them with "
                              "refcheck golden add TRACE --case NAME --reason ...")
         raise UsageError(f"unknown golden case(s) {unknown} (known: {', '.join(GOLDEN_CASES)})")
     if accept:
@@ -320,6 +333,39 @@ def check_trace(name: str, trace: Trace, settings: dict | GatePolicy, session: D
     report = session.diff(trace, name, mode=mode, strict_acceptance=trace.prov.is_reference, ref_dtype=ref_dtype,
                           ref_device=ref_device)
     return policy.apply(report)
+
+
+def entry_rules(entry) -> list[str]:
+    """Everything a golden's manifest entry tells the gate, in words (for ``refcheck diff --against``
+    a golden file: what the gate will apply that a plain diff does not)."""
+    s = entry.provenance
+    rules = [describe_expect(s.get("expect", "pass"), s.get("expect_first")) if s.get("expect", "pass") != "pass"
+             else "expect pass: any failure fails the case"]
+    if s.get("allow_unsupported"):
+        rules.append("allow_unsupported " + ",".join(s["allow_unsupported"]) + ": checks the engine did not record in "
+                     "these categories do not fail the case (any other unsupported or skipped check does)")
+    else:
+        rules.append("no allow_unsupported: every unsupported or skipped check fails the case")
+    if s.get("triaged"):
+        rules.append("triaged (reviewed findings reported as triaged): " + ", ".join(
+            f"{t['request_id']} step {t['step']}" + ("" if t.get("node") is None else f" node {t['node']}") + f" {t['category']}"
+            for t in s["triaged"]))
+    return rules
+
+
+def golden_entry_for(path: Path):
+    """(case name, manifest entry) when ``path`` is a golden listed in the MANIFEST.json beside it, else None."""
+    path = Path(path)
+    if not (path.parent / "MANIFEST.json").is_file():
+        return None
+    try:
+        manifest = load_manifest(path.parent)
+    except (RefcheckError, OSError):
+        return None  # a broken manifest beside a trace says nothing about this diff
+    for name, entry in manifest.cases.items():
+        if entry.file == path.name:
+            return name, entry
+    return None
 
 
 def shared_work_key(entry) -> tuple:

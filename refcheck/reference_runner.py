@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from refcheck import model_checks
 from refcheck.errors import NonFiniteError, UsageError
-from refcheck.models import DEFAULT_PAIR, builtin_pair
 from refcheck.prompts import Prompt
 from refcheck.prompts import prompt_set_hash
 from refcheck.provenance import build_provenance
@@ -35,32 +34,10 @@ from reference.scripted import ScriptedDrafter
 from reference.target import Target
 from reference.tree import TreeError
 
+from refcheck.spec import DRAFTERS, DTYPE_NAMES, EngineSpec  # noqa: F401 - re-exported: runners take a spec
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DRAFTERS = ("dflash", "scripted")
-
-
-@dataclass(slots=True)
-class EngineSpec:
-    model_dir: Path | None = None  # None = the built-in pair's target
-    draft_dir: Path | None = None
-    pair: str = DEFAULT_PAIR
-    dtype: str = "float32"
-    device: str = "cpu"
-    drafter: str = "dflash"
-    budget: int | None = 15  # None = chain mode
-    max_new_tokens: int = 64
-    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
-    seed: int = 0
-
-    @property
-    def model_label(self) -> str:
-        return f"builtin:{self.pair}" if self.model_dir is None else str(self.model_dir)
-
-    def resolved_dirs(self) -> tuple[Path, Path | None]:
-        if self.model_dir is None:
-            tdir, ddir = builtin_pair(self.pair)
-            return tdir, self.draft_dir or ddir
-        return Path(self.model_dir), (Path(self.draft_dir) if self.draft_dir else None)
+assert tuple(DTYPES) == DTYPE_NAMES
 
 
 def _quiet_transformers() -> None:
@@ -147,6 +124,8 @@ class ReferenceRunner:
         return build_provenance(
             engine=engine, engine_version=__import__("refcheck").__version__,
             settings={"pair": self.spec.pair, "seed": self.spec.seed, "stop_token_ids": sorted(self.spec.stop_token_ids),
+                      # your own pair: the draft as given, so a diff or the gate can load it again (like SGLang's)
+                      **({"draft_dir": str(ddir)} if self.spec.model_dir is not None and ddir is not None else {}),
                       **(settings or {})},
             model_dir=tdir, draft_dir=ddir if self.spec.drafter == "dflash" else None, dtype=self.spec.dtype,
             device=self.spec.device, budget=self.spec.budget, block_size=self.drafter.block_size,

@@ -130,6 +130,19 @@ ONE_PROMPT = '{"id": "a", "prompt_ids": [30, 31, 32, 33, 34, 35]}\n'
 FAST = ["--max-new-tokens", "3", "--drafter", "scripted"]
 
 
+def _text_run(line: str, drop: tuple[str, ...] = (), corrupt: str | None = None) -> Callable[[Path], list[str]]:
+    """``run`` on a copy of the built-in pair whose target directory lost ``drop`` / has ``corrupt`` garbled,
+    with a prompts file of one text line."""
+    def build(work: Path) -> list[str]:
+        t, d = model_copy(work)
+        for name in drop:
+            (t / name).unlink()
+        if corrupt:
+            (t / corrupt).write_text("{not a tokenizer")
+        return ["run", "--model", str(t), "--draft", str(d), "--max-new-tokens", "2", "--prompts", str(prompts(work, line))]
+    return build
+
+
 # ------------------------------------------------------------------------------ the corpus
 @dataclass(frozen=True)
 class Bad:
@@ -314,6 +327,19 @@ CORPUS: list[Bad] = [
     Bad("prompts-repeated-id", "prompt", lambda w: ["run", "--prompts", str(prompts(w, ONE_PROMPT * 2))], EXIT_USAGE, "repeats prompt ids"),
     Bad("prompts-outside-vocab", "prompt", lambda w: ["run", "--prompts", str(prompts(w, '{"id": "a", "prompt_ids": [1, 99999]}\n')), *FAST],
         EXIT_USAGE, r"token id out of range \[0, 512\)"),
+    Bad("prompts-text-no-tokenizer", "prompt", _text_run('{"id": "a", "prompt": "The quiet river"}\n', drop=("tokenizer.json",)),
+        EXIT_USAGE, r"has no tokenizer \(tokenizer\.json or tokenizer_config\.json\)"),
+    Bad("prompts-chat-no-template", "prompt", _text_run('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n'),
+        EXIT_USAGE, "has no chat template"),
+    Bad("prompts-text-and-ids", "prompt", lambda w: ["run", "--prompts", str(prompts(w, '{"id": "a", "prompt": "x", "prompt_ids": [3]}\n'))],
+        EXIT_USAGE, "give exactly one of 'prompt_ids'"),
+    Bad("prompts-text-empty", "prompt", lambda w: ["run", "--prompts", str(prompts(w, '{"id": "a", "prompt": ""}\n'))],
+        EXIT_USAGE, "'prompt' must be non-empty text"),
+    Bad("prompts-messages-malformed", "prompt", lambda w: ["run", "--prompts", str(prompts(w, '{"id": "a", "messages": [{"role": 1}]}\n'))],
+        EXIT_USAGE, "'messages' must be a non-empty list"),
+    Bad("prompts-bad-tokenizer-file", "prompt", _text_run('{"id": "a", "prompt": "The quiet river"}\n',
+                                                            corrupt="tokenizer.json"),
+        EXIT_USAGE, "is not a tokenizer file"),
     # ---- output paths
     Bad("save-trace-missing-dir", "output", lambda w: ["diff", "--engine", "reference", "--save-trace", str(w / "no" / "t.arrow"), *FAST],
         EXIT_USAGE, "--save-trace .*: directory .* does not exist \\(nothing was run\\)"),

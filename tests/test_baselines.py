@@ -284,3 +284,20 @@ def test_verdict_pass_fail_inconclusive():
 
     v = acceptance_verdict([], ddtree.tau)
     assert v["verdict"] == "INCONCLUSIVE" and v["mean"] is None
+
+
+def test_a_budget_on_a_best_budget_source_says_what_the_rows_give():
+    """Table 1 reports the best budget per row: asking it for --budget 15 names the candidates and the
+    per-budget source, never an empty "available:" list."""
+    import pytest
+
+    from refcheck.baselines import NoMatchingBaseline, load_baselines, match
+
+    with pytest.raises(NoMatchingBaseline) as exc:
+        match(load_baselines("ddtree_table1"), model="Qwen3-8B", dataset="MATH-500", temperature=0.0,
+              method="ddtree", budget=15)
+    msg = str(exc.value)
+    assert "available: \n" not in msg + "\n" and "available: " not in msg.split("nearest")[0]
+    assert "best of budgets 16, 32, 64, 128, 256, 512, 1024" in msg
+    assert "--source ddtree_budget_sweep (per-budget rows: 16, 32" in msg
+    assert match(load_baselines("ddtree_budget_sweep"), model="Qwen3-8B", dataset="MATH-500", budget=16)

@@ -272,6 +272,20 @@ def match(rows: list[BaselineRow], *, model: str | None = None, dataset: str | N
     raise NoMatchingBaseline(_no_match_message(rows, crit))
 
 
+def _absent_why(rows: list[BaselineRow], key: str) -> str:
+    """Why no row has ``key``: for budgets, that the source reports the best of several (which ones),
+    and where per-budget rows are."""
+    if key != "budget":
+        return f"no row of this source gives a {key}"
+    cands = sorted({r.extra["budget_candidates"] for r in rows if r.extra.get("budget_candidates")})
+    per_budget = sorted({r.budget for r in load_baselines() if r.budget is not None and "histogram" not in r.extra})
+    text = "these rows give no budget"
+    if cands:
+        text += f" (DDTree rows report the best of budgets {cands[0].replace(';', ', ')})"
+    return (text + "; leave out --budget to compare with them, or use --source ddtree_budget_sweep (per-budget rows: "
+            + ", ".join(map(str, per_budget)) + ")")
+
+
 def _no_match_message(rows: list[BaselineRow], crit: dict) -> str:
     want = ", ".join(f"{k}={v!r}" for k, v in crit.items()) or "(no criteria)"
     if not rows:
@@ -286,6 +300,9 @@ def _no_match_message(rows: list[BaselineRow], crit: dict) -> str:
             "model", "dataset", "method") else []
         if k in ("model", "dataset", "method"):
             close += [a for a in avail if _norm(str(v)) in _norm(a) and a not in close][:3]
+        if not avail:  # no row gives this field at all: say so, and what the rows give instead
+            lines.append(f"  {k}={v!r} matches no row: {_absent_why(rows, k)}")
+            continue
         shown = close or avail[:12]
         label = "did you mean" if close else "available"
         more = "" if close or len(avail) <= 12 else f" (+{len(avail) - 12} more)"

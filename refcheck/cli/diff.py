@@ -9,10 +9,11 @@ import click
 from refcheck.budget import budget_json, budget_label
 from refcheck.cli.app import err, main
 from refcheck.cli.options import DeviceType, model_options, spec_from_options, unless_given
+from refcheck.cli.notes import explain_target, headline, where
 from refcheck.cli.reports import finish, report_table, steps_table
 from refcheck.errors import GoldenError, UsageError
 from refcheck.prompts import load_prompts, prompt_set_hash
-from refcheck.reference_runner import DTYPES
+from refcheck.spec import DTYPE_NAMES
 
 
 def _engine_and_options(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, device, mem_fraction=None,
@@ -44,7 +45,7 @@ def _engine_and_options(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype
 @click.option("--against", "against", type=click.Path(path_type=Path), multiple=True, help="Engine trace file(s) to diff.")
 @click.option("--mode", type=click.Choice(["replay", "free", "both"]), default="both", show_default=True)
 @click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None, help="Golden directory.")
-@click.option("--ref-dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True)
+@click.option("--ref-dtype", type=click.Choice(list(DTYPE_NAMES)), default="float32", show_default=True)
 @click.option("--ref-device", type=DeviceType(), default="cpu", show_default=True)
 @click.option("--save-trace", type=click.Path(path_type=Path), default=None, help="Write the live engine's trace here.")
 @click.option("--workers", "--gpus", "workers", type=click.IntRange(min=1), default=1, show_default=True,
@@ -88,6 +89,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
     session = DiffSession()
     reports = []
     traces = []  # the engine trace behind each report (for --steps)
+    golden_notes: list[tuple[Path, bool]] = []  # goldens diffed: (file, whether their reviewed findings were applied)
     if ref_shards > 1 and not against:
         raise UsageError("--ref-shards works with --against TRACE (record live engines with --save-trace first)")
     if engine:
@@ -99,7 +101,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
                                                                  tp, dtype, device, mem_fraction, max_running,
                                                                  layer_sketches)
         spec = spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids)
-        prompts = load_prompts(prompts_file)
+        prompts = load_prompts(prompts_file, spec.resolved_dirs()[0])
         from refcheck.diff.tolerance import calibration_for
 
         calibration_for(spec.dtype, spec.device)  # no verdict for these numerics: say so before the engine runs
@@ -115,6 +117,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
             err.print(f"diffing {path}" + (f" against the reference sharded over {ref_shards} processes" if ref_shards > 1
                                             else ""), markup=False)
             traces.append(read_trace(path))
+            golden_notes.append((Path(path), False))
             if ref_shards > 1:
                 from refcheck.sharding import sharded_diff
 
@@ -138,6 +141,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
             err.print(f"diffing golden {name} against the live reference", markup=False)
             # the gate's own judgement of the golden (its manifest entry's rules included): diff and gate agree
             reports.append(check_trace(name, trace, manifest.cases[name].provenance, session, mode, ref_dtype, ref_device))
+            golden_notes.append((gdir / manifest.cases[name].file, True))
             traces.append(trace)
     # the budgets diffed: the traces' own (an --against trace of budget 64 is not "budget 15")
     shown = sorted({budget_label(t.prov.budget) for t in traces}) or [budget_label(budget)]
@@ -145,6 +149,8 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
     if steps:
         for report, trace in zip(reports, traces):
             steps_table(report, trace)
+    for path, applied in golden_notes:
+        golden_note(path, applied)
     files = list(against) if against else ([save_trace] * len(reports) if save_trace else [])
     for report, path in zip(reports, files):
         _explain_hint(report, path)
@@ -166,12 +172,38 @@ def report_json_and_raise(reports, as_json: bool, error: Exception) -> None:
 
 
 def _explain_hint(report, path) -> None:
-    """The command that explains the earliest failing node with a per-node finding (logits); with
+    """The command that explains the node the table shows (:func:`refcheck.cli.notes.explain_target`:
+    the headline finding when it is a node-level logits finding, else the earliest one that is); with
     ``--layer`` when layer bisection placed it (the trace carries layer sketches)."""
-    nodes = [f for f in report.first_divergence().values() if f.node is not None and f.step is not None
-             and f.category == "logits"]
-    if nodes:
-        f = min(nodes, key=lambda f: (f.step, f.request_id))
-        layer = " --layer" if f.layer is not None else ""  # bisected: the trace has layer sketches to explain with
-        err.print(f"explain it: refcheck explain {path} --request {f.request_id} --step {f.step} --node {f.node}{layer}",
-                  markup=False, soft_wrap=True)  # one line, whatever the width: a command to paste
+    f = explain_target(report)
+    if f is None:
+        return
+    shown = headline(report)
+    layer = " --layer" if f.layer is not None else ""  # bisected: the trace has layer sketches to explain with
+    why = "" if f is shown else f" (the table's {where(shown)} is not a node-level logits finding; this is the earliest one)"
+    err.print(f"explain it: refcheck explain {path} --request {f.request_id} --step {f.step} --node {f.node}{layer}{why}",
+              markup=False, soft_wrap=True)  # one line, whatever the width: a command to paste
+
+
+def golden_note(path: Path, applied: bool) -> None:
+    """When ``path`` is a golden listed in the manifest beside it: say that ``refcheck gate`` judges it
+    through that entry, what the entry says, and whether this diff applied it."""
+    from refcheck.golden import entry_rules, golden_entry_for
+
+    found = golden_entry_for(path)
+    if found is None:
+        return
+    name, entry = found
+    rules = entry_rules(entry)
+    if applied:  # the goldens of `refcheck diff [--budget B]`: only entries with rules beyond "expect pass" are news
+        s = entry.provenance
+        if s.get("expect", "pass") == "pass" and not s.get("allow_unsupported") and not s.get("triaged"):
+            return
+        err.print(f"note: golden {name}: its reviewed findings were applied here; refcheck gate applies its whole "
+                  f"manifest entry: " + "; ".join(r.split(": ")[0] for r in rules), markup=False, soft_wrap=True)
+        return
+    err.print(f"note: {path} is golden case {name!r} of {Path(path).parent / 'MANIFEST.json'}; refcheck gate judges it "
+              f"through its manifest entry, which this diff does not apply (the gate's verdict: refcheck gate "
+              f"{Path(path).parent} --case {name}):", markup=False, soft_wrap=True)
+    for rule in rules:
+        err.print(f"  {rule}", markup=False, soft_wrap=True)

@@ -82,13 +82,18 @@ def golden_regen(cases, reason, accept, golden_dir, as_json):
     reviews = regenerate(golden_dir or default_golden_dir(), list(cases) or None, reason, accept, DiffSession(),
                          progress=progress_line)
     table = Table(title="golden regen review" + ("" if accept else " (pending: nothing replaced)"))
-    for col in ("case", "status", "τ old → new", "first divergences", "provenance changes"):
+    for col in ("case", "status", "τ old → new", "first divergences", "library versions", "numbers", "provenance changes"):
         table.add_column(col)
     for r in reviews:
         tau = f"{r.tau_old:.3f} → {r.tau_new:.3f}" if r.tau_old is not None else f"- → {r.tau_new:.3f}"
-        div = ", ".join(f"{k}@{v}" for k, v in r.first_divergence.items()) or "-"
-        table.add_row(r.case, r.status, tau, div, "; ".join(r.provenance_changes) or "-")
+        div = ", ".join(f"{k}@{v}" for k, v in r.first_divergence.items()) or "none"
+        versions = "; ".join(r.version_changes) or ("new golden" if r.drift is None else "same")
+        numbers = "new golden" if r.drift is None else r.drift.summary()
+        table.add_row(r.case, r.status, tau, div, versions, numbers, "; ".join(r.provenance_changes) or "none")
     err.print(table)
+    err.print("status: unchanged = same tokens, acceptance, numbers and library versions · drifted = same tokens and "
+              "acceptance, other numbers or library versions (the bytes change) · changed = tokens, acceptance or "
+              "the recorded models/settings differ", markup=False)
     if as_json:
         click.echo(json.dumps({"accepted": accept, "reviews": [r.to_json() for r in reviews]}, indent=2))
     if not accept:

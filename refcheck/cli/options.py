@@ -8,7 +8,7 @@ import click
 
 from refcheck.errors import UsageError
 from refcheck.models import BUILTIN_PAIRS, DEFAULT_PAIR
-from refcheck.reference_runner import DRAFTERS, DTYPES, EngineSpec
+from refcheck.spec import DRAFTERS, DTYPE_NAMES, EngineSpec
 
 
 class BudgetType(click.ParamType):
@@ -51,10 +51,12 @@ def model_options(f):
         click.option("--model", "model_dir", type=click.Path(path_type=Path), help="Target checkpoint directory (default: built-in)."),
         click.option("--draft", "draft_dir", type=click.Path(path_type=Path), help="DFlash draft checkpoint directory."),
         click.option("--pair", type=click.Choice(BUILTIN_PAIRS), default=DEFAULT_PAIR, show_default=True, help="Built-in model pair."),
-        click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), help="Prompts JSONL (default: built-in)."),
+        click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), help="Prompts JSONL, one object a line with \"prompt_ids\" (token ids), \"prompt\" (text) or "
+                     "\"messages\" (chat); text is tokenized with the --model directory's own tokenizer (default: the "
+                     "built-in prompts)."),
         click.option("--budget", type=BudgetType(), default="15", show_default=True, help="Node budget B, or 'chain'."),
         click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True),
-        click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True),
+        click.option("--dtype", type=click.Choice(list(DTYPE_NAMES)), default="float32", show_default=True),
         click.option("--device", type=DeviceType(), default="cpu", show_default=True),
         click.option("--drafter", type=click.Choice(DRAFTERS), default="dflash", show_default=True,
                      help="'scripted' = the target's own continuation with decoys (testing)."),

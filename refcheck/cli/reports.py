@@ -1,4 +1,10 @@
-"""The verdict output shared by the diffing commands: report tables, per-step tables, exit codes."""
+"""The verdict output shared by the diffing commands: report tables, per-step tables, exit codes.
+
+Contract: :func:`report_table` prints one row per report, then the column legend, the manifest
+rules that changed a verdict, a line per group of non-pass findings saying why and where
+(:mod:`refcheck.cli.notes`), the replayed steps and τ; :func:`steps_table` one row per verify
+step; :func:`finish` the JSON (with ``--json``) and the exit code. Human output goes to stderr.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +12,26 @@ import json
 import sys
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
 from refcheck.cli.app import err
+from refcheck.cli.notes import LEGEND, count_notes, headline, manifest_notes, where
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
+
+
+def first_cell(r) -> str:
+    """The table's "first divergence" cell: the headline finding (:func:`refcheck.cli.notes.headline`),
+    how many other requests fail, or the expected failure's status."""
+    first = headline(r)
+    others = len(r.first_divergence()) - 1
+    more = f"\n(+{others} more request{'s' if others > 1 else ''} failing: --steps, --json)" if others > 0 else ""
+    if r.expect_failure is not None:
+        tag = "[green]expected failure caught[/]" if r.expected_failure_met else "[red]expected failure NOT caught[/]"
+        return tag + (f"\n{escape(where(first))}: {escape(first.message)}" if first else f" ({r.expect_failure})")
+    if first is not None:
+        return f"[red]{escape(where(first))}[/]\n{escape(first.message)}{more}"
+    return "[green]none[/]"
 
 
 def report_table(reports, title: str) -> None:
@@ -18,23 +40,14 @@ def report_table(reports, title: str) -> None:
         table.add_column(col)
     for r in reports:
         c = r.counts
-        fd = r.first_divergence()
-        if r.expect_failure is not None:
-            tag = "[green]expected failure caught[/]" if r.expected_failure_met else "[red]expected failure NOT caught[/]"
-            f = next(iter(fd.values()), None)
-            first = tag + (f"\n{f.request_id} step {f.step} · {f.category}: {f.message}" if f else f" ({r.expect_failure})")
-        elif fd:
-            f = next(iter(fd.values()))
-            where = f"{f.request_id} step {f.step} node {f.node} · {f.category}"
-            if f.layer is not None:
-                where += f" · layer {f.layer} ({f.layer_type})"
-            first = f"[red]{where}[/]\n{f.message}"
-        else:
-            first = "[green]none[/]"
         table.add_row(r.case, r.mode, str(sum(r.checks.values())), str(c["pass"]), str(c["benign_tie"]),
-                      str(c["triaged"]), str(c["fail"]), str(c["unsupported"] + c["skipped"]), first)
+                      str(c["triaged"]), str(c["fail"]), str(c["unsupported"] + c["skipped"]), first_cell(r))
     err.print(table)
+    if any(r.findings for r in reports):
+        err.print(LEGEND, markup=False)
     for r in reports:
+        for line in manifest_notes(r) + count_notes(r):
+            err.print(line, markup=False)
         st = r.stats.get("steps")
         if st:
             devs = [f"max |Δ log-prob| {r.stats['max_logprob_abs']:.3g}"] if "max_logprob_abs" in r.stats else []

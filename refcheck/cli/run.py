@@ -13,7 +13,7 @@ from refcheck.cli.app import err, main, progress_line
 from refcheck.cli.options import model_options, spec_from_options
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
 from refcheck.prompts import load_prompts, prompt_set_hash
-from refcheck.reference_runner import EngineSpec, PromptRun, ReferenceRunner
+from refcheck.spec import EngineSpec
 
 ENGINES = ("reference",)  # live engines; faults are "fault:<name>" (see `refcheck selftest`)
 
@@ -24,8 +24,10 @@ ENGINES = ("reference",)  # live engines; faults are "fault:<name>" (see `refche
 @model_options
 def run(engine, check_ar, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device, drafter, stop_ids, as_json):
     """Decode prompts with an engine and report acceptance (and the AR check)."""
+    from refcheck.reference_runner import ReferenceRunner
+
     spec = spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids)
-    prompts = load_prompts(prompts_file)
+    prompts = load_prompts(prompts_file, spec.resolved_dirs()[0])
     runner = ReferenceRunner(spec)
     runs = runner.run(prompts, check_ar=check_ar, progress=progress_line)
     report = _run_report(engine, spec, prompts, runs)
@@ -35,7 +37,7 @@ def run(engine, check_ar, model_dir, draft_dir, pair, prompts_file, budget, max_
     failed = check_ar and any(r.ar_match is False for r in runs)
     sys.exit(EXIT_MISMATCH if failed else EXIT_PASS)
 
-def _run_report(engine: str, spec: EngineSpec, prompts, runs: list[PromptRun]) -> dict:
+def _run_report(engine: str, spec: EngineSpec, prompts, runs: list) -> dict:
     taus = [t for r in runs for t in r.result.accept_lengths]
     verify_ms = [1e3 * s.timings["verify"] for r in runs for s in r.result.steps]
     return {

@@ -9,6 +9,7 @@ import click
 from rich.table import Table
 
 from refcheck.cli.app import err, main, progress_line, quiet
+from refcheck.cli.notes import where
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
 
 
@@ -27,9 +28,7 @@ def selftest(faults, as_json):
         table.add_column(col)
     for r in rows:
         f = r.first
-        where = "-" if f is None else f"{f['request_id']} step {f['step']} node {f['node']} · {f['category']}" + (
-            f" · layer {f['layer']} ({f['layer_type']})" if f.get("layer") is not None else "")
-        table.add_row(r.fault, "yes" if r.detected else "no", r.expected, where, "[green]ok[/]" if r.ok else "[red]NO[/]")
+        table.add_row(r.fault, "yes" if r.detected else "no", r.expected, "not detected" if f is None else where(f), "[green]ok[/]" if r.ok else "[red]NO[/]")
     err.print(table)
     if as_json:
         click.echo(json.dumps({"rows": [r.to_json() for r in rows]}, indent=2, default=str))

@@ -50,7 +50,7 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
                       max_new_tokens, dtype, stop_ids, as_json, from_traces)
         return
     spec = spec_from_options(model_dir, draft_dir, pair, blist[0], max_new_tokens, dtype, device, drafter, stop_ids)
-    prompts = load_prompts(prompts_file)
+    prompts = load_prompts(prompts_file, spec.resolved_dirs()[0])
     if not no_plots:
         try:
             import matplotlib  # noqa: F401
@@ -96,7 +96,7 @@ def _sweep_sglang(blist, repeats, out_dir, algorithms, ref_device, model_dir, dr
             raise UsageError("--engine sglang sweeps tree budgets >= 1 (chain mode is --sglang-algorithm DFLASH in diff)")
         dtype = unless_given("dtype", dtype, "bfloat16")
         spec = spec_from_options(model_dir, draft_dir, pair, blist[0], max_new_tokens, dtype, "cuda", "dflash", stop_ids)
-        result = run_sglang_sweep(spec, load_prompts(prompts_file), blist, repeats, tuple(algorithms) or DEFAULT_ALGORITHMS,
+        result = run_sglang_sweep(spec, load_prompts(prompts_file, spec.resolved_dirs()[0]), blist, repeats, tuple(algorithms) or DEFAULT_ALGORITHMS,
                                   ref_device=ref_device, save_dir=out_dir / "traces",
                                   progress=progress_line)
     out_dir.mkdir(parents=True, exist_ok=True)

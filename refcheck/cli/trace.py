@@ -1,4 +1,9 @@
-"""``refcheck trace show``: a trace file's summary."""
+"""``refcheck trace show``: a trace file's summary.
+
+Contract: human output (stderr) is one fact a line: integrity, engine, models (hashes shortened),
+run settings, requests and steps with mean τ, size, the library versions it was recorded with;
+``--json`` prints every field, the whole provenance included. A corrupt trace is exit 4.
+"""
 
 from __future__ import annotations
 
@@ -34,6 +39,39 @@ def trace_show(path, as_json):
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
     else:
-        for k, v in info.items():
-            err.print(f"{k}: {v}", markup=False)
+        for line in summary_lines(info, [r.request_id for r in t.requests]):
+            err.print(line, markup=False, soft_wrap=True)
     sys.exit(EXIT_PASS)
+
+
+def _short(v) -> str:
+    return v[:12] + "…" if isinstance(v, str) and len(v) == 64 else str(v)
+
+
+def summary_lines(info: dict, request_ids: list[str]) -> list[str]:
+    """The human summary of ``trace show``: one fact a line, hashes shortened (``--json`` has them whole)."""
+    p = info["provenance"]
+    eng = p.get("engine", {})
+    settings = eng.get("settings", {})
+    tau = info["mean_tau"]
+    lines = [f"{info['path']}: schema {info['schema_version']}, {info['integrity']}",
+             f"engine: {eng.get('name', '?')} {eng.get('version', '')}".rstrip()
+             + (f" · algorithm {settings['algorithm']}" if settings.get("algorithm") else ""),
+             f"model: {p.get('model', '?')} (sha256 {_short(p.get('model_sha256'))})"
+             + (f" · draft {settings.get('draft_dir') or 'of the pair'} (sha256 {_short(p['draft_sha256'])})"
+                if p.get("draft_sha256") else " · no draft model"),
+             f"run: {p.get('dtype', '?')} on {p.get('device', '?')} · budget {p.get('budget', '?')} · block size "
+             f"{p.get('block_size', '?')} · drafter {p.get('drafter', '?')} · up to {p.get('max_new_tokens', '?')} new tokens",
+             f"requests: {info['requests']} ({', '.join(request_ids)}) · verify steps: {info['steps']} · mean τ "
+             + (f"{tau:.3f}" if tau is not None else "-") + " (bonus counted)",
+             f"size: {info['bytes']:,} bytes, {info['bytes_per_step']:,.0f} per step",
+             "recorded with: " + ", ".join(f"{k} {v}" for k, v in (p.get("versions") or {}).items())
+             + (f" · {p['created']}" if p.get("created") else "")]
+    if p.get("case"):
+        lines.append(f"golden case: {p['case']}")
+    cap = p.get("capture") or {}
+    if cap.get("errors") or cap.get("problems") or cap.get("incomplete"):
+        lines.append(f"capture: {len(cap.get('errors') or [])} error(s), {len(cap.get('problems') or [])} problem(s)"
+                     + (", incomplete" if cap.get("incomplete") else "") + " (--json for the list)")
+    lines.append("everything else: refcheck trace show --json")
+    return lines

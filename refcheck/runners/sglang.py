@@ -243,7 +243,9 @@ class SGLangRunner:
                                          "(to diff SGLang on a CPU machine, replay its stored traces: refcheck gate)")
         if importlib.util.find_spec("sglang") is None:
             raise EngineUnavailableError(
-                "the sglang engine needs SGLang installed; on an offline GPU machine use the bundle: "
+                "the sglang engine needs SGLang importable by this Python: pip install sglang (releases 0.5.17 and "
+                "0.5.23 are the ones refcheck's hooks were checked against), or your source tree (pip install -e "
+                "SGLANG/python, or SGLANG/python on PYTHONPATH); on an offline GPU machine use the bundle: "
                 "scripts/sglang_bundle.sh build (with network), then scripts/sglang_bundle.sh run python3 -m refcheck ...")
         self.last_assembly = None
 
