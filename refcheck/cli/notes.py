@@ -16,9 +16,11 @@ as selftest rows carry them) into human text and never prints ``None``:
 
 from __future__ import annotations
 
-from typing import Any
-
 from refcheck.diff.findings import CATEGORIES, Finding, Report, Verdict
+from refcheck.diff.place import request_place as _request_place
+from refcheck.diff.place import where
+
+__all__ = ["LEGEND", "WHY_NOT_COMPARED", "count_notes", "explain_target", "headline", "manifest_notes", "where"]
 
 #: the column legend printed under every report table
 LEGEND = ("columns: checks = comparisons made · pass = checks with no finding · benign = argmax flips at a "
@@ -47,36 +49,6 @@ VERDICT_WORDS: dict[Verdict, str] = {
     Verdict.TRIAGED: "triaged",
     Verdict.BENIGN_TIE: "benign tie(s)",
 }
-
-
-def _get(f: Finding | dict, key: str) -> Any:
-    return f.get(key) if isinstance(f, dict) else getattr(f, key)
-
-
-def where(f: Finding | dict) -> str:
-    """``code-1 step 13 node 32 · logits · layer 0 (linear_attention)``; request-level findings say
-    ``code-1 (whole request, output token 7)``."""
-    rid, step, node, layer = _get(f, "request_id"), _get(f, "step"), _get(f, "node"), _get(f, "layer")
-    parts = [str(rid)]
-    if step is None:
-        parts.append(f"({_request_place(f)})")
-    else:
-        parts.append("prefill" if step < 0 else f"step {step}")
-        if node is not None:
-            parts.append(f"node {node}")
-    text = " ".join(parts) + f" · {_get(f, 'category')}"
-    if layer is not None:
-        ltype = _get(f, "layer_type")
-        text += f" · layer {layer}" + (f" ({ltype})" if ltype else "")
-    return text
-
-
-def _request_place(f: Finding | dict) -> str:
-    """A request-level finding's place: the output token it names, or the absolute position."""
-    details, pos = _get(f, "details") or {}, _get(f, "position")
-    if "index" in details:
-        return f"whole request, output token {details['index']}"
-    return "whole request" + (f", position {pos}" if pos is not None else "")
 
 
 def _order(f: Finding) -> tuple:
