@@ -3,13 +3,13 @@
 Contract: everything here turns a :class:`refcheck.diff.findings.Report` (or a finding as a dict,
 as selftest rows carry them) into human text and never prints ``None``:
 
-* :func:`where` — a finding's place: request, prefill / step, node, layer; a request-level finding
-  says so (with the output index when it has one);
+* :func:`where` (from :mod:`refcheck.diff.place`) — a finding's place: request, prefill / step,
+  node, layer; a request-level finding says so (with the output index when it has one);
 * :func:`headline` — the one finding the table shows for a report (the earliest first divergence
   over requests), and :func:`explain_target` — the node ``refcheck explain`` should look at: the
   headline when it is a node-level logits finding, else the earliest such first divergence;
-* :func:`count_notes` — one line per (verdict, category, reason) group of non-pass findings
-  (unsupported, skipped, triaged, benign ties) with why it has that verdict and which
+* :func:`count_notes` — one line per (verdict, reason) group of non-pass, non-fail findings
+  (unsupported, skipped, triaged, benign ties), with its categories, why it has that verdict and which
   steps and nodes it is at (the first few; all of them with ``--steps`` / ``--json``);
 * :data:`LEGEND` — what the table's columns count.
 """
@@ -25,7 +25,7 @@ __all__ = ["LEGEND", "WHY_NOT_COMPARED", "count_notes", "explain_target", "headl
 #: the column legend printed under every report table
 LEGEND = ("columns: checks = comparisons made · pass = checks with no finding · benign = argmax flips at a "
           "reference near-tie · triaged = deviations within what rounding at the engine's dtype moves that node "
-          "(calibrated), or findings a person reviewed in a golden's manifest · fail = real mismatches · unsupp. = "
+          "(calibrated); or findings a person reviewed in a golden's manifest · fail = real mismatches · unsupp. = "
           "quantities the engine did not record, or checks skipped (why: below)")
 
 #: why a check was not made, keyed by the finding's message (refcheck/diff/replay.py, freerun.py)
@@ -37,7 +37,8 @@ WHY_NOT_COMPARED: dict[str, str] = {
                                                                      "(target-only or n-gram trees), so there is no "
                                                                      "draft to compare",
     "engine recorded no state": "the engine's trace carries no KV / conv / recurrent state for these steps "
-                                "(record it: SGLang capture on, --full-state, or an engine that exposes its cache)",
+                                "(its runner could not read the engine's cache: z-lab's dflash exposes none, "
+                                "SGLang's capture records it)",
     "request has no output and no steps": "the engine produced nothing for this request",
     "request has no output": "the engine produced no tokens for this request",
 }
