@@ -29,6 +29,7 @@ from pathlib import Path
 
 from refcheck.budget import budget_label
 from refcheck.diff.findings import Report, check_category
+from refcheck.diff.place import where
 from refcheck.diff.session import DiffSession, reference_spec_for
 from refcheck.drift import Drift, numeric_drift, version_changes
 from refcheck.errors import CorruptTraceError, GoldenError, RefcheckError, UsageError
@@ -234,7 +235,7 @@ def add_trace(golden_dir: Path, trace_path: Path, case: str, expect: str, allow_
         fails = [f for f in report.failures][:3]
         raise GoldenError(
             f"{trace_path} would fail the gate as {case!r} ({report.verdict}: {report.counts.get('fail', 0)} failing "
-            f"checks; first: " + "; ".join(f"{f.request_id} step {f.step} node {f.node} {f.category}: {f.message[:120]}"
+            f"checks; first: " + "; ".join(f"{where(f)}: {f.message[:120]}"
                                           for f in fails)
             + "). Review them, then add --triage REQUEST:STEP:NODE:CATEGORY for reviewed findings, "
               "--allow-unsupported CATEGORY for what the engine cannot record, or --expect fail:CATEGORY for a "

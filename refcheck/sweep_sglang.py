@@ -21,6 +21,7 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
+from refcheck.diff.place import where
 from refcheck.diff.session import DiffSession
 from refcheck.prompts import Prompt
 from refcheck.reference_runner import EngineSpec
@@ -36,8 +37,7 @@ def _first(report) -> str:
     if not fd:
         return ""
     f = min(fd.values(), key=lambda f: (f.step if f.step is not None else 1 << 30))
-    where = f"{f.request_id} step {f.step} node {f.node}" + (f" layer {f.layer}" if f.layer is not None else "")
-    return f"{where} · {f.category}"
+    return where(f)
 
 
 _STATE_ORDER = ("recurrent", "conv", "kv")

@@ -159,3 +159,12 @@ def test_the_goldens_diff_notes_only_entries_with_rules():
     out = printed(golden_note, gdir / "zlab-hybrid-chain.arrow", True)
     assert out.startswith("note: golden zlab-hybrid-chain: its reviewed findings were applied here")
     assert "expect fail:logits; allow_unsupported kv,conv,recurrent" in out
+
+
+def test_golden_add_and_sglang_sweep_name_places_without_none():
+    from refcheck.diff.place import where as place
+    from refcheck.sweep_sglang import _first
+
+    step_level = Finding(Verdict.FAIL, "tree", "code-1", 0, message="m")
+    assert place(step_level) == "code-1 step 0 · tree"
+    assert _first(report(step_level)) == "code-1 step 0 · tree"

@@ -3,27 +3,29 @@
 Contract: everything here turns a :class:`refcheck.diff.findings.Report` (or a finding as a dict,
 as selftest rows carry them) into human text and never prints ``None``:
 
-* :func:`where` — a finding's place: request, prefill / step, node, layer; a request-level finding
-  says so (with the output index when it has one);
+* :func:`where` (from :mod:`refcheck.diff.place`) — a finding's place: request, prefill / step,
+  node, layer; a request-level finding says so (with the output index when it has one);
 * :func:`headline` — the one finding the table shows for a report (the earliest first divergence
   over requests), and :func:`explain_target` — the node ``refcheck explain`` should look at: the
   headline when it is a node-level logits finding, else the earliest such first divergence;
-* :func:`count_notes` — one line per (verdict, category, reason) group of non-pass findings
-  (unsupported, skipped, triaged, benign ties) with why it has that verdict and which
+* :func:`count_notes` — one line per (verdict, reason) group of non-pass, non-fail findings
+  (unsupported, skipped, triaged, benign ties), with its categories, why it has that verdict and which
   steps and nodes it is at (the first few; all of them with ``--steps`` / ``--json``);
 * :data:`LEGEND` — what the table's columns count.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from refcheck.diff.findings import CATEGORIES, Finding, Report, Verdict
+from refcheck.diff.place import request_place as _request_place
+from refcheck.diff.place import where
+
+__all__ = ["LEGEND", "WHY_NOT_COMPARED", "count_notes", "explain_target", "headline", "manifest_notes", "where"]
 
 #: the column legend printed under every report table
 LEGEND = ("columns: checks = comparisons made · pass = checks with no finding · benign = argmax flips at a "
           "reference near-tie · triaged = deviations within what rounding at the engine's dtype moves that node "
-          "(calibrated), or findings a person reviewed in a golden's manifest · fail = real mismatches · unsupp. = "
+          "(calibrated); or findings a person reviewed in a golden's manifest · fail = real mismatches · unsupp. = "
           "quantities the engine did not record, or checks skipped (why: below)")
 
 #: why a check was not made, keyed by the finding's message (refcheck/diff/replay.py, freerun.py)
@@ -35,7 +37,8 @@ WHY_NOT_COMPARED: dict[str, str] = {
                                                                      "(target-only or n-gram trees), so there is no "
                                                                      "draft to compare",
     "engine recorded no state": "the engine's trace carries no KV / conv / recurrent state for these steps "
-                                "(record it: SGLang capture on, --full-state, or an engine that exposes its cache)",
+                                "(its runner could not read the engine's cache: z-lab's dflash exposes none, "
+                                "SGLang's capture records it)",
     "request has no output and no steps": "the engine produced nothing for this request",
     "request has no output": "the engine produced no tokens for this request",
 }
@@ -47,36 +50,6 @@ VERDICT_WORDS: dict[Verdict, str] = {
     Verdict.TRIAGED: "triaged",
     Verdict.BENIGN_TIE: "benign tie(s)",
 }
-
-
-def _get(f: Finding | dict, key: str) -> Any:
-    return f.get(key) if isinstance(f, dict) else getattr(f, key)
-
-
-def where(f: Finding | dict) -> str:
-    """``code-1 step 13 node 32 · logits · layer 0 (linear_attention)``; request-level findings say
-    ``code-1 (whole request, output token 7)``."""
-    rid, step, node, layer = _get(f, "request_id"), _get(f, "step"), _get(f, "node"), _get(f, "layer")
-    parts = [str(rid)]
-    if step is None:
-        parts.append(f"({_request_place(f)})")
-    else:
-        parts.append("prefill" if step < 0 else f"step {step}")
-        if node is not None:
-            parts.append(f"node {node}")
-    text = " ".join(parts) + f" · {_get(f, 'category')}"
-    if layer is not None:
-        ltype = _get(f, "layer_type")
-        text += f" · layer {layer}" + (f" ({ltype})" if ltype else "")
-    return text
-
-
-def _request_place(f: Finding | dict) -> str:
-    """A request-level finding's place: the output token it names, or the absolute position."""
-    details, pos = _get(f, "details") or {}, _get(f, "position")
-    if "index" in details:
-        return f"whole request, output token {details['index']}"
-    return "whole request" + (f", position {pos}" if pos is not None else "")
 
 
 def _order(f: Finding) -> tuple:
