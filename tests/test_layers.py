@@ -3,7 +3,7 @@
 * ``reference/`` never imports ``refcheck``: the reference stands on its own;
 * the trace format (``refcheck.trace``) and the diff (``refcheck.diff``) never import an engine runner
   (``refcheck.runners``, ``refcheck.engines``, ``refcheck.sglang_*``): a diff judges a trace, whatever
-  recorded it;
+  recorded it; the trace format does not import the diff either;
 * the SGLang capture (``refcheck.sglang_capture``, loaded inside SGLang's own processes) never imports
   a runner (``refcheck.runners``, which drives SGLang from outside);
 * no import cycles, lazy imports included.
@@ -56,6 +56,12 @@ def test_reference_never_imports_refcheck():
 def test_trace_format_and_diff_import_no_engine_runner():
     bad = sorted((m, e) for m, es in GRAPH.items() if _under(m, ["refcheck.trace", "refcheck.diff"])
                  for e in es if _under(e, ENGINE_SIDE))
+    assert not bad, bad
+
+
+def test_the_trace_format_does_not_import_the_diff():
+    bad = sorted((m, e) for m, es in GRAPH.items() if _under(m, ["refcheck.trace"]) for e in es
+                 if _under(e, ["refcheck.diff"]))
     assert not bad, bad
 
 
