@@ -53,3 +53,43 @@ def test_every_pattern_matches_a_file() -> None:
              if not any(q == pkg and fnmatch.fnmatchcase(rel, pat) and rel.count("/") == pat.count("/")
                         for q, rel in files)]
     assert not stale, stale
+
+
+def test_the_installed_wheel_sees_the_goldens_fresh(tmp_path: Path) -> None:
+    """Build the wheel, install it (no dependencies: this environment's) into a directory of its own and,
+    from outside the repository, hash the built-in models as an installed refcheck does: the hashes the
+    goldens were recorded with (a file missing from the wheel would make every built-in golden stale)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from refcheck.golden import REPO_GOLDEN
+    from refcheck.trace.io import read_trace
+    from refcheck.trace.manifest import load_manifest
+
+    import shutil
+
+    wheels, site, src = tmp_path / "wheels", tmp_path / "site", tmp_path / "src"
+    for part in ("refcheck", "reference"):  # built from a copy: setuptools' build/ and egg-info stay out of the repo
+        shutil.copytree(ROOT / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    run = dict(check=True, capture_output=True, text=True, timeout=600)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(wheels)], cwd=tmp_path, **run)
+    (wheel,) = wheels.glob("refcheck-*.whl")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+                   cwd=tmp_path, **run)
+    probe = ("import json, refcheck; from refcheck.models import builtin_pair; from refcheck.provenance import dir_sha256\n"
+             "print(json.dumps({'where': refcheck.__file__, **{p: [dir_sha256(d) for d in builtin_pair(p)] "
+             "for p in ('hybrid', 'attention')}}))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(site)}
+    out = json.loads(subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, **run).stdout)
+    assert out["where"].startswith(str(site))  # the installed copy, not the repository's
+    recorded = {}
+    for entry in load_manifest(REPO_GOLDEN).cases.values():
+        prov = read_trace(REPO_GOLDEN / entry.file).prov
+        if prov.model.startswith("builtin:") and prov.drafter == "dflash" and prov.draft_sha256:
+            recorded[prov.model.split(":", 1)[1]] = [prov.model_sha256, prov.draft_sha256]
+    assert recorded and all(out[pair] == shas for pair, shas in recorded.items()), (out, recorded)
