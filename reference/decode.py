@@ -145,10 +145,11 @@ class DDTreeDecoder:
                 draft_lp = torch.empty(0, target.vocab_size)
             else:
                 draft_lp = drafter.propose(bonus, state.length, depth)  # [L, V] fp32
-                if cfg.sampled:  # the draft at the same temperature (log_softmax(lp / T) = log_softmax(logits / T))
-                    draft_lp = torch.log_softmax(draft_lp / cfg.sampling.temperature, dim=-1)
+            tree_lp = draft_lp  # what the tree is built from: the draft at the target's temperature when sampling
+            if cfg.sampled and draft_lp.numel():  # log_softmax(lp / T) = log_softmax(logits / T)
+                tree_lp = torch.log_softmax(draft_lp / cfg.sampling.temperature, dim=-1)
             t1 = _clock(dev)
-            tree = build_chain(bonus, draft_lp) if cfg.budget is None else build_ddtree(bonus, draft_lp, cfg.budget)
+            tree = build_chain(bonus, tree_lp) if cfg.budget is None else build_ddtree(bonus, tree_lp, cfg.budget)
             t2 = _clock(dev)
             fwd = self.verify(state, tree, capture)
             logp = torch.log_softmax(fwd.logits, dim=-1)  # [N, V]
@@ -159,7 +160,7 @@ class DDTreeDecoder:
                 probs = self.sample_probs(fwd.logits)  # [N, V] float64
                 uniforms = self.node_uniforms(request, len(result.steps), (state.length + 1 + tree.depths).tolist())
                 draws = self.draw(probs, uniforms)  # [N] int64
-                accepted = self.sample_walk(tree, draws, uniforms, draft_lp)
+                accepted = self.sample_walk(tree, draws, uniforms, tree_lp)
                 source = self.bonus_node(accepted)
                 bonus = self.bonus_token(fwd.logits, probs, draws, uniforms, source)
             else:
@@ -273,20 +274,30 @@ class DDTreeDecoder:
 
 
 def autoregressive_decode(target: Target, prompt_ids: list[int], max_new_tokens: int,
-                          stop_token_ids: frozenset[int] = frozenset()) -> list[int]:
-    """Target-only greedy decoding, one token per forward, with the same machinery as the decoder.
+                          stop_token_ids: frozenset[int] = frozenset(), sampling: Sampling | None = None,
+                          request: int = 0) -> list[int]:
+    """Target-only decoding, one token per forward, with the same machinery as the decoder: greedy, or
+    with ``sampling`` (T > 0) each token drawn with the decoder's keyed uniform for its position.
 
     The speed baseline of sweeps (same implementation, so the ratio measures speculation alone);
-    correctness oracles use :func:`reference.oracle.greedy_decode` instead.
+    correctness oracles use :func:`reference.oracle.greedy_decode` / ``sample_decode`` instead.
     """
     dev = target.device
+    sampled = sampling is not None and not sampling.greedy
+
+    def pick(logits: torch.Tensor, position: int) -> int:  # logits [1, V] -> the token at ``position``
+        if not sampled:
+            return int(logits[0].argmax())
+        probs = tempered_probs(logits.cpu(), sampling.temperature, sampling.top_k, sampling.top_p)  # [1, V]
+        return int(inverse_cdf(probs, node_uniforms(sampling, request, -1, [position]))[0])
+
     state, fwd = target.prefill(torch.tensor(prompt_ids, dtype=torch.long, device=dev))
-    tok = int(fwd.logits[-1].argmax())
+    tok = pick(fwd.logits[-1:], len(prompt_ids))
     out = [tok]
     one = torch.zeros(1, dtype=torch.long)
     while len(out) < max_new_tokens and tok not in stop_token_ids:
         fwd = target.forward(state, torch.tensor([tok]), one - 1, one)
         state = state.commit(fwd, [0])
-        tok = int(fwd.logits[0].argmax())
+        tok = pick(fwd.logits[:1], state.length)
         out.append(tok)
     return out

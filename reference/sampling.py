@@ -32,6 +32,7 @@ Contract
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +51,7 @@ __all__ = [
     "keyed_uniforms",
     "node_uniforms",
     "philox4x32",
+    "request_key",
     "tempered_probs",
 ]
 
@@ -92,6 +94,12 @@ class Sampling:
     def to_json(self) -> dict:
         return {"temperature": float(self.temperature), "top_k": int(self.top_k), "top_p": float(self.top_p),
                 "seed": int(self.seed), "keying": self.keying}
+
+
+def request_key(request_id: str) -> int:
+    """The generator's request word for a request id: CRC-32 of its UTF-8 bytes (stable across runs,
+    processes and prompt order, so parallel workers draw what one process draws)."""
+    return zlib.crc32(request_id.encode("utf-8"))
 
 
 # ------------------------------------------------------------------------------------ Philox

@@ -4,7 +4,8 @@ Contract: a comparison emits a :class:`Finding` only when a check does not pass;
 counted in :attr:`Report.checks`, so ``pass = checks - non-pass findings`` per category. Verdicts:
 pass, benign tie (an argmax flip at a reference near-tie, with its margin), fail (with category),
 unsupported (the engine did not record the quantity), skipped. The report's exit code: 1 on any
-fail, 5 when nothing was compared, else 0.
+fail, 5 when nothing was compared or when a statistical verdict is INCONCLUSIVE (the sample cannot
+reach the stated power; :attr:`Report.inconclusive` says why), else 0.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ def step_counts(findings, total_steps: int) -> dict[str, int]:
 
 #: categories, in the order a reader should care about them
 CATEGORIES = (
-    "engine", "alignment", "tree", "draft", "logits", "accepted_path", "accept_length", "bonus", "output",
+    "engine", "alignment", "tree", "draft", "logits", "sampling", "accepted_path", "accept_length", "bonus", "output",
     "logprobs", "kv", "conv", "recurrent", "unmatched", "ar_tokens", "acceptance",
+    "distribution",
 )
 
 
@@ -86,6 +88,8 @@ class Report:
     expect_failure: str | None = None  # golden of a known-buggy engine: "fail" or "fail:CATEGORY"
     #: ... and where its first failure must be: {request_id, step, node, layer} (None: any)
     expect_first: dict | None = None
+    #: statistical verdicts that could not reach their stated power (exit 5 when nothing fails)
+    inconclusive: list[str] = field(default_factory=list)
 
     def check(self, category: str, n: int = 1) -> None:
         self.checks[category] += n
@@ -96,6 +100,7 @@ class Report:
     def merge(self, other: Report) -> None:
         self.findings += other.findings
         self.checks.update(other.checks)
+        self.inconclusive += other.inconclusive
         for key, value in other.stats.items():
             if key == "steps":  # per-step verdict counts add up
                 mine = self.stats.setdefault("steps", {})
@@ -157,7 +162,7 @@ class Report:
             return EXIT_PASS if self.expected_failure_met else EXIT_MISMATCH
         if self.failures:
             return EXIT_MISMATCH
-        if sum(self.checks.values()) == 0:
+        if sum(self.checks.values()) == 0 or self.inconclusive:
             return EXIT_NOTHING
         return EXIT_PASS
 
@@ -165,7 +170,9 @@ class Report:
     def verdict(self) -> str:
         if self.expect_failure is not None:
             return "expected failure caught" if self.expected_failure_met else "expected failure NOT caught"
-        return "fail" if self.failures else ("nothing compared" if not self.checks else "pass")
+        if self.failures:
+            return "fail"
+        return "nothing compared" if not self.checks else ("inconclusive" if self.inconclusive else "pass")
 
     def to_json(self) -> dict:
         return {
@@ -180,4 +187,5 @@ class Report:
             "first_divergence": {k: v.to_json() for k, v in self.first_divergence().items()},
             "findings": [f.to_json() for f in self.findings],
             "stats": self.stats,
+            **({"inconclusive": self.inconclusive} if self.inconclusive else {}),
         }
