@@ -139,10 +139,11 @@ def test_flattened_temperature_is_detected_with_enough_tokens():
 def test_acceptance_component_and_required_sample():
     ev = Evidence()
     for i in range(2000):  # the walk always continues where a lossless sampler continues half the time
-        ev.add_walk(1 + i % 3, True, 0.5)
+        ev.add_walk(f"r{i % 7}", 1 + i % 3, True, 0.5)
     v = judge(ev)
     assert v.verdict == "fail" and v.p_values["acceptance"] < 1e-12
     assert [d["depth"] for d in v.per_depth] == [1, 2, 3]
+    assert judge(ev.first_requests(2)).n_walk_nodes == sum(1 for i in range(2000) if i % 7 < 2)
     assert n_required() == 612  # ((z(1 - 1e-3 / 8) + z(0.9)) / 0.2) ** 2 = ((3.6623 + 1.2816) / 0.2) ** 2 = 611.2
 
 
@@ -150,3 +151,14 @@ def test_impossible_token_fails_exactly():
     ev = Evidence()
     ev.add_token("r", torch.tensor([0.0, 1.0], dtype=torch.float64), 0)
     assert judge(ev).verdict == "fail" and judge(ev).impossible == 1
+
+
+def test_schema_1_1_golden_reads_as_greedy():
+    from refcheck.golden import default_golden_dir
+    from refcheck.trace.io import read_trace
+
+    trace = read_trace(default_golden_dir() / "zlab-hybrid-chain.arrow")
+    assert trace.schema_version == "1.1" and trace.checksummed
+    assert all(r.temperature == 0 and not r.sampled and r.rng == "" and r.seed == -1 and math.isnan(r.first_uniform)
+               for r in trace.requests)
+    assert all(s.node_draws == [] and s.node_uniforms == [] for s in trace.steps)

@@ -14,8 +14,9 @@ Bernoulli(a) given the past. :func:`judge` tests four consequences, each two-sid
 1. ``mean``: ``sum Phi^-1(v) / sqrt(n)`` ~ N(0, 1) (a sharper or flatter distribution, argmax,
    greedy bonus move it);
 2. ``ks``: Kolmogorov-Smirnov distance of the ``v`` from U(0, 1) (asymptotic, Stephens' correction);
-3. ``serial``: ``sum Phi^-1(v_t) Phi^-1(v_t+1) / sqrt(m)`` over consecutive tokens of a request
-   ~ N(0, 1) (one random number reused along a walk correlates consecutive tokens);
+3. ``serial``: ``12 sum (v_t - 1/2)(v_t+1 - 1/2) / sqrt(m)`` over the m consecutive pairs of a
+   request's tokens ~ N(0, 1) (bounded, uncorrelated summands of variance 1/144; one random number
+   reused along a walk correlates consecutive tokens);
 4. ``acceptance``: ``sum (o - a) / sqrt(sum a (1 - a))`` ~ N(0, 1) (martingale CLT); per depth too
    (reported, not tested separately).
 
@@ -51,19 +52,25 @@ def n_required(alpha: float = ALPHA, power: float = POWER, effect: float = EFFEC
     return math.ceil((z / effect) ** 2)
 
 
-def pit_value(probs: torch.Tensor, token: int, w: float) -> float:
-    """Randomized PIT of ``token`` under ``probs`` ``[V]`` in descending-probability order."""
+def pit_values(probs: torch.Tensor, tokens: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Randomized PIT of ``tokens`` ``[n]`` under ``probs`` ``[n, V]`` in descending-probability order
+    (ties: lower id first), with randomisation ``w`` ``[n]``: ``[n]`` float64."""
     p = probs.to(torch.float64)  # the PIT is exact only with float64 sums (see reference.sampling)
-    pt = p[token]
-    ids = torch.arange(p.shape[0])
-    before = (p > pt) | ((p == pt) & (ids < token))
-    return float(p[before].sum() + w * pt)
+    pt = p.gather(1, tokens[:, None])  # [n, 1]
+    ids = torch.arange(p.shape[1])[None, :]  # [1, V]
+    before = (p > pt) | ((p == pt) & (ids < tokens[:, None]))  # [n, V]
+    return (p * before).sum(dim=1) + w.to(torch.float64) * pt[:, 0]
+
+
+def pit_value(probs: torch.Tensor, token: int, w: float) -> float:
+    """:func:`pit_values` of one token under ``probs`` ``[V]``."""
+    return float(pit_values(probs[None], torch.tensor([token]), torch.tensor([w]))[0])
 
 
 @dataclass(slots=True)
 class Evidence:
     pits: dict[str, list[float]] = field(default_factory=dict)  # request -> v per emitted token, in order
-    accept: list[tuple[int, float, int]] = field(default_factory=list)  # (depth, a, outcome)
+    walks: dict[str, list[tuple[int, float, int]]] = field(default_factory=dict)  # request -> (depth, a, outcome)
     impossible: int = 0
     hidden_requests: int = 0  # sampled requests whose walk could not be replayed exactly
 
@@ -77,13 +84,25 @@ class Evidence:
         w = float(keyed_uniforms(PIT_SEED, [[ordinal, len(seq), 0, DOMAIN_PIT]])[0])
         seq.append(pit_value(probs, token, w))
 
-    def add_walk(self, depth: int, continued: bool, a: float) -> None:
-        self.accept.append((depth, float(a), int(continued)))
+    def add_walk(self, rid: str, depth: int, continued: bool, a: float) -> None:
+        """One node the walk of request ``rid`` consulted: did it continue to a child (probability ``a``)?"""
+        self.walks.setdefault(rid, []).append((depth, float(a), int(continued)))
+
+    @property
+    def accept(self) -> list[tuple[int, float, int]]:
+        return [x for v in self.walks.values() for x in v]
+
+    def first_requests(self, k: int) -> Evidence:
+        """The evidence of the first ``k`` requests (in the order they were added): a smaller sample."""
+        keep = list(dict.fromkeys([*self.pits, *self.walks]))[:k]
+        return Evidence({r: self.pits[r] for r in keep if r in self.pits},
+                        {r: self.walks[r] for r in keep if r in self.walks})
 
     def merge(self, other: Evidence) -> None:
         for k, v in other.pits.items():
             self.pits.setdefault(k, []).extend(v)
-        self.accept += other.accept
+        for k, w in other.walks.items():
+            self.walks.setdefault(k, []).extend(w)
         self.impossible += other.impossible
         self.hidden_requests += other.hidden_requests
 
@@ -139,16 +158,17 @@ def judge(ev: Evidence, alpha: float = ALPHA, power: float = POWER, effect: floa
         stats["z_mean"] = sum(flat) / math.sqrt(n)
         pv["mean"] = _two_sided(stats["z_mean"])
         stats["ks_d"], pv["ks"] = _ks_pvalue([x for v in ev.pits.values() for x in v])
-        pairs = [a * b for s in seqs for a, b in zip(s, s[1:])]
+        pairs = [(a - 0.5) * (b - 0.5) for v in ev.pits.values() for a, b in zip(v, v[1:])]
         if pairs:
-            stats["z_serial"] = sum(pairs) / math.sqrt(len(pairs))
+            stats["z_serial"] = 12 * sum(pairs) / math.sqrt(len(pairs))
             pv["serial"] = _two_sided(stats["z_serial"])
-    var = sum(a * (1 - a) for _, a, _ in ev.accept)
+    accept = ev.accept
+    var = sum(a * (1 - a) for _, a, _ in accept)
     if var > 0:
-        stats["z_acceptance"] = sum(o - a for _, a, o in ev.accept) / math.sqrt(var)
+        stats["z_acceptance"] = sum(o - a for _, a, o in accept) / math.sqrt(var)
         pv["acceptance"] = _two_sided(stats["z_acceptance"])
     depths: dict[int, list[tuple[float, int]]] = {}
-    for d, a, o in ev.accept:
+    for d, a, o in accept:
         depths.setdefault(d, []).append((a, o))
     per_depth = []
     for d in sorted(depths):
@@ -164,5 +184,5 @@ def judge(ev: Evidence, alpha: float = ALPHA, power: float = POWER, effect: floa
         p = 0.0 if ev.impossible else p
     else:
         verdict = "pass" if n >= need else "inconclusive"
-    return DistributionVerdict(verdict, p, pv, n, len(ev.accept), need, alpha, power, effect, ev.impossible, stats,
+    return DistributionVerdict(verdict, p, pv, n, len(accept), need, alpha, power, effect, ev.impossible, stats,
                                per_depth)

@@ -424,7 +424,7 @@ class _Request:
             kids = tree.children(node)
             if kids:
                 a = float(probs[node, list(kids)].sum())
-                self.evidence.add_walk(int(tree.depths[node]) + 1, j + 1 < len(path), a)
+                self.evidence.add_walk(self.rid, int(tree.depths[node]) + 1, j + 1 < len(path), a)
 
     def run(self, prompt: list[int], output: list[int], output_lps: list[float], steps: list[StepRow],
             first_uniform: float = float("nan")) -> None:
@@ -547,15 +547,18 @@ def capture_findings(rep: Report, trace: Trace) -> None:
 
 
 def replay(trace: Trace, target: Target, drafter: Drafter, cal: Calibration, case: str = "",
-           stop_token_ids: frozenset[int] = frozenset(), check_draft: bool = True, engine_dtype: str = "float32") -> Report:
-    """Replay every request of ``trace``, judged by ``cal`` (the calibration of the engine's numerics)."""
+           stop_token_ids: frozenset[int] = frozenset(), check_draft: bool = True, engine_dtype: str = "float32",
+           evidence: Evidence | None = None) -> Report:
+    """Replay every request of ``trace``, judged by ``cal`` (the calibration of the engine's numerics).
+    ``evidence``: where the sampled requests' distributional evidence is collected (a fresh one by default)."""
     rep = Report(case=case, mode="replay")
     capture_findings(rep, trace)
     structural = trace.provenance.get("engine", {}).get("settings", {}).get("tree_rules") == "structural"
     ensemble = None
     if cal.rule is not None:
         ensemble = RoundingEnsemble(target, drafter, engine_dtype, cal.rule, tuple(drafter.target_layer_ids))
-    evidence, hidden, any_sampled = Evidence(), [], False
+    evidence = evidence if evidence is not None else Evidence()
+    hidden, any_sampled = [], False
     for req in trace.requests:
         sampled = SampledRequest.from_row(req)
         any_sampled |= sampled is not None
