@@ -83,7 +83,7 @@ def fault_runs(n_requests: int, tokens: int, names: list[str]) -> dict:
         firsts = sorted((f.step if f.step is not None else 1 << 30, f.category) for f in exposed.failures
                         if f.request_id == prompts[0].id)
         ev = Evidence()
-        replay(hide_randomness(trace), runner.target, runner.drafter, cal, name, evidence=ev)
+        hidden = replay(hide_randomness(trace), runner.target, runner.drafter, cal, name, evidence=ev)
         growth = []
         for k in range(1, n_requests + 1):
             v = judge(ev.first_requests(k))
@@ -91,6 +91,7 @@ def fault_runs(n_requests: int, tokens: int, names: list[str]) -> dict:
                            "p_value": v.p_value})
         detected_at = next((g for g in growth if g["verdict"] == "fail"), None)
         out[name] = {"exact_categories": sorted({f.category for f in exposed.failures}),
+                     "hidden_exact_categories": sorted({f.category for f in hidden.failures if f.category != "distribution"}),
                      "first_in_request_0": firsts[0] if firsts else None,
                      "hidden_full": growth[-1], "hidden_first_fail": detected_at,
                      "hidden_p_by_requests": [(g["tokens"], g["p_value"]) for g in growth],

@@ -79,7 +79,8 @@ def verdict(bias: str, n: int, vocab: int, gen: torch.Generator) -> tuple[str, f
     tokens = engine_tokens(bias, logits, ref, gen)
     ev = Evidence()
     ok = ref.gather(1, tokens[:, None])[:, 0] > 0
-    ev.impossible = int((~ok).sum())
+    if not bool(ok.all()):
+        ev.impossible_by_request["all"] = int((~ok).sum())
     v = pit_values(ref[ok], tokens[ok], torch.rand(int(ok.sum()), generator=gen, dtype=torch.float64)).tolist()
     for i in range(0, len(v), REQUEST):
         ev.pits[f"r{i // REQUEST}"] = v[i:i + REQUEST]

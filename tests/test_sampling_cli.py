@@ -75,3 +75,12 @@ def test_baseline_takes_the_traces_temperature(cli, tmp_path):
     assert "temperature=1 " in rep["baseline"]["conditions"] and rep["baseline"]["tau"] == 6.46  # Table 1, T=1 DFlash
     code, _, err = cli("baseline", str(path), "--model", "Qwen3-8B", "--dataset", "MATH-500", "--temperature", "0")
     assert code == EXIT_USAGE and "not comparable" in err
+
+
+def test_sweep_at_temperature_is_lossless_against_sampled_target_only(cli, one_prompt, tmp_path):
+    code, out, _ = cli("sweep", "--temperature", "1.0", "--seed", "5", "--budgets", "chain,4", "--no-plots", "--json",
+                       "--prompts", str(one_prompt), "--max-new-tokens", "8", "--pair", "attention",
+                       "--out", str(tmp_path / "sw"))
+    assert code == EXIT_PASS
+    rep = json.loads(out)
+    assert rep["sampling"]["temperature"] == 1.0 and all(r["lossless"] for r in rep["budgets"])

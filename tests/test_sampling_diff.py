@@ -150,7 +150,9 @@ def test_acceptance_component_and_required_sample():
 def test_impossible_token_fails_exactly():
     ev = Evidence()
     ev.add_token("r", torch.tensor([0.0, 1.0], dtype=torch.float64), 0)
+    ev.add_token("s", torch.tensor([0.5, 0.5], dtype=torch.float64), 0)
     assert judge(ev).verdict == "fail" and judge(ev).impossible == 1
+    assert judge(ev.first_requests(1)).impossible == 1 and judge(ev.first_requests(1)).verdict == "fail"
 
 
 def test_schema_1_1_golden_reads_as_greedy():

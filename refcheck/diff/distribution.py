@@ -71,14 +71,18 @@ def pit_value(probs: torch.Tensor, token: int, w: float) -> float:
 class Evidence:
     pits: dict[str, list[float]] = field(default_factory=dict)  # request -> v per emitted token, in order
     walks: dict[str, list[tuple[int, float, int]]] = field(default_factory=dict)  # request -> (depth, a, outcome)
-    impossible: int = 0
+    impossible_by_request: dict[str, int] = field(default_factory=dict)  # emitted tokens of probability 0
     hidden_requests: int = 0  # sampled requests whose walk could not be replayed exactly
+
+    @property
+    def impossible(self) -> int:
+        return sum(self.impossible_by_request.values())
 
     def add_token(self, rid: str, probs: torch.Tensor, token: int) -> None:
         """One emitted token of request ``rid`` and its distribution ``[V]`` (tokens in output order)."""
         seq = self.pits.setdefault(rid, [])
         if probs[token] <= 0:
-            self.impossible += 1
+            self.impossible_by_request[rid] = self.impossible_by_request.get(rid, 0) + 1
             return
         ordinal = list(self.pits).index(rid)  # the request's word of the randomisation: distinct per request
         w = float(keyed_uniforms(PIT_SEED, [[ordinal, len(seq), 0, DOMAIN_PIT]])[0])
@@ -96,14 +100,16 @@ class Evidence:
         """The evidence of the first ``k`` requests (in the order they were added): a smaller sample."""
         keep = list(dict.fromkeys([*self.pits, *self.walks]))[:k]
         return Evidence({r: self.pits[r] for r in keep if r in self.pits},
-                        {r: self.walks[r] for r in keep if r in self.walks})
+                        {r: self.walks[r] for r in keep if r in self.walks},
+                        {r: self.impossible_by_request[r] for r in keep if r in self.impossible_by_request})
 
     def merge(self, other: Evidence) -> None:
         for k, v in other.pits.items():
             self.pits.setdefault(k, []).extend(v)
         for k, w in other.walks.items():
             self.walks.setdefault(k, []).extend(w)
-        self.impossible += other.impossible
+        for k, c in other.impossible_by_request.items():
+            self.impossible_by_request[k] = self.impossible_by_request.get(k, 0) + c
         self.hidden_requests += other.hidden_requests
 
     @property
