@@ -90,8 +90,7 @@ def run_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int | None]
             _sync(dev)
             t0, n = time.perf_counter(), 0
             for p in prompts:
-                res = runner.decoder(p.max_new_tokens or spec.max_new_tokens).generate(list(p.prompt_ids),
-                                                                                       request=request_key(p.id))
+                res = runner.generate(runner.decoder(p.max_new_tokens or spec.max_new_tokens), p)
                 n += len(res.output_ids)
                 taus_by_req.append(res.accept_lengths)
                 lossless &= res.output_ids == ar_out[p.id]

@@ -123,7 +123,9 @@ class DiffSession:
             key += (spec.sampling, request)
         if key not in self._decodes:
             with phase("free.reference_decode"):
-                self._decodes[key] = runner.decoder(spec.max_new_tokens).generate(list(prompt), request=request)
+                decoder = runner.decoder(spec.max_new_tokens)
+                self._decodes[key] = (decoder.generate(list(prompt), request=request) if spec.sampled
+                                      else decoder.generate(list(prompt)))
             count("reference_decodes")
         return self._decodes[key]
 

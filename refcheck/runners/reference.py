@@ -142,6 +142,12 @@ class ReferenceRunner:
                            sampling=self.spec.sampling if self.spec.sampled else None)
         return cls(self.target, self.drafter, cfg)
 
+    def generate(self, decoder: DDTreeDecoder, prompt: Prompt) -> DecodeResult:
+        """Decode one prompt; when sampling, its draws are keyed by the prompt id (``request_key``)."""
+        if self.spec.sampled:
+            return decoder.generate(list(prompt.prompt_ids), request=request_key(prompt.id))
+        return decoder.generate(list(prompt.prompt_ids))
+
     def provenance(self, prompts: list[Prompt], engine: str = "reference", settings: dict | None = None) -> dict:
         tdir, ddir = self.spec.resolved_dirs()
         return build_provenance(
@@ -161,8 +167,7 @@ class ReferenceRunner:
         for prompt in prompts:
             max_new = prompt.max_new_tokens or self.spec.max_new_tokens
             with _non_finite_named(prompt.id):
-                result = self.decoder(max_new, cls, record=True, record_layers=record_layers).generate(
-                    list(prompt.prompt_ids), request=request_key(prompt.id))
+                result = self.generate(self.decoder(max_new, cls, record=True, record_layers=record_layers), prompt)
             req, rows = request_rows(prompt.id, prompt.kind, result, full_state,
                                      self.spec.sampling if self.spec.sampled else None)
             requests.append(req)
@@ -182,7 +187,7 @@ class ReferenceRunner:
                 progress(i, prompt)
             max_new = prompt.max_new_tokens or self.spec.max_new_tokens
             with _non_finite_named(prompt.id):
-                result = self.decoder(max_new).generate(list(prompt.prompt_ids), request=request_key(prompt.id))
+                result = self.generate(self.decoder(max_new), prompt)
             greedy = None
             if check_ar and self.spec.sampled:  # the lossless oracle at T > 0: target-only sampling, same keys
                 greedy = sample_decode(self.target.model, list(prompt.prompt_ids), max_new, self.spec.sampling,
