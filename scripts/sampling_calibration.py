@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from refcheck.diff.distribution import Evidence, judge  # noqa: E402
+from refcheck.diff.distribution import COMPONENTS, Evidence, judge  # noqa: E402
 from refcheck.diff.replay import replay  # noqa: E402
 from refcheck.diff.session import DiffSession  # noqa: E402
 from refcheck.diff.tolerance import calibration_for  # noqa: E402
@@ -58,7 +58,7 @@ def clean_runs(seeds: int, n_prompts: int, tokens: int) -> dict:
         print(f"clean seed {1000 + seed}: {rows[-1]['exact_failures']} failures, p = {d['p_value']:.3g}, "
               f"{d['n_tokens']} tokens", flush=True)
     ps = [r["p_value"] for r in rows]
-    comps = {k: [r["p_values"][k] for r in rows if k in r["p_values"]] for k in ("mean", "ks", "serial", "acceptance")}
+    comps = {k: [r["p_values"][k] for r in rows if k in r["p_values"]] for k in COMPONENTS}
     return {"runs": rows, "seeds": seeds, "prompts": n_prompts, "tokens": tokens,
             "runs_with_exact_failures": sum(r["exact_failures"] > 0 for r in rows),
             "distribution_false_alarms_at_1e-3": sum(p < 1e-3 for p in ps),

@@ -81,9 +81,12 @@ def verdict(bias: str, n: int, vocab: int, gen: torch.Generator) -> tuple[str, f
     ok = ref.gather(1, tokens[:, None])[:, 0] > 0
     if not bool(ok.all()):
         ev.impossible_by_request["all"] = int((~ok).sum())
-    v = pit_values(ref[ok], tokens[ok], torch.rand(int(ok.sum()), generator=gen, dtype=torch.float64)).tolist()
+    w = torch.rand(int(ok.sum()), generator=gen, dtype=torch.float64)
+    v = pit_values(ref[ok], tokens[ok], w).tolist()
+    vid = pit_values(ref[ok], tokens[ok], w, "id").tolist()
     for i in range(0, len(v), REQUEST):
         ev.pits[f"r{i // REQUEST}"] = v[i:i + REQUEST]
+        ev.pits_id[f"r{i // REQUEST}"] = vid[i:i + REQUEST]
     j = judge(ev)
     return j.verdict, j.p_value
 

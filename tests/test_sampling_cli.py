@@ -57,7 +57,7 @@ def test_run_sampled_check_ar_json(cli, one_prompt):
 def test_diff_sampled_fault_fails(cli, one_prompt):
     """(The clean sampled reference passing the same diff: tests/test_sampling_diff.py.)"""
     code, out, _ = cli("diff", "--engine", "fault:bonus-greedy", "--temperature", "0.7", "--top-p", "0.9", "--prompts",
-                       str(one_prompt), "--max-new-tokens", "6", "--drafter", "scripted", "--budget", "4", "--mode",
+                       str(one_prompt), "--max-new-tokens", "5", "--pair", "attention", "--budget", "4", "--mode",
                        "replay", "--json")
     assert code == EXIT_MISMATCH
     assert "bonus" in json.loads(out)["reports"][0]["fail_categories"]

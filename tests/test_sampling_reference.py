@@ -117,7 +117,7 @@ def oracle_cache():
 @given(seed=st.integers(0, 2**40), budget=st.sampled_from([None, 0, 1, 4, 15]),
        temp=st.sampled_from([0.6, 1.0, 1.7]), top_k=st.sampled_from([0, 5]), top_p=st.sampled_from([1.0, 0.9]),
        request=st.integers(0, 5))
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_tree_sampling_equals_target_only_sampling(hybrid, oracle_cache, seed, budget, temp, top_k, top_p, request):
     target, _ = hybrid
     drafter = ScriptedDrafter(target.model, target.vocab_size, target.vocab_size - 1, seed=3)

@@ -9,7 +9,7 @@ child, with the probability ``a = sum over children c of p(c)`` that a lossless 
 
 Under losslessness every emitted token is a draw from its prefix's distribution, so the ``v`` are
 i.i.d. U(0, 1) whatever the prompts (the Rosenblatt transform), and each continuation is a
-Bernoulli(a) given the past. :func:`judge` tests four consequences, each two-sided:
+Bernoulli(a) given the past. :func:`judge` tests five consequences, each two-sided:
 
 1. ``mean``: ``sum Phi^-1(v) / sqrt(n)`` ~ N(0, 1) (a sharper or flatter distribution, argmax,
    greedy bonus move it);
@@ -17,13 +17,15 @@ Bernoulli(a) given the past. :func:`judge` tests four consequences, each two-sid
 3. ``serial``: ``12 sum (v_t - 1/2)(v_t+1 - 1/2) / sqrt(m)`` over the m consecutive pairs of a
    request's tokens ~ N(0, 1) (bounded, uncorrelated summands of variance 1/144; one random number
    reused along a walk correlates consecutive tokens);
-4. ``acceptance``: ``sum (o - a) / sqrt(sum a (1 - a))`` ~ N(0, 1) (martingale CLT); per depth too
+4. ``serial_id``: the same on the PIT in token-id order (the order inverse-CDF samplers draw in:
+   a uniform reused along a walk puts consecutive tokens in the same region of their id-order CDFs);
+5. ``acceptance``: ``sum (o - a) / sqrt(sum a (1 - a))`` ~ N(0, 1) (martingale CLT); per depth too
    (reported, not tested separately).
 
-The verdict's p-value is Bonferroni over the four (``min(1, 4 min p_i)``): FAIL when it is below
+The verdict's p-value is Bonferroni over the five (``min(1, 5 min p_i)``): FAIL when it is below
 ``alpha``; else PASS if the sample reaches the stated power, else INCONCLUSIVE. The stated power is
-``power`` against a shift of ``effect`` in the mean of ``Phi^-1(v)`` (test 1 at level alpha / 4):
-``n_required = ((z(1 - alpha / 8) + z(power)) / effect) ** 2`` tokens. A token of probability 0 is
+``power`` against a shift of ``effect`` in the mean of ``Phi^-1(v)`` (test 1 at level alpha / 5):
+``n_required = ((z(1 - alpha / 10) + z(power)) / effect) ** 2`` tokens. A token of probability 0 is
 an exact failure, counted in ``impossible``. Numbers: docs/sampling.md.
 """
 
@@ -41,7 +43,7 @@ PIT_SEED = 0x70_17_5EED  # fixed: the test's own randomisation, independent of a
 ALPHA = 1e-3
 POWER = 0.9
 EFFECT = 0.2  # in standard deviations of Phi^-1(v)
-COMPONENTS = ("mean", "ks", "serial", "acceptance")
+COMPONENTS = ("mean", "ks", "serial", "serial_id", "acceptance")
 _N = NormalDist()
 _CLIP = 1e-12  # keeps Phi^-1 finite at v = 0 (probability 0 under the null)
 
@@ -52,24 +54,29 @@ def n_required(alpha: float = ALPHA, power: float = POWER, effect: float = EFFEC
     return math.ceil((z / effect) ** 2)
 
 
-def pit_values(probs: torch.Tensor, tokens: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Randomized PIT of ``tokens`` ``[n]`` under ``probs`` ``[n, V]`` in descending-probability order
-    (ties: lower id first), with randomisation ``w`` ``[n]``: ``[n]`` float64."""
+def pit_values(probs: torch.Tensor, tokens: torch.Tensor, w: torch.Tensor, order: str = "desc") -> torch.Tensor:
+    """Randomized PIT of ``tokens`` ``[n]`` under ``probs`` ``[n, V]`` with randomisation ``w`` ``[n]``:
+    ``[n]`` float64. ``order``: "desc" = descending probability (ties: lower id first); "id" = token-id
+    order, the order inverse-CDF samplers draw in (reference.sampling.inverse_cdf)."""
     p = probs.to(torch.float64)  # the PIT is exact only with float64 sums (see reference.sampling)
     pt = p.gather(1, tokens[:, None])  # [n, 1]
     ids = torch.arange(p.shape[1])[None, :]  # [1, V]
-    before = (p > pt) | ((p == pt) & (ids < tokens[:, None]))  # [n, V]
+    if order == "id":
+        before = ids < tokens[:, None]  # [n, V]
+    else:
+        before = (p > pt) | ((p == pt) & (ids < tokens[:, None]))  # [n, V]
     return (p * before).sum(dim=1) + w.to(torch.float64) * pt[:, 0]
 
 
-def pit_value(probs: torch.Tensor, token: int, w: float) -> float:
+def pit_value(probs: torch.Tensor, token: int, w: float, order: str = "desc") -> float:
     """:func:`pit_values` of one token under ``probs`` ``[V]``."""
-    return float(pit_values(probs[None], torch.tensor([token]), torch.tensor([w]))[0])
+    return float(pit_values(probs[None], torch.tensor([token]), torch.tensor([w]), order)[0])
 
 
 @dataclass(slots=True)
 class Evidence:
     pits: dict[str, list[float]] = field(default_factory=dict)  # request -> v per emitted token, in order
+    pits_id: dict[str, list[float]] = field(default_factory=dict)  # the same tokens' PIT in token-id order
     walks: dict[str, list[tuple[int, float, int]]] = field(default_factory=dict)  # request -> (depth, a, outcome)
     impossible_by_request: dict[str, int] = field(default_factory=dict)  # emitted tokens of probability 0
     hidden_requests: int = 0  # sampled requests whose walk could not be replayed exactly
@@ -87,6 +94,7 @@ class Evidence:
         ordinal = list(self.pits).index(rid)  # the request's word of the randomisation: distinct per request
         w = float(keyed_uniforms(PIT_SEED, [[ordinal, len(seq), 0, DOMAIN_PIT]])[0])
         seq.append(pit_value(probs, token, w))
+        self.pits_id.setdefault(rid, []).append(pit_value(probs, token, w, "id"))
 
     def add_walk(self, rid: str, depth: int, continued: bool, a: float) -> None:
         """One node the walk of request ``rid`` consulted: did it continue to a child (probability ``a``)?"""
@@ -100,12 +108,15 @@ class Evidence:
         """The evidence of the first ``k`` requests (in the order they were added): a smaller sample."""
         keep = list(dict.fromkeys([*self.pits, *self.walks]))[:k]
         return Evidence({r: self.pits[r] for r in keep if r in self.pits},
+                        {r: self.pits_id[r] for r in keep if r in self.pits_id},
                         {r: self.walks[r] for r in keep if r in self.walks},
                         {r: self.impossible_by_request[r] for r in keep if r in self.impossible_by_request})
 
     def merge(self, other: Evidence) -> None:
         for k, v in other.pits.items():
             self.pits.setdefault(k, []).extend(v)
+        for k, v in other.pits_id.items():
+            self.pits_id.setdefault(k, []).extend(v)
         for k, w in other.walks.items():
             self.walks.setdefault(k, []).extend(w)
         for k, c in other.impossible_by_request.items():
@@ -164,10 +175,11 @@ def judge(ev: Evidence, alpha: float = ALPHA, power: float = POWER, effect: floa
         stats["z_mean"] = sum(flat) / math.sqrt(n)
         pv["mean"] = _two_sided(stats["z_mean"])
         stats["ks_d"], pv["ks"] = _ks_pvalue([x for v in ev.pits.values() for x in v])
-        pairs = [(a - 0.5) * (b - 0.5) for v in ev.pits.values() for a, b in zip(v, v[1:])]
-        if pairs:
-            stats["z_serial"] = 12 * sum(pairs) / math.sqrt(len(pairs))
-            pv["serial"] = _two_sided(stats["z_serial"])
+        for name, pits in (("serial", ev.pits), ("serial_id", ev.pits_id)):
+            pairs = [(a - 0.5) * (b - 0.5) for v in pits.values() for a, b in zip(v, v[1:])]
+            if pairs:
+                stats[f"z_{name}"] = 12 * sum(pairs) / math.sqrt(len(pairs))
+                pv[name] = _two_sided(stats[f"z_{name}"])
     accept = ev.accept
     var = sum(a * (1 - a) for _, a, _ in accept)
     if var > 0:
