@@ -48,6 +48,7 @@ class EngineKind:
     dtype: str | None  # the dtype it runs in when --dtype is not given (None: the spec's default)
     device: str | None  # likewise for the device
     opener: Callable[[str, EngineSpec, DiffSession | None, bool, dict[str, Any]], Engine]
+    samples: bool = False  # records runs at temperature > 0 (its draws in the trace)
 
     def matches(self, engine: str) -> bool:
         return engine.split(":", 1)[0] == self.name
@@ -106,9 +107,9 @@ SGLANG_OPTIONS = frozenset({"cuda_graphs", "ngram_breadth", "tp", "mem_fraction"
 
 KINDS: tuple[EngineKind, ...] = (
     EngineKind("reference", "reference", "refcheck's DDTree decoder (the reference itself, run as an engine)",
-               frozenset(), None, None, _open_reference),
+               frozenset(), None, None, _open_reference, samples=True),
     EngineKind("fault", "fault:NAME", "the reference decoder with an injected fault (refcheck selftest lists them)",
-               frozenset(), None, None, _open_fault),
+               frozenset(), None, None, _open_fault, samples=True),
     EngineKind("zlab", "zlab", "z-lab's dflash package (chain mode)", frozenset(), None, None, _open_zlab),
     EngineKind("sglang", "sglang[:ALGORITHM]", "a real SGLang engine, its verify steps captured by refcheck's plugin",
                SGLANG_OPTIONS, "bfloat16", "cuda", _open_sglang),

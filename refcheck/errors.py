@@ -11,13 +11,19 @@ with the code. Codes follow pytest's spirit:
      directory without a tokenizer or chat template: :class:`TokenizerError`), bad budget (also one too big
      for the context or the memory), bad prompt, a case name that is not a
      plain name, an output path or golden directory that cannot be written
-     (:class:`OutputPathError`, checked before any work)
+     (:class:`OutputPathError`, checked before any work); sampling parameters
+     out of range (temperature < 0, top-p outside (0, 1], top-k < 0:
+     ``reference.errors.SamplingError``); temperature > 0 for an engine that
+     cannot sample
 3    missing or stale golden trace; a golden directory locked by another
      writer past the wait (:class:`GoldenLockError`)
 4    corrupt trace: bad magic, truncated, checksum mismatch (naming the
      record batch), schema error, malformed content (tree, step numbers,
      token ids: naming request, step and node), malformed manifest/journal
-5    nothing compared
+5    nothing compared; or a statistical verdict is INCONCLUSIVE: the sample
+     cannot reach the stated power (``refcheck diff`` at temperature > 0 on an
+     engine that hides its randomness: refcheck/diff/distribution.py;
+     ``refcheck baseline``). A failure (1) takes precedence.
 6    model error: checkpoint missing or malformed (garbage safetensors),
      draft/target mismatch (layer count, layer ids, widths, vocabulary),
      unsupported model type, NaN/Inf in weights or log-probs

@@ -29,7 +29,8 @@ from reference.drafter import DFlashDrafter, Drafter
 from refcheck.trace.io import Trace
 from refcheck.trace.record import request_rows
 from refcheck.progress import Progress, tell
-from reference.oracle import GreedyMemo, greedy_decode
+from reference.oracle import GreedyMemo, greedy_decode, sample_decode
+from reference.sampling import request_key
 from reference.scripted import ScriptedDrafter
 from reference.target import Target
 from reference.tree import TreeError
@@ -116,8 +117,15 @@ class ReferenceRunner:
     def decoder(self, max_new_tokens: int, cls: type[DDTreeDecoder] = DDTreeDecoder, record: bool = False,
                 record_layers: bool = False) -> DDTreeDecoder:
         cfg = DecodeConfig(budget=self.spec.budget, max_new_tokens=max_new_tokens, stop_token_ids=self.spec.stop_token_ids,
-                           keep_states=record, keep_layers=record_layers)
+                           keep_states=record, keep_layers=record_layers,
+                           sampling=self.spec.sampling if self.spec.sampled else None)
         return cls(self.target, self.drafter, cfg)
+
+    def generate(self, decoder: DDTreeDecoder, prompt: Prompt) -> DecodeResult:
+        """Decode one prompt; when sampling, its draws are keyed by the prompt id (``request_key``)."""
+        if self.spec.sampled:
+            return decoder.generate(list(prompt.prompt_ids), request=request_key(prompt.id))
+        return decoder.generate(list(prompt.prompt_ids))
 
     def provenance(self, prompts: list[Prompt], engine: str = "reference", settings: dict | None = None) -> dict:
         tdir, ddir = self.spec.resolved_dirs()
@@ -126,7 +134,7 @@ class ReferenceRunner:
             settings={"pair": self.spec.pair, "seed": self.spec.seed, "stop_token_ids": sorted(self.spec.stop_token_ids),
                       # your own pair: the draft as given, so a diff or the gate can load it again (like SGLang's)
                       **({"draft_dir": str(ddir)} if self.spec.model_dir is not None and ddir is not None else {}),
-                      **(settings or {})},
+                      **({"sampling": self.spec.sampling.to_json()} if self.spec.sampled else {}), **(settings or {})},
             model_dir=tdir, draft_dir=ddir if self.spec.drafter == "dflash" else None, dtype=self.spec.dtype,
             device=self.spec.device, budget=self.spec.budget, block_size=self.drafter.block_size,
             max_new_tokens=self.spec.max_new_tokens, drafter=self.spec.drafter, prompt_set_sha256=prompt_set_hash(prompts),
@@ -140,8 +148,9 @@ class ReferenceRunner:
         for prompt in prompts:
             max_new = prompt.max_new_tokens or self.spec.max_new_tokens
             with _non_finite_named(prompt.id):
-                result = self.decoder(max_new, cls, record=True, record_layers=record_layers).generate(list(prompt.prompt_ids))
-            req, rows = request_rows(prompt.id, prompt.kind, result, full_state)
+                result = self.generate(self.decoder(max_new, cls, record=True, record_layers=record_layers), prompt)
+            req, rows = request_rows(prompt.id, prompt.kind, result, full_state,
+                                     self.spec.sampling if self.spec.sampled else None)
             requests.append(req)
             steps += rows
             results[prompt.id] = result
@@ -158,11 +167,12 @@ class ReferenceRunner:
             tell(progress, f"[{i + 1}/{len(prompts)}] {prompt.id}")
             max_new = prompt.max_new_tokens or self.spec.max_new_tokens
             with _non_finite_named(prompt.id):
-                result = self.decoder(max_new).generate(list(prompt.prompt_ids))
-            greedy = (
-                greedy_decode(self.target.model, list(prompt.prompt_ids), max_new, self.spec.stop_token_ids)
-                if check_ar
-                else None
-            )
+                result = self.generate(self.decoder(max_new), prompt)
+            greedy = None
+            if check_ar and self.spec.sampled:  # the lossless oracle at T > 0: target-only sampling, same keys
+                greedy = sample_decode(self.target.model, list(prompt.prompt_ids), max_new, self.spec.sampling,
+                                       request_key(prompt.id), self.spec.stop_token_ids)[0]
+            elif check_ar:
+                greedy = greedy_decode(self.target.model, list(prompt.prompt_ids), max_new, self.spec.stop_token_ids)
             runs.append(PromptRun(prompt, result, greedy))
         return runs

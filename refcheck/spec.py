@@ -10,8 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from refcheck.models import DEFAULT_PAIR, builtin_pair
+
+if TYPE_CHECKING:  # reference.sampling imports torch; a spec only carries the value
+    from reference.sampling import Sampling
 
 #: the dtypes a spec may name (``refcheck.reference_runner.DTYPES`` maps them to torch dtypes)
 DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -31,6 +35,11 @@ class EngineSpec:
     max_new_tokens: int = 64
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     seed: int = 0
+    sampling: Sampling | None = None  # None or temperature 0 = greedy
+
+    @property
+    def sampled(self) -> bool:
+        return self.sampling is not None and not self.sampling.greedy
 
     @property
     def model_label(self) -> str:

@@ -5,7 +5,8 @@ times, and target-only (autoregressive) in the same run as the speed baseline. P
 mean τ (bonus counted) with its spread over requests, the acceptance histogram (fraction of verify
 steps per τ = 1..block size, the DDTree paper's axes), draft / tree / verify / commit time per step
 (median over steps, then median and min–max over repeats), tokens per second and the speedup over
-target-only decoding. Every output is checked against the target-only output (lossless). τ does not
+target-only decoding. Every output is checked against the target-only output (lossless; at
+temperature > 0 target-only sampling with the same keys, token for token). τ does not
 change between repeats (greedy, deterministic); the repeats measure timing spread.
 :func:`plot_sweep` writes the PNGs (matplotlib, an optional dependency).
 """
@@ -24,6 +25,7 @@ from refcheck.prompts import Prompt
 from refcheck.reference_runner import EngineSpec, ReferenceRunner
 from refcheck.progress import Progress, tell
 from reference.decode import autoregressive_decode
+from reference.sampling import request_key
 
 PHASES = ("draft", "tree", "verify", "commit")
 
@@ -61,7 +63,8 @@ def run_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int | None]
         t0, n = time.perf_counter(), 0
         for p in prompts:
             out = autoregressive_decode(target, list(p.prompt_ids), p.max_new_tokens or spec.max_new_tokens,
-                                        spec.stop_token_ids)
+                                        spec.stop_token_ids, spec.sampling if spec.sampled else None,
+                                        request_key(p.id))
             ar_out[p.id] = out
             n += len(out)
         _sync(dev)
@@ -76,7 +79,7 @@ def run_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int | None]
             _sync(dev)
             t0, n = time.perf_counter(), 0
             for p in prompts:
-                res = runner.decoder(p.max_new_tokens or spec.max_new_tokens).generate(list(p.prompt_ids))
+                res = runner.generate(runner.decoder(p.max_new_tokens or spec.max_new_tokens), p)
                 n += len(res.output_ids)
                 taus_by_req.append(res.accept_lengths)
                 lossless &= res.output_ids == ar_out[p.id]
@@ -111,6 +114,7 @@ def run_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int | None]
         "dtype": spec.dtype,
         "device": spec.device,
         "drafter": spec.drafter,
+        **({"sampling": spec.sampling.to_json()} if spec.sampled else {}),
         "repeats": repeats,
         "prompts": len(prompts),
         "max_new_tokens": spec.max_new_tokens,

@@ -14,6 +14,14 @@ Conventions (these are what traces and diffs compare):
 * the draft depth of a step is ``min(block_size - 1, max_new_tokens - len(output))``, as in
   z-lab's ``dflash_generate``, so per-step numbers are comparable with it;
 * tokens equal to the drafter's ``mask_token_id`` are ordinary output tokens and are kept.
+
+Sampling (``DecodeConfig.sampling`` with temperature T > 0, :mod:`reference.sampling`): every
+node draws one token from the target's tempered (top-k, top-p) distribution with its keyed
+uniform; the walk follows the child whose token equals the node's draw; the bonus is the draw at
+the last accepted node; the first token after the prefill is a draw too. The tree is built from
+the drafter's log-probs tempered by the same T (losslessness does not depend on the draft). With
+the default "position" keying the output equals :func:`reference.oracle.sample_decode` token for
+token. ``sampling=None`` or T = 0 is the greedy decoder, unchanged.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import torch
 
 from reference.drafter import Drafter
 from reference.errors import BudgetError, PromptError
+from reference.sampling import Sampling, inverse_cdf, node_uniforms, tempered_probs
 from reference.state import TargetState, TreeForward
 from reference.target import Target
 from reference.tree import Tree, build_chain, build_ddtree
@@ -38,6 +47,11 @@ class DecodeConfig:
     topk: int = 5  # per-node target top-k kept in each StepRecord
     keep_states: bool = False  # keep the committed TargetState and draft log-probs after every step
     keep_layers: bool = False  # keep every layer's output at every node (for layer bisection)
+    sampling: Sampling | None = None  # None or temperature 0 = greedy
+
+    @property
+    def sampled(self) -> bool:
+        return self.sampling is not None and not self.sampling.greedy
 
     def validate(self) -> None:
         if self.budget is not None and self.budget < 0:
@@ -63,6 +77,8 @@ class StepRecord:
     state: TargetState | None = None  # committed state after the step (keep_states only)
     draft_logprobs: torch.Tensor | None = None  # [L, V] float32 drafter log-probs (keep_states only)
     layer_outputs: torch.Tensor | None = None  # [layers, N, H] per-layer node outputs (keep_layers only)
+    draws: torch.Tensor | None = None  # [N] int64: the token drawn at every node (sampling only)
+    uniforms: torch.Tensor | None = None  # [N] float64: the uniform each draw used (sampling only)
 
 
 @dataclass(slots=True)
@@ -72,6 +88,8 @@ class DecodeResult:
     output_logprobs: list[float]
     steps: list[StepRecord]
     prefill_state: TargetState | None = None
+    first_uniform: float | None = None  # the uniform of the prefill's draw (sampling only)
+    request: int = 0  # the request key of the sampling generator
 
     @property
     def accept_lengths(self) -> list[int]:
@@ -93,7 +111,8 @@ class DDTreeDecoder:
         config.validate()
         self.target, self.drafter, self.cfg = target, drafter, config
 
-    def generate(self, prompt_ids: list[int]) -> DecodeResult:
+    def generate(self, prompt_ids: list[int], request: int = 0) -> DecodeResult:
+        """Decode one prompt; ``request`` keys the sampling generator (unused when greedy)."""
         target, drafter, cfg = self.target, self.drafter, self.cfg
         if not prompt_ids:
             raise PromptError("empty prompt")
@@ -109,9 +128,15 @@ class DDTreeDecoder:
         drafter.reset()
         drafter.extend(fwd.context, torch.arange(len(prompt_ids), device=dev), prompt)
         logp = torch.log_softmax(fwd.logits[-1], dim=-1)
-        bonus = int(logp.argmax())
+        first_u = None
+        if cfg.sampled:
+            u0 = self.node_uniforms(request, -1, [len(prompt_ids)])
+            bonus = int(self.draw(self.sample_probs(fwd.logits[-1:]), u0)[0])
+            first_u = float(u0[0])
+        else:
+            bonus = int(logp.argmax())
         out, out_lp = [bonus], [float(logp[bonus])]
-        result = DecodeResult(list(prompt_ids), out, out_lp, [], state if cfg.keep_states else None)
+        result = DecodeResult(list(prompt_ids), out, out_lp, [], state if cfg.keep_states else None, first_u, request)
 
         while len(out) < cfg.max_new_tokens and bonus not in cfg.stop_token_ids:
             depth = min(drafter.block_size - 1, cfg.max_new_tokens - len(out))
@@ -120,16 +145,28 @@ class DDTreeDecoder:
                 draft_lp = torch.empty(0, target.vocab_size)
             else:
                 draft_lp = drafter.propose(bonus, state.length, depth)  # [L, V] fp32
+            tree_lp = draft_lp  # what the tree is built from: the draft at the target's temperature when sampling
+            if cfg.sampled and draft_lp.numel():  # log_softmax(lp / T) = log_softmax(logits / T)
+                tree_lp = torch.log_softmax(draft_lp / cfg.sampling.temperature, dim=-1)
             t1 = _clock(dev)
-            tree = build_chain(bonus, draft_lp) if cfg.budget is None else build_ddtree(bonus, draft_lp, cfg.budget)
+            tree = build_chain(bonus, tree_lp) if cfg.budget is None else build_ddtree(bonus, tree_lp, cfg.budget)
             t2 = _clock(dev)
             fwd = self.verify(state, tree, capture)
             logp = torch.log_softmax(fwd.logits, dim=-1)  # [N, V]
             argmax = logp.argmax(dim=-1)
             t3 = _clock(dev)
-            accepted = self.walk(tree, argmax.cpu())
-            source = self.bonus_node(accepted)
-            bonus = int(argmax[source])
+            draws = uniforms = None
+            if cfg.sampled:
+                probs = self.sample_probs(fwd.logits)  # [N, V] float64
+                uniforms = self.node_uniforms(request, len(result.steps), (state.length + 1 + tree.depths).tolist())
+                draws = self.draw(probs, uniforms)  # [N] int64
+                accepted = self.sample_walk(tree, draws, uniforms, tree_lp)
+                source = self.bonus_node(accepted)
+                bonus = self.bonus_token(fwd.logits, probs, draws, uniforms, source)
+            else:
+                accepted = self.walk(tree, argmax.cpu())
+                source = self.bonus_node(accepted)
+                bonus = int(argmax[source])
             prev_len = state.length
             state = self.commit(state, fwd, accepted)
             ctx = torch.tensor(self.context_nodes(tree, accepted), dtype=torch.long, device=dev)
@@ -161,6 +198,8 @@ class DDTreeDecoder:
                     state=state if cfg.keep_states else None,
                     draft_logprobs=draft_lp.cpu() if cfg.keep_states else None,
                     layer_outputs=torch.stack(fwd.layer_outputs).cpu() if cfg.keep_layers else None,
+                    draws=draws,
+                    uniforms=uniforms,
                 )
             )
             if any(t in cfg.stop_token_ids for t in emitted):
@@ -190,6 +229,29 @@ class DDTreeDecoder:
         """Nodes whose target hidden states extend the drafter's context: root + accepted only."""
         return accepted
 
+    # -- sampling (temperature > 0) ---------------------------------------------------------------
+    def sample_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution every node draws from: ``[N, V]`` logits -> ``[N, V]`` float64."""
+        s = self.cfg.sampling
+        return tempered_probs(logits, s.temperature, s.top_k, s.top_p)
+
+    def node_uniforms(self, request: int, step: int, positions: list[int]) -> torch.Tensor:
+        """Each node's uniform ``[N]`` float64 (``positions``: the position each draw produces)."""
+        return node_uniforms(self.cfg.sampling, request, step, positions)
+
+    def draw(self, probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        """The token each node draws: ``[N]`` int64 (host)."""
+        return inverse_cdf(probs.cpu(), uniforms)
+
+    def sample_walk(self, tree: Tree, draws: torch.Tensor, uniforms: torch.Tensor, draft_lp: torch.Tensor) -> list[int]:
+        """Accepted nodes, root first: follow the child equal to each node's draw."""
+        return tree.walk_greedy(draws)
+
+    def bonus_token(self, logits: torch.Tensor, probs: torch.Tensor, draws: torch.Tensor, uniforms: torch.Tensor,
+                    node: int) -> int:
+        """The bonus: the draw at the last accepted node."""
+        return int(draws[node])
+
     def report_emitted(self, emitted: list[int], lps: list[float]) -> tuple[list[int], list[float]]:
         """What the engine returns to the user for this step (every token, mask id included)."""
         return emitted, lps
@@ -212,20 +274,30 @@ class DDTreeDecoder:
 
 
 def autoregressive_decode(target: Target, prompt_ids: list[int], max_new_tokens: int,
-                          stop_token_ids: frozenset[int] = frozenset()) -> list[int]:
-    """Target-only greedy decoding, one token per forward, with the same machinery as the decoder.
+                          stop_token_ids: frozenset[int] = frozenset(), sampling: Sampling | None = None,
+                          request: int = 0) -> list[int]:
+    """Target-only decoding, one token per forward, with the same machinery as the decoder: greedy, or
+    with ``sampling`` (T > 0) each token drawn with the decoder's keyed uniform for its position.
 
     The speed baseline of sweeps (same implementation, so the ratio measures speculation alone);
-    correctness oracles use :func:`reference.oracle.greedy_decode` instead.
+    correctness oracles use :func:`reference.oracle.greedy_decode` / ``sample_decode`` instead.
     """
     dev = target.device
+    sampled = sampling is not None and not sampling.greedy
+
+    def pick(logits: torch.Tensor, position: int) -> int:  # logits [1, V] -> the token at ``position``
+        if not sampled:
+            return int(logits[0].argmax())
+        probs = tempered_probs(logits.cpu(), sampling.temperature, sampling.top_k, sampling.top_p)  # [1, V]
+        return int(inverse_cdf(probs, node_uniforms(sampling, request, -1, [position]))[0])
+
     state, fwd = target.prefill(torch.tensor(prompt_ids, dtype=torch.long, device=dev))
-    tok = int(fwd.logits[-1].argmax())
+    tok = pick(fwd.logits[-1:], len(prompt_ids))
     out = [tok]
     one = torch.zeros(1, dtype=torch.long)
     while len(out) < max_new_tokens and tok not in stop_token_ids:
         fwd = target.forward(state, torch.tensor([tok]), one - 1, one)
         state = state.commit(fwd, [0])
-        tok = int(fwd.logits[0].argmax())
+        tok = pick(fwd.logits[:1], state.length)
         out.append(tok)
     return out

@@ -31,3 +31,7 @@ class PromptError(ReferenceInputError):
 
 class BudgetError(ReferenceInputError):
     """A node budget or block size is out of range."""
+
+
+class SamplingError(ReferenceInputError):
+    """Sampling parameters out of range: temperature < 0, top-p outside (0, 1], top-k < 0, a bad seed."""

@@ -6,6 +6,10 @@ sequence, so they share no code (and no state handling) with the tree decoder:
 * :func:`greedy_decode` — the lossless invariant: DDTree's greedy output must equal this, token
   for token, whatever the drafter proposes;
 * :class:`GreedyMemo` — the same continuations, each distinct sequence's forward run once;
+* :func:`sample_decode` — the lossless invariant at temperature > 0: target-only sampling, the
+  token at position q drawn with the uniform keyed by (seed, request, q) ("position" keying), so
+  DDTree's sampled output must equal it token for token; it also returns each draw's CDF-boundary
+  margin, so a comparison can stop at a draw that the logits' round-off could flip;
 * :func:`path_logits` — every tree node's logits obtained by running committed tokens + the
   node's root-to-node path as one plain sequence (each path on its own copy of the state, by
   construction, since nothing is cached).
@@ -19,6 +23,8 @@ from __future__ import annotations
 import torch
 
 from reference.compat import full_forward_logits
+from reference.errors import SamplingError
+from reference.sampling import Sampling, boundary_margin, inverse_cdf, node_uniforms, tempered_probs
 
 
 @torch.no_grad()
@@ -40,6 +46,35 @@ def greedy_decode(
         if tok in stop_token_ids:
             break
     return out
+
+
+@torch.no_grad()
+def sample_decode(
+    model: torch.nn.Module,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    sampling: Sampling,
+    request: int = 0,
+    stop_token_ids: frozenset[int] | set[int] = frozenset(),
+) -> tuple[list[int], list[float]]:
+    """Target-only sampled continuation of ``prompt_ids`` and each draw's boundary margin."""
+    if sampling.greedy or sampling.keying != "position":
+        raise SamplingError("sample_decode needs temperature > 0 and the 'position' keying")
+    device = next(model.parameters()).device
+    seq = list(prompt_ids)
+    out: list[int] = []
+    margins: list[float] = []
+    while len(out) < max_new_tokens:
+        logits = full_forward_logits(model, torch.tensor(seq, device=device))[-1:]  # [1, V]
+        probs = tempered_probs(logits.cpu(), sampling.temperature, sampling.top_k, sampling.top_p)  # [1, V]
+        u = node_uniforms(sampling, request, -1, [len(seq)])
+        tok = inverse_cdf(probs, u)
+        margins.append(float(boundary_margin(probs, u, tok)[0]))
+        out.append(int(tok[0]))
+        seq.append(int(tok[0]))
+        if out[-1] in stop_token_ids:
+            break
+    return out, margins
 
 
 class GreedyMemo:

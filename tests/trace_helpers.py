@@ -54,10 +54,10 @@ def assert_steps_equal(a: StepRow, b: StepRow) -> None:
     for name in (
         "request_id", "step", "committed_len", "tree_tokens", "tree_parents", "tree_depths",
         "tree_ranks", "draft_topk_ids", "topk_ids", "target_argmax", "accepted", "accept_length",
-        "bonus", "emitted", "timings",
+        "bonus", "emitted", "timings", "node_draws",
     ):  # fmt: skip
         assert getattr(a, name) == getattr(b, name), name
-    for name in ("draft_topk_logprobs", "topk_logprobs", "emitted_logprobs"):
+    for name in ("draft_topk_logprobs", "topk_logprobs", "emitted_logprobs", "node_uniforms"):
         assert floats_equal(getattr(a, name), getattr(b, name)), name
     assert tensors_identical(a.layer_sketch, b.layer_sketch)
     assert len(a.state) == len(b.state)
@@ -76,6 +76,9 @@ def assert_traces_equal(a: Trace, b: Trace) -> None:
             y.request_id, y.kind, y.prompt_ids, y.output_ids,
         )  # fmt: skip
         assert floats_equal(x.output_logprobs, y.output_logprobs)
+        for name in ("temperature", "top_k", "top_p", "seed", "rng", "rng_request"):
+            assert getattr(x, name) == getattr(y, name), name
+        assert floats_equal(x.first_uniform, y.first_uniform)
     assert len(a.steps) == len(b.steps)
     for x, y in zip(a.steps, b.steps):
         assert_steps_equal(x, y)
@@ -122,6 +125,8 @@ def make_step(rid: str, step: int, gen: torch.Generator, n: int = 6, depth: int 
         state=state,
         timings=dict(TIMINGS),
         layer_sketch=(torch.randn(2, n, 4, generator=gen).to(torch.bfloat16) if step % 2 == 0 else None),
+        node_draws=[-1] + torch.randint(0, 1000, (n - 1,), generator=gen).tolist() if step % 2 else [],
+        node_uniforms=[float("nan")] + torch.rand(n - 1, generator=gen, dtype=torch.float64).tolist() if step % 2 else [],
     )
 
 
@@ -131,6 +136,10 @@ def make_trace(n_requests: int = 2, n_steps: int = 4) -> Trace:
         RequestRow(f"req-{i}", "chat", list(range(5 + i)), list(range(100, 110)), [f32(-0.1 * j) for j in range(10)])
         for i in range(n_requests)
     ]
+    if n_requests > 1:  # a sampled request beside greedy ones (schema 1.2)
+        requests[1] = RequestRow(requests[1].request_id, "chat", requests[1].prompt_ids, requests[1].output_ids,
+                                 requests[1].output_logprobs, temperature=0.7, top_k=20, top_p=0.9, seed=2**40 + 3,
+                                 rng="refcheck-philox-position", rng_request=1, first_uniform=0.25)
     steps = [make_step(r.request_id, s, gen) for r in requests for s in range(n_steps)]
     provenance = {
         "engine": "reference",
@@ -173,6 +182,7 @@ def rewrite_legacy(src: Path, dst: Path, table_fn=lambda t: t, meta_fn=lambda m:
 def requests_blob(rows: list[dict]) -> bytes:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, trace_schema.REQUESTS_SCHEMA) as w:
+        rows = [{**trace_schema.SAMPLING_DEFAULTS, **r} for r in rows]  # 1.2 columns: greedy unless given
         w.write_table(pa.Table.from_pylist(rows, schema=trace_schema.REQUESTS_SCHEMA))
     return sink.getvalue().to_pybytes()
 

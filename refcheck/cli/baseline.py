@@ -18,7 +18,8 @@ from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
 @click.option("--source", default=None, help="Baseline file (ddtree_table1, ddtree_budget_sweep, dflash_readme, ...).")
 @click.option("--model", "bl_model", default=None, help="Baseline target model, e.g. Qwen3-8B.")
 @click.option("--dataset", default=None, help="Baseline dataset, e.g. MATH-500.")
-@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--temperature", type=float, default=None,
+              help="Baseline rows at this temperature (default: the trace's own sampling temperature, 0 when greedy).")
 @click.option("--method", type=click.Choice(["ddtree", "dflash"]), default=None,
               help="Default: dflash for a chain trace, ddtree otherwise.")
 @click.option("--budget", "bl_budget", default=None, help="Baseline budget (default: the trace's, when the source has budgets).")
@@ -45,6 +46,7 @@ def baseline(trace_path, source, bl_model, dataset, temperature, method, bl_budg
     if bl_budget not in (None, "best") and not str(bl_budget).isdigit():
         raise UsageError(f"--budget must be a non-negative integer or 'best', got {bl_budget!r}")
     trace = read_trace(trace_path)
+    temperature = _trace_temperature(trace, temperature)
     taus_by_req = [[s.accept_length for s in trace.steps_of(r.request_id)] for r in trace.requests]
     taus = [t for r in taus_by_req for t in r]
     if not taus:
@@ -81,3 +83,18 @@ def baseline(trace_path, source, bl_model, dataset, temperature, method, bl_budg
         click.echo(json.dumps(out, indent=2, default=str))
     code = {"PASS": EXIT_PASS, "FAIL": EXIT_MISMATCH}.get(str(verdict["verdict"]).upper(), 5)
     sys.exit(code)
+
+
+def _trace_temperature(trace, given: float | None) -> float:
+    """The temperature to match baseline rows at: the trace's (one for all its requests). A different
+    ``--temperature`` is a usage error: acceptance at one temperature says nothing about another."""
+    from refcheck.errors import UsageError
+
+    temps = sorted({float(r.temperature) for r in trace.requests})
+    if len(temps) > 1:
+        raise UsageError(f"the trace's requests were sampled at several temperatures {temps}: compare one at a time")
+    own = temps[0] if temps else 0.0
+    if given is not None and not math.isclose(given, own, abs_tol=1e-9):
+        raise UsageError(f"--temperature {given:g} but the trace was decoded at temperature {own:g}: its acceptance "
+                         f"is not comparable with rows at {given:g}")
+    return own

@@ -8,8 +8,9 @@ import click
 
 from refcheck.budget import budget_json, budget_label
 from refcheck.cli.app import err, main
-from refcheck.cli.options import DeviceType, model_options, spec_from_options, unless_given
 from refcheck.cli.notes import explain_target, headline, where
+from refcheck.cli.options import (DeviceType, model_options, sampling_from_options, sampling_options, spec_from_options,
+                                  unless_given)
 from refcheck.cli.reports import finish, report_table, steps_table
 from refcheck.errors import GoldenError, UsageError
 from refcheck.prompts import load_prompts, prompt_set_hash
@@ -73,9 +74,10 @@ def _engine_and_options(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype
               help="With --against and --mode replay: split the reference by layers over N processes (N GPUs with "
                    "--ref-device cuda, NCCL; gloo on CPUs).")
 @model_options
+@sampling_options
 def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, workers, full_state, sglang_algorithm,
          cuda_graphs, ngram_breadth, tp, max_running, mem_fraction, layer_sketches, steps, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
-         drafter, stop_ids, as_json):
+         drafter, stop_ids, as_json, temperature, top_k, top_p, sample_seed):
     """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
 
     With no --engine / --against: the golden engine traces in golden/ for this budget and pair."""
@@ -85,6 +87,13 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
 
     from refcheck.outputs import check_output_file, late_write_error
 
+    sampling = sampling_from_options(temperature, top_k, top_p, sample_seed)  # out of range: exit 2
+    if sampling is not None and not engine:
+        raise UsageError("--temperature > 0 runs a live engine (--engine ...): a recorded trace carries its own "
+                         "sampling parameters")
+    if sampling is not None and engine and not _can_sample(engine):
+        raise UsageError(f"engine {engine} cannot sample yet: refcheck records its runs greedily only (temperature 0). "
+                         "Sampling engines: reference, fault:NAME")
     check_output_file(save_trace, "--save-trace")  # before the run, not after it
     session = DiffSession()
     reports = []
@@ -100,7 +109,8 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
         engine, engine_opts, dtype, device = _engine_and_options(engine, sglang_algorithm, cuda_graphs, ngram_breadth,
                                                                  tp, dtype, device, mem_fraction, max_running,
                                                                  layer_sketches)
-        spec = spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids)
+        spec = spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids,
+                                 sampling)
         prompts = load_prompts(prompts_file, spec.resolved_dirs()[0])
         from refcheck.diff.tolerance import calibration_for
 
@@ -160,6 +170,14 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
         except OSError as exc:
             report_json_and_raise(reports, as_json, late_write_error(save_trace, exc, "the trace"))
     finish(reports, as_json)
+
+
+def _can_sample(engine: str) -> bool:
+    """Live engines whose runs refcheck can record at temperature > 0 (the engine table's ``samples``: the
+    reference decoder and its faults; z-lab's dflash_generate and SGLang are driven greedily for now)."""
+    from refcheck.engines import kind_of
+
+    return kind_of(engine).samples
 
 
 def report_json_and_raise(reports, as_json: bool, error: Exception) -> None:

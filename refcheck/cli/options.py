@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from refcheck.errors import UsageError
 from refcheck.models import BUILTIN_PAIRS, DEFAULT_PAIR
 from refcheck.spec import DRAFTERS, DTYPE_NAMES, EngineSpec
+
+if TYPE_CHECKING:  # reference.sampling imports torch: --help must not
+    from reference.sampling import Sampling
 
 
 class BudgetType(click.ParamType):
@@ -67,10 +71,34 @@ def model_options(f):
         f = opt(f)
     return f
 
-def spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids) -> EngineSpec:
+def sampling_options(f):
+    """--temperature / --top-k / --top-p / --seed (temperature 0, the default, is greedy decoding)."""
+    opts = [
+        click.option("--temperature", type=float, default=0.0, show_default=True,
+                     help="Sampling temperature; 0 = greedy. > 0: every tree node draws from the tempered target."),
+        click.option("--top-k", type=int, default=0, show_default=True, help="Top-k filter at T > 0 (0 = off)."),
+        click.option("--top-p", type=float, default=1.0, show_default=True, help="Top-p filter at T > 0, in (0, 1]."),
+        click.option("--seed", "sample_seed", type=int, default=0, show_default=True,
+                     help="Seed of the keyed sampling generator (Philox keyed by seed, request, position)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def sampling_from_options(temperature: float, top_k: int, top_p: float, sample_seed: int) -> Sampling | None:
+    """The sampling parameters, or None for greedy; out-of-range values are a SamplingError (exit 2)."""
+    from reference.sampling import Sampling
+
+    s = Sampling(temperature, top_k, top_p, sample_seed)
+    return None if s.greedy else s
+
+
+def spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids,
+                      sampling: Sampling | None = None) -> EngineSpec:
     return EngineSpec(
         model_dir=model_dir, draft_dir=draft_dir, pair=pair, dtype=dtype, device=device, drafter=drafter,
-        budget=budget, max_new_tokens=max_new_tokens, stop_token_ids=parse_ids(stop_ids),
+        budget=budget, max_new_tokens=max_new_tokens, stop_token_ids=parse_ids(stop_ids), sampling=sampling,
     )
 
 

@@ -65,9 +65,14 @@ def finish(reports, as_json: bool, extra: dict | None = None) -> None:
     if as_json:
         click.echo(json.dumps({**(extra or {}), "reports": [r.to_json() for r in reports]}, indent=2, default=str))
     codes = [r.exit_code for r in reports]
-    if not reports or all(c == EXIT_NOTHING for c in codes):
-        sys.exit(EXIT_NOTHING)
-    sys.exit(EXIT_MISMATCH if EXIT_MISMATCH in codes else EXIT_PASS)
+    for r in reports:
+        for why in r.inconclusive:
+            err.print(f"{r.case}: INCONCLUSIVE {why}", markup=False, soft_wrap=True)
+    if EXIT_MISMATCH in codes:
+        sys.exit(EXIT_MISMATCH)
+    if not reports or all(c == EXIT_NOTHING for c in codes) or any(r.inconclusive for r in reports):
+        sys.exit(EXIT_NOTHING)  # nothing compared, or a statistical verdict short of its stated power
+    sys.exit(EXIT_PASS)
 
 def steps_table(report, trace, limit: int = 500) -> None:
     """One row per verify step of the engine trace: its tree, τ and the replay's verdict there."""

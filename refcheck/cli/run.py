@@ -10,7 +10,7 @@ import click
 from rich.table import Table
 
 from refcheck.cli.app import err, main, progress_line
-from refcheck.cli.options import model_options, spec_from_options
+from refcheck.cli.options import model_options, sampling_from_options, sampling_options, spec_from_options
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
 from refcheck.prompts import load_prompts, prompt_set_hash
 from refcheck.spec import EngineSpec
@@ -20,13 +20,17 @@ ENGINES = ("reference",)  # live engines; faults are "fault:<name>" (see `refche
 
 @main.command()
 @click.option("--engine", type=click.Choice(ENGINES), default="reference", show_default=True)
-@click.option("--check-ar", is_flag=True, help="Compare every prompt's tokens with target-only greedy decoding.")
+@click.option("--check-ar", is_flag=True, help="Compare every prompt's tokens with target-only greedy decoding "
+              "(at --temperature > 0: target-only sampling with the same keys).")
 @model_options
-def run(engine, check_ar, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device, drafter, stop_ids, as_json):
+@sampling_options
+def run(engine, check_ar, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device, drafter, stop_ids, as_json,
+        temperature, top_k, top_p, sample_seed):
     """Decode prompts with an engine and report acceptance (and the AR check)."""
     from refcheck.reference_runner import ReferenceRunner
 
-    spec = spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids)
+    sampling = sampling_from_options(temperature, top_k, top_p, sample_seed)
+    spec = spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids, sampling)
     prompts = load_prompts(prompts_file, spec.resolved_dirs()[0])
     runner = ReferenceRunner(spec)
     runs = runner.run(prompts, check_ar=check_ar, progress=progress_line)
@@ -43,6 +47,7 @@ def _run_report(engine: str, spec: EngineSpec, prompts, runs: list) -> dict:
     return {
         "engine": engine,
         "budget": "chain" if spec.budget is None else spec.budget,
+        **({"sampling": spec.sampling.to_json()} if spec.sampled else {}),
         "drafter": spec.drafter,
         "dtype": spec.dtype,
         "device": spec.device,

@@ -10,7 +10,8 @@ import click
 from rich.table import Table
 
 from refcheck.cli.app import err, main, progress_line, quiet
-from refcheck.cli.options import DeviceType, model_options, spec_from_options, unless_given
+from refcheck.cli.options import (DeviceType, model_options, sampling_from_options, sampling_options, spec_from_options,
+                                  unless_given)
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS, UsageError
 from refcheck.prompts import load_prompts
 
@@ -30,8 +31,10 @@ from refcheck.prompts import load_prompts
               help="With --engine sglang: tabulate saved SGLang traces (repeatable) instead of running the engine; "
                    "rows are grouped by each trace's algorithm and budget.")
 @model_options
+@sampling_options
 def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_device, from_traces,
-          model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device, drafter, stop_ids, as_json):
+          model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device, drafter, stop_ids, as_json,
+          temperature, top_k, top_p, sample_seed):
     """Acceptance and speed against node budget: τ, histograms, per-phase time, speedup over target-only.
 
     With --engine sglang: per SGLang algorithm and budget, τ, step time, tokens/s and the replay verdict."""
@@ -41,6 +44,9 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
     from refcheck.outputs import check_output_dir, late_write_error
 
     quiet()
+    sampling = sampling_from_options(temperature, top_k, top_p, sample_seed)  # out of range: exit 2
+    if sampling is not None and engine == "sglang":
+        raise UsageError("--engine sglang cannot sample yet: refcheck drives SGLang greedily (temperature 0)")
     blist = parse_budgets(budgets)
     check_output_dir(out_dir, "--out")  # before minutes of decoding, not after
     if from_traces and engine != "sglang":
@@ -49,7 +55,8 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
         _sweep_sglang(blist, repeats, out_dir, sglang_algorithms, ref_device, model_dir, draft_dir, pair, prompts_file,
                       max_new_tokens, dtype, stop_ids, as_json, from_traces)
         return
-    spec = spec_from_options(model_dir, draft_dir, pair, blist[0], max_new_tokens, dtype, device, drafter, stop_ids)
+    spec = spec_from_options(model_dir, draft_dir, pair, blist[0], max_new_tokens, dtype, device, drafter, stop_ids,
+                             sampling)
     prompts = load_prompts(prompts_file, spec.resolved_dirs()[0])
     if not no_plots:
         try:
@@ -64,7 +71,9 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
         late = None
     except OSError as exc:  # the table and the JSON still print; the error follows them
         plots, late = [], late_write_error(out_dir, exc, "the sweep results")
-    table = Table(title=f"refcheck sweep · {result['model']} · {dtype} · {device} · {drafter} drafter · {repeats} repeat(s)")
+    at = f" · T={sampling.temperature:g} top-k {sampling.top_k} top-p {sampling.top_p:g}" if sampling else ""
+    table = Table(title=f"refcheck sweep · {result['model']} · {dtype} · {device} · {drafter} drafter · {repeats} repeat(s)"
+                  + at)
     for col in ("budget", "τ", "τ range (req.)", "steps", "draft ms", "tree ms", "verify ms", "commit ms", "tok/s", "speedup", "lossless"):
         table.add_column(col, justify="right")
     for r in result["budgets"]:

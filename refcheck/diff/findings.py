@@ -4,7 +4,8 @@ Contract: a comparison emits a :class:`Finding` only when a check does not pass;
 counted in :attr:`Report.checks`, so ``pass = checks - non-pass findings`` per category. Verdicts:
 pass, benign tie (an argmax flip at a reference near-tie, with its margin), fail (with category),
 unsupported (the engine did not record the quantity), skipped. The report's exit code: 1 on any
-fail, 5 when nothing was compared, else 0.
+fail, 5 when nothing was compared or when a statistical verdict is INCONCLUSIVE (the sample cannot
+reach the stated power; :attr:`Report.inconclusive` says why), else 0.
 """
 
 from __future__ import annotations
@@ -65,9 +66,11 @@ CATEGORY_TABLE: tuple[Category, ...] = (
     Category("tree", "step", "the draft tree is malformed or is not the tree the reference builds from the same drafts"),
     Category("draft", "step", "the drafter's top-k log-probs differ from the reference drafter's"),
     Category("logits", "node", "a tree node's target log-probs or argmax differ from the reference's at that node"),
-    Category("accepted_path", "step", "the accepted nodes are not the greedy walk of the tree"),
+    Category("sampling", "node", "at temperature > 0: a node's draw is not what the engine's own uniform gives from the "
+                                 "reference's tempered distribution (exact replay)"),
+    Category("accepted_path", "step", "the accepted nodes are not the walk of the tree (greedy, or by the draws at T > 0)"),
     Category("accept_length", "step", "the accepted length differs from what the tree and the target's argmaxes give"),
-    Category("bonus", "step", "the bonus token is not the target's argmax at the last accepted node"),
+    Category("bonus", "step", "the bonus token is not the target's argmax (or draw, at T > 0) at the last accepted node"),
     Category("output", "request", "the emitted tokens differ from the accepted path and bonus"),
     Category("logprobs", "step", "the emitted tokens' log-probs differ from the reference's"),
     Category("kv", "state", "committed attention KV rows differ from the reference's"),
@@ -76,6 +79,8 @@ CATEGORY_TABLE: tuple[Category, ...] = (
     Category("unmatched", "state", "a recorded state entry the reference has no counterpart for"),
     Category("ar_tokens", "request", "free run: the output differs from target-only greedy decoding (not lossless)"),
     Category("acceptance", "run", "mean accepted length differs from the reference's beyond the stated tolerance"),
+    Category("distribution", "run", "at temperature > 0 with no draws recorded: the emitted tokens are not draws from the "
+                                    "target's tempered distribution (statistical test)"),
 )
 CATEGORIES: tuple[str, ...] = tuple(c.name for c in CATEGORY_TABLE)
 STATE_CATEGORIES: tuple[str, ...] = tuple(c.name for c in CATEGORY_TABLE if c.scope == "state")
@@ -120,6 +125,8 @@ class Report:
     expect_failure: str | None = None  # golden of a known-buggy engine: "fail" or "fail:CATEGORY"
     #: ... and where its first failure must be: {request_id, step, node, layer} (None: any)
     expect_first: dict | None = None
+    #: statistical verdicts that could not reach their stated power (exit 5 when nothing fails)
+    inconclusive: list[str] = field(default_factory=list)
 
     def check(self, category: str, n: int = 1) -> None:
         self.checks[category] += n
@@ -130,6 +137,7 @@ class Report:
     def merge(self, other: Report) -> None:
         self.findings += other.findings
         self.checks.update(other.checks)
+        self.inconclusive += other.inconclusive
         for key, value in other.stats.items():
             if key == "steps":  # per-step verdict counts add up
                 mine = self.stats.setdefault("steps", {})
@@ -191,7 +199,7 @@ class Report:
             return EXIT_PASS if self.expected_failure_met else EXIT_MISMATCH
         if self.failures:
             return EXIT_MISMATCH
-        if sum(self.checks.values()) == 0:
+        if sum(self.checks.values()) == 0 or self.inconclusive:
             return EXIT_NOTHING
         return EXIT_PASS
 
@@ -199,7 +207,9 @@ class Report:
     def verdict(self) -> str:
         if self.expect_failure is not None:
             return "expected failure caught" if self.expected_failure_met else "expected failure NOT caught"
-        return "fail" if self.failures else ("nothing compared" if not self.checks else "pass")
+        if self.failures:
+            return "fail"
+        return "nothing compared" if not self.checks else ("inconclusive" if self.inconclusive else "pass")
 
     def to_json(self) -> dict:
         return {
@@ -214,4 +224,5 @@ class Report:
             "first_divergence": {k: v.to_json() for k, v in self.first_divergence().items()},
             "findings": [f.to_json() for f in self.findings],
             "stats": self.stats,
+            **({"inconclusive": self.inconclusive} if self.inconclusive else {}),
         }

@@ -14,6 +14,13 @@ engine's drafts differ from the reference's), then checks, each counted in the r
 * the accepted path, τ (bonus counted), the bonus, the emitted tokens and their log-probs;
 * the committed KV rows, conv and recurrent state per layer (sketches or full tensors).
 
+A **sampled** request (temperature > 0, schema 1.2) keeps every check above except the greedy walk
+and bonus: its path, bonus and first token are judged by exact replay of the engine's draws or
+uniforms (:mod:`refcheck.diff.sampling`), and every emitted token and walk step feeds the
+distributional test (:mod:`refcheck.diff.distribution`), judged once over the whole trace
+(category "distribution"; INCONCLUSIVE, exit 5, when a request hid its randomness and the sample
+cannot reach the stated power).
+
 **The calibrated verdict** (:mod:`refcheck.diff.tolerance`): a quantity within its cheap bound
 passes. For an engine dtype coarser than the reference, a draft, node, emitted log-prob or state
 entry over its bound is judged by the rounding ensemble (:mod:`refcheck.diff.triage`, run once per
@@ -36,13 +43,16 @@ from collections.abc import Callable
 
 import torch
 
+from refcheck.diff.distribution import Evidence, judge
 from refcheck.diff.findings import Finding, Report, Verdict, worst_verdict
+from refcheck.diff.sampling import SampledRequest, cdf_tolerance, replay_first_token, replay_sampled_step
 from refcheck.diff.tolerance import Calibration
 from refcheck.diff.triage import RoundingEnsemble, StepInputs, StepSpread
 from refcheck.profile import timed
 from refcheck.sketch import cosine, layer_sketch, rel_l2, sketch_rows, state_rows
 from refcheck.trace.io import StateEntry, StepRow, Trace
 from reference.drafter import Drafter
+from reference.sampling import tempered_probs
 from reference.state import TargetState
 from reference.target import Target
 from reference.tree import Tree, TreeError
@@ -66,7 +76,8 @@ class _Request:
     """Replay of one request: the reference state follows the engine's committed path."""
 
     def __init__(self, rep: Report, target: Target, drafter: Drafter, cal: Calibration, rid: str, stop: frozenset[int],
-                 check_draft: bool = True, structural_trees: bool = False, ensemble: RoundingEnsemble | None = None):
+                 check_draft: bool = True, structural_trees: bool = False, ensemble: RoundingEnsemble | None = None,
+                 sampled: SampledRequest | None = None, evidence: Evidence | None = None):
         self.rep, self.target, self.drafter, self.tol, self.rid, self.stop = rep, target, drafter, cal.tolerance, rid, stop
         self.rule = cal.rule
         self.check_draft_enabled = check_draft
@@ -83,6 +94,9 @@ class _Request:
         self.failed_at: int | None = None  # the first step of this request with a failure
         self.last_spread: float | None = None  # the spread the last judged deviation was held against
         self.since = 0  # index of this step's first finding in the report
+        self.sampled = sampled  # the request's sampling (None: greedy)
+        self.evidence = evidence if evidence is not None else Evidence()
+        self.hidden = False  # some draw of this request could not be replayed exactly
 
     def fail(self, category: str, step: int | None, message: str, **kw) -> None:
         self.rep.add(Finding(Verdict.FAIL, category, self.rid, step, message=message, **kw))
@@ -386,14 +400,49 @@ class _Request:
                 return
 
     # -- the walk ---------------------------------------------------------------------------------
-    def run(self, prompt: list[int], output: list[int], output_lps: list[float], steps: list[StepRow]) -> None:
+    def probs(self, logp: torch.Tensor) -> torch.Tensor:
+        """The sampling distribution at each row of ``logp`` ``[N, V]``: ``[N, V]`` float64 on the host."""
+        s = self.sampled.sampling
+        return tempered_probs(logp.cpu(), s.temperature, s.top_k, s.top_p)
+
+    def cdf_tol(self) -> float:
+        return cdf_tolerance(self.tol.logprob_abs, self.sampled.sampling.temperature)
+
+    def check_sampled_step(self, s: StepRow, tree: Tree, logp: torch.Tensor) -> None:
+        """Exact replay of the step's draws, and its evidence for the distributional test."""
+        probs = self.probs(logp)  # [N, V]
+        self.rep.check("sampling")
+        res = replay_sampled_step(self.rid, s, tree, probs, self.sampled, self.cdf_tol())
+        for f in res.findings:
+            self.rep.add(f)
+        self.hidden |= not res.exact
+        n = tree.num_nodes
+        path = [a for a in s.accepted if 0 <= a < n]
+        for node, tok in zip(path, s.emitted):
+            self.evidence.add_token(self.rid, probs[node], tok)
+        for j, node in enumerate(path):
+            kids = tree.children(node)
+            if kids:
+                a = float(probs[node, list(kids)].sum())
+                self.evidence.add_walk(self.rid, int(tree.depths[node]) + 1, j + 1 < len(path), a)
+
+    def run(self, prompt: list[int], output: list[int], output_lps: list[float], steps: list[StepRow],
+            first_uniform: float = float("nan")) -> None:
         P = len(prompt)
         if not output and not steps:
             self.rep.add(Finding(Verdict.SKIPPED, "output", self.rid, None, message="request has no output and no steps"))
             return
         logp0 = self.prefill(prompt)
         self.rep.check("output")
-        if output and int(logp0.argmax()) != output[0]:
+        if output and self.sampled is not None:
+            probs0 = self.probs(logp0[None])  # [1, V]
+            self.rep.check("sampling")
+            found, exact = replay_first_token(self.rid, output[0], probs0, first_uniform, self.sampled, P, self.cdf_tol())
+            for f in found:
+                self.rep.add(f)
+            self.hidden |= not exact
+            self.evidence.add_token(self.rid, probs0[0], output[0])
+        elif output and int(logp0.argmax()) != output[0]:
             self.token_flip("output", -1, None, logp0.cpu(), output[0], position=P)
         if output and output_lps:
             self.rep.check("logprobs")
@@ -449,7 +498,9 @@ class _Request:
         self.step_ensemble(s, tree, logp, prompt + output[: s.committed_len - P], draft_ref, new_state, prev)
         self.check_draft(s, draft_ref)
         walk = self.check_nodes(s, tree, logp, fwd.layer_outputs)
-        ref_acc = tree.walk_greedy(walk)
+        if self.sampled is not None:
+            self.check_sampled_step(s, tree, logp)
+        ref_acc = tree.walk_greedy(walk) if self.sampled is None else list(s.accepted)
         self.rep.check("accepted_path")
         if s.accepted != ref_acc:
             self.fail("accepted_path", s.step, f"engine accepted {s.accepted}, the greedy walk gives {ref_acc}",
@@ -462,7 +513,7 @@ class _Request:
             self.fail("accepted_path", s.step, f"engine's accepted nodes {s.accepted} are not a root path of its tree")
             return False
         self.rep.check("bonus")
-        if s.bonus != int(walk[s.accepted[-1]]):
+        if self.sampled is None and s.bonus != int(walk[s.accepted[-1]]):
             self.token_flip("bonus", s.step, s.accepted[-1], logp[s.accepted[-1]].cpu(), s.bonus)
         self.check_emitted(s, tree, logp, last=last)
         self.check_state(s, new_state, prev)
@@ -496,16 +547,45 @@ def capture_findings(rep: Report, trace: Trace) -> None:
 
 
 def replay(trace: Trace, target: Target, drafter: Drafter, cal: Calibration, case: str = "",
-           stop_token_ids: frozenset[int] = frozenset(), check_draft: bool = True, engine_dtype: str = "float32") -> Report:
-    """Replay every request of ``trace``, judged by ``cal`` (the calibration of the engine's numerics)."""
+           stop_token_ids: frozenset[int] = frozenset(), check_draft: bool = True, engine_dtype: str = "float32",
+           evidence: Evidence | None = None) -> Report:
+    """Replay every request of ``trace``, judged by ``cal`` (the calibration of the engine's numerics).
+    ``evidence``: where the sampled requests' distributional evidence is collected (a fresh one by default)."""
     rep = Report(case=case, mode="replay")
     capture_findings(rep, trace)
     structural = trace.prov.tree_rules == "structural"
     ensemble = None
     if cal.rule is not None:
         ensemble = RoundingEnsemble(target, drafter, engine_dtype, cal.rule, tuple(drafter.target_layer_ids))
+    evidence = evidence if evidence is not None else Evidence()
+    hidden, any_sampled = [], False
     for req in trace.requests:
-        _Request(rep, target, drafter, cal, req.request_id, stop_token_ids, check_draft, structural, ensemble).run(
-            list(req.prompt_ids), list(req.output_ids), list(req.output_logprobs), trace.steps_of(req.request_id)
-        )
+        sampled = SampledRequest.from_row(req)
+        any_sampled |= sampled is not None
+        r = _Request(rep, target, drafter, cal, req.request_id, stop_token_ids, check_draft, structural, ensemble,
+                     sampled, evidence)
+        r.run(list(req.prompt_ids), list(req.output_ids), list(req.output_logprobs), trace.steps_of(req.request_id),
+              req.first_uniform)
+        if r.hidden:
+            hidden.append(req.request_id)
+    if any_sampled:
+        judge_distribution(rep, evidence, hidden)
     return rep
+
+
+def judge_distribution(rep: Report, evidence: Evidence, hidden: list[str]) -> None:
+    """The distributional verdict over a trace's sampled requests: a finding, stats, or INCONCLUSIVE."""
+    evidence.hidden_requests = len(hidden)
+    v = judge(evidence)
+    rep.check("distribution")
+    rep.stats["distribution"] = {**v.to_json(), "hidden_requests": hidden}
+    where = f"{v.n_tokens} tokens, {v.n_walk_nodes} walk nodes"
+    if v.verdict == "fail":
+        what = f"{v.impossible} emitted tokens of probability 0" if v.impossible else \
+            f"p = {v.p_value:.3g} < alpha {v.alpha:g} (" + ", ".join(f"{k} {p:.3g}" for k, p in v.p_values.items()) + ")"
+        rep.add(Finding(Verdict.FAIL, "distribution", None, None, message=f"emitted tokens are not draws from the "
+                        f"target's sampling distribution: {what}; {where}", details=v.to_json()))
+    elif v.verdict == "inconclusive" and hidden:
+        rep.inconclusive.append(f"distribution: p = {v.p_value:.3g} on {where}; {v.n_required} tokens are needed for power "
+                                f"{v.power:g} against a {v.effect:g}-SD shift at alpha {v.alpha:g} "
+                                f"({len(hidden)} requests hide their randomness)")

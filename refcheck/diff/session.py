@@ -23,7 +23,8 @@ from refcheck.prompts import Prompt
 from refcheck.reference_runner import EngineSpec, ReferenceRunner
 from refcheck.trace.io import Trace, check_token_ids
 from reference.decode import DecodeResult
-from reference.oracle import GreedyMemo
+from reference.oracle import GreedyMemo, sample_decode
+from refcheck.diff.sampling import SampledRequest, cdf_tolerance
 from reference.scripted import ScriptedDrafter
 
 MODES = ("replay", "free", "both")
@@ -37,6 +38,8 @@ def reference_spec_for(trace: Trace, dtype: str = "float32", device: str = "cpu"
     drafter = "scripted" if prov.drafter == "none" else prov.drafter
     spec = EngineSpec(dtype=dtype, device=device, drafter=drafter, max_new_tokens=prov.max_new_tokens,
                       stop_token_ids=prov.stop_token_ids, seed=prov.seed, budget=prov.budget)
+    sampled = next((SampledRequest.from_row(r) for r in trace.requests if r.sampled), None)
+    spec.sampling = sampled.sampling if sampled is not None else None
     if model.startswith("builtin:"):
         pair = model.split(":", 1)[1]
         if pair not in BUILTIN_PAIRS:
@@ -94,14 +97,30 @@ class DiffSession:
         count("greedy_forwards", memo.forwards - before)
         return out
 
-    def reference_decode(self, runner: ReferenceRunner, prompt: list[int]) -> DecodeResult:
-        """The reference's own DDTree run of ``prompt`` under ``runner.spec`` (computed once per spec)."""
+    def sampled_oracle(self, runner: ReferenceRunner, req) -> tuple[list[int], list[float]] | None:
+        """Target-only sampling of a sampled request with the engine's own keys (tokens, boundary margins),
+        or None when the engine's uniforms are not refcheck's position-keyed ones (not recomputable)."""
+        sr = SampledRequest.from_row(req)
+        if sr is None or not sr.recomputable or sr.sampling.keying != "position":
+            return None
+        spec = runner.spec
+        with phase("greedy_oracle"):
+            return sample_decode(runner.target.model, list(req.prompt_ids), spec.max_new_tokens, sr.sampling,
+                                 sr.rng_request, spec.stop_token_ids)
+
+    def reference_decode(self, runner: ReferenceRunner, prompt: list[int], request: int = 0) -> DecodeResult:
+        """The reference's own DDTree run of ``prompt`` under ``runner.spec`` (computed once per spec);
+        ``request`` keys its sampling (unused when greedy)."""
         spec = runner.spec
         key = (spec.model_label, str(spec.draft_dir), spec.dtype, spec.device, spec.drafter, spec.seed, spec.budget,
                spec.max_new_tokens, spec.stop_token_ids, tuple(prompt))
+        if spec.sampled:
+            key += (spec.sampling, request)
         if key not in self._decodes:
             with phase("free.reference_decode"):
-                self._decodes[key] = runner.decoder(spec.max_new_tokens).generate(list(prompt))
+                decoder = runner.decoder(spec.max_new_tokens)
+                self._decodes[key] = (decoder.generate(list(prompt), request=request) if spec.sampled
+                                      else decoder.generate(list(prompt)))
             count("reference_decodes")
         return self._decodes[key]
 
@@ -128,11 +147,19 @@ class DiffSession:
                 report.merge(replay(trace, runner.target, runner.drafter, cal, case, spec.stop_token_ids, check_draft,
                                     eng_dtype))
         if mode in ("free", "both"):
-            greedy = {r.request_id: self.greedy(runner, list(r.prompt_ids), spec.max_new_tokens) for r in trace.requests}
-            prompts = [Prompt(r.request_id, tuple(r.prompt_ids), r.kind) for r in trace.requests]
-            ref_runs = {p.id: self.reference_decode(runner, list(p.prompt_ids)) for p in prompts}
+            greedy, margins = {}, {}
+            for r in trace.requests:
+                if r.sampled:
+                    got = self.sampled_oracle(runner, r)
+                    greedy[r.request_id] = None if got is None else got[0]
+                    margins[r.request_id] = None if got is None else got[1]
+                else:
+                    greedy[r.request_id] = self.greedy(runner, list(r.prompt_ids), spec.max_new_tokens)
+            ref_runs = {r.request_id: self.reference_decode(runner, list(r.prompt_ids), max(r.rng_request, 0))
+                        for r in trace.requests}
+            cdf_tol = cdf_tolerance(tol.logprob_abs, spec.sampling.temperature) if spec.sampled else 0.0
             with phase("free.check"):
-                fr = free_run(trace, runner.target.model, greedy, tol, ref_runs, strict_acceptance, case)
+                fr = free_run(trace, runner.target.model, greedy, tol, ref_runs, strict_acceptance, case, margins, cdf_tol)
             report.merge(fr)
             report.stats.update(fr.stats)
         return report

@@ -23,6 +23,7 @@ import math
 import torch
 
 from refcheck.errors import UsageError
+from refcheck.selftest.sampling_faults import SAMPLING_FAULTS
 from reference.decode import DDTreeDecoder
 from reference.state import TargetState, TreeForward
 from reference.tree import Tree
@@ -302,9 +303,11 @@ def fault_names() -> list[str]:
 
 
 def find_fault(name: str) -> tuple[type[DDTreeDecoder], str] | None:
-    """(decoder class, expected category) of a discrete or graded fault name; None when unknown."""
+    """(decoder class, expected category) of a discrete, sampling or graded fault name; None when unknown."""
     if name in FAULTS:
         return FAULTS[name]
+    if name in SAMPLING_FAULTS:
+        return SAMPLING_FAULTS[name]
     kind, sep, value = name.partition(":")
     if not sep or kind not in GRADED:
         return None
@@ -321,7 +324,8 @@ def fault(name: str) -> tuple[type[DDTreeDecoder], str]:
     """Like :func:`find_fault`, but an unknown name is a UsageError that lists the names."""
     found = find_fault(name)
     if found is None:
-        raise UsageError(f"unknown fault {name!r} (faults: {', '.join(fault_names())}; graded faults take any "
+        raise UsageError(f"unknown fault {name!r} (faults: {', '.join(fault_names())}; at temperature > 0: "
+                         f"{', '.join(SAMPLING_FAULTS)}; graded faults take any "
                          f"eps in (0, 1]: {', '.join(f'{k}:EPS' for k in GRADED)})")
     return found
 

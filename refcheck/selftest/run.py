@@ -8,6 +8,12 @@ state and layer sketches, diffs each against the live reference (replay + free-r
 detected or not, the first divergence (request, step, node, category, layer) and whether the
 expected category is among the failures. The clean decoder must give zero non-pass findings. The
 drafter's MASK id is set to a token the target emits, so that dropping mask-id outputs shows.
+
+With ``sampling`` (temperature > 0) it runs the sampling faults of
+:data:`~refcheck.selftest.sampling_faults.SAMPLING_FAULTS` by default, sampled with the keyed
+generator: each must be caught by the exact replay of its recorded draws (the expected category at
+the step where it first acts). Each row also carries the distributional verdict on the same trace
+with its randomness hidden (what an engine that exposes nothing would get at this sample size).
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from refcheck.prompts import Prompt, load_prompts
 from refcheck.reference_runner import EngineSpec
 from refcheck.selftest.faults import FAULTS, fault
 from refcheck.progress import Progress, tell
+from refcheck.selftest.sampling_faults import SAMPLING_FAULTS, hide_randomness
 from reference.decode import DDTreeDecoder
+from reference.sampling import Sampling
 
 
 @dataclass(slots=True)
@@ -32,6 +40,7 @@ class SelftestRow:
     first: dict | None  # first divergence of the first failing request
     categories: list[str]
     findings: int
+    hidden: dict | None = None  # sampled runs: the distributional verdict with the randomness hidden
 
     @property
     def ok(self) -> bool:
@@ -42,16 +51,20 @@ class SelftestRow:
     def to_json(self) -> dict:
         return {"fault": self.fault, "expected_category": self.expected, "detected": self.detected,
                 "expected_category_found": self.category_found, "ok": self.ok, "first_divergence": self.first,
-                "fail_categories": self.categories, "non_pass_findings": self.findings}
+                "fail_categories": self.categories, "non_pass_findings": self.findings,
+                **({"hidden_randomness": self.hidden} if self.hidden is not None else {})}
 
 
 def selftest(faults: list[str] | None = None, prompts: list[Prompt] | None = None, budget: int = 15,
-             max_new_tokens: int = 24, progress: Progress | None = None) -> list[SelftestRow]:
-    names = list(FAULTS) if faults is None else list(faults)
+             max_new_tokens: int = 24, progress: Progress | None = None,
+             sampling: Sampling | None = None) -> list[SelftestRow]:
+    sampled = sampling is not None and not sampling.greedy
+    names = list(SAMPLING_FAULTS if sampled else FAULTS) if faults is None else list(faults)
     chosen = {name: fault(name) for name in names}  # unknown names fail before anything runs
     prompts = prompts or load_prompts()[:3]
     session = DiffSession()
-    spec = EngineSpec(pair="hybrid", drafter="scripted", budget=budget, max_new_tokens=max_new_tokens)
+    spec = EngineSpec(pair="hybrid", drafter="scripted", budget=budget, max_new_tokens=max_new_tokens,
+                      sampling=sampling if sampled else None)
     runner = session.runner(spec)
     clean_trace, results = runner.trace(prompts, record_layers=True)
     first = results[prompts[0].id].output_ids
@@ -63,12 +76,17 @@ def selftest(faults: list[str] | None = None, prompts: list[Prompt] | None = Non
         trace, _ = runner.trace(prompts, cls=cls, engine=name if name == "clean" else f"fault:{name}", record_layers=True)
         report = session.diff(trace, name, mode="both", strict_acceptance=True)
         fd = report.first_divergence()
-        first = next(iter(fd.values())).to_json() if fd else None
+        per_request = [f for rid, f in fd.items() if rid is not None]  # before trace-level verdicts (distribution)
+        first = (per_request or list(fd.values()))[0].to_json() if fd else None
         failures = report.failures
         step0 = min((f.step for f in failures if f.step is not None), default=None)
         first_step_cats = {f.category for f in failures if f.step == step0} if step0 is not None else set()
         cats = sorted({f.category for f in failures})
         non_pass = sum(1 for f in report.findings if f.verdict != Verdict.PASS)
         found = expected in (first_step_cats or set(cats))  # caught where it first shows
-        rows.append(SelftestRow(name, expected, bool(failures), found, first, cats, non_pass))
+        hidden = None
+        if sampled:
+            d = session.diff(hide_randomness(trace), name, mode="replay").stats.get("distribution", {})
+            hidden = {k: d.get(k) for k in ("verdict", "p_value", "n_tokens", "n_required", "impossible")}
+        rows.append(SelftestRow(name, expected, bool(failures), found, first, cats, non_pass, hidden))
     return rows

@@ -38,7 +38,7 @@ import hashlib
 import json
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -61,6 +61,8 @@ from refcheck.trace.schema import (
     KEY_VERSION,
     MAGIC,
     REQUESTS_SCHEMA,
+    RNG_KINDS,
+    SAMPLING_REQUEST_FIELDS,
     SCHEMA_VERSION,
     STATE_KINDS,
     STEPS_SCHEMA,
@@ -114,6 +116,8 @@ class StepRow:
     state: list[StateEntry]
     timings: dict[str, float]  # keys TIMING_FIELDS, seconds
     layer_sketch: torch.Tensor | None = None  # [layers, N, r]
+    node_draws: list[int] = field(default_factory=list)  # [N] or [] (1.2): the engine's draw per node, -1 unexposed
+    node_uniforms: list[float] = field(default_factory=list)  # [N] or [] (1.2): its uniform per node, NaN unexposed
 
 
 @dataclass(slots=True)
@@ -123,6 +127,18 @@ class RequestRow:
     prompt_ids: list[int]  # [P]
     output_ids: list[int]  # [T]
     output_logprobs: list[float]  # [T] normally; NaN where unknown
+    # 1.2: sampling (schema.SAMPLING_REQUEST_FIELDS); the defaults are greedy
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = -1
+    rng: str = ""  # one of schema.RNG_KINDS
+    rng_request: int = -1
+    first_uniform: float = float("nan")
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 0
 
 
 @dataclass(slots=True, eq=False)
@@ -180,6 +196,12 @@ def _validate_step(s: StepRow, source: str) -> None:
             where,
             f"emitted has {len(s.emitted)} tokens but emitted_logprobs {len(s.emitted_logprobs)}",
         )
+    for name in ("node_draws", "node_uniforms"):
+        if len(getattr(s, name)) not in (0, n):
+            _fail(source, where, f"{name} has {len(getattr(s, name))} entries: the tree has {n} nodes (or [] if unexposed)")
+    bad_u = [i for i, u in enumerate(s.node_uniforms) if not (u != u or 0.0 <= u < 1.0)]
+    if bad_u:
+        _fail(source, f"{where} node {bad_u[0]}", f"uniform {s.node_uniforms[bad_u[0]]} outside [0, 1)")
     bad = [i for i in s.accepted if not 0 <= i < n]
     if bad:
         _fail(source, where, f"accepted node indices {bad} out of range [0, {n})")
@@ -242,6 +264,11 @@ def check_token_ids(trace: Trace, vocab_size: int, source: str = "trace") -> Non
             i = bad(getattr(s, name))
             if i is not None:
                 _fail(source, f"{where} node {i}", f"{name} {getattr(s, name)[i]} is outside the vocabulary [0, {vocab_size})")
+        i = bad([t for t in s.node_draws if t != -1])
+        if i is not None:
+            node = next(j for j, t in enumerate(s.node_draws) if t != -1 and not 0 <= t < vocab_size)
+            _fail(source, f"{where} node {node}", f"node_draws holds {s.node_draws[node]}, outside the vocabulary "
+                  f"[0, {vocab_size}) (-1 = not exposed)")
         for node, row in enumerate(s.topk_ids):
             if bad(row) is not None:
                 _fail(source, f"{where} node {node}", f"topk_ids holds {row[bad(row)]}, outside the vocabulary [0, {vocab_size})")
@@ -251,11 +278,29 @@ def check_token_ids(trace: Trace, vocab_size: int, source: str = "trace") -> Non
                 _fail(source, where, f"{name} holds {ids[i]}, outside the vocabulary [0, {vocab_size})")
 
 
+def _validate_sampling(r: RequestRow, source: str) -> None:
+    """A request's sampling parameters are in range (a writer's bug or a corrupt file otherwise)."""
+    where = f"request {r.request_id!r}"
+    t, p, k = r.temperature, r.top_p, r.top_k
+    if not (t == t and 0 <= t < float("inf")):
+        _fail(source, where, f"temperature {t} is not a finite number >= 0")
+    if not 0 < p <= 1:
+        _fail(source, where, f"top_p {p} outside (0, 1]")
+    if k < 0:
+        _fail(source, where, f"top_k {k} < 0")
+    if r.rng not in RNG_KINDS:
+        _fail(source, where, f"rng {r.rng!r} is not one of {RNG_KINDS}")
+    u = r.first_uniform
+    if u == u and not 0 <= u < 1:
+        _fail(source, where, f"first_uniform {u} outside [0, 1)")
+
+
 def _validate_trace(trace: Trace, source: str) -> None:
     if not trace.requests:
         raise TraceValidationError(f"{source}: empty trace (no requests)")
     known: set[str] = set()
     for r in trace.requests:
+        _validate_sampling(r, source)
         if r.request_id in known:
             raise TraceValidationError(f"{source}: duplicate request id {r.request_id!r}")
         known.add(r.request_id)
@@ -322,6 +367,8 @@ def _step_record(s: StepRow) -> dict[str, Any]:
         ],
         "layer_sketch": None if s.layer_sketch is None else encode_tensor(s.layer_sketch),
         "timings": {k: s.timings[k] for k in TIMING_FIELDS},
+        "node_draws": _plain(s.node_draws),
+        "node_uniforms": _plain(s.node_uniforms),
     }
 
 
@@ -368,6 +415,7 @@ def _requests_stream(requests: Sequence[RequestRow]) -> bytes:
             "prompt_ids": _plain(r.prompt_ids),
             "output_ids": _plain(r.output_ids),
             "output_logprobs": _plain(r.output_logprobs),
+            **{name: getattr(r, name) for name in SAMPLING_REQUEST_FIELDS},
         }
         for r in requests
     ]
@@ -543,6 +591,8 @@ def _step_from(rec: dict[str, Any], source: str) -> StepRow:
         state=state,
         timings=dict(rec["timings"]),
         layer_sketch=_tensor_or_none(rec["layer_sketch"], source, f"{where} layer_sketch"),
+        node_draws=rec["node_draws"],
+        node_uniforms=rec["node_uniforms"],
     )
 
 

@@ -3,12 +3,17 @@
 Contract: :func:`request_rows` converts one :class:`~reference.decode.DecodeResult` (decoded with
 ``keep_states=True``, and ``keep_layers=True`` for layer sketches) into a ``RequestRow`` and its
 ``StepRow`` s. State summaries are sketches (``refcheck.sketch``) of what each step committed; full
-tensors are added only when asked (``full_state``).
+tensors are added only when asked (``full_state``). A sampled decode (``sampling`` with T > 0) also
+records its parameters and keying on the request row and every node's draw and uniform on the step
+rows (schema 1.2).
 """
 
 from __future__ import annotations
 
+import math
+
 from reference.decode import DecodeResult, StepRecord
+from reference.sampling import Sampling
 from refcheck.sketch import layer_sketch, sketch_rows, state_rows
 from refcheck.trace.io import RequestRow, StateEntry, StepRow
 
@@ -47,9 +52,22 @@ def step_row(request_id: str, rec: StepRecord, full_state: bool = False) -> Step
         state=state,
         timings=dict(rec.timings),
         layer_sketch=layer_sketch(rec.layer_outputs) if rec.layer_outputs is not None else None,
+        node_draws=rec.draws.tolist() if rec.draws is not None else [],
+        node_uniforms=rec.uniforms.tolist() if rec.uniforms is not None else [],
     )
 
 
-def request_rows(request_id: str, kind: str, result: DecodeResult, full_state: bool = False) -> tuple[RequestRow, list[StepRow]]:
-    req = RequestRow(request_id, kind, list(result.prompt_ids), list(result.output_ids), list(result.output_logprobs))
+def sampling_columns(sampling: Sampling | None, result: DecodeResult) -> dict:
+    """The request row's sampling columns (greedy defaults when not sampled)."""
+    if sampling is None or sampling.greedy:
+        return {}
+    return {"temperature": float(sampling.temperature), "top_k": int(sampling.top_k), "top_p": float(sampling.top_p),
+            "seed": int(sampling.seed), "rng": f"refcheck-philox-{sampling.keying}", "rng_request": int(result.request),
+            "first_uniform": math.nan if result.first_uniform is None else float(result.first_uniform)}
+
+
+def request_rows(request_id: str, kind: str, result: DecodeResult, full_state: bool = False,
+                 sampling: Sampling | None = None) -> tuple[RequestRow, list[StepRow]]:
+    req = RequestRow(request_id, kind, list(result.prompt_ids), list(result.output_ids), list(result.output_logprobs),
+                     **sampling_columns(sampling, result))
     return req, [step_row(request_id, s, full_state) for s in result.steps]

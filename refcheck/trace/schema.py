@@ -16,6 +16,10 @@ Contract:
 * :func:`check_columns` and :func:`check_no_nulls` turn every structural defect (missing column,
   wrong type, null in a required value) into :class:`~refcheck.errors.CorruptTraceError`.
 * Every field and list item is non-nullable except ``layer_sketch`` and ``state[].full``.
+* 1.2 adds the sampling columns (:data:`SAMPLING_REQUEST_FIELDS`, :data:`SAMPLING_STEP_FIELDS`):
+  per request the parameters and how its randomness is keyed, per step the engine's draw and
+  uniform at every node where it exposes them. Older files migrate with greedy defaults
+  (temperature 0, nothing exposed).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import pyarrow as pa
 
 from refcheck.errors import CorruptTraceError
 
-SCHEMA_VERSION = "1.1"  # 1.1 adds the checksum keys (docs/trace-format.md); 1.0 files read as unchecked
+SCHEMA_VERSION = "1.2"  # 1.1 adds the checksum keys, 1.2 the sampling columns (docs/trace-format.md)
 MAGIC = "refcheck-trace"
 CHECKSUM_VERSION = (1, 1)  # the first version whose files must carry checksums
 
@@ -63,6 +67,7 @@ def _list(type_: pa.DataType) -> pa.DataType:
 
 I32_LIST = _list(pa.int32())  # [n]
 F32_LIST = _list(pa.float32())  # [n]
+F64_LIST = _list(pa.float64())  # [n]
 I32_LIST2 = _list(I32_LIST)  # [n][k]
 F32_LIST2 = _list(F32_LIST)  # [n][k]
 
@@ -109,6 +114,9 @@ STEPS_SCHEMA = pa.schema(
         _req("state", _list(STATE_ENTRY_TYPE)),  # one entry per (layer, kind)
         pa.field("layer_sketch", TENSOR_TYPE, nullable=True),  # [layers, N, r]
         _req("timings", TIMINGS_TYPE),
+        # 1.2: sampling. [N] or [] (the engine exposes nothing); -1 / NaN at a node it does not expose.
+        _req("node_draws", I32_LIST),  # [N] token the target drew at each node
+        _req("node_uniforms", F64_LIST),  # [N] the uniform in [0, 1) each draw used (inverse CDF, token-id order)
     ]
 )
 
@@ -119,8 +127,24 @@ REQUESTS_SCHEMA = pa.schema(
         _req("prompt_ids", I32_LIST),  # [P]
         _req("output_ids", I32_LIST),  # [T]
         _req("output_logprobs", F32_LIST),  # [T] normally; NaN where unknown
+        # 1.2: sampling parameters of the request (temperature 0 = greedy; the others then unused)
+        _req("temperature", pa.float64()),
+        _req("top_k", pa.int32()),  # 0 = off
+        _req("top_p", pa.float64()),  # 1 = off
+        _req("seed", pa.int64()),  # -1 = unknown
+        _req("rng", pa.string()),  # how uniforms are keyed: RNG_KINDS
+        _req("rng_request", pa.int64()),  # the request word of the keyed generator; -1 = unknown
+        _req("first_uniform", pa.float64()),  # uniform of the draw after the prefill; NaN = not exposed
     ]
 )
+
+#: how an engine's uniforms were produced: "" greedy / unknown; refcheck's keyed Philox by position
+#: or by (step, node); "engine": the engine's own generator (uniforms usable for replay, not recomputable)
+RNG_KINDS = ("", "refcheck-philox-position", "refcheck-philox-node", "engine")
+SAMPLING_REQUEST_FIELDS = ("temperature", "top_k", "top_p", "seed", "rng", "rng_request", "first_uniform")
+SAMPLING_STEP_FIELDS = ("node_draws", "node_uniforms")
+SAMPLING_DEFAULTS: dict[str, object] = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": -1, "rng": "",
+                                        "rng_request": -1, "first_uniform": float("nan")}
 
 
 # ---------------------------------------------------------------------------------- version
@@ -154,9 +178,29 @@ class Migration:
     upgrade: Callable[[pa.Table, pa.Table], tuple[pa.Table, pa.Table]]  # (steps, requests)
 
 
-# (major, minor) of the file -> the step that upgrades it. Empty: 1.1 only added metadata keys.
-# When 1.1 exists, register (1, 0) -> Migration(to=(1, 1), upgrade=...) that adds its columns.
-_MIGRATIONS: dict[tuple[int, int], Migration] = {}
+def _same_tables(steps: pa.Table, requests: pa.Table) -> tuple[pa.Table, pa.Table]:
+    """1.0 -> 1.1 added only metadata keys (checksums): the tables are unchanged."""
+    return steps, requests
+
+
+def _add_sampling(steps: pa.Table, requests: pa.Table) -> tuple[pa.Table, pa.Table]:
+    """1.1 -> 1.2: the sampling columns with greedy defaults (temperature 0, no draws exposed)."""
+    for name in SAMPLING_STEP_FIELDS:
+        if name not in steps.column_names:
+            f = STEPS_SCHEMA.field(name)
+            steps = steps.append_column(f, pa.array([[]] * steps.num_rows, type=f.type))
+    for name in SAMPLING_REQUEST_FIELDS:
+        if name not in requests.column_names:
+            f = REQUESTS_SCHEMA.field(name)
+            requests = requests.append_column(f, pa.array([SAMPLING_DEFAULTS[name]] * requests.num_rows, type=f.type))
+    return steps, requests
+
+
+# (major, minor) of the file -> the step that upgrades it.
+_MIGRATIONS: dict[tuple[int, int], Migration] = {
+    (1, 0): Migration(to=(1, 1), upgrade=_same_tables),
+    (1, 1): Migration(to=(1, 2), upgrade=_add_sampling),
+}
 
 
 def migrate(

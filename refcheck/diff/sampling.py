@@ -1,0 +1,217 @@
+"""Exact replay of a sampled verify step: given the engine's own randomness, is its walk lossless?
+
+Contract: :class:`SampledRequest` reads a request row's sampling columns (schema 1.2);
+:func:`replay_sampled_step` takes the reference's sampling distribution at every node of the
+engine's tree at the engine's prefix (``probs`` ``[N, V]`` float64, from
+:func:`reference.sampling.tempered_probs` of the replay's logits) and the engine's recorded draws
+and/or uniforms, and returns findings:
+
+* ``sampling``: a recorded uniform that is not the keyed generator's (when the trace says the
+  engine used refcheck's keyed Philox, so the number is recomputable); a uniform repeated along the
+  accepted path (a value at 3+ path nodes, or at 2 when it has more than float32's 24 bits: chance
+  probability <= 120 * 2**-53 or C(16, 3) * 2**-48 per step); a draw that is not the inverse CDF of
+  its uniform under the reference's distribution (a benign tie when the uniform lies within
+  ``cdf_tol`` of the engine token's CDF interval, the drift the logits' tolerance allows); a draw, accepted token or
+  bonus with probability 0 (outside top-k / top-p) — this one needs no exposed randomness;
+* ``accepted_path``: the walk that follows each node's draw differs from the engine's accepted
+  nodes (first differing node);
+* ``bonus``: the bonus is not the draw at the last accepted node.
+
+Nodes whose draw the engine exposes neither directly nor through a uniform are not judged here:
+:attr:`StepReplay.exact` is False and the distributional test (:mod:`refcheck.diff.distribution`)
+covers them. This module never imports runners.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from refcheck.diff.findings import Finding, Verdict
+from refcheck.trace.io import RequestRow, StepRow
+from reference.sampling import Sampling, boundary_margin, inverse_cdf, node_uniforms
+from reference.tree import Tree
+
+RECOMPUTABLE = {"refcheck-philox-position": "position", "refcheck-philox-node": "node"}
+
+
+@dataclass(frozen=True, slots=True)
+class SampledRequest:
+    """A sampled request's parameters and, when recomputable, its keyed generator."""
+
+    sampling: Sampling
+    rng: str
+    rng_request: int
+
+    @classmethod
+    def from_row(cls, row: RequestRow) -> SampledRequest | None:
+        if not row.sampled:
+            return None
+        keying = RECOMPUTABLE.get(row.rng, "position")
+        seed = row.seed if row.seed >= 0 else 0
+        return cls(Sampling(row.temperature, row.top_k, row.top_p, seed, keying), row.rng, row.rng_request)
+
+    @property
+    def recomputable(self) -> bool:
+        return self.rng in RECOMPUTABLE and self.rng_request >= 0
+
+    def keyed(self, step: int, positions: list[int]) -> torch.Tensor:
+        """The uniforms refcheck's generator gives these nodes ``[N]`` float64 (recomputable only)."""
+        return node_uniforms(self.sampling, self.rng_request, step, positions)
+
+
+@dataclass(slots=True)
+class StepReplay:
+    findings: list[Finding] = field(default_factory=list)
+    exact: bool = True  # every node the walk consulted had an exposed (or recomputed) draw
+
+
+def _float32_exact(u: float) -> bool:
+    return float(np.float32(u)) == u
+
+
+def _repeated_on_path(uniforms: list[float], path: list[int]) -> int | None:
+    """The first path node whose uniform repeats beyond chance (module docstring), else None."""
+    seen: dict[float, list[int]] = {}
+    for i in path:
+        u = uniforms[i]
+        if u == u:
+            seen.setdefault(u, []).append(i)
+    for u, nodes in seen.items():
+        if len(nodes) >= 3 or (len(nodes) == 2 and not _float32_exact(u)):
+            return nodes[1]
+    return None
+
+
+def replay_sampled_step(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, req: SampledRequest,
+                        cdf_tol: float) -> StepReplay:
+    """Judge one sampled step exactly (module docstring). ``probs`` ``[N, V]`` float64 on the host."""
+    out = StepReplay()
+    n = tree.num_nodes
+    step = s.step
+
+    def fail(cat: str, msg: str, node: int | None = None, **details) -> None:
+        out.findings.append(Finding(Verdict.FAIL, cat, rid, step, node=node, message=msg, details=details))
+
+    path_nodes = [a for a in s.accepted if 0 <= a < n]
+    draws: list[int | None] = [None] * n
+    known_d = [i for i, d in enumerate(s.node_draws) if d >= 0]
+    known_u = [i for i, u in enumerate(s.node_uniforms) if u == u]
+    for i in known_d:
+        draws[i] = int(s.node_draws[i])
+    if known_u:
+        u = torch.tensor(s.node_uniforms, dtype=torch.float64)
+        if req.recomputable:
+            positions = (s.committed_len + 1 + tree.depths).tolist()
+            keyed = req.keyed(step, positions)
+            bad = [i for i in known_u if float(keyed[i]) != float(u[i])]
+            if bad:
+                i = bad[0]
+                fail("sampling", f"uniform {float(u[i])!r} at node {i} is not the keyed generator's {float(keyed[i])!r} "
+                     f"({req.rng}, seed {req.sampling.seed}, request {req.rng_request}; {len(bad)} of {len(known_u)} "
+                     f"nodes differ)", node=i, engine=float(u[i]), keyed=float(keyed[i]), nodes=bad[:16])
+        rep = _repeated_on_path(s.node_uniforms, path_nodes)
+        if rep is not None:
+            fail("sampling", f"the uniform {s.node_uniforms[rep]!r} is reused along the accepted path (node {rep}): "
+                 "the draws of one walk are not independent", node=rep, uniform=s.node_uniforms[rep])
+        idx = torch.tensor(known_u, dtype=torch.long)
+        expect = inverse_cdf(probs[idx], u[idx])  # [k]
+        first_bad = None
+        for j, i in enumerate(known_u):
+            e = int(expect[j])
+            if draws[i] is None:
+                draws[i] = e
+                continue
+            if draws[i] == e:
+                continue
+            # distance of u * total from the engine token's CDF interval (boundary_margin is negative outside it)
+            outside = -float(boundary_margin(probs[i:i + 1], u[i:i + 1], torch.tensor([draws[i]]))[0])
+            if probs[i, draws[i]] > 0 and outside <= cdf_tol:  # a neighbouring interval the tolerance can reach
+                out.findings.append(Finding(Verdict.BENIGN_TIE, "sampling", rid, step, node=i,
+                                            message=f"draw {draws[i]} vs {e} at a CDF edge (uniform {float(u[i]):.9g}, "
+                                                    f"{outside:.3g} outside its interval <= {cdf_tol:g})"))
+                continue
+            if first_bad is None:
+                first_bad = (i, e)
+        if first_bad is not None:
+            i, e = first_bad
+            fail("sampling", f"engine drew {draws[i]} at node {i} with uniform {float(u[i]):.9g}; a lossless sampler draws "
+                 f"{e} there (p = {float(probs[i, draws[i]]):.4g} vs {float(probs[i, e]):.4g})", node=i,
+                 engine=draws[i], expected=e, uniform=float(u[i]))
+    for i in known_d:
+        if i not in known_u and probs[i, draws[i]] <= 0:
+            fail("sampling", f"engine drew {draws[i]} at node {i}, a token outside the sampling distribution's support "
+                 f"(top-k {req.sampling.top_k}, top-p {req.sampling.top_p:g})", node=i, engine=draws[i])
+            break
+    # tokens the engine emitted must be possible under their parent's distribution
+    for parent, child in zip(path_nodes, path_nodes[1:]):
+        tok = int(tree.tokens[child])
+        if probs[parent, tok] <= 0:
+            fail("sampling", f"accepted token {tok} (node {child}) has probability 0 at its parent {parent} under "
+                 f"top-k {req.sampling.top_k} / top-p {req.sampling.top_p:g}", node=child, token=tok)
+            break
+    if path_nodes and 0 <= s.bonus < probs.shape[1] and probs[path_nodes[-1], s.bonus] <= 0:
+        fail("sampling", f"bonus {s.bonus} has probability 0 at node {path_nodes[-1]}", node=path_nodes[-1], token=s.bonus)
+    # the walk the draws give, against the engine's
+    children = [tree.children(i) for i in range(n)]
+    walk, cur = [0], 0
+    while True:
+        d = draws[cur]
+        if d is None:
+            out.exact = False
+            break
+        nxt = children[cur].get(d)
+        if nxt is None:
+            break
+        walk.append(nxt)
+        cur = nxt
+    if out.exact and walk != list(s.accepted):
+        j = next((k for k, (a, b) in enumerate(zip(walk, s.accepted)) if a != b), min(len(walk), len(s.accepted)))
+        node = walk[j - 1] if j > 0 else 0
+        fail("accepted_path", f"engine accepted {list(s.accepted)}, following each node's draw gives {walk} "
+             f"(first difference after node {node})", node=node, engine=list(s.accepted), reference=walk)
+    elif not out.exact and list(s.accepted[: len(walk)]) != walk:
+        fail("accepted_path", f"engine accepted {list(s.accepted)}, the exposed draws give {walk} up to node {walk[-1]}",
+             node=walk[-1], engine=list(s.accepted), reference=walk)
+    if path_nodes:
+        last = path_nodes[-1]
+        if draws[last] is None:
+            out.exact = False
+        elif s.bonus != draws[last]:
+            fail("bonus", f"bonus {s.bonus} but the draw at the last accepted node {last} is {draws[last]}", node=last,
+                 engine=s.bonus, expected=draws[last])
+    return out
+
+
+def replay_first_token(rid: str, token: int, probs: torch.Tensor, uniform: float, req: SampledRequest, prompt_len: int,
+                       cdf_tol: float) -> tuple[list[Finding], bool]:
+    """The draw after the prefill (``probs`` ``[1, V]``): findings, and whether it was judged exactly."""
+    found: list[Finding] = []
+    if probs[0, token] <= 0:
+        found.append(Finding(Verdict.FAIL, "sampling", rid, -1, message=f"first token {token} has probability 0"))
+    if uniform != uniform:
+        return found, False
+    u = torch.tensor([uniform], dtype=torch.float64)
+    if req.recomputable:
+        keyed = float(req.keyed(-1, [prompt_len])[0])
+        if keyed != uniform:
+            found.append(Finding(Verdict.FAIL, "sampling", rid, -1, message=f"first uniform {uniform!r} is not the keyed "
+                                 f"generator's {keyed!r}"))
+    e = int(inverse_cdf(probs, u)[0])
+    if e != token:
+        outside = -float(boundary_margin(probs, u, torch.tensor([token]))[0])  # see replay_sampled_step
+        if probs[0, token] > 0 and outside <= cdf_tol:
+            found.append(Finding(Verdict.BENIGN_TIE, "sampling", rid, -1, message=f"first token {token} vs {e} at a CDF edge"))
+        else:
+            found.append(Finding(Verdict.FAIL, "sampling", rid, -1, message=f"first token {token} with uniform "
+                                 f"{uniform:.9g}; a lossless sampler draws {e}", details={"engine": token, "expected": e}))
+    return found, True
+
+
+def cdf_tolerance(logprob_abs: float, temperature: float) -> float:
+    """How far a CDF edge may move when every log-prob is within ``logprob_abs``: tempering divides log-prob
+    errors by T, and sum |dp| <= max |d log p| (to first order)."""
+    return math.expm1(logprob_abs / temperature)
