@@ -41,6 +41,10 @@ WHY_NOT_COMPARED: dict[str, str] = {
                                 "SGLang's capture records it)",
     "request has no output and no steps": "the engine produced nothing for this request",
     "request has no output": "the engine produced no tokens for this request",
+    "sampled with the engine's own generator: no token-level oracle": "at temperature > 0 the engine drew with its own "
+                                                                     "random numbers and recorded none, so no token can "
+                                                                     "be replayed; the distributional test judges its "
+                                                                     "output instead (docs/sampling.md)",
 }
 
 #: what each non-pass verdict means, for the count lines

@@ -100,8 +100,8 @@ def free_run(
             continue
         want = greedy[rid]
         if want is None:
-            rep.add(Finding(Verdict.UNSUPPORTED, "ar_tokens", rid, None, message="sampled with the engine's own "
-                            "generator: no token-level oracle (the distributional test judges it)"))
+            rep.add(Finding(Verdict.UNSUPPORTED, "ar_tokens", rid, None,
+                            message="sampled with the engine's own generator: no token-level oracle"))
         elif req.sampled:
             _check_sampled(rep, req, out, want, (margins or {}).get(rid) or [], cdf_tol)
         else:
