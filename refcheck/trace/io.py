@@ -17,6 +17,8 @@ Contract:
   any minor are accepted: they are routed through ``schema._MIGRATIONS`` (see
   :func:`refcheck.trace.schema.migrate`) before the column check; columns of a newer minor that
   this version does not know are ignored.
+* The rows are :mod:`refcheck.trace.rows` and the checksums :mod:`refcheck.trace.checksums`; both are
+  re-exported here.
 * Integrity (schema 1.1): the file carries its own checksums in the schema metadata (a sha256 per
   record batch, one over the requests table, and one over the whole file with its own two copies
   zeroed). :func:`read_trace` checks them before decoding anything: any changed byte is a
@@ -34,11 +36,8 @@ Contract:
 
 from __future__ import annotations
 
-import hashlib
 import json
-import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -47,17 +46,14 @@ import torch
 
 from refcheck.atomic_file import atomic_write_bytes, fsync_dir  # noqa: F401 (re-exported: refcheck.trace)
 from refcheck.errors import CorruptTraceError, GoldenError
-from refcheck.provenance import Provenance
+from refcheck.trace.checksums import IPC_OPTIONS, batch_sha256, check_checksums, sealed_file_bytes  # noqa: F401
 from refcheck.trace.codec import decode_tensor, encode_tensor
+from refcheck.trace.rows import RequestRow, StateEntry, StepRow, Trace  # noqa: F401 (re-exported)
 from refcheck.trace.schema import (
-    CHECKSUM_KEYS,
-    CHECKSUM_VERSION,
-    KEY_BATCH_SHA256,
     KEY_FILE_SHA256,
     KEY_MAGIC,
     KEY_PROVENANCE,
     KEY_REQUESTS,
-    KEY_REQUESTS_SHA256,
     KEY_VERSION,
     MAGIC,
     REQUESTS_SCHEMA,
@@ -75,98 +71,8 @@ from refcheck.trace.schema import (
 )
 
 ARROW_MAGIC = b"ARROW1"
-_IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="zstd")
 _BATCH_ROWS = 1024  # steps per record batch at most
 _BATCH_BYTES = 256 << 20  # tensor bytes per record batch at most (binary offsets are int32)
-
-
-# ------------------------------------------------------------------------------- the rows
-@dataclass(slots=True, eq=False)
-class StateEntry:
-    """One layer's committed-state summary after a step's commit (eq=False: holds tensors)."""
-
-    name: str
-    layer: int
-    kind: str  # one of STATE_KINDS: "kv_k", "kv_v", "conv", "rec"
-    sketch: torch.Tensor
-    full: torch.Tensor | None = None
-
-
-@dataclass(slots=True, eq=False)
-class StepRow:
-    """One verify step of one request (eq=False: holds tensors). N = tree nodes incl. root."""
-
-    request_id: str
-    step: int
-    committed_len: int  # committed tokens before the step = position of the root
-    tree_tokens: list[int]  # [N], index 0 = root
-    tree_parents: list[int]  # [N], parents[0] = -1
-    tree_depths: list[int]  # [N]
-    tree_ranks: list[int]  # [N]
-    draft_topk_ids: list[list[int]]  # [L][k], drafter top-k per depth 1..L
-    draft_topk_logprobs: list[list[float]]  # [L][k]
-    topk_ids: list[list[int]]  # [N][k], target top-k at every node
-    topk_logprobs: list[list[float]]  # [N][k]
-    target_argmax: list[int]  # [N]
-    accepted: list[int]  # node indices, root first
-    accept_length: int  # tau: accepted drafted tokens + 1 (bonus included)
-    bonus: int
-    emitted: list[int]  # [E]
-    emitted_logprobs: list[float]  # [E], NaN where the engine reports none
-    state: list[StateEntry]
-    timings: dict[str, float]  # keys TIMING_FIELDS, seconds
-    layer_sketch: torch.Tensor | None = None  # [layers, N, r]
-    node_draws: list[int] = field(default_factory=list)  # [N] or [] (1.2): the engine's draw per node, -1 unexposed
-    node_uniforms: list[float] = field(default_factory=list)  # [N] or [] (1.2): its uniform per node, NaN unexposed
-
-
-@dataclass(slots=True)
-class RequestRow:
-    request_id: str
-    kind: str
-    prompt_ids: list[int]  # [P]
-    output_ids: list[int]  # [T]
-    output_logprobs: list[float]  # [T] normally; NaN where unknown
-    # 1.2: sampling (schema.SAMPLING_REQUEST_FIELDS); the defaults are greedy
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = -1
-    rng: str = ""  # one of schema.RNG_KINDS
-    rng_request: int = -1
-    first_uniform: float = float("nan")
-
-    @property
-    def sampled(self) -> bool:
-        return self.temperature > 0
-
-
-@dataclass(slots=True, eq=False)
-class Trace:
-    """A whole trace. ``schema_version`` is the version the file was written with (read) or
-    :data:`SCHEMA_VERSION` (new); :func:`write_trace` always writes :data:`SCHEMA_VERSION`."""
-
-    provenance: dict[str, Any]
-    requests: list[RequestRow]
-    steps: list[StepRow]
-    schema_version: str = SCHEMA_VERSION
-    checksummed: bool = True  # False: read from a 1.0 file, which carries no checksums ("unchecked")
-
-    @property
-    def prov(self) -> Provenance:
-        """The provenance, typed and checked (:class:`refcheck.provenance.Provenance`)."""
-        return Provenance.of(self.provenance)
-
-    def steps_of(self, request_id: str) -> list[StepRow]:
-        """The steps of one request, sorted by step."""
-        return sorted((s for s in self.steps if s.request_id == request_id), key=lambda s: s.step)
-
-    def request(self, request_id: str) -> RequestRow:
-        """The request row with ``request_id``; KeyError when there is none."""
-        for r in self.requests:
-            if r.request_id == request_id:
-                return r
-        raise KeyError(request_id)
 
 
 # ------------------------------------------------------------------------------ validation
@@ -421,7 +327,7 @@ def _requests_stream(requests: Sequence[RequestRow]) -> bytes:
     ]
     batch = _to_batch(records, REQUESTS_SCHEMA, "requests")
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, REQUESTS_SCHEMA, options=_IPC_OPTIONS) as writer:
+    with pa.ipc.new_stream(sink, REQUESTS_SCHEMA, options=IPC_OPTIONS) as writer:
         writer.write_batch(batch)
     return sink.getvalue().to_pybytes()
 
@@ -439,100 +345,6 @@ def trace_bytes(trace: Trace) -> bytes:
         KEY_REQUESTS: _requests_stream(trace.requests),
     }
     return sealed_file_bytes(STEPS_SCHEMA.with_metadata(metadata), _step_batches(trace.steps))
-
-
-# ------------------------------------------------------------------------------ checksums
-_SLOT = 64  # hex characters of a sha256
-_ZERO_SLOT = b"0" * _SLOT
-_SLOT_COPIES = 2  # the schema is written twice in an Arrow file: the header message and the footer
-
-
-def batch_sha256(batch: pa.RecordBatch) -> str:
-    """sha256 of a record batch's uncompressed IPC serialization (the same for a written batch and
-    the batch read back)."""
-    return hashlib.sha256(batch.serialize()).hexdigest()
-
-
-def _find_all(data: bytes, needle: bytes) -> list[int]:
-    out, i = [], data.find(needle)
-    while i >= 0:
-        out.append(i)
-        i = data.find(needle, i + 1)
-    return out
-
-
-def _file_digest(data: bytes, positions: list[int]) -> bytes:
-    buf = bytearray(data)
-    for p in positions:
-        buf[p:p + _SLOT] = _ZERO_SLOT
-    return hashlib.sha256(buf).hexdigest().encode()
-
-
-def sealed_file_bytes(schema: pa.Schema, batches: Sequence[pa.RecordBatch]) -> bytes:
-    """An Arrow IPC file of ``batches`` whose schema metadata is ``schema``'s plus the checksum keys
-    (any old ones replaced): per-batch and requests sha256, and the file's own sha256, computed
-    with both copies of its value zeroed and then written into them in place."""
-    meta = {k: v for k, v in (schema.metadata or {}).items() if k not in CHECKSUM_KEYS}
-    meta[KEY_BATCH_SHA256] = json.dumps([batch_sha256(b) for b in batches]).encode()
-    if KEY_REQUESTS in meta:
-        meta[KEY_REQUESTS_SHA256] = hashlib.sha256(meta[KEY_REQUESTS]).hexdigest().encode()
-    slot = secrets.token_hex(_SLOT // 2).encode()  # unique placeholder, replaced below: output is deterministic
-    meta[KEY_FILE_SHA256] = slot
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, schema.with_metadata(meta), options=_IPC_OPTIONS) as writer:
-        for batch in batches:
-            writer.write_batch(batch)
-    data = sink.getvalue().to_pybytes()
-    positions = _find_all(data, slot)
-    if len(positions) != _SLOT_COPIES:
-        raise TraceValidationError(f"cannot seal the trace: {len(positions)} copies of the checksum slot, "
-                                   f"expected {_SLOT_COPIES}")
-    digest = _file_digest(data, positions)
-    buf = bytearray(data)
-    for p in positions:
-        buf[p:p + _SLOT] = digest
-    return bytes(buf)
-
-
-def _locate_damage(reader: pa.ipc.RecordBatchFileReader, meta: dict[bytes, bytes]) -> str:
-    """Where a file whose checksum fails is damaged: a record batch, the requests table, or elsewhere."""
-    try:
-        expected = json.loads(meta[KEY_BATCH_SHA256])
-        assert isinstance(expected, list)
-    except (KeyError, ValueError, UnicodeDecodeError, AssertionError):
-        return "in the record batch checksum table (schema metadata)"
-    for i in range(reader.num_record_batches):
-        try:
-            batch = reader.get_batch(i)
-            batch.validate(full=True)
-            digest = batch_sha256(batch)
-        except (pa.ArrowException, OSError, ValueError) as exc:
-            return f"in record batch {i} (unreadable: {str(exc).splitlines()[0][:120]})"
-        if i >= len(expected) or digest != expected[i]:
-            return f"in record batch {i} ({batch.num_rows} step rows; its sha256 differs)"
-    if len(expected) != reader.num_record_batches:
-        return f"in the record batch count ({reader.num_record_batches}, checksums for {len(expected)})"
-    requests = meta.get(KEY_REQUESTS, b"")
-    if hashlib.sha256(requests).hexdigest().encode() != meta.get(KEY_REQUESTS_SHA256):
-        return "in the requests table (schema metadata)"
-    return "outside the record batches (file header, schema message or footer)"
-
-
-def check_checksums(data: bytes, reader: pa.ipc.RecordBatchFileReader, version: tuple[int, int] | None,
-                    source: str) -> bool:
-    """Verify a file's own checksums (module docstring). True when checked, False for a legacy
-    file without them (schema < 1.1); a mismatch is a :class:`CorruptTraceError` naming the place."""
-    meta = reader.schema.metadata or {}
-    digest = meta.get(KEY_FILE_SHA256)
-    if digest is None:
-        if version is not None and version >= CHECKSUM_VERSION:
-            raise CorruptTraceError(f"{source}: a schema {version[0]}.{version[1]} trace without its checksums "
-                                    f"({KEY_FILE_SHA256.decode()} is missing)")
-        return False
-    positions = _find_all(data, digest) if len(digest) == _SLOT else []
-    if len(positions) != _SLOT_COPIES or _file_digest(data, positions) != digest:
-        raise CorruptTraceError(f"{source}: checksum mismatch {_locate_damage(reader, meta)}: the file is corrupt")
-    return True
 
 
 # ----------------------------------------------------------------------------- write
