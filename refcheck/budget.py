@@ -37,6 +37,11 @@ def budget_label(b: Budget) -> str:
     return CHAIN if b is None else str(b)
 
 
+def budget_tag(b: Budget) -> str:
+    """``"chain"`` or ``"b15"``: a budget inside a case or run name."""
+    return CHAIN if b is None else f"b{b}"
+
+
 def budget_json(b: Budget) -> int | str:
     """The provenance form: ``"chain"`` or the int."""
     return CHAIN if b is None else int(b)

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from refcheck.budget import budget_json, budget_label
+from refcheck.budget import budget_json, budget_tag
 from refcheck.diff.findings import Finding, Report, Verdict
 from refcheck.trace.io import StepRow, Trace
 
@@ -44,17 +44,13 @@ class CorpusRun:
                           max_new_tokens=max_new_tokens)
 
 
-def _budget(b: int | None) -> str:
-    return budget_label(b) if b is None else f"b{b}"
-
-
 def default_corpus(dtypes: list[str], device: str, faults: list[str], pairs: tuple[str, ...] = ("hybrid", "attention"),
                    budgets: tuple[int | None, ...] = CLEAN_BUDGETS) -> list[CorpusRun]:
     """Clean: every dtype x pair x budget with the DFlash drafter, and the scripted drafter's deep paths on
     the hybrid pair at budgets 15 and 64. Faulty: every fault in the first dtype (hybrid, scripted, budget 15)."""
-    runs = [CorpusRun(f"clean-{d}-{p}-dflash-{_budget(b)}", "clean", "reference", p, "dflash", b, d, device)
+    runs = [CorpusRun(f"clean-{d}-{p}-dflash-{budget_tag(b)}", "clean", "reference", p, "dflash", b, d, device)
             for d in dtypes for p in pairs for b in budgets]
-    runs += [CorpusRun(f"clean-{d}-hybrid-scripted-{_budget(b)}", "clean", "reference", "hybrid", "scripted", b, d, device)
+    runs += [CorpusRun(f"clean-{d}-hybrid-scripted-{budget_tag(b)}", "clean", "reference", "hybrid", "scripted", b, d, device)
              for d in dtypes for b in (15, 64)]
     runs += [CorpusRun(f"fault-{f}-{dtypes[0]}", "graded" if ":" in f else "fault", f"fault:{f}", "hybrid",
                        _fault_drafter(f), 15, dtypes[0], device) for f in faults]

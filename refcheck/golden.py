@@ -27,7 +27,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from refcheck.budget import budget_label
+from refcheck.budget import budget_tag
 from refcheck.diff.findings import Report, check_category
 from refcheck.diff.place import where
 from refcheck.diff.session import DiffSession, reference_spec_for
@@ -63,15 +63,11 @@ class GoldenCase:
         return EngineSpec(pair=self.pair, budget=self.budget, drafter=self.drafter, max_new_tokens=self.max_new_tokens)
 
 
-def _budget_name(b: int | None) -> str:
-    return budget_label(b) if b is None else f"b{b}"
-
-
 #: the reference goldens: both built-in pairs at budgets 1, 15, 64 and chain (fp32, CPU), plus the
 #: scripted drafter on the hybrid pair so the gate also covers deep accepted paths through siblings
 GOLDEN_CASES: dict[str, GoldenCase] = {
     c.name: c
-    for c in [GoldenCase(f"{pair}-{_budget_name(b)}", pair, b) for pair in ("hybrid", "attention") for b in (1, 15, 64, None)]
+    for c in [GoldenCase(f"{pair}-{budget_tag(b)}", pair, b) for pair in ("hybrid", "attention") for b in (1, 15, 64, None)]
     + [GoldenCase("hybrid-b15-scripted", "hybrid", 15, drafter="scripted")]
 }
 
@@ -316,7 +312,7 @@ def profiled_gate_case(name: str, entry, golden_dir: Path, session: DiffSession,
         return cached_gate_case(name, entry, golden_dir, session, cache)
 
 
-def check_trace(name: str, trace: Trace, settings: dict | GatePolicy, session: DiffSession, mode: str = "both",
+def check_trace(name: str, trace: Trace, settings: dict, session: DiffSession, mode: str = "both",
                 ref_dtype: str = "float32", ref_device: str = "cpu") -> Report:
     """The gate's verdict on one engine trace under a golden entry's settings (``expect``,
     ``allow_unsupported``, ``triaged``): a GoldenError if the trace's models or prompts have changed
@@ -330,7 +326,7 @@ def check_trace(name: str, trace: Trace, settings: dict | GatePolicy, session: D
                              else f" (an engine trace: record it again with its engine, e.g. SGLang's with "
                                   f"scripts/sglang_suite.py on a GPU, then replace it: refcheck golden add TRACE --case {name} "
                                   f"--reason ...; the manifest keeps the old entry in its history)"))
-    policy = settings if isinstance(settings, GatePolicy) else GatePolicy.of(name, settings)
+    policy = GatePolicy.of(name, settings)
     report = session.diff(trace, name, mode=mode, strict_acceptance=trace.prov.is_reference, ref_dtype=ref_dtype,
                           ref_device=ref_device)
     return policy.apply(report)

@@ -9,6 +9,7 @@ import sys
 import click
 from rich.table import Table
 
+from refcheck.budget import budget_json
 from refcheck.cli.app import err, main, progress_line
 from refcheck.cli.options import model_options, sampling_from_options, sampling_options, spec_from_options
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
@@ -46,7 +47,7 @@ def _run_report(engine: str, spec: EngineSpec, prompts, runs: list) -> dict:
     verify_ms = [1e3 * s.timings["verify"] for r in runs for s in r.result.steps]
     return {
         "engine": engine,
-        "budget": "chain" if spec.budget is None else spec.budget,
+        "budget": budget_json(spec.budget),
         **({"sampling": spec.sampling.to_json()} if spec.sampled else {}),
         "drafter": spec.drafter,
         "dtype": spec.dtype,
