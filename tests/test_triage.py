@@ -176,6 +176,29 @@ def test_nothing_is_triaged_in_a_request_after_it_failed(b64, session, clean):
     assert rep.stats["ensemble_steps"] < clean.stats["ensemble_steps"]  # nothing judged after the failure
 
 
+def test_a_request_that_fails_later_keeps_no_triaged_node(b64, session, clean):
+    """code-1's nodes judged rounding at steps 4 and 13 are no longer triaged once code-1 fails outright at
+    step 15: rounding is presumed only in a request that is otherwise right. They are failures with the
+    reason, ranked after the outright failure (the first divergence stays at step 15); the step counts
+    move them from triaged to fail; the other request's triaged node is untouched."""
+    bad = copy.deepcopy(b64)
+    s = _step(bad, "code-1", 15)
+    s.topk_logprobs[1] = [v - 6.0 for v in s.topk_logprobs[1]]
+    rep = _diff(session, bad)
+    mine = [f for f in rep.findings if f.request_id == "code-1"]
+    assert not [f for f in mine if f.verdict == Verdict.TRIAGED]
+    earlier = [f for f in mine if (f.step, f.node) in ((4, 16), (13, 32))]
+    assert earlier and all(f.verdict == Verdict.FAIL and f.details["not_triaged"] == "step 15" for f in earlier)
+    assert all("rounding cannot be presumed" in f.message and f.details["rule"] == "rounding" for f in earlier)
+    first = rep.first_divergence()["code-1"]
+    assert (first.step, first.node) == (15, 1) and "not_triaged" not in first.details
+    was = {k: v for k, v in clean.stats["steps"].items()}
+    moved = len({f.step for f in earlier})
+    assert rep.stats["steps"]["triaged"] <= was["triaged"] - moved and rep.stats["steps"]["fail"] >= moved + 1
+    assert sum(rep.stats["steps"].values()) == sum(was.values())
+    assert ("arith-2", 2, 48) in _where(f for f in rep.findings if f.verdict == Verdict.TRIAGED)
+
+
 def test_per_golden_triage_rules_are_refused(b64, session):
     with pytest.raises(GoldenError, match="remove 'triage_rules'"):
         check_trace("x", b64, {"expect": "pass", "allow_unsupported": ["draft"], "triage_rules": ["ill-conditioned"]},

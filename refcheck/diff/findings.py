@@ -20,7 +20,7 @@ from refcheck.errors import EXIT_MISMATCH, EXIT_NOTHING, EXIT_PASS
 class Verdict(str, Enum):
     PASS = "pass"
     BENIGN_TIE = "benign_tie"
-    TRIAGED = "triaged"  # a failure a person reviewed and recorded with a reason (golden manifests)
+    TRIAGED = "triaged"  # explained: consistent with rounding (the calibrated rule) or reviewed (golden manifests)
     FAIL = "fail"
     UNSUPPORTED = "unsupported"
     SKIPPED = "skipped"
@@ -164,12 +164,15 @@ class Report:
         return [f for f in self.findings if f.verdict == Verdict.FAIL]
 
     def first_divergence(self) -> dict[str, Finding]:
-        """request -> its first failing finding (earliest step)."""
+        """request -> its first failing finding (earliest step). Outright failures rank before deviations that
+        were within rounding at their node and failed only because the request fails ("not triaged"): the
+        first divergence is where the engine is first shown wrong, not where rounding stopped being presumed."""
         out: dict[str, Finding] = {}
         def order(f: Finding) -> tuple:
             step = 1 << 30 if f.step is None else f.step  # request-level summaries come last
             rank = CATEGORIES.index(f.category) if f.category in CATEGORIES else len(CATEGORIES)
-            return (f.request_id or "", step, rank, f.node if f.node is not None else -1, f.layer is None, f.layer or 0)
+            return (f.request_id or "", "not_triaged" in f.details, step, rank, f.node if f.node is not None else -1,
+                    f.layer is None, f.layer or 0)
 
         for f in sorted(self.failures, key=order):
             out.setdefault(f.request_id, f)

@@ -26,8 +26,8 @@ passes. For an engine dtype coarser than the reference, a draft, node, emitted l
 entry over its bound is judged by the rounding ensemble (:mod:`refcheck.diff.triage`, run once per
 such step): within the calibrated factor of how far a correct engine's rounding moves it, it is
 *consistent with rounding*. Consistent deviations are reported TRIAGED, with their evidence, only
-at a step where nothing fails outright and in a request that has not failed before; otherwise they
-are failures ("not triaged: ..."). A fault that moves one ill-conditioned node also moves the
+at a step where nothing fails outright and in a request that fails at no step, earlier or later;
+otherwise they are failures ("not triaged: ..."), ranked after the outright ones. A fault that moves one ill-conditioned node also moves the
 state it commits or the nodes around it, so it cannot hide behind rounding at one node.
 
 The reference then commits the *engine's* accepted path, so one bug does not cascade into every
@@ -140,6 +140,29 @@ class _Request:
         self.pending = []
         if self.failed_at is None and any(f.verdict == Verdict.FAIL for f in self.rep.findings[since:]):
             self.failed_at = step
+
+    def withdraw(self, start: int) -> None:
+        """Once the request has failed, no deviation *before* that step stays triaged either: rounding is
+        presumed only for a request that is otherwise right. A fault that first moves ill-conditioned nodes
+        within rounding and shows outright only a step later is then reported at those nodes too (as failures
+        "not triaged", which :meth:`Report.first_divergence` ranks after the outright ones)."""
+        if self.failed_at is None:
+            return
+        where = f"step {self.failed_at}"
+        moved: dict[int, list[Finding]] = {}
+        for f in self.rep.findings[start:]:
+            if f.verdict == Verdict.TRIAGED and f.details.get("rule") == "rounding":
+                moved.setdefault(f.step, []).append(f)
+        if not moved:
+            return
+        steps = self.rep.stats.setdefault("steps", {"pass": 0, "benign_tie": 0, "fail": 0})
+        for step, found in moved.items():
+            for f in found:
+                f.verdict = Verdict.FAIL
+                f.message += f"; not triaged: the request fails at {where}, so rounding cannot be presumed"
+                f.details["not_triaged"] = where
+            steps["triaged"] = steps.get("triaged", 0) - 1  # the step's worst finding is now a failure
+            steps["fail"] = steps.get("fail", 0) + 1
 
     # -- state handling ---------------------------------------------------------------------
     @timed("replay.prefill")
@@ -451,14 +474,18 @@ class _Request:
                 self.fail("logprobs", -1, f"log-prob of the first token {output_lps[0]:.5g} vs reference {ref:.5g}")
         self.root = output[0] if output else None
         emitted_all = output[:1]
-        for k, s in enumerate(steps):
-            since = self.since = len(self.rep.findings)
-            usable = self.replay_step(s, last=k == len(steps) - 1, prompt=prompt, output=output)
-            self.settle(since, s.step)
-            self.step_verdict(since)
-            if not usable:
-                return  # the engine's step cannot be followed: later steps would only repeat this finding
-            emitted_all += s.emitted
+        start = len(self.rep.findings)
+        try:
+            for k, s in enumerate(steps):
+                since = self.since = len(self.rep.findings)
+                usable = self.replay_step(s, last=k == len(steps) - 1, prompt=prompt, output=output)
+                self.settle(since, s.step)
+                self.step_verdict(since)
+                if not usable:
+                    return  # the engine's step cannot be followed: later steps would only repeat this finding
+                emitted_all += s.emitted
+        finally:
+            self.withdraw(start)
         self.rep.check("output")
         if emitted_all != output:
             i = next((j for j, (a, b) in enumerate(zip(emitted_all, output)) if a != b), min(len(emitted_all), len(output)))
