@@ -36,24 +36,37 @@ class CorpusRun:
     budget: int | None
     dtype: str
     device: str
+    model_dir: str | None = None  # a pair given by its directories (``pair`` is then its label)
+    draft_dir: str | None = None
 
     def spec(self, max_new_tokens: int):
+        from pathlib import Path
+
         from refcheck.reference_runner import EngineSpec
 
-        return EngineSpec(pair=self.pair, drafter=self.drafter, budget=self.budget, dtype=self.dtype, device=self.device,
+        spec = EngineSpec(drafter=self.drafter, budget=self.budget, dtype=self.dtype, device=self.device,
                           max_new_tokens=max_new_tokens)
+        if self.model_dir is None:
+            spec.pair = self.pair
+        else:
+            spec.model_dir, spec.draft_dir = Path(self.model_dir), Path(self.draft_dir) if self.draft_dir else None
+        return spec
 
 
 def default_corpus(dtypes: list[str], device: str, faults: list[str], pairs: tuple[str, ...] = ("hybrid", "attention"),
-                   budgets: tuple[int | None, ...] = CLEAN_BUDGETS) -> list[CorpusRun]:
+                   budgets: tuple[int | None, ...] = CLEAN_BUDGETS,
+                   own: tuple[str, str, str] | None = None) -> list[CorpusRun]:
     """Clean: every dtype x pair x budget with the DFlash drafter, and the scripted drafter's deep paths on
-    the hybrid pair at budgets 15 and 64. Faulty: every fault in the first dtype (hybrid, scripted, budget 15)."""
-    runs = [CorpusRun(f"clean-{d}-{p}-dflash-{budget_tag(b)}", "clean", "reference", p, "dflash", b, d, device)
+    the hybrid pair at budgets 15 and 64. Faulty: every fault in the first dtype (hybrid, scripted, budget 15).
+    ``own`` = (label, target dir, draft dir): the same corpus on that one pair instead (a hybrid target)."""
+    dirs = dict(model_dir=own[1], draft_dir=own[2]) if own else {}
+    pairs, hybrid = ((own[0],), own[0]) if own else (pairs, "hybrid")
+    runs = [CorpusRun(f"clean-{d}-{p}-dflash-{budget_tag(b)}", "clean", "reference", p, "dflash", b, d, device, **dirs)
             for d in dtypes for p in pairs for b in budgets]
-    runs += [CorpusRun(f"clean-{d}-hybrid-scripted-{budget_tag(b)}", "clean", "reference", "hybrid", "scripted", b, d, device)
-             for d in dtypes for b in (15, 64)]
-    runs += [CorpusRun(f"fault-{f}-{dtypes[0]}", "graded" if ":" in f else "fault", f"fault:{f}", "hybrid",
-                       _fault_drafter(f), 15, dtypes[0], device) for f in faults]
+    runs += [CorpusRun(f"clean-{d}-{hybrid}-scripted-{budget_tag(b)}", "clean", "reference", hybrid, "scripted", b, d,
+                       device, **dirs) for d in dtypes for b in (15, 64)]
+    runs += [CorpusRun(f"fault-{f}-{dtypes[0]}" + (f"-{hybrid}" if own else ""), "graded" if ":" in f else "fault",
+                       f"fault:{f}", hybrid, _fault_drafter(f), 15, dtypes[0], device, **dirs) for f in faults]
     return runs
 
 

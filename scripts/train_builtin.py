@@ -4,6 +4,8 @@
     python scripts/train_builtin.py --out /tmp/models --device cuda        # the real run (H200: minutes)
     python scripts/train_builtin.py --out /tmp/m --quick                   # smoke test on CPU
 
+    python scripts/train_builtin.py --out build/models --pairs wide          # the calibration corpus's wide hybrid (GPU)
+
 Writes OUT/<pair>/{target,draft}/ and OUT/<pair>/training.json (config, corpus hash, losses, wall
 time). Install into refcheck/models/ by copying the pair directories, then regenerate the goldens.
 """
@@ -31,7 +33,22 @@ def main() -> None:
     ap.add_argument("--target-steps", type=int)
     ap.add_argument("--draft-steps", type=int)
     args = ap.parse_args()
-    cfg = TrainConfig(seed=args.seed)
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # training only; the reference never enables TF32
+    summary = {}
+    for name in args.pairs.split(","):
+        cfg = TrainConfig.for_pair(name, args.seed)
+        _adjust(cfg, args)
+        t0 = time.time()
+        info = train_pair(name, args.out / name, MODELS_DIR / "tokenizer.json", cfg, args.device,
+                          log=lambda m, n=name: print(f"[{n}] {m}", flush=True))
+        summary[name] = {"wall_s": time.time() - t0, "target_loss": info["final_target_loss"],
+                         "draft_loss": info["final_draft_loss"]}
+    print(json.dumps(summary, indent=2))
+
+
+def _adjust(cfg: TrainConfig, args: argparse.Namespace) -> None:
+    """The command line's overrides: --quick, --target-steps, --draft-steps."""
     if args.quick:
         cfg.target_steps, cfg.draft_steps, cfg.distill_prompts, cfg.distill_new = 3, 3, 16, 24
         cfg.target_batch = cfg.draft_batch = 4
@@ -39,16 +56,6 @@ def main() -> None:
         cfg.target_steps = args.target_steps
     if args.draft_steps is not None:
         cfg.draft_steps = args.draft_steps
-    if args.device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # training only; the reference never enables TF32
-    summary = {}
-    for name in args.pairs.split(","):
-        t0 = time.time()
-        info = train_pair(name, args.out / name, MODELS_DIR / "tokenizer.json", cfg, args.device,
-                          log=lambda m, n=name: print(f"[{n}] {m}", flush=True))
-        summary[name] = {"wall_s": time.time() - t0, "target_loss": info["final_target_loss"],
-                         "draft_loss": info["final_draft_loss"]}
-    print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

@@ -86,3 +86,32 @@ def test_the_command_writes_the_table_and_exits_by_its_claims(tmp_path, cli):
     assert len(json.loads((tmp_path / "calibration.json").read_text())["rows"]) == 4
     code, _, err = cli("calibrate", "--out", str(tmp_path), "--fault", "no-such-fault", "--device", "cpu")
     assert code == 2 and "unknown fault" in err and "rec-scale:EPS" in err
+
+
+def test_the_corpus_on_a_pair_given_by_its_directories(tmp_path):
+    """--model/--draft: every run (clean and faulty) names that pair and runs on its directories."""
+    runs = default_corpus(["bfloat16"], "cuda", ["sibling-leak"], budgets=(15,), own=("wide", "/m/t", "/m/d"))
+    assert {r.pair for r in runs} == {"wide"} and {(r.model_dir, r.draft_dir) for r in runs} == {("/m/t", "/m/d")}
+    assert [r.name for r in runs] == ["clean-bfloat16-wide-dflash-b15", "clean-bfloat16-wide-scripted-b15",
+                                      "clean-bfloat16-wide-scripted-b64", "fault-sibling-leak-bfloat16-wide"]
+    spec = runs[0].spec(8)
+    assert str(spec.model_dir) == "/m/t" and str(spec.draft_dir) == "/m/d" and spec.model_label == "/m/t"
+
+
+def test_the_command_runs_the_corpus_on_a_given_pair_and_refuses_half_of_one(tmp_path, cli):
+    from refcheck.models import builtin_pair
+
+    tdir, ddir = builtin_pair("hybrid")
+    code, out, err = cli("calibrate", "--out", str(tmp_path), "--dtype", "bfloat16", "--device", "cpu", "--model",
+                         str(tdir), "--draft", str(ddir), "--label", "mine", "--budget", "15", "--fault", "sibling-leak",
+                         "--prompts", "1", "--max-new-tokens", "10", "--no-faults", "--json")
+    assert code == 0, err
+    rows = json.loads((tmp_path / "calibration.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == ["clean-bfloat16-mine-dflash-b15", "clean-bfloat16-mine-scripted-b15",
+                                         "clean-bfloat16-mine-scripted-b64"] and all(r["verdict"] == "pass" for r in rows)
+    assert all(r["model_dir"] == str(tdir) for r in rows)
+    code, _, err = cli("calibrate", "--out", str(tmp_path), "--device", "cpu", "--model", str(tdir))
+    assert code == 2 and "--model and --draft go together" in err
+    code, _, err = cli("calibrate", "--out", str(tmp_path), "--device", "cpu", "--model", str(tdir), "--draft", str(ddir),
+                       "--pair", "hybrid")
+    assert code == 2 and "with --model the corpus runs on that pair alone" in err

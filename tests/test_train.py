@@ -82,3 +82,16 @@ def test_quick_training_produces_loadable_checkpoints(tmp_path):
     assert drafter.mask_token_id == 1
     dflash_model = pytest.importorskip("dflash.model")
     dflash_model.DFlashDraftModel.from_pretrained(str(tmp_path / "hybrid" / "draft"))
+
+
+def test_the_wide_pair_has_the_calibration_corpus_shape():
+    """The corpus's wider hybrid: hidden 1024, 8 layers at 3 Gated DeltaNet : 1 full attention, its drafter
+    as wide and reading that target's layers (built and trained on the GPU; not shipped)."""
+    from refcheck.models.build import TARGET_CONFIGS, draft_config, widths
+
+    spec, w = TARGET_CONFIGS["wide"], widths("wide")
+    assert w["hidden_size"] >= 1024 and spec["num_hidden_layers"] >= 8
+    assert spec["layer_types"] == (["linear_attention"] * 3 + ["full_attention"]) * 2
+    d = draft_config(spec["num_hidden_layers"], "wide")
+    assert d["hidden_size"] == w["hidden_size"] and max(d["dflash_config"]["target_layer_ids"]) < 8
+    assert widths("hybrid")["hidden_size"] == 128 and draft_config(6)["hidden_size"] == 128  # the tiny pairs unchanged

@@ -49,6 +49,11 @@ def _pairs(text: str, option: str) -> dict[str, float]:
               help="Add the rows of an earlier calibration.json (a corpus run elsewhere or in parts).")
 @click.option("--pair", "pairs", multiple=True, type=click.Choice(["hybrid", "attention"]),
               help="Built-in pairs of the clean runs (default: both).")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+              help="Run the corpus on this hybrid target (with --draft) instead of the built-in pairs.")
+@click.option("--draft", "draft_dir", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+              help="The DFlash draft of --model.")
+@click.option("--label", default=None, help="The --model pair's name in run names (default: the target's parent directory).")
 @click.option("--budget", "budgets", multiple=True, help="Budgets of the clean runs (default: 8, 15, 32, 64, chain).")
 @click.option("--prompts", "n_prompts", type=click.IntRange(1, 64), default=3, show_default=True,
               help="Built-in prompts per run.")
@@ -62,8 +67,8 @@ def _pairs(text: str, option: str) -> dict[str, float]:
               help="Corpus runs over N processes (on one GPU they share it).")
 @click.option("--save-traces", is_flag=True, help="Keep every run's trace under OUT/traces/.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-def calibrate(out_dir, dtypes, device, ref_device, faults, no_faults, no_corpus, row_files, pairs, budgets, n_prompts, max_new_tokens, traces, bounds,
-              rule_text, workers, save_traces, as_json):
+def calibrate(out_dir, dtypes, device, ref_device, faults, no_faults, no_corpus, row_files, pairs, model_dir, draft_dir,
+              label, budgets, n_prompts, max_new_tokens, traces, bounds, rule_text, workers, save_traces, as_json):
     """Measure the verdict: clean engines must pass, every fault must fail where it first acts.
 
     Dtypes with no measured calibration are run with their candidate bounds (refcheck/diff/tolerance.py)."""
@@ -79,7 +84,18 @@ def calibrate(out_dir, dtypes, device, ref_device, faults, no_faults, no_corpus,
     from refcheck.sweep import parse_budgets
 
     blist = tuple(parse_budgets(",".join(budgets))) if budgets else CLEAN_BUDGETS
-    corpus = [] if no_corpus else default_corpus(dtypes, device, names, tuple(pairs) or ("hybrid", "attention"), blist)
+    if (model_dir is None) != (draft_dir is None):
+        raise UsageError("--model and --draft go together (a target and its DFlash draft)")
+    if model_dir is not None and pairs:
+        raise UsageError("--pair names built-in pairs; with --model the corpus runs on that pair alone")
+    own = None
+    if model_dir is not None:
+        from refcheck.reference_runner import EngineSpec, load_pair
+
+        load_pair(EngineSpec(model_dir=model_dir, draft_dir=draft_dir))  # a wrong pair is refused before any run
+        own = (label or model_dir.resolve().parent.name, str(model_dir), str(draft_dir))
+    corpus = [] if no_corpus else default_corpus(dtypes, device, names, tuple(pairs) or ("hybrid", "attention"), blist,
+                                                 own)
     out_dir.mkdir(parents=True, exist_ok=True)
     err.print(f"calibrate: {len(corpus)} runs + {len(traces)} traces, {workers} process(es)", markup=False)
     over, rule = _pairs(bounds, "--bounds"), _pairs(rule_text, "--rule")

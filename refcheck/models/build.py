@@ -37,6 +37,19 @@ TARGET_CONFIGS: dict[str, dict] = {
         linear_conv_kernel_dim=4,
     ),
     "attention": dict(model_type="qwen3", num_hidden_layers=4),
+    # the calibration corpus's wider hybrid (not shipped: ~70 M parameters; built and trained on the GPU
+    # from its seed by scripts/train_builtin.py --pairs wide): hidden 1024, 8 layers at 3 Gated DeltaNet
+    # : 1 full attention, as Qwen3.6's layer pattern
+    "wide": dict(
+        model_type="qwen3_5_text",
+        num_hidden_layers=8,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+    ),
 }
 COMMON = dict(
     vocab_size=VOCAB,
@@ -54,6 +67,20 @@ COMMON = dict(
 )
 DRAFT_LAYERS = 2
 BLOCK_SIZE = 16
+#: per-pair widths over COMMON, shared by the target and its drafter (the tiny pairs use COMMON's)
+WIDTHS: dict[str, dict] = {
+    "hybrid": {}, "attention": {},
+    # initializer 0.02: COMMON's 0.1 (chosen for random tiny logits) is too large for 1024-wide layers
+    "wide": dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                 initializer_range=0.02),
+}
+
+
+def widths(name: str) -> dict:
+    """COMMON's width fields with the pair's overrides: hidden, intermediate, heads, head_dim, initializer."""
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "initializer_range")
+    return {k: WIDTHS.get(name, {}).get(k, COMMON[k]) for k in keys}
 
 
 def _save(model_dir: Path, config: dict, state: dict[str, torch.Tensor]) -> None:
@@ -69,24 +96,26 @@ def build_target(name: str, seed: int) -> torch.nn.Module:
 
     spec = dict(TARGET_CONFIGS[name])
     model_type = spec.pop("model_type")
-    cfg = AutoConfig.for_model(model_type, **COMMON, **spec)
+    cfg = AutoConfig.for_model(model_type, **(COMMON | widths(name)), **spec)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
-def draft_config(target_layers: int) -> dict:
+def draft_config(target_layers: int, pair: str = "hybrid") -> dict:
     from reference.drafter import default_target_layer_ids
 
+    w = widths(pair)
     return dict(
         architectures=["DFlashDraftModel"],
         model_type="qwen3",
         vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=192,
+        hidden_size=w["hidden_size"],
+        intermediate_size=w["intermediate_size"],
         num_hidden_layers=DRAFT_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
+        num_attention_heads=w["num_attention_heads"],
+        num_key_value_heads=w["num_key_value_heads"],
+        head_dim=w["head_dim"],
+        initializer_range=w["initializer_range"],
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
         max_position_embeddings=2048,
@@ -104,13 +133,13 @@ def draft_config(target_layers: int) -> dict:
     )
 
 
-def draft_state(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+def draft_state(cfg: dict, seed: int, init_std: float = INIT_STD) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     h, d = cfg["hidden_size"], cfg["head_dim"]
     nq, nkv, inter = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
 
     def w(o: int, i: int) -> torch.Tensor:
-        return torch.randn(o, i, generator=gen) * INIT_STD
+        return torch.randn(o, i, generator=gen) * init_std
 
     state: dict[str, torch.Tensor] = {}
     for n in range(cfg["num_hidden_layers"]):
@@ -169,5 +198,5 @@ def build_pair(name: str, out_dir: Path, seed: int = 0) -> None:
     """A random-weight pair (tests, and the fallback before training)."""
     target = build_target(name, seed)
     save_target(target, Path(out_dir) / "target")
-    dcfg = draft_config(target.config.num_hidden_layers)
-    save_draft(Path(out_dir) / "draft", dcfg, draft_state(dcfg, seed + 1))
+    dcfg = draft_config(target.config.num_hidden_layers, name)
+    save_draft(Path(out_dir) / "draft", dcfg, draft_state(dcfg, seed + 1, widths(name)["initializer_range"]))
