@@ -203,13 +203,14 @@ def run_config(name: str, args: argparse.Namespace, out: Path, before_engine=Non
                           log, args.timeout)
     (out / f"{name}.fp32.json").write_text(text)
     entry = {"rc": rc, "wall_s": round(wall, 1), "fp32": _report_summary(text), "engines_side_by_side": args.parallel}
-    if trace.is_file() and not getattr(args, "no_bf16_replay", False):
+    if trace.is_file():
         from refcheck.trace.io import read_trace
 
         prov = read_trace(trace).provenance
         cap = prov.get("capture", {})
         entry["capture"] = {k: cap.get(k) for k in ("stats", "errors", "problems", "incomplete", "crash")}
         entry["engine_start_s"] = prov["engine"]["settings"].get("engine_start_s")
+    if trace.is_file() and not getattr(args, "no_bf16_replay", False):
         rc2, wall2, text2 = _run([py, "-m", "refcheck", "diff", "--against", str(trace), "--ref-device", "cuda",
                                   "--ref-dtype", "bfloat16", "--mode", "replay", "--json"], log, args.timeout)
         (out / f"{name}.bf16.json").write_text(text2)

@@ -1,8 +1,8 @@
 """Live SGLang beside the reference on the GPU (marker ``sglang``; skipped without a GPU and SGLang).
 
 On the H200: ``scripts/sglang_bundle.sh run python3 -m pytest -m sglang tests/test_gpu_sglang.py``.
-Three engine runs on the built-in hybrid pair (bf16, 6 prompts x 32 tokens): target-only, DFLASH with
-capture, DFLASH without capture.
+Engine runs on the built-in hybrid pair (bf16, 6 prompts x 32 tokens): target-only, DFLASH with and
+without capture, REFCHECK_DDTREE at four budgets, under CUDA graphs, and in its leaky chain layout.
 """
 
 from __future__ import annotations
@@ -66,6 +66,24 @@ def test_ddtree_on_sglang_passes_replay(budget):
     assert cap["stats"]["branching_steps"] > 0 and not cap["stats"].get("chain_layout_branching_steps")
     rep = DiffSession().diff(trace, f"ddtree-b{budget}", mode="both", ref_dtype="float32", ref_device="cuda")
     assert not rep.failures, [f.message for f in rep.failures][:5]
+
+
+def test_ddtree_under_cuda_graphs_replays_the_verify_graph_and_passes():
+    """REFCHECK_DDTREE with SGLang's CUDA graphs on (budget 15): every verify replays the captured
+    TARGET_VERIFY graph (captured with FULL hidden states, which the drafter reads: the first graphed run
+    died at its first decode step before the algorithm raised SGLang's hidden-state ceiling), every step is
+    still captured, and the replay and free run show no structural or state failure."""
+    spec = EngineSpec(pair="hybrid", dtype="bfloat16", device="cuda", budget=15, max_new_tokens=32)
+    trace = SGLangRunner(spec, "REFCHECK_DDTREE", cuda_graphs=True).trace(load_prompts())
+    cap = trace.provenance["capture"]
+    assert not cap["errors"] and not cap["crash"] and not cap["incomplete"], cap
+    stats = cap["stats"]
+    assert stats["branching_steps"] > 0 and not stats.get("chain_layout_branching_steps")
+    assert stats["steps"] > 0 and stats["cuda_graph_steps"] == stats["steps"], stats  # no verify fell back to eager
+    rep = DiffSession().diff(trace, "ddtree-b15-graphs", mode="both", ref_dtype="float32", ref_device="cuda")
+    bad = [f for f in rep.failures if f.category in STRUCTURAL]
+    assert not bad, [f.message for f in bad][:5]
+    assert len([f for f in rep.failures if f.category == "logits"]) <= 0.01 * rep.checks["logits"]
 
 
 def test_ddtree_leaky_chain_layout_is_caught():

@@ -334,8 +334,10 @@ def test_branching_trees_in_the_chain_layout_are_flagged_from_the_capture_alone(
     cap, results, rids = fake_sglang(runner, prompts[:1], trees, "tree", steps=2)
     for s in cap.steps[0]:
         s.meta.update(layout_in_engine="chain", server_topk=1)  # what the eagle_sample hook records at topk 1
+    cap.steps[0][1].meta["cuda_graph"] = True  # what run_batch's hook records when the verify replayed a CUDA graph
     asm = assemble_trace(prompts[:1], rids, results, cap, _prov(runner, prompts[:1], 15))
     assert asm.stats["chain_layout_branching_steps"] == 2 and asm.stats["chain_layout_first"] == [prompts[0].id, 0]
+    assert asm.stats["cuda_graph_steps"] == 1
     from refcheck.diff.findings import Report
     from refcheck.diff.replay import capture_findings
 

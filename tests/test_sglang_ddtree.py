@@ -14,7 +14,7 @@ from strategies import rooted_parents  # tests/strategies.py
 
 from refcheck.models import builtin_pair
 from refcheck.prompts import load_prompts
-from refcheck.sglang_ddtree.algorithm import check_server_args, ngram_like_spec_class
+from refcheck.sglang_ddtree.algorithm import check_server_args, hidden_states_ceiling_is_full, ngram_like_spec_class
 from refcheck.sglang_ddtree.drafts import DrafterPool, TargetView, draft_tree, extend_context
 from refcheck.sglang_ddtree.layout import TreeLayoutError, ancestor_mask, batch_layout
 from reference.decode import DDTreeDecoder, DecodeConfig
@@ -105,6 +105,37 @@ def test_server_args_check(tmp_path):
                      ({"speculative_draft_model_path": str(builtin_pair("hybrid")[0])}, "not a DFlash draft")):
         with pytest.raises(ValueError, match=msg):
             check_server_args(NS(**{**vars(args), **bad}))
+
+
+def test_server_args_check_raises_the_hidden_state_ceiling_for_cuda_graphs():
+    """SGLang 0.5.17 captures the target's verify graphs at max(server ceiling, NULL) for an NGRAM-like
+    algorithm; the verify asks FULL (the drafter reads every node's hidden states), so without a FULL
+    ceiling the first graphed decode step dies ("exceeds the fixed CUDA graph capture mode (NULL)", H200).
+    The check sets the ceiling for every twin, with or without graphs, and leaves the verify width (the
+    graph's tokens per request) at budget + 1."""
+    _, ddir = builtin_pair("hybrid")
+    base = {"speculative_draft_model_path": str(ddir), "speculative_num_draft_tokens": 16, "tp_size": 1,
+            "disable_overlap_schedule": True, "speculative_eagle_topk": None, "speculative_num_steps": None,
+            "max_running_requests": None, "enable_mixed_chunk": True}
+    for extra, leaky in (({"disable_cuda_graph": False}, False), ({"disable_cuda_graph": True}, False),
+                         ({"return_hidden_states_mode": "last", "enable_return_hidden_states": True}, False),
+                         ({}, True)):
+        args = NS(**base, **extra)
+        assert not hidden_states_ceiling_is_full(args)
+        check_server_args(args, leaky=leaky)
+        assert args.return_hidden_states_mode == "full" and args.enable_return_hidden_states is True
+        assert hidden_states_ceiling_is_full(args)
+        assert args.speculative_num_draft_tokens == 16  # the graph is captured for budget + 1 tokens per request
+
+
+@pytest.mark.parametrize(("mode", "enabled", "full"), [
+    (None, False, False), (None, True, True), ("full", False, True), ("full", True, True),
+    ("last", True, False), ("last", False, False)])
+def test_hidden_state_ceiling_reads_like_sglangs(mode, enabled, full):
+    """The mirror of SGLang 0.5.17's get_server_return_hidden_states_mode (forward_batch_info.py:234-240)
+    compared with FULL: "last" wins over enable_return_hidden_states."""
+    assert hidden_states_ceiling_is_full(NS(return_hidden_states_mode=mode, enable_return_hidden_states=enabled)) is full
+    assert hidden_states_ceiling_is_full(NS()) is False
 
 
 def test_spec_class_answers_like_ngram_where_the_registry_base_is_silent():

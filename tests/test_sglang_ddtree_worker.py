@@ -80,6 +80,10 @@ class NGRAMWorker(BaseSpecWorker):
             return
         bs, n = len(batch.reqs), self.draft_token_num
         drafts, mask = self._prepare_draft_tokens(batch)
+        # SGLang's decode CUDA graph replays a verify only with exactly bs x (its captured width) tokens, the
+        # width being speculative_num_draft_tokens (decode_cuda_graph_runner.py:268, :587): no tree is padded
+        width = self.server_args.speculative_num_draft_tokens
+        assert drafts.shape == (bs * width,) and mask.shape == (bs * width * width,)
         mask = mask.reshape(bs, n, n)
         parents = [[max((k for k in np.nonzero(mask[b, i])[0].tolist() if k != i), default=-1) for i in range(n)]
                    for b in range(bs)]
@@ -209,7 +213,7 @@ def _run(module, engine_box, target, prompts, budget: int, max_new: int, fault: 
     engine_box["engine"] = engine
     args = NS(disable_overlap_schedule=True, page_size=1, speculative_num_draft_tokens=budget + 1,
               speculative_eagle_topk=2, speculative_num_steps=budget, device="cpu", tp_size=1,
-              speculative_draft_model_path=str(ddir))
+              speculative_draft_model_path=str(ddir), return_hidden_states_mode="full")
     cls = module.DDTreeWorker if fault is None else faulty_worker(module.DDTreeWorker, fault)
     worker = cls(server_args=args, gpu_id=0, ps=NS(tp_rank=0), nccl_port=0, target_worker=engine)
     worker.alloc_memory_pool()
@@ -260,10 +264,33 @@ def test_worker_refuses_sampling(worker_module, hybrid):
         box["engine"] = engine
         _, ddir = builtin_pair("hybrid")
         args = NS(disable_overlap_schedule=True, page_size=1, speculative_num_draft_tokens=16, speculative_eagle_topk=2,
-                  speculative_num_steps=15, device="cpu", tp_size=1, speculative_draft_model_path=str(ddir))
+                  speculative_num_steps=15, device="cpu", tp_size=1, speculative_draft_model_path=str(ddir),
+                  return_hidden_states_mode="full")
         worker = module.DDTreeWorker(server_args=args, gpu_id=0, ps=NS(tp_rank=0), nccl_port=0, target_worker=engine)
         req = NS(rid="r", origin_input_ids=[5, 6, 7], output_ids=[9], sampling_params=NS(temperature=0.7, top_k=-1, max_new_tokens=8))
         worker._prepare_draft_tokens(NS(reqs=[req]))
+
+
+def test_worker_refuses_to_start_without_the_full_hidden_state_ceiling(worker_module, hybrid):
+    """Without the server's FULL hidden-state ceiling (set by the algorithm's server-args check) SGLang
+    would capture the target's verify graphs without hidden states and the first graphed decode step would
+    die; the worker refuses at start-up instead. It reads the target model runner's server args (what the
+    graph runner reads) where there are any."""
+    module, _ = worker_module
+    target, _ = hybrid
+    _, ddir = builtin_pair("hybrid")
+    engine = Engine(target, (1, 3))
+    args = {"disable_overlap_schedule": True, "page_size": 1, "speculative_num_draft_tokens": 16,
+            "speculative_eagle_topk": 2, "speculative_num_steps": 15, "device": "cpu", "tp_size": 1,
+            "speculative_draft_model_path": str(ddir)}
+    with pytest.raises(ValueError, match="hidden-state ceiling"):
+        module.DDTreeWorker(server_args=NS(**args), gpu_id=0, ps=NS(tp_rank=0), nccl_port=0, target_worker=engine)
+    engine.model_runner.server_args = NS(**args, return_hidden_states_mode="last", enable_return_hidden_states=True)
+    with pytest.raises(ValueError, match="hidden-state ceiling"):  # the target's args win over the worker's copy
+        module.DDTreeWorker(server_args=NS(**args, return_hidden_states_mode="full"), gpu_id=0, ps=NS(tp_rank=0),
+                            nccl_port=0, target_worker=engine)
+    engine.model_runner.server_args = NS(**args, return_hidden_states_mode="full")
+    module.DDTreeWorker(server_args=NS(**args), gpu_id=0, ps=NS(tp_rank=0), nccl_port=0, target_worker=engine)
 
 
 @pytest.mark.parametrize(("temperature", "top_k", "greedy"), [

@@ -114,7 +114,7 @@ def test_dflash_chain_step_and_target_only_step(capture_dir):
     def worker(self, b):
         w = NS(_draft_block_tokens_buf=torch.cat([cand, torch.zeros(3, 4, dtype=torch.long)]))
         res = NS(logits_output=NS(next_token_logits=logits), accept_lens=torch.tensor([2], dtype=torch.int32),
-                 next_token_ids=torch.tensor([6, 19, 0, 0]))
+                 next_token_ids=torch.tensor([6, 19, 0, 0]), can_run_cuda_graph=True)  # the verify replayed a graph
         return plugin._dflash_forward(lambda self_, bb: res, w, b)
 
     plugin._run_batch(worker, sched, batch)
@@ -127,6 +127,7 @@ def test_dflash_chain_step_and_target_only_step(capture_dir):
     assert chain.tokens == [5, 6, 7, 8] and chain.accepted == [0, 1] and chain.emitted == [6, 19] and chain.layout == "chain"
     assert root.tokens == [19] and root.committed_len == 5 and root.emitted == [int(logits1.argmax())]
     assert root.state["kv_k.2"][2].shape[0] == 1
+    assert chain.meta["cuda_graph"] is True and root.meta["cuda_graph"] is False  # a result without the field: eager
 
 
 def test_hook_failures_are_recorded_not_raised(capture_dir):

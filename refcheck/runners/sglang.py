@@ -220,11 +220,6 @@ class SGLangRunner:
         self.timing_repeats = timing_repeats  # warm, untraced generates after the captured one (sweep tok/s)
         tdir, ddir = spec.resolved_dirs()
         self.budget = resolve_budget(self.algorithm, spec.budget, ddir, tdir)
-        if cuda_graphs and self.algorithm.startswith("REFCHECK_DDTREE"):
-            # measured on the H200 (SGLang 0.5.17, budgets 15 and 64): the first decode step dies with
-            # "RuntimeError: The runtime hidden-state mode exceeds the fixed CUDA graph capture mode (NULL)"
-            raise UsageError(f"{self.algorithm} does not run under SGLang's CUDA graphs yet (its verify needs "
-                             "hidden states the graph was captured without); drop --cuda-graphs")
         if spec.dtype == "float32":
             from refcheck.sglang_capture.versions import float32_refusal, installed_version
 

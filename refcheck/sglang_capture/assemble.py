@@ -145,7 +145,9 @@ def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[st
             lps = []  # the records do not cover the whole output: no per-token log-probs rather than a misaligned list
         out.trace.requests.append(RequestRow(p.id, p.kind, list(p.prompt_ids), output, lps))
     out.stats = {"steps": n_steps, "branching_steps": n_branching,
-                 "tau": n_accepted / n_steps if n_steps else None}
+                 "tau": n_accepted / n_steps if n_steps else None,
+                 # steps whose target forward replayed one of SGLang's CUDA graphs (the rest ran eagerly)
+                 "cuda_graph_steps": sum(bool(c.meta.get("cuda_graph")) for c in kept)}
     # branching trees verified while the engine ran its recurrent layers as a chain (topk <= 1): the leak's
     # configuration, visible without any numerics
     chain = [(row.request_id, row.step) for row, cap in zip(out.trace.steps, kept)

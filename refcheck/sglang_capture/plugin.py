@@ -9,7 +9,7 @@ SGLang's ``HookRegistry``:
 * ``Scheduler.run_batch``: snapshots each request (rid, committed length, root, pool row) before the
   batch runs and, once it has run (SGLang's commit, KV move and mamba-state scatter included),
   records prefill first tokens, target-only decode steps, and the committed KV / conv / recurrent
-  state of every verify step recorded during the batch;
+  state of every verify step recorded during the batch (and whether its forward replayed a CUDA graph);
 * ``eagle_utils.eagle_sample`` (tree verify: NGRAM, EAGLE, any plugin algorithm that uses it): the
   tree, every node's log-probs (taken before SGLang adds penalties in place) and the accept outputs;
 * ``DFlashWorkerV2.forward_batch_generation`` (DFLASH chain verify): candidates, logits and
@@ -235,6 +235,7 @@ def _after(scheduler: Any, snap: _Batch, result: Any) -> None:
         if isinstance(draft_s, float):
             s.meta["batch_draft_s"] = draft_s
         s.meta["batch_size"] = len(snap.rids)
+        s.meta["cuda_graph"] = bool(getattr(result, "can_run_cuda_graph", False))  # the verify replayed a CUDA graph
         rec.step(s)
 
 

@@ -9,5 +9,6 @@ path -> greedy walk -> commit and KV compaction -> draft context; imports SGLang
 Correctness first: the drafter is refcheck's pure-PyTorch DFlash drafter (tested equal to z-lab's
 ``dflash``) fed with SGLang's captured target hidden states, and the tree is refcheck's Algorithm 1;
 everything from the verify on is SGLang's own code (NGRAM's tree-verify path), which is what the
-diff exercises. Greedy only, tensor parallelism 1, CUDA graphs and overlap scheduling off.
+diff exercises. Greedy only, tensor parallelism 1, overlap scheduling off; CUDA graphs on or off
+(under graphs the target's tree verify replays SGLang's captured verify graph, the drafter stays eager).
 """

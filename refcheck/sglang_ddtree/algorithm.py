@@ -8,7 +8,22 @@ name is taken). The algorithm presents itself to SGLang as NGRAM-like (``is_ngra
 with no draft model of SGLang's, NGRAM's verify input and KV sizing. Its server-args check runs in
 the main process: it requires a DFlash draft checkpoint and ``speculative_num_draft_tokens`` (budget
 + 1), forces ``speculative_eagle_topk >= 2`` (else the hybrid GDN backend would run the trees in its
-chain layout, the leak), and turns off mixed chunks.
+chain layout, the leak), turns off mixed chunks, and raises the server's hidden-state ceiling to
+``full`` (:data:`HIDDEN_STATES_CEILING`), which is what lets the verify run inside SGLang's CUDA graphs.
+
+CUDA graphs (SGLang 0.5.17): the decode graph runner captures the target's ``TARGET_VERIFY`` graphs
+once, at start-up, for ``speculative_num_draft_tokens`` tokens per request
+(``decode_cuda_graph_runner.py:268``, via ``CustomSpecAlgo.get_num_tokens_per_req_for_target_verify``)
+and with the hidden-state mode ``max(server ceiling, the capture spec input's mode)``
+(``:266``, ``:752-756``; ceiling from ``base_runner.py:211-215``). For an ``is_ngram()`` algorithm the
+capture spec input says ``NULL`` (``:1335-1347``; DFLASH's says ``FULL`` for its target, ``:1307-1333``),
+so with the default ceiling the graphs return no hidden states, and the first verify, which asks
+``FULL`` for the drafter, dies in ``load_batch`` (``_validate_capture_hidden_mode``, ``:1029-1034``,
+``:1085``: "The runtime hidden-state mode exceeds the fixed CUDA graph capture mode (NULL)"). The
+registry has no per-algorithm hook for that mode; the server's ceiling (``return_hidden_states_mode``,
+read by ``get_server_return_hidden_states_mode``, ``forward_batch_info.py:234-240``) is the one
+setting that raises it. Eager forwards are unchanged by it: the worker passes ``FULL`` explicitly to
+every target forward, and SGLang copies hidden states to a request only when that request asks.
 """
 
 from __future__ import annotations
@@ -27,6 +42,19 @@ LEAKY_NAME = "REFCHECK_DDTREE_LEAKY_CHAIN"
 #: (``REFCHECK_DDTREE_FAULT_MAMBA_FLAT_INDEX`` ...; refcheck/sglang_ddtree/faults.py says what each does)
 FAULT_NAMES: tuple[str, ...] = tuple(FAULT_ALGORITHMS)
 _done = False
+
+#: the server's hidden-state ceiling the algorithm runs with (SGLang's ``return_hidden_states_mode``): the
+#: target's CUDA graphs are captured with it, and the verify needs every node's hidden states
+HIDDEN_STATES_CEILING = "full"
+
+
+def hidden_states_ceiling_is_full(server_args) -> bool:
+    """Whether SGLang 0.5.17's ``get_server_return_hidden_states_mode(server_args)`` is ``FULL``
+    (``forward_batch_info.py:234-240``: ``"last"`` wins over ``enable_return_hidden_states``)."""
+    mode = getattr(server_args, "return_hidden_states_mode", None)
+    if mode == "last":
+        return False
+    return mode == "full" or bool(getattr(server_args, "enable_return_hidden_states", False))
 
 
 def check_server_args(server_args, leaky: bool = False) -> None:
@@ -54,6 +82,10 @@ def check_server_args(server_args, leaky: bool = False) -> None:
     if getattr(server_args, "max_running_requests", None) is None:
         server_args.max_running_requests = 48
     server_args.enable_mixed_chunk = False
+    # the target's TARGET_VERIFY (and prefill) CUDA graphs are captured at this ceiling; this hook runs
+    # after SGLang's own _handle_return_hidden_states_mode (server_args.py:3465 vs 3592), so set both
+    server_args.return_hidden_states_mode = HIDDEN_STATES_CEILING
+    server_args.enable_return_hidden_states = True
 
 
 #: the builtin's answers a tree-verify plugin without an SGLang draft model must give like NGRAM, even

@@ -11,6 +11,15 @@ last accepted node's conv/recurrent state, and ``move_accept_tokens_to_target_kv
 accepted nodes' KV. The drafter's context is extended with the target's captured hidden states of
 the root and the accepted nodes, in path order (prefill: every prompt position).
 
+CUDA graphs: the target's verify replays SGLang's captured ``TARGET_VERIFY`` graph (NGRAM's path:
+the graph is captured for ``speculative_num_draft_tokens`` = budget + 1 tokens per request, and
+every tree here has exactly that many nodes, so no request is padded; SGLang pads the batch to its
+captured batch size). The graph returns the hidden states only because the algorithm's server-args
+check raised the server's hidden-state ceiling to ``full`` before capture; the worker refuses to
+start without it. The drafter and the tree builder stay eager (pure PyTorch, once per request), and
+every tensor the worker keeps from a verify (the drafter's context rows) is copied out of the
+graph's output buffers within the step.
+
 ``fault`` (a key of :mod:`refcheck.sglang_ddtree.faults`, set by the ``REFCHECK_DDTREE_FAULT_*``
 algorithms; None = correct) feeds one of SGLang's steps a wrong index: the verify positions, the
 bonus, the mamba commit's or the KV move's accept index.
@@ -38,6 +47,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
 from refcheck.sglang_ddtree import faults
+from refcheck.sglang_ddtree.algorithm import HIDDEN_STATES_CEILING, hidden_states_ceiling_is_full
 from refcheck.sglang_ddtree.drafts import DrafterPool, TargetView, draft_tree, extend_context
 from refcheck.sglang_ddtree.layout import batch_layout
 from reference.drafter import DFlashDrafter
@@ -89,6 +99,11 @@ class DDTreeWorker(ngram.NGRAMWorker):
         self.grammar_tree_host = None
         if int(getattr(server_args, "tp_size", 1) or 1) > 1:
             raise ValueError("REFCHECK_DDTREE runs with tensor parallelism 1 (its drafter needs the whole head)")
+        target_args = getattr(self.model_runner, "server_args", server_args)  # what the graph runner reads
+        if not hidden_states_ceiling_is_full(target_args):
+            raise ValueError(f"REFCHECK_DDTREE needs the server's hidden-state ceiling at {HIDDEN_STATES_CEILING!r} "
+                             "(return_hidden_states_mode): the target's CUDA graphs would be captured without the hidden "
+                             "states its drafter reads; the algorithm's server-args check sets it (did it run?)")
         self.budget = self.draft_token_num - 1
         model = self.model_runner.model
         cfg = self.model_runner.model_config
