@@ -259,13 +259,17 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def detectability(rows: list[dict]) -> dict[str, list[tuple[float, bool]]]:
-    """Graded faults: family -> [(size, detected)] in increasing size."""
-    curves: dict[str, list[tuple[float, bool]]] = {}
+    """Graded faults: "family (dtype[, pair])" -> [(size, detected)] in increasing size (one curve per
+    quantity, dtype and pair: a size run twice in one of them counts as detected only if both runs were)."""
+    curves: dict[str, dict[float, bool]] = {}
     for r in rows:
         if r["kind"] == "graded":
             family, size = r["engine"].split(":", 1)[1].rsplit(":", 1)
-            curves.setdefault(family, []).append((float(size), r["verdict"] == "fail"))
-    return {k: sorted(v) for k, v in sorted(curves.items())}
+            pair = r.get("pair", "hybrid")
+            key = f"{family} ({r['dtype']}{'' if pair == 'hybrid' else ', ' + pair})"
+            pts = curves.setdefault(key, {})
+            pts[float(size)] = pts.get(float(size), True) and r["verdict"] == "fail"
+    return {k: sorted(v.items()) for k, v in sorted(curves.items())}
 
 
 def _cell(w: dict | None) -> str:
@@ -296,7 +300,10 @@ def markdown(rows: list[dict], summary: dict) -> str:
                    f"{r['ensemble_steps']} | {_cell(r['first_finding'])} | {_cell(r.get('first_change'))} | {loc} |")
     curves = detectability(rows)
     if curves:
-        out += ["", "Detectability (graded faults; x = detected):", "", "| fault | " + " | ".join(
-            f"{size:g}" for size, _ in next(iter(curves.values()))) + " |", "|---" * (1 + len(next(iter(curves.values())))) + "|"]
-        out += [f"| {fam} | " + " | ".join("x" if d else "." for _, d in pts) + " |" for fam, pts in curves.items()]
+        sizes = sorted({size for pts in curves.values() for size, _ in pts})
+        out += ["", "Detectability (graded faults; x = detected, . = not, blank = not run):", "",
+                "| fault (dtype) | " + " | ".join(f"{size:g}" for size in sizes) + " |", "|---" * (1 + len(sizes)) + "|"]
+        for fam, pts in curves.items():
+            got = dict(pts)
+            out.append(f"| {fam} | " + " | ".join({True: "x", False: ".", None: " "}[got.get(size)] for size in sizes) + " |")
     return "\n".join(out) + "\n"

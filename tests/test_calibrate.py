@@ -71,9 +71,13 @@ def test_summary_counts_follow_the_rows():
     s = summarize(rows)
     assert (s["clean_runs"], s["false_alarms"], s["faulty_runs"], s["detected"], s["located"]) == (2, 1, 2, 1, 1)
     assert s["faulty_nodes_triaged"] == 3 and s["clean_triaged"] == 2 and s["clean_ratio_quantiles"]["max"] == 1.2
-    assert detectability(rows) == {"rec-scale": [(0.001, False), (0.1, True)]}
+    assert detectability(rows) == {"rec-scale (bfloat16)": [(0.001, False), (0.1, True)]}
     md = markdown(rows, s)
-    assert "1 false alarms of 2" in md and "| rec-scale | . | x |" in md
+    assert "1 false alarms of 2" in md and "| rec-scale (bfloat16) | . | x |" in md
+    fp16 = [{**_row("h1", "graded", "fail", engine="fault:rec-scale:0.01"), "dtype": "float16"}]
+    curves = detectability(rows + fp16)  # a curve per dtype; a size one dtype did not run is blank in the table
+    assert curves["rec-scale (float16)"] == [(0.01, True)] and len(curves) == 2
+    assert "| rec-scale (float16) |   | x |   |" in markdown(rows + fp16, summarize(rows + fp16))
 
 
 def test_the_command_writes_the_table_and_exits_by_its_claims(tmp_path, cli):
