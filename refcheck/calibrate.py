@@ -170,7 +170,7 @@ def calibration_under_test(dtype: str, device: str, bounds: dict[str, float] | N
         if bad:
             raise UsageError(f"unknown {name} field(s) {bad} (known: {sorted(known)})")
     tol = replace(cal.tolerance, **(bounds or {}))
-    new_rule = replace(cal.rule, **{k: (int(v) if k in ("samples", "seed") else v) for k, v in (rule or {}).items()}) \
+    new_rule = replace(cal.rule, **{k: (int(v) if k in ("samples", "seed", "anchor_steps") else v) for k, v in (rule or {}).items()}) \
         if cal.rule is not None else None
     return replace(cal, tolerance=tol, rule=new_rule)
 

@@ -11,7 +11,9 @@
 #   TABLE=0 scripts/calibrate_gpu.sh OUT                      parts only; the table later, anywhere:
 #       scripts/calibrate_gpu.sh --table OUT                  (TABLE_DEVICE=cpu there)
 #
-# Knobs (environment): CONFIGS (sglang_suite configurations; empty: none), PARTS (of: clean faults
+# Knobs (environment): CONFIGS (sglang_suite configurations; empty: none), WIDE_CONFIGS (the same on the
+# wide pair once it is trained; empty: none), EXTRA (SGLang traces captured earlier, files or directories,
+# added to the table), PARTS (of: clean faults
 # graded16 wide; default all), PARALLEL engines side by side, MEM (each engine's mem_fraction_static),
 # TOKENS per request, PROMPTS per reference run, WORKERS per reference part, LIMIT (seconds for every
 # part; each part writes its own table, so a part that overruns costs only itself), MODELS (where the
@@ -20,7 +22,9 @@ set -uo pipefail
 table() {  # one table of every part's rows and every SGLang trace
   local out=$1 rows=() traces=()
   for j in "$out"/*/calibration.json; do [ -f "$j" ] && rows+=(--rows "$j"); done
-  for t in "$out"/suite/*.arrow; do [ -f "$t" ] && traces+=(--traces "$t"); done
+  local extra=() e
+  for e in ${EXTRA:-}; do if [ -d "$e" ]; then extra+=("$e"/*.arrow); else extra+=("$e"); fi; done
+  for t in "$out"/suite/*.arrow "$out"/suite-wide/*.arrow "${extra[@]}"; do [ -f "$t" ] && traces+=(--traces "$t"); done
   # shellcheck disable=SC2086
   $RUN python3 -m refcheck calibrate --out "$out" --no-corpus --device "${TABLE_DEVICE:-cuda}" --workers "${WORKERS:-4}" \
     ${CAL_ARGS:-} "${rows[@]}" "${traces[@]}" > "$out/table.log" 2>&1
@@ -30,6 +34,7 @@ if [ "${1:-}" = "--table" ]; then OUT=${2:?usage: calibrate_gpu.sh --table OUT};
 OUT=${1:?usage: scripts/calibrate_gpu.sh OUT}
 CONFIGS=${CONFIGS-none,dflash,ngram,ddtree-b8,ddtree-b15,ddtree-b32,ddtree-b64,dflash-graphs,ngram-graphs,ddtree-b15-graphs,ddtree-b64-graphs,ddtree-b15-bs1,ddtree-b15-leaky,ddtree-fault-mamba-flat-index,ddtree-fault-kv-move-last,ddtree-fault-flat-positions,ddtree-fault-bonus-neighbour}
 PARTS=${PARTS:-clean faults graded16 wide}
+WIDE_CONFIGS=${WIDE_CONFIGS-none,dflash,ngram,ddtree-b15,ddtree-b15-graphs}
 LIMIT=${LIMIT:-480} TOKENS=${TOKENS:-32} PROMPTS=${PROMPTS:-2} W=${WORKERS:-4} MODELS=${MODELS:-build/models}
 mkdir -p "$OUT"
 t0=$(date +%s)
@@ -62,8 +67,15 @@ for p in $PARTS; do
     wide) (timeout "$LIMIT" $RUN python3 scripts/train_builtin.py --out "$MODELS" --pairs wide --device cuda > "$OUT/wide-train.log" 2>&1
            echo "wide training: rc $? after $(( $(date +%s) - t0 )) s" >> "$OUT/times.txt"
            cp "$MODELS/wide/training.json" "$OUT/wide-training.json" 2>/dev/null
+           if [ -n "$WIDE_CONFIGS" ]; then  # SGLang on the wide pair, beside its reference corpus
+             (left=$(( LIMIT - ($(date +%s) - t0) ))
+              timeout "$left" $RUN python3 scripts/sglang_suite.py --out "$OUT/suite-wide" --configs "$WIDE_CONFIGS" \
+                --model "$MODELS/wide/target" --draft "$MODELS/wide/draft" --parallel "${PARALLEL:-6}" --stagger "${STAGGER:-8}" \
+                --mem-fraction "${MEM:-0.08}" --timeout "$left" --max-new-tokens "$TOKENS" --no-bf16-replay > "$OUT/suite-wide.log" 2>&1
+              echo "sglang suite (wide): rc $? after $(( $(date +%s) - t0 )) s" >> "$OUT/times.txt") &
+           fi
            part wide --dtype bfloat16 --dtype float16 --model "$MODELS/wide/target" --draft "$MODELS/wide/draft" --label wide \
-             --budget 15 --budget 64 "${wide_faults[@]}") & pids+=($!) ;;
+             --budget 15 --budget 64 "${wide_faults[@]}"; wait) & pids+=($!) ;;
     *) echo "unknown part $p" >&2; exit 2 ;;
   esac
 done

@@ -111,6 +111,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--configs", default="none,dflash,capture-off,ngram,ngram-b1")
     ap.add_argument("--pair", default="hybrid")
+    ap.add_argument("--model", default=None, help="A target directory instead of the built-in --pair (with --draft).")
+    ap.add_argument("--draft", default=None, help="The --model target's DFlash draft directory.")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=300.0, help="Per process, seconds.")
     ap.add_argument("--parallel", type=int, default=1,
@@ -191,7 +193,8 @@ def capture_off(args: argparse.Namespace, out: Path) -> dict:
 def run_config(name: str, args: argparse.Namespace, out: Path, before_engine=None) -> dict:
     """One configuration: the fp32 diff with the live engine (trace saved), then a bf16 replay of it."""
     py = sys.executable
-    common = ["--pair", args.pair, "--max-new-tokens", str(args.max_new_tokens), "--json"]
+    model = ["--model", args.model, "--draft", args.draft] if getattr(args, "model", None) else ["--pair", args.pair]
+    common = [*model, "--max-new-tokens", str(args.max_new_tokens), "--json"]
     log = out / f"{name}.log"
     trace = out / f"{name}.arrow"
     if before_engine is not None:

@@ -199,6 +199,41 @@ def test_a_request_that_fails_later_keeps_no_triaged_node(b64, session, clean):
     assert ("arith-2", 2, 48) in _where(f for f in rep.findings if f.verdict == Verdict.TRIAGED)
 
 
+def _anchored(steps: int):
+    from dataclasses import replace
+
+    cal = calibration_for("bfloat16", "cuda")
+    return replace(cal, rule=replace(cal.rule, anchor_steps=steps))
+
+
+def test_an_anchor_step_judges_what_the_cheap_bound_lets_through(b64, session):
+    """At the request's anchor step every node and state entry is held to rounding: a 0.5-nat shift of a
+    well-conditioned node and a 5% scaling of a recurrent state pass the cheap bounds (1.5 nats, rel L2
+    0.25) and fail at the anchor step, at that node and layer; without anchors both pass."""
+    bad = copy.deepcopy(b64)
+    s = _step(bad, "code-1", 0)
+    s.topk_logprobs[1] = [v - 0.5 for v in s.topk_logprobs[1]]
+    rec = next(e for e in s.state if e.kind == "rec")
+    rec.sketch = rec.sketch * 1.05
+    plain = session.diff(bad, "t", mode="replay", calibration=_anchored(0))
+    assert not [f for f in plain.failures if f.request_id == "code-1" and f.step == 0]
+    rep = session.diff(bad, "t", mode="replay", calibration=_anchored(1))
+    got = [f for f in rep.failures if f.request_id == "code-1" and f.step == 0]
+    assert ("logits", 1) in {(f.category, f.node) for f in got} and all(f.details.get("anchor") for f in got)
+    node = next(f for f in got if f.category == "logits")
+    assert node.details["max_abs"] == pytest.approx(0.5, abs=0.05) and node.details["max_abs"] > 3 * node.details["spread"]
+    # the state check runs after the nodes, and a step whose nodes failed judges nothing more: alone, the
+    # state entry fails by itself
+    only = copy.deepcopy(b64)
+    r2 = next(e for e in _step(only, "code-1", 0).state if e.kind == "rec")
+    r2.sketch = r2.sketch * 1.05
+    rep = session.diff(only, "t", mode="replay", calibration=_anchored(1))
+    first = rep.first_divergence()["code-1"]
+    assert (first.step, first.category, first.layer) == (0, "recurrent", rec.layer) and first.details["anchor"]
+    clean = session.diff(b64, "t", mode="replay", calibration=_anchored(1))
+    assert not clean.failures  # the clean golden passes with its anchors judged
+
+
 def test_per_golden_triage_rules_are_refused(b64, session):
     with pytest.raises(GoldenError, match="remove 'triage_rules'"):
         check_trace("x", b64, {"expect": "pass", "allow_unsupported": ["draft"], "triage_rules": ["ill-conditioned"]},

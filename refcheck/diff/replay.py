@@ -46,7 +46,7 @@ import torch
 from refcheck.diff.distribution import Evidence, judge
 from refcheck.diff.findings import Finding, Report, Verdict, worst_verdict
 from refcheck.diff.sampling import SampledRequest, cdf_tolerance, replay_first_token, replay_sampled_step
-from refcheck.diff.tolerance import Calibration
+from refcheck.diff.tolerance import CALIBRATIONS, Calibration
 from refcheck.diff.triage import RoundingEnsemble, StepInputs, StepSpread
 from refcheck.profile import timed
 from refcheck.sketch import cosine, layer_sketch, rel_l2, sketch_rows, state_rows
@@ -58,6 +58,8 @@ from reference.target import Target
 from reference.tree import Tree, TreeError
 
 STATE_CATEGORY = {"kv_k": "kv", "kv_v": "kv", "conv": "conv", "rec": "recurrent"}
+#: under the fp32 reference's own precision nothing is judged (its bounds against transformers, CPU)
+FLOOR = CALIBRATIONS[("float32", "cpu")].tolerance
 MAX_RATIOS = 4000  # judged deviations kept per report for `refcheck calibrate`
 
 
@@ -121,6 +123,17 @@ class _Request:
         if len(ratios) < MAX_RATIOS:  # deviation / spread of every judged quantity: the calibration's raw data
             ratios.append(round(deviation / value, 4) if value > 0 else float("inf"))
         return value if self.rule.covers(deviation, value) else None
+
+    def beyond_rounding(self, step: int, deviation: float, floor: float,
+                        spread: Callable[[StepSpread], float | None]) -> float | None:
+        """At an anchor step (the rule's first ``anchor_steps`` steps of the request), a deviation *within* its
+        cheap bound that is still more than ``factor`` x its rounding spread (and above ``floor``, the fp32
+        reference's own precision): its spread, else None. Nothing is judged once the request has failed."""
+        if self.rule is None or self.spread is None or step >= self.rule.anchor_steps or deviation <= floor \
+                or self.failing():
+            return None
+        value = self.judged(deviation, spread)
+        return self.last_spread if value is None and self.last_spread is not None else None
 
     def failing(self) -> bool:
         """Has this request failed, earlier or at this step so far?"""
@@ -329,6 +342,20 @@ class _Request:
                           position=self.state.length + int(tree.depths[i]),
                           details={"max_abs": float(dev[over].max()), "nodes": over[:16]})
                 bad_nodes.append(i)
+            beyond = {}  # anchor step: nodes within the bound that rounding cannot move that far
+            for i in torch.nonzero(dev <= self.tol.logprob_abs).flatten().tolist():
+                spread = self.beyond_rounding(s.step, float(dev[i]), FLOOR.logprob_abs, lambda sp, i=i: float(sp.topk[i]))
+                if spread is not None:
+                    beyond[i] = spread
+            if beyond:
+                i = min(beyond)
+                self.fail("logits", s.step, f"top-k log-probs differ by {float(dev[i]):.4g} at node {i}, more than "
+                          f"{self.rule.factor:g}x what rounding at the engine's dtype moves them here ({beyond[i]:.4g}; "
+                          f"{len(beyond)} of {n} nodes; judged in full at the request's anchor steps)", node=i,
+                          position=self.state.length + int(tree.depths[i]),
+                          details={"max_abs": float(dev[i]), "spread": beyond[i], "anchor": True,
+                                   "nodes": sorted(beyond)[:16]})
+                bad_nodes.append(i)
         if bad_nodes and s.layer_sketch is not None and layers is not None:
             self.bisect(s, min(bad_nodes), layers)
         return walk
@@ -389,6 +416,13 @@ class _Request:
                 self.fail(cat, s.step, f"{name}: rel L2 {err:.3g}, cosine {cos:.6f} (tolerance {self.tol.tensor_rel_l2:g} / "
                           f"{self.tol.tensor_min_cos:g})", layer=layer, layer_type=layer_type,
                           details={"rel_l2": err, "cosine": cos, "spread": self.last_spread})
+                continue
+            spread = self.beyond_rounding(s.step, err, FLOOR.tensor_rel_l2, lambda sp, name=name: (sp.state or {}).get(name))
+            if spread is not None:
+                self.fail(cat, s.step, f"{name}: rel L2 {err:.3g}, more than {self.rule.factor:g}x what rounding at the "
+                          f"engine's dtype moves it ({spread:.3g}; judged in full at the request's anchor steps)",
+                          layer=layer, layer_type="linear_attention" if self.target.is_linear(layer) else "attention",
+                          details={"rel_l2": err, "cosine": cos, "spread": spread, "anchor": True})
 
     def check_emitted(self, s: StepRow, tree: Tree, logp: torch.Tensor, last: bool) -> None:
         expected = [int(tree.tokens[i]) for i in s.accepted[1:]] + [s.bonus]

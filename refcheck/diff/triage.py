@@ -49,13 +49,17 @@ class Rule:
     samples: int = 8
     factor: float = 2.0
     seed: int = 0
+    #: the first ``anchor_steps`` verify steps of every request are judged in full: every node's log-probs and
+    #: every committed state entry against ``factor`` x its spread, under the cheap bound too (a fault that
+    #: moves a well-conditioned quantity by less than the bound is caught where it first acts)
+    anchor_steps: int = 0
 
     def covers(self, deviation: float, spread: float) -> bool:
         """A deviation within ``factor`` x the quantity's rounding spread (never a NaN or infinite one)."""
         return deviation == deviation and deviation != float("inf") and deviation <= self.factor * spread
 
     def to_json(self) -> dict:
-        return {"samples": self.samples, "factor": self.factor, "seed": self.seed}
+        return {"samples": self.samples, "factor": self.factor, "seed": self.seed, "anchor_steps": self.anchor_steps}
 
 
 @contextmanager

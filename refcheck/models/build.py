@@ -37,7 +37,7 @@ TARGET_CONFIGS: dict[str, dict] = {
         linear_conv_kernel_dim=4,
     ),
     "attention": dict(model_type="qwen3", num_hidden_layers=4),
-    # the calibration corpus's wider hybrid (not shipped: ~70 M parameters; built and trained on the GPU
+    # the calibration corpus's wider hybrid (not shipped: 109 M parameters; built and trained on the GPU
     # from its seed by scripts/train_builtin.py --pairs wide): hidden 1024, 8 layers at 3 Gated DeltaNet
     # : 1 full attention, as Qwen3.6's layer pattern
     "wide": dict(
