@@ -85,16 +85,17 @@ GATE_WORK_BUDGET = {
     "forwards.replay.drafter": 900,           # the DFlash drafter fed root + accepted nodes (774), and the scripted
                                               # drafter's oracle prefixes no earlier case had asked for
     "forwards.replay.prefill": 140,           # one prompt prefill per request (132), re-prefills on misalignment
-    "ensemble_steps": 40,                     # steps the calibrated verdict sends to the rounding ensemble (35);
-                                              # none after a request has failed, so the leak goldens cost ~1 each
-    "forwards.ensemble": 640,                 # 8 noisy samples x (prefill + tree, + drafts) per such step (576)
+    "ensemble_steps": 90,                     # steps the calibrated verdict sends to the rounding ensemble (79:
+                                              # the anchor step of each of the 66 bf16 SGLang requests, and the
+                                              # steps over a bound); none after a request has failed
+    "forwards.ensemble": 1400,                # 8 noisy samples x (prefill + tree, + drafts) per such step
     "greedy_forwards": 576,                   # the oracle: one forward per distinct greedy prefix, at most
                                               # 6 prompts x (32 attention + 64 hybrid) tokens
     "reference_decodes": 96,                  # the reference's own runs: 6 prompts x 16 distinct settings (T=1 adds one)
     "forwards.free.reference_decode": 2700,   # their forwards (2579; scripted drafts share the oracle's memo, so
                                               # which phase runs a shared prefix first depends on the case order)
     "runner_loads": 3,                        # attention + dflash, hybrid + dflash, hybrid + scripted
-    "forwards": 7900,                         # everything (7656): the shared prefixes run once whichever phase asks
+    "forwards": 8700,                         # everything: the shared prefixes run once whichever phase asks
 }
 
 

@@ -324,3 +324,12 @@ def test_refchecks_ddtree_under_cuda_graphs_is_no_longer_refused(monkeypatch):
                        cuda_graphs=True, budget=15, draft_path="/d")
     assert kw["disable_cuda_graph"] is False and kw["speculative_num_draft_tokens"] == 16
     assert kw["disable_overlap_schedule"] is True
+
+def test_layer_sketches_under_cuda_graphs_are_refused_up_front():
+    """A graph replay runs no module hooks: per-layer sketches under --cuda-graphs would be missing or stale,
+    so the runner refuses the pair before any engine starts (a usage error, naming both options)."""
+    from refcheck.errors import UsageError
+
+    with pytest.raises(UsageError, match="--layer-sketches cannot be captured under --cuda-graphs"):
+        SGLangRunner(EngineSpec(pair="hybrid", dtype="bfloat16", budget=15), "REFCHECK_DDTREE", cuda_graphs=True,
+                     layer_sketches=True)

@@ -211,6 +211,11 @@ class SGLangRunner:
         self.spec, self.cuda_graphs, self.capture, self.ngram_breadth = spec, cuda_graphs, capture, ngram_breadth
         self.capture_dir, self.full_state, self.timeout_s, self.tp = capture_dir, full_state, timeout_s, tp
         self.layer_sketches = layer_sketches and capture
+        if self.layer_sketches and cuda_graphs:
+            # the sketches come from module hooks, which a CUDA graph replay does not run: a graphed step would
+            # carry no sketch, or a stale one of an eager forward of the same shape
+            raise UsageError("--layer-sketches cannot be captured under --cuda-graphs (a graph replay runs no "
+                             "module hooks, so its per-layer outputs are not observable); drop one of the two")
         self.max_running = max_running
         if not 0.0 < mem_fraction < 1.0:
             raise UsageError(f"--sglang-mem-fraction must be between 0 and 1, got {mem_fraction}")
