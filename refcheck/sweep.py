@@ -21,9 +21,9 @@ import torch
 
 from refcheck.budget import budget_label, parse_budget
 from refcheck.errors import UsageError
+from refcheck.progress import Progress, tell
 from refcheck.prompts import Prompt
 from refcheck.reference_runner import EngineSpec, ReferenceRunner
-from refcheck.progress import Progress, tell
 from reference.decode import autoregressive_decode
 from reference.sampling import request_key
 

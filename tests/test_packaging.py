@@ -61,14 +61,13 @@ def test_the_installed_wheel_sees_the_goldens_fresh(tmp_path: Path) -> None:
     goldens were recorded with (a file missing from the wheel would make every built-in golden stale)."""
     import json
     import os
+    import shutil
     import subprocess
     import sys
 
     from refcheck.golden import REPO_GOLDEN
     from refcheck.trace.io import read_trace
     from refcheck.trace.manifest import load_manifest
-
-    import shutil
 
     wheels, site, src = tmp_path / "wheels", tmp_path / "site", tmp_path / "src"
     for part in ("refcheck", "reference"):  # built from a copy: setuptools' build/ and egg-info stay out of the repo

@@ -9,8 +9,14 @@ import click
 from refcheck.budget import budget_json, budget_label
 from refcheck.cli.app import err, main
 from refcheck.cli.notes import explain_target, headline, where
-from refcheck.cli.options import (DeviceType, model_options, sampling_from_options, sampling_options, spec_from_options,
-                                  unless_given)
+from refcheck.cli.options import (
+    DeviceType,
+    model_options,
+    sampling_from_options,
+    sampling_options,
+    spec_from_options,
+    unless_given,
+)
 from refcheck.cli.reports import finish, report_table, steps_table
 from refcheck.errors import GoldenError, UsageError
 from refcheck.prompts import load_prompts, prompt_set_hash
@@ -83,9 +89,8 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
     With no --engine / --against: the golden engine traces in golden/ for this budget and pair."""
     from refcheck.diff.session import DiffSession
     from refcheck.golden import check_trace, default_golden_dir, verify
-    from refcheck.trace.io import read_trace, write_trace
-
     from refcheck.outputs import check_output_file, late_write_error
+    from refcheck.trace.io import read_trace, write_trace
 
     sampling = sampling_from_options(temperature, top_k, top_p, sample_seed)  # out of range: exit 2
     if sampling is not None and not engine:

@@ -23,15 +23,16 @@ request, step or node) is a :class:`~refcheck.errors.UsageError`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from refcheck.diff.tolerance import engine_numerics, tolerance_of
-from refcheck.diff.tolerance import calibration_for
+from refcheck.diff.tolerance import calibration_for, engine_numerics, tolerance_of
 from refcheck.diff.triage import UNIT_ROUNDOFF, RoundingEnsemble, StepInputs, topk_spread
 from refcheck.errors import UsageError
-from refcheck.trace.io import Trace
+from refcheck.trace.rows import RequestRow, StepRow, Trace
 from reference.compat import full_forward_logits
+from reference.state import TargetState
 from reference.target import Target
 from reference.treechunk import ancestor_matrix
 
@@ -58,7 +59,7 @@ class Explanation:
     tolerance: float
     oracle_vs_reference: float = float("nan")  # max |Δ log-prob| over the vocabulary at the node
     #: the rounding ensemble at the node: spread, the step's median spread, samples, factor, unit roundoff
-    conditioning: dict = field(default_factory=dict)
+    conditioning: dict[str, Any] = field(default_factory=dict)
     hypotheses: list[Hypothesis] = field(default_factory=list)
 
     @property
@@ -66,7 +67,7 @@ class Explanation:
         return sorted((h for h in self.hypotheses if h.explains), key=lambda h: h.fit)
 
 
-def find_step(trace: Trace, request_id: str, step: int, node: int):
+def find_step(trace: Trace, request_id: str, step: int, node: int) -> tuple[RequestRow, StepRow]:
     ids = [r.request_id for r in trace.requests]
     if request_id not in ids:
         raise UsageError(f"no request {request_id!r} in the trace (it has {', '.join(ids[:12])})")
@@ -83,13 +84,14 @@ def find_step(trace: Trace, request_id: str, step: int, node: int):
     return [r for r in trace.requests if r.request_id == request_id][0], s
 
 
-def committed_tokens(req, s) -> list[int]:
+def committed_tokens(req: RequestRow, s: StepRow) -> list[int]:
     """The prompt plus the output tokens committed before step ``s`` of request ``req``."""
     return list(req.prompt_ids) + list(req.output_ids)[: s.committed_len - len(req.prompt_ids)]
 
 
-def committed_state(req, s, target: Target):
+def committed_state(req: RequestRow, s: StepRow, target: Target) -> TargetState:
     """The reference's committed state before step ``s``: a prefill of the committed tokens."""
+    state: TargetState
     state, _ = target.prefill(torch.tensor(committed_tokens(req, s), device=target.device))
     return state
 
@@ -188,9 +190,10 @@ def explain_node(trace: Trace, request_id: str, step: int, node: int, target: Ta
         h.explains = exact_fit > tol and h.fit <= tol and h.kind != "oracle"
 
     # rounding at the engine's dtype: is this an ill-conditioned node?
+    # (not for an engine whose bounds are final, fp32: no rounding judgement applies, and the ensemble needs one)
     dtype = engine_numerics(trace.provenance)[0]
-    if dtype in UNIT_ROUNDOFF and s.topk_ids:
-        rule = calibration_for(*engine_numerics(trace.provenance)).rule
+    rule = calibration_for(*engine_numerics(trace.provenance)).rule if dtype in UNIT_ROUNDOFF and s.topk_ids else None
+    if rule is not None:
         cols = torch.tensor(s.topk_ids, dtype=torch.long)  # [N, k] each node's engine top-k ids
         inputs = StepInputs(committed, tokens, parents, depths, [0], cols, None, None)
         samples = RoundingEnsemble(target, None, dtype, rule, ()).sample(inputs).node  # [S, N, k]

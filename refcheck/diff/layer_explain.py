@@ -26,18 +26,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from refcheck.diff.explain import find_step, committed_state, visibility_variants
+from refcheck.diff.explain import committed_state, find_step, visibility_variants
 from refcheck.diff.tolerance import tolerance_of
 from refcheck.errors import UsageError
 from refcheck.sketch import layer_sketch, rel_l2, rel_l2_rows, sketch_rows
 from refcheck.trace.io import Trace
 from reference.layers import TreePlan, conv_window_rows
+from reference.state import TargetState
 from reference.target import Target
 from reference.treechunk import ancestor_matrix
-
 
 TOKEN_CHUNK = 1024  # candidate tokens per layer-0 pass (a 248k vocabulary runs in ~240 passes)
 
@@ -81,6 +82,7 @@ def explain_layer(trace: Trace, request_id: str, step: int, node: int, target: T
                                for v in (s.tree_tokens, s.tree_parents, s.tree_depths))
     n = tokens.shape[0]
     fwd = target.forward(state, tokens, parents, depths, keep_layer_outputs=True)
+    assert fwd.layer_outputs is not None  # kept: keep_layer_outputs=True
     outs = torch.stack(fwd.layer_outputs)  # [layers, n, H]
     ref = layer_sketch(outs)  # [layers, n, r]
     eng = torch.as_tensor(s.layer_sketch).float()
@@ -111,7 +113,8 @@ def explain_layer(trace: Trace, request_id: str, step: int, node: int, target: T
             plan.window_rows[k] = conv_window_rows(conv_parents, k)
         return plan
 
-    def run(h=h_in, conv_parents=parents, rec_parents=parents, vis=visible, st=state) -> torch.Tensor:
+    def run(h: torch.Tensor = h_in, conv_parents: torch.Tensor = parents, rec_parents: torch.Tensor = parents,
+            vis: torch.Tensor = visible, st: TargetState = state) -> torch.Tensor:
         h_out, _ = target.layer(layer, h, st, plan_of(conv_parents, rec_parents), vis, cos, sin)
         return sketch_rows(h_out)  # [n', r]
 
@@ -150,7 +153,8 @@ def explain_layer(trace: Trace, request_id: str, step: int, node: int, target: T
         for what in ("conv", "recurrent"):
             per_layer_state = list(getattr(state, what))
             per_layer_state[layer] = torch.zeros_like(per_layer_state[layer])
-            zeroed = dataclasses.replace(state, **{what: per_layer_state})  # only this layer's slot cleared
+            changed: dict[str, Any] = {what: per_layer_state}
+            zeroed = dataclasses.replace(state, **changed)  # only this layer's slot cleared
             add("zero_state", f"the committed {what} state zeroed", run(st=zeroed)[node])
     else:
         for what, vis_row in visibility_variants(visible, parents, node).items():

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -93,7 +94,7 @@ def replay_sampled_step(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, r
     n = tree.num_nodes
     step = s.step
 
-    def fail(cat: str, msg: str, node: int | None = None, **details) -> None:
+    def fail(cat: str, msg: str, node: int | None = None, **details: Any) -> None:
         out.findings.append(Finding(Verdict.FAIL, cat, rid, step, node=node, message=msg, details=details))
 
     path_nodes = [a for a in s.accepted if 0 <= a < n]

@@ -44,11 +44,19 @@ from typing import Any, NoReturn
 import pyarrow as pa
 import torch
 
-from refcheck.atomic_file import atomic_write_bytes, fsync_dir  # noqa: F401 (re-exported: refcheck.trace)
+# re-exported (``X as X``): refcheck.trace and older callers import these from here
+from refcheck.atomic_file import atomic_write_bytes as atomic_write_bytes
+from refcheck.atomic_file import fsync_dir as fsync_dir
 from refcheck.errors import CorruptTraceError, GoldenError
-from refcheck.trace.checksums import IPC_OPTIONS, batch_sha256, check_checksums, sealed_file_bytes  # noqa: F401
+from refcheck.trace.checksums import IPC_OPTIONS as IPC_OPTIONS
+from refcheck.trace.checksums import batch_sha256 as batch_sha256
+from refcheck.trace.checksums import check_checksums as check_checksums
+from refcheck.trace.checksums import sealed_file_bytes as sealed_file_bytes
 from refcheck.trace.codec import decode_tensor, encode_tensor
-from refcheck.trace.rows import RequestRow, StateEntry, StepRow, Trace  # noqa: F401 (re-exported)
+from refcheck.trace.rows import RequestRow as RequestRow
+from refcheck.trace.rows import StateEntry as StateEntry
+from refcheck.trace.rows import StepRow as StepRow
+from refcheck.trace.rows import Trace as Trace
 from refcheck.trace.schema import (
     KEY_FILE_SHA256,
     KEY_MAGIC,
@@ -155,7 +163,7 @@ def _validate_step_numbers(trace: Trace, source: str) -> None:
 def check_token_ids(trace: Trace, vocab_size: int, source: str = "trace") -> None:
     """Every token id of the trace (prompts, outputs, trees, top-k, argmax, bonus, emitted) lies in
     ``[0, vocab_size)``; else a :class:`TraceValidationError` naming the request, step and node."""
-    def bad(ids) -> int | None:
+    def bad(ids: Sequence[int]) -> int | None:
         return next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
 
     for r in trace.requests:
@@ -176,8 +184,8 @@ def check_token_ids(trace: Trace, vocab_size: int, source: str = "trace") -> Non
             _fail(source, f"{where} node {node}", f"node_draws holds {s.node_draws[node]}, outside the vocabulary "
                   f"[0, {vocab_size}) (-1 = not exposed)")
         for node, row in enumerate(s.topk_ids):
-            if bad(row) is not None:
-                _fail(source, f"{where} node {node}", f"topk_ids holds {row[bad(row)]}, outside the vocabulary [0, {vocab_size})")
+            if (j := bad(row)) is not None:
+                _fail(source, f"{where} node {node}", f"topk_ids holds {row[j]}, outside the vocabulary [0, {vocab_size})")
         for name, ids in (("bonus", [s.bonus]), ("emitted", s.emitted), ("draft_topk_ids", [t for r in s.draft_topk_ids for t in r])):
             i = bad(ids)
             if i is not None:
@@ -329,7 +337,8 @@ def _requests_stream(requests: Sequence[RequestRow]) -> bytes:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, REQUESTS_SCHEMA, options=IPC_OPTIONS) as writer:
         writer.write_batch(batch)
-    return sink.getvalue().to_pybytes()
+    out: bytes = sink.getvalue().to_pybytes()
+    return out
 
 
 def trace_bytes(trace: Trace) -> bytes:
