@@ -70,9 +70,11 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None, check: bo
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    """This environment without what would put the repository's refcheck (or a gate cache) in reach."""
+    """This environment without what would put the repository's refcheck (or a gate cache) in reach; one
+    OpenMP thread, as the test processes run torch (tests/conftest.py): on a loaded 2-core machine a child
+    with a thread per core ran the 4-case gate in 435 s, and past 600 s once, instead of about 30 s."""
     drop = {"PYTHONPATH", "REFCHECK_GATE_CACHE", "VIRTUAL_ENV"}
-    return {k: v for k, v in os.environ.items() if k not in drop} | extra
+    return {k: v for k, v in os.environ.items() if k not in drop} | {"OMP_NUM_THREADS": "1"} | extra
 
 
 @pytest.fixture(scope="module")
