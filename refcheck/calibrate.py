@@ -244,7 +244,10 @@ def summarize(rows: list[dict]) -> dict:
     for r in clean:
         for k, v in r["max"].items():
             maxima[k] = max(maxima.get(k, 0.0), v)
-    q = (lambda p: ratios[min(len(ratios) - 1, int(p * len(ratios)))] if ratios else None)
+
+    def q(p: float) -> float | None:
+        return ratios[min(len(ratios) - 1, int(p * len(ratios)))] if ratios else None
+
     return {
         "clean_runs": len(clean), "false_alarms": sum(r["verdict"] == "fail" for r in clean),
         "faulty_runs": len(faulty), "detected": sum(r["verdict"] == "fail" for r in faulty),

@@ -27,9 +27,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from refcheck.atomic_file import atomic_write_bytes
 from refcheck.diff.findings import Finding, Report, Verdict
 from refcheck.provenance import file_sha256
-from refcheck.atomic_file import atomic_write_bytes
 
 _SKIP_DIRS = {"__pycache__"}
 _SKIP_SUFFIXES = (".pyc", ".pyo")
@@ -38,9 +38,8 @@ FORMAT = 1  # bump when the stored form changes
 
 def package_roots() -> tuple[Path, ...]:
     """The directories of the imported ``refcheck`` and ``reference`` packages."""
-    import reference
-
     import refcheck
+    import reference
 
     return (Path(refcheck.__file__).resolve().parent, Path(reference.__file__).resolve().parent)
 

@@ -35,13 +35,13 @@ from refcheck.drift import Drift, numeric_drift, version_changes
 from refcheck.errors import CorruptTraceError, GoldenError, RefcheckError, UsageError
 from refcheck.gate_policy import GatePolicy, describe_expect, parse_expect_first, parse_triage
 from refcheck.profile import Profile, count, phase
+from refcheck.progress import Progress, tell
 from refcheck.prompts import load_prompts
 from refcheck.provenance import dir_sha256, stale_reasons
 from refcheck.reference_runner import EngineSpec
 from refcheck.trace import store
 from refcheck.trace.io import Trace, atomic_write_bytes, read_trace, trace_bytes, trace_from_bytes
 from refcheck.trace.manifest import Manifest, load_manifest
-from refcheck.progress import Progress, tell
 
 REPO_GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 PENDING_SUFFIX = ".pending"

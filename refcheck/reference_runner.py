@@ -15,27 +15,24 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from refcheck import model_checks
 from refcheck.errors import NonFiniteError, UsageError
-from refcheck.prompts import Prompt
-from refcheck.prompts import prompt_set_hash
+from refcheck.progress import Progress, tell
+from refcheck.prompts import Prompt, prompt_set_hash
 from refcheck.provenance import build_provenance
-from reference.decode import DDTreeDecoder, DecodeConfig, DecodeResult
-from reference.drafter import DFlashDrafter, Drafter
+from refcheck.spec import DRAFTERS, DTYPE_NAMES, EngineSpec  # noqa: F401 - re-exported: runners take a spec
 from refcheck.trace.io import Trace
 from refcheck.trace.record import request_rows
-from refcheck.progress import Progress, tell
+from reference.decode import DDTreeDecoder, DecodeConfig, DecodeResult
+from reference.drafter import DFlashDrafter, Drafter
 from reference.oracle import GreedyMemo, greedy_decode, sample_decode
 from reference.sampling import request_key
 from reference.scripted import ScriptedDrafter
 from reference.target import Target
 from reference.tree import TreeError
-
-from refcheck.spec import DRAFTERS, DTYPE_NAMES, EngineSpec  # noqa: F401 - re-exported: runners take a spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 assert tuple(DTYPES) == DTYPE_NAMES

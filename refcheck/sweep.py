@@ -21,9 +21,9 @@ import torch
 
 from refcheck.budget import budget_label, parse_budget
 from refcheck.errors import UsageError
+from refcheck.progress import Progress, tell
 from refcheck.prompts import Prompt
 from refcheck.reference_runner import EngineSpec, ReferenceRunner
-from refcheck.progress import Progress, tell
 from reference.decode import autoregressive_decode
 from reference.sampling import request_key
 
@@ -47,61 +47,75 @@ def span(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else {}
 
 
+def _autoregressive_pass(runner: ReferenceRunner, spec: EngineSpec, prompts: list[Prompt],
+                         ar_out: dict[str, list[int]]) -> float:
+    """Target-only decoding of every prompt (its outputs into ``ar_out``): tokens per second."""
+    dev = runner.target.device
+    _sync(dev)
+    t0, n = time.perf_counter(), 0
+    for p in prompts:
+        out = autoregressive_decode(runner.target, list(p.prompt_ids), p.max_new_tokens or spec.max_new_tokens,
+                                    spec.stop_token_ids, spec.sampling if spec.sampled else None,
+                                    request_key(p.id))
+        ar_out[p.id] = out
+        n += len(out)
+    _sync(dev)
+    return n / (time.perf_counter() - t0)
+
+
+def _budget_pass(runner: ReferenceRunner, spec: EngineSpec, prompts: list[Prompt], b: int | None,
+                 ar_out: dict[str, list[int]], timing: dict) -> dict:
+    """One budget's DDTree decode of every prompt: its row (τ, histogram, lossless); its tokens per
+    second and per-phase median step times are appended to ``timing`` (``{"tps": [], "phase": {}}``)."""
+    dev = runner.target.device
+    runner.spec.budget = b
+    taus_by_req: list[list[int]] = []
+    phase_steps: dict[str, list[float]] = {ph: [] for ph in PHASES}
+    lossless = True
+    _sync(dev)
+    t0, n = time.perf_counter(), 0
+    for p in prompts:
+        res = runner.generate(runner.decoder(p.max_new_tokens or spec.max_new_tokens), p)
+        n += len(res.output_ids)
+        taus_by_req.append(res.accept_lengths)
+        lossless &= res.output_ids == ar_out[p.id]
+        for s in res.steps:
+            for ph in PHASES:
+                phase_steps[ph].append(s.timings[ph])
+    _sync(dev)
+    timing["tps"].append(n / (time.perf_counter() - t0))
+    for ph in PHASES:
+        timing["phase"][ph].append(statistics.median(phase_steps[ph]) if phase_steps[ph] else 0.0)
+    taus = [t for r in taus_by_req for t in r]
+    bs = runner.drafter.block_size
+    req_means = [statistics.fmean(r) for r in taus_by_req if r]
+    return {
+        "budget": budget_label(b),
+        "mean_tau": statistics.fmean(taus) if taus else None,
+        "tau_spread_over_requests": {"min": min(req_means), "max": max(req_means),
+                                     "stdev": statistics.pstdev(req_means)} if req_means else None,
+        "steps": len(taus),
+        "histogram": [taus.count(t) / len(taus) for t in range(1, bs + 1)] if taus else [],
+        "lossless": lossless,
+    }
+
+
 def run_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int | None], repeats: int = 1,
               progress: Progress | None = None) -> dict:
     if repeats < 1:
         raise UsageError(f"--repeats must be >= 1, got {repeats}")
     runner = ReferenceRunner(spec)
-    target, dev = runner.target, runner.target.device
     ar_tps: list[float] = []
     ar_out: dict[str, list[int]] = {}
     rows: dict[str, dict] = {}
     per_budget: dict[str, dict] = {budget_label(b): {"tps": [], "phase": {p: [] for p in PHASES}}
                                    for b in budgets}
     for rep in range(repeats):
-        _sync(dev)
-        t0, n = time.perf_counter(), 0
-        for p in prompts:
-            out = autoregressive_decode(target, list(p.prompt_ids), p.max_new_tokens or spec.max_new_tokens,
-                                        spec.stop_token_ids, spec.sampling if spec.sampled else None,
-                                        request_key(p.id))
-            ar_out[p.id] = out
-            n += len(out)
-        _sync(dev)
-        ar_tps.append(n / (time.perf_counter() - t0))
+        ar_tps.append(_autoregressive_pass(runner, spec, prompts, ar_out))
         for b in budgets:
             key = budget_label(b)
             tell(progress, f"repeat {rep} budget {key}")
-            runner.spec.budget = b
-            taus_by_req: list[list[int]] = []
-            phase_steps: dict[str, list[float]] = {ph: [] for ph in PHASES}
-            lossless = True
-            _sync(dev)
-            t0, n = time.perf_counter(), 0
-            for p in prompts:
-                res = runner.generate(runner.decoder(p.max_new_tokens or spec.max_new_tokens), p)
-                n += len(res.output_ids)
-                taus_by_req.append(res.accept_lengths)
-                lossless &= res.output_ids == ar_out[p.id]
-                for s in res.steps:
-                    for ph in PHASES:
-                        phase_steps[ph].append(s.timings[ph])
-            _sync(dev)
-            per_budget[key]["tps"].append(n / (time.perf_counter() - t0))
-            for ph in PHASES:
-                per_budget[key]["phase"][ph].append(statistics.median(phase_steps[ph]) if phase_steps[ph] else 0.0)
-            taus = [t for r in taus_by_req for t in r]
-            bs = runner.drafter.block_size
-            req_means = [statistics.fmean(r) for r in taus_by_req if r]
-            rows[key] = {
-                "budget": key,
-                "mean_tau": statistics.fmean(taus) if taus else None,
-                "tau_spread_over_requests": {"min": min(req_means), "max": max(req_means),
-                                             "stdev": statistics.pstdev(req_means)} if req_means else None,
-                "steps": len(taus),
-                "histogram": [taus.count(t) / len(taus) for t in range(1, bs + 1)] if taus else [],
-                "lossless": lossless,
-            }
+            rows[key] = _budget_pass(runner, spec, prompts, b, ar_out, per_budget[key])
     ar_med = statistics.median(ar_tps)
     for key, row in rows.items():
         pb = per_budget[key]

@@ -23,11 +23,11 @@ from pathlib import Path
 
 from refcheck.diff.place import where
 from refcheck.diff.session import DiffSession
+from refcheck.progress import Progress, tell
 from refcheck.prompts import Prompt
 from refcheck.reference_runner import EngineSpec
 from refcheck.sweep import span
 from refcheck.trace.io import write_trace
-from refcheck.progress import Progress, tell
 
 DEFAULT_ALGORITHMS = ("REFCHECK_DDTREE", "REFCHECK_DDTREE_LEAKY_CHAIN")
 

@@ -19,8 +19,8 @@ inside the block is non-causal.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 import torch

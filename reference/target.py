@@ -16,9 +16,10 @@ HF model to ~1e-6 (tests/test_target.py).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -61,7 +62,7 @@ class Target:
             raise UnsupportedModelError(
                 f"model type {self.model_type!r} is not supported (supported: {sorted(SUPPORTED_MODEL_TYPES)})"
             )
-        self.body = model.model
+        self.body: Any = model.model  # the transformers model body (typed by transformers only dynamically)
         self.layers = list(self.body.layers)
         self.layer_types: list[str] = list(
             getattr(self.config, "layer_types", None) or ["full_attention"] * len(self.layers)

@@ -12,8 +12,6 @@ from refcheck.errors import EXIT_MODEL, EXIT_PASS, EXIT_USAGE
 from refcheck.models import builtin_pair
 
 
-
-
 @pytest.fixture
 def small_prompts(tmp_path: Path) -> Path:
     p = tmp_path / "p.jsonl"

@@ -12,12 +12,21 @@ import pytest
 import torch
 
 from refcheck.diff.session import DiffSession
-from refcheck.errors import UsageError
 from refcheck.engines import check_engine, fault_decoder
+from refcheck.errors import UsageError
 from refcheck.prompts import load_prompts
 from refcheck.reference_runner import EngineSpec
-from refcheck.selftest.faults import (EPSILONS, FAULTS, GRADED, ConvNoise, RecScale, fault, fault_names, find_fault,
-                                      first_sibling_parents)
+from refcheck.selftest.faults import (
+    EPSILONS,
+    FAULTS,
+    GRADED,
+    ConvNoise,
+    RecScale,
+    fault,
+    fault_names,
+    find_fault,
+    first_sibling_parents,
+)
 from refcheck.selftest.onset import fault_onset
 from reference.decode import DDTreeDecoder, DecodeConfig
 

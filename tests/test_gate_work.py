@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from refcheck import golden as golden_mod
 from refcheck.diff.session import DiffSession
 from refcheck.gate_cache import ReportCache, package_roots, report_from_json, source_digest
-from refcheck import golden as golden_mod
 from refcheck.golden import REPO_GOLDEN, cached_gate_case, estimated_cost, gate, gate_jobs
 from refcheck.parallel import run_queue
 from refcheck.profile import Profile, case_rows, count, phase, phase_rows, timed

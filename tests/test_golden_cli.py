@@ -11,12 +11,10 @@ from pathlib import Path
 import pytest
 
 from refcheck import golden as golden_mod
-from refcheck.errors import (EXIT_CORRUPT, EXIT_GOLDEN, EXIT_MISMATCH, EXIT_NOTHING, EXIT_PASS, EXIT_USAGE)
+from refcheck.errors import EXIT_CORRUPT, EXIT_GOLDEN, EXIT_MISMATCH, EXIT_NOTHING, EXIT_PASS, EXIT_USAGE
 from refcheck.golden import REPO_GOLDEN
 from refcheck.trace.io import RequestRow, Trace, read_trace, write_trace
 from refcheck.trace.manifest import load_manifest, sha256_file
-
-
 
 
 @pytest.fixture(scope="module")
@@ -272,8 +270,8 @@ def test_triaged_findings_pass_the_gate_and_others_still_fail(tmp_path):
     """A golden's reviewed findings are reported as triaged; an unlisted failure still fails."""
 
     from refcheck.diff.findings import Finding, Report, Verdict
-    from refcheck.gate_policy import apply_triage, parse_triage
     from refcheck.errors import UsageError
+    from refcheck.gate_policy import apply_triage, parse_triage
 
     triaged = parse_triage(["code-2:0:2:logits", "a:b:c:3:-:recurrent"])
     assert triaged[1] == {"request_id": "a:b:c", "step": 3, "node": None, "category": "recurrent"}

@@ -134,6 +134,6 @@ def test_scheduler_killed_mid_run_keeps_the_partial_trace_and_fails(tmp_path):
     partial = read_trace(Path(cap["partial_trace"]))
     assert partial.checksummed and 0 < len(partial.steps)
     assert len(partial.steps) <= sum(p.max_new_tokens or 256 for p in load_prompts())
-    rep = DiffSession().diff(trace, "sglang-killed", mode="replay", ref_dtype="float32", ref_device="cuda", triage=TRIAGE)
+    rep = DiffSession().diff(trace, "sglang-killed", mode="replay", ref_dtype="float32", ref_device="cuda")
     assert rep.exit_code == EXIT_MISMATCH
     assert any("incomplete" in f.message or f.category == "engine" for f in rep.failures)

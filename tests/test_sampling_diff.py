@@ -17,7 +17,6 @@ from refcheck.reference_runner import EngineSpec
 from refcheck.selftest.faults import find_fault
 from refcheck.selftest.sampling_faults import SAMPLING_FAULTS, SELFTEST_SAMPLING, hide_randomness
 from refcheck.trace.io import trace_bytes, trace_from_bytes
-from reference.decode import DDTreeDecoder
 from reference.sampling import inverse_cdf, keyed_uniforms, tempered_probs
 
 MAX_NEW = 12

@@ -20,12 +20,12 @@ import torch
 from refcheck.diff.session import DiffSession
 from refcheck.prompts import load_prompts
 from refcheck.reference_runner import EngineSpec, ReferenceRunner
-from refcheck.sglang_capture.layout import links_from_parents
 from refcheck.sglang_capture.assemble import assemble_trace, sibling_ranks
+from refcheck.sglang_capture.layout import links_from_parents
 from refcheck.sglang_capture.records import Capture, Recorder, read_capture
 from refcheck.sglang_capture.state import committed_rows, summarise, summarise_shard
 from refcheck.sglang_capture.steps import StepCapture, chain_steps, prefill_records, tree_steps
-from reference.tree import Tree
+from reference.tree import Tree, TreeError
 
 SLOTS, MAMBA_SLOTS, MAX_LEN = 512, 9, 128
 
@@ -278,7 +278,7 @@ def test_duplicate_sibling_tokens_walk_like_sglang():
     tree = Tree(torch.tensor([5, 0, 0, 9]), torch.tensor([-1, 0, 0, 2]), torch.tensor([0, 1, 1, 2]),
                 torch.tensor([0, 0, 0, 0]), torch.zeros(4))
     tree.validate(structural_only=True)
-    with pytest.raises(Exception):
+    with pytest.raises(TreeError):
         tree.validate()
     assert tree.walk_greedy(torch.tensor([0, 3, 9, 1])) == [0, 1]
 

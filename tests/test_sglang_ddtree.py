@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
-from strategies import rooted_parents  # tests/strategies.py
 
 from refcheck.models import builtin_pair
 from refcheck.prompts import load_prompts
@@ -19,6 +18,8 @@ from refcheck.sglang_ddtree.drafts import DrafterPool, TargetView, draft_tree, e
 from refcheck.sglang_ddtree.layout import TreeLayoutError, ancestor_mask, batch_layout
 from reference.decode import DDTreeDecoder, DecodeConfig
 from reference.drafter import DFlashDrafter
+
+from strategies import rooted_parents  # tests/strategies.py
 
 
 @settings(max_examples=60, deadline=None)

@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from refcheck.models import builtin_pair
+from refcheck.prompts import load_prompts
 from refcheck.selftest.faults import SequentialPositions, StateFromFlatIndex, _commit
 from refcheck.selftest.onset import fault_onset
 from refcheck.sglang_ddtree.algorithm import faulty_worker
-from refcheck.prompts import load_prompts
 from reference.decode import DDTreeDecoder, DecodeConfig
 from reference.tree import Tree
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
-from strategies import rooted_parents  # tests/strategies.py
 
 from refcheck.sglang_capture.layout import (
     accepted_from_accept_index,
@@ -19,6 +18,8 @@ from refcheck.sglang_capture.layout import (
     shard_conv_channels,
     ssm_to_reference,
 )
+
+from strategies import rooted_parents  # tests/strategies.py
 
 
 def test_worked_example_from_sglang_source():

@@ -12,11 +12,18 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from refcheck.errors import EXIT_USAGE, UsageError
 from refcheck.models import builtin_pair
 from refcheck.reference_runner import EngineSpec
-from refcheck.runners.sglang import (EngineUnavailableError, SGLangRunner, draft_block_size, engine_kwargs,
-                                     install_entry_point, resolve_budget)
+from refcheck.runners.sglang import (
+    EngineUnavailableError,
+    SGLangRunner,
+    draft_block_size,
+    engine_kwargs,
+    install_entry_point,
+    resolve_budget,
+)
 from refcheck.runners.sglang_child import summarise_error
 from refcheck.sglang_capture import versions
 
@@ -124,8 +131,9 @@ def test_error_summary_keeps_the_end_of_long_messages():
 @pytest.fixture
 def fake_sglang(monkeypatch, tmp_path):
     """The runner against tests/fake_sglang (no GPU needed: the GPU check is patched)."""
-    import torch
     from pathlib import Path
+
+    import torch
 
     fake = str(Path(__file__).parent / "fake_sglang")
     monkeypatch.syspath_prepend(fake)
@@ -174,8 +182,8 @@ def test_engine_start_failure_is_a_model_error_with_the_scheduler_message(fake_s
 
 
 def test_engine_crash_mid_run_keeps_a_partial_trace_and_is_reported(fake_sglang):
-    from refcheck.diff.replay import capture_findings
     from refcheck.diff.findings import Report
+    from refcheck.diff.replay import capture_findings
     from refcheck.prompts import load_prompts
 
     runner = fake_sglang("crash")

@@ -106,9 +106,8 @@ def test_cli_replay_against_a_sharded_reference_equals_unsharded(cli, tmp_path):
     import json
 
     from refcheck.golden import REPO_GOLDEN
-    from refcheck.trace.manifest import load_manifest
-
     from refcheck.trace.io import read_trace, write_trace
+    from refcheck.trace.manifest import load_manifest
 
     cases = load_manifest(REPO_GOLDEN).cases
     # SGLang's bf16 DFLASH trace, labelled float32: judged by the fixed fp32 bounds (no rounding ensemble, which

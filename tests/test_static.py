@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import rooted_parents  # tests/strategies.py
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from refcheck.prompts import load_prompts
 from reference.decode import DDTreeDecoder, DecodeConfig
@@ -17,6 +16,8 @@ from reference.errors import PromptError
 from reference.static import StaticState, device_walk, verify_walk_commit
 from reference.tree import Tree, build_ddtree
 from reference.treechunk import ancestor_matrix
+
+from strategies import rooted_parents  # tests/strategies.py
 
 
 def _assert_states_equal(a, b, atol: float = 1e-5) -> None:

@@ -17,8 +17,6 @@ from refcheck.reference_runner import EngineSpec
 from refcheck.trace.io import read_trace, write_trace
 
 
-
-
 @pytest.fixture
 def prompts_file(tmp_path: Path) -> Path:
     p = tmp_path / "p.jsonl"

@@ -9,6 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from refcheck import atomic_file
 from refcheck.errors import EXIT_CORRUPT, EXIT_GOLDEN, CorruptTraceError, GoldenError
 from refcheck.trace import (
     SCHEMA_VERSION,
@@ -21,7 +22,6 @@ from refcheck.trace import (
     trace_bytes,
     write_trace,
 )
-from refcheck import atomic_file
 from refcheck.trace import io as trace_io
 from refcheck.trace import schema as trace_schema
 

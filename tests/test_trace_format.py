@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from refcheck import atomic_file
 from refcheck.errors import CorruptTraceError
 from refcheck.trace import (
     DTYPE_NAMES,
@@ -28,7 +29,6 @@ from refcheck.trace import (
     trace_bytes,
     write_trace,
 )
-from refcheck import atomic_file
 from refcheck.trace import io as trace_io
 from refcheck.trace import schema as trace_schema
 

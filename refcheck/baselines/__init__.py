@@ -50,9 +50,9 @@ from __future__ import annotations
 import csv
 import difflib
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import resources
-from collections.abc import Iterable
 
 from refcheck.errors import UsageError
 

@@ -11,7 +11,7 @@ The mean acceptance length is the pooled ratio ``sum(all taus) / n_steps`` (what
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -209,17 +209,7 @@ def acceptance_verdict(taus_by_request: Sequence[Sequence[int]], baseline_tau: f
     b = float(baseline_tau)
     band = [b * (1 - rtol), b * (1 + rtol)]
     max_h = rtol * b
-    out: dict = {
-        "verdict": None, "inconclusive_reason": None, "reason": "",
-        "mean": None, "ci": None, "ci_level": 1 - alpha, "ci_halfwidth": None,
-        "max_halfwidth": max_h, "n_steps": n_steps, "n_requests": n_requests,
-        "baseline_tau": b, "rtol": rtol, "band": band, "delta": None, "rel_delta": None,
-        "positions": None, "observed_positions": None, "notes": [],
-        "rule": ("FAIL if CI upper < band low or a position's CI upper < baseline-floor; "
-                 "INCONCLUSIVE if n_steps < min_steps, n_requests < min_requests, "
-                 "CI half-width > rtol*baseline, or a position estimate < baseline-floor "
-                 "without significance; else PASS"),
-    }
+    out = _undecided(n_steps, n_requests, b, rtol, band, max_h, alpha)
 
     def done(verdict: str, reason: str, why: str | None = None) -> dict:
         out["verdict"], out["reason"], out["inconclusive_reason"] = verdict, reason, why
@@ -249,22 +239,7 @@ def acceptance_verdict(taus_by_request: Sequence[Sequence[int]], baseline_tau: f
     below: list[int] = []
     if bpos is not None and block_size > 1:
         plo, phi = _position_cis(reqs, block_size, n_boot, alpha, seed)
-        positions = []
-        for d in range(1, block_size):
-            obs, base = observed[d - 1], float(bpos[d - 1])
-            thr = base - position_floor
-            if phi[d - 1] < thr:
-                status = "significantly_below"
-                sig_below.append(d)
-            elif obs < thr:
-                status = "below"
-                below.append(d)
-            else:
-                status = "ok"
-            positions.append({"depth": d, "observed": obs, "ci": [float(plo[d - 1]),
-                              float(phi[d - 1])], "baseline": base, "delta": obs - base,
-                              "threshold": thr, "status": status})
-        out["positions"] = positions
+        out["positions"] = _position_rows(observed, bpos, plo, phi, position_floor, sig_below, below)
 
     if n_steps < min_steps:
         return done(INCONCLUSIVE, f"too few steps: {n_steps} < min_steps={min_steps}",
@@ -273,6 +248,52 @@ def acceptance_verdict(taus_by_request: Sequence[Sequence[int]], baseline_tau: f
         out["notes"].append("single-request CI resamples steps and ignores their correlation")
         return done(INCONCLUSIVE, f"too few requests: {n_requests} < min_requests={min_requests}",
                     "too_few_requests")
+    return _decide(out, done, mean, lo, hi, alpha, b, rtol, band, sig_below, below)
+
+
+def _undecided(n_steps: int, n_requests: int, b: float, rtol: float, band: list[float], max_h: float,
+               alpha: float) -> dict:
+    """:func:`acceptance_verdict`'s record before the statistics and the verdict are filled in."""
+    return {
+        "verdict": None, "inconclusive_reason": None, "reason": "",
+        "mean": None, "ci": None, "ci_level": 1 - alpha, "ci_halfwidth": None,
+        "max_halfwidth": max_h, "n_steps": n_steps, "n_requests": n_requests,
+        "baseline_tau": b, "rtol": rtol, "band": band, "delta": None, "rel_delta": None,
+        "positions": None, "observed_positions": None, "notes": [],
+        "rule": ("FAIL if CI upper < band low or a position's CI upper < baseline-floor; "
+                 "INCONCLUSIVE if n_steps < min_steps, n_requests < min_requests, "
+                 "CI half-width > rtol*baseline, or a position estimate < baseline-floor "
+                 "without significance; else PASS"),
+    }
+
+
+def _position_rows(observed: Sequence[float], bpos: np.ndarray, plo: np.ndarray, phi: np.ndarray,
+                   position_floor: float, sig_below: list[int], below: list[int]) -> list[dict]:
+    """:func:`acceptance_verdict`'s per-depth rows; the depths significantly below (and below, not
+    significantly) their baseline minus ``position_floor`` are appended to ``sig_below`` (``below``)."""
+    positions = []
+    for d in range(1, len(bpos) + 1):
+        obs, base = observed[d - 1], float(bpos[d - 1])
+        thr = base - position_floor
+        if phi[d - 1] < thr:
+            status = "significantly_below"
+            sig_below.append(d)
+        elif obs < thr:
+            status = "below"
+            below.append(d)
+        else:
+            status = "ok"
+        positions.append({"depth": d, "observed": obs, "ci": [float(plo[d - 1]),
+                          float(phi[d - 1])], "baseline": base, "delta": obs - base,
+                          "threshold": thr, "status": status})
+    return positions
+
+
+def _decide(out: dict, done: Callable[..., dict], mean: float, lo: float, hi: float, alpha: float, b: float,
+            rtol: float, band: list[float], sig_below: list[int], below: list[int]) -> dict:
+    """Steps 3-6 of :func:`acceptance_verdict`'s decision rule (enough steps and requests)."""
+    n_requests, max_h = out["n_requests"], out["max_halfwidth"]
+    h = out["ci_halfwidth"]
     stats = f"mean tau {mean:.3f}, {100 * (1 - alpha):g}% CI [{lo:.3f}, {hi:.3f}]"
     if hi < band[0] or sig_below:
         parts = []

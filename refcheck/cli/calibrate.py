@@ -72,9 +72,9 @@ def calibrate(out_dir, dtypes, device, ref_device, faults, no_faults, no_corpus,
     """Measure the verdict: clean engines must pass, every fault must fail where it first acts.
 
     Dtypes with no measured calibration are run with their candidate bounds (refcheck/diff/tolerance.py)."""
+    from refcheck.atomic_file import atomic_write_bytes
     from refcheck.calibrate import calibration_under_test, default_corpus, markdown, row_of_trace, run_one, summarize
     from refcheck.parallel import run_parallel
-    from refcheck.atomic_file import atomic_write_bytes
 
     quiet()
     dtypes = list(dtypes) or ["bfloat16", "float16"]

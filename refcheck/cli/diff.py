@@ -9,8 +9,14 @@ import click
 from refcheck.budget import budget_json, budget_label
 from refcheck.cli.app import err, main
 from refcheck.cli.notes import explain_target, headline, where
-from refcheck.cli.options import (DeviceType, model_options, sampling_from_options, sampling_options, spec_from_options,
-                                  unless_given)
+from refcheck.cli.options import (
+    DeviceType,
+    model_options,
+    sampling_from_options,
+    sampling_options,
+    spec_from_options,
+    unless_given,
+)
 from refcheck.cli.reports import finish, report_table, steps_table
 from refcheck.errors import GoldenError, UsageError
 from refcheck.prompts import load_prompts, prompt_set_hash
@@ -82,10 +88,8 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
 
     With no --engine / --against: the golden engine traces in golden/ for this budget and pair."""
     from refcheck.diff.session import DiffSession
-    from refcheck.golden import check_trace, default_golden_dir, verify
-    from refcheck.trace.io import read_trace, write_trace
-
     from refcheck.outputs import check_output_file, late_write_error
+    from refcheck.trace.io import write_trace
 
     sampling = sampling_from_options(temperature, top_k, top_p, sample_seed)  # out of range: exit 2
     if sampling is not None and not engine:
@@ -102,57 +106,21 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
     if ref_shards > 1 and not against:
         raise UsageError("--ref-shards works with --against TRACE (record live engines with --save-trace first)")
     if engine:
-        from refcheck.parallel import engine_shard, merge_reports, merge_traces, run_parallel, split
-        from refcheck.trace.io import trace_from_bytes
-
         # an unknown engine, or an option it does not take: a usage error before any process starts
         engine, engine_opts, dtype, device = _engine_and_options(engine, sglang_algorithm, cuda_graphs, ngram_breadth,
                                                                  tp, dtype, device, mem_fraction, max_running,
                                                                  layer_sketches)
         spec = spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids,
                                  sampling)
-        prompts = load_prompts(prompts_file, spec.resolved_dirs()[0])
-        from refcheck.diff.tolerance import calibration_for
-
-        calibration_for(spec.dtype, spec.device)  # no verdict for these numerics: say so before the engine runs
-        shards = split(prompts, workers)
-        err.print(f"running live engine {engine} on {len(prompts)} prompts in {len(shards)} process(es)", markup=False)
-        results = run_parallel(engine_shard, [(engine, spec, sh, mode, ref_dtype, ref_device, i, len(shards), full_state,
-                                               engine_opts) for i, sh in enumerate(shards)], len(shards))
-        trace = merge_traces([trace_from_bytes(b) for b, _ in results], [p.id for p in prompts], prompt_set_hash(prompts))
-        reports.append(merge_reports([r for _, r in results], engine, mode))
+        report, trace = _live_engine(engine, engine_opts, spec, prompts_file, workers, mode, ref_dtype, ref_device,
+                                     full_state)
+        reports.append(report)
         traces.append(trace)
     elif against:
-        for path in against:
-            err.print(f"diffing {path}" + (f" against the reference sharded over {ref_shards} processes" if ref_shards > 1
-                                            else ""), markup=False)
-            traces.append(read_trace(path))
-            golden_notes.append((Path(path), False))
-            if ref_shards > 1:
-                from refcheck.sharding import sharded_diff
-
-                reports.append(sharded_diff(traces[-1], Path(path).stem, mode, ref_shards, ref_dtype, ref_device))
-            else:
-                reports.append(session.diff(traces[-1], Path(path).stem, mode, ref_dtype=ref_dtype,
-                                            ref_device=ref_device))
+        _diff_files(against, session, mode, ref_shards, ref_dtype, ref_device, reports, traces, golden_notes)
     else:
-        gdir = golden_dir or default_golden_dir()
-        manifest = verify(gdir)
-        want_budget = budget_json(budget)
         model = f"builtin:{pair}" if model_dir is None else str(model_dir)
-        names = [n for n, e in sorted(manifest.cases.items())
-                 if e.provenance.get("budget") == want_budget and e.provenance.get("model") == model
-                 and e.provenance.get("expect", "pass") == "pass"]
-        if not names:
-            raise GoldenError(f"no golden trace for budget {want_budget} on {model} in {gdir} "
-                              "(create them: refcheck golden regen --accept --reason ...)")
-        for name in names:
-            trace = read_trace(gdir / manifest.cases[name].file)
-            err.print(f"diffing golden {name} against the live reference", markup=False)
-            # the gate's own judgement of the golden (its manifest entry's rules included): diff and gate agree
-            reports.append(check_trace(name, trace, manifest.cases[name].provenance, session, mode, ref_dtype, ref_device))
-            golden_notes.append((gdir / manifest.cases[name].file, True))
-            traces.append(trace)
+        _diff_goldens(golden_dir, budget, model, session, mode, ref_dtype, ref_device, reports, traces, golden_notes)
     # the budgets diffed: the traces' own (an --against trace of budget 64 is not "budget 15")
     shown = sorted({budget_label(t.prov.budget) for t in traces}) or [budget_label(budget)]
     report_table(reports, f"refcheck diff · budget {', '.join(shown)} · mode {mode}")
@@ -170,6 +138,65 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
         except OSError as exc:
             report_json_and_raise(reports, as_json, late_write_error(save_trace, exc, "the trace"))
     finish(reports, as_json)
+
+
+def _live_engine(engine, engine_opts, spec, prompts_file, workers, mode, ref_dtype, ref_device, full_state):
+    """Run the live engine over the prompts in ``workers`` processes: (the merged report, the merged trace)."""
+    from refcheck.diff.tolerance import calibration_for
+    from refcheck.parallel import engine_shard, merge_reports, merge_traces, run_parallel, split
+    from refcheck.trace.io import trace_from_bytes
+
+    prompts = load_prompts(prompts_file, spec.resolved_dirs()[0])
+    calibration_for(spec.dtype, spec.device)  # no verdict for these numerics: say so before the engine runs
+    shards = split(prompts, workers)
+    err.print(f"running live engine {engine} on {len(prompts)} prompts in {len(shards)} process(es)", markup=False)
+    results = run_parallel(engine_shard, [(engine, spec, sh, mode, ref_dtype, ref_device, i, len(shards), full_state,
+                                           engine_opts) for i, sh in enumerate(shards)], len(shards))
+    trace = merge_traces([trace_from_bytes(b) for b, _ in results], [p.id for p in prompts], prompt_set_hash(prompts))
+    return merge_reports([r for _, r in results], engine, mode), trace
+
+
+def _diff_files(against, session, mode, ref_shards, ref_dtype, ref_device, reports, traces, golden_notes) -> None:
+    """Diff each ``--against`` trace file (appending to ``reports``, ``traces`` and ``golden_notes``)."""
+    from refcheck.trace.io import read_trace
+
+    for path in against:
+        err.print(f"diffing {path}" + (f" against the reference sharded over {ref_shards} processes" if ref_shards > 1
+                                        else ""), markup=False)
+        traces.append(read_trace(path))
+        golden_notes.append((Path(path), False))
+        if ref_shards > 1:
+            from refcheck.sharding import sharded_diff
+
+            reports.append(sharded_diff(traces[-1], Path(path).stem, mode, ref_shards, ref_dtype, ref_device))
+        else:
+            reports.append(session.diff(traces[-1], Path(path).stem, mode, ref_dtype=ref_dtype,
+                                        ref_device=ref_device))
+
+
+def _diff_goldens(golden_dir, budget, model, session, mode, ref_dtype, ref_device, reports, traces,
+                  golden_notes) -> None:
+    """Judge the goldens of this budget and model as the gate does (appending to ``reports``, ``traces`` and
+    ``golden_notes``); none: a :class:`GoldenError`."""
+    from refcheck.golden import check_trace, default_golden_dir, verify
+    from refcheck.trace.io import read_trace
+
+    gdir = golden_dir or default_golden_dir()
+    manifest = verify(gdir)
+    want_budget = budget_json(budget)
+    names = [n for n, e in sorted(manifest.cases.items())
+             if e.provenance.get("budget") == want_budget and e.provenance.get("model") == model
+             and e.provenance.get("expect", "pass") == "pass"]
+    if not names:
+        raise GoldenError(f"no golden trace for budget {want_budget} on {model} in {gdir} "
+                          "(create them: refcheck golden regen --accept --reason ...)")
+    for name in names:
+        trace = read_trace(gdir / manifest.cases[name].file)
+        err.print(f"diffing golden {name} against the live reference", markup=False)
+        # the gate's own judgement of the golden (its manifest entry's rules included): diff and gate agree
+        reports.append(check_trace(name, trace, manifest.cases[name].provenance, session, mode, ref_dtype, ref_device))
+        golden_notes.append((gdir / manifest.cases[name].file, True))
+        traces.append(trace)
 
 
 def _can_sample(engine: str) -> bool:

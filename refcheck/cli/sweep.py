@@ -10,8 +10,14 @@ import click
 from rich.table import Table
 
 from refcheck.cli.app import err, main, progress_line, quiet
-from refcheck.cli.options import (DeviceType, model_options, sampling_from_options, sampling_options, spec_from_options,
-                                  unless_given)
+from refcheck.cli.options import (
+    DeviceType,
+    model_options,
+    sampling_from_options,
+    sampling_options,
+    spec_from_options,
+    unless_given,
+)
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS, UsageError
 from refcheck.prompts import load_prompts
 
@@ -38,10 +44,9 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
     """Acceptance and speed against node budget: τ, histograms, per-phase time, speedup over target-only.
 
     With --engine sglang: per SGLang algorithm and budget, τ, step time, tokens/s and the replay verdict."""
-    from refcheck.sweep import parse_budgets, plot_sweep, run_sweep
     from refcheck.atomic_file import atomic_write_bytes
-
     from refcheck.outputs import check_output_dir, late_write_error
+    from refcheck.sweep import parse_budgets, plot_sweep, run_sweep
 
     quiet()
     sampling = sampling_from_options(temperature, top_k, top_p, sample_seed)  # out of range: exit 2

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from statistics import NormalDist
+from typing import Any
 
 import torch
 
@@ -141,9 +142,9 @@ class DistributionVerdict:
     effect: float
     impossible: int
     statistics: dict[str, float]
-    per_depth: list[dict]
+    per_depth: list[dict[str, Any]]
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 

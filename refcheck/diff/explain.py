@@ -22,16 +22,18 @@ request, step or node) is a :class:`~refcheck.errors.UsageError`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from refcheck.diff.tolerance import engine_numerics, tolerance_of
-from refcheck.diff.tolerance import calibration_for
-from refcheck.diff.triage import UNIT_ROUNDOFF, RoundingEnsemble, StepInputs, topk_spread
+from refcheck.diff.tolerance import calibration_for, engine_numerics, tolerance_of
+from refcheck.diff.triage import UNIT_ROUNDOFF, RoundingEnsemble, Rule, StepInputs, topk_spread
 from refcheck.errors import UsageError
-from refcheck.trace.io import Trace
+from refcheck.trace.rows import RequestRow, StepRow, Trace
 from reference.compat import full_forward_logits
+from reference.state import TargetState
 from reference.target import Target
 from reference.treechunk import ancestor_matrix
 
@@ -58,7 +60,7 @@ class Explanation:
     tolerance: float
     oracle_vs_reference: float = float("nan")  # max |Δ log-prob| over the vocabulary at the node
     #: the rounding ensemble at the node: spread, the step's median spread, samples, factor, unit roundoff
-    conditioning: dict = field(default_factory=dict)
+    conditioning: dict[str, Any] = field(default_factory=dict)
     hypotheses: list[Hypothesis] = field(default_factory=list)
 
     @property
@@ -66,7 +68,7 @@ class Explanation:
         return sorted((h for h in self.hypotheses if h.explains), key=lambda h: h.fit)
 
 
-def find_step(trace: Trace, request_id: str, step: int, node: int):
+def find_step(trace: Trace, request_id: str, step: int, node: int) -> tuple[RequestRow, StepRow]:
     ids = [r.request_id for r in trace.requests]
     if request_id not in ids:
         raise UsageError(f"no request {request_id!r} in the trace (it has {', '.join(ids[:12])})")
@@ -83,13 +85,14 @@ def find_step(trace: Trace, request_id: str, step: int, node: int):
     return [r for r in trace.requests if r.request_id == request_id][0], s
 
 
-def committed_tokens(req, s) -> list[int]:
+def committed_tokens(req: RequestRow, s: StepRow) -> list[int]:
     """The prompt plus the output tokens committed before step ``s`` of request ``req``."""
     return list(req.prompt_ids) + list(req.output_ids)[: s.committed_len - len(req.prompt_ids)]
 
 
-def committed_state(req, s, target: Target):
+def committed_state(req: RequestRow, s: StepRow, target: Target) -> TargetState:
     """The reference's committed state before step ``s``: a prefill of the committed tokens."""
+    state: TargetState
     state, _ = target.prefill(torch.tensor(committed_tokens(req, s), device=target.device))
     return state
 
@@ -117,7 +120,6 @@ def explain_node(trace: Trace, request_id: str, step: int, node: int, target: Ta
     tokens = torch.tensor(s.tree_tokens, dtype=torch.long)
     parents = torch.tensor(s.tree_parents, dtype=torch.long)
     depths = torch.tensor(s.tree_depths, dtype=torch.long)
-    n = tokens.shape[0]
     eng_ids = torch.tensor(s.topk_ids[node], dtype=torch.long)
     eng_lp = torch.tensor(s.topk_logprobs[node], dtype=torch.float32)
 
@@ -148,60 +150,107 @@ def explain_node(trace: Trace, request_id: str, step: int, node: int, target: Ta
     out.hypotheses.append(Hypothesis("oracle", "transformers' plain forward over the committed tokens and this "
                                      "node's root path", fit, arg))
 
-    # another input token: extra leaves under the node's parent, one per candidate (one forward)
-    cands = sorted((set(tokens.tolist()) | set(eng_ids.tolist())) - {int(tokens[node])})
-    if cands:
-        par = int(parents[node])
-        ext_t = torch.cat([tokens, torch.tensor(cands)])
-        ext_p = torch.cat([parents, torch.full((len(cands),), par)])
-        ext_d = torch.cat([depths, torch.full((len(cands),), int(depths[node]))])
-        fwd = target.forward(state, ext_t, ext_p, ext_d)
-        for i, tok in enumerate(cands):
-            fit, arg = row(fwd.logits, n + i)
-            out.hypotheses.append(Hypothesis("token", f"token {tok} fed at this node instead of {int(tokens[node])}",
-                                             fit, arg))
-
-    # another recurrent parent (hybrid targets): the Gated DeltaNet layers follow it, attention does not
+    forward = _Forward(target, state, tokens, parents, depths)
+    out.hypotheses += _token_hypotheses(forward, node, eng_ids, row)
     if any(target.is_linear(i) for i in range(len(target.layers))):
-        for p in range(-1, node):
-            if p == int(parents[node]):
-                continue
-            rp = parents.clone()
-            rp[node] = p
-            fit, arg = row(target.forward(state, tokens, parents, depths, recurrent_parents=rp).logits)
-            what = "the committed prefix" if p < 0 else f"node {p}"
-            if p == node - 1:
-                what += " (the previous node in flat order: the flattened-tree leak)"
-            out.hypotheses.append(Hypothesis("recurrent_parent", f"Gated DeltaNet state and conv window from {what}",
-                                             fit, arg))
-
-    # another attention visibility at this node (the rest of the tree keeps its own)
-    base = ancestor_matrix(parents).to(dev)
-    for what, vis_row in visibility_variants(base, parents.to(dev), node).items():
-        vis = base.clone()
-        vis[node] = vis_row
-        fit, arg = row(target.forward(state, tokens, parents, depths, visible=vis).logits)
-        out.hypotheses.append(Hypothesis("visibility", f"attention to {what}", fit, arg))
+        out.hypotheses += _recurrent_parent_hypotheses(forward, node, row)
+    out.hypotheses += _visibility_hypotheses(forward, node, row)
 
     exact_fit = out.hypotheses[0].fit
     for h in out.hypotheses[1:]:
         h.explains = exact_fit > tol and h.fit <= tol and h.kind != "oracle"
 
     # rounding at the engine's dtype: is this an ill-conditioned node?
+    # (not for an engine whose bounds are final, fp32: no rounding judgement applies, and the ensemble needs one)
     dtype = engine_numerics(trace.provenance)[0]
-    if dtype in UNIT_ROUNDOFF and s.topk_ids:
-        rule = calibration_for(*engine_numerics(trace.provenance)).rule
+    rule = calibration_for(*engine_numerics(trace.provenance)).rule if dtype in UNIT_ROUNDOFF and s.topk_ids else None
+    if rule is not None:
         cols = torch.tensor(s.topk_ids, dtype=torch.long)  # [N, k] each node's engine top-k ids
         inputs = StepInputs(committed, tokens, parents, depths, [0], cols, None, None)
-        samples = RoundingEnsemble(target, None, dtype, rule, ()).sample(inputs).node  # [S, N, k]
-        ref_cols = torch.log_softmax(exact.logits.float().cpu(), dim=-1).gather(1, cols)  # [N, k]
-        spreads = topk_spread(samples, ref_cols)  # [N]
-        spread = float(spreads[node])
-        fits = (samples[:, node] - eng_lp[None]).abs().amax(dim=1)  # [S]
-        out.conditioning = {"spread": spread, "median_spread": float(spreads.median()), "samples": rule.samples,
-                            "factor": rule.factor, "unit_roundoff": UNIT_ROUNDOFF[dtype], "dtype": dtype}
-        out.hypotheses.append(Hypothesis(
-            "rounding", f"rounding at {dtype}: {rule.samples} noisy runs move this node by up to {spread:.4g} "
-                        f"(median node {float(spreads.median()):.3g}); best run fits within {float(fits.min()):.4g}",
-            float(fits.min()), -1, explains=exact_fit > tol and rule.covers(exact_fit, spread)))
+        _rounding_hypothesis(out, target, inputs, exact.logits, node, eng_lp, dtype, rule, exact_fit > tol)
     return out
+
+
+@dataclass(slots=True)
+class _Forward:
+    """The step's tree forward from the committed state, with one thing changed (explain_node's hypotheses)."""
+
+    target: Target
+    state: TargetState
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+
+    def logits(self, **changed: Any) -> torch.Tensor:
+        t = {"tokens": self.tokens, "parents": self.parents, "depths": self.depths, **changed}
+        extra = {k: v for k, v in changed.items() if k not in ("tokens", "parents", "depths")}
+        logits: torch.Tensor = self.target.forward(self.state, t["tokens"], t["parents"], t["depths"], **extra).logits
+        return logits
+
+
+_Row = Callable[..., tuple[float, int]]  # (logits, at=node) -> (fit, reference argmax)
+
+
+def _token_hypotheses(fwd: _Forward, node: int, eng_ids: torch.Tensor, row: _Row) -> list[Hypothesis]:
+    """Another input token: extra leaves under the node's parent, one per candidate (one forward)."""
+    tokens, parents, depths = fwd.tokens, fwd.parents, fwd.depths
+    n = tokens.shape[0]
+    cands = sorted((set(tokens.tolist()) | set(eng_ids.tolist())) - {int(tokens[node])})
+    if not cands:
+        return []
+    par = int(parents[node])
+    logits = fwd.logits(tokens=torch.cat([tokens, torch.tensor(cands)]),
+                        parents=torch.cat([parents, torch.full((len(cands),), par)]),
+                        depths=torch.cat([depths, torch.full((len(cands),), int(depths[node]))]))
+    out = []
+    for i, tok in enumerate(cands):
+        fit, arg = row(logits, n + i)
+        out.append(Hypothesis("token", f"token {tok} fed at this node instead of {int(tokens[node])}", fit, arg))
+    return out
+
+
+def _recurrent_parent_hypotheses(fwd: _Forward, node: int, row: _Row) -> list[Hypothesis]:
+    """Another recurrent parent (hybrid targets): the Gated DeltaNet layers follow it, attention does not."""
+    parents, out = fwd.parents, []
+    for p in range(-1, node):
+        if p == int(parents[node]):
+            continue
+        rp = parents.clone()
+        rp[node] = p
+        fit, arg = row(fwd.logits(recurrent_parents=rp))
+        what = "the committed prefix" if p < 0 else f"node {p}"
+        if p == node - 1:
+            what += " (the previous node in flat order: the flattened-tree leak)"
+        out.append(Hypothesis("recurrent_parent", f"Gated DeltaNet state and conv window from {what}", fit, arg))
+    return out
+
+
+def _visibility_hypotheses(fwd: _Forward, node: int, row: _Row) -> list[Hypothesis]:
+    """Another attention visibility at this node (the rest of the tree keeps its own)."""
+    dev = fwd.target.device
+    base = ancestor_matrix(fwd.parents).to(dev)
+    out = []
+    for what, vis_row in visibility_variants(base, fwd.parents.to(dev), node).items():
+        vis = base.clone()
+        vis[node] = vis_row
+        fit, arg = row(fwd.logits(visible=vis))
+        out.append(Hypothesis("visibility", f"attention to {what}", fit, arg))
+    return out
+
+
+def _rounding_hypothesis(out: Explanation, target: Target, inputs: StepInputs, exact_logits: torch.Tensor, node: int,
+                         eng_lp: torch.Tensor, dtype: str, rule: Rule, exact_fails: bool) -> None:
+    """The rounding ensemble at the engine's dtype: the node's spread into ``out.conditioning``, and the
+    hypothesis that rounding explains the deviation (when the exact reference does not fit)."""
+    samples = RoundingEnsemble(target, None, dtype, rule, ()).sample(inputs).node  # [S, N, k]
+    ref_cols = torch.log_softmax(exact_logits.float().cpu(), dim=-1).gather(1, inputs.cols)  # [N, k]
+    spreads = topk_spread(samples, ref_cols)  # [N]
+    spread = float(spreads[node])
+    fits = (samples[:, node] - eng_lp[None]).abs().amax(dim=1)  # [S]
+    exact_fit = out.hypotheses[0].fit
+    out.conditioning = {"spread": spread, "median_spread": float(spreads.median()), "samples": rule.samples,
+                        "factor": rule.factor, "unit_roundoff": UNIT_ROUNDOFF[dtype], "dtype": dtype}
+    out.hypotheses.append(Hypothesis(
+        "rounding", f"rounding at {dtype}: {rule.samples} noisy runs move this node by up to {spread:.4g} "
+                    f"(median node {float(spreads.median()):.3g}); best run fits within {float(fits.min()):.4g}",
+        float(fits.min()), -1, explains=exact_fails and rule.covers(exact_fit, spread)))

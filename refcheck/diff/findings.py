@@ -11,8 +11,10 @@ reach the stated power; :attr:`Report.inconclusive` says why), else 0.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
+from typing import Any
 
 from refcheck.errors import EXIT_MISMATCH, EXIT_NOTHING, EXIT_PASS
 
@@ -30,15 +32,15 @@ class Verdict(str, Enum):
 STEP_SEVERITY = (Verdict.FAIL, Verdict.TRIAGED, Verdict.BENIGN_TIE)
 
 
-def worst_verdict(verdicts) -> Verdict | None:
+def worst_verdict(verdicts: Iterable[Verdict]) -> Verdict | None:
     """The most severe of ``verdicts`` that marks a step (FAIL > TRIAGED > BENIGN_TIE), else None (pass)."""
     present = set(verdicts)
     return next((v for v in STEP_SEVERITY if v in present), None)
 
 
-def step_counts(findings, total_steps: int) -> dict[str, int]:
+def step_counts(findings: Iterable[Finding], total_steps: int) -> dict[str, int]:
     """Verify steps by their worst finding: {pass, benign_tie, [triaged,] fail} summing to ``total_steps``."""
-    per_step: dict[tuple, list] = {}
+    per_step: dict[tuple[str | None, int], list[Verdict]] = {}
     for f in findings:
         if f.step is not None and f.step >= 0:
             per_step.setdefault((f.request_id, f.step), []).append(f.verdict)
@@ -100,16 +102,16 @@ def check_category(name: str, where: str) -> str:
 class Finding:
     verdict: Verdict
     category: str
-    request_id: str
+    request_id: str | None  # None: about the whole trace (the engine, the sampler)
     step: int | None = None  # verify step (None = request level, -1 = prefill)
     node: int | None = None
     layer: int | None = None
     layer_type: str | None = None  # "attention" | "linear_attention" (layer bisection)
     position: int | None = None
     message: str = ""
-    details: dict = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["verdict"] = self.verdict.value
         return d
@@ -120,11 +122,11 @@ class Report:
     case: str
     mode: str
     findings: list[Finding] = field(default_factory=list)
-    checks: Counter = field(default_factory=Counter)  # category -> checks made
-    stats: dict = field(default_factory=dict)
+    checks: Counter[str] = field(default_factory=Counter)  # category -> checks made
+    stats: dict[str, Any] = field(default_factory=dict)
     expect_failure: str | None = None  # golden of a known-buggy engine: "fail" or "fail:CATEGORY"
     #: ... and where its first failure must be: {request_id, step, node, layer} (None: any)
-    expect_first: dict | None = None
+    expect_first: dict[str, Any] | None = None
     #: statistical verdicts that could not reach their stated power (exit 5 when nothing fails)
     inconclusive: list[str] = field(default_factory=list)
 
@@ -163,12 +165,12 @@ class Report:
     def failures(self) -> list[Finding]:
         return [f for f in self.findings if f.verdict == Verdict.FAIL]
 
-    def first_divergence(self) -> dict[str, Finding]:
+    def first_divergence(self) -> dict[str | None, Finding]:
         """request -> its first failing finding (earliest step). Outright failures rank before deviations that
         were within rounding at their node and failed only because the request fails ("not triaged"): the
         first divergence is where the engine is first shown wrong, not where rounding stopped being presumed."""
-        out: dict[str, Finding] = {}
-        def order(f: Finding) -> tuple:
+        out: dict[str | None, Finding] = {}
+        def order(f: Finding) -> tuple[str, bool, int, int, int, bool, int]:
             step = 1 << 30 if f.step is None else f.step  # request-level summaries come last
             rank = CATEGORIES.index(f.category) if f.category in CATEGORIES else len(CATEGORIES)
             return (f.request_id or "", "not_triaged" in f.details, step, rank, f.node if f.node is not None else -1,
@@ -214,7 +216,7 @@ class Report:
             return "fail"
         return "nothing compared" if not self.checks else ("inconclusive" if self.inconclusive else "pass")
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "case": self.case,
             "mode": self.mode,

@@ -23,7 +23,7 @@ import torch
 
 from refcheck.diff.findings import Finding, Report, Verdict
 from refcheck.diff.tolerance import Tolerance
-from refcheck.trace.io import Trace
+from refcheck.trace.rows import RequestRow, Trace
 from reference.compat import full_forward_logits
 from reference.decode import DecodeResult
 
@@ -35,7 +35,7 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def _check_greedy(rep: Report, req, out: list[int], want: list[int], model: torch.nn.Module, device: torch.device,
+def _check_greedy(rep: Report, req: RequestRow, out: list[int], want: list[int], model: torch.nn.Module, device: torch.device,
                   tol: Tolerance) -> None:
     """The engine's output against target-only greedy decoding; a first difference at a near-tie is benign."""
     rid = req.request_id
@@ -58,7 +58,7 @@ def _check_greedy(rep: Report, req, out: list[int], want: list[int], model: torc
                         details={"engine_len": len(out), "greedy_len": len(want)}))
 
 
-def _check_sampled(rep: Report, req, out: list[int], want: list[int], margins: list[float], cdf_tol: float) -> None:
+def _check_sampled(rep: Report, req: RequestRow, out: list[int], want: list[int], margins: list[float], cdf_tol: float) -> None:
     """The engine's output against target-only sampling with its keys; a first difference at a CDF edge is benign."""
     rid = req.request_id
     rep.check("ar_tokens")

@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -100,10 +101,10 @@ class _Request:
         self.evidence = evidence if evidence is not None else Evidence()
         self.hidden = False  # some draw of this request could not be replayed exactly
 
-    def fail(self, category: str, step: int | None, message: str, **kw) -> None:
+    def fail(self, category: str, step: int | None, message: str, **kw: Any) -> None:
         self.rep.add(Finding(Verdict.FAIL, category, self.rid, step, message=message, **kw))
 
-    def consistent(self, category: str, step: int, message: str, details: dict, **kw) -> None:
+    def consistent(self, category: str, step: int, message: str, details: dict[str, Any], **kw: Any) -> None:
         """A deviation over its bound that rounding at the engine's dtype explains: triaged or failed at
         the step's end (:meth:`settle`)."""
         details.update(rule="rounding", samples=self.rule.samples, factor=self.rule.factor)
@@ -162,14 +163,14 @@ class _Request:
         if self.failed_at is None:
             return
         where = f"step {self.failed_at}"
-        moved: dict[int, list[Finding]] = {}
+        moved: dict[int | None, list[Finding]] = {}  # step -> its triaged findings
         for f in self.rep.findings[start:]:
             if f.verdict == Verdict.TRIAGED and f.details.get("rule") == "rounding":
                 moved.setdefault(f.step, []).append(f)
         if not moved:
             return
         steps = self.rep.stats.setdefault("steps", {"pass": 0, "benign_tie": 0, "fail": 0})
-        for step, found in moved.items():
+        for found in moved.values():
             for f in found:
                 f.verdict = Verdict.FAIL
                 f.message += f"; not triaged: the request fails at {where}, so rounding cannot be presumed"
@@ -233,7 +234,7 @@ class _Request:
 
         self.spread = functools.cache(run)
 
-    def token_flip(self, category: str, step: int, node: int | None, logp: torch.Tensor, engine_tok: int, **kw) -> bool:
+    def token_flip(self, category: str, step: int, node: int | None, logp: torch.Tensor, engine_tok: int, **kw: Any) -> bool:
         """Engine picked engine_tok where the reference's argmax differs. True if benign."""
         ref_tok = int(logp.argmax())
         margin = float(logp[ref_tok] - logp[engine_tok])

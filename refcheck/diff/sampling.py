@@ -25,7 +25,9 @@ covers them. This module never imports runners.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -93,7 +95,7 @@ def replay_sampled_step(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, r
     n = tree.num_nodes
     step = s.step
 
-    def fail(cat: str, msg: str, node: int | None = None, **details) -> None:
+    def fail(cat: str, msg: str, node: int | None = None, **details: Any) -> None:
         out.findings.append(Finding(Verdict.FAIL, cat, rid, step, node=node, message=msg, details=details))
 
     path_nodes = [a for a in s.accepted if 0 <= a < n]
@@ -103,44 +105,61 @@ def replay_sampled_step(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, r
     for i in known_d:
         draws[i] = int(s.node_draws[i])
     if known_u:
-        u = torch.tensor(s.node_uniforms, dtype=torch.float64)
-        if req.recomputable:
-            positions = (s.committed_len + 1 + tree.depths).tolist()
-            keyed = req.keyed(step, positions)
-            bad = [i for i in known_u if float(keyed[i]) != float(u[i])]
-            if bad:
-                i = bad[0]
-                fail("sampling", f"uniform {float(u[i])!r} at node {i} is not the keyed generator's {float(keyed[i])!r} "
-                     f"({req.rng}, seed {req.sampling.seed}, request {req.rng_request}; {len(bad)} of {len(known_u)} "
-                     f"nodes differ)", node=i, engine=float(u[i]), keyed=float(keyed[i]), nodes=bad[:16])
-        rep = _repeated_on_path(s.node_uniforms, path_nodes)
-        if rep is not None:
-            fail("sampling", f"the uniform {s.node_uniforms[rep]!r} is reused along the accepted path (node {rep}): "
-                 "the draws of one walk are not independent", node=rep, uniform=s.node_uniforms[rep])
-        idx = torch.tensor(known_u, dtype=torch.long)
-        expect = inverse_cdf(probs[idx], u[idx])  # [k]
-        first_bad = None
-        for j, i in enumerate(known_u):
-            e = int(expect[j])
-            if draws[i] is None:
-                draws[i] = e
-                continue
-            if draws[i] == e:
-                continue
-            # distance of u * total from the engine token's CDF interval (boundary_margin is negative outside it)
-            outside = -float(boundary_margin(probs[i:i + 1], u[i:i + 1], torch.tensor([draws[i]]))[0])
-            if probs[i, draws[i]] > 0 and outside <= cdf_tol:  # a neighbouring interval the tolerance can reach
-                out.findings.append(Finding(Verdict.BENIGN_TIE, "sampling", rid, step, node=i,
-                                            message=f"draw {draws[i]} vs {e} at a CDF edge (uniform {float(u[i]):.9g}, "
-                                                    f"{outside:.3g} outside its interval <= {cdf_tol:g})"))
-                continue
-            if first_bad is None:
-                first_bad = (i, e)
-        if first_bad is not None:
-            i, e = first_bad
-            fail("sampling", f"engine drew {draws[i]} at node {i} with uniform {float(u[i]):.9g}; a lossless sampler draws "
-                 f"{e} there (p = {float(probs[i, draws[i]]):.4g} vs {float(probs[i, e]):.4g})", node=i,
-                 engine=draws[i], expected=e, uniform=float(u[i]))
+        _check_uniforms(rid, s, tree, probs, req, cdf_tol, known_u, path_nodes, draws, out, fail)
+    _check_support(s, tree, probs, req, known_d, known_u, path_nodes, draws, fail)
+    _check_walk(s, tree, draws, path_nodes, out, fail)
+    return out
+
+
+def _check_uniforms(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, req: SampledRequest, cdf_tol: float,
+                    known_u: list[int], path_nodes: list[int], draws: list[int | None], out: StepReplay,
+                    fail: Callable[..., None]) -> None:
+    """The exposed uniforms: the keyed generator's (when recomputable), not reused along the path, and each
+    drawing the engine's token (a draw the engine did not expose is filled in from its uniform)."""
+    step = s.step
+    u = torch.tensor(s.node_uniforms, dtype=torch.float64)
+    if req.recomputable:
+        positions = (s.committed_len + 1 + tree.depths).tolist()
+        keyed = req.keyed(step, positions)
+        bad = [i for i in known_u if float(keyed[i]) != float(u[i])]
+        if bad:
+            i = bad[0]
+            fail("sampling", f"uniform {float(u[i])!r} at node {i} is not the keyed generator's {float(keyed[i])!r} "
+                 f"({req.rng}, seed {req.sampling.seed}, request {req.rng_request}; {len(bad)} of {len(known_u)} "
+                 f"nodes differ)", node=i, engine=float(u[i]), keyed=float(keyed[i]), nodes=bad[:16])
+    rep = _repeated_on_path(s.node_uniforms, path_nodes)
+    if rep is not None:
+        fail("sampling", f"the uniform {s.node_uniforms[rep]!r} is reused along the accepted path (node {rep}): "
+             "the draws of one walk are not independent", node=rep, uniform=s.node_uniforms[rep])
+    idx = torch.tensor(known_u, dtype=torch.long)
+    expect = inverse_cdf(probs[idx], u[idx])  # [k]
+    first_bad = None
+    for j, i in enumerate(known_u):
+        e = int(expect[j])
+        if draws[i] is None:
+            draws[i] = e
+            continue
+        if draws[i] == e:
+            continue
+        # distance of u * total from the engine token's CDF interval (boundary_margin is negative outside it)
+        outside = -float(boundary_margin(probs[i:i + 1], u[i:i + 1], torch.tensor([draws[i]]))[0])
+        if probs[i, draws[i]] > 0 and outside <= cdf_tol:  # a neighbouring interval the tolerance can reach
+            out.findings.append(Finding(Verdict.BENIGN_TIE, "sampling", rid, step, node=i,
+                                        message=f"draw {draws[i]} vs {e} at a CDF edge (uniform {float(u[i]):.9g}, "
+                                                f"{outside:.3g} outside its interval <= {cdf_tol:g})"))
+            continue
+        if first_bad is None:
+            first_bad = (i, e)
+    if first_bad is not None:
+        i, e = first_bad
+        fail("sampling", f"engine drew {draws[i]} at node {i} with uniform {float(u[i]):.9g}; a lossless sampler draws "
+             f"{e} there (p = {float(probs[i, draws[i]]):.4g} vs {float(probs[i, e]):.4g})", node=i,
+             engine=draws[i], expected=e, uniform=float(u[i]))
+
+
+def _check_support(s: StepRow, tree: Tree, probs: torch.Tensor, req: SampledRequest, known_d: list[int],
+                   known_u: list[int], path_nodes: list[int], draws: list[int | None], fail: Callable[..., None]) -> None:
+    """Draws, accepted tokens and the bonus inside the sampling distribution's support."""
     for i in known_d:
         if i not in known_u and probs[i, draws[i]] <= 0:
             fail("sampling", f"engine drew {draws[i]} at node {i}, a token outside the sampling distribution's support "
@@ -155,6 +174,12 @@ def replay_sampled_step(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, r
             break
     if path_nodes and 0 <= s.bonus < probs.shape[1] and probs[path_nodes[-1], s.bonus] <= 0:
         fail("sampling", f"bonus {s.bonus} has probability 0 at node {path_nodes[-1]}", node=path_nodes[-1], token=s.bonus)
+
+
+def _check_walk(s: StepRow, tree: Tree, draws: list[int | None], path_nodes: list[int], out: StepReplay,
+                fail: Callable[..., None]) -> None:
+    """The walk the draws give against the engine's accepted path, and the bonus against the last draw."""
+    n = tree.num_nodes
     # the walk the draws give, against the engine's
     children = [tree.children(i) for i in range(n)]
     walk, cur = [0], 0
@@ -183,7 +208,6 @@ def replay_sampled_step(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, r
         elif s.bonus != draws[last]:
             fail("bonus", f"bonus {s.bonus} but the draw at the last accepted node {last} is {draws[last]}", node=last,
                  engine=s.bonus, expected=draws[last])
-    return out
 
 
 def replay_first_token(rid: str, token: int, probs: torch.Tensor, uniform: float, req: SampledRequest, prompt_len: int,

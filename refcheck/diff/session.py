@@ -15,16 +15,17 @@ from pathlib import Path
 from refcheck.diff.findings import Report
 from refcheck.diff.freerun import free_run
 from refcheck.diff.replay import replay
+from refcheck.diff.sampling import SampledRequest, cdf_tolerance
 from refcheck.diff.tolerance import Calibration, calibration_for, engine_numerics
 from refcheck.errors import UsageError
 from refcheck.models import BUILTIN_PAIRS
 from refcheck.profile import count, phase, watch_forwards
-from refcheck.prompts import Prompt
-from refcheck.reference_runner import EngineSpec, ReferenceRunner
-from refcheck.trace.io import Trace, check_token_ids
+from refcheck.reference_runner import ReferenceRunner
+from refcheck.spec import EngineSpec
+from refcheck.trace.io import check_token_ids
+from refcheck.trace.rows import RequestRow, Trace
 from reference.decode import DecodeResult
 from reference.oracle import GreedyMemo, sample_decode
-from refcheck.diff.sampling import SampledRequest, cdf_tolerance
 from reference.scripted import ScriptedDrafter
 
 MODES = ("replay", "free", "both")
@@ -63,9 +64,9 @@ class DiffSession:
     """
 
     def __init__(self) -> None:
-        self._runners: dict[tuple, ReferenceRunner] = {}
-        self._memos: dict[tuple, GreedyMemo] = {}
-        self._decodes: dict[tuple, DecodeResult] = {}
+        self._runners: dict[tuple[object, ...], ReferenceRunner] = {}
+        self._memos: dict[tuple[object, ...], GreedyMemo] = {}
+        self._decodes: dict[tuple[object, ...], DecodeResult] = {}
 
     def runner(self, spec: EngineSpec) -> ReferenceRunner:
         key = (spec.model_label, str(spec.draft_dir), spec.dtype, spec.device, spec.drafter, spec.seed)
@@ -97,7 +98,7 @@ class DiffSession:
         count("greedy_forwards", memo.forwards - before)
         return out
 
-    def sampled_oracle(self, runner: ReferenceRunner, req) -> tuple[list[int], list[float]] | None:
+    def sampled_oracle(self, runner: ReferenceRunner, req: RequestRow) -> tuple[list[int], list[float]] | None:
         """Target-only sampling of a sampled request with the engine's own keys (tokens, boundary margins),
         or None when the engine's uniforms are not refcheck's position-keyed ones (not recomputable)."""
         sr = SampledRequest.from_row(req)
@@ -112,8 +113,8 @@ class DiffSession:
         """The reference's own DDTree run of ``prompt`` under ``runner.spec`` (computed once per spec);
         ``request`` keys its sampling (unused when greedy)."""
         spec = runner.spec
-        key = (spec.model_label, str(spec.draft_dir), spec.dtype, spec.device, spec.drafter, spec.seed, spec.budget,
-               spec.max_new_tokens, spec.stop_token_ids, tuple(prompt))
+        key: tuple[object, ...] = (spec.model_label, str(spec.draft_dir), spec.dtype, spec.device, spec.drafter,
+                                   spec.seed, spec.budget, spec.max_new_tokens, spec.stop_token_ids, tuple(prompt))
         if spec.sampled:
             key += (spec.sampling, request)
         if key not in self._decodes:
@@ -157,7 +158,8 @@ class DiffSession:
                     greedy[r.request_id] = self.greedy(runner, list(r.prompt_ids), spec.max_new_tokens)
             ref_runs = {r.request_id: self.reference_decode(runner, list(r.prompt_ids), max(r.rng_request, 0))
                         for r in trace.requests}
-            cdf_tol = cdf_tolerance(tol.logprob_abs, spec.sampling.temperature) if spec.sampled else 0.0
+            cdf_tol = (cdf_tolerance(tol.logprob_abs, spec.sampling.temperature)
+                       if spec.sampled and spec.sampling is not None else 0.0)
             with phase("free.check"):
                 fr = free_run(trace, runner.target.model, greedy, tol, ref_runs, strict_acceptance, case, margins, cdf_tol)
             report.merge(fr)

@@ -27,6 +27,7 @@ table). :data:`CANDIDATES` holds bounds under measurement: only ``refcheck calib
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from refcheck.diff.triage import Rule
 from refcheck.errors import UsageError
@@ -51,7 +52,7 @@ class Calibration:
     rule: Rule | None  # the rounding-ensemble judgement over the bounds (None: the bounds are final)
     source: str  # what measured it
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"tolerance": asdict(self.tolerance), "rule": self.rule.to_json() if self.rule else None,
                 "source": self.source}
 
@@ -99,7 +100,7 @@ def tolerance_for(dtype: str, device: str) -> Tolerance:
     return calibration_for(dtype, device).tolerance
 
 
-def engine_numerics(provenance: dict) -> tuple[str, str]:
+def engine_numerics(provenance: dict[str, Any]) -> tuple[str, str]:
     """(dtype, device) an engine trace was recorded in (fp32 on CPU where the provenance is silent)."""
     from refcheck.provenance import Provenance
 
@@ -107,6 +108,6 @@ def engine_numerics(provenance: dict) -> tuple[str, str]:
     return prov.dtype, prov.device
 
 
-def tolerance_of(provenance: dict) -> Tolerance:
+def tolerance_of(provenance: dict[str, Any]) -> Tolerance:
     """The cheap bounds an engine trace is judged by: its own recording numerics'."""
     return tolerance_for(*engine_numerics(provenance))

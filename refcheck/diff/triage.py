@@ -29,9 +29,10 @@ The ensemble is seeded (``seed``): the same trace gives the same verdicts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -58,13 +59,13 @@ class Rule:
         """A deviation within ``factor`` x the quantity's rounding spread (never a NaN or infinite one)."""
         return deviation == deviation and deviation != float("inf") and deviation <= self.factor * spread
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"samples": self.samples, "factor": self.factor, "seed": self.seed, "anchor_steps": self.anchor_steps}
 
 
 @contextmanager
 def rounding_noise(modules: list[torch.nn.Module], unit_roundoff: float, generator: torch.Generator,
-                   residual: list = ()) -> Iterator[None]:
+                   residual: Sequence[Any] = ()) -> Iterator[None]:
     """Every ``nn.Linear`` input and output inside ``modules``, and the residual stream of every object in
     ``residual`` (a :class:`~reference.target.Target` or DFlash drafter: its ``residual_rounding``
     hook, after each add), is multiplied by ``1 + u*U(-1, 1)`` while active."""
@@ -75,10 +76,10 @@ def rounding_noise(modules: list[torch.nn.Module], unit_roundoff: float, generat
         # the activation's dtype only for the multiply
         return out * (1.0 + unit_roundoff * (2.0 * noise - 1.0)).to(out.dtype)
 
-    def hook(_module, _inputs, out: torch.Tensor) -> torch.Tensor:
+    def hook(_module: torch.nn.Module, _inputs: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
         return perturb(out)
 
-    def pre_hook(_module, inputs: tuple) -> tuple:
+    def pre_hook(_module: torch.nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
         return (perturb(inputs[0]), *inputs[1:])
 
     for owner in residual:
@@ -126,7 +127,7 @@ class StepSamples:
 class RoundingEnsemble:
     """Noisy re-runs of one step of the reference at an engine dtype's unit roundoff."""
 
-    def __init__(self, target: Target, drafter, dtype: str, rule: Rule, capture: tuple[int, ...]) -> None:
+    def __init__(self, target: Target, drafter: Any, dtype: str, rule: Rule, capture: tuple[int, ...]) -> None:
         if dtype not in UNIT_ROUNDOFF:
             raise ValueError(f"no unit roundoff known for engine dtype {dtype!r}")
         self.target, self.drafter, self.u, self.rule, self.capture = target, drafter, UNIT_ROUNDOFF[dtype], rule, capture
@@ -138,7 +139,7 @@ class RoundingEnsemble:
         try:
             d.reset()
             d.extend(context, torch.arange(len(committed), device=context.device), committed)
-            lp = d.propose(bonus, len(committed), ids.shape[0])  # [L, V]
+            lp: torch.Tensor = d.propose(bonus, len(committed), ids.shape[0])  # [L, V]
             return lp.gather(1, ids.to(lp.device)).float().cpu()
         finally:
             d.ctx_keys, d.ctx_values, d.ctx_len = saved
@@ -155,7 +156,7 @@ class RoundingEnsemble:
         with rounding_noise(modules, self.u, gen, residual=[self.target] + ([self.drafter] if drafting else [])):
             for _ in range(self.rule.samples):
                 state, pre = self.target.prefill(committed, capture=self.capture if drafting else ())
-                if drafting:
+                if drafting and x.draft_ids is not None:  # (drafting implies draft ids)
                     drafts.append(self._draft(pre.context, committed, int(x.tokens[0]), x.draft_ids))
                 fwd = self.target.forward(state, x.tokens.to(dev), x.parents.to(dev), x.depths.to(dev))
                 nodes.append(torch.log_softmax(fwd.logits.float(), dim=-1).gather(1, x.cols.to(dev)).cpu())  # [N, c]

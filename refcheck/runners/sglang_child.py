@@ -59,7 +59,7 @@ def main(job_path: str) -> int:
         generate_s = time.time() - t1
         outputs = [[int(t) for t in r["output_ids"]] for r in out]
         repeat_s, match = [], True
-        for k, rids in enumerate(job.get("timing_rids") or []):
+        for rids in job.get("timing_rids") or []:
             t2 = time.time()
             again = engine.generate(input_ids=job["input_ids"], sampling_params=job["sampling_params"], rid=rids)
             repeat_s.append(time.time() - t2)

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 from refcheck.diff.findings import Verdict
 from refcheck.diff.session import DiffSession
+from refcheck.progress import Progress, tell
 from refcheck.prompts import Prompt, load_prompts
 from refcheck.reference_runner import EngineSpec
 from refcheck.selftest.faults import FAULTS, fault
-from refcheck.progress import Progress, tell
 from refcheck.selftest.sampling_faults import SAMPLING_FAULTS, hide_randomness
 from reference.decode import DDTreeDecoder
 from reference.sampling import Sampling

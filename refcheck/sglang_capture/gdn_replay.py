@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from refcheck.diff.explain import find_step, committed_state
+from refcheck.diff.explain import committed_state, find_step
 from refcheck.errors import UsageError
 from refcheck.sketch import rel_l2
 from refcheck.trace.io import Trace

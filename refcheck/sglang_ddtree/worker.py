@@ -39,7 +39,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 from sglang.srt.speculative import eagle_utils
 from sglang.srt.speculative import ngram_worker as ngram

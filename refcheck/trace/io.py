@@ -18,7 +18,8 @@ Contract:
   :func:`refcheck.trace.schema.migrate`) before the column check; columns of a newer minor that
   this version does not know are ignored.
 * The rows are :mod:`refcheck.trace.rows` and the checksums :mod:`refcheck.trace.checksums`; both are
-  re-exported here.
+  re-exported here. The encoder and decoder follow the rows' field list column by column
+  (:func:`refcheck.trace.rows.columns`), with one rule per column kind.
 * Integrity (schema 1.1): the file carries its own checksums in the schema metadata (a sha256 per
   record batch, one over the requests table, and one over the whole file with its own two copies
   zeroed). :func:`read_trace` checks them before decoding anything: any changed byte is a
@@ -44,11 +45,20 @@ from typing import Any, NoReturn
 import pyarrow as pa
 import torch
 
-from refcheck.atomic_file import atomic_write_bytes, fsync_dir  # noqa: F401 (re-exported: refcheck.trace)
+# re-exported (``X as X``): refcheck.trace and older callers import these from here
+from refcheck.atomic_file import atomic_write_bytes as atomic_write_bytes
+from refcheck.atomic_file import fsync_dir as fsync_dir
 from refcheck.errors import CorruptTraceError, GoldenError
-from refcheck.trace.checksums import IPC_OPTIONS, batch_sha256, check_checksums, sealed_file_bytes  # noqa: F401
+from refcheck.trace.checksums import IPC_OPTIONS as IPC_OPTIONS
+from refcheck.trace.checksums import batch_sha256 as batch_sha256
+from refcheck.trace.checksums import check_checksums as check_checksums
+from refcheck.trace.checksums import sealed_file_bytes as sealed_file_bytes
 from refcheck.trace.codec import decode_tensor, encode_tensor
-from refcheck.trace.rows import RequestRow, StateEntry, StepRow, Trace  # noqa: F401 (re-exported)
+from refcheck.trace.rows import Column, columns
+from refcheck.trace.rows import RequestRow as RequestRow
+from refcheck.trace.rows import StateEntry as StateEntry
+from refcheck.trace.rows import StepRow as StepRow
+from refcheck.trace.rows import Trace as Trace
 from refcheck.trace.schema import (
     KEY_FILE_SHA256,
     KEY_MAGIC,
@@ -58,7 +68,6 @@ from refcheck.trace.schema import (
     MAGIC,
     REQUESTS_SCHEMA,
     RNG_KINDS,
-    SAMPLING_REQUEST_FIELDS,
     SCHEMA_VERSION,
     STATE_KINDS,
     STEPS_SCHEMA,
@@ -73,6 +82,8 @@ from refcheck.trace.schema import (
 ARROW_MAGIC = b"ARROW1"
 _BATCH_ROWS = 1024  # steps per record batch at most
 _BATCH_BYTES = 256 << 20  # tensor bytes per record batch at most (binary offsets are int32)
+# The columns, from the one field list (refcheck/trace/rows.py): the encoder and decoder below follow them.
+_STEP_COLUMNS, _REQUEST_COLUMNS, _STATE_COLUMNS = columns(StepRow), columns(RequestRow), columns(StateEntry)
 
 
 # ------------------------------------------------------------------------------ validation
@@ -155,7 +166,7 @@ def _validate_step_numbers(trace: Trace, source: str) -> None:
 def check_token_ids(trace: Trace, vocab_size: int, source: str = "trace") -> None:
     """Every token id of the trace (prompts, outputs, trees, top-k, argmax, bonus, emitted) lies in
     ``[0, vocab_size)``; else a :class:`TraceValidationError` naming the request, step and node."""
-    def bad(ids) -> int | None:
+    def bad(ids: Sequence[int]) -> int | None:
         return next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
 
     for r in trace.requests:
@@ -176,8 +187,8 @@ def check_token_ids(trace: Trace, vocab_size: int, source: str = "trace") -> Non
             _fail(source, f"{where} node {node}", f"node_draws holds {s.node_draws[node]}, outside the vocabulary "
                   f"[0, {vocab_size}) (-1 = not exposed)")
         for node, row in enumerate(s.topk_ids):
-            if bad(row) is not None:
-                _fail(source, f"{where} node {node}", f"topk_ids holds {row[bad(row)]}, outside the vocabulary [0, {vocab_size})")
+            if (j := bad(row)) is not None:
+                _fail(source, f"{where} node {node}", f"topk_ids holds {row[j]}, outside the vocabulary [0, {vocab_size})")
         for name, ids in (("bonus", [s.bonus]), ("emitted", s.emitted), ("draft_topk_ids", [t for r in s.draft_topk_ids for t in r])):
             i = bad(ids)
             if i is not None:
@@ -242,49 +253,39 @@ def _plain(x: Any) -> Any:
     return x.tolist() if hasattr(x, "tolist") else x
 
 
-def _step_record(s: StepRow) -> dict[str, Any]:
-    return {
-        "request_id": s.request_id,
-        "step": s.step,
-        "committed_len": s.committed_len,
-        "tree_tokens": _plain(s.tree_tokens),
-        "tree_parents": _plain(s.tree_parents),
-        "tree_depths": _plain(s.tree_depths),
-        "tree_ranks": _plain(s.tree_ranks),
-        "draft_topk_ids": _plain(s.draft_topk_ids),
-        "draft_topk_logprobs": _plain(s.draft_topk_logprobs),
-        "topk_ids": _plain(s.topk_ids),
-        "topk_logprobs": _plain(s.topk_logprobs),
-        "target_argmax": _plain(s.target_argmax),
-        "accepted": _plain(s.accepted),
-        "accept_length": s.accept_length,
-        "bonus": s.bonus,
-        "emitted": _plain(s.emitted),
-        "emitted_logprobs": _plain(s.emitted_logprobs),
-        "state": [
-            {
-                "name": e.name,
-                "layer": e.layer,
-                "kind": e.kind,
-                "sketch": encode_tensor(e.sketch),
-                "full": None if e.full is None else encode_tensor(e.full),
-            }
-            for e in s.state
-        ],
-        "layer_sketch": None if s.layer_sketch is None else encode_tensor(s.layer_sketch),
-        "timings": {k: s.timings[k] for k in TIMING_FIELDS},
-        "node_draws": _plain(s.node_draws),
-        "node_uniforms": _plain(s.node_uniforms),
-    }
+def _encode(col: Column, value: Any) -> Any:
+    """A field's value as its Arrow column holds it (:class:`~refcheck.trace.rows.Column` kinds)."""
+    if col.nullable and value is None:
+        return None
+    if col.kind == "tensor":
+        return encode_tensor(value)
+    if col.kind == "state[]":
+        return [_record(e, _STATE_COLUMNS) for e in value]
+    if col.kind == "timings":
+        return {k: value[k] for k in TIMING_FIELDS}
+    if col.kind.endswith("[]"):
+        return _plain(value)
+    return value
+
+
+def _record(row: Any, cols: tuple[tuple[str, Column], ...]) -> dict[str, Any]:
+    """One row as an Arrow record: every column of the field list, encoded."""
+    return {name: _encode(col, getattr(row, name)) for name, col in cols}
+
+
+def _tensor_bytes(col: Column, value: Any) -> int:
+    """Bytes of the encoded tensors in one encoded column value."""
+    if value is None:
+        return 0
+    if col.kind == "tensor":
+        return len(value["data"])
+    if col.kind == "state[]":
+        return sum(_tensor_bytes(c, e[name]) for e in value for name, c in _STATE_COLUMNS)
+    return 0
 
 
 def _record_bytes(rec: dict[str, Any]) -> int:
-    total = 0
-    for e in rec["state"]:
-        total += len(e["sketch"]["data"]) + (len(e["full"]["data"]) if e["full"] else 0)
-    if rec["layer_sketch"] is not None:
-        total += len(rec["layer_sketch"]["data"])
-    return total
+    return sum(_tensor_bytes(col, rec[name]) for name, col in _STEP_COLUMNS)
 
 
 def _to_batch(records: list[dict[str, Any]], schema: pa.Schema, what: str) -> pa.RecordBatch:
@@ -302,7 +303,7 @@ def _step_batches(steps: Sequence[StepRow]) -> list[pa.RecordBatch]:
     pending: list[dict[str, Any]] = []
     size = 0
     for s in steps:
-        rec = _step_record(s)
+        rec = _record(s, _STEP_COLUMNS)
         pending.append(rec)
         size += _record_bytes(rec)
         if len(pending) >= _BATCH_ROWS or size >= _BATCH_BYTES:
@@ -314,22 +315,13 @@ def _step_batches(steps: Sequence[StepRow]) -> list[pa.RecordBatch]:
 
 
 def _requests_stream(requests: Sequence[RequestRow]) -> bytes:
-    records = [
-        {
-            "request_id": r.request_id,
-            "kind": r.kind,
-            "prompt_ids": _plain(r.prompt_ids),
-            "output_ids": _plain(r.output_ids),
-            "output_logprobs": _plain(r.output_logprobs),
-            **{name: getattr(r, name) for name in SAMPLING_REQUEST_FIELDS},
-        }
-        for r in requests
-    ]
+    records = [_record(r, _REQUEST_COLUMNS) for r in requests]
     batch = _to_batch(records, REQUESTS_SCHEMA, "requests")
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, REQUESTS_SCHEMA, options=IPC_OPTIONS) as writer:
         writer.write_batch(batch)
-    return sink.getvalue().to_pybytes()
+    out: bytes = sink.getvalue().to_pybytes()
+    return out
 
 
 def trace_bytes(trace: Trace) -> bytes:
@@ -361,51 +353,33 @@ def _tensor(d: dict[str, Any], source: str, what: str) -> torch.Tensor:
         raise CorruptTraceError(f"{source}: {what}: {exc}") from None
 
 
-def _tensor_or_none(d: dict[str, Any] | None, source: str, what: str) -> torch.Tensor | None:
-    return None if d is None else _tensor(d, source, what)
-
-
 def _rows(table: pa.Table) -> list[dict[str, Any]]:
     cols = {name: table.column(name).to_pylist() for name in table.column_names}
     return [dict(zip(cols, values)) for values in zip(*cols.values())]
 
 
+def _decode(col: Column, value: Any, source: str, what: str) -> Any:
+    """A field's value from its Arrow column (the inverse of :func:`_encode`); ``what`` names it in errors."""
+    if col.nullable and value is None:
+        return None
+    if col.kind == "tensor":
+        return _tensor(value, source, what)
+    if col.kind == "state[]":
+        return [StateEntry(**{name: _decode(c, e[name], source, f"{what} {e['name']!r} {name}")
+                              for name, c in _STATE_COLUMNS}) for e in value]
+    if col.kind == "timings":
+        return dict(value)
+    return value
+
+
 def _step_from(rec: dict[str, Any], source: str) -> StepRow:
     where = f"request {rec['request_id']!r} step {rec['step']}"
-    state = [
-        StateEntry(
-            name=e["name"],
-            layer=e["layer"],
-            kind=e["kind"],
-            sketch=_tensor(e["sketch"], source, f"{where} state {e['name']!r} sketch"),
-            full=_tensor_or_none(e["full"], source, f"{where} state {e['name']!r} full"),
-        )
-        for e in rec["state"]
-    ]
-    return StepRow(
-        request_id=rec["request_id"],
-        step=rec["step"],
-        committed_len=rec["committed_len"],
-        tree_tokens=rec["tree_tokens"],
-        tree_parents=rec["tree_parents"],
-        tree_depths=rec["tree_depths"],
-        tree_ranks=rec["tree_ranks"],
-        draft_topk_ids=rec["draft_topk_ids"],
-        draft_topk_logprobs=rec["draft_topk_logprobs"],
-        topk_ids=rec["topk_ids"],
-        topk_logprobs=rec["topk_logprobs"],
-        target_argmax=rec["target_argmax"],
-        accepted=rec["accepted"],
-        accept_length=rec["accept_length"],
-        bonus=rec["bonus"],
-        emitted=rec["emitted"],
-        emitted_logprobs=rec["emitted_logprobs"],
-        state=state,
-        timings=dict(rec["timings"]),
-        layer_sketch=_tensor_or_none(rec["layer_sketch"], source, f"{where} layer_sketch"),
-        node_draws=rec["node_draws"],
-        node_uniforms=rec["node_uniforms"],
-    )
+    return StepRow(**{name: _decode(col, rec[name], source, f"{where} {name}") for name, col in _STEP_COLUMNS})
+
+
+def _request_from(rec: dict[str, Any], source: str) -> RequestRow:
+    where = f"request {rec['request_id']!r}"
+    return RequestRow(**{name: _decode(col, rec[name], source, f"{where} {name}") for name, col in _REQUEST_COLUMNS})
 
 
 def _read_requests(blob: bytes, source: str) -> pa.Table:
@@ -460,7 +434,7 @@ def trace_from_bytes(data: bytes, source: str = "<bytes>") -> Trace:
         raise CorruptTraceError(f"{source}: provenance is a JSON {type(provenance).__name__}, not an object")
     trace = Trace(
         provenance=provenance,
-        requests=[RequestRow(**rec) for rec in _rows(requests)],
+        requests=[_request_from(rec, source) for rec in _rows(requests)],
         steps=[_step_from(rec, source) for rec in _rows(steps)],
         schema_version=version_text,
         checksummed=checksummed,

@@ -29,8 +29,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from refcheck.errors import CorruptTraceError, GoldenError, UsageError
 from refcheck.atomic_file import atomic_write_bytes
+from refcheck.errors import CorruptTraceError, GoldenError, UsageError
 from refcheck.trace.schema import SchemaVersionError
 
 MANIFEST_NAME = "MANIFEST.json"

@@ -11,11 +11,12 @@ rows (schema 1.2).
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from reference.decode import DecodeResult, StepRecord
-from reference.sampling import Sampling
 from refcheck.sketch import layer_sketch, sketch_rows, state_rows
 from refcheck.trace.io import RequestRow, StateEntry, StepRow
+from reference.decode import DecodeResult, StepRecord
+from reference.sampling import Sampling
 
 DRAFT_TOPK = 8
 
@@ -57,7 +58,7 @@ def step_row(request_id: str, rec: StepRecord, full_state: bool = False) -> Step
     )
 
 
-def sampling_columns(sampling: Sampling | None, result: DecodeResult) -> dict:
+def sampling_columns(sampling: Sampling | None, result: DecodeResult) -> dict[str, Any]:
     """The request row's sampling columns (greedy defaults when not sampled)."""
     if sampling is None or sampling.greedy:
         return {}

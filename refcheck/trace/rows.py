@@ -1,79 +1,135 @@
-"""The trace's data model: a request's row, a verify step's row, its state entries, the whole trace.
+"""The trace's data model and its one field list: a request's row, a verify step's row, its state
+entries, the whole trace.
 
-Contract: plain dataclasses holding what an engine did (the Arrow layout, its encoding and checks are
-:mod:`refcheck.trace.io`); ``N`` is a step's tree nodes including the root. ``Trace.prov`` reads the
-provenance dict as a typed :class:`~refcheck.provenance.Provenance`.
+Contract: plain dataclasses holding what an engine did; ``N`` is a step's tree nodes including the root.
+Every field of :class:`StepRow`, :class:`RequestRow` and :class:`StateEntry` is a column of the trace,
+in the order declared here, and its ``Annotated`` :class:`Column` says how it is stored: the Arrow schema
+(:mod:`refcheck.trace.schema`), the encoder and the decoder (:mod:`refcheck.trace.io`) are derived from
+these declarations (:func:`columns`), so a new column is one annotated field here (plus, for a minor
+version bump, its default, which is what files of older versions read as). ``Trace.prov`` reads the
+provenance dict as a typed :class:`~refcheck.provenance.Provenance`. No pyarrow here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+import sys
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Annotated, Any
 
 import torch
 
 from refcheck.provenance import Provenance
-from refcheck.trace.schema import SCHEMA_VERSION
+
+SCHEMA_VERSION = "1.2"  # 1.1 adds the checksum keys, 1.2 the sampling columns (docs/trace-format.md)
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """How one field is stored. ``kind``: ``string``, ``int32``, ``int64``, ``float64``; a list of one of
+    them (``int32[]``, ``float32[]``, ``float64[]``; ``int32[][]``, ``float32[][]`` nested); ``tensor``
+    (exact: dtype, shape, raw bytes; ``nullable`` for None); ``state[]`` (a list of :class:`StateEntry`);
+    ``timings`` (the TIMING_FIELDS, seconds). ``since``: the schema version that added it (older files
+    read as the field's default)."""
+
+    kind: str
+    nullable: bool = False
+    since: tuple[int, int] = (1, 0)
+
+
+STRING, INT32, INT64, FLOAT64 = Column("string"), Column("int32"), Column("int64"), Column("float64")
+INT32S, FLOAT32S, INT32S2, FLOAT32S2 = Column("int32[]"), Column("float32[]"), Column("int32[][]"), Column("float32[][]")
+TENSOR, TENSOR_OR_NONE = Column("tensor"), Column("tensor", nullable=True)
+SAMPLING = (1, 2)  # the version that added the sampling columns
 
 
 @dataclass(slots=True, eq=False)
 class StateEntry:
     """One layer's committed-state summary after a step's commit (eq=False: holds tensors)."""
 
-    name: str
-    layer: int
-    kind: str  # one of STATE_KINDS: "kv_k", "kv_v", "conv", "rec"
-    sketch: torch.Tensor
-    full: torch.Tensor | None = None
+    name: Annotated[str, STRING]
+    layer: Annotated[int, INT32]
+    kind: Annotated[str, STRING]  # one of STATE_KINDS: "kv_k", "kv_v", "conv", "rec"
+    sketch: Annotated[torch.Tensor, TENSOR]
+    full: Annotated[torch.Tensor | None, TENSOR_OR_NONE] = None
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, kw_only=True)
 class StepRow:
-    """One verify step of one request (eq=False: holds tensors). N = tree nodes incl. root."""
+    """One verify step of one request (eq=False: holds tensors). N = tree nodes incl. root.
+    Keyword-only: the fields are in column order, so defaults and required fields interleave."""
 
-    request_id: str
-    step: int
-    committed_len: int  # committed tokens before the step = position of the root
-    tree_tokens: list[int]  # [N], index 0 = root
-    tree_parents: list[int]  # [N], parents[0] = -1
-    tree_depths: list[int]  # [N]
-    tree_ranks: list[int]  # [N]
-    draft_topk_ids: list[list[int]]  # [L][k], drafter top-k per depth 1..L
-    draft_topk_logprobs: list[list[float]]  # [L][k]
-    topk_ids: list[list[int]]  # [N][k], target top-k at every node
-    topk_logprobs: list[list[float]]  # [N][k]
-    target_argmax: list[int]  # [N]
-    accepted: list[int]  # node indices, root first
-    accept_length: int  # tau: accepted drafted tokens + 1 (bonus included)
-    bonus: int
-    emitted: list[int]  # [E]
-    emitted_logprobs: list[float]  # [E], NaN where the engine reports none
-    state: list[StateEntry]
-    timings: dict[str, float]  # keys TIMING_FIELDS, seconds
-    layer_sketch: torch.Tensor | None = None  # [layers, N, r]
-    node_draws: list[int] = field(default_factory=list)  # [N] or [] (1.2): the engine's draw per node, -1 unexposed
-    node_uniforms: list[float] = field(default_factory=list)  # [N] or [] (1.2): its uniform per node, NaN unexposed
+    request_id: Annotated[str, STRING]
+    step: Annotated[int, INT32]
+    committed_len: Annotated[int, INT32]  # committed tokens before the step = position of the root
+    tree_tokens: Annotated[list[int], INT32S]  # [N], index 0 = root
+    tree_parents: Annotated[list[int], INT32S]  # [N], parents[0] = -1
+    tree_depths: Annotated[list[int], INT32S]  # [N]
+    tree_ranks: Annotated[list[int], INT32S]  # [N]
+    draft_topk_ids: Annotated[list[list[int]], INT32S2]  # [L][k], drafter top-k per depth 1..L
+    draft_topk_logprobs: Annotated[list[list[float]], FLOAT32S2]  # [L][k]
+    topk_ids: Annotated[list[list[int]], INT32S2]  # [N][k], target top-k at every node
+    topk_logprobs: Annotated[list[list[float]], FLOAT32S2]  # [N][k]
+    target_argmax: Annotated[list[int], INT32S]  # [N]
+    accepted: Annotated[list[int], INT32S]  # node indices, root first
+    accept_length: Annotated[int, INT32]  # tau: accepted drafted tokens + 1 (bonus included)
+    bonus: Annotated[int, INT32]
+    emitted: Annotated[list[int], INT32S]  # [E]
+    emitted_logprobs: Annotated[list[float], FLOAT32S]  # [E], NaN where the engine reports none
+    state: Annotated[list[StateEntry], Column("state[]")]  # one entry per (layer, kind)
+    layer_sketch: Annotated[torch.Tensor | None, TENSOR_OR_NONE] = None  # [layers, N, r]
+    timings: Annotated[dict[str, float], Column("timings")]  # keys TIMING_FIELDS, seconds
+    # 1.2: sampling. [N] or [] (the engine exposes nothing); -1 / NaN at a node it does not expose.
+    #: the token the target drew at each node
+    node_draws: Annotated[list[int], Column("int32[]", since=SAMPLING)] = field(default_factory=list)
+    #: the uniform in [0, 1) each draw used (inverse CDF, token-id order)
+    node_uniforms: Annotated[list[float], Column("float64[]", since=SAMPLING)] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class RequestRow:
-    request_id: str
-    kind: str
-    prompt_ids: list[int]  # [P]
-    output_ids: list[int]  # [T]
-    output_logprobs: list[float]  # [T] normally; NaN where unknown
-    # 1.2: sampling (schema.SAMPLING_REQUEST_FIELDS); the defaults are greedy
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = -1
-    rng: str = ""  # one of schema.RNG_KINDS
-    rng_request: int = -1
-    first_uniform: float = float("nan")
+    request_id: Annotated[str, STRING]
+    kind: Annotated[str, STRING]
+    prompt_ids: Annotated[list[int], INT32S]  # [P]
+    output_ids: Annotated[list[int], INT32S]  # [T]
+    output_logprobs: Annotated[list[float], FLOAT32S]  # [T] normally; NaN where unknown
+    # 1.2: sampling parameters of the request; the defaults are greedy (temperature 0: the others unused)
+    temperature: Annotated[float, Column("float64", since=SAMPLING)] = 0.0
+    top_k: Annotated[int, Column("int32", since=SAMPLING)] = 0  # 0 = off
+    top_p: Annotated[float, Column("float64", since=SAMPLING)] = 1.0  # 1 = off
+    seed: Annotated[int, Column("int64", since=SAMPLING)] = -1  # -1 = unknown
+    rng: Annotated[str, Column("string", since=SAMPLING)] = ""  # how uniforms are keyed: one of schema.RNG_KINDS
+    #: the request word of the keyed generator; -1 = unknown
+    rng_request: Annotated[int, Column("int64", since=SAMPLING)] = -1
+    #: uniform of the draw after the prefill; NaN = not exposed
+    first_uniform: Annotated[float, Column("float64", since=SAMPLING)] = float("nan")
 
     @property
     def sampled(self) -> bool:
         return self.temperature > 0
+
+
+def columns(row: type) -> tuple[tuple[str, Column], ...]:
+    """``(name, Column)`` of every field of a row class, in column order."""
+    hints = typing.get_type_hints(row, vars(sys.modules[row.__module__]), include_extras=True)
+    out = []
+    for f in fields(row):
+        col = next((m for m in getattr(hints[f.name], "__metadata__", ()) if isinstance(m, Column)), None)
+        if col is None:
+            raise TypeError(f"{row.__name__}.{f.name} has no Column annotation")
+        out.append((f.name, col))
+    return tuple(out)
+
+
+def defaults(row: type) -> dict[str, Any]:
+    """The fields of ``row`` that have a default, with it (a fresh one for a default factory)."""
+    out: dict[str, Any] = {}
+    for f in fields(row):
+        if f.default_factory is not MISSING:
+            out[f.name] = f.default_factory()
+        elif f.default is not MISSING:
+            out[f.name] = f.default
+    return out
 
 
 @dataclass(slots=True, eq=False)

@@ -15,7 +15,9 @@ Contract:
   table step; a 1.0 file is read as *unchecked*, see :mod:`refcheck.trace.io`).
 * :func:`check_columns` and :func:`check_no_nulls` turn every structural defect (missing column,
   wrong type, null in a required value) into :class:`~refcheck.errors.CorruptTraceError`.
-* Every field and list item is non-nullable except ``layer_sketch`` and ``state[].full``.
+* The columns are the fields of the row classes (:mod:`refcheck.trace.rows`, the one field list), in
+  their order; :func:`arrow_type` maps each field's :class:`~refcheck.trace.rows.Column` kind to its
+  Arrow type. Every field and list item is non-nullable except ``layer_sketch`` and ``state[].full``.
 * 1.2 adds the sampling columns (:data:`SAMPLING_REQUEST_FIELDS`, :data:`SAMPLING_STEP_FIELDS`):
   per request the parameters and how its randomness is keyed, per step the engine's draw and
   uniform at every node where it exposes them. Older files migrate with greedy defaults
@@ -30,8 +32,9 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from refcheck.errors import CorruptTraceError
+from refcheck.trace.rows import SCHEMA_VERSION as SCHEMA_VERSION  # (defined beside the rows, without pyarrow)
+from refcheck.trace.rows import Column, RequestRow, StateEntry, StepRow, columns, defaults
 
-SCHEMA_VERSION = "1.2"  # 1.1 adds the checksum keys, 1.2 the sampling columns (docs/trace-format.md)
 MAGIC = "refcheck-trace"
 CHECKSUM_VERSION = (1, 1)  # the first version whose files must carry checksums
 
@@ -66,10 +69,6 @@ def _list(type_: pa.DataType) -> pa.DataType:
 
 
 I32_LIST = _list(pa.int32())  # [n]
-F32_LIST = _list(pa.float32())  # [n]
-F64_LIST = _list(pa.float64())  # [n]
-I32_LIST2 = _list(I32_LIST)  # [n][k]
-F32_LIST2 = _list(F32_LIST)  # [n][k]
 
 # An exact tensor: logical dtype name, shape, raw little-endian bytes (see codec.py).
 TENSOR_TYPE = pa.struct(
@@ -80,71 +79,50 @@ TENSOR_TYPE = pa.struct(
     ]
 )
 
-STATE_ENTRY_TYPE = pa.struct(
-    [
-        _req("name", pa.string()),
-        _req("layer", pa.int32()),
-        _req("kind", pa.string()),  # one of STATE_KINDS
-        _req("sketch", TENSOR_TYPE),
-        pa.field("full", TENSOR_TYPE, nullable=True),
-    ]
-)
-
 TIMINGS_TYPE = pa.struct([_req(name, pa.float64()) for name in TIMING_FIELDS])  # seconds
 
-STEPS_SCHEMA = pa.schema(
-    [
-        _req("request_id", pa.string()),
-        _req("step", pa.int32()),
-        _req("committed_len", pa.int32()),  # committed tokens before the step = root position
-        _req("tree_tokens", I32_LIST),  # [N], index 0 = root
-        _req("tree_parents", I32_LIST),  # [N], parents[0] = -1
-        _req("tree_depths", I32_LIST),  # [N]
-        _req("tree_ranks", I32_LIST),  # [N]
-        _req("draft_topk_ids", I32_LIST2),  # [L][k], depths 1..L
-        _req("draft_topk_logprobs", F32_LIST2),  # [L][k]
-        _req("topk_ids", I32_LIST2),  # [N][k]
-        _req("topk_logprobs", F32_LIST2),  # [N][k]
-        _req("target_argmax", I32_LIST),  # [N]
-        _req("accepted", I32_LIST),  # node indices, root first
-        _req("accept_length", pa.int32()),  # tau = accepted drafted tokens + 1 (bonus included)
-        _req("bonus", pa.int32()),
-        _req("emitted", I32_LIST),  # [E]
-        _req("emitted_logprobs", F32_LIST),  # [E], NaN where the engine reports none
-        _req("state", _list(STATE_ENTRY_TYPE)),  # one entry per (layer, kind)
-        pa.field("layer_sketch", TENSOR_TYPE, nullable=True),  # [layers, N, r]
-        _req("timings", TIMINGS_TYPE),
-        # 1.2: sampling. [N] or [] (the engine exposes nothing); -1 / NaN at a node it does not expose.
-        _req("node_draws", I32_LIST),  # [N] token the target drew at each node
-        _req("node_uniforms", F64_LIST),  # [N] the uniform in [0, 1) each draw used (inverse CDF, token-id order)
-    ]
-)
+_SCALARS: dict[str, pa.DataType] = {"string": pa.string(), "int32": pa.int32(), "int64": pa.int64(),
+                                    "float64": pa.float64(), "float32": pa.float32()}
 
-REQUESTS_SCHEMA = pa.schema(
-    [
-        _req("request_id", pa.string()),
-        _req("kind", pa.string()),
-        _req("prompt_ids", I32_LIST),  # [P]
-        _req("output_ids", I32_LIST),  # [T]
-        _req("output_logprobs", F32_LIST),  # [T] normally; NaN where unknown
-        # 1.2: sampling parameters of the request (temperature 0 = greedy; the others then unused)
-        _req("temperature", pa.float64()),
-        _req("top_k", pa.int32()),  # 0 = off
-        _req("top_p", pa.float64()),  # 1 = off
-        _req("seed", pa.int64()),  # -1 = unknown
-        _req("rng", pa.string()),  # how uniforms are keyed: RNG_KINDS
-        _req("rng_request", pa.int64()),  # the request word of the keyed generator; -1 = unknown
-        _req("first_uniform", pa.float64()),  # uniform of the draw after the prefill; NaN = not exposed
-    ]
-)
+
+def _fields_of(row: type) -> list[pa.Field]:
+    return [pa.field(name, arrow_type(col), nullable=col.nullable) for name, col in columns(row)]
+
+
+def arrow_type(col: Column) -> pa.DataType:
+    """The Arrow type of a column kind (:class:`refcheck.trace.rows.Column`)."""
+    kind = col.kind
+    if kind == "tensor":
+        return TENSOR_TYPE
+    if kind == "timings":
+        return TIMINGS_TYPE
+    if kind == "state[]":
+        return _list(STATE_ENTRY_TYPE)
+    if kind.endswith("[]"):
+        return _list(arrow_type(Column(kind[:-2])))
+    if kind in _SCALARS:
+        return _SCALARS[kind]
+    raise ValueError(f"unknown column kind {kind!r}")
+
+
+STATE_ENTRY_TYPE = pa.struct(_fields_of(StateEntry))
+STEPS_SCHEMA = pa.schema(_fields_of(StepRow))  # one row per (request, verify step)
+REQUESTS_SCHEMA = pa.schema(_fields_of(RequestRow))  # one row per request
 
 #: how an engine's uniforms were produced: "" greedy / unknown; refcheck's keyed Philox by position
 #: or by (step, node); "engine": the engine's own generator (uniforms usable for replay, not recomputable)
 RNG_KINDS = ("", "refcheck-philox-position", "refcheck-philox-node", "engine")
-SAMPLING_REQUEST_FIELDS = ("temperature", "top_k", "top_p", "seed", "rng", "rng_request", "first_uniform")
-SAMPLING_STEP_FIELDS = ("node_draws", "node_uniforms")
-SAMPLING_DEFAULTS: dict[str, object] = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": -1, "rng": "",
-                                        "rng_request": -1, "first_uniform": float("nan")}
+
+
+def added_in(row: type, version: tuple[int, int]) -> tuple[str, ...]:
+    """The columns of ``row`` that schema ``version`` added."""
+    return tuple(name for name, col in columns(row) if col.since == version)
+
+
+SAMPLING_REQUEST_FIELDS = added_in(RequestRow, (1, 2))
+SAMPLING_STEP_FIELDS = added_in(StepRow, (1, 2))
+#: what a request row of an older file reads as in the sampling columns (greedy): the row's defaults
+SAMPLING_DEFAULTS: dict[str, object] = {name: defaults(RequestRow)[name] for name in SAMPLING_REQUEST_FIELDS}
 
 
 # ---------------------------------------------------------------------------------- version
@@ -183,23 +161,27 @@ def _same_tables(steps: pa.Table, requests: pa.Table) -> tuple[pa.Table, pa.Tabl
     return steps, requests
 
 
-def _add_sampling(steps: pa.Table, requests: pa.Table) -> tuple[pa.Table, pa.Table]:
-    """1.1 -> 1.2: the sampling columns with greedy defaults (temperature 0, no draws exposed)."""
-    for name in SAMPLING_STEP_FIELDS:
-        if name not in steps.column_names:
-            f = STEPS_SCHEMA.field(name)
-            steps = steps.append_column(f, pa.array([[]] * steps.num_rows, type=f.type))
-    for name in SAMPLING_REQUEST_FIELDS:
-        if name not in requests.column_names:
-            f = REQUESTS_SCHEMA.field(name)
-            requests = requests.append_column(f, pa.array([SAMPLING_DEFAULTS[name]] * requests.num_rows, type=f.type))
-    return steps, requests
+def _add_columns(version: tuple[int, int]) -> Callable[[pa.Table, pa.Table], tuple[pa.Table, pa.Table]]:
+    """The upgrade to ``version``: the columns it added, each filled with its row field's default."""
+
+    def upgrade(steps: pa.Table, requests: pa.Table) -> tuple[pa.Table, pa.Table]:
+        tables = []
+        for table, row, table_schema in ((steps, StepRow, STEPS_SCHEMA), (requests, RequestRow, REQUESTS_SCHEMA)):
+            fill = defaults(row)
+            for name in added_in(row, version):
+                if name not in table.column_names:
+                    f = table_schema.field(name)
+                    table = table.append_column(f, pa.array([fill[name]] * table.num_rows, type=f.type))
+            tables.append(table)
+        return tables[0], tables[1]
+
+    return upgrade
 
 
 # (major, minor) of the file -> the step that upgrades it.
 _MIGRATIONS: dict[tuple[int, int], Migration] = {
     (1, 0): Migration(to=(1, 1), upgrade=_same_tables),
-    (1, 1): Migration(to=(1, 2), upgrade=_add_sampling),
+    (1, 1): Migration(to=(1, 2), upgrade=_add_columns((1, 2))),  # the sampling columns, greedy defaults
 }
 
 

@@ -50,8 +50,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from refcheck.errors import CorruptTraceError, GoldenError, GoldenLockError, UsageError
 from refcheck.atomic_file import atomic_write_bytes, fsync_dir
+from refcheck.errors import CorruptTraceError, GoldenError, GoldenLockError, UsageError
 from refcheck.trace.manifest import MANIFEST_NAME, Manifest, load_manifest, plain_name, sha256_bytes
 
 JOURNAL_NAME = ".refcheck-golden.journal"

@@ -1,0 +1,79 @@
+"""The trace's one field list (refcheck/trace/rows.py) and the bytes it encodes: every golden reads and
+re-encodes to the same record batches (by the format's own per-batch sha256), the same requests table
+and the same provenance; a golden of the current schema version re-encodes to its very bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from refcheck.golden import REPO_GOLDEN
+from refcheck.trace import rows, schema
+from refcheck.trace.checksums import batch_sha256
+from refcheck.trace.io import read_trace, trace_bytes, trace_from_bytes
+from refcheck.trace.manifest import load_manifest
+
+GOLDENS = sorted({e.file for e in load_manifest(REPO_GOLDEN).cases.values()})
+
+
+def _requests(meta: dict[bytes, bytes]) -> pa.Table:
+    return pa.ipc.open_stream(pa.py_buffer(meta[schema.KEY_REQUESTS])).read_all()
+
+
+@pytest.mark.parametrize("name", GOLDENS)
+def test_every_golden_re_encodes_to_the_same_batches(name: str) -> None:
+    path = REPO_GOLDEN / name
+    data = path.read_bytes()
+    trace = read_trace(path)
+    out = trace_bytes(trace)
+    old, new = pa.ipc.open_file(pa.py_buffer(data)), pa.ipc.open_file(pa.py_buffer(out))
+    old_meta, new_meta = old.schema.metadata, new.schema.metadata
+    if trace.schema_version == schema.SCHEMA_VERSION:
+        assert out == data, f"{name}: re-encoded bytes differ from the stored file"
+    # Older versions gain the columns added since (migrated defaults); every column the file has must
+    # encode exactly as it was: the batch restricted to them has the sha256 the file recorded for it.
+    recorded = json.loads(old_meta[schema.KEY_BATCH_SHA256])
+    assert new.num_record_batches == old.num_record_batches == len(recorded)
+    for i in range(new.num_record_batches):
+        kept = new.get_batch(i).select(old.schema.names)
+        assert batch_sha256(kept) == recorded[i], f"{name}: record batch {i} encodes differently"
+    old_req, new_req = _requests(old_meta), _requests(new_meta)
+    assert new_req.select(old_req.column_names).equals(old_req), f"{name}: the requests table differs"
+    assert new_meta[schema.KEY_PROVENANCE] == old_meta[schema.KEY_PROVENANCE]
+    # and the new bytes are a fixed point
+    assert trace_bytes(trace_from_bytes(out, name)) == out
+
+
+def test_the_schemas_are_the_row_fields_in_order() -> None:
+    assert schema.STEPS_SCHEMA.names == [f.name for f in dataclasses.fields(rows.StepRow)]
+    assert schema.REQUESTS_SCHEMA.names == [f.name for f in dataclasses.fields(rows.RequestRow)]
+    state = schema.STEPS_SCHEMA.field("state").type.value_type
+    assert [state.field(i).name for i in range(state.num_fields)] == [f.name for f in dataclasses.fields(rows.StateEntry)]
+    # what a reader of an older file gets for the columns added since: the row's own defaults
+    assert schema.SAMPLING_REQUEST_FIELDS == ("temperature", "top_k", "top_p", "seed", "rng", "rng_request",
+                                              "first_uniform")
+    assert schema.SAMPLING_STEP_FIELDS == ("node_draws", "node_uniforms")
+    defaults = rows.RequestRow("r", "prose", [], [], [])
+    for name, value in schema.SAMPLING_DEFAULTS.items():
+        got = getattr(defaults, name)
+        assert got == value or (got != got and value != value), name
+
+
+def test_the_frozen_schema_digest() -> None:
+    """The Arrow schemas serialize as they did when the field list was introduced (a changed type,
+    nullability, order or name is a format change: bump SCHEMA_VERSION and add a migration)."""
+    digest = hashlib.sha256(schema.STEPS_SCHEMA.serialize().to_pybytes()
+                            + schema.REQUESTS_SCHEMA.serialize().to_pybytes()).hexdigest()
+    assert digest == FROZEN_SCHEMA_SHA256, digest
+
+
+FROZEN_SCHEMA_SHA256 = "51fb4dcacac40e48d7c14a3e8ccca0b54c62a1224a1753a53a8fff82da1341bb"
+
+
+def test_golden_list_is_not_empty() -> None:
+    assert GOLDENS and all(Path(REPO_GOLDEN / g).exists() for g in GOLDENS)
