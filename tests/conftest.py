@@ -5,13 +5,28 @@ from __future__ import annotations
 import logging
 import os
 
-import pytest
-import torch
+# One thread per test process, and per process it spawns (they inherit the environment; refcheck's
+# workers cap their share of the cores at OMP_NUM_THREADS, refcheck/parallel.py): pytest-xdist already
+# runs one process per core, and torch's OpenMP threads on top of that oversubscribe the cores; under
+# contention a tiny forward then took ~1 ms instead of ~12 us. Set before torch is imported.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ[_var] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 logging.getLogger("transformers").setLevel(logging.ERROR)
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Every test starts with one torch thread, whatever the test before it did (a command run inline
+    may set its own share of the cores)."""
+    torch.set_num_threads(1)
+    yield
 
 
 def pytest_configure(config: pytest.Config) -> None:
