@@ -35,8 +35,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: takes more than a few seconds on 2 CPU cores")
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import importlib.util
+
+    _keep_xdist_groups_together(config, items)
 
     no_gpu = not torch.cuda.is_available()
     no_sglang = importlib.util.find_spec("sglang") is None
@@ -97,3 +100,24 @@ def trace_file(tmp_path):
     from trace_helpers import make_trace_file
 
     return make_trace_file(tmp_path)
+
+
+def _keep_xdist_groups_together(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--dist loadgroup`` sends the tests of one ``xdist_group`` to one worker, so that a module
+    fixture they share is computed once. pytest-xdist (3.8) marks a test's group by appending
+    ``@GROUP`` to ``item._nodeid``, which pytest 9 no longer reads (a node's id is ``item._id``): the
+    groups were silently split over the workers and each worker computed the shared fixture again.
+    Here each xdist worker gives its grouped items the id xdist meant (nothing to do where xdist's
+    own suffix took effect)."""
+    if not getattr(config.option, "loadgroup", False):  # set on xdist workers under --dist loadgroup
+        return
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # pytest < 9: xdist's own suffix works
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        suffix = "@" + "_".join(names)
+        if names and not item.nodeid.endswith(suffix) and isinstance(getattr(item, "_id", None), NodeId):
+            item._id = NodeId.parse(item.nodeid + suffix)
