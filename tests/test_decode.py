@@ -11,6 +11,10 @@ from reference.errors import BudgetError, PromptError
 from reference.oracle import greedy_decode
 from reference.scripted import ScriptedDrafter
 
+# --dist loadgroup: one xdist worker runs the whole module, so
+# its module fixture (the greedy continuations) is computed once.
+pytestmark = pytest.mark.xdist_group("decode")
+
 PROMPT = [17, 3, 99, 250, 41, 8, 8, 120, 77, 5, 301, 64]
 MAX_NEW = 32
 BUDGETS = [None, 1, 4, 15, 64]  # None = chain mode
