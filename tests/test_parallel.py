@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -45,11 +46,17 @@ def _normalised(path):
 
 @pytest.mark.parametrize("engine, code", [("reference", EXIT_PASS), ("fault:state-flat-index", EXIT_MISMATCH)])
 def test_two_workers_equal_one(cli, tmp_path, engine, code):
+    from refcheck.prompts import BUILTIN_PROMPTS
+
+    # three of the built-in prompts: split over two workers as [0, 2] and [1], so the merge has to
+    # interleave the shards back into prompt order
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(Path(BUILTIN_PROMPTS).read_text().splitlines(keepends=True)[:3]))
     results = {}
     for w in (1, 2):
         out = tmp_path / f"w{w}.arrow"
         rc, stdout, err = cli("diff", "--engine", engine, "--drafter", "scripted", "--max-new-tokens", "12",
-                              "--workers", str(w), "--save-trace", str(out), "--json")
+                              "--prompts", str(prompts), "--workers", str(w), "--save-trace", str(out), "--json")
         assert rc == code, err
         rep = json.loads(stdout)["reports"][0]
         results[w] = (rep, _normalised(out))
@@ -63,6 +70,7 @@ def test_two_workers_equal_one(cli, tmp_path, engine, code):
 
     assert sorted(map(key, r1["findings"])) == sorted(map(key, r2["findings"]))
     assert t1.provenance == t2.provenance
+    assert [r.request_id for r in t2.requests] == [r.request_id for r in t1.requests] and len(t2.requests) == 3
     assert [r.output_ids for r in t1.requests] == [r.output_ids for r in t2.requests]
     assert [(s.request_id, s.step, s.tree_tokens, s.accepted) for s in t1.steps] == \
         [(s.request_id, s.step, s.tree_tokens, s.accepted) for s in t2.steps]
