@@ -145,31 +145,52 @@ def run_queue(fn: Callable[..., T], jobs: Sequence[tuple], workers: int, inline:
 
 
 # -- worker entry points (module level: spawned processes import them by name) ------------------------
+def thread_share(workers: int) -> int:
+    """Torch threads for one of ``workers`` processes: its share of the usable cores, at most
+    ``OMP_NUM_THREADS`` when that is set. The cap is how a caller that already runs several processes
+    (pytest-xdist workers, a CI matrix) keeps each one, and every process it spawns, to its own cores:
+    more threads than cores make torch's OpenMP threads wait on each other, a tiny forward then costs
+    a millisecond instead of microseconds."""
+    share = max(1, usable_cpus() // max(workers, 1))
+    try:
+        cap = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return share
+    return min(share, cap) if cap >= 1 else share
+
+
 def worker_setup(workers: int) -> int:
-    """Offline, and this process's share of the usable cores as torch threads; returns the old count."""
+    """Offline, and this process's share of the usable cores as torch threads (:func:`thread_share`);
+    returns the old count (for callers that run inline and restore it)."""
     import torch
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     before = torch.get_num_threads()
-    torch.set_num_threads(max(1, usable_cpus() // max(workers, 1)))
+    torch.set_num_threads(thread_share(workers))
     return before
 
 
 def engine_shard(engine: str, spec, prompts, mode: str, ref_dtype: str, ref_device: str, index: int,
                  workers: int, full_state: bool = False, engine_opts: dict | None = None) -> tuple[bytes, Report]:
-    """Run a live engine on one shard of prompts and diff it; returns (trace bytes, report)."""
+    """Run a live engine on one shard of prompts and diff it; returns (trace bytes, report). Torch
+    threads: this process's share of the cores while it runs, restored after."""
     import dataclasses
+
+    import torch
 
     from refcheck.diff.session import DiffSession
     from refcheck.trace.io import trace_bytes
 
-    worker_setup(workers)
-    spec = dataclasses.replace(spec, device=shard_device(spec.device, index))
-    session = DiffSession()
-    trace = live_trace(engine, spec, prompts, session, full_state, engine_opts)
-    report = session.diff(trace, engine, mode, strict_acceptance=engine == "reference", ref_dtype=ref_dtype,
-                          ref_device=shard_device(ref_device, index))
-    return trace_bytes(trace), report
+    threads = worker_setup(workers)
+    try:
+        spec = dataclasses.replace(spec, device=shard_device(spec.device, index))
+        session = DiffSession()
+        trace = live_trace(engine, spec, prompts, session, full_state, engine_opts)
+        report = session.diff(trace, engine, mode, strict_acceptance=engine == "reference", ref_dtype=ref_dtype,
+                              ref_device=shard_device(ref_device, index))
+        return trace_bytes(trace), report
+    finally:
+        torch.set_num_threads(threads)  # run inline (one worker), the caller keeps its own thread count
 
 
 def live_trace(engine: str, spec, prompts, session, full_state: bool = False, engine_opts: dict | None = None) -> Trace:

@@ -31,6 +31,7 @@ def _rank(rank: int, shards: int, port: int, data: bytes, case: str, ref_dtype: 
     import torch.distributed as dist
 
     from refcheck.diff.session import DiffSession, reference_spec_for
+    from refcheck.parallel import thread_share
     from reference.sharded import PipelineTarget
 
     cuda = ref_device.split(":")[0] == "cuda"
@@ -39,7 +40,7 @@ def _rank(rank: int, shards: int, port: int, data: bytes, case: str, ref_dtype: 
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (see the device notes)
         torch.cuda.set_device(rank)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // shards))
+        torch.set_num_threads(thread_share(shards))
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=shards)
     try:

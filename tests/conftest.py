@@ -5,13 +5,28 @@ from __future__ import annotations
 import logging
 import os
 
-import pytest
-import torch
+# One thread per test process, and per process it spawns (they inherit the environment; refcheck's
+# workers cap their share of the cores at OMP_NUM_THREADS, refcheck/parallel.py): pytest-xdist already
+# runs one process per core, and torch's OpenMP threads on top of that oversubscribe the cores; under
+# contention a tiny forward then took ~1 ms instead of ~12 us. Set before torch is imported.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ[_var] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 logging.getLogger("transformers").setLevel(logging.ERROR)
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Every test starts with one torch thread, whatever the test before it did (a command run inline
+    may set its own share of the cores)."""
+    torch.set_num_threads(1)
+    yield
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -20,8 +35,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: takes more than a few seconds on 2 CPU cores")
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import importlib.util
+
+    _keep_xdist_groups_together(config, items)
 
     no_gpu = not torch.cuda.is_available()
     no_sglang = importlib.util.find_spec("sglang") is None
@@ -82,3 +100,24 @@ def trace_file(tmp_path):
     from trace_helpers import make_trace_file
 
     return make_trace_file(tmp_path)
+
+
+def _keep_xdist_groups_together(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--dist loadgroup`` sends the tests of one ``xdist_group`` to one worker, so that a module
+    fixture they share is computed once. pytest-xdist (3.8) marks a test's group by appending
+    ``@GROUP`` to ``item._nodeid``, which pytest 9 no longer reads (a node's id is ``item._id``): the
+    groups were silently split over the workers and each worker computed the shared fixture again.
+    Here each xdist worker gives its grouped items the id xdist meant (nothing to do where xdist's
+    own suffix took effect)."""
+    if not getattr(config.option, "loadgroup", False):  # set on xdist workers under --dist loadgroup
+        return
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # pytest < 9: xdist's own suffix works
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        suffix = "@" + "_".join(names)
+        if names and not item.nodeid.endswith(suffix) and isinstance(getattr(item, "_id", None), NodeId):
+            item._id = NodeId.parse(item.nodeid + suffix)

@@ -8,8 +8,12 @@ import pytest
 
 from reference.decode import DDTreeDecoder, DecodeConfig
 from reference.errors import BudgetError, PromptError
-from reference.oracle import greedy_decode
+from reference.oracle import GreedyMemo, greedy_decode
 from reference.scripted import ScriptedDrafter
+
+# --dist loadgroup: one xdist worker runs the whole module, so
+# its module fixture (the greedy continuations) is computed once.
+pytestmark = pytest.mark.xdist_group("decode")
 
 PROMPT = [17, 3, 99, 250, 41, 8, 8, 120, 77, 5, 301, 64]
 MAX_NEW = 32
@@ -38,11 +42,25 @@ def test_dflash_ddtree_equals_greedy(which, budget, request, greedy):
     assert sum(len(s.emitted) for s in res.steps) + 1 == len(res.output_ids)
 
 
+@pytest.fixture(scope="module")
+def oracle():
+    """One GreedyMemo per model for the module's scripted drafters: their true continuations are the
+    same greedy prefixes whatever the budget (the memo returns what greedy_decode does,
+    tests/test_gate_work.py); the expected outputs still come from ``greedy``'s own greedy_decode."""
+    memos: dict[str, GreedyMemo] = {}
+
+    def get(name, target):
+        return memos.setdefault(name, GreedyMemo(target.model))
+
+    return get
+
+
 @pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("which", ["hybrid", "attention"])
-def test_scripted_ddtree_equals_greedy_with_deep_nonfirst_acceptance(which, budget, request, greedy):
+def test_scripted_ddtree_equals_greedy_with_deep_nonfirst_acceptance(which, budget, request, greedy, oracle):
     target, _ = request.getfixturevalue(which)
-    drafter = ScriptedDrafter(target.model, target.vocab_size, target.vocab_size - 1, seed=5)
+    drafter = ScriptedDrafter(target.model, target.vocab_size, target.vocab_size - 1, seed=5,
+                              oracle=oracle(which, target))
     res = DDTreeDecoder(target, drafter, DecodeConfig(budget=budget, max_new_tokens=MAX_NEW)).generate(PROMPT)
     assert res.output_ids == greedy(which, target)
     if budget is not None and budget >= 4:
@@ -53,11 +71,12 @@ def test_scripted_ddtree_equals_greedy_with_deep_nonfirst_acceptance(which, budg
         assert s.accepted == s.tree.path(s.accepted[-1])
 
 
-def test_tau_grows_with_budget_scripted(hybrid):
+def test_tau_grows_with_budget_scripted(hybrid, oracle):
     target, _ = hybrid
     taus = []
     for budget in [1, 15, 64]:
-        drafter = ScriptedDrafter(target.model, target.vocab_size, target.vocab_size - 1, seed=2)
+        drafter = ScriptedDrafter(target.model, target.vocab_size, target.vocab_size - 1, seed=2,
+                                  oracle=oracle("hybrid", target))
         taus.append(DDTreeDecoder(target, drafter, DecodeConfig(budget=budget, max_new_tokens=MAX_NEW)).generate(PROMPT).mean_tau)
     assert taus[0] < taus[1] <= taus[2]
 

@@ -17,6 +17,10 @@ from refcheck.reference_runner import EngineSpec
 from refcheck.selftest.faults import FAULTS
 from refcheck.selftest.run import selftest
 
+# --dist loadgroup: one xdist worker runs the whole module, so
+# its module fixtures (the selftest over every fault, the clean trace) are computed once.
+pytestmark = pytest.mark.xdist_group("diff")
+
 
 @pytest.fixture(scope="module")
 def session():
@@ -47,7 +51,6 @@ def selftest_rows():
     return {r.fault: r for r in rows}
 
 
-@pytest.mark.xdist_group("selftest")
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_every_fault_is_detected_with_its_category(fault, selftest_rows):
     row = selftest_rows[fault]
@@ -55,13 +58,11 @@ def test_every_fault_is_detected_with_its_category(fault, selftest_rows):
     assert row.category_found, row.to_json()
 
 
-@pytest.mark.xdist_group("selftest")
 def test_selftest_clean_row_is_clean(selftest_rows):
     row = selftest_rows["clean"]
     assert row.ok and row.findings == 0 and not row.detected
 
 
-@pytest.mark.xdist_group("selftest")
 def test_sibling_leak_bisects_to_a_linear_attention_layer(selftest_rows):
     row = selftest_rows["sibling-leak"]
     assert row.first["category"] == "logits"

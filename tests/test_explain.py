@@ -12,6 +12,10 @@ from refcheck.errors import EXIT_USAGE, UsageError
 from refcheck.golden import REPO_GOLDEN
 from refcheck.trace.io import read_trace
 
+# --dist loadgroup: one xdist worker runs the whole module, so
+# its module session (models and shared reference work) is built once.
+pytestmark = pytest.mark.xdist_group("explain")
+
 
 @pytest.fixture(scope="module")
 def session():

@@ -30,6 +30,10 @@ from refcheck.selftest.faults import (
 from refcheck.selftest.onset import fault_onset
 from reference.decode import DDTreeDecoder, DecodeConfig
 
+# --dist loadgroup: one xdist worker runs the whole module, so
+# its module fixture (the clean run and every fault's) is computed once.
+pytestmark = pytest.mark.xdist_group("fault_corpus")
+
 #: the corpus's discrete faults (the first nine of FAULTS are tests/test_diff.py's)
 CORPUS = ["parent-state", "attention-extra-node", "deep-positions-plus-one", "topk-ids-shifted", "kv-last-unwritten",
           "walk-stops-early", "conv-first-sibling", "bonus-from-root", "draft-context-no-root"]

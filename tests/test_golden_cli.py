@@ -17,12 +17,28 @@ from refcheck.trace.io import RequestRow, Trace, read_trace, write_trace
 from refcheck.trace.manifest import load_manifest, sha256_file
 
 
+def _use_session(mp: pytest.MonkeyPatch, session) -> None:
+    """Every command run in-process hands out ``session`` where it would make a new DiffSession."""
+    mp.setattr("refcheck.diff.session.DiffSession", lambda: session)
+    mp.setattr("refcheck.golden.DiffSession", lambda: session)
+
+
 @pytest.fixture(scope="module")
-def repo_gate() -> tuple[int, dict]:
+def gate_session():
+    """The DiffSession of the repository gate below, for the tests of the same group that diff the
+    repository's goldens again (see ``golden_session``)."""
+    from refcheck.diff.session import DiffSession
+
+    return DiffSession()
+
+
+@pytest.fixture(scope="module")
+def repo_gate(gate_session) -> tuple[int, dict]:
     """One ``refcheck gate --json --profile --workers 1`` over the repository's goldens: (exit code,
     JSON). The suite's most expensive run, made once for the tests that read its verdicts and its
     work counts (they share an xdist group, so one worker runs them); one process, so the counts do
-    not depend on how many cores the machine has."""
+    not depend on how many cores the machine has. It runs on a fresh session (its work counts are
+    the gate's own), which the group's later tests then share."""
     import contextlib
     import io
     import sys
@@ -31,9 +47,20 @@ def repo_gate() -> tuple[int, dict]:
 
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exc:
+        _use_session(mp, gate_session)
         mp.setattr(sys, "argv", ["refcheck", "gate", "--json", "--profile", "--workers", "1"])
         entry()
     return int(exc.value.code or 0), json.loads(out.getvalue())
+
+
+@pytest.fixture
+def golden_session(repo_gate, gate_session, monkeypatch):
+    """The repository gate's session, warm, for a test that diffs goldens again (in-process commands
+    included): its models, the target's greedy continuations and the reference's own runs are shared,
+    as the gate shares them between cases (DiffSession: the same results as computed afresh); replay,
+    the rounding ensemble and the verdict are each diff's own."""
+    _use_session(monkeypatch, gate_session)
+    return gate_session
 
 
 @pytest.mark.xdist_group("repository_gate")
@@ -114,7 +141,8 @@ def test_gate_work_stays_within_its_budget(repo_gate):
     assert got["reference_decodes"] > 0 and got["greedy_forwards"] > 0 and got["ensemble_steps"] > 0
 
 
-def test_diff_budget_15_against_goldens(cli, monkeypatch):
+@pytest.mark.xdist_group("repository_gate")
+def test_diff_budget_15_against_goldens(cli, monkeypatch, golden_session):
     code, out, err = cli("diff", "--budget", "15", "--json")
     assert code == EXIT_PASS, err
     cases = {r["case"] for r in json.loads(out)["reports"]}
@@ -285,7 +313,8 @@ def test_triaged_findings_pass_the_gate_and_others_still_fail(tmp_path):
     assert rep.stats["steps"] == {"pass": 5, "fail": 1, "triaged": 1} and rep.exit_code == 1
 
 
-def test_diff_steps_table_shows_each_replayed_step(cli):
+@pytest.mark.xdist_group("repository_gate")
+def test_diff_steps_table_shows_each_replayed_step(cli, golden_session):
     path = REPO_GOLDEN / load_manifest(REPO_GOLDEN).cases["sglang-hybrid-dflash-b15"].file
     code, _, err = cli("diff", "--against", str(path), "--mode", "replay", "--steps")
     assert code == 0  # the calibrated verdict, with no manifest rule: the once-reviewed nodes are judged rounding
@@ -294,17 +323,17 @@ def test_diff_steps_table_shows_each_replayed_step(cli):
     assert rows and "triaged" in rows[0] and "logits" in rows[0] and "node 10" in rows[0]
 
 
-def test_an_expected_failure_must_first_show_where_the_manifest_says():
+@pytest.mark.xdist_group("repository_gate")
+def test_an_expected_failure_must_first_show_where_the_manifest_says(golden_session):
     """A fault golden's ``expect_first``: the gate passes it only while its first failure stays at that
     request, step, node and layer; moved, the case fails ("expected failure NOT caught")."""
-    from refcheck.diff.session import DiffSession
     from refcheck.golden import check_trace, parse_expect_first
 
     entry = load_manifest(REPO_GOLDEN).cases["sglang-hybrid-ddtree-fault-flat-positions"]
     trace = read_trace(REPO_GOLDEN / entry.file)
     settings = entry.provenance
     assert settings["expect_first"] == parse_expect_first("code-1:0:6:3")
-    session = DiffSession()
+    session = golden_session
     assert check_trace("f", trace, settings, session).verdict == "expected failure caught"
     moved = {**settings, "expect_first": parse_expect_first("code-1:0:7:-")}
     rep = check_trace("f", trace, moved, session)
@@ -319,7 +348,8 @@ def test_regen_explains_how_engine_goldens_are_replaced(cli):
     assert code == EXIT_USAGE and "another engine's trace" in err and "golden add" in err
 
 
-def test_golden_add_refuses_a_trace_that_would_fail_the_gate(cli, tmp_path):
+@pytest.mark.xdist_group("repository_gate")
+def test_golden_add_refuses_a_trace_that_would_fail_the_gate(cli, tmp_path, golden_session):
     """`golden add` puts the trace through the gate first: an SGLang trace with unreviewed findings and
     unrecorded categories is refused (nothing written); with its findings triaged it lands and passes."""
     from refcheck.errors import EXIT_GOLDEN
@@ -338,7 +368,8 @@ def test_golden_add_refuses_a_trace_that_would_fail_the_gate(cli, tmp_path):
     assert [r["verdict"] for r in json.loads(out)["reports"]] == ["pass"]
 
 
-def test_diff_on_the_goldens_judges_them_as_the_gate_does(cli, tmp_path):
+@pytest.mark.xdist_group("repository_gate")
+def test_diff_on_the_goldens_judges_them_as_the_gate_does(cli, tmp_path, golden_session):
     """One judgement of a golden: `refcheck diff --budget 15` applies the manifest entry's rules as the gate
     does. With its allowance for the engine's unrecorded draft top-k taken away, the DDTree golden fails in
     both (the gate is strict about skips; diff once passed it)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -45,11 +46,17 @@ def _normalised(path):
 
 @pytest.mark.parametrize("engine, code", [("reference", EXIT_PASS), ("fault:state-flat-index", EXIT_MISMATCH)])
 def test_two_workers_equal_one(cli, tmp_path, engine, code):
+    from refcheck.prompts import BUILTIN_PROMPTS
+
+    # three of the built-in prompts: split over two workers as [0, 2] and [1], so the merge has to
+    # interleave the shards back into prompt order
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(Path(BUILTIN_PROMPTS).read_text().splitlines(keepends=True)[:3]))
     results = {}
     for w in (1, 2):
         out = tmp_path / f"w{w}.arrow"
         rc, stdout, err = cli("diff", "--engine", engine, "--drafter", "scripted", "--max-new-tokens", "12",
-                              "--workers", str(w), "--save-trace", str(out), "--json")
+                              "--prompts", str(prompts), "--workers", str(w), "--save-trace", str(out), "--json")
         assert rc == code, err
         rep = json.loads(stdout)["reports"][0]
         results[w] = (rep, _normalised(out))
@@ -63,6 +70,7 @@ def test_two_workers_equal_one(cli, tmp_path, engine, code):
 
     assert sorted(map(key, r1["findings"])) == sorted(map(key, r2["findings"]))
     assert t1.provenance == t2.provenance
+    assert [r.request_id for r in t2.requests] == [r.request_id for r in t1.requests] and len(t2.requests) == 3
     assert [r.output_ids for r in t1.requests] == [r.output_ids for r in t2.requests]
     assert [(s.request_id, s.step, s.tree_tokens, s.accepted) for s in t1.steps] == \
         [(s.request_id, s.step, s.tree_tokens, s.accepted) for s in t2.steps]
@@ -72,3 +80,38 @@ def test_gate_with_workers(cli):
     rc, stdout, err = cli("gate", "--workers", "2", "--case", "hybrid-b1", "--case", "attention-b15", "--json")
     assert rc == EXIT_PASS, err
     assert [r["case"] for r in json.loads(stdout)["reports"]] == ["hybrid-b1", "attention-b15"]
+
+
+def test_thread_share_is_capped_by_omp_num_threads(monkeypatch):
+    from refcheck import parallel
+
+    monkeypatch.setattr(parallel, "usable_cpus", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert [parallel.thread_share(w) for w in (1, 2, 3, 16)] == [8, 4, 2, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # e.g. one of several test or CI processes on the host
+    assert [parallel.thread_share(w) for w in (1, 2, 4)] == [3, 3, 2]
+    for junk in ("", "0", "many"):
+        monkeypatch.setenv("OMP_NUM_THREADS", junk)
+        assert parallel.thread_share(2) == 4
+
+
+def test_a_live_diff_run_inline_keeps_the_callers_thread_count(cli, tmp_path, monkeypatch):
+    """`refcheck diff --engine` with one worker runs in this process: it takes its share of the cores
+    while it runs and gives the old count back (a test process left at two threads oversubscribed the
+    cores for every test after it)."""
+    import torch
+
+    from refcheck import parallel
+
+    seen = []
+    real = parallel.live_trace
+    monkeypatch.setattr(parallel, "usable_cpus", lambda: 2)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(parallel, "live_trace", lambda *a, **k: (seen.append(torch.get_num_threads()), real(*a, **k))[1])
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt_ids": [30, 31, 32, 33]}\n')
+    torch.set_num_threads(1)
+    rc, _, err = cli("diff", "--engine", "reference", "--drafter", "scripted", "--prompts", str(prompts),
+                     "--max-new-tokens", "4", "--mode", "replay")
+    assert rc == EXIT_PASS, err
+    assert seen == [2] and torch.get_num_threads() == 1

@@ -19,6 +19,10 @@ from refcheck.selftest.sampling_faults import SAMPLING_FAULTS, SELFTEST_SAMPLING
 from refcheck.trace.io import trace_bytes, trace_from_bytes
 from reference.sampling import inverse_cdf, keyed_uniforms, tempered_probs
 
+# --dist loadgroup: one xdist worker runs the whole module, so
+# its module fixtures (the sampled clean run and its session) are computed once.
+pytestmark = pytest.mark.xdist_group("sampling_diff")
+
 MAX_NEW = 12
 
 

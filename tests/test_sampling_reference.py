@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from reference.decode import DDTreeDecoder, DecodeConfig
 from reference.errors import SamplingError
-from reference.oracle import sample_decode
+from reference.oracle import GreedyMemo, sample_decode
 from reference.sampling import (
     Sampling,
     boundary_margin,
@@ -120,7 +120,9 @@ def oracle_cache():
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_tree_sampling_equals_target_only_sampling(hybrid, oracle_cache, seed, budget, temp, top_k, top_p, request):
     target, _ = hybrid
-    drafter = ScriptedDrafter(target.model, target.vocab_size, target.vocab_size - 1, seed=3)
+    # the drafter's truth (greedy prefixes) is shared between examples: a GreedyMemo on the same weights
+    memo = oracle_cache.setdefault("greedy", GreedyMemo(target.model))
+    drafter = ScriptedDrafter(target.model, target.vocab_size, target.vocab_size - 1, seed=3, oracle=memo)
     s = Sampling(temp, top_k, top_p, seed)
     key = (seed, temp, top_k, top_p, request)
     if key not in oracle_cache:

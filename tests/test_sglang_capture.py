@@ -27,6 +27,10 @@ from refcheck.sglang_capture.state import committed_rows, summarise, summarise_s
 from refcheck.sglang_capture.steps import StepCapture, chain_steps, prefill_records, tree_steps
 from reference.tree import Tree, TreeError
 
+# --dist loadgroup: one xdist worker runs the whole module, so
+# its module fixture (the reference run the captures are cut from) is computed once.
+pytestmark = pytest.mark.xdist_group("sglang_capture")
+
 SLOTS, MAMBA_SLOTS, MAX_LEN = 512, 9, 128
 
 

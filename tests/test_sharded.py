@@ -78,8 +78,8 @@ def test_sharded_reference_equals_one_process(tmp_path, world, budget):
     prompt = list(load_prompts()[1].prompt_ids)
     max_new = 20
     target, drafter = _load()
-    ref = _summary(_decode(target, drafter, prompt, budget, max_new))
     ref_res = _decode(target, drafter, prompt, budget, max_new)
+    ref = _summary(ref_res)
     mp.start_processes(_rank_main, args=(world, free_port(), prompt, budget, max_new, str(tmp_path)), nprocs=world,
                        start_method="spawn")
     held = []

@@ -131,8 +131,11 @@ def test_whole_fixed_shape_step_with_the_static_drafter_decodes_like_the_decoder
     target, drafter = pair
     prompt = list(load_prompts()[3].prompt_ids)
     steps = 8
-    ref = DDTreeDecoder(target, drafter, DecodeConfig(budget=budget, max_new_tokens=400)).generate(prompt)
     block = drafter.block_size
+    # a step emits at most a block, and drafts block - 1 deep while that much room is left: with
+    # (steps + 1) blocks of room, every compared step drafts full blocks (the decoder runs no further)
+    ref = DDTreeDecoder(target, drafter, DecodeConfig(budget=budget, max_new_tokens=(steps + 1) * block)).generate(prompt)
+    assert len(ref.steps) >= steps
     capture = tuple(drafter.target_layer_ids)
     drafter.reset()
     p = torch.tensor(prompt)

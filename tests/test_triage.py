@@ -20,6 +20,10 @@ from refcheck.errors import GoldenError
 from refcheck.golden import REPO_GOLDEN, check_trace
 from refcheck.trace.io import Trace, read_trace
 
+# --dist loadgroup: one xdist worker runs the whole module, so
+# its module fixtures (the budget-64 golden's replay and its session) are computed once.
+pytestmark = pytest.mark.xdist_group("triage")
+
 B64 = REPO_GOLDEN / "sglang-hybrid-ddtree-b64.arrow"
 #: code-1 holds the budget-64 findings these tests move around; arith-2 holds a triaged node of its own
 #: (step 2 node 48), the "other request" whose verdicts must not change. Replay is per request, so the

@@ -10,35 +10,79 @@ the sha256 ``MANIFEST.json`` beside stored traces. The format is documented in
 
 from __future__ import annotations
 
-from refcheck.trace.codec import DTYPE_NAMES, decode_tensor, encode_tensor
-from refcheck.trace.io import (
-    RequestRow,
-    StateEntry,
-    StepRow,
-    Trace,
-    atomic_write_bytes,
-    read_trace,
-    trace_bytes,
-    trace_from_bytes,
-    write_trace,
-)
-from refcheck.trace.manifest import (
-    MANIFEST_NAME,
-    HistoryEntry,
-    Manifest,
-    ManifestEntry,
-    load_manifest,
-    sha256_file,
-)
-from refcheck.trace.schema import (
-    REQUESTS_SCHEMA,
-    SCHEMA_VERSION,
-    STATE_KINDS,
-    STEPS_SCHEMA,
-    TIMING_FIELDS,
-    SchemaVersionError,
-    TraceValidationError,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Names are loaded on first use (PEP 562): ``refcheck.trace.store`` and ``manifest`` (the golden
+# store's transactions, `refcheck golden remove`) do not need torch, which the tensor codec imports.
+_EXPORTS = {
+    "DTYPE_NAMES": "codec",
+    "decode_tensor": "codec",
+    "encode_tensor": "codec",
+    "RequestRow": "io",
+    "StateEntry": "io",
+    "StepRow": "io",
+    "Trace": "io",
+    "atomic_write_bytes": "io",
+    "read_trace": "io",
+    "trace_bytes": "io",
+    "trace_from_bytes": "io",
+    "write_trace": "io",
+    "MANIFEST_NAME": "manifest",
+    "HistoryEntry": "manifest",
+    "Manifest": "manifest",
+    "ManifestEntry": "manifest",
+    "load_manifest": "manifest",
+    "sha256_file": "manifest",
+    "REQUESTS_SCHEMA": "schema",
+    "SCHEMA_VERSION": "schema",
+    "STATE_KINDS": "schema",
+    "STEPS_SCHEMA": "schema",
+    "TIMING_FIELDS": "schema",
+    "SchemaVersionError": "schema",
+    "TraceValidationError": "schema",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:  # the same names, eagerly, for type checkers
+    from refcheck.trace.codec import DTYPE_NAMES, decode_tensor, encode_tensor
+    from refcheck.trace.io import (
+        RequestRow,
+        StateEntry,
+        StepRow,
+        Trace,
+        atomic_write_bytes,
+        read_trace,
+        trace_bytes,
+        trace_from_bytes,
+        write_trace,
+    )
+    from refcheck.trace.manifest import (
+        MANIFEST_NAME,
+        HistoryEntry,
+        Manifest,
+        ManifestEntry,
+        load_manifest,
+        sha256_file,
+    )
+    from refcheck.trace.schema import (
+        REQUESTS_SCHEMA,
+        SCHEMA_VERSION,
+        STATE_KINDS,
+        STEPS_SCHEMA,
+        TIMING_FIELDS,
+        SchemaVersionError,
+        TraceValidationError,
+    )
 
 __all__ = [
     "DTYPE_NAMES",
@@ -67,3 +111,7 @@ __all__ = [
     "trace_from_bytes",
     "write_trace",
 ]
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
