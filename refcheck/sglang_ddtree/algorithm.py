@@ -33,6 +33,7 @@ import types
 from pathlib import Path
 
 from refcheck.sglang_ddtree.faults import ALGORITHMS as FAULT_ALGORITHMS
+from refcheck.sglang_ddtree.hidden_states import HIDDEN_STATES_CEILING
 
 NAME = "REFCHECK_DDTREE"
 #: the same worker with the hybrid backend in its chain layout (topk 1): the tree flattened through the
@@ -42,20 +43,6 @@ LEAKY_NAME = "REFCHECK_DDTREE_LEAKY_CHAIN"
 #: (``REFCHECK_DDTREE_FAULT_MAMBA_FLAT_INDEX`` ...; refcheck/sglang_ddtree/faults.py says what each does)
 FAULT_NAMES: tuple[str, ...] = tuple(FAULT_ALGORITHMS)
 _done = False
-
-#: the server's hidden-state ceiling the algorithm runs with (SGLang's ``return_hidden_states_mode``): the
-#: target's CUDA graphs are captured with it, and the verify needs every node's hidden states
-HIDDEN_STATES_CEILING = "full"
-
-
-def hidden_states_ceiling_is_full(server_args) -> bool:
-    """Whether SGLang 0.5.17's ``get_server_return_hidden_states_mode(server_args)`` is ``FULL``
-    (``forward_batch_info.py:234-240``: ``"last"`` wins over ``enable_return_hidden_states``)."""
-    mode = getattr(server_args, "return_hidden_states_mode", None)
-    if mode == "last":
-        return False
-    return mode == "full" or bool(getattr(server_args, "enable_return_hidden_states", False))
-
 
 def check_server_args(server_args, leaky: bool = False) -> None:
     """ValueError for settings the worker cannot honour; in-place fixes for the ones it needs."""

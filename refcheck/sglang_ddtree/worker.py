@@ -46,8 +46,8 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
 from refcheck.sglang_ddtree import faults
-from refcheck.sglang_ddtree.algorithm import HIDDEN_STATES_CEILING, hidden_states_ceiling_is_full
 from refcheck.sglang_ddtree.drafts import DrafterPool, TargetView, draft_tree, extend_context
+from refcheck.sglang_ddtree.hidden_states import HIDDEN_STATES_CEILING, hidden_states_ceiling_is_full
 from refcheck.sglang_ddtree.layout import batch_layout
 from reference.drafter import DFlashDrafter
 
