@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from refcheck.models import builtin_pair
 from refcheck.prompts import load_prompts
 from refcheck.sglang_ddtree.algorithm import check_server_args, ngram_like_spec_class
-from refcheck.sglang_ddtree.hidden_states import hidden_states_ceiling_is_full
 from refcheck.sglang_ddtree.drafts import DrafterPool, TargetView, draft_tree, extend_context
+from refcheck.sglang_ddtree.hidden_states import hidden_states_ceiling_is_full
 from refcheck.sglang_ddtree.layout import TreeLayoutError, ancestor_mask, batch_layout
 from reference.decode import DDTreeDecoder, DecodeConfig
 from reference.drafter import DFlashDrafter
