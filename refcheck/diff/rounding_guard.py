@@ -1,0 +1,161 @@
+"""The rounding judgement of one replayed request: the ensemble of a step, run at most once, and what
+its spreads decide.
+
+Contract: :class:`RoundingGuard` is the part of a request's replay (:mod:`refcheck.diff.replay`) that
+holds deviations against the rounding ensemble (:mod:`refcheck.diff.triage`): :meth:`step_ensemble` sets
+up a step's ensemble (node log-probs at the engine's top-k ids and both argmaxes, the draft, the committed
+state), run on first use; :meth:`judged` is a deviation over its bound held to the rule's factor x its
+spread; :meth:`beyond_rounding` is one *under* its bound at an anchor step; :meth:`consistent` records a
+deviation rounding explains, which :meth:`settle` reports as triaged only if nothing fails at its step or
+earlier, and :meth:`withdraw` turns into a failure once the request fails later. Every judged deviation's
+ratio to its spread is kept in the report's ``rounding_ratios`` (the calibration's raw data).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from refcheck.diff.findings import Finding, Report, Verdict
+from refcheck.diff.triage import RoundingEnsemble, Rule, StepInputs, StepSpread
+from refcheck.profile import timed
+from refcheck.sketch import rel_l2, sketch_rows, state_rows
+from refcheck.trace.io import StateEntry, StepRow
+from reference.state import TargetState
+from reference.tree import Tree
+
+MAX_RATIOS = 4000  # judged deviations kept per report for `refcheck calibrate`
+
+
+def _as_compared(entry: StateEntry, rows: torch.Tensor) -> torch.Tensor:
+    """Reference state rows in the form the engine recorded them: full rows, or their sketch."""
+    return rows.float().cpu() if entry.full is not None else sketch_rows(rows)
+
+
+class RoundingGuard:
+    """A request's rounding judgement (mixed into the replay's request; its attributes are set there)."""
+
+    rep: Report
+    rid: str
+    rule: Rule | None
+    ensemble: RoundingEnsemble | None
+    pending: list[Finding]  # this step's deviations consistent with rounding, settled at the step's end
+    spread: Callable[[], StepSpread] | None  # this step's ensemble, run at most once
+    failed_at: int | None  # the first step of this request with a failure
+    last_spread: float | None  # the spread the last judged deviation was held against
+    since: int  # index of this step's first finding in the report
+
+    def consistent(self, category: str, step: int, message: str, details: dict[str, Any], **kw: Any) -> None:
+        """A deviation over its bound that rounding at the engine's dtype explains: triaged or failed at
+        the step's end (:meth:`settle`). Only reached through a judgement, so the calibration has a rule."""
+        assert self.rule is not None
+        details.update(rule="rounding", samples=self.rule.samples, factor=self.rule.factor)
+        self.pending.append(Finding(Verdict.TRIAGED, category, self.rid, step, message=message, details=details, **kw))
+
+    def judged(self, deviation: float, spread: Callable[[StepSpread], float | None]) -> float | None:
+        """The quantity's rounding spread when the calibration judges over-bound deviations and this one
+        is within it; else None (the deviation fails)."""
+        self.last_spread = None
+        if self.rule is None or self.spread is None or self.failing():
+            return None  # (after a failure the deviation could not be triaged anyway: no ensemble is run)
+        value = spread(self.spread())
+        self.last_spread = value
+        if value is None:
+            return None
+        ratios = self.rep.stats.setdefault("rounding_ratios", [])
+        if len(ratios) < MAX_RATIOS:  # deviation / spread of every judged quantity: the calibration's raw data
+            ratios.append(round(deviation / value, 4) if value > 0 else float("inf"))
+        return value if self.rule.covers(deviation, value) else None
+
+    def beyond_rounding(self, step: int, deviation: float, floor: float,
+                        spread: Callable[[StepSpread], float | None]) -> float | None:
+        """At an anchor step (the rule's first ``anchor_steps`` steps of the request), a deviation *within* its
+        cheap bound that is still more than ``factor`` x its rounding spread (and above ``floor``, the fp32
+        reference's own precision): its spread, else None. Nothing is judged once the request has failed."""
+        if self.rule is None or self.spread is None or step >= self.rule.anchor_steps or deviation <= floor \
+                or self.failing():
+            return None
+        value = self.judged(deviation, spread)
+        return self.last_spread if value is None and self.last_spread is not None else None
+
+    def failing(self) -> bool:
+        """Has this request failed, earlier or at this step so far?"""
+        return self.failed_at is not None or any(f.verdict == Verdict.FAIL for f in self.rep.findings[self.since:])
+
+    def settle(self, since: int, step: int) -> None:
+        """Report the step's rounding-consistent deviations: triaged only if nothing else failed at this
+        step or earlier in the request."""
+        failed_here = any(f.verdict == Verdict.FAIL for f in self.rep.findings[since:])
+        if self.pending and (failed_here or self.failed_at is not None):
+            where = f"step {self.failed_at}" if self.failed_at is not None else "this step"
+            for f in self.pending:
+                f.verdict = Verdict.FAIL
+                f.message += f"; not triaged: the request fails at {where}, so rounding cannot be presumed"
+                f.details["not_triaged"] = where
+        self.rep.findings.extend(self.pending)
+        self.pending = []
+        if self.failed_at is None and any(f.verdict == Verdict.FAIL for f in self.rep.findings[since:]):
+            self.failed_at = step
+
+    def withdraw(self, start: int) -> None:
+        """Once the request has failed, no deviation *before* that step stays triaged either: rounding is
+        presumed only for a request that is otherwise right. A fault that first moves ill-conditioned nodes
+        within rounding and shows outright only a step later is then reported at those nodes too (as failures
+        "not triaged", which :meth:`Report.first_divergence` ranks after the outright ones)."""
+        if self.failed_at is None:
+            return
+        where = f"step {self.failed_at}"
+        moved: dict[int | None, list[Finding]] = {}  # step -> its triaged findings
+        for f in self.rep.findings[start:]:
+            if f.verdict == Verdict.TRIAGED and f.details.get("rule") == "rounding":
+                moved.setdefault(f.step, []).append(f)
+        if not moved:
+            return
+        steps = self.rep.stats.setdefault("steps", {"pass": 0, "benign_tie": 0, "fail": 0})
+        for found in moved.values():
+            for f in found:
+                f.verdict = Verdict.FAIL
+                f.message += f"; not triaged: the request fails at {where}, so rounding cannot be presumed"
+                f.details["not_triaged"] = where
+            steps["triaged"] = steps.get("triaged", 0) - 1  # the step's worst finding is now a failure
+            steps["fail"] = steps.get("fail", 0) + 1
+
+    def step_ensemble(self, s: StepRow, tree: Tree, logp: torch.Tensor, committed: list[int],
+                      draft_ref: torch.Tensor | None, new_state: TargetState | None, prev: int) -> None:
+        """Set up this step's rounding ensemble (run on first use): node log-probs at the engine's
+        top-k ids and both argmaxes, the draft at the engine's draft ids, the committed state."""
+        self.spread = None
+        if self.ensemble is None:
+            return
+        n, V = tree.num_nodes, logp.shape[-1]
+        ids = torch.tensor(s.topk_ids, dtype=torch.long) if s.topk_ids else torch.zeros(n, 0, dtype=torch.long)
+        ref_arg = logp.argmax(dim=-1).cpu()
+        eng_arg = torch.tensor(s.target_argmax, dtype=torch.long)
+        eng_arg = eng_arg.clamp(0, V - 1) if eng_arg.shape == ref_arg.shape else ref_arg
+        cols = torch.cat([ids, ref_arg[:, None], eng_arg[:, None]], dim=1)  # [N, k+2]
+        draft_ids = torch.tensor(s.draft_topk_ids, dtype=torch.long) if draft_ref is not None else None
+        entries = {e.name: e for e in s.state}
+        ref_rows = {name: _as_compared(entries[name], rows)
+                    for name, (_, _, rows) in (state_rows(new_state, prev).items() if new_state is not None else ())
+                    if name in entries}
+
+        def state_error(state: TargetState, length: int) -> dict[str, float]:
+            got = state_rows(state, length)
+            return {name: rel_l2(_as_compared(entries[name], got[name][2]), ref) for name, ref in ref_rows.items()
+                    if name in got}
+
+        inputs = StepInputs(committed, tree.tokens, tree.parents, tree.depths, list(s.accepted), cols, draft_ids,
+                            state_error if ref_rows else None)
+        node_ref = logp.cpu().gather(1, cols)  # [N, k+2]
+
+        ensemble = self.ensemble
+
+        @timed("ensemble", counter="ensemble_steps")
+        def run() -> StepSpread:
+            self.rep.stats["ensemble_steps"] = self.rep.stats.get("ensemble_steps", 0) + 1
+            return StepSpread.of_step(ensemble.sample(inputs), node_ref, ids.shape[1], draft_ref)
+
+        self.spread = functools.cache(run)
