@@ -44,13 +44,9 @@ class CorpusRun:
 
         from refcheck.reference_runner import EngineSpec
 
-        spec = EngineSpec(drafter=self.drafter, budget=self.budget, dtype=self.dtype, device=self.device,
-                          max_new_tokens=max_new_tokens)
-        if self.model_dir is None:
-            spec.pair = self.pair
-        else:
-            spec.model_dir, spec.draft_dir = Path(self.model_dir), Path(self.draft_dir) if self.draft_dir else None
-        return spec
+        return EngineSpec(pair=self.pair, drafter=self.drafter, budget=self.budget, dtype=self.dtype, device=self.device,
+                          max_new_tokens=max_new_tokens, model_dir=Path(self.model_dir) if self.model_dir else None,
+                          draft_dir=Path(self.draft_dir) if self.draft_dir else None)
 
 
 def default_corpus(dtypes: list[str], device: str, faults: list[str], pairs: tuple[str, ...] = ("hybrid", "attention"),

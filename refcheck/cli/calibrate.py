@@ -113,8 +113,10 @@ def calibrate(out_dir, dtypes, device, ref_device, faults, no_faults, no_corpus,
             rows += json.loads(f.read_text())["rows"]
         except (ValueError, KeyError, TypeError) as exc:
             raise UsageError(f"--rows {f}: not a calibration.json ({exc})") from None
-    seen: set[str] = set()  # a run in two parts (each part's clean twins) counts once: the first row of a name
-    rows = [r for r in rows if not (r["name"] in seen or seen.add(r["name"]))]
+    first: dict[str, dict] = {}  # a run in two parts (each part's clean twins) counts once: the first row of a name
+    for r in rows:
+        first.setdefault(r["name"], r)
+    rows = list(first.values())
     summary = summarize(rows)
     atomic_write_bytes(out_dir / "calibration.json",
                        (json.dumps({"summary": summary, "rows": rows}, indent=1, default=str) + "\n").encode())

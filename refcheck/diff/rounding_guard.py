@@ -35,6 +35,13 @@ def _as_compared(entry: StateEntry, rows: torch.Tensor) -> torch.Tensor:
     return rows.float().cpu() if entry.full is not None else sketch_rows(rows)
 
 
+def _not_triaged(f: Finding, where: str) -> None:
+    """A rounding-consistent finding in a request that fails (at ``where``): a failure, with the reason."""
+    f.verdict = Verdict.FAIL
+    f.message += f"; not triaged: the request fails at {where}, so rounding cannot be presumed"
+    f.details["not_triaged"] = where
+
+
 class RoundingGuard:
     """A request's rounding judgement (mixed into the replay's request; its attributes are set there)."""
 
@@ -92,9 +99,7 @@ class RoundingGuard:
         if self.pending and (failed_here or self.failed_at is not None):
             where = f"step {self.failed_at}" if self.failed_at is not None else "this step"
             for f in self.pending:
-                f.verdict = Verdict.FAIL
-                f.message += f"; not triaged: the request fails at {where}, so rounding cannot be presumed"
-                f.details["not_triaged"] = where
+                _not_triaged(f, where)
         self.rep.findings.extend(self.pending)
         self.pending = []
         if self.failed_at is None and any(f.verdict == Verdict.FAIL for f in self.rep.findings[since:]):
@@ -108,20 +113,14 @@ class RoundingGuard:
         if self.failed_at is None:
             return
         where = f"step {self.failed_at}"
-        moved: dict[int | None, list[Finding]] = {}  # step -> its triaged findings
-        for f in self.rep.findings[start:]:
-            if f.verdict == Verdict.TRIAGED and f.details.get("rule") == "rounding":
-                moved.setdefault(f.step, []).append(f)
-        if not moved:
-            return
-        steps = self.rep.stats.setdefault("steps", {"pass": 0, "benign_tie": 0, "fail": 0})
-        for found in moved.values():
-            for f in found:
-                f.verdict = Verdict.FAIL
-                f.message += f"; not triaged: the request fails at {where}, so rounding cannot be presumed"
-                f.details["not_triaged"] = where
-            steps["triaged"] = steps.get("triaged", 0) - 1  # the step's worst finding is now a failure
-            steps["fail"] = steps.get("fail", 0) + 1
+        found = [f for f in self.rep.findings[start:] if f.verdict == Verdict.TRIAGED and f.details.get("rule") == "rounding"]
+        for f in found:
+            _not_triaged(f, where)
+        moved = len({f.step for f in found})  # steps whose worst finding is now a failure
+        if moved:
+            steps = self.rep.stats.setdefault("steps", {"pass": 0, "benign_tie": 0, "fail": 0})
+            steps["triaged"] = steps.get("triaged", 0) - moved
+            steps["fail"] = steps.get("fail", 0) + moved
 
     def step_ensemble(self, s: StepRow, tree: Tree, logp: torch.Tensor, committed: list[int],
                       draft_ref: torch.Tensor | None, new_state: TargetState | None, prev: int) -> None:
