@@ -112,7 +112,7 @@ KINDS: tuple[EngineKind, ...] = (
                frozenset(), None, None, _open_fault, samples=True),
     EngineKind("zlab", "zlab", "z-lab's dflash package (chain mode)", frozenset(), None, None, _open_zlab),
     EngineKind("sglang", "sglang[:ALGORITHM]", "a real SGLang engine, its verify steps captured by refcheck's plugin",
-               SGLANG_OPTIONS, "bfloat16", "cuda", _open_sglang),
+               SGLANG_OPTIONS, "bfloat16", "cuda", _open_sglang, samples=True),
 )
 
 

@@ -59,6 +59,20 @@ CONFIGS = {
     **{f"ddtree-fault-{f.lower().replace('_', '-')}": ["--sglang-algorithm", f"REFCHECK_DDTREE_FAULT_{f}", "--budget", "15",
                                                          "--layer-sketches"]
        for f in ("MAMBA_FLAT_INDEX", "KV_MOVE_LAST", "FLAT_POSITIONS", "BONUS_NEIGHBOUR")},
+    # temperature > 0 (docs/sampling.md): REFCHECK_DDTREE samples with refcheck's keyed sampler (exact replay, the
+    # free run token for token); NGRAM and NONE with SGLang's own generator (the distributional test: run with
+    # --max-new-tokens 128 so the 6 prompts reach its stated power); a bonus fault must still be caught
+    **{f"{name}-t1": [*args, "--temperature", "1.0", "--seed", "1"] for name, args in (
+        ("none", ["--sglang-algorithm", "NONE"]),
+        ("ngram", ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "10"]),
+        ("ngram-graphs", ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "10", "--cuda-graphs"]),
+        ("ddtree-b15", ["--sglang-algorithm", "REFCHECK_DDTREE", "--budget", "15"]),
+        ("ddtree-b64", ["--sglang-algorithm", "REFCHECK_DDTREE", "--budget", "64"]),
+        ("ddtree-b15-graphs", ["--sglang-algorithm", "REFCHECK_DDTREE", "--budget", "15", "--cuda-graphs"]),
+        ("ddtree-fault-bonus-neighbour", ["--sglang-algorithm", "REFCHECK_DDTREE_FAULT_BONUS_NEIGHBOUR", "--budget", "15"]),
+        ("ddtree-fault-kv-move-last", ["--sglang-algorithm", "REFCHECK_DDTREE_FAULT_KV_MOVE_LAST", "--budget", "15"]))},
+    "ddtree-b15-t07": ["--sglang-algorithm", "REFCHECK_DDTREE", "--budget", "15", "--temperature", "0.7", "--top-k", "20",
+                       "--top-p", "0.9", "--seed", "2"],
     # SGLang in float32 (the sharp check that tells bf16 numerics from engine bugs) is refused for the
     # built-in Qwen3.5 pair on 0.5.17: its gemma_rmsnorm has no float32 kernel (refcheck/sglang_capture/versions.py)
     "dflash-fp32": ["--sglang-algorithm", "DFLASH", "--budget", "15", "--dtype", "float32"],

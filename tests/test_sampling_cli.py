@@ -38,7 +38,7 @@ def test_bad_sampling_input_is_exit_2_one_line(cli, tmp_path, args, says, comman
 
 
 @pytest.mark.parametrize("args", [("diff", "--engine", "zlab", "--budget", "chain"),
-                                  ("diff", "--engine", "sglang"),
+                                  ("diff", "--engine", "sglang:DFLASH"),
                                   ("sweep", "--engine", "sglang", "--no-plots")])
 def test_engines_that_cannot_sample_are_refused(cli, args):
     code, _, err = cli(*args, "--temperature", "1.0")

@@ -12,6 +12,7 @@ flattened through the recurrent layers (the leak) is caught.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace as NS
 
 import pytest
@@ -25,6 +26,8 @@ from refcheck.sglang_capture.layout import links_from_parents
 from refcheck.sglang_capture.records import Capture, Recorder, read_capture
 from refcheck.sglang_capture.state import committed_rows, summarise, summarise_shard
 from refcheck.sglang_capture.steps import StepCapture, chain_steps, prefill_records, tree_steps
+from refcheck.sglang_ddtree.sampling import RequestKeys, first_token, sample_tree
+from reference.sampling import Sampling, request_key
 from reference.tree import Tree, TreeError
 
 # --dist loadgroup: one xdist worker runs the whole module, so
@@ -82,17 +85,20 @@ def _shard(kv, mamba, rank: int, tp: int, groups):
 
 
 def fake_sglang(runner, prompts, trees, layout: str, leaky: bool = False, steps: int = 4, tp: int = 1,
-                full: bool = False, layer_sketches: bool = False):
+                full: bool = False, layer_sketches: bool = False, sampling: Sampling | None = None):
     """Run a batched fake SGLang over the given per-step trees; returns (capture, results, rids).
-    ``tp`` > 1: every rank records its own shards of the state, as SGLang's TP schedulers do."""
+    ``tp`` > 1: every rank records its own shards of the state, as SGLang's TP schedulers do.
+    ``sampling``: the tree steps and first tokens are REFCHECK_DDTREE's keyed sampler's (its real code)."""
     target = runner.target
     rids = {p.id: f"rid-{i}" for i, p in enumerate(prompts)}
+    keys = [RequestKeys(sampling, request_key(p.id)) if sampling is not None else None for p in prompts]
     cap = Capture(steps={0: []}, prefills={0: []})
     states, roots, outputs = [], [], []
-    for p in prompts:
+    for p, key in zip(prompts, keys):
         st, fwd = target.prefill(torch.tensor(p.prompt_ids))
-        first = int(fwd.logits[-1].argmax())
-        cap.prefills[0] += prefill_records(fwd.logits[-1:], torch.tensor([first]), [rids[p.id]], [len(p.prompt_ids)])
+        first, u = (int(fwd.logits[-1].argmax()), None) if key is None else first_token(fwd.logits[-1], key, len(p.prompt_ids))
+        cap.prefills[0] += prefill_records(fwd.logits[-1:], torch.tensor([first]), [rids[p.id]], [len(p.prompt_ids)],
+                                           None if u is None else {rids[p.id]: u})
         states.append(st)
         roots.append(first)
         outputs.append([first])
@@ -106,13 +112,21 @@ def fake_sglang(runner, prompts, trees, layout: str, leaky: bool = False, steps:
             fwd = target.forward(states[b], toks, parents, depths, leaky=leaky, keep_layer_outputs=layer_sketches)
             tree = Tree(toks, parents, depths, torch.tensor(sibling_ranks(parents.tolist(), toks.tolist(), depths.tolist())),
                         torch.zeros(n))
-            accs.append(tree.walk_greedy(fwd.logits.argmax(-1)))
+            accs.append(tree.walk_greedy(fwd.logits.argmax(-1)))  # greedy; a sampled run's walk is the sampler's
             tok_rows.append(toks)
             fwds.append(fwd)
         logits = torch.cat([f.logits for f in fwds])  # [bs*N, V]
         rid_list = [rids[p.id] for p in prompts]
         committed = [s.length for s in states]
-        if layout == "tree":
+        if layout == "tree" and sampling is not None:
+            links = [links_from_parents(parents.tolist()) for _ in prompts]
+            nt, ns = torch.tensor([lk[0] for lk in links]), torch.tensor([lk[1] for lk in links])
+            predict, lens, accept_index, draws, uniforms = sample_tree(logits, torch.stack(tok_rows), nt, ns, keys,
+                                                                       committed, n)
+            accs = [[int(i) - b * n for i in accept_index[b, : int(lens[b])]] for b in range(len(prompts))]
+            recs = tree_steps(torch.cat(tok_rows), nt, ns, logits, accept_index, lens, predict, rid_list, committed,
+                              positions=torch.cat([c + depths for c in committed]), draws=draws, uniforms=uniforms)
+        elif layout == "tree":
             links = [links_from_parents(parents.tolist()) for _ in prompts]
             accept_index = torch.full((len(prompts), n), -1, dtype=torch.int32)
             predict = torch.zeros(len(prompts) * n, dtype=torch.int32)
@@ -197,6 +211,37 @@ def test_tree_capture_of_a_correct_engine_passes(setup):
     assert not rep.failures, [f.message for f in rep.failures]
     assert rep.checks["recurrent"] > 0 and rep.checks["kv"] > 0 and rep.checks["conv"] > 0
     assert len(asm.trace.steps) == 4 * len(prompts)
+
+
+def test_sampled_tree_capture_of_the_keyed_sampler_replays_exactly(setup):
+    """REFCHECK_DDTREE's keyed sampler at T = 1 (its real code on the fake engine's flat tensors), through
+    the capture records and the assembly: the trace carries every node's draw and uniform and refcheck's
+    keys, and the diff replays it exactly (every step judged); a draw moved
+    to another uniform is a sampling finding at its step and node."""
+    runner, prompts, _ = setup
+    s = Sampling(1.0, top_p=0.95, seed=4)
+    prompts = prompts[:1]
+    sampled = ReferenceRunner(replace(runner.spec, sampling=s))
+    steps = sampled.trace(prompts)[0].steps_of(prompts[0].id)  # the trees a sampled run verifies (its own draws)
+    trees = [(torch.tensor(x.tree_parents), torch.tensor(x.tree_depths), [torch.tensor(x.tree_tokens)]) for x in steps[:4]]
+    cap, results, rids = fake_sglang(runner, prompts, trees, "tree", sampling=s)
+    asm = assemble_trace(prompts, rids, results, cap, _prov(runner, prompts, 15), s, "refcheck-philox-position")
+    assert not asm.problems and not asm.incomplete
+    trace = asm.trace
+    assert all(r.temperature == 1.0 and r.rng_request == request_key(r.request_id) and 0 <= r.first_uniform < 1
+               for r in trace.requests)
+    assert all(len(st.node_draws) == len(st.tree_tokens) == len(st.node_uniforms) for st in trace.steps)
+    rep = DiffSession().diff(trace, "fake-sglang-sampled", mode="replay")  # (the fake stops after 4 steps: no free run)
+    assert not rep.failures, [f.message for f in rep.failures]
+    assert rep.checks["sampling"] >= len(trace.steps)
+    assert any(st.accept_length > 1 for st in trace.steps), "nothing accepted: the walk is not exercised"
+    st = next(x for x in trace.steps if x.accept_length > 1)
+    node = st.accepted[1]
+    bad_u = list(st.node_uniforms)
+    bad_u[node] = (bad_u[node] + 0.5) % 1.0
+    bad = replace(trace, steps=[replace(x, node_uniforms=bad_u) if x is st else x for x in trace.steps])
+    rep = DiffSession().diff(bad, "moved-uniform", mode="replay")
+    assert ("sampling", st.step, node) in {(f.category, f.step, f.node) for f in rep.failures if f.request_id == st.request_id}
 
 
 def test_tree_capture_catches_the_recurrent_leak(setup):

@@ -29,6 +29,7 @@ from refcheck.selftest.faults import SequentialPositions, StateFromFlatIndex, _c
 from refcheck.selftest.onset import fault_onset
 from refcheck.sglang_ddtree.algorithm import faulty_worker
 from reference.decode import DDTreeDecoder, DecodeConfig
+from reference.sampling import Sampling, request_key
 from reference.tree import Tree
 
 
@@ -131,7 +132,18 @@ class Engine:
         model = NS(model=NS(embed_tokens=target.body.embed_tokens), lm_head=target.model.lm_head,
                    set_dflash_layers_to_capture=lambda ids: setattr(self, "captured_ids", list(ids)))
         self.model_runner = NS(model=model, model_config=NS(vocab_size=target.vocab_size,
-                                                            num_hidden_layers=len(target.layers)))
+                                                            num_hidden_layers=len(target.layers)), sample=self.sample)
+
+    @staticmethod
+    def sample(logits_output, batch):
+        """SGLang's sampler at a sampling batch: its own draw, and the logits overwritten in place with
+        softmax(logits / T) (sglang/srt/layers/sampler.py), which the worker must not read as logits."""
+        logits = logits_output.next_token_logits
+        if all(float(r.sampling_params.temperature) < 1e-6 or r.sampling_params.top_k == 1 for r in batch.reqs):
+            return logits.argmax(-1)
+        t = torch.tensor([[float(r.sampling_params.temperature)] for r in batch.reqs])
+        logits[:] = torch.softmax(logits / t, dim=-1)
+        return torch.multinomial(logits, 1, generator=torch.Generator().manual_seed(0)).flatten()
 
     def forward_batch_generation(self, batch, is_verify=False, capture_hidden_mode=None):
         assert capture_hidden_mode == CaptureHiddenMode.FULL  # the drafter needs the hidden states
@@ -142,9 +154,8 @@ class Engine:
                 self.states[r.rid] = st
                 logits.append(fwd.logits[-1:])
                 hidden.append(fwd.context)
-            nl = torch.cat(logits)
-            return NS(logits_output=NS(next_token_logits=nl, hidden_states=torch.cat(hidden)),
-                      next_token_ids=nl.argmax(-1), can_run_cuda_graph=False)
+            out = NS(next_token_logits=torch.cat(logits), hidden_states=torch.cat(hidden))
+            return NS(logits_output=out, next_token_ids=self.model_runner.sample(out, batch), can_run_cuda_graph=False)
         vi, n = batch.spec_info, batch.spec_info.draft_token_num
         logits, hidden = [], []
         for b, r in enumerate(batch.reqs):
@@ -204,7 +215,16 @@ def worker_module(monkeypatch):
     sys.modules.pop("refcheck.sglang_ddtree.worker", None)
 
 
-def _run(module, engine_box, target, prompts, budget: int, max_new: int, fault: str | None = None):
+def _params(max_new: int, sampling: Sampling | None, prompt_id: str) -> NS:
+    """A request's SGLang sampling params: greedy as SGLang normalises it, or refcheck's keys (what the runner sends)."""
+    if sampling is None:
+        return NS(temperature=1.0, top_k=1, max_new_tokens=max_new)
+    return NS(temperature=sampling.temperature, top_k=sampling.top_k or -1, top_p=sampling.top_p, max_new_tokens=max_new,
+              custom_params={"refcheck_seed": sampling.seed, "refcheck_request": request_key(prompt_id)})
+
+
+def _run(module, engine_box, target, prompts, budget: int, max_new: int, fault: str | None = None,
+         sampling: Sampling | None = None):
     from reference.drafter import DFlashDrafter
 
     _, ddir = builtin_pair("hybrid")
@@ -219,7 +239,7 @@ def _run(module, engine_box, target, prompts, budget: int, max_new: int, fault: 
     worker.alloc_memory_pool()
     assert engine.captured_ids == list(capture)
     reqs = [NS(rid=f"r{i}", origin_input_ids=list(p.prompt_ids), output_ids=[],
-               sampling_params=NS(temperature=1.0, top_k=1, max_new_tokens=max_new)) for i, p in enumerate(prompts)]
+               sampling_params=_params(max_new, sampling, p.id)) for i, p in enumerate(prompts)]
     batch = NS(reqs=reqs, forward_mode=ForwardMode.EXTEND, extend_lens=[len(r.origin_input_ids) for r in reqs],
                prefix_lens=[0] * len(reqs), seq_lens=torch.tensor([len(r.origin_input_ids) for r in reqs]))
     res = worker.forward_batch_generation(batch)
@@ -256,18 +276,80 @@ def test_worker_decodes_exactly_like_the_reference_decoder(worker_module, hybrid
     assert set(worker.pool.contexts) <= {f"r{i}" for i in range(3)}
 
 
-def test_worker_refuses_sampling(worker_module, hybrid):
+@pytest.mark.parametrize(("budget", "sampling"), [
+    (15, Sampling(1.0, seed=7)), (15, Sampling(0.7, top_k=5, top_p=0.9, seed=3)), (32, Sampling(1.3, top_p=0.95, seed=11))])
+def test_sampled_worker_draws_exactly_what_the_reference_decoder_draws(worker_module, hybrid, budget, sampling):
+    """At T > 0 the worker's keyed sampler (refcheck/sglang_ddtree/sampling.py) gives the reference decoder's
+    sampled run token for token: the first token, every tree (built from the draft at the temperature),
+    every accepted path and bonus; the capture's draws and uniforms are the reference's."""
+    module, box = worker_module
+    target, drafter = hybrid
+    prompts = load_prompts()[:3]
+    spy: list[tuple] = []
+    real = module.sampling.keyed_sample
+
+    def keyed_sample(*args):
+        out = real(*args)
+        spy.append((list(args[1].reqs), out))
+        return out
+
+    box_sampling = module.sampling
+    box_sampling.keyed_sample = keyed_sample
+    try:
+        outputs, taus, worker = _run(module, box, target, prompts, budget, 20, sampling=sampling)
+    finally:
+        box_sampling.keyed_sample = real
+    n = budget + 1
+    for i, p in enumerate(prompts):
+        cfg = DecodeConfig(budget=budget, max_new_tokens=20, sampling=sampling)
+        ref = DDTreeDecoder(target, drafter, cfg).generate(list(p.prompt_ids), request=request_key(p.id))
+        assert outputs[f"r{i}"] == ref.output_ids
+        assert taus[f"r{i}"] == [s.accept_length for s in ref.steps]
+        mine = [(reqs.index(r), out) for reqs, out in spy for r in reqs if r.rid == f"r{i}"]
+        assert len(mine) == len(ref.steps)
+        for (b, (_, _, _, draws, uniforms)), st in zip(mine, ref.steps):
+            assert draws[b * n: b * n + st.tree.num_nodes].tolist() == st.draws.tolist()
+            assert uniforms[b * n: b * n + st.tree.num_nodes].tolist() == st.uniforms.tolist()
+    assert any(t > 1 for ts in taus.values() for t in ts), "nothing was accepted: the test shows nothing"
+
+
+def test_sampled_run_differs_from_greedy_and_with_the_seed(worker_module, hybrid):
     module, box = worker_module
     target, _ = hybrid
-    with pytest.raises(ValueError, match="temperature"):
-        engine = Engine(target, (1, 3))
-        box["engine"] = engine
-        _, ddir = builtin_pair("hybrid")
-        args = NS(disable_overlap_schedule=True, page_size=1, speculative_num_draft_tokens=16, speculative_eagle_topk=2,
-                  speculative_num_steps=15, device="cpu", tp_size=1, speculative_draft_model_path=str(ddir),
-                  return_hidden_states_mode="full")
-        worker = module.DDTreeWorker(server_args=args, gpu_id=0, ps=NS(tp_rank=0), nccl_port=0, target_worker=engine)
-        req = NS(rid="r", origin_input_ids=[5, 6, 7], output_ids=[9], sampling_params=NS(temperature=0.7, top_k=-1, max_new_tokens=8))
+    prompts = load_prompts()[:2]
+    greedy, _, _ = _run(module, box, target, prompts, 15, 20)
+    a, _, _ = _run(module, box, target, prompts, 15, 20, sampling=Sampling(1.0, seed=1))
+    b, _, _ = _run(module, box, target, prompts, 15, 20, sampling=Sampling(1.0, seed=2))
+    assert a != greedy and a != b
+
+
+def test_first_token_uniforms_are_kept_for_the_capture(worker_module, hybrid):
+    module, box = worker_module
+    target, _ = hybrid
+    prompts = load_prompts()[:2]
+    s = Sampling(1.0, seed=5)
+    _, _, worker = _run(module, box, target, prompts, 15, 1, sampling=s)
+    from reference.sampling import node_uniforms
+
+    want = {f"r{i}": float(node_uniforms(s, request_key(p.id), -1, [len(p.prompt_ids)])[0]) for i, p in enumerate(prompts)}
+    assert worker.last_first_uniforms == want
+
+
+@pytest.mark.parametrize("extra", [{"frequency_penalty": 0.5}, {"repetition_penalty": 1.1}, {"min_p": 0.05},
+                                   {"logit_bias": {"3": 1.0}}])
+def test_worker_refuses_sampling_features_it_does_not_implement(worker_module, hybrid, extra):
+    module, box = worker_module
+    target, _ = hybrid
+    engine = Engine(target, (1, 3))
+    box["engine"] = engine
+    _, ddir = builtin_pair("hybrid")
+    args = NS(disable_overlap_schedule=True, page_size=1, speculative_num_draft_tokens=16, speculative_eagle_topk=2,
+              speculative_num_steps=15, device="cpu", tp_size=1, speculative_draft_model_path=str(ddir),
+              return_hidden_states_mode="full")
+    worker = module.DDTreeWorker(server_args=args, gpu_id=0, ps=NS(tp_rank=0), nccl_port=0, target_worker=engine)
+    req = NS(rid="r", origin_input_ids=[5, 6, 7], output_ids=[9],
+             sampling_params=NS(temperature=0.7, top_k=-1, top_p=1.0, max_new_tokens=8, **extra))
+    with pytest.raises(ValueError, match=next(iter(extra))):
         worker._prepare_draft_tokens(NS(reqs=[req]))
 
 
@@ -299,7 +381,7 @@ def test_worker_refuses_to_start_without_the_full_hidden_state_ceiling(worker_mo
     (0.7, -1, False), (1.0, 40, False)])
 def test_greedy_is_temperature_zero_or_top_k_one(worker_module, temperature, top_k, greedy):
     module, _ = worker_module
-    assert module.is_greedy(NS(temperature=temperature, top_k=top_k)) is greedy
+    assert module.sampling.is_greedy(NS(temperature=temperature, top_k=top_k)) is greedy
 
 
 # -- faults injected into SGLang (refcheck/sglang_ddtree/faults.py) ---------------------------------------

@@ -8,6 +8,7 @@ they write are read back and checked against the stand-in pools, slot by slot.
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace as NS
 
 import pytest
@@ -55,6 +56,20 @@ def _batch(mode: str, spec: bool, outputs: list[list[int]]):
               req_pool_indices=torch.tensor([1, 2][: len(reqs)]), is_extend_in_batch=False)
 
 
+def _prefill(sched) -> torch.Tensor:
+    """A prefill of two requests through run_batch; returns its logits [2, V]."""
+    logits0 = torch.randn(2, V)
+    plugin._run_batch(lambda self, batch: NS(logits_output=NS(next_token_logits=logits0), next_token_ids=logits0.argmax(-1)),
+                      sched, _batch("extend", True, [[], []]))
+    return logits0
+
+
+def _tree() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two requests' trees (tokens [bs*N], first-child and next-sibling links [bs, N]): 0 -> {1, 2}, 1 -> 3."""
+    return (torch.tensor([7, 11, 12, 13, 9, 21, 22, 23]), torch.tensor([[1, 3, -1, -1]] * 2),
+            torch.tensor([[-1, 2, -1, -1]] * 2))
+
+
 @pytest.fixture
 def capture_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(tmp_path))
@@ -64,13 +79,10 @@ def capture_dir(tmp_path, monkeypatch):
 
 def test_prefill_and_tree_step_are_recorded_with_committed_state(capture_dir):
     sched, kb, conv, temporal = _scheduler()
-    logits0 = torch.randn(2, V)
-    plugin._run_batch(lambda self, batch: NS(logits_output=NS(next_token_logits=logits0), next_token_ids=logits0.argmax(-1)),
-                      sched, _batch("extend", True, [[], []]))
+    logits0 = _prefill(sched)
     # one verify step of two requests: tree 0 -> {1, 2}, 1 -> 3; request 0 accepts [0, 2], request 1 [0, 1, 3]
     batch = _batch("decode", True, [[7], [9]])
-    tokens = torch.tensor([7, 11, 12, 13, 9, 21, 22, 23])
-    nt, ns = torch.tensor([[1, 3, -1, -1]] * 2), torch.tensor([[-1, 2, -1, -1]] * 2)
+    tokens, nt, ns = _tree()
     logits = torch.randn(2 * N, V)
     verify_input = NS(draft_token=tokens, retrieve_next_token=nt, retrieve_next_sibling=ns,
                       positions=torch.tensor([3, 4, 4, 5, 3, 4, 4, 5]))
@@ -103,6 +115,56 @@ def test_prefill_and_tree_step_are_recorded_with_committed_state(capture_dir):
     assert torch.allclose(s1.state["conv.0"][2], sketch_rows(conv[0][0, 2].T))
     assert torch.allclose(s1.state["rec.0"][2], sketch_rows(temporal[0, 2].transpose(-1, -2).reshape(HV, -1)))
     assert cap.status and cap.status[0]["tp_rank"] == 0 and cap.status[0]["server_topk"] == 4
+
+
+def test_keyed_sampler_step_records_draws_uniforms_and_first_uniforms(capture_dir):
+    """REFCHECK_DDTREE's keyed sampler returns eagle_sample's three outputs plus every node's draw and
+    uniform: the hook records them for the sampled request only; the prefill record takes the keyed first
+    draw's uniform from the worker."""
+    sched, *_ = _scheduler()
+    sched.draft_worker = NS(last_first_uniforms={"r1": 0.25}, last_draft_s=None)
+    _prefill(sched)
+    batch = _batch("decode", True, [[7], [9]])
+    tokens, nt, ns = _tree()
+    verify_input = NS(draft_token=tokens, retrieve_next_token=nt, retrieve_next_sibling=ns, positions=None)
+    draws = torch.tensor([-1, -1, -1, -1, 21, 23, 5, 31])  # request 0 greedy, request 1 sampled
+    uniforms = torch.tensor([math.nan] * 4 + [0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    out = (torch.tensor([12, 0, 30, 0, 21, 23, 0, 31]), torch.tensor([2, 3]), torch.tensor([[0, 2, -1, -1], [4, 5, 7, -1]]),
+           draws, uniforms)
+
+    def worker(self, b):
+        plugin._eagle_sample(lambda *a: out, verify_input, b, NS(next_token_logits=torch.randn(2 * N, V)), None)
+        return NS(logits_output=None, next_token_ids=None)
+
+    plugin._run_batch(worker, sched, batch)
+    cap = read_capture(capture_dir)
+    assert not cap.errors, cap.errors
+    assert [math.isnan(p.uniform) for p in cap.prefills[0]] == [True, False] and cap.prefills[0][1].uniform == 0.25
+    s0, s1 = cap.steps[0]
+    assert (s0.draws, s0.uniforms) == ([], [])
+    assert s1.draws == [21, 23, 5, 31] and s1.uniforms == [0.1, 0.2, 0.3, 0.4] and s1.accepted == [0, 1, 3]
+
+
+def test_prefill_logprobs_come_from_the_logits_before_the_sampler_overwrites_them(capture_dir):
+    """At T > 0 SGLang's sampler turns next_token_logits into softmax(logits / T) in place; the prefill record's
+    log-prob is the raw logits' (kept by the ModelRunner.sample hook), not the probabilities'."""
+    sched, *_ = _scheduler()
+    raw = torch.randn(2, V) * 3
+
+    def sample(runner, lo, fb):
+        lo.next_token_logits[:] = torch.softmax(lo.next_token_logits / 0.7, dim=-1)
+        return torch.tensor([3, 4])
+
+    def worker(self, b):
+        lo = NS(next_token_logits=raw.clone())
+        ids = plugin._sample(sample, None, lo, NS(sampling_info=NS(is_all_greedy=False)))
+        return NS(logits_output=lo, next_token_ids=ids)
+
+    plugin._run_batch(worker, sched, _batch("extend", True, [[], []]))
+    cap = read_capture(capture_dir)
+    assert not cap.errors, cap.errors
+    lp = torch.log_softmax(raw, -1)
+    assert [p.logprob for p in cap.prefills[0]] == pytest.approx([float(lp[0, 3]), float(lp[1, 4])], abs=1e-5)
 
 
 def test_dflash_chain_step_and_target_only_step(capture_dir):

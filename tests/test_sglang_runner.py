@@ -80,7 +80,7 @@ def test_versions_resolve_targets_and_bindings():
     assert versions.resolve("json.decoder.JSONDecoder.decode") is __import__("json").decoder.JSONDecoder.decode
     with pytest.raises((ImportError, AttributeError)):
         versions.resolve("refcheck.no_such_module.f")
-    assert set(versions.HOOK_TARGETS) == {"run_batch", "eagle_sample", "dflash"}
+    assert set(versions.HOOK_TARGETS) == {"run_batch", "eagle_sample", "dflash", "ddtree_sample", "sample"}
     assert versions.patch_models() == [] or "sglang" in sys.modules  # nothing to patch without SGLang
 
     class Args:
@@ -341,3 +341,26 @@ def test_layer_sketches_under_cuda_graphs_are_refused_up_front():
     with pytest.raises(UsageError, match="--layer-sketches cannot be captured under --cuda-graphs"):
         SGLangRunner(EngineSpec(pair="hybrid", dtype="bfloat16", budget=15), "REFCHECK_DDTREE", cuda_graphs=True,
                      layer_sketches=True)
+
+
+def test_sampled_request_params_carry_refcheck_keys_only_for_the_keyed_sampler():
+    from refcheck.prompts import load_prompts
+    from refcheck.runners.sglang import check_sampling, request_sampling_params, sampling_rng
+    from reference.sampling import Sampling, request_key
+
+    p = load_prompts()[0]
+    greedy = EngineSpec(pair="hybrid", budget=15, max_new_tokens=8)
+    assert request_sampling_params(p, greedy, "REFCHECK_DDTREE")["temperature"] == 0.0
+    s = Sampling(0.8, top_k=0, top_p=0.9, seed=12)
+    spec = EngineSpec(pair="hybrid", budget=15, max_new_tokens=8, sampling=s)
+    mine = request_sampling_params(p, spec, "REFCHECK_DDTREE")
+    assert (mine["temperature"], mine["top_k"], mine["top_p"]) == (0.8, -1, 0.9)  # SGLang's top-k "off" is -1
+    assert mine["custom_params"] == {"refcheck_seed": 12, "refcheck_request": request_key(p.id)}
+    assert "custom_params" not in request_sampling_params(p, spec, "NGRAM")
+    assert sampling_rng("REFCHECK_DDTREE") == "refcheck-philox-position" and sampling_rng("NGRAM") == "engine"
+    with pytest.raises(UsageError, match="cannot sample"):
+        check_sampling("DFLASH", s)
+    with pytest.raises(UsageError, match="position"):
+        check_sampling("REFCHECK_DDTREE", Sampling(0.8, keying="node"))
+    check_sampling("NGRAM", Sampling(0.8, keying="node"))  # SGLang's own generator: the keying is not its
+    check_sampling("DFLASH", None)

@@ -201,7 +201,8 @@ def _diff_goldens(golden_dir, budget, model, session, mode, ref_dtype, ref_devic
 
 def _can_sample(engine: str) -> bool:
     """Live engines whose runs refcheck can record at temperature > 0 (the engine table's ``samples``: the
-    reference decoder and its faults; z-lab's dflash_generate and SGLang are driven greedily for now)."""
+    reference decoder and its faults, and SGLang (which refuses the algorithms it cannot capture at T > 0);
+    z-lab's dflash_generate is driven greedily)."""
     from refcheck.engines import kind_of
 
     return kind_of(engine).samples

@@ -14,6 +14,13 @@ draft model: ``budget + 1`` draft tokens, BFS breadth ``ngram_breadth``) and any
 user's SGLang build registers (captured through the same hooks when it verifies with
 ``eagle_sample``).
 
+Temperature > 0 (``spec.sampling``): REFCHECK_DDTREE and its twins sample with refcheck's keyed
+sampler inside SGLang (the request's seed and request word go in ``custom_params``; the trace's
+``rng`` is ``refcheck-philox-position`` and replays exactly); NONE and NGRAM sample with SGLang's own
+generator (``rng`` ``engine``: judged by the distributional test). DFLASH at T > 0 is refused
+(SGLang falls back to greedy verification where its sampling kernel is missing, and its draws are
+not captured).
+
 Errors: no GPU or no SGLang -> :class:`EngineUnavailableError` (exit 2); SGLang failing to start
 on the model -> :class:`~refcheck.errors.ModelError` with SGLang's message summarised (exit 6); a
 crash during ``generate`` keeps every step captured so far, marks the trace's provenance
@@ -40,6 +47,7 @@ from refcheck.sglang_capture.records import UNTRACED_RID_PREFIX
 from refcheck.sglang_ddtree.faults import ALGORITHMS as FAULT_ALGORITHMS
 from refcheck.trace.io import Trace
 from reference.drafter import dflash_value
+from reference.sampling import Sampling, request_key
 
 # algorithms whose drafts come from the DFlash draft checkpoint (refcheck's DDTree and its leaky and faulty twins)
 DFLASH_DRAFTED = ("DFLASH", "REFCHECK_DDTREE", "REFCHECK_DDTREE_LEAKY_CHAIN", *FAULT_ALGORITHMS)
@@ -173,6 +181,41 @@ def engine_kwargs(spec: EngineSpec, model_path: str, algorithm: str = "NONE", cu
     return kw
 
 
+def sampling_rng(algorithm: str) -> str:
+    """How an algorithm's uniforms are keyed at T > 0 (a trace's ``rng``)."""
+    return "refcheck-philox-position" if algorithm in DFLASH_DRAFTED and algorithm != "DFLASH" else "engine"
+
+
+def check_sampling(algorithm: str, sampling: Sampling | None) -> None:
+    """Refusals for a sampled SGLang run (before any engine starts)."""
+    if sampling is None or sampling.greedy:
+        return
+    if algorithm == "DFLASH":
+        raise UsageError("SGLang's DFLASH cannot sample under refcheck (--temperature > 0): it falls back to greedy "
+                         "verification where its sampling kernel is missing, and exposes no draws; sample with "
+                         "REFCHECK_DDTREE (exact replay) or NGRAM / NONE (distributional test)")
+    if sampling_rng(algorithm) != "engine" and sampling.keying != "position":
+        raise UsageError(f"{algorithm} keys its draws by position only (refcheck's keying 'position'), "
+                         f"not {sampling.keying!r}")
+
+
+def request_sampling_params(prompt: Prompt, spec: EngineSpec, algorithm: str) -> dict[str, Any]:
+    """One request's SGLang sampling params: greedy, or refcheck's temperature / top-k / top-p (and, for the
+    keyed sampler, its seed and request word)."""
+    # ignore_eos: refcheck stops only at the explicit --stop ids, exactly like the reference
+    out: dict[str, Any] = {"temperature": 0.0, "max_new_tokens": prompt.max_new_tokens or spec.max_new_tokens,
+                           "stop_token_ids": sorted(spec.stop_token_ids), "ignore_eos": True}
+    s = spec.sampling
+    if s is None or s.greedy:
+        return out
+    out.update(temperature=float(s.temperature), top_p=float(s.top_p), top_k=int(s.top_k) if s.top_k > 0 else -1)
+    if sampling_rng(algorithm) != "engine":
+        from refcheck.sglang_ddtree.sampling import REQUEST_KEY, SEED_KEY
+
+        out["custom_params"] = {SEED_KEY: int(s.seed), REQUEST_KEY: request_key(prompt.id)}
+    return out
+
+
 def install_entry_point(root: Path) -> Path:
     """A minimal distribution that declares refcheck's plugin entry point; its directory goes first
     on ``sys.path`` (spawned schedulers inherit the parent's ``sys.path``) and ``PYTHONPATH``."""
@@ -225,6 +268,7 @@ class SGLangRunner:
         self.timing_repeats = timing_repeats  # warm, untraced generates after the captured one (sweep tok/s)
         tdir, ddir = spec.resolved_dirs()
         self.budget = resolve_budget(self.algorithm, spec.budget, ddir, tdir)
+        check_sampling(self.algorithm, spec.sampling)
         if spec.dtype == "float32":
             from refcheck.sglang_capture.versions import float32_refusal, installed_version
 
@@ -287,13 +331,7 @@ class SGLangRunner:
         results = {p.id: {"output_ids": o} for p, o in zip(prompts, run.get("outputs") or [])}
         crash = None if run.get("stage") == "done" else (run.get("error") or "the engine process died mid-run")
         cap = read_capture(records) if self.capture else Capture()
-        settings = {k: v for k, v in kw.items() if k not in ("model_path", "speculative_draft_model_path")}
-        settings.update(algorithm=self.algorithm, pair=self.spec.pair, stop_token_ids=sorted(self.spec.stop_token_ids),
-                        engine_start_s=round(run.get("start_s") or 0.0, 2), generate_s=round(run.get("generate_s") or 0.0, 2),
-                        repeat_generate_s=[round(t, 3) for t in run.get("repeat_generate_s") or []],
-                        repeats_match=run.get("repeats_match"),
-                        tree_rules="structural",
-                        draft_dir=str(ddir) if ddir and self.spec.model_dir is not None else None)
+        settings = self._settings(kw, run, ddir)
         prov = build_provenance(
             engine="sglang", engine_version=str(run.get("sglang", "unknown")), settings=settings,
             model_dir=tdir, draft_dir=ddir if self.algorithm in DFLASH_DRAFTED else None, dtype=self.spec.dtype,
@@ -301,7 +339,8 @@ class SGLangRunner:
             block_size=(draft_block_size(ddir) or self.budget + 1) if self.algorithm in DFLASH_DRAFTED else self.budget + 1,
             drafter="dflash" if self.algorithm in DFLASH_DRAFTED else "none", prompt_set_sha256=prompt_set_hash(prompts),
             model_label=self.spec.model_label)
-        asm = assemble_trace(prompts, rids, results, cap, prov)
+        asm = assemble_trace(prompts, rids, results, cap, prov, self.spec.sampling if self.spec.sampled else None,
+                             sampling_rng(self.algorithm))
         from refcheck.sglang_capture.versions import SUPPORTED
 
         seen = {str(st.get("sglang")) for st in cap.status} - set(SUPPORTED)
@@ -317,6 +356,18 @@ class SGLangRunner:
             prov["capture"]["partial_trace"] = str(cdir / "partial.arrow")
         return asm.trace
 
+    def _settings(self, kw: dict, run: dict, ddir: Path | None) -> dict[str, Any]:
+        """The provenance's engine settings: SGLang's arguments (paths left out) and how the run went."""
+        settings = {k: v for k, v in kw.items() if k not in ("model_path", "speculative_draft_model_path")}
+        settings.update(algorithm=self.algorithm, pair=self.spec.pair, stop_token_ids=sorted(self.spec.stop_token_ids),
+                        engine_start_s=round(run.get("start_s") or 0.0, 2), generate_s=round(run.get("generate_s") or 0.0, 2),
+                        repeat_generate_s=[round(t, 3) for t in run.get("repeat_generate_s") or []],
+                        repeats_match=run.get("repeats_match"), tree_rules="structural",
+                        **({"sampling": self.spec.sampling.to_json(), "rng": sampling_rng(self.algorithm)}
+                           if self.spec.sampled and self.spec.sampling is not None else {}),
+                        draft_dir=str(ddir) if ddir and self.spec.model_dir is not None else None)
+        return settings
+
     def _run_engine(self, cdir: Path, env: dict, kw: dict, prompts: list[Prompt], rids: dict[str, str]) -> dict:
         """SGLang in its own process (sglang_child); returns its last reported stage."""
         job, result, log = cdir / "job.json", cdir / "result.json", cdir / "engine.log"
@@ -325,9 +376,7 @@ class SGLangRunner:
             "engine_kwargs": kw, "result": str(result), "input_ids": [list(p.prompt_ids) for p in prompts],
             "rids": [rids[p.id] for p in prompts],
             "timing_rids": [[f"{UNTRACED_RID_PREFIX}{k}-{rids[p.id]}" for p in prompts] for k in range(self.timing_repeats)],
-            # ignore_eos: refcheck stops only at the explicit --stop ids, exactly like the reference
-            "sampling_params": [{"temperature": 0.0, "max_new_tokens": p.max_new_tokens or self.spec.max_new_tokens,
-                                 "stop_token_ids": sorted(self.spec.stop_token_ids), "ignore_eos": True} for p in prompts]}))
+            "sampling_params": [request_sampling_params(p, self.spec, self.algorithm) for p in prompts]}))
         with log.open("w") as f:
             # a session of its own: on a timeout the engine's schedulers go down with it
             proc = subprocess.Popen([sys.executable, "-m", "refcheck.runners.sglang_child", str(job)], env=env,
@@ -357,6 +406,10 @@ class SGLangRunner:
         if not cap.status:
             return ["no scheduler process loaded refcheck's SGLang plugin (entry point group sglang.srt.plugins)"]
         need = {"run_batch"} | ({"dflash"} if self.algorithm == "DFLASH" else {"eagle_sample"} if self.algorithm != "NONE" else set())
+        if self.spec.sampled:
+            need.add("sample")
+            if sampling_rng(self.algorithm) != "engine":
+                need.add("ddtree_sample")
         out = []
         for st in cap.status:
             for name in sorted(need):

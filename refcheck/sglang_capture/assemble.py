@@ -11,6 +11,11 @@ request is listed in :attr:`Assembly.incomplete`. Inconsistencies between the re
 output (a step's emitted tokens not matching the output, committed lengths that do not follow
 each other, tensor-parallel ranks that disagree) are not repaired: they stay in the trace for the diff to report, and are listed in
 :attr:`Assembly.problems`.
+
+Sampled runs (``sampling`` given, temperature > 0): every request row carries the parameters and
+``rng`` (how the engine's uniforms are keyed: ``refcheck-philox-position`` for REFCHECK_DDTREE's
+keyed sampler, whose request word is CRC-32 of the prompt id; ``engine`` for SGLang's own
+generator), and the steps and the first token carry the draws and uniforms the sampler exposed.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from refcheck.sglang_capture.records import Capture
 from refcheck.sglang_capture.state import combine_shards
 from refcheck.sglang_capture.steps import StepCapture
 from refcheck.trace.io import RequestRow, StateEntry, StepRow, Trace
+from reference.sampling import Sampling, request_key
 
 
 @dataclass
@@ -56,7 +62,7 @@ def _step_row(prompt_id: str, k: int, s: StepCapture, keep: int) -> StepRow:
         draft_topk_ids=[], draft_topk_logprobs=[], topk_ids=s.topk_ids, topk_logprobs=s.topk_logprobs,
         target_argmax=list(s.argmax), accepted=list(s.accepted), accept_length=len(s.accepted), bonus=s.bonus,
         emitted=list(s.emitted[:keep]), emitted_logprobs=list(s.emitted_logprobs[:keep]), state=state,
-        layer_sketch=s.layer_sketch,
+        layer_sketch=s.layer_sketch, node_draws=list(s.draws), node_uniforms=list(s.uniforms),
         # SGLang's whole scheduler step (draft, verify, commit) for the batch this step ran in; "draft":
         # the part of it REFCHECK_DDTREE spent drafting and building the batch's trees (NaN for others)
         timings={"draft": float(s.meta.get("batch_draft_s", math.nan)), "tree": math.nan,
@@ -97,10 +103,20 @@ def merge_ranks(capture: Capture, problems: list[str]) -> list[StepCapture]:
     return out
 
 
+def _request_row(p: Prompt, output: list[int], lps: list[float], first_uniform: float, sampling: Sampling | None,
+                 rng: str) -> RequestRow:
+    row = RequestRow(p.id, p.kind, list(p.prompt_ids), output, lps)
+    if sampling is not None and not sampling.greedy:
+        row.temperature, row.top_k, row.top_p, row.rng = sampling.temperature, sampling.top_k, sampling.top_p, rng
+        if rng.startswith("refcheck-philox"):  # refcheck's keys: recomputable by the diff
+            row.seed, row.rng_request, row.first_uniform = sampling.seed, request_key(p.id), first_uniform
+    return row
+
+
 def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[str, dict], capture: Capture,
-                   provenance: dict) -> Assembly:
+                   provenance: dict, sampling: Sampling | None = None, rng: str = "engine") -> Assembly:
     """prompts in order; rids: prompt id -> SGLang rid; results: prompt id -> generate result (may
-    lack crashed requests)."""
+    lack crashed requests); sampling / rng: the run's sampling parameters (module docstring)."""
     out = Assembly(Trace(provenance=provenance, requests=[], steps=[]))
     steps_by_rid: dict[str, list[StepCapture]] = {}
     for s in merge_ranks(capture, out.problems):
@@ -143,7 +159,8 @@ def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[st
             n_accepted += len(s.accepted)
         if lps and len(lps) != len(output):
             lps = []  # the records do not cover the whole output: no per-token log-probs rather than a misaligned list
-        out.trace.requests.append(RequestRow(p.id, p.kind, list(p.prompt_ids), output, lps))
+        out.trace.requests.append(_request_row(p, output, lps, first.uniform if first is not None else math.nan,
+                                               sampling, rng))
     out.stats = {"steps": n_steps, "branching_steps": n_branching,
                  "tau": n_accepted / n_steps if n_steps else None,
                  # steps whose target forward replayed one of SGLang's CUDA graphs (the rest ran eagerly)

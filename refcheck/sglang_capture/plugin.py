@@ -13,7 +13,13 @@ SGLang's ``HookRegistry``:
 * ``eagle_utils.eagle_sample`` (tree verify: NGRAM, EAGLE, any plugin algorithm that uses it): the
   tree, every node's log-probs (taken before SGLang adds penalties in place) and the accept outputs;
 * ``DFlashWorkerV2.forward_batch_generation`` (DFLASH chain verify): candidates, logits and
-  accepted lengths of each decode step.
+  accepted lengths of each decode step;
+* ``refcheck.sglang_ddtree.sampling.keyed_sample`` (REFCHECK_DDTREE at temperature > 0, in place of
+  ``eagle_sample``): the same tree records plus every node's draw and uniform; the prefill's keyed
+  first-token uniforms are read from the worker (``last_first_uniforms``);
+* ``ModelRunner.sample``: at temperature > 0 SGLang's sampler overwrites the logits in place with
+  ``softmax(logits / T)``; the raw logits are kept from just before it, for the prefill and
+  target-only decode records.
 
 Capture never changes what SGLang computes: hooks read and copy, and every failure inside a hook is
 written to the capture directory as an error record instead of being raised into SGLang. The
@@ -58,6 +64,7 @@ class _Batch:
     topk: int | None
     pending: list[StepCapture] = field(default_factory=list)
     step_s: float = float("nan")
+    raw_logits: torch.Tensor | None = None  # [bs, V] before a sampling batch's sampler overwrote them
 
     def committed_of(self, rids: list[str]) -> list[int]:
         where = dict(zip(self.rids, self.committed))
@@ -82,7 +89,8 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    hooks = {"run_batch": _run_batch, "eagle_sample": _eagle_sample, "dflash": _dflash_forward}
+    hooks = {"run_batch": _run_batch, "eagle_sample": _eagle_sample, "dflash": _dflash_forward,
+             "ddtree_sample": _eagle_sample, "sample": _sample}
     for name, target in versions.HOOK_TARGETS.items():
         try:
             _originals[name] = versions.resolve(target)
@@ -207,12 +215,15 @@ def _after(scheduler: Any, snap: _Batch, result: Any) -> None:
     """Record what the batch produced (``_run_batch`` has synchronised the device after it)."""
     rec = _rec(scheduler)
     logits = getattr(getattr(result, "logits_output", None), "next_token_logits", None)
+    if snap.raw_logits is not None:  # the sampler overwrote them with probabilities
+        logits = snap.raw_logits
     if snap.mode == "extend":
         if logits is None:
             return
         done = [i for i, (p, f) in enumerate(zip(snap.prompt_lens, snap.fill_lens)) if f >= p]  # last prefill chunk
         recs = prefill_records(logits[done], torch.as_tensor(result.next_token_ids).reshape(-1)[done],
-                               [snap.rids[i] for i in done], [snap.prompt_lens[i] for i in done])
+                               [snap.rids[i] for i in done], [snap.prompt_lens[i] for i in done],
+                               getattr(getattr(scheduler, "draft_worker", None), "last_first_uniforms", None))
         for r in recs:
             rec.prefill(r)
         return
@@ -268,6 +279,20 @@ def _run_batch(original, self, batch, *args, **kwargs):
     return result
 
 
+def _sample(original, self, logits_output, forward_batch, *args, **kwargs):
+    snap = _batch
+    if snap is not None:
+        _guard("sample:before", _keep_raw_logits, snap, logits_output, forward_batch)
+    return original(self, logits_output, forward_batch, *args, **kwargs)
+
+
+def _keep_raw_logits(snap: _Batch, logits_output: Any, forward_batch: Any) -> None:
+    info = getattr(forward_batch, "sampling_info", None)
+    logits = getattr(logits_output, "next_token_logits", None)
+    if info is not None and not info.is_all_greedy and logits is not None:
+        snap.raw_logits = logits.detach().clone()
+
+
 # -- verify hooks ----------------------------------------------------------------------------------------
 def _eagle_sample(original, *args, **kwargs):
     snap = _batch
@@ -297,9 +322,10 @@ def _tree_inputs(args: tuple, kwargs: dict) -> dict[str, Any] | None:
 
 
 def _tree_records(snap: _Batch, pre: dict[str, Any], result: tuple) -> list[StepCapture]:
-    predict, accept_lens, accept_index = result
+    predict, accept_lens, accept_index = result[:3]
+    draws, uniforms = result[3:5] if len(result) >= 5 else (None, None)  # the keyed sampler's
     return tree_steps(pre["tokens"], pre["nt"], pre["ns"], pre["logits"], accept_index, accept_lens, predict,
-                      pre["rids"], snap.committed_of(pre["rids"]), positions=pre["pos"],
+                      pre["rids"], snap.committed_of(pre["rids"]), positions=pre["pos"], draws=draws, uniforms=uniforms,
                       meta={"server_topk": snap.topk, "layout_in_engine": "tree" if (snap.topk or 0) > 1 else "chain"})
 
 

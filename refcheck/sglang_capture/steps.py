@@ -15,6 +15,7 @@ Committed state is attached later (``state``), after SGLang's commit has run.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -50,6 +51,9 @@ class StepCapture:
     # name -> (layer, kind, sketch [rows, r] float32, full rows or None), set after the commit
     state: dict[str, tuple[int, str, torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     layer_sketch: torch.Tensor | None = None  # [layers, N, r] when the layer hooks ran
+    # the keyed sampler's (REFCHECK_DDTREE at T > 0): every node's draw [N] and uniform [N]; [] = not exposed
+    draws: list[int] = field(default_factory=list)
+    uniforms: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return _fields(self)
@@ -95,9 +99,11 @@ def _check_batch(name: str, n: int, rids: Sequence[str], committed: Sequence[int
 def tree_steps(tokens: torch.Tensor, next_token: torch.Tensor | None, next_sibling: torch.Tensor | None,
                logits: torch.Tensor, accept_index: torch.Tensor, accept_lens: torch.Tensor, predict: torch.Tensor,
                rids: Sequence[str], committed: Sequence[int], positions: torch.Tensor | None = None,
-               meta: dict[str, Any] | None = None) -> list[StepCapture]:
+               meta: dict[str, Any] | None = None, draws: torch.Tensor | None = None,
+               uniforms: torch.Tensor | None = None) -> list[StepCapture]:
     """Records of one ``eagle_sample`` call. tokens/predict [bs*N], links [bs, N] (None: a chain),
-    logits [bs*N, V], accept_index [bs, W] (flat indices, -1 padded), accept_lens [bs] (bonus counted)."""
+    logits [bs*N, V], accept_index [bs, W] (flat indices, -1 padded), accept_lens [bs] (bonus counted);
+    draws [bs*N] / uniforms [bs*N] where the sampler exposes them (-1 / NaN at a greedy request's nodes)."""
     bs = int(accept_lens.shape[0])
     _check_batch("tree_steps", bs, rids, committed)
     n = int(tokens.shape[0]) // bs if bs else 0
@@ -107,6 +113,8 @@ def tree_steps(tokens: torch.Tensor, next_token: torch.Tensor | None, next_sibli
     pos = positions.view(bs, n).cpu().tolist() if positions is not None else None  # [bs*N] -> [bs, N]
     acc_rows, acc_lens, pred = accept_index.cpu().tolist(), accept_lens.cpu().tolist(), predict.cpu().tolist()
     lp = node_logprobs(logits)
+    dr = draws.cpu().tolist() if draws is not None else None
+    un = uniforms.cpu().tolist() if uniforms is not None else None
     out = []
     for b in range(bs):
         parents = parents_from_links(nt[b], ns[b]) if nt is not None else [-1] + list(range(n - 1))
@@ -122,6 +130,8 @@ def tree_steps(tokens: torch.Tensor, next_token: torch.Tensor | None, next_sibli
             topk_ids=lp.topk_ids[b * n:(b + 1) * n], topk_logprobs=lp.topk_logprobs[b * n:(b + 1) * n],
             argmax=lp.argmax[b * n:(b + 1) * n], accepted=accepted, bonus=emitted[-1] if emitted else -1, emitted=emitted,
             emitted_logprobs=_emitted_logprobs(lp.logp, [b * n + j for j in accepted], emitted), layout="tree", meta=m))
+        if dr is not None and un is not None and any(d >= 0 for d in dr[b * n:(b + 1) * n]):  # a sampled request
+            out[-1].draws, out[-1].uniforms = [int(d) for d in dr[b * n:(b + 1) * n]], list(un[b * n:(b + 1) * n])
     return out
 
 
@@ -172,14 +182,18 @@ class PrefillCapture:
     prompt_len: int
     token: int
     logprob: float
+    uniform: float = float("nan")  # the keyed first draw's uniform (REFCHECK_DDTREE at T > 0); NaN = not exposed
 
     def to_dict(self) -> dict[str, Any]:
         return _fields(self)
 
 
-def prefill_records(logits: torch.Tensor, next_ids: torch.Tensor, rids: Sequence[str], prompt_lens: Sequence[int]) -> list[PrefillCapture]:
-    """logits [bs, V] (last position of each request), next_ids [bs]."""
+def prefill_records(logits: torch.Tensor, next_ids: torch.Tensor, rids: Sequence[str], prompt_lens: Sequence[int],
+                    uniforms: dict[str, float] | None = None) -> list[PrefillCapture]:
+    """logits [bs, V] (last position of each request), next_ids [bs]; uniforms: rid -> the first draw's uniform."""
     lp = node_logprobs(logits)
     nxt = [int(t) for t in next_ids.reshape(-1).cpu().tolist()]
     lps = _emitted_logprobs(lp.logp, list(range(len(nxt))), nxt)
-    return [PrefillCapture(rids[b], int(prompt_lens[b]), nxt[b], lps[b]) for b in range(len(nxt))]
+    u = uniforms or {}
+    return [PrefillCapture(rids[b], int(prompt_lens[b]), nxt[b], lps[b], float(u.get(rids[b], math.nan)))
+            for b in range(len(nxt))]

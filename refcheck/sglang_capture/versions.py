@@ -20,6 +20,11 @@ HOOK_TARGETS = {
     "run_batch": "sglang.srt.managers.scheduler.Scheduler.run_batch",
     "eagle_sample": "sglang.srt.speculative.eagle_utils.eagle_sample",
     "dflash": "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2.forward_batch_generation",
+    # REFCHECK_DDTREE's keyed sampler (temperature > 0), refcheck's own: the same tree records plus the draws
+    "ddtree_sample": "refcheck.sglang_ddtree.sampling.keyed_sample",
+    # SGLang's sampler (prefill and target-only decode) overwrites the logits in place with softmax(logits / T)
+    # when a batch samples: the capture keeps the raw logits from just before it
+    "sample": "sglang.srt.model_executor.model_runner.ModelRunner.sample",
 }
 
 #: hook name -> modules that do ``from ... import <function>`` (their binding is what runs)

@@ -64,14 +64,17 @@ class DrafterPool:
 
 
 def draft_tree(pool: DrafterPool, rid: str, root: int, start: int, budget: int,
-               depth: int | None = None) -> tuple[list[int], list[int]]:
+               depth: int | None = None, temperature: float | None = None) -> tuple[list[int], list[int]]:
     """One request's DDTree below ``root`` (at position ``start``): (tokens, parents), root first.
     ``depth``: draft depths (default the block's); the reference decoder, like z-lab's dflash, drafts
-    only as deep as the tokens still to generate, so its last block is shorter."""
+    only as deep as the tokens still to generate, so its last block is shorter. ``temperature`` (a
+    sampled request): the tree is built from the draft at that temperature, as the reference builds it."""
     from reference.tree import build_ddtree
 
     with pool.context(rid) as drafter:
         logp = drafter.propose(root, start, depth)  # [L, V] float32
+    if temperature is not None and logp.numel():  # log_softmax(lp / T) = log_softmax(logits / T)
+        logp = torch.log_softmax(logp / temperature, dim=-1)
     tree = build_ddtree(root, logp.cpu(), budget)
     return tree.tokens.tolist(), tree.parents.tolist()
 

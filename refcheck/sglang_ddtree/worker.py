@@ -27,15 +27,23 @@ bonus, the mamba commit's or the KV move's accept index.
 Every SGLang call goes through its module attribute (``eagle_utils.eagle_sample`` ...), so
 refcheck's capture hooks see this worker exactly as they see NGRAM's. Refusals (ValueError at
 start-up, SGLang reports them): tensor parallelism > 1, a draft checkpoint that is not DFlash, a
-budget deeper than the draft block allows to fill. Sampling with temperature > 0 is refused per
-request.
+budget deeper than the draft block allows to fill.
+
+Temperature > 0: a batch with sampled requests is verified by refcheck's keyed sampler
+(:mod:`refcheck.sglang_ddtree.sampling`, the reference decoder's rule with its Philox keys) instead
+of ``eagle_sample``; their trees are built from the drafter's log-probs at the request's
+temperature, and their first token after the prefill is the keyed draw too, so a sampled run replays
+exactly. :attr:`DDTreeWorker.last_first_uniforms` keeps the last prefill's uniforms for the capture.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,18 +53,40 @@ from sglang.srt.speculative import ngram_worker as ngram
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
-from refcheck.sglang_ddtree import faults
+from refcheck.sglang_ddtree import faults, sampling
 from refcheck.sglang_ddtree.drafts import DrafterPool, TargetView, draft_tree, extend_context
 from refcheck.sglang_ddtree.hidden_states import HIDDEN_STATES_CEILING, hidden_states_ceiling_is_full
 from refcheck.sglang_ddtree.layout import batch_layout
+from refcheck.sglang_ddtree.sampling import RequestKeys
 from reference.drafter import DFlashDrafter
 
 logger = logging.getLogger(__name__)
 
 
-def is_greedy(params) -> bool:
-    """SGLang normalises a request's temperature 0 to temperature 1 with top_k 1, so greedy is either."""
-    return float(params.temperature) < 1e-6 or int(getattr(params, "top_k", -1)) == 1
+@contextlib.contextmanager
+def _raw_logits(runner: Any, sampled: bool) -> Iterator[list[torch.Tensor]]:
+    """While a sampling batch's target forward runs, keep its logits from just before SGLang's sampler
+    overwrites them in place with ``softmax(logits / T)`` (``ModelRunner.sample``, an instance-level wrap
+    removed afterwards)."""
+    raw: list[torch.Tensor] = []
+    sample = getattr(runner, "sample", None)
+    if not sampled or sample is None:
+        yield raw
+        return
+
+    def keep(logits_output, *args, **kwargs):
+        raw.append(logits_output.next_token_logits.clone())
+        return sample(logits_output, *args, **kwargs)
+
+    own = "sample" in vars(runner)  # an instance attribute to put back, else the class's method (or its hook)
+    runner.sample = keep
+    try:
+        yield raw
+    finally:
+        if own:
+            runner.sample = sample
+        else:
+            del runner.sample
 
 
 class _Contexts:
@@ -116,6 +146,10 @@ class DDTreeWorker(ngram.NGRAMWorker):
         #: prefill); refcheck's capture records it as the step's "draft" phase
         self.last_draft_s: float | None = None
         self.ngram_corpus = _Contexts(self.pool)
+        #: the keyed sampler's parameters of the requests of the batch being drafted (None = greedy)
+        self.keys: list[RequestKeys | None] = []
+        #: rid -> the uniform of its first token's keyed draw, for the requests of the last prefill that sampled
+        self.last_first_uniforms: dict[str, float] = {}
         logger.info("REFCHECK_DDTREE: budget %d, draft block %d, target layers %s", self.budget,
                     self.drafter.block_size, self.drafter.target_layer_ids)
 
@@ -124,15 +158,13 @@ class DDTreeWorker(ngram.NGRAMWorker):
         """NGRAM's hook for its corpus lookup: here DFlash + DDTree, one tree per request."""
         t0 = time.perf_counter()
         trees = []
-        for req in batch.reqs:
-            if not is_greedy(req.sampling_params):
-                raise ValueError("REFCHECK_DDTREE verifies greedily; temperature > 0 is not supported yet "
-                                 f"(request {req.rid}: temperature {req.sampling_params.temperature}, "
-                                 f"top_k {getattr(req.sampling_params, 'top_k', None)})")
+        self.keys = [sampling.request_keys(req.rid, req.sampling_params) for req in batch.reqs]
+        for req, keys in zip(batch.reqs, self.keys):
             start = len(req.origin_input_ids) + len(req.output_ids) - 1  # the root's position
             left = getattr(req.sampling_params, "max_new_tokens", None)
             depth = None if left is None else max(1, min(self.drafter.block_size - 1, int(left) - len(req.output_ids)))
-            trees.append(draft_tree(self.pool, req.rid, int(req.output_ids[-1]), start, self.budget, depth))
+            temperature = keys.sampling.temperature if keys is not None else None
+            trees.append(draft_tree(self.pool, req.rid, int(req.output_ids[-1]), start, self.budget, depth, temperature))
         self.last_draft_s = time.perf_counter() - t0  # the drafter's .cpu() hand-off has synchronised
         return batch_layout(trees, self.draft_token_num)
 
@@ -143,63 +175,87 @@ class DDTreeWorker(ngram.NGRAMWorker):
     # -- one scheduler step ---------------------------------------------------------------------------
     def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
         ngram.record_stream_for_v2_verify(batch, None, torch.get_device_module(self.device).current_stream())
-        bs = len(batch.reqs)
         rids = [r.rid for r in batch.reqs]
         self.last_draft_s = None
-        if batch.forward_mode.is_decode():
-            prefix = batch.seq_lens.cpu().tolist()
-            self._prepare_for_speculative_decoding(batch)
-            verify_input: NgramVerifyInput = batch.spec_info
-            verify_input.capture_hidden_mode = CaptureHiddenMode.FULL
-            if self.fault == "flat-positions":  # in place: SGLang's preallocated buffer is what the forward reads
-                verify_input.positions.copy_(faults.flat_positions(verify_input.positions, bs, self.draft_token_num))
-            out = self.target_worker.forward_batch_generation(batch, is_verify=True,
-                                                             capture_hidden_mode=CaptureHiddenMode.FULL)
-            logits_output = out.logits_output
-            predict, accept_lens, accept_index = eagle_utils.eagle_sample(verify_input, batch, logits_output, None)
-            new_seq_lens = batch.seq_lens + accept_lens
-            n = self.draft_token_num
-            if self.fault == "bonus-neighbour":
-                predict = faults.neighbour_bonus(predict, accept_index, accept_lens, logits_output.next_token_logits, n)
-            commit_index = faults.chain_accept_index(accept_index, accept_lens, n) \
-                if self.fault == "mamba-flat-index" else accept_index
-            ngram.commit_mamba_states_after_verify(self.target_worker, batch, accept_lens, commit_index, n)
-            next_token_ids = predict[accept_index].flatten()
-            move_index = faults.skip_last_move(accept_index, accept_lens, n) if self.fault == "kv-move-last" \
-                else accept_index
-            ngram.move_accept_tokens_to_target_kvcache(batch, move_index, accept_lens - 1,
-                                                       self.token_to_kv_pool_allocator)
-            idx, lens = accept_index.cpu(), accept_lens.cpu().tolist()
-            # the drafter's context grows by the root and the accepted drafts (flat node rows), in path order
-            self._extend(rids, logits_output.hidden_states, [idx[b, : lens[b]].long() for b in range(bs)], prefix)
-            batch.forward_mode = ForwardMode.DECODE
-            accept_tokens = next_token_ids
-            can_run_cuda_graph = out.can_run_cuda_graph
-        else:
-            out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
-            logits_output, can_run_cuda_graph = out.logits_output, out.can_run_cuda_graph
-            next_token_ids = out.next_token_ids
-            hidden = logits_output.hidden_states  # [extend tokens, n_ids*H]
-            offsets = np.cumsum([0] + list(batch.extend_lens))
-            for b, rid in enumerate(rids):
-                if batch.prefix_lens[b] == 0:
-                    self.pool.drop([rid])  # a new request: a fresh context
-            self._extend(rids, hidden, [torch.arange(int(offsets[b]), int(offsets[b + 1])) for b in range(bs)],
-                         [int(p) for p in batch.prefix_lens])
-            new_seq_lens = batch.seq_lens.clone()
-            accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
-            accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32, device=self.device)
-            accept_tokens[:, 0] = next_token_ids
-            accept_tokens = accept_tokens.flatten()
-        logits_output.hidden_states = None  # no hidden-state copies to the host
+        decode = batch.forward_mode.is_decode()
+        out, next_token_ids, accept_lens, accept_tokens, new_seq_lens = \
+            self._verify(batch, rids) if decode else self._prefill(batch, rids)
+        out.logits_output.hidden_states = None  # no hidden-state copies to the host
         if on_publish is not None:
             on_publish(new_seq_lens)
-        if batch.forward_mode.is_decode():  # requests that left the decode batch free their contexts
+        if decode:  # requests that left the decode batch free their contexts
             self.pool.drop(self._prev_decode_rids - set(rids))
             self._prev_decode_rids = set(rids)
         return ngram.GenerationBatchResult(
-            logits_output=logits_output, next_token_ids=next_token_ids, can_run_cuda_graph=can_run_cuda_graph,
+            logits_output=out.logits_output, next_token_ids=next_token_ids, can_run_cuda_graph=out.can_run_cuda_graph,
             accept_lens=accept_lens, new_seq_lens=new_seq_lens,
             next_draft_input=NgramVerifyInput(draft_token_num=self.draft_token_num, new_seq_lens=new_seq_lens,
                                               accept_tokens=accept_tokens, accept_lens=accept_lens),
             speculative_num_draft_tokens=self.speculative_num_draft_tokens)
+
+    def _verify(self, batch, rids: list[str]) -> tuple:
+        """A decode step: draft the trees, verify them in one target forward, walk, commit state and KV."""
+        bs, n = len(batch.reqs), self.draft_token_num
+        prefix = batch.seq_lens.cpu().tolist()
+        self._prepare_for_speculative_decoding(batch)
+        verify_input: NgramVerifyInput = batch.spec_info
+        verify_input.capture_hidden_mode = CaptureHiddenMode.FULL
+        if self.fault == "flat-positions":  # in place: SGLang's preallocated buffer is what the forward reads
+            verify_input.positions.copy_(faults.flat_positions(verify_input.positions, bs, n))
+        out = self.target_worker.forward_batch_generation(batch, is_verify=True, capture_hidden_mode=CaptureHiddenMode.FULL)
+        logits_output = out.logits_output
+        if any(k is not None for k in self.keys):  # refcheck's keyed sampler (module docstring), seen by the capture
+            predict, accept_lens, accept_index, _, _ = sampling.keyed_sample(verify_input, batch, logits_output, self.keys)
+        else:
+            predict, accept_lens, accept_index = eagle_utils.eagle_sample(verify_input, batch, logits_output, None)
+        new_seq_lens = batch.seq_lens + accept_lens
+        if self.fault == "bonus-neighbour":
+            predict = faults.neighbour_bonus(predict, accept_index, accept_lens, logits_output.next_token_logits, n)
+        commit_index = faults.chain_accept_index(accept_index, accept_lens, n) \
+            if self.fault == "mamba-flat-index" else accept_index
+        ngram.commit_mamba_states_after_verify(self.target_worker, batch, accept_lens, commit_index, n)
+        next_token_ids = predict[accept_index].flatten()
+        move_index = faults.skip_last_move(accept_index, accept_lens, n) if self.fault == "kv-move-last" else accept_index
+        ngram.move_accept_tokens_to_target_kvcache(batch, move_index, accept_lens - 1, self.token_to_kv_pool_allocator)
+        idx, lens = accept_index.cpu(), accept_lens.cpu().tolist()
+        # the drafter's context grows by the root and the accepted drafts (flat node rows), in path order
+        self._extend(rids, logits_output.hidden_states, [idx[b, : lens[b]].long() for b in range(bs)], prefix)
+        batch.forward_mode = ForwardMode.DECODE
+        return out, next_token_ids, accept_lens, next_token_ids, new_seq_lens
+
+    def _prefill(self, batch, rids: list[str]) -> tuple:
+        """A prefill (chunk): the target forward, fresh drafter contexts, and each sampled request's keyed first token."""
+        bs = len(batch.reqs)
+        keys = [sampling.request_keys(r.rid, r.sampling_params) for r in batch.reqs]
+        with _raw_logits(self.model_runner, any(k is not None for k in keys)) as raw:
+            out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
+        logits = raw[0] if raw else out.logits_output.next_token_logits  # [bs, V]
+        next_token_ids = self._keyed_first_tokens(batch, keys, logits, out.next_token_ids)
+        hidden = out.logits_output.hidden_states  # [extend tokens, n_ids*H]
+        offsets = np.cumsum([0] + list(batch.extend_lens))
+        for b, rid in enumerate(rids):
+            if batch.prefix_lens[b] == 0:
+                self.pool.drop([rid])  # a new request: a fresh context
+        self._extend(rids, hidden, [torch.arange(int(offsets[b]), int(offsets[b + 1])) for b in range(bs)],
+                     [int(p) for p in batch.prefix_lens])
+        accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
+        accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32, device=self.device)
+        accept_tokens[:, 0] = next_token_ids
+        return out, next_token_ids, accept_lens, accept_tokens.flatten(), batch.seq_lens.clone()
+
+    def _keyed_first_tokens(self, batch, keys: list[RequestKeys | None], logits: torch.Tensor,
+                            next_token_ids: torch.Tensor) -> torch.Tensor:
+        """SGLang's sampled first tokens replaced by the keyed draws, for the sampled requests whose prompt
+        this chunk completes (``logits`` ``[bs, V]``: each request's last position)."""
+        self.last_first_uniforms = {}
+        out = next_token_ids
+        for b, (req, key) in enumerate(zip(batch.reqs, keys)):
+            prompt_len = len(req.origin_input_ids)
+            if key is None or int(batch.prefix_lens[b]) + int(batch.extend_lens[b]) < prompt_len:
+                continue
+            token, u = sampling.first_token(logits[b], key, prompt_len)
+            if out is next_token_ids:
+                out = next_token_ids.clone()  # SGLang's own tensor stays as it drew it
+            out[b] = token
+            self.last_first_uniforms[req.rid] = u
+        return out
