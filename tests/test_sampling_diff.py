@@ -184,3 +184,54 @@ def test_a_uniform_shared_along_walks_shows_in_the_id_order_serial_test():
         ev.add_token(f"r{i // 60}", probs[i], int(tok[i]))
     v = judge(ev)
     assert v.verdict == "fail" and v.p_values["serial_id"] < 1e-6 and v.p_values["mean"] > 1e-3
+
+
+# -- in the engine's own dtype: draws judged against the node's rounding spread ------------------------------
+def test_support_gap_is_how_far_the_logits_must_move():
+    from refcheck.diff.sampling import support_gap
+    from reference.sampling import Sampling as S
+
+    logp = torch.log_softmax(torch.tensor([4.0, 3.0, 2.0, 1.0, -5.0]), -1)
+    assert support_gap(logp, 0, S(1.0, top_k=2)) == 0.0
+    assert support_gap(logp, 2, S(1.0, top_k=2)) == pytest.approx(0.5)  # half the gap to the 2nd token
+    assert support_gap(logp, 4, S(1.0, top_k=2)) == pytest.approx(4.0)
+    p = torch.softmax(torch.tensor([4.0, 3.0, 2.0, 1.0, -5.0]), -1)
+    before = float(p[:3].sum())
+    assert support_gap(logp, 3, S(1.0, top_p=0.5)) == pytest.approx(math.log1p(before - 0.5))
+    assert support_gap(logp, 0, S(1.0, top_p=0.5)) == 0.0
+
+
+@pytest.fixture(scope="module")
+def bf16_sampled():
+    """The reference run as a bf16 engine at T = 0.7 with top-k 8 and top-p 0.9 (both cuts in play)."""
+    s = DiffSession()
+    sampling = replace(SELFTEST_SAMPLING, top_k=8)
+    spec = EngineSpec(pair="hybrid", budget=8, max_new_tokens=MAX_NEW, sampling=sampling, dtype="bfloat16")
+    trace, _ = s.runner(spec).trace(load_prompts()[:2])
+    return s, trace_from_bytes(trace_bytes(trace))
+
+
+def test_a_correct_bf16_sampling_engine_passes_by_default(bf16_sampled):
+    s, trace = bf16_sampled
+    rep = s.diff(trace, "bf16-sampled", mode="replay")
+    assert not rep.failures, [f.message for f in rep.failures]
+    assert rep.checks["sampling"] >= len(trace.steps)
+    # the bf16 draws differ from the fp32 reference's somewhere beyond the fp32 floor: held to rounding, not failed
+    assert any(f.category == "sampling" and f.verdict.value in ("triaged", "benign_tie") for f in rep.findings)
+
+
+def test_a_bf16_draw_far_outside_rounding_fails_where_it_is(bf16_sampled):
+    """A draw rounding cannot explain (the node's least likely token) fails at its node even in bf16,
+    and is not triaged."""
+    s, trace = bf16_sampled
+    st_ = next(x for x in trace.steps if len(x.tree_tokens) > 1)
+    node = len(st_.tree_tokens) - 1
+    worst = int(torch.tensor(st_.topk_logprobs[node]).argmin())  # a node's top-k: only 5 ids are known
+    draws = list(st_.node_draws)
+    draws[node] = (st_.topk_ids[node][worst] + 257) % 512  # almost surely outside top-8 / top-p 0.9
+    bad = replace(trace, steps=[replace(x, node_draws=draws) if x is st_ else x for x in trace.steps])
+    rep = s.diff(bad, "bf16-bad-draw", mode="replay")
+    found = [f for f in rep.failures if f.request_id == st_.request_id and f.step == st_.step]
+    assert ("sampling", node) in {(f.category, f.node) for f in found}
+    assert not any(f.category == "sampling" and f.verdict.value == "triaged" and f.request_id == st_.request_id
+                   for f in rep.findings)

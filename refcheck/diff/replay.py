@@ -350,20 +350,34 @@ class _Request(RoundingGuard):
         s = self.sampled.sampling
         return tempered_probs(logp.cpu(), s.temperature, s.top_k, s.top_p)
 
-    def cdf_tol(self) -> float:
-        return cdf_tolerance(self.tol.logprob_abs, self.sampled.sampling.temperature)
+    def cdf_tol(self, calibrated: bool = False) -> float:
+        """How far a draw may sit outside its CDF interval as a benign tie: the dtype's cheap log-prob bound, or,
+        where the calibration's rounding rule judges the step (``calibrated``), the fp32 floor."""
+        bound = FLOOR.logprob_abs if calibrated and self.rule is not None else self.tol.logprob_abs
+        return cdf_tolerance(bound, self.sampled.sampling.temperature)
 
     def check_sampled_step(self, s: StepRow, tree: Tree, logp: torch.Tensor) -> None:
-        """Exact replay of the step's draws, and its evidence for the distributional test."""
+        """Exact replay of the step's draws, and its evidence for the distributional test. In the engine's dtype
+        a draw beyond the fp32 floor is held to the node's rounding spread (sampling.py's module docstring)."""
         probs = self.probs(logp)  # [N, V]
         self.rep.check("sampling")
-        res = replay_sampled_step(self.rid, s, tree, probs, self.sampled, self.cdf_tol())
+        judge = None if self.rule is None else \
+            (lambda node, dev: self.judged(dev, lambda sp, node=node: float(sp.topk[node])))
+        res = replay_sampled_step(self.rid, s, tree, probs, self.sampled, self.cdf_tol(calibrated=True), judge,
+                                  logp.cpu())
         for f in res.findings:
             self.rep.add(f)
+        for node, (what, dev, spread) in sorted(res.rounding.items()):
+            self.consistent("sampling", s.step, f"{what} at node {node}: the logits would move by {dev:.4g}, within "
+                            f"{self.rule.factor:g}x of what rounding at the engine's dtype moves them ({spread:.4g})",
+                            {"deviation": dev, "spread": spread}, node=node)
         self.hidden |= not res.exact
         n = tree.num_nodes
         path = [a for a in s.accepted if 0 <= a < n]
         for node, tok in zip(path, s.emitted):
+            if node in res.rounding and probs[node, tok] <= 0:  # a token rounding moved into the support
+                self.rep.stats["distribution_rounding_excluded"] = self.rep.stats.get("distribution_rounding_excluded", 0) + 1
+                continue
             self.evidence.add_token(self.rid, probs[node], tok)
         for j, node in enumerate(path):
             kids = tree.children(node)

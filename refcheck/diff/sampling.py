@@ -17,6 +17,15 @@ and/or uniforms, and returns findings:
   nodes (first differing node);
 * ``bonus``: the bonus is not the draw at the last accepted node.
 
+In an engine's own low-precision dtype a correct engine's logits differ from the fp32 reference's by
+its rounding, which moves CDF edges and the top-k / top-p cut. With a ``rounding`` judge (the
+replay's calibrated rule) a draw that is not the inverse CDF of its uniform beyond ``cdf_tol`` (then
+the fp32 floor), or a token just outside the support, is converted to log-prob units (how far the
+logits would have to move: ``T * log1p(CDF distance)``; half the log-prob gap to the k-th token; ``T *
+log1p(mass before the token - top_p)``) and held to the node's rounding spread: within it, the node is
+listed in :attr:`StepReplay.rounding` (the replay reports it as consistent with rounding, triaged only
+if the request is otherwise right) instead of failing.
+
 Nodes whose draw the engine exposes neither directly nor through a uniform are not judged here:
 :attr:`StepReplay.exact` is False and the distributional test (:mod:`refcheck.diff.distribution`)
 covers them. This module never imports runners.
@@ -34,7 +43,7 @@ import torch
 
 from refcheck.diff.findings import Finding, Verdict
 from refcheck.trace.io import RequestRow, StepRow
-from reference.sampling import Sampling, boundary_margin, inverse_cdf, node_uniforms
+from reference.sampling import Sampling, boundary_margin, inverse_cdf, node_uniforms, tempered_probs
 from reference.tree import Tree
 
 RECOMPUTABLE = {"refcheck-philox-position": "position", "refcheck-philox-node": "node"}
@@ -65,10 +74,32 @@ class SampledRequest:
         return node_uniforms(self.sampling, self.rng_request, step, positions)
 
 
+#: (node, deviation in log-prob units) -> the node's rounding spread when rounding explains the deviation, else None
+RoundingJudge = Callable[[int, float], "float | None"]
+
+
 @dataclass(slots=True)
 class StepReplay:
     findings: list[Finding] = field(default_factory=list)
     exact: bool = True  # every node the walk consulted had an exposed (or recomputed) draw
+    #: node -> (what moved, deviation in log-prob units, spread): deviations rounding explains (module docstring)
+    rounding: dict[int, tuple[str, float, float]] = field(default_factory=dict)
+
+
+def support_gap(logp: torch.Tensor, token: int, s: Sampling) -> float:
+    """How far (log-prob units) the logits at a node ``logp`` ``[V]`` would have to move for ``token`` to enter
+    the top-k / top-p support (0 when it is inside)."""
+    gap = 0.0
+    lp = logp.to(torch.float64)  # float64: the same arithmetic as tempered_probs
+    if 0 < s.top_k < lp.shape[-1]:
+        kth = float(torch.topk(lp, s.top_k).values[-1])
+        gap = max(gap, (kth - float(lp[token])) / 2)  # both the token and the k-th may move
+    if s.top_p < 1.0:
+        p = tempered_probs(lp[None], s.temperature, s.top_k, 1.0)[0]  # [V]: after top-k, before top-p
+        before = float(p[p > p[token]].sum())  # mass ahead of the token in descending order (ties: ignored)
+        if before >= s.top_p:
+            gap = max(gap, s.temperature * math.log1p(before - s.top_p))
+    return gap
 
 
 def _float32_exact(u: float) -> bool:
@@ -89,9 +120,24 @@ def _repeated_on_path(uniforms: list[float], path: list[int]) -> int | None:
 
 
 def replay_sampled_step(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, req: SampledRequest,
-                        cdf_tol: float) -> StepReplay:
-    """Judge one sampled step exactly (module docstring). ``probs`` ``[N, V]`` float64 on the host."""
+                        cdf_tol: float, rounding: RoundingJudge | None = None,
+                        logp: torch.Tensor | None = None) -> StepReplay:
+    """Judge one sampled step exactly (module docstring). ``probs`` ``[N, V]`` float64 and ``logp`` ``[N, V]``
+    (the reference's log-probs, needed with ``rounding``) on the host."""
     out = StepReplay()
+    T = req.sampling.temperature
+
+    def explained(node: int, token: int, outside: float, what: str) -> bool:
+        """Whether rounding explains a draw of ``token`` at ``node`` lying ``outside`` (CDF units) of its interval."""
+        if rounding is None or logp is None:
+            return False
+        dev = max(T * math.log1p(max(outside, 0.0)), support_gap(logp[node], token, req.sampling))
+        spread = rounding(node, dev)
+        if spread is None:
+            return False
+        out.rounding[node] = (what, dev, spread)
+        return True
+
     n = tree.num_nodes
     step = s.step
 
@@ -105,15 +151,15 @@ def replay_sampled_step(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, r
     for i in known_d:
         draws[i] = int(s.node_draws[i])
     if known_u:
-        _check_uniforms(rid, s, tree, probs, req, cdf_tol, known_u, path_nodes, draws, out, fail)
-    _check_support(s, tree, probs, req, known_d, known_u, path_nodes, draws, fail)
+        _check_uniforms(rid, s, tree, probs, req, cdf_tol, known_u, path_nodes, draws, out, fail, explained)
+    _check_support(s, tree, probs, req, known_d, known_u, path_nodes, draws, fail, explained)
     _check_walk(s, tree, draws, path_nodes, out, fail)
     return out
 
 
 def _check_uniforms(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, req: SampledRequest, cdf_tol: float,
                     known_u: list[int], path_nodes: list[int], draws: list[int | None], out: StepReplay,
-                    fail: Callable[..., None]) -> None:
+                    fail: Callable[..., None], explained: Callable[[int, int, float, str], bool]) -> None:
     """The exposed uniforms: the keyed generator's (when recomputable), not reused along the path, and each
     drawing the engine's token (a draw the engine did not expose is filled in from its uniform)."""
     step = s.step
@@ -136,10 +182,11 @@ def _check_uniforms(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, req: 
     first_bad = None
     for j, i in enumerate(known_u):
         e = int(expect[j])
-        if draws[i] is None:
+        d = draws[i]
+        if d is None:
             draws[i] = e
             continue
-        if draws[i] == e:
+        if d == e:
             continue
         # distance of u * total from the engine token's CDF interval (boundary_margin is negative outside it)
         outside = -float(boundary_margin(probs[i:i + 1], u[i:i + 1], torch.tensor([draws[i]]))[0])
@@ -147,6 +194,8 @@ def _check_uniforms(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, req: 
             out.findings.append(Finding(Verdict.BENIGN_TIE, "sampling", rid, step, node=i,
                                         message=f"draw {draws[i]} vs {e} at a CDF edge (uniform {float(u[i]):.9g}, "
                                                 f"{outside:.3g} outside its interval <= {cdf_tol:g})"))
+            continue
+        if explained(i, d, outside, f"draw {d} vs {e} (uniform {float(u[i]):.9g})"):
             continue
         if first_bad is None:
             first_bad = (i, e)
@@ -158,21 +207,27 @@ def _check_uniforms(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, req: 
 
 
 def _check_support(s: StepRow, tree: Tree, probs: torch.Tensor, req: SampledRequest, known_d: list[int],
-                   known_u: list[int], path_nodes: list[int], draws: list[int | None], fail: Callable[..., None]) -> None:
-    """Draws, accepted tokens and the bonus inside the sampling distribution's support."""
+                   known_u: list[int], path_nodes: list[int], draws: list[int | None], fail: Callable[..., None],
+                   explained: Callable[[int, int, float, str], bool]) -> None:
+    """Draws, accepted tokens and the bonus inside the sampling distribution's support (or, in the engine's
+    dtype, as near its edge as rounding explains)."""
+
+    def outside(node: int, token: int, what: str) -> bool:
+        return bool(probs[node, token] <= 0) and not explained(node, token, 0.0, what)
+
     for i in known_d:
-        if i not in known_u and probs[i, draws[i]] <= 0:
+        if i not in known_u and outside(i, int(s.node_draws[i]), f"draw {draws[i]} outside the support"):
             fail("sampling", f"engine drew {draws[i]} at node {i}, a token outside the sampling distribution's support "
                  f"(top-k {req.sampling.top_k}, top-p {req.sampling.top_p:g})", node=i, engine=draws[i])
             break
     # tokens the engine emitted must be possible under their parent's distribution
     for parent, child in zip(path_nodes, path_nodes[1:]):
         tok = int(tree.tokens[child])
-        if probs[parent, tok] <= 0:
+        if outside(parent, tok, f"accepted token {tok} outside the support"):
             fail("sampling", f"accepted token {tok} (node {child}) has probability 0 at its parent {parent} under "
                  f"top-k {req.sampling.top_k} / top-p {req.sampling.top_p:g}", node=child, token=tok)
             break
-    if path_nodes and 0 <= s.bonus < probs.shape[1] and probs[path_nodes[-1], s.bonus] <= 0:
+    if path_nodes and 0 <= s.bonus < probs.shape[1] and outside(path_nodes[-1], s.bonus, f"bonus {s.bonus} outside the support"):
         fail("sampling", f"bonus {s.bonus} has probability 0 at node {path_nodes[-1]}", node=path_nodes[-1], token=s.bonus)
 
 
