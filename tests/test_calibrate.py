@@ -119,3 +119,13 @@ def test_the_command_runs_the_corpus_on_a_given_pair_and_refuses_half_of_one(tmp
     code, _, err = cli("calibrate", "--out", str(tmp_path), "--device", "cpu", "--model", str(tdir), "--draft", str(ddir),
                        "--pair", "hybrid")
     assert code == 2 and "with --model the corpus runs on that pair alone" in err
+
+
+def test_traces_of_one_configuration_from_two_runs_keep_a_row_each():
+    from pathlib import Path
+
+    from refcheck.cli.calibrate import trace_names
+
+    paths = [Path("a/call1/dflash.arrow"), Path("b/call5/dflash.arrow"), Path("b/call5/none.arrow"),
+             Path("x/s/ngram.arrow"), Path("y/s/ngram.arrow")]
+    assert trace_names(paths) == ["call1/dflash", "call5/dflash", "none", "x/s/ngram.arrow", "y/s/ngram.arrow"]

@@ -35,6 +35,14 @@ def _pairs(text: str, option: str) -> dict[str, float]:
     return out
 
 
+
+def trace_names(paths: list[Path]) -> list[str]:
+    """A row name per trace: its file stem, or ``folder/stem`` where two traces share a stem (captures of
+    the same configuration from different runs must not merge into one row)."""
+    stems = [Path(p).stem for p in paths]
+    names = [s if stems.count(s) == 1 else f"{Path(p).parent.name}/{s}" for p, s in zip(paths, stems)]
+    return [n if names.count(n) == 1 else str(p) for p, n in zip(paths, names)]
+
 @main.command()
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True,
               help="Directory for calibration.json, calibration.md and the traces.")
@@ -107,7 +115,8 @@ def calibrate(out_dir, dtypes, device, ref_device, faults, no_faults, no_corpus,
         (out_dir / "traces").mkdir(exist_ok=True)
         for run, (_, data) in zip(corpus, results):
             atomic_write_bytes(out_dir / "traces" / f"{run.name}.arrow", data)
-    rows += run_parallel(row_of_trace, [(str(p), p.stem, ref_device, over, rule) for p in traces], workers)
+    rows += run_parallel(row_of_trace, [(str(p), name, ref_device, over, rule) for p, name in zip(traces, trace_names(traces))],
+                         workers)
     for f in row_files:
         try:
             rows += json.loads(f.read_text())["rows"]
