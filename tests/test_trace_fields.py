@@ -43,7 +43,9 @@ def test_every_golden_re_encodes_to_the_same_batches(name: str) -> None:
         kept = new.get_batch(i).select(old.schema.names)
         assert batch_sha256(kept) == recorded[i], f"{name}: record batch {i} encodes differently"
     old_req, new_req = _requests(old_meta), _requests(new_meta)
-    assert new_req.select(old_req.column_names).equals(old_req), f"{name}: the requests table differs"
+    # (compared as JSON text: Table.equals holds NaN != NaN, and a request's unexposed first uniform is NaN)
+    assert json.dumps(new_req.select(old_req.column_names).to_pylist()) == json.dumps(old_req.to_pylist()), \
+        f"{name}: the requests table differs"
     assert new_meta[schema.KEY_PROVENANCE] == old_meta[schema.KEY_PROVENANCE]
     # and the new bytes are a fixed point
     assert trace_bytes(trace_from_bytes(out, name)) == out
