@@ -65,6 +65,23 @@ STATE_CATEGORY = {"kv_k": "kv", "kv_v": "kv", "conv": "conv", "rec": "recurrent"
 FLOOR = CALIBRATIONS[("float32", "cpu")].tolerance
 
 
+def _topk_at(i: int) -> Callable[[StepSpread], float | None]:
+    """The ensemble's log-prob spread at node ``i`` (what a judged node deviation is held to)."""
+    return lambda sp: float(sp.topk[i])
+
+
+def _margin_at(i: int) -> Callable[[StepSpread], float | None]:
+    return lambda sp: float(sp.margin[i])
+
+
+def _draft_at(d: int) -> Callable[[StepSpread], float | None]:
+    return lambda sp: None if sp.draft is None else float(sp.draft[d])
+
+
+def _state_at(name: str) -> Callable[[StepSpread], float | None]:
+    return lambda sp: (sp.state or {}).get(name)
+
+
 def _abs_dev(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """|got - ref| with NaN/inf in the engine's values counted as infinitely far (never a pass)."""
     dev = (got - ref).abs()
@@ -83,7 +100,7 @@ class _Request(RoundingGuard):
         self.structural_trees = structural_trees  # engine trees (SGLang NGRAM, ...) need not follow DDTree's rules
         self.ensemble = ensemble  # set when the calibration has a rule
         self.capture = tuple(drafter.target_layer_ids)
-        self.state: TargetState | None = None
+        self._state: TargetState | None = None  # set by the first prefill, before any check reads it
         self.root: int | None = None
         #: this step's deviations consistent with rounding, settled at the step's end
         self.pending: list[Finding] = []
@@ -96,6 +113,26 @@ class _Request(RoundingGuard):
         self.sampled = sampled  # the request's sampling (None: greedy)
         self.evidence = evidence if evidence is not None else Evidence()
         self.hidden = False  # some draw of this request could not be replayed exactly
+
+    @property
+    def state(self) -> TargetState:
+        """The reference state along the engine's committed path (prefilled before any step is replayed)."""
+        assert self._state is not None, "replayed before the prefill"
+        return self._state
+
+    @state.setter
+    def state(self, value: TargetState) -> None:
+        self._state = value
+
+    @property
+    def factor(self) -> float:
+        """The calibration's factor over the rounding spread (only worded where a rule judged)."""
+        return self.rule.factor if self.rule is not None else float("nan")
+
+    @property
+    def sampling(self) -> SampledRequest:
+        assert self.sampled is not None, "a sampled check on a greedy request"
+        return self.sampled
 
     def fail(self, category: str, step: int | None, message: str, **kw: Any) -> None:
         self.rep.add(Finding(Verdict.FAIL, category, self.rid, step, message=message, **kw))
@@ -155,13 +192,14 @@ class _Request(RoundingGuard):
         if not over:
             return
         depth = over[0] + 1
-        spread = [self.judged(float(dev[d]), lambda sp, d=d: None if sp.draft is None else float(sp.draft[d])) for d in over]
+        spread = [self.judged(float(dev[d]), _draft_at(d)) for d in over]
         details = {"max_abs": float(dev.max()), "depth": depth}
-        if all(v is not None for v in spread):
+        held = [v for v in spread if v is not None]
+        if len(held) == len(spread):
             self.consistent("draft", s.step, f"draft log-probs off by up to {float(dev.max()):.4g} (first over "
-                            f"{self.tol.draft_logprob_abs:g} at depth {depth}), within {self.rule.factor:g}x of what "
-                            f"rounding at the engine's dtype moves them (up to {max(spread):.4g})",
-                            {**details, "spread": max(spread)})
+                            f"{self.tol.draft_logprob_abs:g} at depth {depth}), within {self.factor:g}x of what "
+                            f"rounding at the engine's dtype moves them (up to {max(held):.4g})",
+                            {**details, "spread": max(held)})
             return
         bad = [d for d, v in zip(over, spread) if v is None]
         self.fail("draft", s.step, f"draft log-probs differ from the reference drafter's by {float(dev.max()):.4g} "
@@ -195,7 +233,7 @@ class _Request(RoundingGuard):
             pos = self.state.length + int(tree.depths[i])
             lp = logp[i].cpu()
             margin = float(lp[ref_arg[i]] - lp[eng_arg[i]])
-            spread = self.judged(margin, lambda sp, i=i: float(sp.margin[i])) if margin >= self.tol.tie_margin else None
+            spread = self.judged(margin, _margin_at(i)) if margin >= self.tol.tie_margin else None
             if spread is not None:
                 self.consistent("logits", s.step, f"argmax flip at margin {margin:.4g}: engine token {int(eng_arg[i])} vs "
                                 f"reference {int(ref_arg[i])}; rounding at the engine's dtype moves that margin by up to "
@@ -213,13 +251,14 @@ class _Request(RoundingGuard):
             self.track_max("max_logprob_abs", float(dev.max()))
             over = []
             for i in torch.nonzero(dev > self.tol.logprob_abs).flatten().tolist():
-                spread = self.judged(float(dev[i]), lambda sp, i=i: float(sp.topk[i]))
+                spread = self.judged(float(dev[i]), _topk_at(i))
                 if spread is None:
                     over.append(i)
                     continue
                 self.ill_conditioned[i] = spread
+                assert self.spread is not None  # judged() returned a spread: this step's ensemble ran
                 median = self.spread().median_topk
-                self.consistent("logits", s.step, f"log-probs off by {float(dev[i]):.4g}, within {self.rule.factor:g}x of "
+                self.consistent("logits", s.step, f"log-probs off by {float(dev[i]):.4g}, within {self.factor:g}x of "
                                 f"what rounding at the engine's dtype moves them here ({spread:.4g}; median node "
                                 f"{median:.3g})", {"max_abs": float(dev[i]), "spread": spread, "median_spread": median},
                                 node=i, position=self.state.length + int(tree.depths[i]))
@@ -232,13 +271,13 @@ class _Request(RoundingGuard):
                 bad_nodes.append(i)
             beyond = {}  # anchor step: nodes within the bound that rounding cannot move that far
             for i in torch.nonzero(dev <= self.tol.logprob_abs).flatten().tolist():
-                spread = self.beyond_rounding(s.step, float(dev[i]), FLOOR.logprob_abs, lambda sp, i=i: float(sp.topk[i]))
+                spread = self.beyond_rounding(s.step, float(dev[i]), FLOOR.logprob_abs, _topk_at(i))
                 if spread is not None:
                     beyond[i] = spread
             if beyond:
                 i = min(beyond)
                 self.fail("logits", s.step, f"top-k log-probs differ by {float(dev[i]):.4g} at node {i}, more than "
-                          f"{self.rule.factor:g}x what rounding at the engine's dtype moves them here ({beyond[i]:.4g}; "
+                          f"{self.factor:g}x what rounding at the engine's dtype moves them here ({beyond[i]:.4g}; "
                           f"{len(beyond)} of {n} nodes; judged in full at the request's anchor steps)", node=i,
                           position=self.state.length + int(tree.depths[i]),
                           details={"max_abs": float(dev[i]), "spread": beyond[i], "anchor": True,
@@ -251,6 +290,7 @@ class _Request(RoundingGuard):
     @timed("replay.bisect")
     def bisect(self, s: StepRow, node: int, layers: list[torch.Tensor]) -> None:
         ref = layer_sketch(torch.stack(layers))  # [layers, N, r]
+        assert s.layer_sketch is not None  # bisect runs only on steps that carry layer sketches
         eng = s.layer_sketch.float()
         if eng.shape != ref.shape:
             self.fail("logits", s.step, f"layer sketches have shape {tuple(eng.shape)}, reference {tuple(ref.shape)}", node=node)
@@ -295,9 +335,9 @@ class _Request(RoundingGuard):
             self.track_max(f"max_rel_l2_{cat}", err)
             if err > self.tol.tensor_rel_l2 or cos < self.tol.tensor_min_cos:
                 layer_type = "linear_attention" if self.target.is_linear(layer) else "attention"
-                spread = self.judged(err, lambda sp, name=name: (sp.state or {}).get(name))
+                spread = self.judged(err, _state_at(name))
                 if spread is not None:
-                    self.consistent(cat, s.step, f"{name}: rel L2 {err:.3g}, cosine {cos:.6f}, within {self.rule.factor:g}x "
+                    self.consistent(cat, s.step, f"{name}: rel L2 {err:.3g}, cosine {cos:.6f}, within {self.factor:g}x "
                                     f"of what rounding at the engine's dtype moves it ({spread:.3g})",
                                     {"rel_l2": err, "cosine": cos, "spread": spread}, layer=layer, layer_type=layer_type)
                     continue
@@ -305,9 +345,9 @@ class _Request(RoundingGuard):
                           f"{self.tol.tensor_min_cos:g})", layer=layer, layer_type=layer_type,
                           details={"rel_l2": err, "cosine": cos, "spread": self.last_spread})
                 continue
-            spread = self.beyond_rounding(s.step, err, FLOOR.tensor_rel_l2, lambda sp, name=name: (sp.state or {}).get(name))
+            spread = self.beyond_rounding(s.step, err, FLOOR.tensor_rel_l2, _state_at(name))
             if spread is not None:
-                self.fail(cat, s.step, f"{name}: rel L2 {err:.3g}, more than {self.rule.factor:g}x what rounding at the "
+                self.fail(cat, s.step, f"{name}: rel L2 {err:.3g}, more than {self.factor:g}x what rounding at the "
                           f"engine's dtype moves it ({spread:.3g}; judged in full at the request's anchor steps)",
                           layer=layer, layer_type="linear_attention" if self.target.is_linear(layer) else "attention",
                           details={"rel_l2": err, "cosine": cos, "spread": spread, "anchor": True})
@@ -332,7 +372,7 @@ class _Request(RoundingGuard):
             ref = float(logp[s.accepted[j], tok])
             node = s.accepted[j]
             if math.isfinite(lp) and abs(lp - ref) > self.tol.logprob_abs and node in self.ill_conditioned \
-                    and self.rule.covers(abs(lp - ref), self.ill_conditioned[node]):
+                    and self.rule is not None and self.rule.covers(abs(lp - ref), self.ill_conditioned[node]):
                 self.consistent("logprobs", s.step, f"log-prob of emitted token {j} ({tok}) {lp:.5g} vs reference {ref:.5g} "
                                 f"at a node whose log-probs rounding moves by up to {self.ill_conditioned[node]:.4g}",
                                 {"index": j, "engine": lp, "reference": ref, "spread": self.ill_conditioned[node]},
@@ -347,14 +387,14 @@ class _Request(RoundingGuard):
     # -- the walk ---------------------------------------------------------------------------------
     def probs(self, logp: torch.Tensor) -> torch.Tensor:
         """The sampling distribution at each row of ``logp`` ``[N, V]``: ``[N, V]`` float64 on the host."""
-        s = self.sampled.sampling
+        s = self.sampling.sampling
         return tempered_probs(logp.cpu(), s.temperature, s.top_k, s.top_p)
 
     def cdf_tol(self, calibrated: bool = False) -> float:
         """How far a draw may sit outside its CDF interval as a benign tie: the dtype's cheap log-prob bound, or,
         where the calibration's rounding rule judges the step (``calibrated``), the fp32 floor."""
         bound = FLOOR.logprob_abs if calibrated and self.rule is not None else self.tol.logprob_abs
-        return cdf_tolerance(bound, self.sampled.sampling.temperature)
+        return cdf_tolerance(bound, self.sampling.sampling.temperature)
 
     def check_sampled_step(self, s: StepRow, tree: Tree, logp: torch.Tensor) -> None:
         """Exact replay of the step's draws, and its evidence for the distributional test. In the engine's dtype
@@ -362,14 +402,14 @@ class _Request(RoundingGuard):
         probs = self.probs(logp)  # [N, V]
         self.rep.check("sampling")
         judge = None if self.rule is None else \
-            (lambda node, dev: self.judged(dev, lambda sp, node=node: float(sp.topk[node])))
-        res = replay_sampled_step(self.rid, s, tree, probs, self.sampled, self.cdf_tol(calibrated=True), judge,
+            (lambda node, dev: self.judged(dev, _topk_at(node)))
+        res = replay_sampled_step(self.rid, s, tree, probs, self.sampling, self.cdf_tol(calibrated=True), judge,
                                   logp.cpu())
         for f in res.findings:
             self.rep.add(f)
         for node, (what, dev, spread) in sorted(res.rounding.items()):
             self.consistent("sampling", s.step, f"{what} at node {node}: the logits would move by {dev:.4g}, within "
-                            f"{self.rule.factor:g}x of what rounding at the engine's dtype moves them ({spread:.4g})",
+                            f"{self.factor:g}x of what rounding at the engine's dtype moves them ({spread:.4g})",
                             {"deviation": dev, "spread": spread}, node=node)
         self.hidden |= not res.exact
         n = tree.num_nodes
