@@ -37,6 +37,7 @@ import torch
 
 from refcheck.sglang_capture.layout import depths_from_parents, parents_from_links
 from reference.sampling import Sampling, inverse_cdf, node_uniforms, request_key, tempered_probs
+from reference.tree import Tree
 
 #: SGLang's "top-k off" (sampling_params.TOP_K_ALL); -1 is what clients send
 _TOP_K_OFF = (-1, 1 << 30)
@@ -93,17 +94,12 @@ def _draws(logits: torch.Tensor, keys: RequestKeys, positions: list[int]) -> tup
     return inverse_cdf(probs, u.to(probs.device)).cpu(), u
 
 
-def _walk(tokens: list[int], next_token: list[int], next_sibling: list[int], draws: list[int]) -> list[int]:
-    """Accepted local nodes, root first: follow the child whose token equals the node's draw."""
-    path, cur = [0], 0
-    while True:
-        child = next_token[cur]
-        while child != -1 and tokens[child] != draws[cur]:
-            child = next_sibling[child]
-        if child == -1:
-            return path
-        path.append(child)
-        cur = child
+def _tree(tokens: list[int], next_token: list[int], next_sibling: list[int]) -> Tree:
+    """One request's tree from SGLang's first-child / next-sibling links (no drafter ranks or scores)."""
+    parents = parents_from_links(next_token, next_sibling)
+    n = len(tokens)
+    return Tree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths_from_parents(parents)),
+                torch.zeros(n, dtype=torch.long), torch.zeros(n))
 
 
 def sample_tree(logits: torch.Tensor, candidates: torch.Tensor, next_token: torch.Tensor, next_sibling: torch.Tensor,
@@ -121,25 +117,20 @@ def sample_tree(logits: torch.Tensor, candidates: torch.Tensor, next_token: torc
     accept_lens = torch.zeros(bs, dtype=torch.int32)
     draws = torch.full((bs * n,), -1, dtype=torch.int64)
     uniforms = torch.full((bs * n,), float("nan"), dtype=torch.float64)
-    depths = [_depths(nt[b], ns[b]) for b in range(bs)]
     for b in range(bs):
+        tree = _tree(toks[b], nt[b], ns[b])
         rows = logits[b * n:(b + 1) * n]  # [N, V]
         if keys[b] is None:
             drawn = rows.argmax(dim=-1).cpu()  # what SGLang's greedy verify takes
         else:
-            drawn, u = _draws(rows, keys[b], [roots[b] + 1 + d for d in depths[b]])
+            drawn, u = _draws(rows, keys[b], (roots[b] + 1 + tree.depths).tolist())
             draws[b * n:(b + 1) * n], uniforms[b * n:(b + 1) * n] = drawn, u
-        path = _walk(toks[b], nt[b], ns[b], drawn.tolist())
+        path = tree.walk_greedy(drawn)  # the reference's walk: the child equal to each node's draw
         for j in path:
             predict[b * n + j] = int(drawn[j])
         accept_index[b, : len(path)] = torch.tensor([b * n + j for j in path], dtype=torch.int32)
         accept_lens[b] = len(path)
     return predict, accept_lens, accept_index, draws, uniforms
-
-
-def _depths(next_token: list[int], next_sibling: list[int]) -> list[int]:
-    """Node depths of one request's tree from SGLang's first-child / next-sibling links."""
-    return list(depths_from_parents(parents_from_links(next_token, next_sibling)))
 
 
 def keyed_sample(verify_input: Any, batch: Any, logits_output: Any, keys: list[RequestKeys | None]
