@@ -103,7 +103,8 @@ def _open_sglang(engine, spec, session, full_state, options) -> Engine:
     return SGLangRunner(spec, algorithm, full_state=full_state, **options)
 
 
-SGLANG_OPTIONS = frozenset({"cuda_graphs", "ngram_breadth", "tp", "mem_fraction", "max_running", "layer_sketches"})
+SGLANG_OPTIONS = frozenset({"cuda_graphs", "ngram_breadth", "tp", "mem_fraction", "max_running", "layer_sketches",
+                            "settings"})
 
 KINDS: tuple[EngineKind, ...] = (
     EngineKind("reference", "reference", "refcheck's DDTree decoder (the reference itself, run as an engine)",

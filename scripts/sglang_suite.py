@@ -85,8 +85,9 @@ def _run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float, str]:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         rc, out, err = p.returncode, p.stdout, p.stderr
     except subprocess.TimeoutExpired as exc:
-        rc, out, err = 124, exc.stdout or "", (exc.stderr or "") + f"\ntimed out after {timeout:.0f} s"
-        out, err = (out.decode() if isinstance(out, bytes) else out), (err.decode() if isinstance(err, bytes) else err)
+        # TimeoutExpired carries bytes even under text=True (the output read so far is not decoded)
+        out, err = (x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (exc.stdout, exc.stderr))
+        rc, err = 124, err + f"\ntimed out after {timeout:.0f} s"
     with log.open("a") as f:
         f.write(f"$ {' '.join(cmd)}\n--- stderr ---\n{err}\n--- rc {rc} ---\n")
     return rc, time.time() - t0, out

@@ -411,3 +411,20 @@ def test_step_timings_come_from_the_scheduler_step_and_the_ddtree_drafting():
     assert row.timings["verify"] == 0.25 and row.timings["draft"] == 0.1
     row = _step_row("p", 0, StepCapture(**base, meta={"batch_step_s": 0.25}), keep=2)
     assert math.isnan(row.timings["draft"]) and row.timings["verify"] == 0.25
+
+
+def test_one_step_past_the_output_is_expected_under_the_overlap_scheduler(setup):
+    """The overlap scheduler launches a request's next step before it processes the last one's finish: one
+    captured step past the end of the output is dropped silently there (and counted), a problem elsewhere."""
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts[:1], trees, "tree", steps=3)
+    out = results[prompts[0].id]["output_ids"]
+    last = len(cap.steps[0][-1].emitted)
+    cut = {prompts[0].id: {"output_ids": out[:-last]}}  # the output ends where the last captured step began
+    prov = _prov(runner, prompts[:1], 15)
+    plain = assemble_trace(prompts[:1], rids, cut, cap, prov)
+    assert any("past the end of the output" in p for p in plain.problems)
+    prov["engine"]["settings"]["serving"] = {"overlap": True}
+    over = assemble_trace(prompts[:1], rids, cut, cap, prov)
+    assert not over.problems and over.stats["steps_past_output_dropped"] == 1
+    assert len(over.trace.steps) == len(plain.trace.steps) == 2

@@ -244,3 +244,38 @@ def test_two_schedulers_claiming_one_rank_are_a_capture_error(capture_dir):
         rec.dir.rename(capture_dir / f"rank0-pid{pid}")
     errors = read_capture(capture_dir).errors
     assert len(errors) == 1 and "pids 111, 222" in errors[0] and "rank 0" in errors[0]
+
+
+def test_under_overlap_committed_lengths_and_roots_come_from_the_device(capture_dir):
+    """The overlap scheduler runs step k+1 before it appends step k's tokens to the requests: their lists lag,
+    the forward batch does not. Tree verify takes the batch's seq lens; a target-only decode takes its
+    input ids (the roots) and seq lens from the sampler's forward batch; each record says how far the lists lagged."""
+    sched, *_ = _scheduler()
+    _prefill(sched)
+    batch = _batch("decode", True, [[7], [9]])  # the requests still show only their first token
+    batch.seq_lens = torch.tensor([6, 3])  # request 0 committed 3 more tokens the scheduler has not processed yet
+    tokens, nt, ns = _tree()
+    verify_input = NS(draft_token=tokens, retrieve_next_token=nt, retrieve_next_sibling=ns, positions=None)
+
+    def worker(self, b):
+        plugin._eagle_sample(lambda *a, **k: (torch.zeros(8, dtype=torch.long), torch.tensor([1, 1]),
+                                              torch.tensor([[0, -1, -1, -1], [4, -1, -1, -1]])),
+                             verify_input, b, NS(next_token_logits=torch.randn(2 * N, V)))
+        return NS(logits_output=None, next_token_ids=None)
+
+    plugin._run_batch(worker, sched, batch)
+    logits1 = torch.randn(1, V)
+    fb = NS(forward_mode=Mode("decode"), input_ids=torch.tensor([42]), seq_lens=torch.tensor([11]),
+            sampling_info=NS(is_all_greedy=True))
+
+    def decode(self, b):
+        plugin._sample(lambda runner, lo, f: None, None, NS(next_token_logits=logits1), fb)
+        return NS(logits_output=NS(next_token_logits=logits1), next_token_ids=logits1.argmax(-1))
+
+    plugin._run_batch(decode, sched, _batch("decode", False, [[5, 6]]))  # the list says root 6 at position 4
+    cap = read_capture(capture_dir)
+    assert not cap.errors, cap.errors
+    s0, s1, root = cap.steps[0]
+    assert (s0.committed_len, s1.committed_len) == (6, 3)
+    assert s0.meta["committed_from"] == "forward_batch" and s0.meta["committed_lag"] == 3
+    assert (root.tokens, root.committed_len, root.meta["committed_lag"]) == ([42], 10, 6)

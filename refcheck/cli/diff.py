@@ -24,7 +24,7 @@ from refcheck.spec import DTYPE_NAMES
 
 
 def _engine_and_options(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, device, mem_fraction=None,
-                        max_running=None, layer_sketches=False):
+                        max_running=None, layer_sketches=False, serving=None):
     """The engine name and its kind's options from the command line (only the options given), refused
     where the engine's kind does not take them; dtype and device default to the kind's (SGLang: bf16 on
     the GPU)."""
@@ -36,8 +36,13 @@ def _engine_and_options(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype
         if ":" in engine and engine.split(":", 1)[1].upper() != algorithm.upper():
             raise UsageError(f"--engine {engine} and --sglang-algorithm {algorithm} disagree")
         engine = f"sglang:{algorithm.upper()}"
+    settings = None
+    if serving:
+        from refcheck.runners.sglang_settings import parse_settings
+
+        settings = parse_settings(serving)  # an unknown or malformed item: exit 2 before anything starts
     given = {"cuda_graphs": cuda_graphs or None, "tp": tp if tp > 1 else None, "mem_fraction": mem_fraction,
-             "max_running": max_running, "layer_sketches": layer_sketches or None}
+             "max_running": max_running, "layer_sketches": layer_sketches or None, "settings": settings}
     opts = {k: v for k, v in given.items() if v is not None}
     kind = check_engine(engine, opts)
     if "ngram_breadth" in kind.options:
@@ -72,6 +77,10 @@ def _engine_and_options(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype
 @click.option("--sglang-mem-fraction", "mem_fraction", type=float, default=None,
               help="With --engine sglang: SGLang's mem_fraction_static (default 0.3); lower it to run several engines "
                    "on one GPU side by side.")
+@click.option("--sglang-settings", "serving", default=None, metavar="LIST",
+              help="With --engine sglang: how SGLang serves, as in production: a comma list of graphs, overlap, radix, "
+                   "page=N, chunk=N (chunked prefill), running=N (max running requests), stagger=MS (requests arrive "
+                   "one every MS ms); default: refcheck's safest corner (all off, page 1, all requests at once).")
 @click.option("--layer-sketches", is_flag=True,
               help="With --engine sglang: sketch every target layer's output (forward hooks) so a failing node gets "
                    "layer bisection; slower.")
@@ -82,7 +91,7 @@ def _engine_and_options(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype
 @model_options
 @sampling_options
 def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, workers, full_state, sglang_algorithm,
-         cuda_graphs, ngram_breadth, tp, max_running, mem_fraction, layer_sketches, steps, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
+         cuda_graphs, ngram_breadth, tp, max_running, mem_fraction, serving, layer_sketches, steps, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
          drafter, stop_ids, as_json, temperature, top_k, top_p, sample_seed):
     """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
 
@@ -109,7 +118,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
         # an unknown engine, or an option it does not take: a usage error before any process starts
         engine, engine_opts, dtype, device = _engine_and_options(engine, sglang_algorithm, cuda_graphs, ngram_breadth,
                                                                  tp, dtype, device, mem_fraction, max_running,
-                                                                 layer_sketches)
+                                                                 layer_sketches, serving)
         spec = spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids,
                                  sampling)
         report, trace = _live_engine(engine, engine_opts, spec, prompts_file, workers, mode, ref_dtype, ref_device,

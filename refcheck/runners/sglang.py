@@ -37,12 +37,15 @@ import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from refcheck.errors import ModelError, UsageError
 from refcheck.prompts import Prompt
 from refcheck.reference_runner import EngineSpec
+from refcheck.runners.sglang_settings import DEFAULT as DEFAULT_SETTINGS
+from refcheck.runners.sglang_settings import ServingSettings, capture_refusal
 from refcheck.sglang_capture.records import UNTRACED_RID_PREFIX
 from refcheck.sglang_ddtree.faults import ALGORITHMS as FAULT_ALGORITHMS
 from refcheck.trace.io import Trace
@@ -140,26 +143,22 @@ def resolve_budget(algorithm: str, budget: int | None, draft_dir: Path | None, t
 
 def engine_kwargs(spec: EngineSpec, model_path: str, algorithm: str = "NONE", cuda_graphs: bool = False,
                   mem_fraction_static: float = 0.3, budget: int = 0, draft_path: str | None = None,
-                  ngram_breadth: int = 10, tp: int = 1, max_running: int | None = None) -> dict[str, Any]:
-    """The one place that turns refcheck settings into ``sglang.Engine`` arguments."""
+                  ngram_breadth: int = 10, tp: int = 1, max_running: int | None = None,
+                  settings: ServingSettings = DEFAULT_SETTINGS) -> dict[str, Any]:
+    """The one place that turns refcheck settings into ``sglang.Engine`` arguments (the serving settings'
+    own through :meth:`ServingSettings.engine_kwargs`; ``cuda_graphs`` / ``max_running`` are shorthands)."""
     if spec.dtype not in ("bfloat16", "float16", "float32"):
         raise UsageError(f"SGLang runs bfloat16/float16/float32, got {spec.dtype!r}")
+    settings = merged_settings(settings, cuda_graphs, max_running)
     kw: dict[str, Any] = dict(
         model_path=model_path,
         skip_tokenizer_init=True,  # token ids in and out: the reference compares ids, not text
         attention_backend="triton",
         sampling_backend="pytorch",
-        disable_overlap_schedule=True,  # the capture reads reused buffers within one synchronous step
-        disable_radix_cache=True,  # prefix reuse would change committed prefixes and mamba snapshots
-        disable_cuda_graph=not cuda_graphs,
-        page_size=1,
         dtype=spec.dtype,
         mem_fraction_static=mem_fraction_static,
+        **settings.engine_kwargs(),  # overlap, radix cache, CUDA graphs, page size (refcheck's default: all off, 1)
     )
-    if max_running is not None:
-        if max_running < 1:
-            raise UsageError(f"--sglang-max-running must be >= 1, got {max_running}")
-        kw["max_running_requests"] = max_running  # 1: one request at a time (no batching across requests)
     if tp < 1:
         raise UsageError(f"--tp must be >= 1, got {tp}")
     if tp > 1:
@@ -179,6 +178,30 @@ def engine_kwargs(spec: EngineSpec, model_path: str, algorithm: str = "NONE", cu
         if draft_path:
             kw["speculative_draft_model_path"] = draft_path
     return kw
+
+
+def merged_settings(settings: ServingSettings, cuda_graphs: bool = False, max_running: int | None = None) -> ServingSettings:
+    """``settings`` with the ``--cuda-graphs`` / ``--sglang-max-running`` shorthands folded in."""
+    if max_running is not None and max_running < 1:
+        raise UsageError(f"--sglang-max-running must be >= 1, got {max_running}")
+    if cuda_graphs:
+        settings = replace(settings, cuda_graphs=True)
+    if max_running is not None:
+        settings = replace(settings, max_running=max_running)  # 1: one request at a time (no batching)
+    return settings
+
+
+def check_context(prompts: list[Prompt], spec: EngineSpec, target_dir: Path | None) -> None:
+    """Refuse a prompt whose tokens and new tokens do not fit the target's context (its max_position_embeddings)."""
+    context = _text_config(target_dir).get("max_position_embeddings")
+    if context is None:
+        return
+    for p in prompts:
+        need = len(p.prompt_ids) + (p.max_new_tokens or spec.max_new_tokens)
+        if need > int(context):
+            raise UsageError(f"prompt {p.id!r}: {len(p.prompt_ids)} prompt tokens + {p.max_new_tokens or spec.max_new_tokens} "
+                             f"new tokens exceed the target's context of {context} positions ({target_dir}: "
+                             "max_position_embeddings)")
 
 
 def sampling_rng(algorithm: str) -> str:
@@ -249,17 +272,20 @@ class SGLangRunner:
     def __init__(self, spec: EngineSpec, algorithm: str = "NONE", cuda_graphs: bool = False, capture: bool = True,
                  ngram_breadth: int = 10, capture_dir: Path | None = None, full_state: bool = False,
                  timeout_s: float = 3600.0, tp: int = 1, layer_sketches: bool = False,
-                 mem_fraction: float = 0.3, timing_repeats: int = 0, max_running: int | None = None) -> None:
+                 mem_fraction: float = 0.3, timing_repeats: int = 0, max_running: int | None = None,
+                 settings: ServingSettings = DEFAULT_SETTINGS, warmup: bool = False) -> None:
         self.algorithm = algorithm.upper()
-        self.spec, self.cuda_graphs, self.capture, self.ngram_breadth = spec, cuda_graphs, capture, ngram_breadth
+        self.settings = merged_settings(settings, cuda_graphs, max_running)
+        self.spec, self.capture, self.ngram_breadth = spec, capture, ngram_breadth
+        self.cuda_graphs = self.settings.cuda_graphs
         self.capture_dir, self.full_state, self.timeout_s, self.tp = capture_dir, full_state, timeout_s, tp
         self.layer_sketches = layer_sketches and capture
-        if self.layer_sketches and cuda_graphs:
-            # the sketches come from module hooks, which a CUDA graph replay does not run: a graphed step would
-            # carry no sketch, or a stale one of an eager forward of the same shape
-            raise UsageError("--layer-sketches cannot be captured under --cuda-graphs (a graph replay runs no "
-                             "module hooks, so its per-layer outputs are not observable); drop one of the two")
-        self.max_running = max_running
+        why = capture_refusal(self.settings, self.algorithm, self.layer_sketches, tp) or self._engine_refusal(ngram_breadth)
+        if why:
+            raise UsageError(why)
+        # warmup: one untraced generate of the same prompts before the captured one, so that the captured run and
+        # the timing repeats both find compiled kernels (the capture's overhead is then warm against warm)
+        self.warmup = warmup
         if not 0.0 < mem_fraction < 1.0:
             raise UsageError(f"--sglang-mem-fraction must be between 0 and 1, got {mem_fraction}")
         self.mem_fraction = mem_fraction  # SGLang's mem_fraction_static: lower it to run engines side by side
@@ -293,6 +319,19 @@ class SGLangRunner:
                 "scripts/sglang_bundle.sh build (with network), then scripts/sglang_bundle.sh run python3 -m refcheck ...")
         self.last_assembly = None
 
+    def _engine_refusal(self, ngram_breadth: int) -> str | None:
+        """Settings SGLang (or refcheck's own algorithm inside it) refuses at start-up: said before an engine starts."""
+        st = self.settings
+        if st.overlap and self.algorithm in DFLASH_DRAFTED and self.algorithm != "DFLASH":
+            return (f"{self.algorithm} runs synchronously: refcheck's DDTree worker does not implement SGLang's "
+                    "overlap scheduler (its deferred results and on-device next inputs); drop 'overlap' from "
+                    "--sglang-settings")
+        if st.page_size > 1 and self.algorithm == "NGRAM" and ngram_breadth > 1:
+            return (f"SGLang refuses NGRAM trees (BFS breadth {ngram_breadth}, i.e. topk > 1) with page size "
+                    f"{st.page_size} on the triton attention backend (paged tree attention is only supported on "
+                    "flashinfer); use page=1 or --ngram-breadth 1")
+        return None
+
     def trace(self, prompts: list[Prompt]) -> Trace:
         from refcheck.prompts import prompt_set_hash
         from refcheck.provenance import build_provenance
@@ -301,6 +340,7 @@ class SGLangRunner:
         from refcheck.trace.io import write_trace
 
         tdir, ddir = self.spec.resolved_dirs()
+        check_context(prompts, self.spec, tdir)  # before any engine starts: exit 2, not SGLang's error mid-run
         cdir = Path(self.capture_dir or tempfile.mkdtemp(prefix="refcheck-sglang-"))
         cdir.mkdir(parents=True, exist_ok=True)
         install_entry_point(cdir / "site")
@@ -312,9 +352,9 @@ class SGLangRunner:
             env[ENV_DIR] = str(records)
         if self.full_state:
             env[ENV_FULL] = "1"
-        kw = engine_kwargs(self.spec, str(tdir), self.algorithm, self.cuda_graphs, self.mem_fraction, budget=self.budget,
+        kw = engine_kwargs(self.spec, str(tdir), self.algorithm, mem_fraction_static=self.mem_fraction, budget=self.budget,
                            draft_path=str(ddir) if ddir else None, ngram_breadth=self.ngram_breadth, tp=self.tp,
-                           max_running=self.max_running)
+                           settings=self.settings)
         if self.layer_sketches:  # per-layer sketches of every target forward, for layer bisection (slower)
             from refcheck.sglang_capture.layers import SPEC
 
@@ -363,6 +403,8 @@ class SGLangRunner:
                         engine_start_s=round(run.get("start_s") or 0.0, 2), generate_s=round(run.get("generate_s") or 0.0, 2),
                         repeat_generate_s=[round(t, 3) for t in run.get("repeat_generate_s") or []],
                         repeats_match=run.get("repeats_match"), tree_rules="structural",
+                        serving=self.settings.to_json(), serving_label=self.settings.label(),
+                        warmup_generate_s=run.get("warmup_generate_s"), warmup_match=run.get("warmup_match"),
                         **({"sampling": self.spec.sampling.to_json(), "rng": sampling_rng(self.algorithm)}
                            if self.spec.sampled and self.spec.sampling is not None else {}),
                         draft_dir=str(ddir) if ddir and self.spec.model_dir is not None else None)
@@ -376,7 +418,9 @@ class SGLangRunner:
             "engine_kwargs": kw, "result": str(result), "input_ids": [list(p.prompt_ids) for p in prompts],
             "rids": [rids[p.id] for p in prompts],
             "timing_rids": [[f"{UNTRACED_RID_PREFIX}{k}-{rids[p.id]}" for p in prompts] for k in range(self.timing_repeats)],
-            "sampling_params": [request_sampling_params(p, self.spec, self.algorithm) for p in prompts]}))
+            "sampling_params": [request_sampling_params(p, self.spec, self.algorithm) for p in prompts],
+            "stagger_s": self.settings.stagger_ms / 1000.0,
+            "warmup_rids": [f"{UNTRACED_RID_PREFIX}warm-{rids[p.id]}" for p in prompts] if self.warmup else []}))
         with log.open("w") as f:
             # a session of its own: on a timeout the engine's schedulers go down with it
             proc = subprocess.Popen([sys.executable, "-m", "refcheck.runners.sglang_child", str(job)], env=env,

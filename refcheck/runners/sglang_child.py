@@ -7,7 +7,9 @@ request, ``generate_s``), or ``failed`` with the stage and a one-line summary of
 ``timing_repeats`` k > 0 the same requests then run k more times on the warm engine under untraced
 rids (the capture plugin passes them through: no synchronisation, no records), and ``done`` also
 carries ``repeat_generate_s`` (their wall times: tokens/s without first-use kernel compilation or
-capture) and ``repeats_match`` (whether every repeat produced the captured output ids). SGLang
+capture) and ``repeats_match`` (whether every repeat produced the captured output ids). With
+``warmup_rids`` one untraced pass runs before the captured one (``warmup_generate_s``, ``warmup_match``);
+with ``stagger_s`` > 0 the requests of each pass arrive one every ``stagger_s`` seconds. SGLang
 answers a dead scheduler by killing its whole process tree (SIGQUIT, then SIGKILL): running it here
 keeps refcheck's own process, and the records captured so far, alive; whatever stage the file last
 reached tells the runner what happened. Exit codes: 0 done, 3 SGLang missing, 4 start-up failed,
@@ -16,10 +18,12 @@ reached tells the runner what happened. Exit codes: 0 done, 3 SGLang missing, 4 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from refcheck.atomic_file import atomic_write_bytes
 
@@ -33,6 +37,29 @@ def summarise_error(exc: BaseException, limit: int = 600) -> str:
     lines = [ln.strip() for ln in f"{type(exc).__name__}: {exc}".splitlines() if ln.strip()]
     text = " | ".join(lines[-4:])
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _outputs(results: list[dict]) -> list[list[int]]:
+    return [[int(t) for t in r["output_ids"]] for r in results]
+
+
+def generate(engine: Any, job: dict, rids: list[str]) -> list[dict]:
+    """One pass over the job's requests under ``rids``: all in one ``generate`` call, or, with
+    ``stagger_s`` > 0, request i submitted ``i * stagger_s`` seconds after the first (they then meet
+    the running batch at every stage: prefill beside decode and verify)."""
+    stagger = float(job.get("stagger_s") or 0.0)
+    if stagger <= 0:
+        return engine.generate(input_ids=job["input_ids"], sampling_params=job["sampling_params"], rid=rids)
+
+    async def one(i: int) -> dict:
+        await asyncio.sleep(i * stagger)
+        return await engine.async_generate(input_ids=job["input_ids"][i], sampling_params=job["sampling_params"][i],
+                                           rid=rids[i])
+
+    async def every() -> list[dict]:
+        return list(await asyncio.gather(*(one(i) for i in range(len(rids)))))
+
+    return engine.loop.run_until_complete(every())
 
 
 def main(job_path: str) -> int:
@@ -52,20 +79,27 @@ def main(job_path: str) -> int:
         return 4
     start_s = time.time() - t0
     _write(result, {"stage": "started", "start_s": start_s, "sglang": version})
-    t1 = time.time()
     code = 0
     try:
-        out = engine.generate(input_ids=job["input_ids"], sampling_params=job["sampling_params"], rid=job["rids"])
+        warm: dict[str, Any] = {}
+        if job.get("warmup_rids"):  # untraced: compiles kernels (and, with the radix cache, fills it) first
+            t0 = time.time()
+            warm_out = _outputs(generate(engine, job, job["warmup_rids"]))
+            warm = {"warmup_generate_s": time.time() - t0}
+        t1 = time.time()
+        out = generate(engine, job, job["rids"])
         generate_s = time.time() - t1
-        outputs = [[int(t) for t in r["output_ids"]] for r in out]
+        outputs = _outputs(out)
+        if warm:
+            warm["warmup_match"] = warm_out == outputs
         repeat_s, match = [], True
         for rids in job.get("timing_rids") or []:
             t2 = time.time()
-            again = engine.generate(input_ids=job["input_ids"], sampling_params=job["sampling_params"], rid=rids)
+            again = generate(engine, job, rids)
             repeat_s.append(time.time() - t2)
-            match = match and [[int(t) for t in r["output_ids"]] for r in again] == outputs
+            match = match and _outputs(again) == outputs
         _write(result, {"stage": "done", "start_s": start_s, "generate_s": generate_s, "sglang": version,
-                        "outputs": outputs, "repeat_generate_s": repeat_s, "repeats_match": match,
+                        "outputs": outputs, "repeat_generate_s": repeat_s, "repeats_match": match, **warm,
                         "meta": [{k: v for k, v in r.get("meta_info", {}).items() if isinstance(v, (int, float, str))}
                                  for r in out]})
     except Exception as exc:  # noqa: BLE001

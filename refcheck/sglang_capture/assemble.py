@@ -113,6 +113,15 @@ def _request_row(p: Prompt, output: list[int], lps: list[float], first_uniform: 
     return row
 
 
+def _stats(kept: list[StepCapture], n_steps: int, n_branching: int, n_accepted: int, past_end: int) -> dict:
+    return {"steps": n_steps, "branching_steps": n_branching, "steps_past_output_dropped": past_end,
+            "tau": n_accepted / n_steps if n_steps else None,
+            # steps whose target forward replayed one of SGLang's CUDA graphs (the rest ran eagerly)
+            "cuda_graph_steps": sum(bool(c.meta.get("cuda_graph")) for c in kept),
+            # how far the scheduler's request lists lagged the device (the overlap scheduler: 1 step's tokens)
+            "committed_lag_max": max((int(c.meta.get("committed_lag") or 0) for c in kept), default=0)}
+
+
 def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[str, dict], capture: Capture,
                    provenance: dict, sampling: Sampling | None = None, rng: str = "engine") -> Assembly:
     """prompts in order; rids: prompt id -> SGLang rid; results: prompt id -> generate result (may
@@ -123,7 +132,10 @@ def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[st
         steps_by_rid.setdefault(s.rid, []).append(s)
     first_rank = min(capture.prefills) if capture.prefills else 0
     prefill = {p.rid: p for p in capture.prefills.get(first_rank, [])}  # the last chunk of a chunked prefill wins
-    n_steps = n_branching = n_accepted = 0
+    n_steps = n_branching = n_accepted = past_end = 0
+    # the overlap scheduler launches a request's next step before it processes the finish of the last one: one
+    # step past the end of each output is expected there (and dropped), a sign of trouble anywhere else
+    overlap = bool(((provenance.get("engine") or {}).get("settings") or {}).get("serving", {}).get("overlap"))
     kept: list[StepCapture] = []  # the records behind out.trace.steps, in the same order
     for p in prompts:
         rid = rids[p.id]
@@ -140,7 +152,9 @@ def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[st
         filled = 1 if output else 0
         for k, s in enumerate(recs):
             if filled >= len(output):
-                out.problems.append(f"{p.id}: {len(recs) - k} captured step(s) past the end of the output dropped")
+                past_end += len(recs) - k
+                if not (overlap and len(recs) - k == 1):
+                    out.problems.append(f"{p.id}: {len(recs) - k} captured step(s) past the end of the output dropped")
                 break
             keep = min(len(s.emitted), len(output) - filled)
             if s.emitted[:keep] != output[filled:filled + keep]:
@@ -161,10 +175,7 @@ def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[st
             lps = []  # the records do not cover the whole output: no per-token log-probs rather than a misaligned list
         out.trace.requests.append(_request_row(p, output, lps, first.uniform if first is not None else math.nan,
                                                sampling, rng))
-    out.stats = {"steps": n_steps, "branching_steps": n_branching,
-                 "tau": n_accepted / n_steps if n_steps else None,
-                 # steps whose target forward replayed one of SGLang's CUDA graphs (the rest ran eagerly)
-                 "cuda_graph_steps": sum(bool(c.meta.get("cuda_graph")) for c in kept)}
+    out.stats = _stats(kept, n_steps, n_branching, n_accepted, past_end)
     # branching trees verified while the engine ran its recurrent layers as a chain (topk <= 1): the leak's
     # configuration, visible without any numerics
     chain = [(row.request_id, row.step) for row, cap in zip(out.trace.steps, kept)

@@ -65,6 +65,9 @@ class _Batch:
     pending: list[StepCapture] = field(default_factory=list)
     step_s: float = float("nan")
     raw_logits: torch.Tensor | None = None  # [bs, V] before a sampling batch's sampler overwrote them
+    # target-only decode, from the forward batch on the device: [bs] input ids (the roots) and seq lens (with the
+    # root): right even under the overlap scheduler, whose per-request lists lag one step behind
+    decode_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def committed_of(self, rids: list[str]) -> list[int]:
         where = dict(zip(self.rids, self.committed))
@@ -233,8 +236,14 @@ def _after(scheduler: Any, snap: _Batch, result: Any) -> None:
         if logits is None:
             rec.error("run_batch", "target-only decode result has no logits")
             return
-        snap.pending = root_steps(snap.roots, logits, torch.as_tensor(result.next_token_ids), snap.rids, snap.committed,
-                                  meta={"server_topk": snap.topk})
+        roots, committed, source = snap.roots, snap.committed, "requests"
+        if snap.decode_inputs is not None and len(snap.decode_inputs[0]) == len(snap.rids):
+            roots = [int(t) for t in snap.decode_inputs[0].tolist()]
+            committed = [int(n) - 1 for n in snap.decode_inputs[1].tolist()]  # seq lens count the root
+            source = "forward_batch"
+        snap.pending = root_steps(roots, logits, torch.as_tensor(result.next_token_ids), snap.rids, committed,
+                                  meta={"server_topk": snap.topk, "committed_from": source,
+                                        "committed_lag": _lags(snap.committed, committed)})
     elif not snap.pending:
         rec.error("run_batch", "a speculative decode batch ran but no verify step was captured (is its hook live?)")
         return
@@ -281,12 +290,16 @@ def _run_batch(original, self, batch, *args, **kwargs):
 
 def _sample(original, self, logits_output, forward_batch, *args, **kwargs):
     snap = _batch
-    if snap is not None:
+    if snap is not None:  # the raw logits of a sampling batch; a target-only decode's inputs
         _guard("sample:before", _keep_raw_logits, snap, logits_output, forward_batch)
     return original(self, logits_output, forward_batch, *args, **kwargs)
 
 
 def _keep_raw_logits(snap: _Batch, logits_output: Any, forward_batch: Any) -> None:
+    mode = getattr(forward_batch, "forward_mode", None)
+    if mode is not None and mode.is_decode() and forward_batch.input_ids is not None:
+        snap.decode_inputs = (forward_batch.input_ids.detach().reshape(-1).clone(),
+                              forward_batch.seq_lens.detach().reshape(-1).clone())
     info = getattr(forward_batch, "sampling_info", None)
     logits = getattr(logits_output, "next_token_logits", None)
     if info is not None and not info.is_all_greedy and logits is not None:
@@ -318,15 +331,37 @@ def _tree_inputs(args: tuple, kwargs: dict) -> dict[str, Any] | None:
     return {"tokens": verify_input.draft_token.detach().clone(), "nt": None if nt is None else nt.detach().clone(),
             "ns": None if ns is None else ns.detach().clone(), "pos": None if pos is None else pos.detach().clone(),
             # before the original runs: eagle_sample adds penalties and logit bias to these in place
-            "logits": logits_output.next_token_logits.detach().clone(), "rids": [r.rid for r in batch.reqs]}
+            "logits": logits_output.next_token_logits.detach().clone(), "rids": [r.rid for r in batch.reqs],
+            # tokens with KV before the step (the roots' positions), on the device: right under overlap too
+            "seq_lens": _seq_lens(batch)}
 
 
 def _tree_records(snap: _Batch, pre: dict[str, Any], result: tuple) -> list[StepCapture]:
     predict, accept_lens, accept_index = result[:3]
     draws, uniforms = result[3:5] if len(result) >= 5 else (None, None)  # the keyed sampler's
+    committed, meta = _committed(snap, pre["rids"], pre["seq_lens"])
     return tree_steps(pre["tokens"], pre["nt"], pre["ns"], pre["logits"], accept_index, accept_lens, predict,
-                      pre["rids"], snap.committed_of(pre["rids"]), positions=pre["pos"], draws=draws, uniforms=uniforms,
-                      meta={"server_topk": snap.topk, "layout_in_engine": "tree" if (snap.topk or 0) > 1 else "chain"})
+                      pre["rids"], committed, positions=pre["pos"], draws=draws, uniforms=uniforms,
+                      meta={"server_topk": snap.topk, "layout_in_engine": "tree" if (snap.topk or 0) > 1 else "chain",
+                            **meta})
+
+
+def _seq_lens(batch: Any) -> list[int] | None:
+    lens = getattr(batch, "seq_lens", None)
+    return [int(n) for n in lens.tolist()] if isinstance(lens, torch.Tensor) else None
+
+
+def _lags(requests: list[int], used: list[int]) -> int:
+    """How many steps' tokens the scheduler's request lists were behind the device (0 without overlap)."""
+    return max((abs(a - b) for a, b in zip(requests, used)), default=0)
+
+
+def _committed(snap: _Batch, rids: list[str], device_lens: list[int] | None) -> tuple[list[int], dict[str, Any]]:
+    """Committed lengths of a verify batch: the forward batch's (device) where it has them, else the requests'."""
+    from_requests = snap.committed_of(rids)
+    if device_lens is None or len(device_lens) != len(rids):
+        return from_requests, {"committed_from": "requests"}
+    return device_lens, {"committed_from": "forward_batch", "committed_lag": _lags(from_requests, device_lens)}
 
 
 def _dflash_forward(original, self, batch, *args, **kwargs):
@@ -350,5 +385,9 @@ def _chain_records(worker: Any, snap: _Batch, rids: list[str], result: Any) -> l
     if logits is None:
         raise RuntimeError("DFLASH verify result carries no logits (skipped for TP > 1 greedy in newer SGLang)")
     cand = worker._draft_block_tokens_buf[:bs]  # [bs, B]: column 0 the root, then the drafts
+    new_lens = getattr(result, "new_seq_lens", None)
+    device = ([int(n) - int(a) for n, a in zip(new_lens.tolist(), result.accept_lens.tolist())]
+              if isinstance(new_lens, torch.Tensor) else None)  # after the step minus what it appended
+    committed, meta = _committed(snap, rids, device)
     return chain_steps(cand, logits, result.accept_lens, result.next_token_ids.reshape(bs, -1), rids,
-                       snap.committed_of(rids), meta={"server_topk": snap.topk, "layout_in_engine": "chain"})
+                       committed, meta={"server_topk": snap.topk, "layout_in_engine": "chain", **meta})

@@ -5,6 +5,7 @@ differently (a nondeterministic engine); start_fail: print a scheduler traceback
 way SGLang does; crash: die (SIGKILL-like exit) in the middle of generate; hang: never return.
 """
 
+import asyncio
 import os
 import sys
 import time
@@ -16,6 +17,7 @@ class Engine:
     def __init__(self, **kwargs):
         self.kwargs = kwargs
         self.calls = 0
+        self.loop = asyncio.new_event_loop()  # SGLang's Engine runs its tokenizer manager on its own loop
         mode = os.environ.get("FAKE_SGLANG_MODE", "ok")
         if mode == "start_fail":
             print("Traceback (most recent call last):", file=sys.stderr)
@@ -33,6 +35,12 @@ class Engine:
         self.calls += 1
         return [{"output_ids": [ids[-1] + shift] * sp["max_new_tokens"], "meta_info": {"id": r}}
                 for ids, sp, r in zip(input_ids, sampling_params, rid)]
+
+    async def async_generate(self, input_ids, sampling_params, rid=None):
+        """One request (the staggered-arrival path): its output, and when it arrived."""
+        out = self.generate([input_ids], [sampling_params], [rid])[0]
+        out["meta_info"]["arrived"] = time.time()
+        return out
 
     def shutdown(self):
         pass

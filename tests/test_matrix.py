@@ -1,0 +1,135 @@
+"""``refcheck matrix`` without a GPU: the cells and their refusals, a whole matrix over stand-in engines (the
+reference recording traces the way the SGLang runner would), the capture-off twin, the Markdown table, the
+workloads it runs and the command's bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+
+import pytest
+
+from refcheck.errors import EXIT_USAGE, ModelError, UsageError
+from refcheck.matrix import MEMORY_RACE, SETTINGS, MatrixRun, cells, markdown, merge_twin, named_cells, run_matrix
+from refcheck.prompts import load_prompts
+from refcheck.prompts.workloads import WORKLOADS, needed_context, workload, write_workload
+from refcheck.reference_runner import EngineSpec, ReferenceRunner
+
+_LOAD = threading.Lock()  # model loading is not thread-safe; cells share one process here
+
+
+class FakeRunner:
+    """A stand-in SGLang runner: the reference decodes two prompts; the provenance carries what SGLangRunner's does."""
+
+    calls: list[tuple[str, str, bool]] = []
+    fail_start: dict[str, int] = {}
+
+    def __init__(self, spec, algorithm, settings, timing_repeats, warmup, mem_fraction, tp, capture_dir=None,
+                 capture=True, **extra):
+        if algorithm == "REFCHECK_DDTREE" and settings.overlap:
+            raise UsageError("REFCHECK_DDTREE runs synchronously")
+        self.spec = dataclasses.replace(spec, dtype="float32", device="cpu", max_new_tokens=6, budget=spec.budget or 4)
+        self.algorithm, self.settings, self.capture = algorithm, settings, capture
+
+    def trace(self, prompts):
+        left = FakeRunner.fail_start.get(self.algorithm, 0)
+        if left:
+            FakeRunner.fail_start[self.algorithm] = left - 1
+            raise ModelError(f"SGLang could not start: Loaded weights {MEMORY_RACE} under 0.1")
+        FakeRunner.calls.append((self.algorithm, self.settings.label(), self.capture))
+        with _LOAD:
+            trace, _ = ReferenceRunner(self.spec).trace(prompts[:2])
+        trace.provenance["engine"]["settings"].update(
+            serving_label=self.settings.label(), generate_s=0.3 if self.capture else 0.1, repeat_generate_s=[0.1],
+            warmup_match=True, repeats_match=True)
+        return trace
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch):
+    import refcheck.matrix as m
+
+    monkeypatch.setattr(m.time, "sleep", lambda s: None)
+    FakeRunner.calls, FakeRunner.fail_start = [], {}
+    return MatrixRun(EngineSpec(pair="hybrid", max_new_tokens=6), tmp_path, ref_device="cpu", runner_factory=FakeRunner,
+                     diff_processes=0)
+
+
+def test_cells_are_the_product_and_names_parse_back():
+    todo = cells(["NONE", "REFCHECK_DDTREE"], ["default", "radix"])
+    assert [c.name for c in todo] == ["NONE-default", "REFCHECK_DDTREE-default", "NONE-radix", "REFCHECK_DDTREE-radix"]
+    assert named_cells([c.name for c in todo]) == todo
+    with pytest.raises(UsageError, match="algorithm.*EAGLE.*setting.*bogus"):
+        cells(["EAGLE"], ["bogus"])
+
+
+def test_a_matrix_runs_every_cell_or_says_why_not(run):
+    todo = cells(["NONE", "DFLASH", "REFCHECK_DDTREE"], ["default", "overlap", "tp2"])
+    FakeRunner.fail_start = {"NONE": 1}  # engines starting side by side: the memory race, started again
+    result = run_matrix(run, todo, parallel=3, stagger_s=0.0)
+    rows = {r["cell"]: r for r in result["rows"]}
+    assert list(rows) == [c.name for c in todo]
+    assert rows["NONE-default"]["status"] == "run" and rows["NONE-default"]["verdict"] == "pass"
+    assert rows["REFCHECK_DDTREE-overlap"]["status"] == "not run" and "synchronously" in rows["REFCHECK_DDTREE-overlap"]["reason"]
+    assert rows["DFLASH-tp2"]["reason"] == "needs 2 GPUs, this machine has 1"
+    r = rows["DFLASH-default"]
+    assert r["capture_off_twin"] == "tokens identical" and r["capture_overhead_vs_off"] == pytest.approx(3.0)
+    assert r["capture_overhead"] == pytest.approx(3.0) and r["tokens_unchanged_by_capture"] is True
+    assert r["tau"] is not None and r["warm_tokens_per_s"] > 0 and r["trace"].endswith("DFLASH-default.arrow")
+    assert ("DFLASH", "default", False) in FakeRunner.calls and ("DFLASH", "overlap", False) in FakeRunner.calls
+    assert "outputs" not in r  # the twin's comparison data stays out of the result
+    md = markdown(result)
+    assert "| DFLASH | default | pass |" in md and "needs 2 GPUs" in md and "EAGLE / NEXTN" in md
+    json.dumps(result)
+
+
+def test_a_twin_whose_tokens_differ_is_named():
+    row = {"outputs": {"a": [1, 2], "b": [3]}, "captured_generate_s": 2.0}
+    merge_twin(row, {"outputs": {"a": [1, 2], "b": [4]}, "generate_s": 1.0, "repeat_generate_s": []})
+    assert row["capture_off_twin"] == "1 request(s) differ: ['b']" and row["tokens_identical_to_capture_off"] is False
+    assert row["capture_overhead_vs_off"] == pytest.approx(2.0)
+    row = {"outputs": {}}
+    merge_twin(row, {"twin_error": "ModelError: boom"})
+    assert row["capture_off_twin"] == "ModelError: boom"
+
+
+def test_the_long_workload_runs_on_a_long_context_copy(run):
+    prompts, spec = run.prompts_for(cells(["NONE"], ["long"])[0])
+    assert max(len(p.prompt_ids) for p in prompts) == 16384 and spec.model_dir is not None
+    cfg = json.loads((spec.model_dir / "config.json").read_text())
+    assert cfg["max_position_embeddings"] >= needed_context(prompts, 32) and cfg["refcheck_context"]
+    assert cells(["NONE"], ["default"])[0].setting.workload == "builtin"
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_workloads_are_deterministic_and_fit_the_builtin_vocabulary(name, tmp_path):
+    a, b = workload(name), workload(name)
+    assert a == b and all(max(p.prompt_ids) < 512 and min(p.prompt_ids) >= 0 for p in a)
+    assert load_prompts(write_workload(a, tmp_path / "w.jsonl")) == a
+
+
+def test_workload_shapes():
+    mixed = workload("mixed")
+    assert len(mixed) >= 32 and min(len(p.prompt_ids) for p in mixed) <= 16 and max(len(p.prompt_ids) for p in mixed) >= 500
+    assert len({p.max_new_tokens for p in mixed}) > 2
+    fam = [p for p in workload("shared-prefix") if p.id.startswith("prefix-0-")]
+    assert all(p.prompt_ids[:100] == fam[0].prompt_ids[:100] for p in fam)
+    assert fam[1].prompt_ids[:300] == fam[2].prompt_ids[:300] and fam[1].prompt_ids[300:] != fam[2].prompt_ids[300:]
+    with pytest.raises(UsageError, match="unknown workload"):
+        workload("huge")
+
+
+def test_every_setting_parses_and_names_a_workload():
+    from refcheck.runners.sglang_settings import parse_settings
+
+    for s in SETTINGS.values():
+        parse_settings(s.serving)
+        assert s.workload in WORKLOADS
+
+
+def test_cli_lists_and_refuses(cli):
+    code, _, err = cli("matrix", "--list")
+    assert code == 0 and "radix" in err and "not runnable: EAGLE" in err
+    code, _, err = cli("matrix", "--cells", "DFLASH-bogus")
+    assert code == EXIT_USAGE and "unknown setting(s) bogus" in err
