@@ -116,7 +116,9 @@ GATE_WORK_BUDGET = {
                                               # the anchor step of each bf16 SGLang request, the steps over a
                                               # bound, and sampled bf16 draws beyond the fp32 floor); none after a
                                               # request has failed
-    "forwards.ensemble": 4500,                # 8 noisy samples x (prefill + tree, + drafts) per such step (4312)
+    "forwards.ensemble": 4850,                # 8 noisy samples x (prefill + tree, + drafts) per such step (4312),
+                                              # + 32 more at the few steps whose deviation is within 4 x the
+                                              # rule of the first spread without being covered (4776 in all)
     "greedy_forwards": 1160,                  # the oracles: one forward per distinct prefix, 6 prompts x (32
                                               # attention + 64 hybrid + 2 x 64 sampled at T = 1) tokens
     "reference_decodes": 110,                 # the reference's own runs: 6 prompts x 18 distinct settings (108)

@@ -258,3 +258,45 @@ def test_manual_triage_moves_only_the_steps_it_changed():
     apply_triage(rep, [{"request_id": "r", "step": 2, "node": 5, "category": "logits"}])
     assert rep.stats["steps"] == {"pass": 10, "benign_tie": 0, "triaged": 2, "fail": 1}
     assert [f.step for f in rep.failures] == [4]
+
+
+def test_an_escalated_ensemble_adds_runs_of_the_next_stream_and_only_widens(b64, target):
+    """``escalate``: where the first runs' spread does not cover a deviation, more runs of the next noise stream
+    join them; the spread over all of them is never smaller than the first runs' alone."""
+    req, s = b64.requests[0], [x for x in b64.steps if x.request_id == b64.requests[0].request_id][0]
+    committed = list(req.prompt_ids) + list(req.output_ids)[: s.committed_len - len(req.prompt_ids)]
+    toks, par, dep = (torch.tensor(v) for v in (s.tree_tokens, s.tree_parents, s.tree_depths))
+    x = StepInputs(committed, toks, par, dep, list(s.accepted), torch.tensor(s.topk_ids), None, None)
+    ens = RoundingEnsemble(target, None, "bfloat16", Rule(samples=2, escalate=3), ())
+    first, more = ens.sample(x), ens.sample(x, samples=3, seed=1)
+    assert more.node.shape[0] == 3 and not torch.equal(first.node[:2], more.node[:2])  # another stream
+    both = first + more
+    assert both.node.shape[0] == 5 and torch.equal(both.node[:2], first.node)
+    assert torch.equal(ens.sample(x, samples=2, seed=0).node, first.node)  # the rule's own stream, reproduced
+
+
+def test_judged_escalates_only_what_the_first_runs_do_not_cover():
+    from refcheck.diff.findings import Report
+    from refcheck.diff.rounding_guard import RoundingGuard
+
+    g = RoundingGuard()
+    g.rep, g.rid, g.rule, g.ensemble, g.pending, g.failed_at, g.since = Report("c", "replay"), "r", Rule(samples=8, factor=3.0, escalate=32), None, [], None, 0
+    calls = {"all": 0}
+
+    def spread_all() -> StepSpread:
+        calls["all"] += 1
+        return StepSpread(torch.tensor([2.0]), torch.tensor([2.0]), 2.0)
+
+    g.spread, g.spread_all = (lambda: StepSpread(torch.tensor([1.0]), torch.tensor([1.0]), 1.0)), spread_all
+    at = lambda sp: float(sp.topk[0])  # noqa: E731
+    assert g.judged(2.5, at) == 1.0 and not g.escalated and calls["all"] == 0  # covered by the first runs
+    assert g.judged(5.0, at) == 2.0 and g.escalated and calls["all"] == 1  # 5 > 3 x 1, but <= 3 x 2
+    assert g.judged(7.0, at) is None and g.last_spread == 2.0  # beyond both: fails
+    assert g.judged(13.0, at) is None and g.last_spread == 1.0  # beyond 4 x 3 x the first spread: not escalated
+    assert g.rep.stats["escalated_judgements"] == 2
+    g.spread_all = None  # a rule without escalation judges on the first runs only
+    assert g.judged(5.0, at) is None
+
+
+def test_the_bf16_and_fp16_rules_escalate():
+    assert CALIBRATIONS[("bfloat16", "*")].rule.escalate == 32 and CALIBRATIONS[("float16", "*")].rule.escalate == 32

@@ -107,6 +107,8 @@ class _Request(RoundingGuard):
         #: this step's nodes whose log-probs are consistent with rounding -> their spread
         self.ill_conditioned: dict[int, float] = {}
         self.spread: Callable[[], StepSpread] | None = None  # this step's ensemble, run at most once
+        self.spread_all: Callable[[], StepSpread] | None = None  # ... with the rule's escalation runs (on first need)
+        self.escalated = False  # the last judged deviation was held to the escalated ensemble
         self.failed_at: int | None = None  # the first step of this request with a failure
         self.last_spread: float | None = None  # the spread the last judged deviation was held against
         self.since = 0  # index of this step's first finding in the report

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from refcheck.diff.findings import Finding, Report, Verdict
-from refcheck.diff.triage import RoundingEnsemble, Rule, StepInputs, StepSpread
+from refcheck.diff.triage import RoundingEnsemble, Rule, StepInputs, StepSamples, StepSpread
 from refcheck.profile import timed
 from refcheck.sketch import rel_l2, sketch_rows, state_rows
 from refcheck.trace.io import StateEntry, StepRow
@@ -51,27 +51,36 @@ class RoundingGuard:
     ensemble: RoundingEnsemble | None
     pending: list[Finding]  # this step's deviations consistent with rounding, settled at the step's end
     spread: Callable[[], StepSpread] | None  # this step's ensemble, run at most once
+    spread_all: Callable[[], StepSpread] | None  # ... with the rule's escalation runs added (on first need)
     failed_at: int | None  # the first step of this request with a failure
     last_spread: float | None  # the spread the last judged deviation was held against
+    escalated: bool  # ... and whether that spread is the escalated ensemble's
     since: int  # index of this step's first finding in the report
 
     def consistent(self, category: str, step: int, message: str, details: dict[str, Any], **kw: Any) -> None:
         """A deviation over its bound that rounding at the engine's dtype explains: triaged or failed at
         the step's end (:meth:`settle`). Only reached through a judgement, so the calibration has a rule."""
         assert self.rule is not None
-        details.update(rule="rounding", samples=self.rule.samples, factor=self.rule.factor)
+        details.update(rule="rounding", samples=self.rule.samples + (self.rule.escalate if self.escalated else 0),
+                       factor=self.rule.factor)
         self.pending.append(Finding(Verdict.TRIAGED, category, self.rid, step, message=message, details=details, **kw))
 
     def judged(self, deviation: float, spread: Callable[[StepSpread], float | None]) -> float | None:
         """The quantity's rounding spread when the calibration judges over-bound deviations and this one
         is within it; else None (the deviation fails)."""
-        self.last_spread = None
+        self.last_spread, self.escalated = None, False
         if self.rule is None or self.spread is None or self.failing():
             return None  # (after a failure the deviation could not be triaged anyway: no ensemble is run)
         value = spread(self.spread())
         self.last_spread = value
         if value is None:
             return None
+        if self.spread_all is not None and self.rule.worth_escalating(deviation, value):
+            # beyond the first runs' spread: judged again over the escalated ensemble (the tail of an
+            # ill-conditioned node), never the other way round
+            self.rep.stats["escalated_judgements"] = self.rep.stats.get("escalated_judgements", 0) + 1
+            value = max(value, spread(self.spread_all()) or 0.0)
+            self.last_spread, self.escalated = value, True
         ratios = self.rep.stats.setdefault("rounding_ratios", [])
         if len(ratios) < MAX_RATIOS:  # deviation / spread of every judged quantity: the calibration's raw data
             ratios.append(round(deviation / value, 4) if value > 0 else float("inf"))
@@ -126,7 +135,7 @@ class RoundingGuard:
                       draft_ref: torch.Tensor | None, new_state: TargetState | None, prev: int) -> None:
         """Set up this step's rounding ensemble (run on first use): node log-probs at the engine's
         top-k ids and both argmaxes, the draft at the engine's draft ids, the committed state."""
-        self.spread = None
+        self.spread = self.spread_all = None
         if self.ensemble is None:
             return
         n, V = tree.num_nodes, logp.shape[-1]
@@ -150,11 +159,22 @@ class RoundingGuard:
                             state_error if ref_rows else None)
         node_ref = logp.cpu().gather(1, cols)  # [N, k+2]
 
-        ensemble = self.ensemble
+        ensemble, rule = self.ensemble, self.ensemble.rule
+
+        @functools.cache
+        def first() -> StepSamples:
+            self.rep.stats["ensemble_steps"] = self.rep.stats.get("ensemble_steps", 0) + 1
+            return ensemble.sample(inputs)
 
         @timed("ensemble", counter="ensemble_steps")
         def run() -> StepSpread:
-            self.rep.stats["ensemble_steps"] = self.rep.stats.get("ensemble_steps", 0) + 1
-            return StepSpread.of_step(ensemble.sample(inputs), node_ref, ids.shape[1], draft_ref)
+            return StepSpread.of_step(first(), node_ref, ids.shape[1], draft_ref)
+
+        @timed("ensemble", counter="escalated_steps")
+        def run_all() -> StepSpread:
+            self.rep.stats["escalated_steps"] = self.rep.stats.get("escalated_steps", 0) + 1
+            more = ensemble.sample(inputs, samples=rule.escalate, seed=rule.seed + 1)  # the next noise stream
+            return StepSpread.of_step(first() + more, node_ref, ids.shape[1], draft_ref)
 
         self.spread = functools.cache(run)
+        self.spread_all = functools.cache(run_all) if rule.escalate > 0 else None

@@ -50,17 +50,32 @@ class Rule:
     samples: int = 8
     factor: float = 2.0
     seed: int = 0
+    #: where a deviation is beyond ``factor`` x the spread of ``samples`` runs, ``escalate`` more runs (the next
+    #: seed's stream) join them and it is judged again against the spread over all: the spread of an
+    #: ill-conditioned node is heavy-tailed, and 8 runs of one noise stream can miss its tail where 8 of another
+    #: do not (one SGLang node on the H200: 3.43 off, spread 2.25 under the CPU stream, < 1.15 under CUDA's)
+    escalate: int = 0
+    #: ... only for deviations within ``escalate_within`` x ``factor`` x the first spread: further out, the extra
+    #: runs would have to widen the spread's maximum that many times over (a fault's usual distance), and the
+    #: gate would pay 4x an ensemble at every faulty golden's first failing step for nothing
+    escalate_within: float = 4.0
     #: the first ``anchor_steps`` verify steps of every request are judged in full: every node's log-probs and
     #: every committed state entry against ``factor`` x its spread, under the cheap bound too (a fault that
     #: moves a well-conditioned quantity by less than the bound is caught where it first acts)
     anchor_steps: int = 0
+
+    def worth_escalating(self, deviation: float, spread: float) -> bool:
+        """Not covered by the first runs' spread, but close enough that more runs could cover it."""
+        return self.escalate > 0 and not self.covers(deviation, spread) \
+            and self.covers(deviation, spread * self.escalate_within)
 
     def covers(self, deviation: float, spread: float) -> bool:
         """A deviation within ``factor`` x the quantity's rounding spread (never a NaN or infinite one)."""
         return deviation == deviation and deviation != float("inf") and deviation <= self.factor * spread
 
     def to_json(self) -> dict[str, Any]:
-        return {"samples": self.samples, "factor": self.factor, "seed": self.seed, "anchor_steps": self.anchor_steps}
+        return {"samples": self.samples, "factor": self.factor, "seed": self.seed, "anchor_steps": self.anchor_steps,
+                "escalate": self.escalate, "escalate_within": self.escalate_within}
 
 
 @contextmanager
@@ -71,7 +86,9 @@ def rounding_noise(modules: list[torch.nn.Module], unit_roundoff: float, generat
     hook, after each add), is multiplied by ``1 + u*U(-1, 1)`` while active."""
 
     def perturb(out: torch.Tensor) -> torch.Tensor:
-        noise = torch.rand(out.shape, generator=generator, device=out.device, dtype=torch.float32)
+        # drawn on the CPU (``generator`` is a CPU generator) and moved: the same noise on every device, so a
+        # trace replayed on a GPU is judged exactly as in the CPU gate
+        noise = torch.rand(out.shape, generator=generator, dtype=torch.float32).to(out.device)
         # the factor is built in float32 (u = 2^-8 is below bf16's own resolution near 1) and cast to
         # the activation's dtype only for the multiply
         return out * (1.0 + unit_roundoff * (2.0 * noise - 1.0)).to(out.dtype)
@@ -123,6 +140,11 @@ class StepSamples:
     draft: torch.Tensor | None  # [S, L, kd]
     state: list[dict[str, float]]  # per sample: entry -> rel L2 against the noise-free reference
 
+    def __add__(self, other: StepSamples) -> StepSamples:
+        """Both sets of runs as one (the escalated ensemble)."""
+        draft = torch.cat([self.draft, other.draft]) if self.draft is not None and other.draft is not None else None
+        return StepSamples(torch.cat([self.node, other.node]), draft, self.state + other.state)
+
 
 class RoundingEnsemble:
     """Noisy re-runs of one step of the reference at an engine dtype's unit roundoff."""
@@ -145,16 +167,17 @@ class RoundingEnsemble:
             d.ctx_keys, d.ctx_values, d.ctx_len = saved
 
     @torch.no_grad()
-    def sample(self, x: StepInputs) -> StepSamples:
+    def sample(self, x: StepInputs, samples: int | None = None, seed: int | None = None) -> StepSamples:
+        """``samples`` noisy runs (default the rule's) from noise stream ``seed`` (default the rule's)."""
         dev = self.target.device
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(self.rule.seed)
+        gen = torch.Generator()  # CPU: the noise stream is the same whatever device the reference runs on
+        gen.manual_seed(self.rule.seed if seed is None else seed)
         committed = torch.tensor(x.committed, device=dev)
         drafting = x.draft_ids is not None and hasattr(self.drafter, "ctx_keys")
         modules = [self.target.model] + ([self.drafter] if drafting else [])
         nodes, drafts, states = [], [], []
         with rounding_noise(modules, self.u, gen, residual=[self.target] + ([self.drafter] if drafting else [])):
-            for _ in range(self.rule.samples):
+            for _ in range(self.rule.samples if samples is None else samples):
                 state, pre = self.target.prefill(committed, capture=self.capture if drafting else ())
                 if drafting and x.draft_ids is not None:  # (drafting implies draft ids)
                     drafts.append(self._draft(pre.context, committed, int(x.tokens[0]), x.draft_ids))
