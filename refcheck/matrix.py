@@ -264,7 +264,8 @@ def run_cell(run: MatrixRun, cell: Cell, gate: threading.Semaphore,
 
 
 def run_twin(run: MatrixRun, cell: Cell, before_engine: Callable[[], None] | None = None) -> dict:
-    """The cell again with capture off (no plugin hooks at all): its outputs and pass times."""
+    """The cell again with capture off (no plugin hooks at all): its outputs and pass times (also written to the
+    partial rows as it finishes, so a run cut short keeps the comparison's data)."""
     try:
         trace, _ = _engine_run(run, cell, False, before_engine)
     except RefcheckError as exc:
@@ -309,8 +310,9 @@ def run_matrix(run: MatrixRun, todo: list[Cell], parallel: int = 1, stagger_s: f
         tell(run.progress, f"{cell.name}{' (capture off)' if kind == 'twin' else ''}: {cell.setting.note}")
         t = time.time()
         if kind == "twin":
-            return run_twin(run, cell, slot if parallel > 1 else None)
-        row = run_cell(run, cell, gate, slot if parallel > 1 else None)
+            row = {"twin_of": cell.name, **run_twin(run, cell, slot if parallel > 1 else None)}
+        else:
+            row = run_cell(run, cell, gate, slot if parallel > 1 else None)
         row["wall_s"] = round(time.time() - t, 1)
         if on_row is not None:
             with start_lock:
