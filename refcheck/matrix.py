@@ -249,7 +249,7 @@ def _diff(run: MatrixRun, cell: Cell, trace, path: Path, gate: threading.Semapho
 def run_cell(run: MatrixRun, cell: Cell, gate: threading.Semaphore,
              before_engine: Callable[[], None] | None = None) -> dict:
     if cell.setting.gpus > run.gpus:
-        return not_run(cell, f"needs {cell.setting.gpus} GPUs, this machine has {run.gpus}")
+        return not_run(cell, f"needs {cell.setting.gpus} GPU{'s' if cell.setting.gpus > 1 else ''}, this machine has {run.gpus}")
     from refcheck.trace.io import write_trace
 
     try:
@@ -335,6 +335,41 @@ def run_matrix(run: MatrixRun, todo: list[Cell], parallel: int = 1, stagger_s: f
             "settings": {s.name: {"serving": s.serving or "default", "workload": s.workload, "note": s.note}
                          for s in {c.setting for c in todo}},
             "not_runnable_algorithms": NOT_RUNNABLE, "rows": rows}
+
+
+def finished_rows(path: Path) -> dict[str, dict[str, Any]]:
+    """The cells a cut-short run finished (its ``matrix.partial.json`` or ``matrix.json``): name -> row, for
+    ``matrix --resume``. A cell that ran, or was refused for a reason of its own, is finished; one that was only
+    not reached is not. Twin rows come back under ``twin:CELL``."""
+    try:
+        rows = json.loads(Path(path).read_text())["rows"]
+    except FileNotFoundError:
+        raise UsageError(f"--resume: no such file {path}") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"--resume: {path} is not a matrix result ({type(exc).__name__}: {exc})") from None
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if not isinstance(r, dict):
+            raise UsageError(f"--resume: {path} holds a row that is not an object")
+        if "twin_of" in r:
+            out[f"twin:{r['twin_of']}"] = r
+        elif r.get("status") == "run" or (r.get("status") == "not run" and "not reached" not in str(r.get("reason"))):
+            out[str(r.get("cell"))] = r
+    return out
+
+
+def resumed(result: dict[str, Any], todo: list[Cell], done: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``result`` (the cells run now) with the finished rows of an earlier run, in ``todo``'s order."""
+    new = {r["cell"]: r for r in result["rows"]}
+    rows = []
+    for c in todo:
+        row = new.get(c.name) or done[c.name]
+        twin = done.get(f"twin:{c.name}")
+        if c.name not in new and twin is not None and row.get("status") == "run" and "capture_off_twin" not in row:
+            merge_twin(row, twin)
+        row.pop("outputs", None)
+        rows.append(row)
+    return {**result, "rows": rows, "resumed": sorted(set(done) & {c.name for c in todo})}
 
 
 def _fmt(v: Any, spec: str = ".2f") -> str:

@@ -133,3 +133,30 @@ def test_cli_lists_and_refuses(cli):
     assert code == 0 and "radix" in err and "not runnable: EAGLE" in err
     code, _, err = cli("matrix", "--cells", "DFLASH-bogus")
     assert code == EXIT_USAGE and "unknown setting(s) bogus" in err
+
+
+def test_a_cut_short_run_resumes_where_it_stopped(run, tmp_path):
+    """--resume: the cells an earlier run finished (ran, or refused for a reason of their own) are kept; cells it
+    only did not reach run now; the twin it had finished is merged into its kept row."""
+    from refcheck.matrix import finished_rows, resumed
+
+    todo = cells(["NONE", "DFLASH"], ["default", "radix"])
+    rows: list[dict] = []
+    first = run_matrix(run, todo[:2], parallel=1, on_row=rows.append)  # the run was cut after two cells
+    rows.append({"cell": "NONE-radix", "algorithm": "NONE", "setting": "radix", "status": "not run",
+                 "reason": "not reached: the call ended"})
+    f = tmp_path / "partial.json"
+    f.write_text(json.dumps({"rows": rows}))
+    done = finished_rows(f)
+    assert set(done) == {"NONE-default", "DFLASH-default", "twin:DFLASH-default"}
+    FakeRunner.calls = []
+    again = resumed(run_matrix(run, [c for c in todo if c.name not in done], parallel=1), todo, done)
+    assert [r["cell"] for r in again["rows"]] == [c.name for c in todo] and again["resumed"] == ["DFLASH-default", "NONE-default"]
+    assert {c[:2] for c in FakeRunner.calls} == {("NONE", "radix,stagger=40"), ("DFLASH", "radix,stagger=40")}
+    assert again["rows"][1]["capture_off_twin"] == "tokens identical" == first["rows"][1]["capture_off_twin"]
+    assert all("outputs" not in r for r in again["rows"])
+    with pytest.raises(UsageError, match="no such file"):
+        finished_rows(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(UsageError, match="not a matrix result"):
+        finished_rows(tmp_path / "bad.json")

@@ -37,10 +37,12 @@ from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
               help="SGLang's mem_fraction_static per cell.")
 @click.option("--ref-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--ref-device", type=DeviceType(), default="cuda", show_default=True)
+@click.option("--resume", "resume", type=click.Path(path_type=Path), default=None,
+              help="An earlier run's matrix.partial.json or matrix.json: its finished cells are kept, the rest run.")
 @click.option("--list", "list_only", is_flag=True, help="Print the settings and algorithms, run nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Also print the result as JSON on stdout.")
 def matrix(algorithms, setting_names, cell_names, out_dir, pair, max_new_tokens, parallel, stagger, diff_processes, mem_fraction, ref_dtype,
-           ref_device, list_only, as_json):
+           ref_device, resume, list_only, as_json):
     """Run every (algorithm, setting) cell beside the reference: verdict, first finding, τ, warm tok/s, capture
     overhead and whether capture left the tokens unchanged; writes matrix.json and matrix.md.
 
@@ -53,8 +55,10 @@ def matrix(algorithms, setting_names, cell_names, out_dir, pair, max_new_tokens,
         SETTINGS,
         MatrixRun,
         cells,
+        finished_rows,
         markdown,
         named_cells,
+        resumed,
         run_matrix,
     )
     from refcheck.outputs import check_output_dir
@@ -72,6 +76,7 @@ def matrix(algorithms, setting_names, cell_names, out_dir, pair, max_new_tokens,
         for name, why in NOT_RUNNABLE.items():
             err.print(f"not runnable: {name}: {why}", markup=False)
         sys.exit(EXIT_PASS)
+    done = finished_rows(resume) if resume else {}  # a bad file: exit 2 before any engine starts
     quiet()
     check_output_dir(out_dir, "--out")
     import torch
@@ -81,13 +86,14 @@ def matrix(algorithms, setting_names, cell_names, out_dir, pair, max_new_tokens,
                     diff_processes=diff_processes,
                     gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0, progress=progress_line)
     out_dir.mkdir(parents=True, exist_ok=True)
-    done: list[dict] = []
+    finished: list[dict] = list(done.values())  # a resumed run's partial file keeps the earlier cells too
 
     def partial(row: dict) -> None:  # every finished cell on disk at once: a run cut short keeps them
-        done.append(row)
-        atomic_write_bytes(out_dir / "matrix.partial.json", (json.dumps({"rows": done}, indent=1) + "\n").encode())
+        finished.append(row)
+        atomic_write_bytes(out_dir / "matrix.partial.json", (json.dumps({"rows": finished}, indent=1) + "\n").encode())
 
-    result = run_matrix(run, todo, parallel, stagger, on_row=partial)
+    result = resumed(run_matrix(run, [c for c in todo if c.name not in done], parallel, stagger, on_row=partial),
+                     todo, done)
     atomic_write_bytes(out_dir / "matrix.json", (json.dumps(result, indent=2) + "\n").encode())
     atomic_write_bytes(out_dir / "matrix.md", markdown(result).encode())
     _print_table(result, len(todo))
