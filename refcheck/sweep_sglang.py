@@ -12,6 +12,10 @@ divergence with its step, node and layer). Every capture is written to
 ``save_dir`` (``sweep --out``) so failing rows can be reviewed and re-tabulated later
 (:func:`tabulate_traces`, ``sweep --from-traces``). Timings come from the capture,
 which synchronises the GPU around each scheduler step and writes its records outside that window.
+At T > 0 (``spec.sampling``) the engines sample (REFCHECK_DDTREE with refcheck's keyed sampler,
+replayed exactly; NONE / NGRAM with SGLang's generator, judged by the distributional test), the
+result carries the sampling parameters, and repeats of SGLang's own generator are not expected to
+match the captured tokens (``repeats_match`` is left unset for them).
 """
 
 from __future__ import annotations
@@ -74,7 +78,8 @@ def sweep_row(algorithm: str, budget: int, traces: list, report) -> dict:
         cold += captured
         warm = [emitted / t for t in settings.get("repeat_generate_s") or [] if t > 0]
         tok_s.extend(warm or captured)  # traces from before warm repeats: their own (captured) run
-        if settings.get("repeats_match") is not None:
+        if settings.get("repeats_match") is not None and settings.get("rng") != "engine":
+            # (SGLang's own generator at T > 0 draws afresh on every run: its repeats need not match)
             repeats_match = bool(settings["repeats_match"]) and repeats_match is not False
         for phase, acc in (("verify", step_ms), ("draft", draft_ms)):
             ms = _median_ms(trace, phase)
@@ -120,7 +125,9 @@ def run_sglang_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int]
                                   ref_device=ref_device)
             rows.append(sweep_row(alg, budget, [trace], report))
     return {"model": spec.model_label, "dtype": spec.dtype, "repeats": repeats, "prompts": len(prompts),
-            "max_new_tokens": spec.max_new_tokens, "rows": rows}
+            "max_new_tokens": spec.max_new_tokens, "rows": rows,
+            **({"temperature": spec.sampling.temperature, "top_k": spec.sampling.top_k, "top_p": spec.sampling.top_p,
+                "seed": spec.sampling.seed} if spec.sampled and spec.sampling is not None else {})}
 
 
 def tabulate_traces(traces: list, ref_device: str = "cpu", ref_dtype: str = "float32") -> dict:

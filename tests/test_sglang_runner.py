@@ -364,3 +364,47 @@ def test_sampled_request_params_carry_refcheck_keys_only_for_the_keyed_sampler()
         check_sampling("REFCHECK_DDTREE", Sampling(0.8, keying="node"))
     check_sampling("NGRAM", Sampling(0.8, keying="node"))  # SGLang's own generator: the keying is not its
     check_sampling("DFLASH", None)
+
+
+def test_sglang_sweep_at_temperature_one(tmp_path, cli):
+    """`sweep --engine sglang --temperature 1`: the runner gets the sampling (no refusal before it), the row is the
+    sampled replay's verdict, and SGLang-generator repeats are not held to the captured tokens."""
+    import copy
+
+    from refcheck.prompts import load_prompts
+    from refcheck.reference_runner import ReferenceRunner
+    from refcheck.sweep_sglang import run_sglang_sweep, sweep_row
+    from refcheck.trace.io import Trace
+    from reference.sampling import Sampling
+
+    s = Sampling(temperature=1.0, seed=1)
+    # a short sampled run of the reference plays the engine (keyed draws, replayed exactly)
+    keyed, _ = ReferenceRunner(EngineSpec(pair="hybrid", budget=15, max_new_tokens=6, sampling=s)).trace(load_prompts()[:1])
+    keyed.provenance["engine"]["settings"].update(generate_s=1.0, repeat_generate_s=[0.5], repeats_match=False)
+    seen = []
+
+    class Replayed:
+        def __init__(self, spec, alg, timing_repeats=0):
+            seen.append(spec.sampling)
+
+        def trace(self, prompts):
+            return keyed
+
+    res = run_sglang_sweep(EngineSpec(pair="hybrid", dtype="bfloat16", sampling=s), load_prompts(), [15],
+                           algorithms=("REFCHECK_DDTREE",), ref_device="cpu", runner_factory=Replayed)
+    assert seen == [s] and res["temperature"] == 1.0 and res["seed"] == 1
+    row = res["rows"][0]
+    assert row["verdict"] == "pass" and row["repeats_match"] is False  # keyed draws must repeat: a mismatch shows
+
+    class Same:  # the same report stands in for an NGRAM row: only the repeats bookkeeping differs
+        verdict, counts, failures, stats = row["verdict"], row["counts"], [], {}
+
+        @staticmethod
+        def first_divergence():
+            return {}
+
+    engine_rng = copy.deepcopy(keyed.provenance)
+    engine_rng["engine"]["settings"]["rng"] = "engine"
+    assert sweep_row("NGRAM", 11, [Trace(engine_rng, keyed.requests, keyed.steps)], Same())["repeats_match"] is None
+    code, _, err = cli("sweep", "--engine", "sglang", "--temperature", "1", "--budgets", "15", "--out", str(tmp_path / "o"))
+    assert code == EXIT_USAGE and "cannot sample" not in err  # refused only for want of a GPU or SGLang

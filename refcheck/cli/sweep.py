@@ -50,15 +50,15 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
 
     quiet()
     sampling = sampling_from_options(temperature, top_k, top_p, sample_seed)  # out of range: exit 2
-    if sampling is not None and engine == "sglang":
-        raise UsageError("--engine sglang cannot sample yet: refcheck drives SGLang greedily (temperature 0)")
+    if sampling is not None and from_traces:
+        raise UsageError("--temperature with --from-traces: a recorded trace carries its own sampling parameters")
     blist = parse_budgets(budgets)
     check_output_dir(out_dir, "--out")  # before minutes of decoding, not after
     if from_traces and engine != "sglang":
         raise UsageError("--from-traces tabulates SGLang traces: add --engine sglang")
     if engine == "sglang":
         _sweep_sglang(blist, repeats, out_dir, sglang_algorithms, ref_device, model_dir, draft_dir, pair, prompts_file,
-                      max_new_tokens, dtype, stop_ids, as_json, from_traces)
+                      max_new_tokens, dtype, stop_ids, as_json, from_traces, sampling)
         return
     spec = spec_from_options(model_dir, draft_dir, pair, blist[0], max_new_tokens, dtype, device, drafter, stop_ids,
                              sampling)
@@ -98,7 +98,7 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
     sys.exit(EXIT_PASS if all(r["lossless"] for r in result["budgets"]) else EXIT_MISMATCH)
 
 def _sweep_sglang(blist, repeats, out_dir, algorithms, ref_device, model_dir, draft_dir, pair, prompts_file,
-                  max_new_tokens, dtype, stop_ids, as_json, from_traces=()) -> None:
+                  max_new_tokens, dtype, stop_ids, as_json, from_traces=(), sampling=None) -> None:
     from refcheck.sweep_sglang import DEFAULT_ALGORITHMS, run_sglang_sweep, tabulate_traces
     from refcheck.trace.io import atomic_write_bytes, read_trace
 
@@ -109,13 +109,17 @@ def _sweep_sglang(blist, repeats, out_dir, algorithms, ref_device, model_dir, dr
         if any(b is None or b < 1 for b in blist):
             raise UsageError("--engine sglang sweeps tree budgets >= 1 (chain mode is --sglang-algorithm DFLASH in diff)")
         dtype = unless_given("dtype", dtype, "bfloat16")
-        spec = spec_from_options(model_dir, draft_dir, pair, blist[0], max_new_tokens, dtype, "cuda", "dflash", stop_ids)
+        # T > 0: REFCHECK_DDTREE samples with refcheck's keyed sampler (exact replay), NONE / NGRAM with SGLang's own
+        # generator (the distributional test); DFLASH is refused by the runner
+        spec = spec_from_options(model_dir, draft_dir, pair, blist[0], max_new_tokens, dtype, "cuda", "dflash", stop_ids,
+                                 sampling)
         result = run_sglang_sweep(spec, load_prompts(prompts_file, spec.resolved_dirs()[0]), blist, repeats, tuple(algorithms) or DEFAULT_ALGORITHMS,
                                   ref_device=ref_device, save_dir=out_dir / "traces",
                                   progress=progress_line)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / "sweep-sglang.json", (json.dumps(result, indent=2) + "\n").encode())
-    table = Table(title=f"refcheck sweep · SGLang · {result['model']} · {dtype} · {result['repeats']} repeat(s)")
+    at = f" · T={result['temperature']:g}" if result.get("temperature") else ""
+    table = Table(title=f"refcheck sweep · SGLang · {result['model']} · {dtype} · {result['repeats']} repeat(s){at}")
     for col in ("algorithm", "budget", "τ", "steps", "step ms", "of which draft ms", "tok/s warm", "tok/s captured",
                 "verdict", "first divergence", "first state failure"):
         table.add_column(col)
