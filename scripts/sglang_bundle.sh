@@ -8,6 +8,10 @@
 #                                          attention path never loads, strips debug info, and packs
 #                                          OUT/parts/part_* (xz, <= 55 MiB each; ~45 MiB for 0.5.17).
 #                                          Copy the parts into .bundle/ at the repository root.
+#   scripts/sglang_bundle.sh stage          on the GPU machine: keeps the parts this call carried in
+#                                          /tmp/sglang-parts, for a bundle sent over several calls
+#                                          (parts of PART_MB=21 MiB, SHA256SUMS beside them); `run`
+#                                          stages too and refuses an incomplete set, naming what is missing.
 #   scripts/sglang_bundle.sh run CMD ...   on the GPU machine, from the repository root: unpacks
 #                                          .bundle/part_* (or $BUNDLE_DIR) into /tmp/sglang-site once,
 #                                          puts it and the repository first on PYTHONPATH and runs CMD,
@@ -43,17 +47,36 @@ build)
    find . -name __pycache__ -type d -prune -exec rm -rf {} +
    find . -name '*.so*' -type f | while read -r f; do file "$f" | grep -q 'with debug_info' && strip --strip-debug "$f" || true; done
    tar -cf - . | xz -T0 -9 > "$W/site.tar.xz")
-  (cd "$W" && rm -f parts/part_* && split -b 55m -d site.tar.xz parts/part_)
+  # parts of PART_MB (default 21) MiB: a device call sends at most 64 MiB with the working tree, so a bundle
+  # that does not fit beside it goes over in several calls (`stage`), each carrying some of the parts
+  (cd "$W" && rm -f parts/part_* parts/SHA256SUMS && split -b "${PART_MB:-21}m" -d site.tar.xz parts/part_ \
+     && (cd parts && sha256sum part_* > SHA256SUMS))
   ls -la "$W"/parts/
-  echo "next: mkdir -p .bundle && cp $W/parts/part_* .bundle/ && echo /.bundle/ >> .git/info/exclude"
+  echo "next: mkdir -p .bundle && cp $W/parts/* .bundle/ && echo /.bundle/ >> .git/info/exclude"
+  ;;
+stage)
+  # on the GPU machine: keep the parts this call carried (in .bundle/) under $SGLANG_PARTS (default
+  # /tmp/sglang-parts), which outlives the call's working tree while the machine stays warm
+  P=${SGLANG_PARTS:-/tmp/sglang-parts}
+  mkdir -p "$P"
+  for f in "$REPO"/.bundle/part_* "$REPO"/.bundle/SHA256SUMS; do [ -f "$f" ] && cp "$f" "$P/"; done
+  ls "$P"
   ;;
 run)
   [ $# -gt 0 ] || { echo "usage: sglang_bundle.sh run CMD ..." >&2; exit 2; }
   export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
   B=${BUNDLE_DIR:-$REPO/.bundle}
   SITE=${SGLANG_SITE:-/tmp/sglang-site}
+  if [ ! -f "$SITE/.ok" ] && [ -z "${BUNDLE_DIR:-}" ] && [ -f "${SGLANG_PARTS:-/tmp/sglang-parts}/SHA256SUMS" ]; then
+    "$0" stage >/dev/null  # parts staged by earlier calls, plus this call's
+    B=${SGLANG_PARTS:-/tmp/sglang-parts}
+  fi
   if [ ! -f "$SITE/.ok" ]; then
     ls "$B"/part_* >/dev/null 2>&1 || { echo "sglang_bundle: no bundle parts in $B (build them first)" >&2; exit 2; }
+    if [ -f "$B/SHA256SUMS" ]; then
+      missing=$(cd "$B" && { sha256sum -c --quiet SHA256SUMS 2>/dev/null || true; } | sed 's/:.*//' | tr '\n' ' ')
+      [ -z "$missing" ] || { echo "sglang_bundle: bundle parts missing or damaged in $B: $missing(send them, then stage)" >&2; exit 2; }
+    fi
     mkdir -p "$SITE"
     cat "$B"/part_* | python3 -c "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('$SITE')" \
       || { echo "sglang_bundle: extract failed" >&2; exit 3; }
@@ -64,5 +87,5 @@ run)
   exec "$@"
   ;;
 *)
-  echo "usage: sglang_bundle.sh build [OUT] | run CMD ..." >&2; exit 2 ;;
+  echo "usage: sglang_bundle.sh build [OUT] | stage | run CMD ..." >&2; exit 2 ;;
 esac

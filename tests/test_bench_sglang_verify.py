@@ -7,24 +7,19 @@ the reference phase through bench_verify's functions at its small shape on CPU."
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 from refcheck.errors import UsageError
 from refcheck.runners.sglang import is_hybrid_target
 
-BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench_sglang_verify.py"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_sglang_verify", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_sglang_verify")
 
 
 def test_dry_run_writes_a_27b_config_and_dummy_weight_engine_arguments(bench, tmp_path, capsys):

@@ -38,8 +38,7 @@ def test_bad_sampling_input_is_exit_2_one_line(cli, tmp_path, args, says, comman
 
 
 @pytest.mark.parametrize("args", [("diff", "--engine", "zlab", "--budget", "chain"),
-                                  ("diff", "--engine", "sglang:DFLASH"),
-                                  ("sweep", "--engine", "sglang", "--no-plots")])
+                                  ("diff", "--engine", "sglang:DFLASH")])
 def test_engines_that_cannot_sample_are_refused(cli, args):
     code, _, err = cli(*args, "--temperature", "1.0")
     assert code == EXIT_USAGE and "cannot sample" in err and "Traceback" not in err

@@ -45,6 +45,15 @@ MASK_TOKEN_ID = 1  # <|mask|>: the drafter's MASK input, never in prompts
 HIDDEN = 128
 INIT_STD = 0.1  # larger than the usual 0.02 so that random logits have usable margins
 
+
+def _three_to_one(layers: int, key_heads: int, value_heads: int, head_dim: int) -> dict:
+    """A qwen3_5_text layer plan at Qwen3.6's pattern, 3 Gated DeltaNet layers : 1 full attention."""
+    return dict(model_type="qwen3_5_text", num_hidden_layers=layers,
+                layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
+                linear_num_key_heads=key_heads, linear_num_value_heads=value_heads, linear_key_head_dim=head_dim,
+                linear_value_head_dim=head_dim, linear_conv_kernel_dim=4)
+
+
 TARGET_CONFIGS: dict[str, dict] = {
     "hybrid": dict(
         model_type="qwen3_5_text",
@@ -60,28 +69,10 @@ TARGET_CONFIGS: dict[str, dict] = {
     # the calibration corpus's wider hybrid (not shipped: 109 M parameters; built and trained on the GPU
     # from its seed by scripts/train_builtin.py --pairs wide): hidden 1024, 8 layers at 3 Gated DeltaNet
     # : 1 full attention, as Qwen3.6's layer pattern
-    "wide": dict(
-        model_type="qwen3_5_text",
-        num_hidden_layers=8,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
-        linear_num_key_heads=4,
-        linear_num_value_heads=8,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-    ),
+    "wide": _three_to_one(8, key_heads=4, value_heads=8, head_dim=128),
     # Qwen3.6-27B's widths (WIDTHS["real"]) at 8 of its 64 layers (not shipped; built on the GPU by
     # scripts/real_width.py); real_configs() takes any multiple of 4 layers
-    "real": dict(
-        model_type="qwen3_5_text",
-        num_hidden_layers=8,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
-        linear_num_key_heads=16,
-        linear_num_value_heads=48,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-    ),
+    "real": _three_to_one(8, key_heads=16, value_heads=48, head_dim=128),
 }
 COMMON = dict(
     vocab_size=VOCAB,
