@@ -4,9 +4,8 @@ workloads it runs and the command's bad input."""
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import json
-import threading
 
 import pytest
 
@@ -16,11 +15,13 @@ from refcheck.prompts import load_prompts
 from refcheck.prompts.workloads import WORKLOADS, needed_context, workload, write_workload
 from refcheck.reference_runner import EngineSpec, ReferenceRunner
 
-_LOAD = threading.Lock()  # model loading is not thread-safe; cells share one process here
+_BASE: dict[str, object] = {}  # one reference trace, decoded on the main thread (see FakeRunner.trace)
 
 
 class FakeRunner:
-    """A stand-in SGLang runner: the reference decodes two prompts; the provenance carries what SGLangRunner's does."""
+    """A stand-in SGLang runner: a reference trace of two prompts plays every engine; the provenance carries what
+    SGLangRunner's does. The trace is decoded once, outside the matrix's threads: model loading patches torch
+    globally while it runs, so two threads loading at once can leave later loads on the meta device."""
 
     calls: list[tuple[str, str, bool]] = []
     fail_start: dict[str, int] = {}
@@ -29,7 +30,6 @@ class FakeRunner:
                  capture=True, **extra):
         if algorithm == "REFCHECK_DDTREE" and settings.overlap:
             raise UsageError("REFCHECK_DDTREE runs synchronously")
-        self.spec = dataclasses.replace(spec, dtype="float32", device="cpu", max_new_tokens=6, budget=spec.budget or 4)
         self.algorithm, self.settings, self.capture = algorithm, settings, capture
 
     def trace(self, prompts):
@@ -38,8 +38,7 @@ class FakeRunner:
             FakeRunner.fail_start[self.algorithm] = left - 1
             raise ModelError(f"SGLang could not start: Loaded weights {MEMORY_RACE} under 0.1")
         FakeRunner.calls.append((self.algorithm, self.settings.label(), self.capture))
-        with _LOAD:
-            trace, _ = ReferenceRunner(self.spec).trace(prompts[:2])
+        trace = copy.deepcopy(_BASE["trace"])
         trace.provenance["engine"]["settings"].update(
             serving_label=self.settings.label(), generate_s=0.3 if self.capture else 0.1, repeat_generate_s=[0.1],
             warmup_match=True, repeats_match=True)
@@ -52,6 +51,9 @@ def run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(m.time, "sleep", lambda s: None)
     FakeRunner.calls, FakeRunner.fail_start = [], {}
+    if "trace" not in _BASE:
+        spec = EngineSpec(pair="hybrid", dtype="float32", device="cpu", max_new_tokens=6, budget=4)
+        _BASE["trace"], _ = ReferenceRunner(spec).trace(load_prompts()[:2])
     return MatrixRun(EngineSpec(pair="hybrid", max_new_tokens=6), tmp_path, ref_device="cpu", runner_factory=FakeRunner,
                      diff_processes=0)
 
