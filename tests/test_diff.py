@@ -139,3 +139,21 @@ def test_full_state_traces_are_compared_in_full(session):
                                            *trace.steps[1:]])
     fails = session.diff(t2, "full-bad", mode="replay").failures
     assert fails and fails[0].category == "recurrent" and fails[0].step == 0
+
+
+def test_drafterless_engines_are_not_given_a_reference_ddtree_run():
+    """An engine trace without a drafter (SGLang's NONE / NGRAM) runs no DDTree: its free run checks the tokens
+    against target-only decoding and reports the engine's τ alone (no reference DDTree run, whose scripted
+    stand-in drafter would cost a greedy continuation per sampled prefix at T > 0)."""
+    from refcheck.golden import REPO_GOLDEN
+    from refcheck.trace.io import Trace, read_trace
+    from refcheck.trace.manifest import load_manifest
+
+    full = read_trace(REPO_GOLDEN / load_manifest(REPO_GOLDEN).cases["sglang-hybrid-none"].file)
+    rid = full.requests[0].request_id
+    trace = Trace(full.provenance, full.requests[:1], [s for s in full.steps if s.request_id == rid])
+    assert trace.prov.drafter == "none"
+    session = DiffSession()
+    rep = session.diff(trace, "none", mode="free")
+    assert rep.failures == [] and rep.stats["mean_tau_engine"] == 1.0 and rep.stats["mean_tau_reference"] is None
+    assert not session._decodes and rep.checks["ar_tokens"] > 0 and "acceptance" not in rep.checks

@@ -121,11 +121,12 @@ GATE_WORK_BUDGET = {
                                               # rule of the first spread without being covered (4776 in all)
     "greedy_forwards": 1160,                  # the oracles: one forward per distinct prefix, 6 prompts x (32
                                               # attention + 64 hybrid + 2 x 64 sampled at T = 1) tokens
-    "reference_decodes": 110,                 # the reference's own runs: 6 prompts x 18 distinct settings (108)
-    "forwards.free.reference_decode": 7600,   # their forwards (7413; scripted drafts share the oracle's memo, so
+    "reference_decodes": 110,                 # the reference's own runs: 6 prompts per distinct setting of the
+                                              # goldens with a drafter (none for NONE / NGRAM engines)
+    "forwards.free.reference_decode": 3000,   # their forwards (2791; scripted drafts share the oracle's memo, so
                                               # which phase runs a shared prefix first depends on the case order)
     "runner_loads": 6,                        # per setting of pair, drafter and sampling the gate loads a runner
-    "forwards": 18700,                        # everything (18454): shared prefixes run once whichever phase asks
+    "forwards": 14600,                        # everything (14104): shared prefixes run once whichever phase asks
 }
 
 
