@@ -58,8 +58,6 @@ def matrix(algorithms, setting_names, cell_names, out_dir, pair, max_new_tokens,
         finished_rows,
         markdown,
         named_cells,
-        resumed,
-        run_matrix,
     )
     from refcheck.outputs import check_output_dir
     from refcheck.reference_runner import EngineSpec
@@ -85,15 +83,7 @@ def matrix(algorithms, setting_names, cell_names, out_dir, pair, max_new_tokens,
     run = MatrixRun(spec, out_dir, ref_dtype=ref_dtype, ref_device=ref_device, mem_fraction=mem_fraction,
                     diff_processes=diff_processes,
                     gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0, progress=progress_line)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    finished: list[dict] = list(done.values())  # a resumed run's partial file keeps the earlier cells too
-
-    def partial(row: dict) -> None:  # every finished cell on disk at once: a run cut short keeps them
-        finished.append(row)
-        atomic_write_bytes(out_dir / "matrix.partial.json", (json.dumps({"rows": finished}, indent=1) + "\n").encode())
-
-    result = resumed(run_matrix(run, [c for c in todo if c.name not in done], parallel, stagger, on_row=partial),
-                     todo, done)
+    result = _run(run, todo, done, out_dir, parallel, stagger)
     atomic_write_bytes(out_dir / "matrix.json", (json.dumps(result, indent=2) + "\n").encode())
     atomic_write_bytes(out_dir / "matrix.md", markdown(result).encode())
     _print_table(result, len(todo))
@@ -119,3 +109,18 @@ def _print_table(result: dict, n_cells: int) -> None:
                       f"{r['warm_tokens_per_s']:.0f}" if r["warm_tokens_per_s"] else "-",
                       overhead_text(r), r.get("capture_off_twin") or "-")
     err.print(table)
+
+
+def _run(run, todo: list, done: dict, out_dir: Path, parallel: int, stagger: float) -> dict:
+    """The cells not finished before (``--resume``), each row written to ``matrix.partial.json`` as it finishes."""
+    from refcheck.atomic_file import atomic_write_bytes
+    from refcheck.matrix import resumed, run_matrix
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    finished: list[dict] = list(done.values())  # a resumed run's partial file keeps the earlier cells too
+
+    def partial(row: dict) -> None:  # every finished cell on disk at once: a run cut short keeps them
+        finished.append(row)
+        atomic_write_bytes(out_dir / "matrix.partial.json", (json.dumps({"rows": finished}, indent=1) + "\n").encode())
+
+    return resumed(run_matrix(run, [c for c in todo if c.name not in done], parallel, stagger, on_row=partial), todo, done)

@@ -355,14 +355,7 @@ class SGLangRunner:
         kw = engine_kwargs(self.spec, str(tdir), self.algorithm, mem_fraction_static=self.mem_fraction, budget=self.budget,
                            draft_path=str(ddir) if ddir else None, ngram_breadth=self.ngram_breadth, tp=self.tp,
                            settings=self.settings)
-        if self.layer_sketches:  # per-layer sketches of every target forward, for layer bisection (slower)
-            from refcheck.sglang_capture.layers import SPEC
-
-            kw["forward_hooks"] = [SPEC]
-        from refcheck.sglang_capture import gdn_probe
-
-        if os.environ.get(gdn_probe.ENV_DIR):  # diagnostic: the GDN kernels' exact inputs/outputs per verify
-            kw["forward_hooks"] = [*kw.get("forward_hooks", []), gdn_probe.spec()]
+        self._add_forward_hooks(kw)
         rids = {p.id: f"refcheck-{os.getpid()}-{i}-{p.id}" for i, p in enumerate(prompts)}
         run = self._run_engine(cdir, env, kw, prompts, rids)
         if run.get("failed_at") in ("import", "start"):
@@ -395,6 +388,18 @@ class SGLangRunner:
             write_trace(asm.trace, cdir / "partial.arrow")
             prov["capture"]["partial_trace"] = str(cdir / "partial.arrow")
         return asm.trace
+
+    def _add_forward_hooks(self, kw: dict[str, Any]) -> None:
+        """SGLang ``forward_hooks``: per-layer sketches (layer bisection, slower) and the GDN probe (a diagnostic of
+        the kernels' exact inputs and outputs per verify, when its directory is set)."""
+        from refcheck.sglang_capture import gdn_probe
+
+        if self.layer_sketches:
+            from refcheck.sglang_capture.layers import SPEC
+
+            kw["forward_hooks"] = [SPEC]
+        if os.environ.get(gdn_probe.ENV_DIR):
+            kw["forward_hooks"] = [*kw.get("forward_hooks", []), gdn_probe.spec()]
 
     def _settings(self, kw: dict, run: dict, ddir: Path | None) -> dict[str, Any]:
         """The provenance's engine settings: SGLang's arguments (paths left out) and how the run went."""
