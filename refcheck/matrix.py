@@ -340,7 +340,7 @@ def run_matrix(run: MatrixRun, todo: list[Cell], parallel: int = 1, stagger_s: f
 def finished_rows(path: Path) -> dict[str, dict[str, Any]]:
     """The cells a cut-short run finished (its ``matrix.partial.json`` or ``matrix.json``): name -> row, for
     ``matrix --resume``. A cell that ran, or was refused for a reason of its own, is finished; one that was only
-    not reached is not. Twin rows come back under ``twin:CELL``."""
+    not reached, or that needed more GPUs than that machine had, is not. Twin rows come back under ``twin:CELL``."""
     try:
         rows = json.loads(Path(path).read_text())["rows"]
     except FileNotFoundError:
@@ -353,9 +353,14 @@ def finished_rows(path: Path) -> dict[str, dict[str, Any]]:
             raise UsageError(f"--resume: {path} holds a row that is not an object")
         if "twin_of" in r:
             out[f"twin:{r['twin_of']}"] = r
-        elif r.get("status") == "run" or (r.get("status") == "not run" and "not reached" not in str(r.get("reason"))):
+        elif r.get("status") == "run" or (r.get("status") == "not run" and not _retry(str(r.get("reason")))):
             out[str(r.get("cell"))] = r
     return out
+
+
+def _retry(reason: str) -> bool:
+    """A cell not run for a reason another run may not have: not reached in time, or a machine with too few GPUs."""
+    return "not reached" in reason or ("needs" in reason and "GPU" in reason and "this machine has" in reason)
 
 
 def resumed(result: dict[str, Any], todo: list[Cell], done: dict[str, dict[str, Any]]) -> dict[str, Any]:

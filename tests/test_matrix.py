@@ -147,10 +147,12 @@ def test_a_cut_short_run_resumes_where_it_stopped(run, tmp_path):
     first = run_matrix(run, todo[:2], parallel=1, on_row=rows.append)  # the run was cut after two cells
     rows.append({"cell": "NONE-radix", "algorithm": "NONE", "setting": "radix", "status": "not run",
                  "reason": "not reached: the call ended"})
+    rows.append({"cell": "NONE-tp2", "status": "not run", "reason": "needs 2 GPUs, this machine has 1"})
+    rows.append({"cell": "REFCHECK_DDTREE-overlap", "status": "not run", "reason": "UsageError: runs synchronously"})
     f = tmp_path / "partial.json"
     f.write_text(json.dumps({"rows": rows}))
     done = finished_rows(f)
-    assert set(done) == {"NONE-default", "DFLASH-default", "twin:DFLASH-default"}
+    assert set(done) == {"NONE-default", "DFLASH-default", "twin:DFLASH-default", "REFCHECK_DDTREE-overlap"}
     FakeRunner.calls = []
     again = resumed(run_matrix(run, [c for c in todo if c.name not in done], parallel=1), todo, done)
     assert [r["cell"] for r in again["rows"]] == [c.name for c in todo] and again["resumed"] == ["DFLASH-default", "NONE-default"]
