@@ -19,7 +19,21 @@ from refcheck.runners.sglang import is_hybrid_target
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_script("bench_sglang_verify")
+    return load_script("bench_sglang_verify")  # puts scripts/ on sys.path: the sides' modules import by name
+
+
+@pytest.fixture(scope="module")
+def timing(bench):
+    import bench_sglang_timing
+
+    return bench_sglang_timing
+
+
+@pytest.fixture(scope="module")
+def engine(bench):
+    import bench_sglang_engine
+
+    return bench_sglang_engine
 
 
 def test_dry_run_writes_a_27b_config_and_dummy_weight_engine_arguments(bench, tmp_path, capsys):
@@ -101,7 +115,7 @@ class Out:
     can_run_graph = True
 
 
-def test_timing_plugin_times_verify_forwards_only_and_writes_finished_spans(bench, tmp_path, monkeypatch):
+def test_timing_plugin_times_verify_forwards_only_and_writes_finished_spans(timing, tmp_path, monkeypatch):
     clock = [0.0]
     made: list[FakeEvent] = []
 
@@ -110,10 +124,10 @@ def test_timing_plugin_times_verify_forwards_only_and_writes_finished_spans(benc
         return made[-1]
 
     times = tmp_path / "times.jsonl"
-    monkeypatch.setattr(bench, "_times_path", str(times))
-    monkeypatch.setattr(bench, "_new_event", event)
-    monkeypatch.setattr(bench, "_capturing", lambda: False)
-    monkeypatch.setattr(bench, "_pending", [])
+    monkeypatch.setattr(timing, "_times_path", str(times))
+    monkeypatch.setattr(timing, "_new_event", event)
+    monkeypatch.setattr(timing, "_capturing", lambda: False)
+    monkeypatch.setattr(timing, "_pending", [])
 
     def forward(runner, batch):
         clock[0] += 2.5
@@ -122,38 +136,38 @@ def test_timing_plugin_times_verify_forwards_only_and_writes_finished_spans(benc
     def lines() -> list[tuple]:
         return [(r["kind"], r["ms"], r["graphed"]) for r in map(json.loads, times.read_text().splitlines())]
 
-    assert isinstance(bench._verify_forward_hook(forward, None, Batch(verify=True)), Out)
+    assert isinstance(timing._verify_forward_hook(forward, None, Batch(verify=True)), Out)
     assert len(made) == 2 and not times.exists()  # pending until a later hook finds its end event done
-    bench._verify_forward_hook(forward, None, Batch(verify=False))  # a prompt's forward: not timed, flushes
+    timing._verify_forward_hook(forward, None, Batch(verify=False))  # a prompt's forward: not timed, flushes
     assert len(made) == 2 and lines() == [("verify_forward", 2.5, True)]
-    bench._spec_step_hook(forward, None, Batch(verify=False))  # a decode-mode batch: one NGRAM step
+    timing._spec_step_hook(forward, None, Batch(verify=False))  # a decode-mode batch: one NGRAM step
     made[3].done = False  # still running on the GPU
-    bench.flush_times()
-    assert len(lines()) == 1 and len(bench._pending) == 1
+    timing.flush_times()
+    assert len(lines()) == 1 and len(timing._pending) == 1
     made[3].done = True
-    bench.flush_times()
-    assert lines()[1] == ("spec_step", 2.5, None) and bench._pending == []
-    monkeypatch.setattr(bench, "_capturing", lambda: True)  # inside SGLang's graph capture: no events
-    bench._verify_forward_hook(forward, None, Batch(verify=True))
+    timing.flush_times()
+    assert lines()[1] == ("spec_step", 2.5, None) and timing._pending == []
+    monkeypatch.setattr(timing, "_capturing", lambda: True)  # inside SGLang's graph capture: no events
+    timing._verify_forward_hook(forward, None, Batch(verify=True))
     assert len(made) == 4
 
 
-def test_spans_go_to_the_timed_pass_whose_window_holds_them(bench, tmp_path):
+def test_spans_go_to_the_timed_pass_whose_window_holds_them(timing, tmp_path):
     times = tmp_path / "t.jsonl"
     lines = [("verify_forward", 1.0, 30.0, True), ("verify_forward", 5.0, 20.0, True), ("spec_step", 5.1, 25.0, None),
              ("verify_forward", 6.0, 21.0, False), ("verify_forward", 9.0, 99.0, True)]
     times.write_text("".join(json.dumps({"kind": k, "t": t, "ms": ms, "graphed": g}) + "\n" for k, t, ms, g in lines))
-    got = bench.attribute_times(times, {"timed-0": (4.0, 7.0)})
+    got = timing.attribute_times(times, {"timed-0": (4.0, 7.0)})
     assert got == {"timed-0": {"verify_forward": [20.0, 21.0], "spec_step": [25.0], "graphed": [True, False]}}
 
 
-def test_summary_and_ratios_from_a_child_result(bench):
+def test_summary_and_ratios_from_a_child_result(bench, engine):
     timed = [{"rid": f"timed-{k}", "wall_s": 2.1, "spec_verify_ct": 50, "completion_tokens": 256,
               "spec_accept_length": 5.12} for k in range(3)]
     res = {"timed": timed, "prefill_only": [{"wall_s": 0.1}, {"wall_s": 0.1}],
            "forward_times": {p["rid"]: {"verify_forward": [30.0, 32.0], "spec_step": [36.0], "graphed": [True, True]}
                              for p in timed}}
-    s = bench.summarise_sglang(res)
+    s = engine.summarise_sglang(res)
     assert s["step_ms"] == pytest.approx(40.0) and s["step_ms_raw"] == pytest.approx(42.0)
     assert s["verify_forward"]["median_ms"] == 31.0 and s["verify_forward"]["n"] == 6
     assert s["verify_graphed"] == "6 of 6" and s["tokens_per_s"] == pytest.approx(256 / 2.1)
@@ -164,7 +178,7 @@ def test_summary_and_ratios_from_a_child_result(bench):
     assert rows[0]["ratio_ref_over_sglang_step"] == pytest.approx(0.62)
     assert rows[0]["reference_x_floor"] == pytest.approx(24.8 / 13.0)
     assert rows[1]["sglang_step_ms"] is None and rows[1]["ratio_ref_over_sglang_forward"] is None
-    assert bench.summarise_sglang({"timed": []}) == {}
+    assert engine.summarise_sglang({"timed": []}) == {}
 
 
 FAKE_SGLANG = '''
