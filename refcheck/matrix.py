@@ -27,11 +27,11 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from refcheck.diff.place import where
+from refcheck.diff.place import earliest, where
 from refcheck.errors import ModelError, RefcheckError, UsageError
 from refcheck.progress import Progress, tell
 from refcheck.prompts import Prompt
@@ -120,11 +120,8 @@ def _tau(trace) -> float | None:
 
 
 def _first(report: dict[str, Any]) -> str:
-    fd = list((report.get("first_divergence") or {}).values())
-    if not fd:
-        return ""
-    f = min(fd, key=lambda f: (f["step"] if f.get("step") is not None else 1 << 30))
-    return f"{where(f)}: {str(f.get('message', ''))[:140]}"
+    f = earliest((report.get("first_divergence") or {}).values())
+    return f"{where(f)}: {str(f.get('message', ''))[:140]}" if f is not None else ""
 
 
 def cell_row(cell: Cell, trace, report: dict[str, Any], trace_path: Path | None, greedy: bool) -> dict[str, Any]:
@@ -179,16 +176,30 @@ class MatrixRun:
     #: this many at once; 0: in this process, one at a time (tests, and machines without spare cores)
     diff_processes: int = 4
     twin: str | None = "DFLASH"  # per setting, this algorithm also runs once with capture off (tokens and timing)
+    session: Any = field(default=None, repr=False)  # the in-process diffs' DiffSession (models shared across cells)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _made: dict[str, Any] = field(default_factory=dict, repr=False)  # workloads and the long-context pair, made once
+
+    def _once(self, key: str, make: Callable[[], Any]) -> Any:
+        """``make()`` the first time a cell asks for ``key`` (cells run in threads: one of them makes it)."""
+        with self._lock:
+            if key not in self._made:
+                self._made[key] = make()
+            return self._made[key]
 
     def prompts_for(self, cell: Cell) -> tuple[list[Prompt], EngineSpec]:
-        """The cell's workload and the spec it runs on (the long workload: on a long-context copy of the pair)."""
-        prompts = workload(cell.setting.workload)
+        """The cell's workload and the spec it runs on: a workload longer than the target's context runs on a
+        long-context copy of the pair (made once per run)."""
+        from refcheck.runners.sglang import target_context
+
+        prompts = list(self._once(f"workload:{cell.setting.workload}", lambda: workload(cell.setting.workload)))
         spec = dataclasses.replace(self.spec, budget=ALGORITHMS[cell.algorithm][0])
-        if needed_context(prompts, spec.max_new_tokens) > 2048:
+        tdir, ddir = self.spec.resolved_dirs()
+        if needed_context(prompts, spec.max_new_tokens) > (target_context(tdir) or LONG_CONTEXT):
             from refcheck.models.context import extend_context
 
-            tdir, ddir = self.spec.resolved_dirs()
-            t2, d2 = extend_context(tdir, ddir, self.out / "long-context-pair", LONG_CONTEXT)
+            t2, d2 = self._once("long-context-pair",
+                                lambda: extend_context(tdir, ddir, self.out / "long-context-pair", LONG_CONTEXT))
             spec = dataclasses.replace(spec, model_dir=t2, draft_dir=d2)
         return prompts, spec
 
@@ -231,10 +242,9 @@ def _diff(run: MatrixRun, cell: Cell, trace, path: Path, gate: threading.Semapho
         if run.diff_processes <= 0:
             from refcheck.diff.session import DiffSession
 
-            if getattr(run, "_session", None) is None:
-                run._session = DiffSession()  # type: ignore[attr-defined]  # models shared across cells
-            report = run._session.diff(trace, cell.name, mode="replay", ref_dtype=run.ref_dtype,  # type: ignore[attr-defined]
-                                       ref_device=run.ref_device)
+            if run.session is None:
+                run.session = DiffSession()
+            report = run.session.diff(trace, cell.name, mode="replay", ref_dtype=run.ref_dtype, ref_device=run.ref_device)
             return report.to_json()
         cmd = [sys.executable, "-m", "refcheck", "diff", "--against", str(path), "--mode", "replay", "--ref-dtype",
                run.ref_dtype, "--ref-device", run.ref_device, "--json"]

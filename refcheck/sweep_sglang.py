@@ -25,7 +25,7 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
-from refcheck.diff.place import where
+from refcheck.diff.place import earliest, where
 from refcheck.diff.session import DiffSession
 from refcheck.progress import Progress, tell
 from refcheck.prompts import Prompt
@@ -37,11 +37,8 @@ DEFAULT_ALGORITHMS = ("REFCHECK_DDTREE", "REFCHECK_DDTREE_LEAKY_CHAIN")
 
 
 def _first(report) -> str:
-    fd = report.first_divergence()
-    if not fd:
-        return ""
-    f = min(fd.values(), key=lambda f: (f.step if f.step is not None else 1 << 30))
-    return where(f)
+    f = earliest(report.first_divergence().values())
+    return where(f) if f is not None else ""
 
 
 _STATE_ORDER = ("recurrent", "conv", "kv")

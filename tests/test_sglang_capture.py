@@ -424,7 +424,6 @@ def test_one_step_past_the_output_is_expected_under_the_overlap_scheduler(setup)
     prov = _prov(runner, prompts[:1], 15)
     plain = assemble_trace(prompts[:1], rids, cut, cap, prov)
     assert any("past the end of the output" in p for p in plain.problems)
-    prov["engine"]["settings"]["serving"] = {"overlap": True}
-    over = assemble_trace(prompts[:1], rids, cut, cap, prov)
+    over = assemble_trace(prompts[:1], rids, cut, cap, prov, overlap=True)
     assert not over.problems and over.stats["steps_past_output_dropped"] == 1
     assert len(over.trace.steps) == len(plain.trace.steps) == 2

@@ -4,15 +4,22 @@ Contract: :func:`where` takes a :class:`refcheck.diff.findings.Finding` or its J
 ``code-1 step 13 node 32 · logits · layer 0 (linear_attention)``; a step-level finding leaves the node
 out, the prefill reads ``prefill``, and a request-level finding reads ``code-1 (whole request, output
 token 35) · ar_tokens`` (the output index when the finding names one, else its absolute position).
+:func:`earliest` picks the first of several findings by step (a table's "first finding").
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 
 def _get(f: Any, key: str) -> Any:
     return f.get(key) if isinstance(f, dict) else getattr(f, key)
+
+
+def earliest(findings: Iterable[Any]) -> Any | None:
+    """The finding at the earliest step (request-level ones last), Finding or JSON dict alike; None for none."""
+    return min(findings, key=lambda f: (_get(f, "step") if _get(f, "step") is not None else 1 << 30), default=None)
 
 
 def request_place(f: Any) -> str:

@@ -191,14 +191,20 @@ def merged_settings(settings: ServingSettings, cuda_graphs: bool = False, max_ru
     return settings
 
 
+def target_context(target_dir: Path | None) -> int | None:
+    """The positions a target's context holds (its config's ``max_position_embeddings``), None where unsaid."""
+    context = _text_config(target_dir).get("max_position_embeddings")
+    return int(context) if context is not None else None
+
+
 def check_context(prompts: list[Prompt], spec: EngineSpec, target_dir: Path | None) -> None:
     """Refuse a prompt whose tokens and new tokens do not fit the target's context (its max_position_embeddings)."""
-    context = _text_config(target_dir).get("max_position_embeddings")
+    context = target_context(target_dir)
     if context is None:
         return
     for p in prompts:
         need = len(p.prompt_ids) + (p.max_new_tokens or spec.max_new_tokens)
-        if need > int(context):
+        if need > context:
             raise UsageError(f"prompt {p.id!r}: {len(p.prompt_ids)} prompt tokens + {p.max_new_tokens or spec.max_new_tokens} "
                              f"new tokens exceed the target's context of {context} positions ({target_dir}: "
                              "max_position_embeddings)")
@@ -373,7 +379,7 @@ class SGLangRunner:
             drafter="dflash" if self.algorithm in DFLASH_DRAFTED else "none", prompt_set_sha256=prompt_set_hash(prompts),
             model_label=self.spec.model_label)
         asm = assemble_trace(prompts, rids, results, cap, prov, self.spec.sampling if self.spec.sampled else None,
-                             sampling_rng(self.algorithm))
+                             sampling_rng(self.algorithm), overlap=self.settings.overlap)
         from refcheck.sglang_capture.versions import SUPPORTED
 
         seen = {str(st.get("sglang")) for st in cap.status} - set(SUPPORTED)

@@ -113,13 +113,6 @@ def _request_row(p: Prompt, output: list[int], lps: list[float], first_uniform: 
     return row
 
 
-def _overlapped(provenance: dict) -> bool:
-    """Whether SGLang ran with the overlap scheduler, which launches a request's next step before it processes
-    the finish of the last one: one step past the end of each output is expected there (and dropped), a sign of
-    trouble anywhere else."""
-    return bool(((provenance.get("engine") or {}).get("settings") or {}).get("serving", {}).get("overlap"))
-
-
 def _stats(kept: list[StepCapture], n_steps: int, n_branching: int, n_accepted: int, past_end: int) -> dict:
     return {"steps": n_steps, "branching_steps": n_branching, "steps_past_output_dropped": past_end,
             "tau": n_accepted / n_steps if n_steps else None,
@@ -130,9 +123,12 @@ def _stats(kept: list[StepCapture], n_steps: int, n_branching: int, n_accepted: 
 
 
 def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[str, dict], capture: Capture,
-                   provenance: dict, sampling: Sampling | None = None, rng: str = "engine") -> Assembly:
+                   provenance: dict, sampling: Sampling | None = None, rng: str = "engine",
+                   overlap: bool = False) -> Assembly:
     """prompts in order; rids: prompt id -> SGLang rid; results: prompt id -> generate result (may
-    lack crashed requests); sampling / rng: the run's sampling parameters (module docstring)."""
+    lack crashed requests); sampling / rng: the run's sampling parameters (module docstring); overlap: SGLang ran
+    the overlap scheduler, which launches a request's next step before it processes the finish of the last one,
+    so one captured step past the end of each output is expected (dropped and counted, not a problem)."""
     out = Assembly(Trace(provenance=provenance, requests=[], steps=[]))
     steps_by_rid: dict[str, list[StepCapture]] = {}
     for s in merge_ranks(capture, out.problems):
@@ -140,7 +136,6 @@ def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[st
     first_rank = min(capture.prefills) if capture.prefills else 0
     prefill = {p.rid: p for p in capture.prefills.get(first_rank, [])}  # the last chunk of a chunked prefill wins
     n_steps = n_branching = n_accepted = past_end = 0
-    overlap = _overlapped(provenance)
     kept: list[StepCapture] = []  # the records behind out.trace.steps, in the same order
     for p in prompts:
         rid = rids[p.id]
