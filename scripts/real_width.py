@@ -33,7 +33,6 @@ deviations, engine start) and:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -42,19 +41,18 @@ from types import ModuleType
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from anywhere: the repository's refcheck first
+if str(HERE) not in sys.path:  # the suite beside this script (scripts/ is not a package)
+    sys.path.insert(0, str(HERE))
 
 #: algorithm -> the scripts/sglang_suite.py configuration that runs it
 ALGORITHMS = {"REFCHECK_DDTREE": "ddtree-b15", "NGRAM": "ngram", "DFLASH": "dflash"}
 
 
 def suite() -> ModuleType:
-    """scripts/sglang_suite.py as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("sglang_suite", HERE / "sglang_suite.py")
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {HERE / 'sglang_suite.py'}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """scripts/sglang_suite.py (its ``run_config``); scripts/ is on the path."""
+    import sglang_suite
+
+    return sglang_suite
 
 
 def build(args: argparse.Namespace) -> dict:
