@@ -9,8 +9,9 @@ DeltaNet core outputs, the gated MLP product) and writes is stored rounded, and 
 stream. (Linear outputs alone under-estimate it: on the first H200 corpus a bf16 engine's draft
 log-probs deviated by up to 3.9x the linear-output-only spread.)
 Each sample re-prefills the committed tokens (so rounding accumulates over the prefix as it does in
-the engine's carried state), re-drafts from that context, verifies the step's tree and commits the
-engine's accepted path. :class:`StepSpread` holds, per quantity, the largest change over the
+the engine's carried state; the noisy state after whole 64-token chunks is kept from step to step,
+see :class:`RoundingEnsemble`), verifies the step's tree below the last partial chunk in one
+forward, re-drafts from that context and commits the engine's accepted path. :class:`StepSpread` holds, per quantity, the largest change over the
 samples against the noise-free reference:
 
 * ``topk`` [N]: a node's log-probs at the engine's top-k ids; ``margin`` [N]: the reference's
@@ -29,6 +30,7 @@ The ensemble is seeded (``seed``): the same trace gives the same verdicts.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,7 +39,7 @@ from typing import Any
 import torch
 
 from reference.state import TargetState
-from reference.target import Target
+from reference.target import PREFILL_CHUNK, Target
 
 #: unit roundoff (half the machine epsilon) of the engine dtypes refcheck diffs
 UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 2.0 ** -24}
@@ -78,26 +80,52 @@ class Rule:
                 "escalate": self.escalate, "escalate_within": self.escalate_within}
 
 
+class NoiseSource:
+    """The generator the rounding noise is drawn from, swapped between the parts of a run (see
+    :func:`noise_stream`) while the hooks stay in place."""
+
+    __slots__ = ("gen",)
+
+    def __init__(self, gen: torch.Generator) -> None:
+        self.gen = gen
+
+
+def noise_stream(seed: int, sample: int, part: int) -> torch.Generator:
+    """The CPU generator of one part of one noisy run: ``part`` c >= 0 is prefix chunk c (tokens
+    [64c, 64c + 64), the reference prefill's own chunking), ``part`` = -1 - L the rest of a run whose
+    committed prefix is L tokens long (its last partial chunk, the draft and the step's tree). Keyed,
+    not streamed: a run's noise on a chunk does not depend on how many runs, chunks or tokens came
+    before it, so a noisy prefix state is the same wherever it is computed and can be kept
+    (:class:`RoundingEnsemble`). CPU: the same noise on every device."""
+    digest = hashlib.blake2b(f"refcheck-rounding:{seed}:{sample}:{part}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
 @contextmanager
-def rounding_noise(modules: list[torch.nn.Module], unit_roundoff: float, generator: torch.Generator,
-                   residual: Sequence[Any] = ()) -> Iterator[None]:
+def rounding_noise(modules: list[torch.nn.Module], unit_roundoff: float, source: torch.Generator | NoiseSource,
+                   residual: Sequence[Any] = ()) -> Iterator[NoiseSource]:
     """Every ``nn.Linear`` input and output inside ``modules``, and the residual stream of every object in
     ``residual`` (a :class:`~reference.target.Target` or DFlash drafter: its ``residual_rounding``
-    hook, after each add), is multiplied by ``1 + u*U(-1, 1)`` while active."""
+    hook, after each add), is multiplied by ``1 + u*U(-1, 1)`` while active, the uniforms drawn from
+    ``source`` (a CPU generator, or a :class:`NoiseSource` whose generator the caller swaps)."""
+    src = source if isinstance(source, NoiseSource) else NoiseSource(source)
+    scale, offset = 2.0 * unit_roundoff, 1.0 - unit_roundoff  # 1 + u(2U - 1) = (1 - u) + 2uU, both exact in fp32
+
+    def factor(like: torch.Tensor) -> torch.Tensor:
+        # drawn on the CPU (the source's generator is a CPU generator) and moved: the same noise on every
+        # device, so a trace replayed on a GPU is judged exactly as in the CPU gate; built in float32 (u = 2^-8
+        # is below bf16's own resolution near 1) and cast to the activation's dtype only for the multiply
+        noise = torch.rand(like.shape, generator=src.gen, dtype=torch.float32)
+        return noise.mul_(scale).add_(offset).to(like.device, like.dtype)
 
     def perturb(out: torch.Tensor) -> torch.Tensor:
-        # drawn on the CPU (``generator`` is a CPU generator) and moved: the same noise on every device, so a
-        # trace replayed on a GPU is judged exactly as in the CPU gate
-        noise = torch.rand(out.shape, generator=generator, dtype=torch.float32).to(out.device)
-        # the factor is built in float32 (u = 2^-8 is below bf16's own resolution near 1) and cast to
-        # the activation's dtype only for the multiply
-        return out * (1.0 + unit_roundoff * (2.0 * noise - 1.0)).to(out.dtype)
+        return out * factor(out)
 
     def hook(_module: torch.nn.Module, _inputs: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
-        return perturb(out)
+        return out.mul_(factor(out))  # a linear's output is its own fresh tensor: rounded in place
 
     def pre_hook(_module: torch.nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (perturb(inputs[0]), *inputs[1:])
+        return (perturb(inputs[0]), *inputs[1:])  # (an input may feed other linears: never in place)
 
     for owner in residual:
         owner.residual_rounding = perturb
@@ -111,7 +139,7 @@ def rounding_noise(modules: list[torch.nn.Module], unit_roundoff: float, generat
                 handles.append(m.register_forward_hook(hook))
                 handles.append(m.register_forward_pre_hook(pre_hook))
     try:
-        yield
+        yield src
     finally:
         for h in handles:
             h.remove()
@@ -146,13 +174,54 @@ class StepSamples:
         return StepSamples(torch.cat([self.node, other.node]), draft, self.state + other.state)
 
 
+@dataclass(slots=True)
+class _NoisyPrefix:
+    """One noisy run's state after the first ``len(tokens)`` committed tokens (whole prefill chunks), and
+    the drafter context of those positions (empty without capture)."""
+
+    tokens: tuple[int, ...]
+    state: TargetState
+    context: list[torch.Tensor]  # per chunk [64, c*H]
+
+
+def _below_chain(chain: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The m tokens of ``chain`` as a chain with the tree (``tokens``/``parents``/``depths`` [N]) hung below its
+    last token: [m + N] each (the chain's nodes first; with m = 0, the tree as it is)."""
+    m = int(chain.shape[0])
+    if m == 0:
+        return tokens, parents, depths
+    tree_parents = torch.where(parents < 0, torch.full_like(parents, m - 1), parents + m)
+    return (torch.cat([chain.cpu(), tokens.cpu()]), torch.cat([torch.arange(-1, m - 1), tree_parents.cpu()]),
+            torch.cat([torch.arange(m), depths.cpu() + m]))
+
+
+def _nbytes(prefix: _NoisyPrefix) -> int:
+    tensors = [*prefix.state.tensors().values(), *prefix.context]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class RoundingEnsemble:
-    """Noisy re-runs of one step of the reference at an engine dtype's unit roundoff."""
+    """Noisy re-runs of one step of the reference at an engine dtype's unit roundoff.
+
+    Each run re-prefills the committed prefix in the reference prefill's own 64-token chunks, chunk c
+    under the noise of :func:`noise_stream` (seed, run, c), and the rest (the last partial chunk as a
+    chain with the step's tree below it, one forward; the draft) under the noise of (seed, run, -1 - L). A run's noisy state after whole
+    chunks is therefore a function of its tokens alone: it is kept per (seed, run, capture) for the
+    ``keep`` most recent prefixes and extended chunk by chunk at the next step of the request, which
+    computes exactly what a fresh prefill would (the same forwards, in the same order, under the same
+    noise) at a cost that no longer grows with the prefix at every step.
+    """
+
+    keep = 2  # kept prefixes per (seed, run, capture): the request being replayed (one at a time), and one more
+    max_bytes = 4 << 30  # kept states in all; past it a prefix is recomputed instead (the same result, slower)
 
     def __init__(self, target: Target, drafter: Any, dtype: str, rule: Rule, capture: tuple[int, ...]) -> None:
         if dtype not in UNIT_ROUNDOFF:
             raise ValueError(f"no unit roundoff known for engine dtype {dtype!r}")
         self.target, self.drafter, self.u, self.rule, self.capture = target, drafter, UNIT_ROUNDOFF[dtype], rule, capture
+        self._prefixes: dict[tuple[int, int, tuple[int, ...]], list[_NoisyPrefix]] = {}
+        self._bytes = 0
 
     def _draft(self, context: torch.Tensor, committed: torch.Tensor, bonus: int, ids: torch.Tensor) -> torch.Tensor:
         """The drafter's log-probs at ``ids`` [L, kd] from a fresh context; the replay's own context is restored."""
@@ -166,25 +235,69 @@ class RoundingEnsemble:
         finally:
             d.ctx_keys, d.ctx_values, d.ctx_len = saved
 
+    def _chunk(self, state: TargetState, piece: torch.Tensor, capture: tuple[int, ...]) -> tuple[TargetState, torch.Tensor]:
+        """One prefill chunk ([m] tokens) as a chain below ``state``, all of it committed (as ``Target.prefill``)."""
+        m = int(piece.shape[0])
+        fwd = self.target.forward(state, piece, torch.arange(-1, m - 1), torch.arange(m), capture=capture)
+        return state.commit(fwd, list(range(m))), fwd.context
+
+    def _prefix(self, committed: list[int], ids: torch.Tensor, seed: int, run: int, capture: tuple[int, ...],
+                src: NoiseSource) -> _NoisyPrefix:
+        """Run ``run``'s noisy state after the whole chunks of ``committed`` (kept, or extended from the
+        longest kept prefix of it)."""
+        chunk, whole = PREFILL_CHUNK, len(committed) // PREFILL_CHUNK * PREFILL_CHUNK
+        kept = self._prefixes.setdefault((seed, run, capture), [])
+        base = max((p for p in kept if len(p.tokens) <= whole and tuple(committed[: len(p.tokens)]) == p.tokens),
+                   key=lambda p: len(p.tokens), default=None)
+        state = base.state if base is not None else self.target.empty_state()
+        context = list(base.context) if base is not None else []
+        for lo in range(len(base.tokens) if base is not None else 0, whole, chunk):
+            src.gen = noise_stream(seed, run, lo // chunk)
+            state, ctx = self._chunk(state, ids[lo : lo + chunk], capture)
+            context.append(ctx)
+        out = _NoisyPrefix(tuple(committed[:whole]), state, context)
+        if base is not None and base.tokens == out.tokens:
+            return out
+        if base is not None:
+            self._forget(kept, base)  # extended: the longer prefix replaces it
+        while len(kept) >= self.keep:
+            self._forget(kept, kept[0])
+        size = _nbytes(out)
+        if self._bytes + size <= self.max_bytes:
+            kept.append(out)
+            self._bytes += size
+        return out
+
+    def _forget(self, kept: list[_NoisyPrefix], prefix: _NoisyPrefix) -> None:
+        kept.remove(prefix)
+        self._bytes -= _nbytes(prefix)
+
     @torch.no_grad()
     def sample(self, x: StepInputs, samples: int | None = None, seed: int | None = None) -> StepSamples:
         """``samples`` noisy runs (default the rule's) from noise stream ``seed`` (default the rule's)."""
         dev = self.target.device
-        gen = torch.Generator()  # CPU: the noise stream is the same whatever device the reference runs on
-        gen.manual_seed(self.rule.seed if seed is None else seed)
+        seed = self.rule.seed if seed is None else seed
         committed = torch.tensor(x.committed, device=dev)
         drafting = x.draft_ids is not None and hasattr(self.drafter, "ctx_keys")
+        capture = self.capture if drafting else ()
         modules = [self.target.model] + ([self.drafter] if drafting else [])
         nodes, drafts, states = [], [], []
-        with rounding_noise(modules, self.u, gen, residual=[self.target] + ([self.drafter] if drafting else [])):
-            for _ in range(self.rule.samples if samples is None else samples):
-                state, pre = self.target.prefill(committed, capture=self.capture if drafting else ())
+        src = NoiseSource(noise_stream(seed, 0, -1))
+        with rounding_noise(modules, self.u, src, residual=[self.target] + ([self.drafter] if drafting else [])):
+            for run in range(self.rule.samples if samples is None else samples):
+                pre = self._prefix(x.committed, committed, seed, run, capture, src)
+                src.gen = noise_stream(seed, run, -1 - len(x.committed))
+                m = len(x.committed) - len(pre.tokens)  # the last, partial chunk: one forward with the step's tree
+                tokens, parents, depths = _below_chain(committed[len(pre.tokens):], x.tokens, x.parents, x.depths)
+                fwd = self.target.forward(pre.state, tokens.to(dev), parents.to(dev), depths.to(dev), capture=capture)
                 if drafting and x.draft_ids is not None:  # (drafting implies draft ids)
-                    drafts.append(self._draft(pre.context, committed, int(x.tokens[0]), x.draft_ids))
-                fwd = self.target.forward(state, x.tokens.to(dev), x.parents.to(dev), x.depths.to(dev))
-                nodes.append(torch.log_softmax(fwd.logits.float(), dim=-1).gather(1, x.cols.to(dev)).cpu())  # [N, c]
+                    context = torch.cat([*pre.context, fwd.context[:m]])
+                    drafts.append(self._draft(context, committed, int(x.tokens[0]), x.draft_ids))
+                logits = fwd.logits[m:].float()  # [N, V] the step's tree
+                nodes.append(torch.log_softmax(logits, dim=-1).gather(1, x.cols.to(dev)).cpu())  # [N, c]
                 if x.state_error is not None:
-                    states.append(x.state_error(state.commit(fwd, x.accepted), state.length))
+                    path = list(range(m)) + [m + a for a in x.accepted]
+                    states.append(x.state_error(pre.state.commit(fwd, path), len(x.committed)))
         return StepSamples(torch.stack(nodes), torch.stack(drafts) if drafts else None, states)
 
 
