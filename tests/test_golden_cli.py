@@ -116,17 +116,22 @@ GATE_WORK_BUDGET = {
                                               # the anchor step of each bf16 SGLang request, the steps over a
                                               # bound, and sampled bf16 draws beyond the fp32 floor); none after a
                                               # request has failed
-    "forwards.ensemble": 4850,                # 8 noisy samples x (prefill + tree, + drafts) per such step (4312),
-                                              # + 32 more at the few steps whose deviation is within 4 x the
-                                              # rule of the first spread without being covered (4776 in all)
-    "greedy_forwards": 1160,                  # the oracles: one forward per distinct prefix, 6 prompts x (32
-                                              # attention + 64 hybrid + 2 x 64 sampled at T = 1) tokens
+    "forwards.ensemble": 2250,                # 8 noisy samples per such step, each one forward of the step's tree
+                                              # below the last partial chunk, + each new whole 64-token chunk of
+                                              # its prefix once per request (the kept noisy prefixes), + 32 more
+                                              # samples at the few steps whose deviation is within 4 x the rule
+                                              # of the first spread without being covered (2112 in all; 4776
+                                              # when every sample re-prefilled its whole prefix)
+    "greedy_forwards": 600,                   # the greedy oracle: the engine's output settled in one forward
+                                              # and two probes per prompt, then one forward per prefix from
+                                              # where it leaves greedy decoding (534; 1 160 without the guess)
     "reference_decodes": 110,                 # the reference's own runs: 6 prompts per distinct setting of the
                                               # goldens with a drafter (none for NONE / NGRAM engines)
     "forwards.free.reference_decode": 3000,   # their forwards (2791; scripted drafts share the oracle's memo, so
                                               # which phase runs a shared prefix first depends on the case order)
     "runner_loads": 6,                        # per setting of pair, drafter and sampling the gate loads a runner
-    "forwards": 14600,                        # everything (14104): shared prefixes run once whichever phase asks
+    "forwards": 10800,                        # everything (10389; 14104 before the kept noisy prefixes and the
+                                              # oracle's guess): shared prefixes run once whichever phase asks
 }
 
 

@@ -89,25 +89,27 @@ class DiffSession:
             self._memos[key] = GreedyMemo(runner.target.model)
         return self._memos[key]
 
-    def greedy(self, runner: ReferenceRunner, prompt: list[int], n: int) -> list[int]:
-        """The target-only greedy continuation of ``prompt``: ``n`` tokens (fewer after a stop token)."""
+    def greedy(self, runner: ReferenceRunner, prompt: list[int], n: int, guess: list[int] | None = None) -> list[int]:
+        """The target-only greedy continuation of ``prompt``: ``n`` tokens (fewer after a stop token);
+        ``guess`` (the engine's output) is settled in one forward where it holds (``reference.oracle``)."""
         memo = self.memo(runner)
         before = memo.forwards
         with phase("greedy_oracle"):
-            out = memo.decode(prompt, n, runner.spec.stop_token_ids)
+            out = memo.decode(prompt, n, runner.spec.stop_token_ids, guess=guess)
         count("greedy_forwards", memo.forwards - before)
         return out
 
     def sampled_oracle(self, runner: ReferenceRunner, req: RequestRow) -> tuple[list[int], list[float]] | None:
         """Target-only sampling of a sampled request with the engine's own keys (tokens, boundary margins),
-        or None when the engine's uniforms are not refcheck's position-keyed ones (not recomputable)."""
+        or None when the engine's uniforms are not refcheck's position-keyed ones (not recomputable); the
+        engine's output is the guess the oracle settles in one forward where it holds."""
         sr = SampledRequest.from_row(req)
         if sr is None or not sr.recomputable or sr.sampling.keying != "position":
             return None
         spec = runner.spec
         with phase("greedy_oracle"):
             return sample_decode(runner.target.model, list(req.prompt_ids), spec.max_new_tokens, sr.sampling,
-                                 sr.rng_request, spec.stop_token_ids)
+                                 sr.rng_request, spec.stop_token_ids, guess=list(req.output_ids))
 
     def reference_decode(self, runner: ReferenceRunner, prompt: list[int], request: int = 0) -> DecodeResult:
         """The reference's own DDTree run of ``prompt`` under ``runner.spec`` (computed once per spec);
@@ -155,7 +157,8 @@ class DiffSession:
                     greedy[r.request_id] = None if got is None else got[0]
                     margins[r.request_id] = None if got is None else got[1]
                 else:
-                    greedy[r.request_id] = self.greedy(runner, list(r.prompt_ids), spec.max_new_tokens)
+                    greedy[r.request_id] = self.greedy(runner, list(r.prompt_ids), spec.max_new_tokens,
+                                                       guess=list(r.output_ids))
             # An engine without a drafter (target-only, NGRAM) runs no DDTree: the reference's own run (its drafter
             # the scripted stand-in) has no acceptance to set beside the engine's, and at T > 0 that stand-in costs a
             # greedy continuation at every sampled prefix (61 s of the gate's NGRAM T = 1 golden). Only a strict
