@@ -59,7 +59,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("page64", "page=64", "builtin", "KV pages of 64 tokens"),
     Setting("mixed32", "stagger=25", "mixed", "32 requests of mixed lengths arriving one every 25 ms"),
     Setting("long", "chunk=1024", "long", "prompts of 4k and 16k tokens through chunked prefill (1024)"),
-    Setting("together", "graphs,overlap,radix,page=16,stagger=25", "mixed", "everything above at once"),
+    # SGLang 0.5.17 runs a hybrid's radix cache only at page 1 without overlap (radix_refusal): two cells at once
+    Setting("together", "graphs,overlap,page=16,stagger=25", "mixed",
+            "graphs, overlap, pages of 16 and 32 staggered mixed requests at once"),
+    Setting("together-radix", "graphs,radix,stagger=25", "shared-prefix",
+            "graphs and the radix cache at once, prefixes shared (a hybrid's radix cache runs at page 1, no overlap)"),
     Setting("tp2", "", "builtin", "tensor parallelism 2", gpus=2),
 )}
 

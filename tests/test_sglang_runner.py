@@ -173,6 +173,20 @@ def test_timing_repeats_run_on_the_warm_engine_and_are_checked_against_the_captu
         fake_sglang("ok", timing_repeats=-1)
 
 
+def test_an_earlier_runs_records_in_the_capture_dir_are_never_read_as_this_runs(fake_sglang, tmp_path):
+    """A capture directory used before (a matrix cell resumed after its first engine was killed) keeps that
+    engine's status and records; the next run clears them instead of reading two scheduler processes."""
+    from refcheck.prompts import load_prompts
+
+    stale = tmp_path / "ok" / "records"
+    stale.mkdir(parents=True)
+    (stale / "status-rank0-pid1.json").write_text('{"pid": 1, "tp_rank": 0, "hooks": {}}')
+    trace = fake_sglang("ok").trace(load_prompts()[:1])
+    errors = trace.provenance["capture"]["errors"]
+    assert not (stale / "status-rank0-pid1.json").exists()
+    assert not any("scheduler processes" in e or "pid 1" in e for e in errors), errors
+
+
 def test_engine_start_failure_is_a_model_error_with_the_scheduler_message(fake_sglang):
     from refcheck.errors import ModelError
     from refcheck.prompts import load_prompts

@@ -56,6 +56,9 @@ def test_cli_refuses_bad_settings_and_settings_for_other_engines(cli):
 @pytest.mark.parametrize("algorithm, settings, breadth, message", [
     ("REFCHECK_DDTREE", "overlap", 10, "runs synchronously"),
     ("NGRAM", "page=16", 10, "paged tree attention is only supported on flashinfer"),
+    ("DFLASH", "radix,page=16", 10, "radix cache needs page size 1"),
+    ("DFLASH", "radix,overlap", 10, "turns the overlap scheduler off"),
+    ("NONE", "graphs,overlap,radix,page=16", 10, "radix with overlap and page=16"),
 ])
 def test_settings_the_engine_cannot_run_are_refused_before_it_starts(algorithm, settings, breadth, message):
     with pytest.raises(UsageError, match=message):
@@ -69,8 +72,9 @@ def test_settings_the_engine_can_run_get_past_the_refusals(monkeypatch):
     from refcheck.runners.sglang import EngineUnavailableError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for alg, budget, s, breadth in (("NGRAM", 11, "page=16", 1), ("DFLASH", 15, "overlap,radix,page=64", 10),
-                                    ("REFCHECK_DDTREE", 15, "radix,page=16,graphs", 10)):
+    for alg, budget, s, breadth in (("NGRAM", 11, "page=16", 1), ("DFLASH", 15, "overlap,page=64,graphs", 10),
+                                    ("DFLASH", 15, "radix,graphs,stagger=5", 10), ("REFCHECK_DDTREE", 15, "page=16,graphs", 10),
+                                    ("REFCHECK_DDTREE", 15, "radix,graphs", 10)):
         with pytest.raises(EngineUnavailableError):  # past every refusal, to the missing GPU
             SGLangRunner(EngineSpec(pair="hybrid", dtype="bfloat16", budget=budget), alg, settings=parse_settings(s),
                          ngram_breadth=breadth)
@@ -148,3 +152,30 @@ def test_committed_lengths_come_from_the_device_where_the_batch_has_them():
         seq_lens = torch.tensor([4, 7])
 
     assert _seq_lens(Batch()) == [4, 7] and _seq_lens(object()) is None
+
+
+def test_the_hybrid_radix_cache_is_refused_where_sglang_would_run_something_else():
+    """SGLang 0.5.17 resolves a hybrid target's radix cache at start-up: no mamba extra buffer for the
+    architecture -> page size 1 asserted and overlap silently off; an extra buffer -> state in ping-pong
+    slots the capture does not read. Either way the run asked for is not the run captured: refused, saying
+    which. Radix alone, or overlap / pages without radix, or an attention-only target, pass."""
+    from refcheck.runners.sglang_settings import radix_refusal
+
+    assert "needs page size 1" in radix_refusal(parse_settings("radix,page=64"), "Qwen3_5ForCausalLM", True)
+    assert "turns the overlap scheduler off" in radix_refusal(parse_settings("radix,overlap"), "Qwen3_5ForCausalLM", True)
+    assert "extra buffer" in radix_refusal(parse_settings("radix,overlap"), "Qwen3_5ForConditionalGeneration", True)
+    for ok, hybrid in (("radix", True), ("overlap,page=16", True), ("radix,overlap,page=16", False)):
+        assert radix_refusal(parse_settings(ok), "Qwen3_5ForCausalLM", hybrid) is None
+
+
+def test_a_setting_sglang_changed_at_start_up_is_a_capture_error():
+    """The plugin records how each scheduler actually serves; anything that differs from what was asked makes
+    the trace's capture fail, by name (a release that does not say is not held against the run)."""
+    from refcheck.runners.sglang import settings_changed
+
+    asked = parse_settings("overlap,page=16")
+    assert settings_changed(asked, {"tp_rank": 0, "serving": {"overlap": True, "page_size": 16, "radix_cache": False,
+                                                              "cuda_graphs": False}}) == []
+    got = settings_changed(asked, {"tp_rank": 1, "serving": {"overlap": False, "page_size": 16, "radix_cache": None}})
+    assert len(got) == 1 and "rank 1" in got[0] and "overlap = False although True" in got[0]
+    assert settings_changed(asked, {"tp_rank": 0}) == []

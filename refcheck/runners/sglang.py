@@ -33,6 +33,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,7 +46,7 @@ from refcheck.errors import ModelError, UsageError
 from refcheck.prompts import Prompt
 from refcheck.reference_runner import EngineSpec
 from refcheck.runners.sglang_settings import DEFAULT as DEFAULT_SETTINGS
-from refcheck.runners.sglang_settings import ServingSettings, capture_refusal
+from refcheck.runners.sglang_settings import ServingSettings, capture_refusal, radix_refusal
 from refcheck.sglang_capture.records import UNTRACED_RID_PREFIX
 from refcheck.sglang_ddtree.faults import ALGORITHMS as FAULT_ALGORITHMS
 from refcheck.trace.io import Trace
@@ -272,6 +273,17 @@ def log_error(log: Path, limit: int = 600) -> str | None:
     return hits[-1] if len(hits[-1]) <= limit else hits[-1][: limit - 3] + "..."
 
 
+def settings_changed(asked: ServingSettings, status: dict[str, Any]) -> list[str]:
+    """Where a scheduler serves otherwise than asked (SGLang resolves some settings at start-up, silently):
+    the trace would be labelled with settings it was not run under."""
+    got = status.get("serving") or {}
+    want = {"overlap": asked.overlap, "page_size": asked.page_size, "radix_cache": asked.radix_cache,
+            "cuda_graphs": asked.cuda_graphs}
+    return [f"scheduler rank {status.get('tp_rank')}: SGLang serves with {name} = {got[name]} although {want[name]} "
+            "was asked (changed at its start-up): the trace is not of the settings asked for"
+            for name in want if got.get(name) is not None and got[name] != want[name]]
+
+
 class SGLangRunner:
     name = "sglang"
 
@@ -299,6 +311,10 @@ class SGLangRunner:
             raise UsageError(f"timing repeats must be >= 0, got {timing_repeats}")
         self.timing_repeats = timing_repeats  # warm, untraced generates after the captured one (sweep tok/s)
         tdir, ddir = spec.resolved_dirs()
+        why = radix_refusal(self.settings, str((_config(tdir).get("architectures") or [""])[0]),
+                            "linear_attention" in (_text_config(tdir).get("layer_types") or []))
+        if why:
+            raise UsageError(why)
         self.budget = resolve_budget(self.algorithm, spec.budget, ddir, tdir)
         check_sampling(self.algorithm, spec.sampling)
         if spec.dtype == "float32":
@@ -351,6 +367,8 @@ class SGLangRunner:
         cdir.mkdir(parents=True, exist_ok=True)
         install_entry_point(cdir / "site")
         records = cdir / "records"
+        if records.exists():  # an earlier run's records (a matrix cell resumed): never read as this run's
+            shutil.rmtree(records)
         env = dict(os.environ)
         env.pop(ENV_DIR, None)
         env.pop(ENV_FULL, None)
@@ -470,4 +488,5 @@ class SGLangRunner:
             for name in sorted(need):
                 if st.get("hooks", {}).get(name) is not True:
                     out.append(f"scheduler rank {st.get('tp_rank')}: hook {name} not live ({st.get('hooks', {}).get(name)})")
+            out += settings_changed(self.settings, st)
         return out

@@ -108,6 +108,37 @@ def parse_settings(text: str | None, base: ServingSettings = DEFAULT) -> Serving
     return out
 
 
+#: SGLang 0.5.17's architectures whose hybrid radix cache can keep the mamba state in an extra buffer
+#: (sglang/srt/arg_groups/overrides.py, ``_MAMBA_EXTRA_BUFFER_ARCHS``; with the triton linear-attention backend)
+MAMBA_EXTRA_BUFFER_ARCHS = frozenset({
+    "KimiLinearForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+    "Qwen3NextForCausalLM", "InternS2PreviewForConditionalGeneration", "MiniCPMV4_6ForConditionalGeneration",
+    "BailingMoeV2_5ForCausalLM", "FalconH1ForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
+    "NemotronHPuzzleForCausalLM"})
+
+
+def radix_refusal(settings: ServingSettings, architecture: str, hybrid: bool) -> str | None:
+    """Why the radix cache cannot be captured as asked on a hybrid target, or None.
+
+    SGLang 0.5.17 resolves a hybrid target's radix cache at start-up: with overlap or pages > 1 it keeps the
+    mamba state in an extra buffer where the architecture allows it, and otherwise uses no buffer, which
+    asserts page size 1 and turns the overlap scheduler off without a word. Neither run is the one asked for
+    under the capture: the first keeps the committed state in ping-pong track slots the capture does not read,
+    the second is not overlapped (or does not start)."""
+    if not (hybrid and settings.radix_cache and (settings.overlap or settings.page_size > 1)):
+        return None
+    asked = " and ".join(x for x in ("overlap" if settings.overlap else "",
+                                     f"page={settings.page_size}" if settings.page_size > 1 else "") if x)
+    if architecture in MAMBA_EXTRA_BUFFER_ARCHS:
+        return (f"radix with {asked} on this hybrid target ({architecture}): SGLang keeps the mamba state in its "
+                "extra buffer (ping-pong track slots), which refcheck's capture does not read; run the radix cache "
+                "with page=1 and without overlap, or the other settings without radix")
+    return (f"radix with {asked} on this hybrid target ({architecture}): SGLang 0.5.17 has no mamba extra buffer "
+            "for this architecture, so its radix cache needs page size 1 (it refuses to start otherwise) and turns "
+            "the overlap scheduler off (the run would not be overlapped); run the radix cache with page=1 and "
+            "without overlap, or the other settings without radix")
+
+
 def capture_refusal(settings: ServingSettings, algorithm: str, layer_sketches: bool, tp: int) -> str | None:
     """Why the capture cannot observe this run correctly, or None. Checked before any engine starts."""
     if layer_sketches and settings.cuda_graphs:

@@ -100,6 +100,19 @@ def patch_models() -> list[str]:
     return patched
 
 
+def serving_of(scheduler: Any) -> dict[str, Any]:
+    """How this scheduler actually serves (after SGLang's own start-up resolution, which may change what was
+    asked: e.g. a hybrid target's radix cache without the mamba extra buffer turns overlap off)."""
+    args = getattr(scheduler, "server_args", None)
+    graphs = getattr(args, "disable_cuda_graph", None)
+    radix_off = getattr(scheduler, "disable_radix_cache", getattr(args, "disable_radix_cache", None))
+    overlap, page = getattr(scheduler, "enable_overlap", None), getattr(scheduler, "page_size", None)
+    return {"overlap": None if overlap is None else bool(overlap),  # (None: this release does not say)
+            "page_size": None if page is None else int(page),
+            "radix_cache": None if radix_off is None else not bool(radix_off),
+            "cuda_graphs": None if graphs is None else not bool(graphs)}
+
+
 def server_topk(scheduler: Any) -> int | None:
     args = getattr(scheduler, "server_args", None)
     topk = getattr(args, "speculative_eagle_topk", None) if args is not None else None
