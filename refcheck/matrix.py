@@ -274,7 +274,25 @@ def run_cell(run: MatrixRun, cell: Cell, gate: threading.Semaphore,
         report = _diff(run, cell, trace, path, gate)
     except RefcheckError as exc:  # refused, SGLang did not start, the diff died: the reason is the cell
         return not_run(cell, f"{type(exc).__name__}: {exc}")
-    return cell_row(cell, trace, report, path, not spec.sampled)
+    row = cell_row(cell, trace, report, path, not spec.sampled)
+    if row["tokens_unchanged_by_capture"] is False:
+        row["untraced_judged"] = _judge_untraced(run, trace, gate)
+    return row
+
+
+_REFERENCE_LOCK = threading.Lock()  # cells run in threads; models are loaded (and run) one thread at a time
+
+
+def _judge_untraced(run: MatrixRun, trace, gate: threading.Semaphore) -> dict[str, Any] | None:
+    """The untraced passes' differences from the captured one, held to the reference's near-ties
+    (:mod:`refcheck.capture_effect`), with this process's reference."""
+    from refcheck.capture_effect import judge_untraced
+    from refcheck.diff.session import DiffSession, reference_spec_for
+
+    with gate, _REFERENCE_LOCK:
+        if run.session is None:
+            run.session = DiffSession()
+        return judge_untraced(trace, run.session.runner(reference_spec_for(trace, run.ref_dtype, run.ref_device)).target)
 
 
 def run_twin(run: MatrixRun, cell: Cell, before_engine: Callable[[], None] | None = None) -> dict:
@@ -404,16 +422,18 @@ def overhead_text(r: dict[str, Any]) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     """The matrix as a Markdown table (one row per cell), then the reasons of cells not run."""
+    from refcheck.capture_effect import untraced_text
+
     head = ("| algorithm | setting | verdict | first finding | τ | warm tok/s | capture overhead | capture off: tokens "
-            "| steps |\n|---|---|---|---|---|---|---|---|---|")
+            "| untraced passes | steps |\n|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in result["rows"]:
         if r["status"] != "run":
-            lines.append(f"| {r['algorithm']} | {r['setting']} | not run | {r['reason'][:160]} | | | | | |")
+            lines.append(f"| {r['algorithm']} | {r['setting']} | not run | {r['reason'][:160]} | | | | | | |")
             continue
         lines.append(f"| {r['algorithm']} | {r['setting']} | {r['verdict']} | {(r['first_finding'] or '')[:120]} | "
                      f"{_fmt(r['tau'])} | {_fmt(r['warm_tokens_per_s'], '.0f')} | {overhead_text(r)} | "
-                     f"{r.get('capture_off_twin') or '—'} | {r['steps']} |")
+                     f"{r.get('capture_off_twin') or '—'} | {untraced_text(r)} | {r['steps']} |")
     lines.append("")
     for name, why in result.get("not_runnable_algorithms", {}).items():
         lines.append(f"- {name}: not run: {why}")

@@ -164,3 +164,61 @@ def test_a_cut_short_run_resumes_where_it_stopped(run, tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(UsageError, match="not a matrix result"):
         finished_rows(tmp_path / "bad.json")
+
+
+def _untraced(trace, target, k: int, rank: int) -> list[int]:
+    """[request 0, position k, captured token, the reference's rank-th choice there]."""
+    import torch
+
+    from reference.compat import full_forward_logits
+
+    req = trace.requests[0]
+    logits = full_forward_logits(target.model, torch.tensor(list(req.prompt_ids) + list(req.output_ids[:k])))[-1]
+    return [0, k, req.output_ids[k], int(logits.argsort(descending=True)[rank])]
+
+
+def test_untraced_differences_are_judged_at_the_references_near_ties(run):
+    """Where an untraced pass leaves the captured one, the reference's log-prob margin between the two tokens
+    decides: under the engine dtype's tie margin it is a near-tie a different batch may flip; the last token of
+    the vocabulary's order is not, and is named as capture changing a token."""
+    from refcheck.capture_effect import judge_untraced, untraced_text
+    from refcheck.diff.session import DiffSession, reference_spec_for
+    from refcheck.diff.tolerance import calibration_for
+
+    trace = copy.deepcopy(_BASE["trace"])
+    trace.provenance["dtype"] = "bfloat16"
+    target = DiffSession().runner(reference_spec_for(trace)).target
+    tie = calibration_for("bfloat16", "cuda").tolerance.tie_margin
+    second = _untraced(trace, target, 2, 1)
+    worst = _untraced(trace, target, 3, target.vocab_size - 1)
+    trace.provenance["engine"]["settings"]["untraced_diffs"] = {"warmup": [second], "repeat0": [worst]}
+    got = judge_untraced(trace, target)
+    margins = {p["pass"]: p["margin"] for p in got["places"]}
+    assert got["differences"] == 2 and margins["repeat0"] > tie and got["at_near_ties"] == (margins["warmup"] < tie)
+    assert not got["all_near_ties"]
+    row = {"tokens_unchanged_by_capture": False, "untraced_judged": got}
+    assert untraced_text(row).startswith("DIFFER: 1 not at a near-tie")
+    trace.provenance["engine"]["settings"]["untraced_diffs"] = {"warmup": [[0, 2, second[2], second[2] + 0]]}
+    assert judge_untraced(trace, target)["places"][0]["margin"] == 0.0  # (the same token: margin 0, a tie)
+    assert untraced_text({"tokens_unchanged_by_capture": True}) == "same"
+    assert untraced_text({"tokens_unchanged_by_capture": None}) == "—"
+    del trace.provenance["engine"]["settings"]["untraced_diffs"]
+    assert judge_untraced(trace, target) is None
+
+
+def test_a_cell_whose_untraced_passes_differ_says_where(run, monkeypatch):
+    """A greedy cell whose untraced passes differ from the captured one carries the judgement, and the table
+    says whether the differences are near-ties."""
+    class Differing(FakeRunner):
+        def trace(self, prompts):
+            trace = super().trace(prompts)
+            req = trace.requests[0]
+            trace.provenance["engine"]["settings"].update(
+                warmup_match=False, untraced_diffs={"warmup": [[0, 1, req.output_ids[1], req.output_ids[1]]]})
+            return trace
+
+    run.runner_factory = Differing
+    result = run_matrix(run, cells(["NONE"], ["default"]), parallel=1, stagger_s=0.0)
+    row = result["rows"][0]
+    assert row["tokens_unchanged_by_capture"] is False and row["untraced_judged"]["all_near_ties"]
+    assert "differ at 1 near-tie(s)" in markdown(result)

@@ -422,3 +422,12 @@ def test_sglang_sweep_at_temperature_one(tmp_path, cli):
     assert sweep_row("NGRAM", 11, [Trace(engine_rng, keyed.requests, keyed.steps)], Same())["repeats_match"] is None
     code, _, err = cli("sweep", "--engine", "sglang", "--temperature", "1", "--budgets", "15", "--out", str(tmp_path / "o"))
     assert code == EXIT_USAGE and "cannot sample" not in err  # refused only for want of a GPU or SGLang
+
+
+def test_first_differences_name_the_request_position_and_both_tokens():
+    from refcheck.runners.sglang_child import first_differences
+
+    captured = [[1, 2, 3], [4, 5], [6, 7]]
+    assert first_differences(captured, [[1, 2, 9], [4, 5], [6]]) == [[0, 2, 3, 9], [2, 1, 7, -1]]
+    assert first_differences(captured, captured) == []
+    assert first_differences([[1]], [[1, 8]]) == [[0, 1, -1, 8]]

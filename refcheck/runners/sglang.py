@@ -434,6 +434,7 @@ class SGLangRunner:
                         repeats_match=run.get("repeats_match"), tree_rules="structural",
                         serving=self.settings.to_json(), serving_label=self.settings.label(),
                         warmup_generate_s=run.get("warmup_generate_s"), warmup_match=run.get("warmup_match"),
+                        untraced_diffs=run.get("untraced_diffs") or {},
                         **({"sampling": self.spec.sampling.to_json(), "rng": sampling_rng(self.algorithm)}
                            if self.spec.sampled and self.spec.sampling is not None else {}),
                         draft_dir=str(ddir) if ddir and self.spec.model_dir is not None else None)

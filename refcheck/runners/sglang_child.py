@@ -7,7 +7,8 @@ request, ``generate_s``), or ``failed`` with the stage and a one-line summary of
 ``timing_repeats`` k > 0 the same requests then run k more times on the warm engine under untraced
 rids (the capture plugin passes them through: no synchronisation, no records), and ``done`` also
 carries ``repeat_generate_s`` (their wall times: tokens/s without first-use kernel compilation or
-capture) and ``repeats_match`` (whether every repeat produced the captured output ids). With
+capture) and ``repeats_match`` (whether every repeat produced the captured output ids), and
+``untraced_diffs`` where an untraced pass left the captured one (:func:`first_differences`). With
 ``warmup_rids`` one untraced pass runs before the captured one (``warmup_generate_s``, ``warmup_match``);
 with ``stagger_s`` > 0 the requests of each pass arrive one every ``stagger_s`` seconds. SGLang
 answers a dead scheduler by killing its whole process tree (SIGQUIT, then SIGKILL): running it here
@@ -41,6 +42,17 @@ def summarise_error(exc: BaseException, limit: int = 600) -> str:
 
 def _outputs(results: list[dict]) -> list[list[int]]:
     return [[int(t) for t in r["output_ids"]] for r in results]
+
+
+def first_differences(captured: list[list[int]], other: list[list[int]]) -> list[list[int]]:
+    """Where an untraced pass's outputs leave the captured pass's: [request index, output position,
+    captured token (-1: ended), untraced token (-1: ended)] per request that differs."""
+    out = []
+    for i, (a, b) in enumerate(zip(captured, other)):
+        k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        if a != b:
+            out.append([i, k, a[k] if k < len(a) else -1, b[k] if k < len(b) else -1])
+    return out
 
 
 def generate(engine: Any, job: dict, rids: list[str]) -> list[dict]:
@@ -90,16 +102,20 @@ def main(job_path: str) -> int:
         out = generate(engine, job, job["rids"])
         generate_s = time.time() - t1
         outputs = _outputs(out)
+        diffs: dict[str, list[list[int]]] = {}
         if warm:
             warm["warmup_match"] = warm_out == outputs
+            diffs["warmup"] = first_differences(outputs, warm_out)
         repeat_s, match = [], True
-        for rids in job.get("timing_rids") or []:
+        for k, rids in enumerate(job.get("timing_rids") or []):
             t2 = time.time()
-            again = generate(engine, job, rids)
+            again = _outputs(generate(engine, job, rids))
             repeat_s.append(time.time() - t2)
-            match = match and _outputs(again) == outputs
+            match = match and again == outputs
+            diffs[f"repeat{k}"] = first_differences(outputs, again)
         _write(result, {"stage": "done", "start_s": start_s, "generate_s": generate_s, "sglang": version,
                         "outputs": outputs, "repeat_generate_s": repeat_s, "repeats_match": match, **warm,
+                        "untraced_diffs": {name: d for name, d in diffs.items() if d},
                         "meta": [{k: v for k, v in r.get("meta_info", {}).items() if isinstance(v, (int, float, str))}
                                  for r in out]})
     except Exception as exc:  # noqa: BLE001
