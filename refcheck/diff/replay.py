@@ -221,14 +221,24 @@ class _Request(RoundingGuard):
 
     def check_nodes(self, s: StepRow, tree: Tree, logp: torch.Tensor, layers: list[torch.Tensor] | None) -> torch.Tensor:
         """Argmax and top-k log-probs at every node; returns the argmax to walk with (teacher-forced)."""
-        n = tree.num_nodes
-        self.rep.check("logits", n)
+        self.rep.check("logits", tree.num_nodes)
         self.ill_conditioned = {}
         ref_arg = logp.argmax(dim=-1).cpu()
         eng_arg = torch.tensor(s.target_argmax, dtype=torch.long)
         if eng_arg.shape != ref_arg.shape:
-            self.fail("logits", s.step, f"engine reported {eng_arg.shape[0]} argmaxes for {n} nodes")
+            self.fail("logits", s.step, f"engine reported {eng_arg.shape[0]} argmaxes for {tree.num_nodes} nodes")
             return ref_arg
+        walk, bad_nodes = self._check_argmax(s, tree, logp, ref_arg, eng_arg)
+        if s.topk_ids:
+            bad_nodes += self._check_topk(s, tree, logp)
+        if bad_nodes and s.layer_sketch is not None and layers is not None:
+            self.bisect(s, min(bad_nodes), layers)
+        return walk
+
+    def _check_argmax(self, s: StepRow, tree: Tree, logp: torch.Tensor, ref_arg: torch.Tensor, eng_arg: torch.Tensor
+                      ) -> tuple[torch.Tensor, list[int]]:
+        """Each node whose engine argmax differs: a near-tie, a flip rounding explains (the walk follows the
+        engine there) or a failure; returns (the walk's argmax, the failing nodes)."""
         walk = ref_arg.clone()
         bad_nodes: list[int] = []
         for i in torch.nonzero(eng_arg != ref_arg).flatten().tolist():
@@ -246,48 +256,51 @@ class _Request(RoundingGuard):
                 walk[i] = eng_arg[i]
             else:
                 bad_nodes.append(i)
-        if s.topk_ids:
-            ids = torch.tensor(s.topk_ids, dtype=torch.long)
-            lps = torch.tensor(s.topk_logprobs, dtype=torch.float32)
-            dev = _abs_dev(lps, logp.cpu().gather(1, ids)).max(dim=1).values  # [N]
-            self.track_max("max_logprob_abs", float(dev.max()))
-            over = []
-            for i in torch.nonzero(dev > self.tol.logprob_abs).flatten().tolist():
-                spread = self.judged(float(dev[i]), _topk_at(i))
-                if spread is None:
-                    over.append(i)
-                    continue
-                self.ill_conditioned[i] = spread
-                assert self.spread is not None  # judged() returned a spread: this step's ensemble ran
-                median = self.spread().median_topk
-                self.consistent("logits", s.step, f"log-probs off by {float(dev[i]):.4g}, within {self.factor:g}x of "
-                                f"what rounding at the engine's dtype moves them here ({spread:.4g}; median node "
-                                f"{median:.3g})", {"max_abs": float(dev[i]), "spread": spread, "median_spread": median},
-                                node=i, position=self.state.length + int(tree.depths[i]))
-            if over:
-                i = over[0]
-                self.fail("logits", s.step, f"top-k log-probs differ by up to {float(dev[over].max()):.4g} at {len(over)} "
-                          f"of {n} nodes (first node {i}, tolerance {self.tol.logprob_abs:g})", node=i,
-                          position=self.state.length + int(tree.depths[i]),
-                          details={"max_abs": float(dev[over].max()), "nodes": over[:16]})
-                bad_nodes.append(i)
-            beyond = {}  # anchor step: nodes within the bound that rounding cannot move that far
-            for i in torch.nonzero(dev <= self.tol.logprob_abs).flatten().tolist():
-                spread = self.beyond_rounding(s.step, float(dev[i]), FLOOR.logprob_abs, _topk_at(i))
-                if spread is not None:
-                    beyond[i] = spread
-            if beyond:
-                i = min(beyond)
-                self.fail("logits", s.step, f"top-k log-probs differ by {float(dev[i]):.4g} at node {i}, more than "
-                          f"{self.factor:g}x what rounding at the engine's dtype moves them here ({beyond[i]:.4g}; "
-                          f"{len(beyond)} of {n} nodes; judged in full at the request's anchor steps)", node=i,
-                          position=self.state.length + int(tree.depths[i]),
-                          details={"max_abs": float(dev[i]), "spread": beyond[i], "anchor": True,
-                                   "nodes": sorted(beyond)[:16]})
-                bad_nodes.append(i)
-        if bad_nodes and s.layer_sketch is not None and layers is not None:
-            self.bisect(s, min(bad_nodes), layers)
-        return walk
+        return walk, bad_nodes
+
+    def _check_topk(self, s: StepRow, tree: Tree, logp: torch.Tensor) -> list[int]:
+        """The engine's top-k log-probs at every node: over the cheap bound, judged against rounding; at an anchor
+        step, within it too. Returns the failing nodes."""
+        n, bad_nodes = tree.num_nodes, []
+        ids = torch.tensor(s.topk_ids, dtype=torch.long)
+        lps = torch.tensor(s.topk_logprobs, dtype=torch.float32)
+        dev = _abs_dev(lps, logp.cpu().gather(1, ids)).max(dim=1).values  # [N]
+        self.track_max("max_logprob_abs", float(dev.max()))
+        over = []
+        for i in torch.nonzero(dev > self.tol.logprob_abs).flatten().tolist():
+            spread = self.judged(float(dev[i]), _topk_at(i))
+            if spread is None:
+                over.append(i)
+                continue
+            self.ill_conditioned[i] = spread
+            assert self.spread is not None  # judged() returned a spread: this step's ensemble ran
+            median = self.spread().median_topk
+            self.consistent("logits", s.step, f"log-probs off by {float(dev[i]):.4g}, within {self.factor:g}x of "
+                            f"what rounding at the engine's dtype moves them here ({spread:.4g}; median node "
+                            f"{median:.3g})", {"max_abs": float(dev[i]), "spread": spread, "median_spread": median},
+                            node=i, position=self.state.length + int(tree.depths[i]))
+        if over:
+            i = over[0]
+            self.fail("logits", s.step, f"top-k log-probs differ by up to {float(dev[over].max()):.4g} at {len(over)} "
+                      f"of {n} nodes (first node {i}, tolerance {self.tol.logprob_abs:g})", node=i,
+                      position=self.state.length + int(tree.depths[i]),
+                      details={"max_abs": float(dev[over].max()), "nodes": over[:16]})
+            bad_nodes.append(i)
+        beyond = {}  # anchor step: nodes within the bound that rounding cannot move that far
+        for i in torch.nonzero(dev <= self.tol.logprob_abs).flatten().tolist():
+            spread = self.beyond_rounding(s.step, float(dev[i]), FLOOR.logprob_abs, _topk_at(i))
+            if spread is not None:
+                beyond[i] = spread
+        if beyond:
+            i = min(beyond)
+            self.fail("logits", s.step, f"top-k log-probs differ by {float(dev[i]):.4g} at node {i}, more than "
+                      f"{self.factor:g}x what rounding at the engine's dtype moves them here ({beyond[i]:.4g}; "
+                      f"{len(beyond)} of {n} nodes; judged in full at the request's anchor steps)", node=i,
+                      position=self.state.length + int(tree.depths[i]),
+                      details={"max_abs": float(dev[i]), "spread": beyond[i], "anchor": True,
+                               "nodes": sorted(beyond)[:16]})
+            bad_nodes.append(i)
+        return bad_nodes
 
     @timed("replay.bisect")
     def bisect(self, s: StepRow, node: int, layers: list[torch.Tensor]) -> None:
