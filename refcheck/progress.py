@@ -2,7 +2,7 @@
 
 Contract: ``Progress = Callable[[str], None]`` receives one finished, human line per unit of work
 ("gate: hybrid-b15", "[2/6] prose-1", "repeat 1 budget 15"); the producer words it, the consumer
-only prints it (the CLI: :func:`refcheck.cli.app.progress_line`, on stderr). ``None`` means silent;
+only shows it (the CLI: :func:`refcheck.log.progress_line`, INFO log records on stderr). ``None`` means silent;
 :func:`tell` is the one way producers call it.
 """
 

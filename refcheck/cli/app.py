@@ -13,21 +13,21 @@ import click
 from rich.console import Console
 
 from refcheck.errors import exit_code_for
+from refcheck.log import LEVELS, configure
+from refcheck.log import progress_line as progress_line  # the CLI's Progress: log records shown on ``err``
 
 err = Console(stderr=True)
-
-
-def progress_line(line: str) -> None:
-    """A :data:`refcheck.progress.Progress` printing each line on stderr, as written (no markup)."""
-    err.print(line, markup=False)
 if not err.is_terminal:  # logs and CI: wide enough that tables do not wrap every cell
     err = Console(stderr=True, width=160)
 
 
 @click.group()
 @click.version_option(package_name="refcheck")
-def main() -> None:
+@click.option("--log-level", type=click.Choice(LEVELS), default="info", show_default=True,
+              help="Progress and notes are 'info' (on stderr); 'warning' keeps only warnings and errors.")
+def main(log_level: str) -> None:
     """refcheck: correctness verification and reference diffs for tree speculative decoding."""
+    configure(err, log_level)
 
 def quiet() -> None:
     from refcheck.reference_runner import _quiet_transformers

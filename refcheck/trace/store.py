@@ -39,10 +39,10 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import re
 import secrets
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -90,7 +90,7 @@ class _CrashHook:
     def step(self, label: str) -> None:
         self.count += 1
         if os.environ.get(CRASH_LOG_ENV):
-            print(f"refcheck store step {self.count}: {label}", file=sys.stderr, flush=True)
+            logging.getLogger(__name__).warning("refcheck store step %d: %s", self.count, label)
         target = os.environ.get(CRASH_ENV, "")
         if target.isdigit() and int(target) == self.count:
             os._exit(CRASH_EXIT)

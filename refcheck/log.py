@@ -1,0 +1,51 @@
+"""Where refcheck's messages go: stdlib logging, shown through rich on the CLI's stderr console.
+
+Contract: library code logs through ``logging.getLogger("refcheck.<module>")`` and never prints; the
+progress lines long work hands to its :data:`refcheck.progress.Progress` callable are, on the CLI, INFO
+records of the ``refcheck.progress`` logger (:func:`progress_line`). :func:`configure` (the CLI group,
+once per process) attaches one :class:`ConsoleHandler` to the ``refcheck`` logger, printing each message
+through the CLI's rich console as it is worded (no time, level or path columns, no markup; rich's own
+``RichHandler`` lays every record out as a table row padded to the console's width) at ``--log-level``
+(default info; ``warning`` silences progress). Used as a library without :func:`configure`, refcheck's records go
+wherever the application's logging sends them (nowhere, by default, below WARNING).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rich.console import Console
+
+LEVELS = ("debug", "info", "warning", "error")
+_MARK = "_refcheck_cli_handler"
+
+
+class ConsoleHandler(logging.Handler):
+    """Each record's message printed on a rich console, as worded."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__()
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.console.print(self.format(record), markup=False, highlight=False, soft_wrap=True)
+        except Exception:  # noqa: BLE001 - logging never raises into the caller
+            self.handleError(record)
+
+
+def configure(console: Console, level: str = "info") -> None:
+    """Show the ``refcheck`` loggers' records on ``console`` at ``level`` (idempotent: one handler per process)."""
+    root = logging.getLogger("refcheck")
+    root.setLevel(getattr(logging, level.upper()))
+    if any(getattr(h, _MARK, False) for h in root.handlers):
+        return
+    handler = ConsoleHandler(console)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    setattr(handler, _MARK, True)
+    root.addHandler(handler)
+
+
+def progress_line(line: str) -> None:
+    """A :data:`refcheck.progress.Progress`: each line an INFO record of ``refcheck.progress``."""
+    logging.getLogger("refcheck.progress").info(line)

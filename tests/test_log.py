@@ -1,0 +1,25 @@
+"""refcheck's messages through stdlib logging (refcheck/log.py): the CLI shows progress records on stderr
+as worded, ``--log-level warning`` silences them (tables and errors stay), and library code that logs is
+heard by an application's own handler without the CLI."""
+
+from __future__ import annotations
+
+import logging
+
+from refcheck.errors import EXIT_PASS
+
+
+def test_progress_is_info_records_the_log_level_can_silence(cli):
+    code, _, err = cli("gate", "--case", "attention-b15", "--workers", "1")
+    assert code == EXIT_PASS and "gate: attention-b15\n" in err and "attention-b15" in err.split("gate: attention-b15")[1]
+    code, _, quiet = cli("--log-level", "warning", "gate", "--case", "attention-b15", "--workers", "1")
+    assert code == EXIT_PASS and "gate: attention-b15\n" not in quiet and "attention-b15" in quiet  # the table stays
+    assert len(logging.getLogger("refcheck").handlers) == 1  # one handler, however many commands ran
+
+
+def test_library_records_reach_the_applications_handler(caplog):
+    from refcheck.log import progress_line
+
+    with caplog.at_level(logging.INFO, logger="refcheck"):
+        progress_line("[1/2] prose-1")
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [("refcheck.progress", "[1/2] prose-1")]
