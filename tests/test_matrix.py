@@ -222,3 +222,32 @@ def test_a_cell_whose_untraced_passes_differ_says_where(run, monkeypatch):
     row = result["rows"][0]
     assert row["tokens_unchanged_by_capture"] is False and row["untraced_judged"]["all_near_ties"]
     assert "differ at 1 near-tie(s)" in markdown(result)
+
+
+def test_matrix_tables_of_several_runs_merge_latest_run_first(tmp_path):
+    """scripts/matrix_table.py: a cell takes the latest run that ran it; a 'not run' never hides a run; twins'
+    raw records are skipped; a re-judged report adds its verdict."""
+    import sys as _sys
+    from pathlib import Path as _Path
+
+    _sys.path.insert(0, str(_Path(__file__).resolve().parents[1] / "scripts"))
+    import matrix_table
+
+    ran = {"cell": "A-x", "algorithm": "A", "setting": "x", "status": "run", "verdict": "fail", "first_finding": "f",
+           "tau": 1.0, "warm_tokens_per_s": 2.0, "steps": 3}
+    first = {"rows": [ran, {"cell": "B-x", "algorithm": "B", "setting": "x", "status": "not run", "reason": "not reached"}]}
+    second = {"rows": [{**ran, "verdict": "pass"}, {"twin_of": "A-x", "outputs": {}},
+                       {"cell": "B-x", "algorithm": "B", "setting": "x", "status": "not run", "reason": "refused"}]}
+    third = {"rows": [{"cell": "A-x", "algorithm": "A", "setting": "x", "status": "not run", "reason": "cut short"}]}
+    got = {r["cell"]: r for r in matrix_table.merge([("1", first), ("2", second), ("3", third)])["rows"]}
+    assert got["A-x"]["verdict"] == "pass" and got["A-x"]["from"] == "2" and got["B-x"]["reason"] == "refused"
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "m12-A-x.json").write_text(json.dumps({"reports": [{"verdict": "pass", "counts": {
+        "pass": 5, "benign_tie": 1, "triaged": 2, "fail": 0}}]}))
+    for i, run in enumerate((first, second)):
+        (tmp_path / f"{i}.json").write_text(json.dumps(run))
+    assert matrix_table.main([str(tmp_path / "out"), str(tmp_path / "0.json"), str(tmp_path / "1.json"),
+                              "--rejudged", str(tmp_path / "r")]) == 0
+    md = (tmp_path / "out" / "matrix.md").read_text()
+    assert "| A | x | pass |" in md and "A-x: pass (5/1/2/0)" in md
+    assert matrix_table.main([str(tmp_path / "out"), str(tmp_path / "missing.json")]) == 2
