@@ -410,7 +410,13 @@ def gate(golden_dir: Path, session: DiffSession, cases: list[str] | None = None,
 
         jobs = [(job, str(golden_dir), workers, profiles is not None, str(cache_dir) if cache_dir else None)
                 for job in gate_jobs(manifest, names)]
-        done = run_queue(gate_shard, jobs, workers, inline=lambda *job: gate_shard(*job, session=session))
+
+        def finished(index: int, _result: object) -> None:
+            for name in jobs[index][0]:
+                tell(progress, f"gate: {name}")
+
+        done = run_queue(gate_shard, jobs, workers, inline=lambda *job: gate_shard(*job, session=session),
+                         on_result=finished)
         by_name = {r.case: r for rs, _ in done for r in rs}
         if profiles is not None:
             profiles.update({n: Profile.from_json(p) for _, ps in done for n, p in ps.items()})

@@ -6,15 +6,19 @@ records of the ``refcheck.progress`` logger (:func:`progress_line`). :func:`conf
 once per process) attaches one :class:`ConsoleHandler` to the ``refcheck`` logger, printing each message
 through the CLI's rich console as it is worded (no time, level or path columns, no markup; rich's own
 ``RichHandler`` lays every record out as a table row padded to the console's width) at ``--log-level``
-(default info; ``warning`` silences progress). Used as a library without :func:`configure`, refcheck's records go
+(default info; ``warning`` silences progress). :func:`progress_bar` shows long work of a known
+number of units as a :mod:`rich.progress` bar on a terminal, and as the same records elsewhere. Used as a library without :func:`configure`, refcheck's records go
 wherever the application's logging sends them (nowhere, by default, below WARNING).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 LEVELS = ("debug", "info", "warning", "error")
 _MARK = "_refcheck_cli_handler"
@@ -49,3 +53,23 @@ def configure(console: Console, level: str = "info") -> None:
 def progress_line(line: str) -> None:
     """A :data:`refcheck.progress.Progress`: each line an INFO record of ``refcheck.progress``."""
     logging.getLogger("refcheck.progress").info(line)
+
+
+@contextmanager
+def progress_bar(console: Console, total: int, what: str) -> Iterator[Callable[[str], None]]:
+    """A :data:`refcheck.progress.Progress` for ``total`` units of work: on a terminal (and at info), one
+    ``rich.progress`` bar advanced by each line, the line its description, gone when done; elsewhere each
+    line an INFO record (:func:`progress_line`), so logs and CI keep them."""
+    if not console.is_terminal or not logging.getLogger("refcheck.progress").isEnabledFor(logging.INFO):
+        yield progress_line
+        return
+    columns = (TextColumn(f"{what} "), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.description}"))
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("", total=total)
+
+        def advance(line: str) -> None:
+            bar.update(task, advance=1, description=line)
+            logging.getLogger("refcheck.progress").debug(line)
+
+        yield advance

@@ -105,11 +105,13 @@ def run_parallel(fn: Callable[..., T], jobs: Sequence[tuple], workers: int) -> l
         return [f.result() for f in futures]
 
 
-def run_queue(fn: Callable[..., T], jobs: Sequence[tuple], workers: int, inline: Callable[..., T]) -> list[T]:
+def run_queue(fn: Callable[..., T], jobs: Sequence[tuple], workers: int, inline: Callable[..., T],
+              on_result: Callable[[int, T], None] | None = None) -> list[T]:
     """Every job, results in order, ``workers`` at a time, each taken from one queue in order as soon
     as a worker is free (put the longest first): ``inline(*job)`` in this process, ``fn(*job)`` in
-    ``workers - 1`` spawned processes, which stay up from job to job. A job's exception is raised
-    here once the running jobs are done; jobs not started by then are not run."""
+    ``workers - 1`` spawned processes, which stay up from job to job. ``on_result(index, result)`` is
+    called as each job finishes (one at a time). A job's exception is raised here once the running
+    jobs are done; jobs not started by then are not run."""
     pending = deque(enumerate(jobs))
     lock = threading.Lock()
     results: list = [None] * len(jobs)
@@ -126,6 +128,10 @@ def run_queue(fn: Callable[..., T], jobs: Sequence[tuple], workers: int, inline:
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                 with lock:
                     errors.append(exc)
+                continue
+            if on_result is not None:
+                with lock:
+                    on_result(item[0], results[item[0]])
 
     helpers = min(workers, len(jobs)) - 1
     if helpers < 1:

@@ -68,8 +68,10 @@ def test_run_queue_runs_every_job_once_in_this_process_and_the_workers():
     import os
 
     jobs = [(i,) for i in range(6)]
-    got = run_queue(_square, jobs, 2, inline=_slow_square)
+    finished: list[int] = []
+    got = run_queue(_square, jobs, 2, inline=_slow_square, on_result=lambda i, r: finished.append(i))
     assert [r for r, _ in got] == [i * i for i in range(6)]  # results in job order
+    assert sorted(finished) == list(range(6))  # each job reported as it finished, once
     assert len({pid for _, pid in got}) == 2 and os.getpid() in {pid for _, pid in got}
     assert run_queue(_square, [(4,)], 4, inline=lambda x: (x, 0)) == [(4, 0)]  # one job: here
     with pytest.raises(ValueError, match="three"):

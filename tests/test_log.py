@@ -23,3 +23,27 @@ def test_library_records_reach_the_applications_handler(caplog):
     with caplog.at_level(logging.INFO, logger="refcheck"):
         progress_line("[1/2] prose-1")
     assert [(r.name, r.getMessage()) for r in caplog.records] == [("refcheck.progress", "[1/2] prose-1")]
+
+
+def test_a_progress_bar_on_a_terminal_and_records_elsewhere(caplog):
+    """On a terminal the bar takes the lines (each also a DEBUG record); on a pipe, or with progress silenced,
+    the lines stay INFO records (logs and CI keep them)."""
+    import io
+
+    from rich.console import Console
+
+    from refcheck.log import progress_bar, progress_line
+
+    with progress_bar(Console(file=io.StringIO()), 3, "gate") as prog:
+        assert prog is progress_line
+    term = io.StringIO()
+    with caplog.at_level(logging.DEBUG, logger="refcheck"):
+        with progress_bar(Console(file=term, force_terminal=True, width=80), 2, "gate") as prog:
+            assert prog is not progress_line
+            prog("gate: a")
+            prog("gate: b")
+    assert [r.getMessage() for r in caplog.records if r.name == "refcheck.progress"] == ["gate: a", "gate: b"]
+    assert "gate" in term.getvalue()  # the bar was drawn on the terminal (the records went to the log only)
+    with caplog.at_level(logging.WARNING, logger="refcheck"):
+        with progress_bar(Console(file=io.StringIO(), force_terminal=True), 2, "gate") as prog:
+            assert prog is progress_line

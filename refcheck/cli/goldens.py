@@ -30,15 +30,18 @@ def gate(golden_dir, cases, workers, profile, cache_dir, as_json):
     import time
 
     from refcheck.diff.session import DiffSession
-    from refcheck.golden import default_golden_dir
+    from refcheck.golden import default_golden_dir, load_manifest
     from refcheck.golden import gate as run_gate
+    from refcheck.log import progress_bar
 
     t0, c0 = time.perf_counter(), time.process_time()
     quiet()
     profiles: dict | None = {} if profile else None
-    reports = run_gate(golden_dir or default_golden_dir(), DiffSession(), list(cases) or None,
-                       progress=progress_line, workers=workers, profiles=profiles,
-                       cache_dir=cache_dir)
+    gdir = golden_dir or default_golden_dir()
+    total = len(cases) or len(load_manifest(gdir).cases)
+    with progress_bar(err, total, "gate") as progress:
+        reports = run_gate(gdir, DiffSession(), list(cases) or None, progress=progress, workers=workers,
+                           profiles=profiles, cache_dir=cache_dir)
     report_table(reports, "refcheck gate")
     wall = time.perf_counter() - t0
     extra: dict = {"wall_s": wall, "cpu_s_this_process": time.process_time() - c0}
