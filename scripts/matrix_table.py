@@ -4,7 +4,8 @@
     python scripts/matrix_table.py OUT_DIR RUN1.json RUN2.json ... [--rejudged DIR]
 
 Each RUN is a ``refcheck matrix`` result (matrix.json or matrix.partial.json). A cell takes its row from
-the latest run that *ran* it; a cell no run ran keeps the latest reason it could not run. Each row says
+the latest run that *ran* it; a cell no run ran keeps the latest reason it could not run, and a cell of
+``refcheck matrix``'s algorithms x settings that no run lists is a row saying so. Each row says
 which run it came from (``from``). ``--rejudged DIR`` adds, per cell, the verdict of a later replay of its
 saved trace (``DIR/*CELL.json``: ``refcheck diff --against TRACE --mode replay --json`` output), e.g. under
 a verdict that changed since the GPU judged it. Writes OUT_DIR/matrix.json and OUT_DIR/matrix.md (the table
@@ -22,7 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from refcheck.atomic_file import atomic_write_bytes  # noqa: E402
-from refcheck.matrix import markdown  # noqa: E402
+from refcheck.matrix import ALGORITHMS, SETTINGS, markdown  # noqa: E402
 
 
 def merge(runs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
@@ -35,6 +36,10 @@ def merge(runs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
             old = rows.get(r["cell"])
             if old is None or r["status"] == "run" or old["status"] != "run":
                 rows[r["cell"]] = {**r, "from": label}
+    for setting in SETTINGS:  # every cell of the matrix is in the table: one no run reached says so
+        for alg in ALGORITHMS:
+            rows.setdefault(f"{alg}-{setting}", {"cell": f"{alg}-{setting}", "algorithm": alg, "setting": setting,
+                                                 "status": "not run", "reason": "in none of the runs merged here"})
     last = runs[-1][1] if runs else {}
     return {"runs": [label for label, _ in runs], "rows": list(rows.values()),
             "not_runnable_algorithms": last.get("not_runnable_algorithms", {})}

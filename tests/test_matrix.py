@@ -241,6 +241,7 @@ def test_matrix_tables_of_several_runs_merge_latest_run_first(tmp_path):
     third = {"rows": [{"cell": "A-x", "algorithm": "A", "setting": "x", "status": "not run", "reason": "cut short"}]}
     got = {r["cell"]: r for r in matrix_table.merge([("1", first), ("2", second), ("3", third)])["rows"]}
     assert got["A-x"]["verdict"] == "pass" and got["A-x"]["from"] == "2" and got["B-x"]["reason"] == "refused"
+    assert got["DFLASH-radix"]["status"] == "not run" and "none of the runs" in got["DFLASH-radix"]["reason"]
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "m12-A-x.json").write_text(json.dumps({"reports": [{"verdict": "pass", "counts": {
         "pass": 5, "benign_tie": 1, "triaged": 2, "fail": 0}}]}))
