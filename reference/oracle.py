@@ -19,9 +19,9 @@ sequence, so they share no code (and no state handling) with the tree decoder:
   built-in targets in fp32, 900 tokens); each guess measures it again on two prefixes of its own
   (the prompt and the half-way point) and is used only when that deviation is below the margins /
   :data:`GUESS_SAFETY`, so the margins decide the same token as the prefix's own forward on any
-  model and device. From the first prefix the guess does not settle, the oracle runs its plain
-  loop. A correct engine's output is settled in three forwards instead of one per token; the result
-  is the loop's;
+  model and device. A prefix the long forward does not settle is decided by its own forward; from
+  the first one whose token leaves the guess, the next guess (or the plain loop) goes on. A correct
+  engine's output is settled in three forwards instead of one per token; the result is the loop's;
 * :func:`path_logits` — every tree node's logits obtained by running committed tokens + the
   node's root-to-node path as one plain sequence (each path on its own copy of the state, by
   construction, since nothing is cached).
@@ -40,10 +40,20 @@ from reference.sampling import Sampling, boundary_margin, inverse_cdf, node_unif
 
 #: a guessed prefix's greedy token is taken from the long forward only above this top-two logit margin
 GUESS_MARGIN = 1e-2
-#: ... and a sampled one only where its draw is this far (in probability) from its CDF edge
-GUESS_CDF_MARGIN = 1e-3
+#: ... and a sampled one only where its draw is this far (in probability) from its CDF edge (nearer, the prefix's
+#: own forward decides that draw and the guess goes on after it)
+GUESS_CDF_MARGIN = 1e-2
 #: a guess is used only where its long forward's rows are within margin / GUESS_SAFETY of the prefixes' own
 GUESS_SAFETY = 20.0
+
+
+def _guesses(guess: list[int] | list[list[int]] | None) -> list[list[int]]:
+    """One guess or several, as a list of token lists."""
+    if not guess:
+        return []
+    if isinstance(guess[0], list):
+        return [list(g) for g in guess if g]  # type: ignore[union-attr]
+    return [list(guess)]  # type: ignore[arg-type]
 
 
 def _guess_rows(model: torch.nn.Module, prompt_ids: list[int], guess: list[int]) -> tuple[torch.Tensor, float]:
@@ -88,38 +98,50 @@ def sample_decode(
     sampling: Sampling,
     request: int = 0,
     stop_token_ids: frozenset[int] | set[int] = frozenset(),
-    guess: list[int] | None = None,
+    guess: list[int] | list[list[int]] | None = None,
 ) -> tuple[list[int], list[float]]:
-    """Target-only sampled continuation of ``prompt_ids`` and each draw's boundary margin (``guess``:
-    the continuation expected, settled in one forward where it holds; module docstring)."""
+    """Target-only sampled continuation of ``prompt_ids`` and each draw's boundary margin (``guess``: the
+    continuation expected, or several, each settled in one forward where it holds and where it extends
+    what the ones before it settled; module docstring)."""
     if sampling.greedy or sampling.keying != "position":
         raise SamplingError("sample_decode needs temperature > 0 and the 'position' keying")
     device = next(model.parameters()).device
     seq = list(prompt_ids)
     out: list[int] = []
     margins: list[float] = []
-    guess = list(guess or [])[:max_new_tokens]
-    rows, drift = _guess_rows(model, seq, guess) if guess else (None, 0.0)
-    # a CDF edge moves by at most sum |dp| <= 2 max |d logit| / T (to first order)
-    if rows is not None and GUESS_SAFETY * 2.0 * drift / sampling.temperature < GUESS_CDF_MARGIN:
-        probs = tempered_probs(rows.cpu(), sampling.temperature, sampling.top_k, sampling.top_p)  # [G, V]
-        u = node_uniforms(sampling, request, -1, [len(seq) + j for j in range(len(guess))])
-        toks = inverse_cdf(probs, u)
-        edge = boundary_margin(probs, u, toks)
-        for j, g in enumerate(guess):
-            if int(toks[j]) != g or float(edge[j]) <= GUESS_CDF_MARGIN:
-                break  # not settled here: the loop takes over at this prefix
-            out.append(g)
-            margins.append(float(edge[j]))
-            seq.append(g)
-            if g in stop_token_ids:
-                return out, margins
-    while len(out) < max_new_tokens:
-        logits = full_forward_logits(model, torch.tensor(seq, device=device))[-1:]  # [1, V]
-        probs = tempered_probs(logits.cpu(), sampling.temperature, sampling.top_k, sampling.top_p)  # [1, V]
-        u = node_uniforms(sampling, request, -1, [len(seq)])
+
+    def draw(logits: torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and edge distances of the draws at ``positions`` from their rows ``logits`` [n, V]."""
+        probs = tempered_probs(logits.cpu(), sampling.temperature, sampling.top_k, sampling.top_p)  # [n, V]
+        u = node_uniforms(sampling, request, -1, positions)
         tok = inverse_cdf(probs, u)
-        margins.append(float(boundary_margin(probs, u, tok)[0]))
+        return tok, boundary_margin(probs, u, tok)
+
+    for g in _guesses(guess):
+        g = g[:max_new_tokens]
+        if len(g) <= len(out) or g[: len(out)] != out:
+            continue  # nothing new, or not a continuation of what is settled
+        rows, drift = _guess_rows(model, list(prompt_ids), g)
+        # a CDF edge moves by at most sum |dp| <= 2 max |d logit| / T (to first order)
+        if GUESS_SAFETY * 2.0 * drift / sampling.temperature >= GUESS_CDF_MARGIN:
+            continue
+        at = list(range(len(out), len(g)))
+        toks, edge = draw(rows[at], [len(prompt_ids) + j for j in at])
+        for k, j in enumerate(at):
+            tok, margin = int(toks[k]), float(edge[k])
+            if tok != g[j] or margin <= GUESS_CDF_MARGIN:  # not settled by the long forward: the prefix's own
+                t1, m1 = draw(full_forward_logits(model, torch.tensor(seq, device=device))[-1:], [len(seq)])
+                tok, margin = int(t1[0]), float(m1[0])
+            out.append(tok)
+            margins.append(margin)
+            seq.append(tok)
+            if tok in stop_token_ids:
+                return out, margins
+            if tok != g[j]:
+                break  # the guess leaves the oracle here: the next guess, or the loop, goes on from this prefix
+    while len(out) < max_new_tokens:
+        tok, edge = draw(full_forward_logits(model, torch.tensor(seq, device=device))[-1:], [len(seq)])  # [1, V] row
+        margins.append(float(edge[0]))
         out.append(int(tok[0]))
         seq.append(int(tok[0]))
         if out[-1] in stop_token_ids:
@@ -164,11 +186,12 @@ class GreedyMemo:
 
     @torch.no_grad()
     def decode(self, prompt_ids: list[int], max_new_tokens: int,
-               stop_token_ids: frozenset[int] | set[int] = frozenset(), guess: list[int] | None = None) -> list[int]:
-        """``greedy_decode``'s continuation; ``guess`` (the continuation expected) is settled first, in one
-        forward (:meth:`learn`)."""
-        if guess:
-            self.learn(list(prompt_ids), list(guess[:max_new_tokens]))
+               stop_token_ids: frozenset[int] | set[int] = frozenset(),
+               guess: list[int] | list[list[int]] | None = None) -> list[int]:
+        """``greedy_decode``'s continuation; ``guess`` (the continuation expected, or several) is settled
+        first, one forward per guess (:meth:`learn`)."""
+        for g in _guesses(guess):
+            self.learn(list(prompt_ids), g[:max_new_tokens])
         device = next(self.model.parameters()).device
         seq = list(prompt_ids)
         out: list[int] = []

@@ -122,15 +122,16 @@ GATE_WORK_BUDGET = {
                                               # samples at the few steps whose deviation is within 4 x the rule
                                               # of the first spread without being covered (2112 in all; 4776
                                               # when every sample re-prefilled its whole prefix)
-    "greedy_forwards": 600,                   # the greedy oracle: the engine's output settled in one forward
-                                              # and two probes per prompt, then one forward per prefix from
-                                              # where it leaves greedy decoding (534; 1 160 without the guess)
+    "greedy_forwards": 650,                   # the greedy oracle: the engine's output, then the reference's own
+                                              # run, each settled in one forward and two probes per prompt, then
+                                              # one forward per prefix both leave unsettled (603; 1 160 without
+                                              # the guesses; a drafter-less engine has no reference run to guess)
     "reference_decodes": 110,                 # the reference's own runs: 6 prompts per distinct setting of the
                                               # goldens with a drafter (none for NONE / NGRAM engines)
     "forwards.free.reference_decode": 3000,   # their forwards (2791; scripted drafts share the oracle's memo, so
                                               # which phase runs a shared prefix first depends on the case order)
     "runner_loads": 6,                        # per setting of pair, drafter and sampling the gate loads a runner
-    "forwards": 10800,                        # everything (10389; 14104 before the kept noisy prefixes and the
+    "forwards": 10800,                        # everything (10268; 14104 before the kept noisy prefixes and the
                                               # oracle's guess): shared prefixes run once whichever phase asks
 }
 

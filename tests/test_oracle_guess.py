@@ -95,3 +95,31 @@ def test_sampling_with_any_guess_is_the_plain_loop(hybrid, sampled_hybrid, cut, 
     assert got == want and len(got_margins) == len(margins)
     assert max(abs(a - b) for a, b in zip(got_margins, margins)) < 1e-5
     assert got_margins[cut:] == margins[cut:]  # the loop's own values after the guess's first error
+
+
+def test_a_second_guess_settles_what_follows_where_the_first_errs(hybrid, greedy_hybrid, sampled_hybrid, monkeypatch):
+    """Guesses in order (the engine's output, then the reference's own run): where the first leaves the
+    oracle, the second settles the rest in its own forward instead of the loop's one per token; a guess that
+    does not continue what is settled is skipped; the result is the loop's either way."""
+    import reference.oracle as oracle
+
+    target, _ = hybrid
+    calls = {"n": 0}
+    real = oracle.full_forward_logits
+
+    def counted(model, ids):
+        calls["n"] += 1
+        return real(model, ids)
+
+    monkeypatch.setattr(oracle, "full_forward_logits", counted)
+    want = greedy_hybrid
+    wrong = want[:10] + [(want[10] + 1) % 500] + want[11:]
+    memo = GreedyMemo(target.model)
+    assert memo.decode(PROMPT, 40, guess=[wrong, [7, 7, 7], want]) == want and memo.forwards <= 9 + 2
+    s, (swant, smargins) = sampled_hybrid
+    calls["n"] = 0
+    swrong = swant[:5] + [(swant[5] + 1) % 500] + swant[6:]
+    got, got_margins = sample_decode(target.model, PROMPT, 40, s, 3, guess=[swrong, [1, 2], swant])
+    assert got == swant and max(abs(a - b) for a, b in zip(got_margins, smargins)) < 1e-5
+    near_edges = sum(m <= GUESS_CDF_MARGIN for m in smargins)  # draws the long forward leaves to their own prefix
+    assert calls["n"] <= 2 * 3 + 1 + near_edges < 40  # two guesses' forwards and probes, the draw where the first errs

@@ -89,7 +89,8 @@ class DiffSession:
             self._memos[key] = GreedyMemo(runner.target.model)
         return self._memos[key]
 
-    def greedy(self, runner: ReferenceRunner, prompt: list[int], n: int, guess: list[int] | None = None) -> list[int]:
+    def greedy(self, runner: ReferenceRunner, prompt: list[int], n: int,
+               guess: list[int] | list[list[int]] | None = None) -> list[int]:
         """The target-only greedy continuation of ``prompt``: ``n`` tokens (fewer after a stop token);
         ``guess`` (the engine's output) is settled in one forward where it holds (``reference.oracle``)."""
         memo = self.memo(runner)
@@ -99,17 +100,18 @@ class DiffSession:
         count("greedy_forwards", memo.forwards - before)
         return out
 
-    def sampled_oracle(self, runner: ReferenceRunner, req: RequestRow) -> tuple[list[int], list[float]] | None:
+    def sampled_oracle(self, runner: ReferenceRunner, req: RequestRow, guesses: list[list[int]] | None = None
+                       ) -> tuple[list[int], list[float]] | None:
         """Target-only sampling of a sampled request with the engine's own keys (tokens, boundary margins),
-        or None when the engine's uniforms are not refcheck's position-keyed ones (not recomputable); the
-        engine's output is the guess the oracle settles in one forward where it holds."""
+        or None when the engine's uniforms are not refcheck's position-keyed ones (not recomputable);
+        ``guesses`` (default: the engine's output) are settled in one forward each where they hold."""
         sr = SampledRequest.from_row(req)
         if sr is None or not sr.recomputable or sr.sampling.keying != "position":
             return None
         spec = runner.spec
         with phase("greedy_oracle"):
             return sample_decode(runner.target.model, list(req.prompt_ids), spec.max_new_tokens, sr.sampling,
-                                 sr.rng_request, spec.stop_token_ids, guess=list(req.output_ids))
+                                 sr.rng_request, spec.stop_token_ids, guess=guesses or [list(req.output_ids)])
 
     def reference_decode(self, runner: ReferenceRunner, prompt: list[int], request: int = 0) -> DecodeResult:
         """The reference's own DDTree run of ``prompt`` under ``runner.spec`` (computed once per spec);
@@ -150,15 +152,6 @@ class DiffSession:
                 report.merge(replay(trace, runner.target, runner.drafter, cal, case, spec.stop_token_ids, check_draft,
                                     eng_dtype))
         if mode in ("free", "both"):
-            greedy, margins = {}, {}
-            for r in trace.requests:
-                if r.sampled:
-                    got = self.sampled_oracle(runner, r)
-                    greedy[r.request_id] = None if got is None else got[0]
-                    margins[r.request_id] = None if got is None else got[1]
-                else:
-                    greedy[r.request_id] = self.greedy(runner, list(r.prompt_ids), spec.max_new_tokens,
-                                                       guess=list(r.output_ids))
             # An engine without a drafter (target-only, NGRAM) runs no DDTree: the reference's own run (its drafter
             # the scripted stand-in) has no acceptance to set beside the engine's, and at T > 0 that stand-in costs a
             # greedy continuation at every sampled prefix (61 s of the gate's NGRAM T = 1 golden). Only a strict
@@ -166,6 +159,17 @@ class DiffSession:
             ref_runs = None if trace.prov.drafter == "none" and not strict_acceptance else {
                 r.request_id: self.reference_decode(runner, list(r.prompt_ids), max(r.rng_request, 0))
                 for r in trace.requests}
+            greedy, margins = {}, {}
+            for r in trace.requests:
+                # the oracle's guesses: the engine's output, then the reference's own (lossless) run where there is
+                # one, which settles what follows a rounding choice of the engine's (the result is the oracle's)
+                guesses = [list(r.output_ids)] + ([list(ref_runs[r.request_id].output_ids)] if ref_runs else [])
+                if r.sampled:
+                    got = self.sampled_oracle(runner, r, guesses)
+                    greedy[r.request_id] = None if got is None else got[0]
+                    margins[r.request_id] = None if got is None else got[1]
+                else:
+                    greedy[r.request_id] = self.greedy(runner, list(r.prompt_ids), spec.max_new_tokens, guess=guesses)
             cdf_tol = (cdf_tolerance(tol.logprob_abs, spec.sampling.temperature)
                        if spec.sampled and spec.sampling is not None else 0.0)
             with phase("free.check"):
