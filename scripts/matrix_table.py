@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in result["rows"]:
             if r["cell"] in again:
                 r["rejudged"] = again[r["cell"]]
+                if r["status"] != "run":  # captured, its diff cut short: the trace was diffed elsewhere
+                    r["reason"] = f"captured on the GPU, not diffed there; its trace diffed later: {again[r['cell']]}"
+        md = markdown(result)
         md += "\nRe-judged on CPU (verdict (pass/benign/triaged/fail)):\n\n" + "\n".join(
             f"- {cell}: {v}" for cell, v in again.items()) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
