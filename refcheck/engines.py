@@ -9,7 +9,8 @@ the kind; :func:`check_engine` refuses an unknown name, or an option its kind do
 Kinds: ``reference`` (refcheck's own DDTree decoder), ``fault:NAME`` (the reference decoder with an
 injected fault, ``refcheck selftest``'s list and the graded ``KIND:EPS`` faults), ``zlab`` (z-lab's
 dflash package) and ``sglang[:ALGORITHM]`` (a real SGLang engine, refcheck's plugin capturing its
-steps). Adding an engine (vLLM, say) is one :class:`EngineKind` row and its runner module: the diff,
+steps). Adding an engine (vLLM, say) is one :class:`EngineKind` row and its runner module (tests/stub_engine.py
+and ``test_adding_an_engine_is_one_module_and_one_registry_entry`` show one end to end): the diff,
 the parallel driver and the CLI take engines from here.
 
 Runner modules are imported only when an engine of their kind is opened (SGLang and z-lab are

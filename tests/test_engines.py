@@ -45,3 +45,25 @@ def test_reference_and_fault_engines_trace_through_one_interface():
     assert ref.provenance["engine"]["name"] == "reference" and bad.provenance["engine"]["name"] == "fault:sibling-leak"
     assert [s.step for s in ref.steps] and [s.step for s in bad.steps]
     assert [s.topk_logprobs for s in ref.steps] != [s.topk_logprobs for s in bad.steps]
+
+
+def test_adding_an_engine_is_one_module_and_one_registry_entry(monkeypatch, cli):
+    """tests/stub_engine.py and one EngineKind row: `refcheck diff --engine stub` then runs it through the
+    same path as every engine (option checks, the diff, the verdict and its exit code), a correct one
+    passes and one that drops a token fails at the output."""
+    from stub_engine import open_stub
+
+    import refcheck.engines as engines
+    from refcheck.engines import EngineKind
+    from refcheck.errors import EXIT_MISMATCH, EXIT_PASS, EXIT_USAGE
+
+    row = EngineKind("stub", "stub[:drop]", "the reference's run reported as another engine's (tests/stub_engine.py)",
+                     frozenset(), None, None, open_stub)
+    monkeypatch.setattr(engines, "KINDS", (*engines.KINDS, row))
+    args = ("diff", "--engine", "stub", "--budget", "4", "--max-new-tokens", "6", "--mode", "free")
+    code, _, err = cli(*args)
+    assert code == EXIT_PASS, err
+    code, _, err = cli(*args[:2], "stub:drop", *args[3:])
+    assert code == EXIT_MISMATCH and "output" in err
+    code, _, err = cli(*args, "--sglang-settings", "graphs")  # an option the kind does not take: refused as for any
+    assert code == EXIT_USAGE and "engine stub takes no settings option" in err

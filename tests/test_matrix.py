@@ -243,12 +243,14 @@ def test_matrix_tables_of_several_runs_merge_latest_run_first(tmp_path):
     assert got["A-x"]["verdict"] == "pass" and got["A-x"]["from"] == "2" and got["B-x"]["reason"] == "refused"
     assert got["DFLASH-radix"]["status"] == "not run" and "none of the runs" in got["DFLASH-radix"]["reason"]
     (tmp_path / "r").mkdir()
-    (tmp_path / "r" / "m12-A-x.json").write_text(json.dumps({"reports": [{"verdict": "pass", "counts": {
-        "pass": 5, "benign_tie": 1, "triaged": 2, "fail": 0}}]}))
+    for name in ("m12-A-x.json", "m12-B-x.json"):
+        (tmp_path / "r" / name).write_text(json.dumps({"reports": [{"verdict": "pass", "counts": {
+            "pass": 5, "benign_tie": 1, "triaged": 2, "fail": 0}}]}))
     for i, run in enumerate((first, second)):
         (tmp_path / f"{i}.json").write_text(json.dumps(run))
     assert matrix_table.main([str(tmp_path / "out"), str(tmp_path / "0.json"), str(tmp_path / "1.json"),
                               "--rejudged", str(tmp_path / "r")]) == 0
     md = (tmp_path / "out" / "matrix.md").read_text()
     assert "| A | x | pass |" in md and "A-x: pass (5/1/2/0)" in md
+    assert "| B | x | not run | captured on the GPU, not diffed there; its trace diffed later: pass (5/1/2/0)" in md
     assert matrix_table.main([str(tmp_path / "out"), str(tmp_path / "missing.json")]) == 2

@@ -165,3 +165,15 @@ def test_refcheck_gate_passes_from_a_fresh_venv(wheel: Path, tmp_path: Path) -> 
     verdicts = {r["case"]: r["verdict"] for r in json.loads(gate.stdout)["reports"]}
     assert verdicts == WHEEL_GATE_CASES, verdicts
     print(f"fresh-venv gate: {len(verdicts)} cases, {time.perf_counter() - t0:.0f} s with the venv")
+
+
+def test_the_version_has_one_source_and_the_packages_their_type_marker() -> None:
+    """pyproject takes the version from refcheck/__init__.py (no second copy), and both packages ship py.typed."""
+    import refcheck
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        cfg = tomllib.load(f)
+    assert "version" not in cfg["project"] and cfg["project"]["dynamic"] == ["version"]
+    assert cfg["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "refcheck.__version__"}
+    assert refcheck.__version__.count(".") == 2
+    assert (ROOT / "refcheck" / "py.typed").is_file() and (ROOT / "reference" / "py.typed").is_file()
