@@ -30,7 +30,8 @@ at a step where nothing fails outright and in a request that fails at no step, e
 otherwise they are failures ("not triaged: ..."), ranked after the outright ones. A fault that moves one ill-conditioned node also moves the
 state it commits or the nodes around it, so it cannot hide behind rounding at one node. At the rule's
 anchor steps (the first of each request) every node and state entry is held to its spread, under the
-bound too. The request's rounding judgement lives in :mod:`refcheck.diff.rounding_guard`.
+bound too. The request's rounding judgement lives in :mod:`refcheck.diff.rounding_guard`, its node checks
+(argmax, top-k log-probs, layer bisection) in :mod:`refcheck.diff.node_checks`.
 
 The reference then commits the *engine's* accepted path, so one bug does not cascade into every
 later step; if the engine's step is unusable, the reference re-prefills the engine's committed
@@ -41,18 +42,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from refcheck.diff.distribution import Evidence, judge
 from refcheck.diff.findings import Finding, Report, Verdict, worst_verdict
-from refcheck.diff.rounding_guard import RoundingGuard
+from refcheck.diff.node_checks import FLOOR, NodeChecks, _abs_dev, _topk_at
 from refcheck.diff.sampling import SampledRequest, cdf_tolerance, replay_first_token, replay_sampled_step
-from refcheck.diff.tolerance import CALIBRATIONS, Calibration
+from refcheck.diff.tolerance import Calibration
 from refcheck.diff.triage import RoundingEnsemble, StepSpread
 from refcheck.profile import timed
-from refcheck.sketch import cosine, layer_sketch, rel_l2, sketch_rows, state_rows
+from refcheck.sketch import cosine, rel_l2, sketch_rows, state_rows
 from refcheck.trace.io import StepRow, Trace
 from reference.drafter import Drafter
 from reference.sampling import tempered_probs
@@ -61,17 +61,6 @@ from reference.target import Target
 from reference.tree import Tree, TreeError
 
 STATE_CATEGORY = {"kv_k": "kv", "kv_v": "kv", "conv": "conv", "rec": "recurrent"}
-#: under the fp32 reference's own precision nothing is judged (its bounds against transformers, CPU)
-FLOOR = CALIBRATIONS[("float32", "cpu")].tolerance
-
-
-def _topk_at(i: int) -> Callable[[StepSpread], float | None]:
-    """The ensemble's log-prob spread at node ``i`` (what a judged node deviation is held to)."""
-    return lambda sp: float(sp.topk[i])
-
-
-def _margin_at(i: int) -> Callable[[StepSpread], float | None]:
-    return lambda sp: float(sp.margin[i])
 
 
 def _draft_at(d: int) -> Callable[[StepSpread], float | None]:
@@ -82,13 +71,7 @@ def _state_at(name: str) -> Callable[[StepSpread], float | None]:
     return lambda sp: (sp.state or {}).get(name)
 
 
-def _abs_dev(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """|got - ref| with NaN/inf in the engine's values counted as infinitely far (never a pass)."""
-    dev = (got - ref).abs()
-    return torch.where(torch.isfinite(got), dev, torch.full_like(dev, float("inf")))
-
-
-class _Request(RoundingGuard):
+class _Request(NodeChecks):
     """Replay of one request: the reference state follows the engine's committed path."""
 
     def __init__(self, rep: Report, target: Target, drafter: Drafter, cal: Calibration, rid: str, stop: frozenset[int],
@@ -127,17 +110,9 @@ class _Request(RoundingGuard):
         self._state = value
 
     @property
-    def factor(self) -> float:
-        """The calibration's factor over the rounding spread (only worded where a rule judged)."""
-        return self.rule.factor if self.rule is not None else float("nan")
-
-    @property
     def sampling(self) -> SampledRequest:
         assert self.sampled is not None, "a sampled check on a greedy request"
         return self.sampled
-
-    def fail(self, category: str, step: int | None, message: str, **kw: Any) -> None:
-        self.rep.add(Finding(Verdict.FAIL, category, self.rid, step, message=message, **kw))
 
     # -- state handling ---------------------------------------------------------------------
     @timed("replay.prefill")
@@ -149,30 +124,12 @@ class _Request(RoundingGuard):
         self.drafter.extend(fwd.context, torch.arange(len(tokens), device=dev), torch.tensor(tokens, device=dev))
         return torch.log_softmax(fwd.logits[-1], dim=-1)
 
-    def track_max(self, key: str, value: float) -> None:
-        if value == value:  # NaN-safe: a NaN deviation is reported by the check itself
-            self.rep.stats[key] = max(self.rep.stats.get(key, 0.0), value)
-
     def step_verdict(self, since: int) -> None:
         """Count the step just replayed as pass / benign tie / triaged / fail by its worst finding."""
         worst = worst_verdict(f.verdict for f in self.rep.findings[since:])
         key = worst.value if worst is not None else "pass"
         steps = self.rep.stats.setdefault("steps", {"pass": 0, "benign_tie": 0, "fail": 0})
         steps[key] = steps.get(key, 0) + 1
-
-    def token_flip(self, category: str, step: int, node: int | None, logp: torch.Tensor, engine_tok: int, **kw: Any) -> bool:
-        """Engine picked engine_tok where the reference's argmax differs. True if benign."""
-        ref_tok = int(logp.argmax())
-        margin = float(logp[ref_tok] - logp[engine_tok])
-        top = logp.topk(min(5, logp.shape[-1]))
-        details = {"engine_token": engine_tok, "reference_token": ref_tok, "margin": margin,
-                   "reference_topk": list(zip(top.indices.tolist(), [round(v, 5) for v in top.values.tolist()]))}
-        benign = margin < self.tol.tie_margin
-        verdict = Verdict.BENIGN_TIE if benign else Verdict.FAIL
-        msg = (f"engine token {engine_tok} vs reference {ref_tok} "
-               f"({'near-tie' if benign else 'not a near-tie'}: margin {margin:.4g}, threshold {self.tol.tie_margin:g})")
-        self.rep.add(Finding(verdict, category, self.rid, step, node=node, message=msg, details=details, **kw))
-        return benign
 
     def check_draft(self, s: StepRow, ref: torch.Tensor | None) -> None:
         """The engine's draft top-k log-probs against the reference drafter's (``ref`` [L, k] at the
@@ -218,106 +175,6 @@ class _Request(RoundingGuard):
         if ids.shape[0] > ref.shape[0]:
             return None
         return ref[: ids.shape[0]].float().cpu().gather(1, ids)
-
-    def check_nodes(self, s: StepRow, tree: Tree, logp: torch.Tensor, layers: list[torch.Tensor] | None) -> torch.Tensor:
-        """Argmax and top-k log-probs at every node; returns the argmax to walk with (teacher-forced)."""
-        self.rep.check("logits", tree.num_nodes)
-        self.ill_conditioned = {}
-        ref_arg = logp.argmax(dim=-1).cpu()
-        eng_arg = torch.tensor(s.target_argmax, dtype=torch.long)
-        if eng_arg.shape != ref_arg.shape:
-            self.fail("logits", s.step, f"engine reported {eng_arg.shape[0]} argmaxes for {tree.num_nodes} nodes")
-            return ref_arg
-        walk, bad_nodes = self._check_argmax(s, tree, logp, ref_arg, eng_arg)
-        if s.topk_ids:
-            bad_nodes += self._check_topk(s, tree, logp)
-        if bad_nodes and s.layer_sketch is not None and layers is not None:
-            self.bisect(s, min(bad_nodes), layers)
-        return walk
-
-    def _check_argmax(self, s: StepRow, tree: Tree, logp: torch.Tensor, ref_arg: torch.Tensor, eng_arg: torch.Tensor
-                      ) -> tuple[torch.Tensor, list[int]]:
-        """Each node whose engine argmax differs: a near-tie, a flip rounding explains (the walk follows the
-        engine there) or a failure; returns (the walk's argmax, the failing nodes)."""
-        walk = ref_arg.clone()
-        bad_nodes: list[int] = []
-        for i in torch.nonzero(eng_arg != ref_arg).flatten().tolist():
-            pos = self.state.length + int(tree.depths[i])
-            lp = logp[i].cpu()
-            margin = float(lp[ref_arg[i]] - lp[eng_arg[i]])
-            spread = self.judged(margin, _margin_at(i)) if margin >= self.tol.tie_margin else None
-            if spread is not None:
-                self.consistent("logits", s.step, f"argmax flip at margin {margin:.4g}: engine token {int(eng_arg[i])} vs "
-                                f"reference {int(ref_arg[i])}; rounding at the engine's dtype moves that margin by up to "
-                                f"{spread:.4g} here", {"engine_token": int(eng_arg[i]), "reference_token": int(ref_arg[i]),
-                                                       "margin": margin, "margin_spread": spread}, node=i, position=pos)
-                walk[i] = eng_arg[i]
-            elif self.token_flip("logits", s.step, i, lp, int(eng_arg[i]), position=pos):
-                walk[i] = eng_arg[i]
-            else:
-                bad_nodes.append(i)
-        return walk, bad_nodes
-
-    def _check_topk(self, s: StepRow, tree: Tree, logp: torch.Tensor) -> list[int]:
-        """The engine's top-k log-probs at every node: over the cheap bound, judged against rounding; at an anchor
-        step, within it too. Returns the failing nodes."""
-        n, bad_nodes = tree.num_nodes, []
-        ids = torch.tensor(s.topk_ids, dtype=torch.long)
-        lps = torch.tensor(s.topk_logprobs, dtype=torch.float32)
-        dev = _abs_dev(lps, logp.cpu().gather(1, ids)).max(dim=1).values  # [N]
-        self.track_max("max_logprob_abs", float(dev.max()))
-        over = []
-        for i in torch.nonzero(dev > self.tol.logprob_abs).flatten().tolist():
-            spread = self.judged(float(dev[i]), _topk_at(i))
-            if spread is None:
-                over.append(i)
-                continue
-            self.ill_conditioned[i] = spread
-            assert self.spread is not None  # judged() returned a spread: this step's ensemble ran
-            median = self.spread().median_topk
-            self.consistent("logits", s.step, f"log-probs off by {float(dev[i]):.4g}, within {self.factor:g}x of "
-                            f"what rounding at the engine's dtype moves them here ({spread:.4g}; median node "
-                            f"{median:.3g})", {"max_abs": float(dev[i]), "spread": spread, "median_spread": median},
-                            node=i, position=self.state.length + int(tree.depths[i]))
-        if over:
-            i = over[0]
-            self.fail("logits", s.step, f"top-k log-probs differ by up to {float(dev[over].max()):.4g} at {len(over)} "
-                      f"of {n} nodes (first node {i}, tolerance {self.tol.logprob_abs:g})", node=i,
-                      position=self.state.length + int(tree.depths[i]),
-                      details={"max_abs": float(dev[over].max()), "nodes": over[:16]})
-            bad_nodes.append(i)
-        beyond = {}  # anchor step: nodes within the bound that rounding cannot move that far
-        for i in torch.nonzero(dev <= self.tol.logprob_abs).flatten().tolist():
-            spread = self.beyond_rounding(s.step, float(dev[i]), FLOOR.logprob_abs, _topk_at(i))
-            if spread is not None:
-                beyond[i] = spread
-        if beyond:
-            i = min(beyond)
-            self.fail("logits", s.step, f"top-k log-probs differ by {float(dev[i]):.4g} at node {i}, more than "
-                      f"{self.factor:g}x what rounding at the engine's dtype moves them here ({beyond[i]:.4g}; "
-                      f"{len(beyond)} of {n} nodes; judged in full at the request's anchor steps)", node=i,
-                      position=self.state.length + int(tree.depths[i]),
-                      details={"max_abs": float(dev[i]), "spread": beyond[i], "anchor": True,
-                               "nodes": sorted(beyond)[:16]})
-            bad_nodes.append(i)
-        return bad_nodes
-
-    @timed("replay.bisect")
-    def bisect(self, s: StepRow, node: int, layers: list[torch.Tensor]) -> None:
-        ref = layer_sketch(torch.stack(layers))  # [layers, N, r]
-        assert s.layer_sketch is not None  # bisect runs only on steps that carry layer sketches
-        eng = s.layer_sketch.float()
-        if eng.shape != ref.shape:
-            self.fail("logits", s.step, f"layer sketches have shape {tuple(eng.shape)}, reference {tuple(ref.shape)}", node=node)
-            return
-        for layer in range(ref.shape[0]):
-            err = rel_l2(eng[layer, node], ref[layer, node])
-            if err > self.tol.tensor_rel_l2:
-                kind = "linear_attention" if self.target.is_linear(layer) else "attention"
-                self.rep.add(Finding(Verdict.FAIL, "logits", self.rid, s.step, node=node, layer=layer, layer_type=kind,
-                                     message=f"layer bisection: first differing layer {layer} ({kind}), rel L2 {err:.3g}",
-                                     details={"rel_l2": err}))
-                return
 
     @timed("replay.state")
     def check_state(self, s: StepRow, new_state: TargetState, new_from: int) -> None:
