@@ -311,8 +311,9 @@ class SGLangRunner:
             raise UsageError(f"timing repeats must be >= 0, got {timing_repeats}")
         self.timing_repeats = timing_repeats  # warm, untraced generates after the captured one (sweep tok/s)
         tdir, ddir = spec.resolved_dirs()
-        why = radix_refusal(self.settings, str((_config(tdir).get("architectures") or [""])[0]),
-                            "linear_attention" in (_text_config(tdir).get("layer_types") or []))
+        cfg = _config(tdir)  # the refusals below ask the target's config
+        text_cfg = cfg.get("text_config", cfg)
+        why = radix_refusal(self.settings, str((cfg.get("architectures") or [""])[0]), is_hybrid_target(tdir))
         if why:
             raise UsageError(why)
         self.budget = resolve_budget(self.algorithm, spec.budget, ddir, tdir)
@@ -320,7 +321,7 @@ class SGLangRunner:
         if spec.dtype == "float32":
             from refcheck.sglang_capture.versions import float32_refusal, installed_version
 
-            why = float32_refusal(installed_version(), str(_text_config(tdir).get("model_type", "")))
+            why = float32_refusal(installed_version(), str(text_cfg.get("model_type", "")))
             if why:
                 raise UsageError(f"SGLang {installed_version()} cannot run this target in float32: {why}; "
                                  "use --dtype bfloat16")
