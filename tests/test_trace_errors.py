@@ -347,3 +347,16 @@ def test_manifest_save_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert (tmp_path / "MANIFEST.json").read_bytes() == before
     assert dir_listing(tmp_path) == ["MANIFEST.json"]
 
+
+
+def test_a_1_2_file_reads_with_no_residual_uniform(trace_file: tuple[Trace, Path], tmp_path: Path) -> None:
+    """1.2 -> 1.3 adds residual_uniform: a 1.2 file (without the column) reads it as NaN, everything else as written."""
+    trace, path = trace_file
+    old = tmp_path / "v12.arrow"
+    rewrite(path, old, table_fn=lambda t: t.drop_columns(["residual_uniform"]),
+            meta_fn=lambda m: {**m, b"refcheck.schema_version": b"1.2"})
+    back = read_trace(old)
+    assert back.schema_version == "1.2"
+    assert all(s.residual_uniform != s.residual_uniform for s in back.steps)
+    back.schema_version = SCHEMA_VERSION
+    assert_traces_equal(trace, back)

@@ -66,15 +66,28 @@ def test_the_schemas_are_the_row_fields_in_order() -> None:
         assert got == value or (got != got and value != value), name
 
 
+def _digest(steps: pa.Schema, requests: pa.Schema) -> str:
+    return hashlib.sha256(steps.serialize().to_pybytes() + requests.serialize().to_pybytes()).hexdigest()
+
+
+def _without(s: pa.Schema, names: tuple[str, ...]) -> pa.Schema:
+    return pa.schema([f for f in s if f.name not in names])
+
+
 def test_the_frozen_schema_digest() -> None:
-    """The Arrow schemas serialize as they did when the field list was introduced (a changed type,
-    nullability, order or name is a format change: bump SCHEMA_VERSION and add a migration)."""
-    digest = hashlib.sha256(schema.STEPS_SCHEMA.serialize().to_pybytes()
-                            + schema.REQUESTS_SCHEMA.serialize().to_pybytes()).hexdigest()
-    assert digest == FROZEN_SCHEMA_SHA256, digest
+    """The Arrow schemas serialize as they did when each version was introduced (a changed type,
+    nullability, order or name is a format change: bump SCHEMA_VERSION and add a migration), and each
+    earlier version's schema is the current one without the columns added since."""
+    assert _digest(schema.STEPS_SCHEMA, schema.REQUESTS_SCHEMA) == FROZEN_SCHEMA_SHA256[schema.SCHEMA_VERSION]
+    steps_13, reqs_13 = schema.added_in(rows.StepRow, (1, 3)), schema.added_in(rows.RequestRow, (1, 3))
+    assert steps_13 == ("residual_uniform",) and reqs_13 == ()
+    assert _digest(_without(schema.STEPS_SCHEMA, steps_13), schema.REQUESTS_SCHEMA) == FROZEN_SCHEMA_SHA256["1.2"]
 
 
-FROZEN_SCHEMA_SHA256 = "51fb4dcacac40e48d7c14a3e8ccca0b54c62a1224a1753a53a8fff82da1341bb"
+FROZEN_SCHEMA_SHA256 = {
+    "1.2": "51fb4dcacac40e48d7c14a3e8ccca0b54c62a1224a1753a53a8fff82da1341bb",
+    "1.3": "8a9ba2a9059009709c98eba62e7f035181bc0880099cbc42260cd99a9a05ff50",
+}
 
 
 def test_golden_list_is_not_empty() -> None:

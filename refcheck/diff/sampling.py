@@ -26,6 +26,12 @@ log1p(mass before the token - top_p)``) and held to the node's rounding spread: 
 listed in :attr:`StepReplay.rounding` (the replay reports it as consistent with rounding, triaged only
 if the request is otherwise right) instead of failing.
 
+An engine with the children-first rule (rng ``engine-children-first``: SGLang's target-only tree sampler,
+:mod:`reference.children_first`) exposes a uniform per node and the step's residual uniform instead of
+draws: at each node of its accepted path the token that came out (the next accepted node's, or the bonus
+at the last) must be what the rule gives with those uniforms under the reference's distribution, within
+``cdf_tol`` (a benign tie) or the rounding judge, else ``accepted_path`` (a child) or ``bonus`` fails there.
+
 Nodes whose draw the engine exposes neither directly nor through a uniform are not judged here:
 :attr:`StepReplay.exact` is False and the distributional test (:mod:`refcheck.diff.distribution`)
 covers them. This module never imports runners.
@@ -43,10 +49,12 @@ import torch
 
 from refcheck.diff.findings import Finding, Verdict
 from refcheck.trace.io import RequestRow, StepRow
+from reference import children_first
 from reference.sampling import Sampling, boundary_margin, inverse_cdf, node_uniforms, tempered_probs
 from reference.tree import Tree
 
 RECOMPUTABLE = {"refcheck-philox-position": "position", "refcheck-philox-node": "node"}
+CHILDREN_FIRST = "engine-children-first"  # the rng kind of an engine with reference.children_first's rule
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +158,14 @@ def replay_sampled_step(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, r
     known_u = [i for i, u in enumerate(s.node_uniforms) if u == u]
     for i in known_d:
         draws[i] = int(s.node_draws[i])
+    if req.rng == CHILDREN_FIRST:
+        rep = _repeated_on_path(s.node_uniforms, path_nodes) if known_u else None
+        if rep is not None:
+            fail("sampling", f"the uniform {s.node_uniforms[rep]!r} is reused along the accepted path (node {rep}): "
+                 "the draws of one walk are not independent", node=rep, uniform=s.node_uniforms[rep])
+        _check_support(s, tree, probs, req, [], [], path_nodes, draws, fail, explained)
+        _check_children_first(rid, s, tree, probs, cdf_tol, path_nodes, out, fail, explained)
+        return out
     if known_u:
         _check_uniforms(rid, s, tree, probs, req, cdf_tol, known_u, path_nodes, draws, out, fail, explained)
     _check_support(s, tree, probs, req, known_d, known_u, path_nodes, draws, fail, explained)
@@ -263,6 +279,39 @@ def _check_walk(s: StepRow, tree: Tree, draws: list[int | None], path_nodes: lis
         elif s.bonus != draws[last]:
             fail("bonus", f"bonus {s.bonus} but the draw at the last accepted node {last} is {draws[last]}", node=last,
                  engine=s.bonus, expected=draws[last])
+
+
+def _check_children_first(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, cdf_tol: float, path_nodes: list[int],
+                          out: StepReplay, fail: Callable[..., None],
+                          explained: Callable[[int, int, float, str], bool]) -> None:
+    """The engine's path and bonus under the children-first rule (module docstring): at each path node, the
+    token that came out against what the node's uniform (and the step's residual uniform) draw."""
+    r = s.residual_uniform
+    for j, node in enumerate(path_nodes):
+        last = j + 1 == len(path_nodes)
+        u = s.node_uniforms[node] if node < len(s.node_uniforms) else float("nan")
+        if u != u or (last and r != r):
+            out.exact = False  # the engine did not expose what this node's draw used
+            return
+        kids = sorted(tree.children(node).values())  # sibling order: increasing node index
+        kid_tokens = [int(tree.tokens[c]) for c in kids]
+        got = s.bonus if last else int(tree.tokens[path_nodes[j + 1]])
+        expect = children_first.draw(probs[node], kid_tokens, u, r if r == r else 0.0)
+        if got == expect:
+            continue
+        dist = children_first.outside(probs[node], kid_tokens, u, r if r == r else 0.0, got)
+        what = f"{'bonus' if last else 'accepted token'} {got} vs {expect} (uniform {u:.9g}, residual {r:.9g})"
+        if dist <= cdf_tol:
+            out.findings.append(Finding(Verdict.BENIGN_TIE, "sampling", rid, s.step, node=node,
+                                        message=f"{what} at a CDF edge ({dist:.3g} outside <= {cdf_tol:g})"))
+            continue
+        if math.isfinite(dist) and explained(node, got, dist, what):
+            continue
+        cat = "bonus" if last else "accepted_path"
+        fail(cat, f"at node {node} the engine's {what}: the children-first rule draws {expect} there "
+             f"(p = {float(probs[node, got]):.4g} vs {float(probs[node, expect]):.4g}; its uniforms lie {dist:.3g} "
+             "outside the engine token's interval)", node=node, engine=got, expected=expect, uniform=u, residual=r)
+        return
 
 
 def replay_first_token(rid: str, token: int, probs: torch.Tensor, uniform: float, req: SampledRequest, prompt_len: int,

@@ -119,6 +119,9 @@ def _validate_step(s: StepRow, source: str) -> None:
     bad_u = [i for i, u in enumerate(s.node_uniforms) if not (u != u or 0.0 <= u < 1.0)]
     if bad_u:
         _fail(source, f"{where} node {bad_u[0]}", f"uniform {s.node_uniforms[bad_u[0]]} outside [0, 1)")
+    r = s.residual_uniform
+    if r == r and not 0.0 <= r < 1.0:
+        _fail(source, where, f"residual uniform {r} outside [0, 1)")
     bad = [i for i in s.accepted if not 0 <= i < n]
     if bad:
         _fail(source, where, f"accepted node indices {bad} out of range [0, {n})")

@@ -21,7 +21,7 @@ import torch
 
 from refcheck.provenance import Provenance
 
-SCHEMA_VERSION = "1.2"  # 1.1 adds the checksum keys, 1.2 the sampling columns (docs/trace-format.md)
+SCHEMA_VERSION = "1.3"  # 1.1 adds the checksum keys, 1.2 the sampling columns, 1.3 residual_uniform (docs/trace-format.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +41,7 @@ STRING, INT32, INT64, FLOAT64 = Column("string"), Column("int32"), Column("int64
 INT32S, FLOAT32S, INT32S2, FLOAT32S2 = Column("int32[]"), Column("float32[]"), Column("int32[][]"), Column("float32[][]")
 TENSOR, TENSOR_OR_NONE = Column("tensor"), Column("tensor", nullable=True)
 SAMPLING = (1, 2)  # the version that added the sampling columns
+RESIDUAL = (1, 3)  # the version that added the residual uniform
 
 
 @dataclass(slots=True, eq=False)
@@ -84,6 +85,9 @@ class StepRow:
     node_draws: Annotated[list[int], Column("int32[]", since=SAMPLING)] = field(default_factory=list)
     #: the uniform in [0, 1) each draw used (inverse CDF, token-id order)
     node_uniforms: Annotated[list[float], Column("float64[]", since=SAMPLING)] = field(default_factory=list)
+    #: 1.3: the step's second uniform, which a children-first sampler (rng "engine-children-first") draws the
+    #: bonus with after every child of the last accepted node is rejected; NaN = not exposed / not used
+    residual_uniform: Annotated[float, Column("float64", since=RESIDUAL)] = float("nan")
 
 
 @dataclass(slots=True)

@@ -22,6 +22,8 @@ Contract:
   per request the parameters and how its randomness is keyed, per step the engine's draw and
   uniform at every node where it exposes them. Older files migrate with greedy defaults
   (temperature 0, nothing exposed).
+* 1.3 adds ``residual_uniform`` per step (the children-first sampler's bonus uniform, NaN where not exposed)
+  and the rng kind ``engine-children-first``; older files migrate with NaN.
 """
 
 from __future__ import annotations
@@ -109,9 +111,12 @@ STATE_ENTRY_TYPE = pa.struct(_fields_of(StateEntry))
 STEPS_SCHEMA = pa.schema(_fields_of(StepRow))  # one row per (request, verify step)
 REQUESTS_SCHEMA = pa.schema(_fields_of(RequestRow))  # one row per request
 
-#: how an engine's uniforms were produced: "" greedy / unknown; refcheck's keyed Philox by position
-#: or by (step, node); "engine": the engine's own generator (uniforms usable for replay, not recomputable)
-RNG_KINDS = ("", "refcheck-philox-position", "refcheck-philox-node", "engine")
+#: how an engine's uniforms were produced and used: "" greedy / unknown; refcheck's keyed Philox by position
+#: or by (step, node) (each node's draw the inverse CDF of its uniform, token-id order); "engine": the engine's
+#: own generator (uniforms usable for replay, not recomputable); "engine-children-first": the engine's own
+#: generator, each node's uniform tried against its children first and the step's residual uniform drawing the
+#: bonus (:mod:`reference.children_first`, SGLang's target-only tree sampler)
+RNG_KINDS = ("", "refcheck-philox-position", "refcheck-philox-node", "engine", "engine-children-first")
 
 
 def added_in(row: type, version: tuple[int, int]) -> tuple[str, ...]:
@@ -182,6 +187,7 @@ def _add_columns(version: tuple[int, int]) -> Callable[[pa.Table, pa.Table], tup
 _MIGRATIONS: dict[tuple[int, int], Migration] = {
     (1, 0): Migration(to=(1, 1), upgrade=_same_tables),
     (1, 1): Migration(to=(1, 2), upgrade=_add_columns((1, 2))),  # the sampling columns, greedy defaults
+    (1, 2): Migration(to=(1, 3), upgrade=_add_columns((1, 3))),  # residual_uniform, NaN (not exposed)
 }
 
 
