@@ -75,7 +75,7 @@ def sweep_row(algorithm: str, budget: int, traces: list, report) -> dict:
         cold += captured
         warm = [emitted / t for t in settings.get("repeat_generate_s") or [] if t > 0]
         tok_s.extend(warm or captured)  # traces from before warm repeats: their own (captured) run
-        if settings.get("repeats_match") is not None and settings.get("rng") != "engine":
+        if settings.get("repeats_match") is not None and not str(settings.get("rng", "")).startswith("engine"):
             # (SGLang's own generator at T > 0 draws afresh on every run: its repeats need not match)
             repeats_match = bool(settings["repeats_match"]) and repeats_match is not False
         for phase, acc in (("verify", step_ms), ("draft", draft_ms)):

@@ -145,6 +145,41 @@ def test_keyed_sampler_step_records_draws_uniforms_and_first_uniforms(capture_di
     assert s1.draws == [21, 23, 5, 31] and s1.uniforms == [0.1, 0.2, 0.3, 0.4] and s1.accepted == [0, 1, 3]
 
 
+def test_tree_sampler_coins_are_recorded_with_the_step(capture_dir):
+    """NGRAM at T > 0: eagle_sample calls SGLang's tree sampler with its coins; the hook copies them before the
+    kernel runs, and the step records carry each request's node coins and bonus coin (and the thresholds)."""
+    sched, *_ = _scheduler()
+    _prefill(sched)
+    batch = _batch("decode", True, [[7], [9]])
+    tokens, nt, ns = _tree()
+    verify_input = NS(draft_token=tokens, retrieve_next_token=nt, retrieve_next_sibling=ns, positions=None)
+    coins = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.5, 0.6, 0.7, 0.8]], dtype=torch.float32)
+    final = torch.tensor([0.25, 0.75], dtype=torch.float32)
+    out = (torch.tensor([12, 0, 30, 0, 21, 23, 0, 31]), torch.tensor([2, 3]), torch.tensor([[0, 2, -1, -1], [4, 5, 7, -1]]))
+
+    def kernel(**kw):
+        kw["uniform_samples"].fill_(0.0)  # whatever the kernel does to its inputs after the hook has copied them
+        return None
+
+    def sample(*a, **k):
+        plugin._verify_coins(kernel, uniform_samples=coins.clone(), uniform_samples_for_final_sampling=final,
+                             threshold_single=1.0, threshold_acc=1.0)
+        return out
+
+    def worker(self, b):
+        plugin._eagle_sample(sample, verify_input, b, NS(next_token_logits=torch.randn(2 * N, V)), None)
+        return NS(logits_output=None, next_token_ids=None)
+
+    plugin._run_batch(worker, sched, batch)
+    cap = read_capture(capture_dir)
+    assert not cap.errors, cap.errors
+    s0, s1 = cap.steps[0]
+    assert s0.draws == [] and s0.uniforms == pytest.approx([0.1, 0.2, 0.3, 0.4]) and s0.residual_uniform == 0.25
+    assert s1.uniforms == pytest.approx([0.5, 0.6, 0.7, 0.8]) and s1.residual_uniform == 0.75
+    assert s0.uniforms[1] == float(torch.tensor(0.2, dtype=torch.float32))  # float32 coins, exact
+    assert s0.meta["accept_thresholds"] == [1.0, 1.0]
+
+
 def test_prefill_logprobs_come_from_the_logits_before_the_sampler_overwrites_them(capture_dir):
     """At T > 0 SGLang's sampler turns next_token_logits into softmax(logits / T) in place; the prefill record's
     log-prob is the raw logits' (kept by the ModelRunner.sample hook), not the probabilities'."""

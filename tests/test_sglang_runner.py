@@ -80,7 +80,7 @@ def test_versions_resolve_targets_and_bindings():
     assert versions.resolve("json.decoder.JSONDecoder.decode") is __import__("json").decoder.JSONDecoder.decode
     with pytest.raises((ImportError, AttributeError)):
         versions.resolve("refcheck.no_such_module.f")
-    assert set(versions.HOOK_TARGETS) == {"run_batch", "eagle_sample", "dflash", "ddtree_sample", "sample"}
+    assert set(versions.HOOK_TARGETS) == {"run_batch", "eagle_sample", "dflash", "ddtree_sample", "sample", "verify_coins"}
     assert versions.patch_models() == [] or "sglang" in sys.modules  # nothing to patch without SGLang
 
     class Args:
@@ -371,7 +371,8 @@ def test_sampled_request_params_carry_refcheck_keys_only_for_the_keyed_sampler()
     assert (mine["temperature"], mine["top_k"], mine["top_p"]) == (0.8, -1, 0.9)  # SGLang's top-k "off" is -1
     assert mine["custom_params"] == {"refcheck_seed": 12, "refcheck_request": request_key(p.id)}
     assert "custom_params" not in request_sampling_params(p, spec, "NGRAM")
-    assert sampling_rng("REFCHECK_DDTREE") == "refcheck-philox-position" and sampling_rng("NGRAM") == "engine"
+    assert sampling_rng("REFCHECK_DDTREE") == "refcheck-philox-position" and sampling_rng("NGRAM") == "engine-children-first"
+    assert sampling_rng("NONE") == "engine"
     with pytest.raises(UsageError, match="cannot sample"):
         check_sampling("DFLASH", s)
     with pytest.raises(UsageError, match="position"):

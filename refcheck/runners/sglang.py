@@ -212,8 +212,17 @@ def check_context(prompts: list[Prompt], spec: EngineSpec, target_dir: Path | No
 
 
 def sampling_rng(algorithm: str) -> str:
-    """How an algorithm's uniforms are keyed at T > 0 (a trace's ``rng``)."""
-    return "refcheck-philox-position" if algorithm in DFLASH_DRAFTED and algorithm != "DFLASH" else "engine"
+    """How an algorithm's uniforms are made and used at T > 0 (a trace's ``rng``): REFCHECK_DDTREE's are refcheck's
+    keyed Philox; NGRAM's tree sampler takes SGLang's coins children first (the capture records them); NONE's
+    sampler exposes nothing."""
+    if algorithm in DFLASH_DRAFTED and algorithm != "DFLASH":
+        return "refcheck-philox-position"
+    return "engine-children-first" if algorithm == "NGRAM" else "engine"
+
+
+def keyed(algorithm: str) -> bool:
+    """Whether the algorithm samples with refcheck's keyed generator (seed and request word sent to SGLang)."""
+    return sampling_rng(algorithm).startswith("refcheck-philox")
 
 
 def check_sampling(algorithm: str, sampling: Sampling | None) -> None:
@@ -224,7 +233,7 @@ def check_sampling(algorithm: str, sampling: Sampling | None) -> None:
         raise UsageError("SGLang's DFLASH cannot sample under refcheck (--temperature > 0): it falls back to greedy "
                          "verification where its sampling kernel is missing, and exposes no draws; sample with "
                          "REFCHECK_DDTREE (exact replay) or NGRAM / NONE (distributional test)")
-    if sampling_rng(algorithm) != "engine" and sampling.keying != "position":
+    if keyed(algorithm) and sampling.keying != "position":
         raise UsageError(f"{algorithm} keys its draws by position only (refcheck's keying 'position'), "
                          f"not {sampling.keying!r}")
 
@@ -239,7 +248,7 @@ def request_sampling_params(prompt: Prompt, spec: EngineSpec, algorithm: str) ->
     if s is None or s.greedy:
         return out
     out.update(temperature=float(s.temperature), top_p=float(s.top_p), top_k=int(s.top_k) if s.top_k > 0 else -1)
-    if sampling_rng(algorithm) != "engine":
+    if keyed(algorithm):
         from refcheck.sglang_ddtree.sampling import REQUEST_KEY, SEED_KEY
 
         out["custom_params"] = {SEED_KEY: int(s.seed), REQUEST_KEY: request_key(prompt.id)}
@@ -483,8 +492,10 @@ class SGLangRunner:
         need = {"run_batch"} | ({"dflash"} if self.algorithm == "DFLASH" else {"eagle_sample"} if self.algorithm != "NONE" else set())
         if self.spec.sampled:
             need.add("sample")
-            if sampling_rng(self.algorithm) != "engine":
+            if keyed(self.algorithm):
                 need.add("ddtree_sample")
+            elif self.algorithm == "NGRAM":
+                need.add("verify_coins")
         out = []
         for st in cap.status:
             for name in sorted(need):

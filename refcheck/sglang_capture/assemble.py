@@ -63,6 +63,7 @@ def _step_row(prompt_id: str, k: int, s: StepCapture, keep: int) -> StepRow:
         target_argmax=list(s.argmax), accepted=list(s.accepted), accept_length=len(s.accepted), bonus=s.bonus,
         emitted=list(s.emitted[:keep]), emitted_logprobs=list(s.emitted_logprobs[:keep]), state=state,
         layer_sketch=s.layer_sketch, node_draws=list(s.draws), node_uniforms=list(s.uniforms),
+        residual_uniform=float(s.residual_uniform),
         # SGLang's whole scheduler step (draft, verify, commit) for the batch this step ran in; "draft":
         # the part of it REFCHECK_DDTREE spent drafting and building the batch's trees (NaN for others)
         timings={"draft": float(s.meta.get("batch_draft_s", math.nan)), "tree": math.nan,
@@ -163,6 +164,10 @@ def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[st
             if k and s.committed_len != recs[k - 1].committed_len + len(recs[k - 1].accepted):
                 out.problems.append(f"{p.id} step {k}: committed length {s.committed_len} does not follow the previous "
                                     f"step ({recs[k - 1].committed_len} + {len(recs[k - 1].accepted)})")
+            th = s.meta.get("accept_thresholds")
+            if th is not None and list(th) != [1.0, 1.0]:  # SGLang's speculative_accept_threshold_single / _acc
+                out.problems.append(f"{p.id} step {k}: SGLang's tree sampler ran with accept thresholds {list(th)} "
+                                    "(single, acc): below 1 it accepts drafts the target would not draw, by design lossy")
             out.trace.steps.append(_step_row(p.id, k, s, keep))
             kept.append(s)
             if lps:

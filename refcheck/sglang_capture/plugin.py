@@ -17,6 +17,9 @@ SGLang's ``HookRegistry``:
 * ``refcheck.sglang_ddtree.sampling.keyed_sample`` (REFCHECK_DDTREE at temperature > 0, in place of
   ``eagle_sample``): the same tree records plus every node's draw and uniform; the prefill's keyed
   first-token uniforms are read from the worker (``last_first_uniforms``);
+* ``sgl_kernel.tree_speculative_sampling_target_only`` (SGLang's tree sampler at temperature > 0,
+  NGRAM): its coins, one per node and one per request for the bonus, and its accept thresholds; the
+  ``eagle_sample`` record of the same call carries them (``uniforms``, ``residual_uniform``);
 * ``ModelRunner.sample``: at temperature > 0 SGLang's sampler overwrites the logits in place with
   ``softmax(logits / T)``; the raw logits are kept from just before it, for the prefill and
   target-only decode records.
@@ -65,6 +68,8 @@ class _Batch:
     pending: list[StepCapture] = field(default_factory=list)
     step_s: float = float("nan")
     raw_logits: torch.Tensor | None = None  # [bs, V] before a sampling batch's sampler overwrote them
+    #: the tree sampler's coins [bs, N], bonus coins [bs] and (threshold_single, threshold_acc) of this batch's verify
+    coins: tuple[torch.Tensor, torch.Tensor, tuple[float, float]] | None = None
     # target-only decode, from the forward batch on the device: [bs] input ids (the roots) and seq lens (with the
     # root): right even under the overlap scheduler, whose per-request lists lag one step behind
     decode_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -93,7 +98,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     hooks = {"run_batch": _run_batch, "eagle_sample": _eagle_sample, "dflash": _dflash_forward,
-             "ddtree_sample": _eagle_sample, "sample": _sample}
+             "ddtree_sample": _eagle_sample, "sample": _sample, "verify_coins": _verify_coins}
     for name, target in versions.HOOK_TARGETS.items():
         try:
             _originals[name] = versions.resolve(target)
@@ -340,11 +345,34 @@ def _tree_inputs(args: tuple, kwargs: dict) -> dict[str, Any] | None:
 def _tree_records(snap: _Batch, pre: dict[str, Any], result: tuple) -> list[StepCapture]:
     predict, accept_lens, accept_index = result[:3]
     draws, uniforms = result[3:5] if len(result) >= 5 else (None, None)  # the keyed sampler's
+    residuals = None
+    coins, snap.coins = snap.coins, None
+    if coins is not None and uniforms is None:  # SGLang's tree sampler ran inside this eagle_sample
+        uniforms, residuals = coins[0].reshape(-1), coins[1]  # [bs, N] -> [bs*N]
     committed, meta = _committed(snap, pre["rids"], pre["seq_lens"])
+    if coins is not None:
+        meta["accept_thresholds"] = list(coins[2])
     return tree_steps(pre["tokens"], pre["nt"], pre["ns"], pre["logits"], accept_index, accept_lens, predict,
-                      pre["rids"], committed, positions=pre["pos"], draws=draws, uniforms=uniforms,
+                      pre["rids"], committed, positions=pre["pos"], draws=draws, uniforms=uniforms, residuals=residuals,
                       meta={"server_topk": snap.topk, "layout_in_engine": "tree" if (snap.topk or 0) > 1 else "chain",
                             **meta})
+
+
+def _verify_coins(original, *args, **kwargs):
+    snap = _batch
+    if snap is not None:
+        _guard("verify_coins:before", _keep_coins, snap, args, kwargs)
+    return original(*args, **kwargs)
+
+
+def _keep_coins(snap: _Batch, args: tuple, kwargs: dict) -> None:
+    """The coins SGLang's tree sampler is handed (copied before it runs; it does not change them)."""
+    def opt(i: int, name: str, default: float) -> float:
+        return float(args[i]) if len(args) > i else float(kwargs.get(name, default))
+
+    snap.coins = (_arg(args, kwargs, 7, "uniform_samples").detach().clone(),
+                  _arg(args, kwargs, 8, "uniform_samples_for_final_sampling").detach().clone(),
+                  (opt(11, "threshold_single", 1.0), opt(12, "threshold_acc", 1.0)))
 
 
 def _seq_lens(batch: Any) -> list[int] | None:

@@ -54,6 +54,8 @@ class StepCapture:
     # the keyed sampler's (REFCHECK_DDTREE at T > 0): every node's draw [N] and uniform [N]; [] = not exposed
     draws: list[int] = field(default_factory=list)
     uniforms: list[float] = field(default_factory=list)
+    #: SGLang's tree sampler (NGRAM at T > 0): the coin of the bonus draw; NaN = not exposed
+    residual_uniform: float = float("nan")
 
     def to_dict(self) -> dict[str, Any]:
         return _fields(self)
@@ -100,10 +102,11 @@ def tree_steps(tokens: torch.Tensor, next_token: torch.Tensor | None, next_sibli
                logits: torch.Tensor, accept_index: torch.Tensor, accept_lens: torch.Tensor, predict: torch.Tensor,
                rids: Sequence[str], committed: Sequence[int], positions: torch.Tensor | None = None,
                meta: dict[str, Any] | None = None, draws: torch.Tensor | None = None,
-               uniforms: torch.Tensor | None = None) -> list[StepCapture]:
+               uniforms: torch.Tensor | None = None, residuals: torch.Tensor | None = None) -> list[StepCapture]:
     """Records of one ``eagle_sample`` call. tokens/predict [bs*N], links [bs, N] (None: a chain),
     logits [bs*N, V], accept_index [bs, W] (flat indices, -1 padded), accept_lens [bs] (bonus counted);
-    draws [bs*N] / uniforms [bs*N] where the sampler exposes them (-1 / NaN at a greedy request's nodes)."""
+    draws [bs*N] / uniforms [bs*N] where the sampler exposes them (-1 / NaN at a greedy request's nodes);
+    residuals [bs] with uniforms and no draws: SGLang's tree sampler's coins (node coins, bonus coin)."""
     bs = int(accept_lens.shape[0])
     _check_batch("tree_steps", bs, rids, committed)
     n = int(tokens.shape[0]) // bs if bs else 0
@@ -115,6 +118,7 @@ def tree_steps(tokens: torch.Tensor, next_token: torch.Tensor | None, next_sibli
     lp = node_logprobs(logits)
     dr = draws.cpu().tolist() if draws is not None else None
     un = uniforms.cpu().tolist() if uniforms is not None else None
+    rs = residuals.cpu().tolist() if residuals is not None else None
     out = []
     for b in range(bs):
         parents = parents_from_links(nt[b], ns[b]) if nt is not None else [-1] + list(range(n - 1))
@@ -132,6 +136,8 @@ def tree_steps(tokens: torch.Tensor, next_token: torch.Tensor | None, next_sibli
             emitted_logprobs=_emitted_logprobs(lp.logp, [b * n + j for j in accepted], emitted), layout="tree", meta=m))
         if dr is not None and un is not None and any(d >= 0 for d in dr[b * n:(b + 1) * n]):  # a sampled request
             out[-1].draws, out[-1].uniforms = [int(d) for d in dr[b * n:(b + 1) * n]], list(un[b * n:(b + 1) * n])
+        elif un is not None and rs is not None:  # the tree sampler's coins, float32 (exact in float64)
+            out[-1].uniforms, out[-1].residual_uniform = [float(u) for u in un[b * n:(b + 1) * n]], float(rs[b])
     return out
 
 

@@ -25,6 +25,9 @@ HOOK_TARGETS = {
     # SGLang's sampler (prefill and target-only decode) overwrites the logits in place with softmax(logits / T)
     # when a batch samples: the capture keeps the raw logits from just before it
     "sample": "sglang.srt.model_executor.model_runner.ModelRunner.sample",
+    # SGLang's tree sampler at temperature > 0 (eagle_sample imports it from sgl_kernel when it runs): the
+    # capture keeps its coins, so NGRAM's walk can be replayed exactly (reference/children_first.py)
+    "verify_coins": "sgl_kernel.tree_speculative_sampling_target_only",
 }
 
 #: hook name -> modules that do ``from ... import <function>`` (their binding is what runs)
