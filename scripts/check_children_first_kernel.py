@@ -51,7 +51,8 @@ def batch(rng: random.Random, gen: torch.Generator, bs: int, n: int, V: int, tem
         for i in range(1, n):
             sib = {int(tokens[b, j]) for j in range(1, i) if parents[b][j] == parents[b][i]}
             ranked = torch.argsort(probs[b, parents[b][i]], descending=True).tolist()
-            pick = [t for t in ranked[:6] if t not in sib] if rng.random() < 0.8 else [t for t in ranked if t not in sib]
+            free = [t for t in ranked if t not in sib]
+            pick = [t for t in free[:6]] if rng.random() < 0.8 else free
             tokens[b, i] = pick[rng.randrange(len(pick))] if rng.random() < 0.5 else pick[0]
     coins = torch.rand(bs, n, generator=gen)  # [bs, n] float32 in [0, 1)
     final = torch.rand(bs, generator=gen)

@@ -73,6 +73,8 @@ CONFIGS = {
         ("ddtree-fault-kv-move-last", ["--sglang-algorithm", "REFCHECK_DDTREE_FAULT_KV_MOVE_LAST", "--budget", "15"]))},
     "ddtree-b15-t07": ["--sglang-algorithm", "REFCHECK_DDTREE", "--budget", "15", "--temperature", "0.7", "--top-k", "20",
                        "--top-p", "0.9", "--seed", "2"],
+    "ngram-t07": ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "10", "--temperature", "0.7",
+                  "--top-k", "20", "--top-p", "0.9", "--seed", "2"],
     # SGLang in float32 (the sharp check that tells bf16 numerics from engine bugs) is refused for the
     # built-in Qwen3.5 pair on 0.5.17: its gemma_rmsnorm has no float32 kernel (refcheck/sglang_capture/versions.py)
     "dflash-fp32": ["--sglang-algorithm", "DFLASH", "--budget", "15", "--dtype", "float32"],

@@ -314,3 +314,42 @@ def test_under_overlap_committed_lengths_and_roots_come_from_the_device(capture_
     assert (s0.committed_len, s1.committed_len) == (6, 3)
     assert s0.meta["committed_from"] == "forward_batch" and s0.meta["committed_lag"] == 3
     assert (root.tokens, root.committed_len, root.meta["committed_lag"]) == ([42], 10, 6)
+
+
+def test_an_injected_sampler_fault_changes_the_kernel_inputs_not_the_record(capture_dir, monkeypatch):
+    """REFCHECK_SAMPLER_FAULT (refcheck's selftest only): the kernel gets the altered coins / probabilities, the
+    capture keeps what SGLang made; an unknown name is refused by the runner before any engine starts."""
+    from refcheck.errors import UsageError
+    from refcheck.runners.sglang import check_sampling
+    from refcheck.sglang_capture import sampler_faults
+    from reference.sampling import Sampling
+
+    coins = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    probs = torch.tensor([[[0.5, 0.3, 0.2]] * 4])
+    seen = {}
+
+    def kernel(**kw):
+        seen.update(kw)
+
+    plugin._batch = plugin._Batch("decode", True, ["r0"], [3], [7], [3], [3], [0], 4)
+    try:
+        for name in sampler_faults.FAULTS:
+            monkeypatch.setenv(sampler_faults.ENV_FAULT, name)
+            plugin._verify_coins(kernel, uniform_samples=coins, uniform_samples_for_final_sampling=torch.tensor([0.5]),
+                                 target_probs=probs)
+            assert torch.equal(plugin._batch.coins[0], coins)  # recorded as SGLang made them
+            if name == "coin-shared":
+                assert torch.equal(seen["uniform_samples"], torch.full((1, 4), 0.1))
+            else:
+                want = torch.tensor([0.25, 0.09, 0.04]) / 0.38
+                assert torch.allclose(seen["target_probs"][0, 0], want)
+            assert torch.equal(coins, torch.tensor([[0.1, 0.2, 0.3, 0.4]]))  # the caller's tensors untouched
+    finally:
+        plugin._batch = None
+    t1 = Sampling(temperature=1.0)
+    check_sampling("NGRAM", t1)
+    with pytest.raises(UsageError, match="NGRAM at --temperature > 0 only"):
+        check_sampling("NONE", t1)
+    monkeypatch.setenv(sampler_faults.ENV_FAULT, "no-such")
+    with pytest.raises(UsageError, match="not one of"):
+        check_sampling("NGRAM", t1)

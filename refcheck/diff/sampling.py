@@ -146,6 +146,16 @@ def replay_sampled_step(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, r
         out.rounding[node] = (what, dev, spread)
         return True
 
+    def explained_dev(node: int, dev: float, what: str) -> bool:
+        """Whether rounding explains a deviation of ``dev`` log-prob units at ``node``."""
+        if rounding is None or not math.isfinite(dev):
+            return False
+        spread = rounding(node, dev)
+        if spread is None:
+            return False
+        out.rounding[node] = (what, dev, spread)
+        return True
+
     n = tree.num_nodes
     step = s.step
 
@@ -164,7 +174,7 @@ def replay_sampled_step(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, r
             fail("sampling", f"the uniform {s.node_uniforms[rep]!r} is reused along the accepted path (node {rep}): "
                  "the draws of one walk are not independent", node=rep, uniform=s.node_uniforms[rep])
         _check_support(s, tree, probs, req, [], [], path_nodes, draws, fail, explained)
-        _check_children_first(rid, s, tree, probs, cdf_tol, path_nodes, out, fail, explained)
+        _check_children_first(rid, s, tree, probs, req, cdf_tol, path_nodes, out, fail, explained_dev, logp)
         return out
     if known_u:
         _check_uniforms(rid, s, tree, probs, req, cdf_tol, known_u, path_nodes, draws, out, fail, explained)
@@ -281,9 +291,9 @@ def _check_walk(s: StepRow, tree: Tree, draws: list[int | None], path_nodes: lis
                  engine=s.bonus, expected=draws[last])
 
 
-def _check_children_first(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, cdf_tol: float, path_nodes: list[int],
-                          out: StepReplay, fail: Callable[..., None],
-                          explained: Callable[[int, int, float, str], bool]) -> None:
+def _check_children_first(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, req: SampledRequest, cdf_tol: float,
+                          path_nodes: list[int], out: StepReplay, fail: Callable[..., None],
+                          explained_dev: Callable[[int, float, str], bool], logp: torch.Tensor | None) -> None:
     """The engine's path and bonus under the children-first rule (module docstring): at each path node, the
     token that came out against what the node's uniform (and the step's residual uniform) draw."""
     r = s.residual_uniform
@@ -296,22 +306,44 @@ def _check_children_first(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor,
         kids = sorted(tree.children(node).values())  # sibling order: increasing node index
         kid_tokens = [int(tree.tokens[c]) for c in kids]
         got = s.bonus if last else int(tree.tokens[path_nodes[j + 1]])
-        expect = children_first.draw(probs[node], kid_tokens, u, r if r == r else 0.0)
+        ru = r if r == r else 0.0
+        expect = children_first.draw(probs[node], kid_tokens, u, ru)
         if got == expect:
             continue
-        dist = children_first.outside(probs[node], kid_tokens, u, r if r == r else 0.0, got)
+        dist = children_first.outside(probs[node], kid_tokens, u, ru, got)
         what = f"{'bonus' if last else 'accepted token'} {got} vs {expect} (uniform {u:.9g}, residual {r:.9g})"
         if dist <= cdf_tol:
             out.findings.append(Finding(Verdict.BENIGN_TIE, "sampling", rid, s.step, node=node,
                                         message=f"{what} at a CDF edge ({dist:.3g} outside <= {cdf_tol:g})"))
             continue
-        if math.isfinite(dist) and explained(node, got, dist, what):
+        if logp is not None and explained_dev(node, _children_first_deviation(logp[node], kid_tokens, got, u, ru,
+                                                                              dist, req.sampling), what):
             continue
         cat = "bonus" if last else "accepted_path"
         fail(cat, f"at node {node} the engine's {what}: the children-first rule draws {expect} there "
              f"(p = {float(probs[node, got]):.4g} vs {float(probs[node, expect]):.4g}; its uniforms lie {dist:.3g} "
              "outside the engine token's interval)", node=node, engine=got, expected=expect, uniform=u, residual=r)
         return
+
+
+def _children_first_deviation(logp: torch.Tensor, kid_tokens: list[int], token: int, u: float, ru: float,
+                              dist: float, sp: Sampling) -> float:
+    """How far (log-prob units) a node's logits ``logp`` ``[V]`` would have to move for the children-first rule to
+    give ``token``: the CDF shift ``T log1p(dist)``, or, where the engine's token or a child lies outside the top-k /
+    top-p support (a cut rounding moves), the larger of their support gaps and the CDF shift with them admitted."""
+    T = sp.temperature
+    shift = T * math.log1p(dist) if math.isfinite(dist) else math.inf
+    q = tempered_probs(logp[None], T, sp.top_k, sp.top_p)[0]  # [V]
+    out_tokens = [t for t in {token, *kid_tokens} if q[t] <= 0]
+    if not out_tokens:
+        return shift
+    gap = max(support_gap(logp, t, sp) for t in out_tokens)
+    keep = q > 0
+    keep[torch.tensor(out_tokens)] = True
+    wide = torch.where(keep, tempered_probs(logp[None], T)[0], torch.zeros_like(q))  # [V]: the support, widened
+    wide = wide / wide.sum()
+    moved = children_first.outside(wide, kid_tokens, u, ru, token)
+    return min(shift, max(gap, T * math.log1p(moved)))
 
 
 def replay_first_token(rid: str, token: int, probs: torch.Tensor, uniform: float, req: SampledRequest, prompt_len: int,

@@ -47,6 +47,7 @@ from refcheck.prompts import Prompt
 from refcheck.reference_runner import EngineSpec
 from refcheck.runners.sglang_settings import DEFAULT as DEFAULT_SETTINGS
 from refcheck.runners.sglang_settings import ServingSettings, capture_refusal, radix_refusal
+from refcheck.sglang_capture import sampler_faults
 from refcheck.sglang_capture.records import UNTRACED_RID_PREFIX
 from refcheck.sglang_ddtree.faults import ALGORITHMS as FAULT_ALGORITHMS
 from refcheck.trace.io import Trace
@@ -227,6 +228,13 @@ def keyed(algorithm: str) -> bool:
 
 def check_sampling(algorithm: str, sampling: Sampling | None) -> None:
     """Refusals for a sampled SGLang run (before any engine starts)."""
+    try:
+        fault = sampler_faults.active()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if fault is not None and (algorithm != "NGRAM" or sampling is None or sampling.greedy):
+        raise UsageError(f"{sampler_faults.ENV_FAULT}={fault} acts on SGLang's tree sampler: NGRAM at --temperature > 0 "
+                         f"only (this run: {algorithm}, temperature {0 if sampling is None else sampling.temperature})")
     if sampling is None or sampling.greedy:
         return
     if algorithm == "DFLASH":
@@ -447,6 +455,8 @@ class SGLangRunner:
                         untraced_diffs=run.get("untraced_diffs") or {},
                         **({"sampling": self.spec.sampling.to_json(), "rng": sampling_rng(self.algorithm)}
                            if self.spec.sampled and self.spec.sampling is not None else {}),
+                        # a fault injected into SGLang's tree sampler (refcheck/sglang_capture/sampler_faults.py)
+                        **({"sampler_fault": fault} if (fault := sampler_faults.active()) else {}),
                         draft_dir=str(ddir) if ddir and self.spec.model_dir is not None else None)
         return settings
 

@@ -24,7 +24,8 @@ SGLang's ``HookRegistry``:
   ``softmax(logits / T)``; the raw logits are kept from just before it, for the prefill and
   target-only decode records.
 
-Capture never changes what SGLang computes: hooks read and copy, and every failure inside a hook is
+Capture never changes what SGLang computes (the one exception is opt-in: ``REFCHECK_SAMPLER_FAULT``
+injects a fault into the tree sampler for refcheck's own selftest, ``sampler_faults.py``): hooks read and copy, and every failure inside a hook is
 written to the capture directory as an error record instead of being raised into SGLang. The
 first ``run_batch`` of each process writes a status file saying which hooks are live (HookRegistry
 only logs failures), so the runner can refuse a capture that silently missed a hook.
@@ -41,7 +42,7 @@ from typing import Any
 
 import torch
 
-from refcheck.sglang_capture import layers, versions
+from refcheck.sglang_capture import layers, sampler_faults, versions
 from refcheck.sglang_capture.records import ENV_DIR, ENV_FULL, UNTRACED_RID_PREFIX, Recorder
 from refcheck.sglang_capture.state import committed_rows, summarise, summarise_shard
 from refcheck.sglang_capture.steps import StepCapture, chain_steps, prefill_records, root_steps, tree_steps
@@ -362,6 +363,9 @@ def _verify_coins(original, *args, **kwargs):
     snap = _batch
     if snap is not None:
         _guard("verify_coins:before", _keep_coins, snap, args, kwargs)
+    fault = sampler_faults.active()
+    if fault is not None and not args:  # refcheck's selftest: SGLang samples wrongly, the record stays right
+        kwargs = sampler_faults.apply(fault, kwargs)
     return original(*args, **kwargs)
 
 
