@@ -346,6 +346,14 @@ def test_an_injected_sampler_fault_changes_the_kernel_inputs_not_the_record(capt
             assert torch.equal(coins, torch.tensor([[0.1, 0.2, 0.3, 0.4]]))  # the caller's tensors untouched
     finally:
         plugin._batch = None
+    # a positional call is altered the same way (the kernel's parameter order)
+    monkeypatch.setenv(sampler_faults.ENV_FAULT, "coin-shared")
+    plugin._batch = plugin._Batch("decode", True, ["r0"], [3], [7], [3], [3], [0], 4)
+    try:
+        plugin._verify_coins(kernel, *([None] * 7), coins, torch.tensor([0.5]), probs)
+        assert torch.equal(seen["uniform_samples"], torch.full((1, 4), 0.1)) and seen["target_probs"] is probs
+    finally:
+        plugin._batch = None
     t1 = Sampling(temperature=1.0)
     check_sampling("NGRAM", t1)
     with pytest.raises(UsageError, match="NGRAM at --temperature > 0 only"):

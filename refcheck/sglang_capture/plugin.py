@@ -364,8 +364,8 @@ def _verify_coins(original, *args, **kwargs):
     if snap is not None:
         _guard("verify_coins:before", _keep_coins, snap, args, kwargs)
     fault = sampler_faults.active()
-    if fault is not None and not args:  # refcheck's selftest: SGLang samples wrongly, the record stays right
-        kwargs = sampler_faults.apply(fault, kwargs)
+    if fault is not None:  # refcheck's selftest: SGLang samples wrongly, the record stays right
+        return original(**sampler_faults.apply(fault, args, kwargs))
     return original(*args, **kwargs)
 
 
