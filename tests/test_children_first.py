@@ -91,6 +91,19 @@ def test_walk_follows_accepted_children_and_stops_with_a_residual_bonus() -> Non
     assert math.isinf(children_first.outside(zero, [0], 0.9, 0.5, 0)) is False  # a rejected child: u is 0.4 past it
 
 
+def test_a_child_just_outside_the_cut_is_judged_by_its_support_gap() -> None:
+    """A child (or the engine's token) outside top-k by a hair deviates by that hair once admitted, not by an
+    impossible draw; one far outside deviates by its whole gap."""
+    from refcheck.diff.sampling import _children_first_deviation
+
+    logp = torch.log_softmax(torch.tensor([1.0, 0.5, 0.4999, -3.0], dtype=torch.float64), dim=-1)
+    s = Sampling(temperature=1.0, top_k=2)
+    near = _children_first_deviation(logp, [2], 2, 0.1, 0.5, math.inf, s)  # child 2 accepted with coin 0.1
+    assert near == pytest.approx(0.0001 / 2, rel=1e-6)
+    far = _children_first_deviation(logp, [3], 3, 0.01, 0.5, math.inf, s)
+    assert far == pytest.approx((0.5 + 3.0) / 2, rel=1e-6)
+
+
 # ------------------------------------------------------------------------------------- the replay
 @pytest.fixture(scope="module")
 def session():

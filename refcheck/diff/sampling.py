@@ -135,19 +135,8 @@ def replay_sampled_step(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, r
     out = StepReplay()
     T = req.sampling.temperature
 
-    def explained(node: int, token: int, outside: float, what: str) -> bool:
-        """Whether rounding explains a draw of ``token`` at ``node`` lying ``outside`` (CDF units) of its interval."""
-        if rounding is None or logp is None:
-            return False
-        dev = max(T * math.log1p(max(outside, 0.0)), support_gap(logp[node], token, req.sampling))
-        spread = rounding(node, dev)
-        if spread is None:
-            return False
-        out.rounding[node] = (what, dev, spread)
-        return True
-
     def explained_dev(node: int, dev: float, what: str) -> bool:
-        """Whether rounding explains a deviation of ``dev`` log-prob units at ``node``."""
+        """Whether rounding explains a deviation of ``dev`` log-prob units at ``node`` (recorded if so)."""
         if rounding is None or not math.isfinite(dev):
             return False
         spread = rounding(node, dev)
@@ -155,6 +144,13 @@ def replay_sampled_step(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, r
             return False
         out.rounding[node] = (what, dev, spread)
         return True
+
+    def explained(node: int, token: int, outside: float, what: str) -> bool:
+        """Whether rounding explains a draw of ``token`` at ``node`` lying ``outside`` (CDF units) of its interval."""
+        if logp is None:
+            return False
+        dev = max(T * math.log1p(max(outside, 0.0)), support_gap(logp[node], token, req.sampling))
+        return explained_dev(node, dev, what)
 
     n = tree.num_nodes
     step = s.step
