@@ -36,7 +36,7 @@ import torch
 
 from reference.sampling import boundary_margin, inverse_cdf
 
-__all__ = ["draw", "outside", "walk"]
+__all__ = ["bonus", "draw", "outside", "residual", "walk"]
 
 
 def _prefix(q: torch.Tensor, children: list[int]) -> list[float]:
@@ -48,12 +48,21 @@ def _prefix(q: torch.Tensor, children: list[int]) -> list[float]:
     return out
 
 
-def _residual(q: torch.Tensor, children: list[int]) -> torch.Tensor:
-    """``q`` ``[V]`` with the (rejected) children's tokens removed, unnormalised: ``[1, V]`` float64."""
+def residual(q: torch.Tensor, children: list[int]) -> torch.Tensor:
+    """``q`` ``[V]`` with the (rejected) children's tokens removed, unnormalised: ``[V]`` float64."""
     r = q.to(torch.float64).clone()  # float64: the same arithmetic as tempered_probs
     if children:
         r[torch.tensor(children, dtype=torch.long)] = 0.0
-    return r[None]
+    return r
+
+
+def bonus(q: torch.Tensor, children: list[int], residual_u: float) -> int:
+    """The bonus at a node whose children were all rejected: the inverse CDF of ``residual_u`` under
+    :func:`residual` (when every token of the support is a child, the last child: the edge a rounding crossed)."""
+    r = residual(q, children)[None]  # [1, V]
+    if float(r.sum()) <= 0:
+        return int(children[-1])
+    return int(inverse_cdf(r, torch.tensor([residual_u], dtype=torch.float64))[0])
 
 
 def draw(q: torch.Tensor, children: list[int], u: float, residual_u: float) -> int:
@@ -62,10 +71,7 @@ def draw(q: torch.Tensor, children: list[int], u: float, residual_u: float) -> i
     for t, s in zip(children, _prefix(q, children)):
         if u <= s:
             return int(t)
-    r = _residual(q, children)
-    if float(r.sum()) <= 0:  # every token of the support is a child: the last one takes the edge
-        return int(children[-1])
-    return int(inverse_cdf(r, torch.tensor([residual_u], dtype=torch.float64))[0])
+    return bonus(q, children, residual_u)
 
 
 def outside(q: torch.Tensor, children: list[int], u: float, residual_u: float, token: int) -> float:
@@ -80,7 +86,7 @@ def outside(q: torch.Tensor, children: list[int], u: float, residual_u: float, t
         if hi <= lo:
             return math.inf
         return max(lo - u, u - hi, 0.0)
-    r = _residual(q, children)
+    r = residual(q, children)[None]  # [1, V]
     if float(r[0, token]) <= 0:
         return math.inf
     first = max((sums[-1] if sums else 0.0) - u, 0.0)

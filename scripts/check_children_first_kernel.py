@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from refcheck.sglang_capture.layout import links_from_parents  # noqa: E402
+from refcheck.sglang_capture.layout import depths_from_parents, links_from_parents  # noqa: E402
 from reference import children_first  # noqa: E402
 
 EDGE = 1e-5  # float32 running sums over <= 16 children differ from float64 by far less
@@ -33,13 +33,6 @@ EDGE = 1e-5  # float32 running sums over <= 16 children differ from float64 by f
 def random_tree(rng: random.Random, n: int) -> list[int]:
     """Parents of an n-node tree in index order (each node's parent has a lower index)."""
     return [-1] + [rng.randrange(i) if rng.random() < 0.6 else i - 1 for i in range(1, n)]
-
-
-def depth_of(parents: list[int]) -> int:
-    d = [0] * len(parents)
-    for i in range(1, len(parents)):
-        d[i] = d[parents[i]] + 1
-    return max(d)
 
 
 def batch(rng: random.Random, gen: torch.Generator, bs: int, n: int, V: int, temperature: float):
@@ -63,7 +56,7 @@ def run_kernel(parents, probs, tokens, coins, final):
     from sgl_kernel import tree_speculative_sampling_target_only
 
     bs, n, V = probs.shape
-    width = max(depth_of(p) for p in parents) + 1
+    width = max(max(depths_from_parents(p)) for p in parents) + 1
     nt, ns = zip(*(links_from_parents(p) for p in parents))
     dev = "cuda"
     retrive_index = (torch.arange(bs)[:, None] * n + torch.arange(n)[None]).to(dev)  # [bs, n] flat node indices

@@ -23,7 +23,7 @@ from refcheck.selftest.children_first import (
 from refcheck.selftest.sampling_faults import SELFTEST_SAMPLING
 from refcheck.trace.io import trace_bytes, trace_from_bytes
 from reference import children_first
-from reference.sampling import Sampling
+from reference.sampling import Sampling, tempered_probs
 
 pytestmark = pytest.mark.xdist_group("children_first")
 
@@ -98,9 +98,10 @@ def test_a_child_just_outside_the_cut_is_judged_by_its_support_gap() -> None:
 
     logp = torch.log_softmax(torch.tensor([1.0, 0.5, 0.4999, -3.0], dtype=torch.float64), dim=-1)
     s = Sampling(temperature=1.0, top_k=2)
-    near = _children_first_deviation(logp, [2], 2, 0.1, 0.5, math.inf, s)  # child 2 accepted with coin 0.1
+    q = tempered_probs(logp[None], 1.0, 2)[0]
+    near = _children_first_deviation(logp, q, [2], 2, 0.1, 0.5, math.inf, s)  # child 2 accepted with coin 0.1
     assert near == pytest.approx(0.0001 / 2, rel=1e-6)
-    far = _children_first_deviation(logp, [3], 3, 0.01, 0.5, math.inf, s)
+    far = _children_first_deviation(logp, q, [3], 3, 0.01, 0.5, math.inf, s)
     assert far == pytest.approx((0.5 + 3.0) / 2, rel=1e-6)
 
 

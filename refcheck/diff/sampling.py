@@ -165,10 +165,8 @@ def replay_sampled_step(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, r
     for i in known_d:
         draws[i] = int(s.node_draws[i])
     if req.rng == CHILDREN_FIRST:
-        rep = _repeated_on_path(s.node_uniforms, path_nodes) if known_u else None
-        if rep is not None:
-            fail("sampling", f"the uniform {s.node_uniforms[rep]!r} is reused along the accepted path (node {rep}): "
-                 "the draws of one walk are not independent", node=rep, uniform=s.node_uniforms[rep])
+        if known_u:
+            _check_repeats(s, path_nodes, fail)
         _check_support(s, tree, probs, req, [], [], path_nodes, draws, fail, explained)
         _check_children_first(rid, s, tree, probs, req, cdf_tol, path_nodes, out, fail, explained_dev, logp)
         return out
@@ -177,6 +175,14 @@ def replay_sampled_step(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, r
     _check_support(s, tree, probs, req, known_d, known_u, path_nodes, draws, fail, explained)
     _check_walk(s, tree, draws, path_nodes, out, fail)
     return out
+
+
+def _check_repeats(s: StepRow, path_nodes: list[int], fail: Callable[..., None]) -> None:
+    """A uniform reused along the accepted path beyond chance (:func:`_repeated_on_path`) is a finding."""
+    rep = _repeated_on_path(s.node_uniforms, path_nodes)
+    if rep is not None:
+        fail("sampling", f"the uniform {s.node_uniforms[rep]!r} is reused along the accepted path (node {rep}): "
+             "the draws of one walk are not independent", node=rep, uniform=s.node_uniforms[rep])
 
 
 def _check_uniforms(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, req: SampledRequest, cdf_tol: float,
@@ -195,10 +201,7 @@ def _check_uniforms(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor, req: 
             fail("sampling", f"uniform {float(u[i])!r} at node {i} is not the keyed generator's {float(keyed[i])!r} "
                  f"({req.rng}, seed {req.sampling.seed}, request {req.rng_request}; {len(bad)} of {len(known_u)} "
                  f"nodes differ)", node=i, engine=float(u[i]), keyed=float(keyed[i]), nodes=bad[:16])
-    rep = _repeated_on_path(s.node_uniforms, path_nodes)
-    if rep is not None:
-        fail("sampling", f"the uniform {s.node_uniforms[rep]!r} is reused along the accepted path (node {rep}): "
-             "the draws of one walk are not independent", node=rep, uniform=s.node_uniforms[rep])
+    _check_repeats(s, path_nodes, fail)
     idx = torch.tensor(known_u, dtype=torch.long)
     expect = inverse_cdf(probs[idx], u[idx])  # [k]
     first_bad = None
@@ -312,8 +315,8 @@ def _check_children_first(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor,
             out.findings.append(Finding(Verdict.BENIGN_TIE, "sampling", rid, s.step, node=node,
                                         message=f"{what} at a CDF edge ({dist:.3g} outside <= {cdf_tol:g})"))
             continue
-        if logp is not None and explained_dev(node, _children_first_deviation(logp[node], kid_tokens, got, u, ru,
-                                                                              dist, req.sampling), what):
+        if logp is not None and explained_dev(node, _children_first_deviation(logp[node], probs[node], kid_tokens, got,
+                                                                              u, ru, dist, req.sampling), what):
             continue
         cat = "bonus" if last else "accepted_path"
         fail(cat, f"at node {node} the engine's {what}: the children-first rule draws {expect} there "
@@ -322,14 +325,14 @@ def _check_children_first(rid: str, s: StepRow, tree: Tree, probs: torch.Tensor,
         return
 
 
-def _children_first_deviation(logp: torch.Tensor, kid_tokens: list[int], token: int, u: float, ru: float,
-                              dist: float, sp: Sampling) -> float:
-    """How far (log-prob units) a node's logits ``logp`` ``[V]`` would have to move for the children-first rule to
+def _children_first_deviation(logp: torch.Tensor, q: torch.Tensor, kid_tokens: list[int], token: int, u: float,
+                              ru: float, dist: float, sp: Sampling) -> float:
+    """How far (log-prob units) a node's logits ``logp`` ``[V]`` (sampling distribution ``q`` ``[V]``) would have to
+    move for the children-first rule to
     give ``token``: the CDF shift ``T log1p(dist)``, or, where the engine's token or a child lies outside the top-k /
     top-p support (a cut rounding moves), the larger of their support gaps and the CDF shift with them admitted."""
     T = sp.temperature
     shift = T * math.log1p(dist) if math.isfinite(dist) else math.inf
-    q = tempered_probs(logp[None], T, sp.top_k, sp.top_p)[0]  # [V]
     out_tokens = [t for t in {token, *kid_tokens} if q[t] <= 0]
     if not out_tokens:
         return shift

@@ -74,10 +74,14 @@ def _config(path: Path | None) -> dict:
     return json.loads(f.read_text()) if f is not None and f.is_file() else {}
 
 
-def _text_config(target_dir: Path | None) -> dict:
-    """The language model's config of a target (a multimodal checkpoint nests it as text_config)."""
-    cfg = _config(target_dir)
+def _text_of(cfg: dict) -> dict:
+    """The language model's part of a target's config (a multimodal checkpoint nests it as text_config)."""
     return cfg.get("text_config", cfg)
+
+
+def _text_config(target_dir: Path | None) -> dict:
+    """The language model's config of a target."""
+    return _text_of(_config(target_dir))
 
 
 def draft_block_size(draft_dir: Path | None) -> int | None:
@@ -85,9 +89,13 @@ def draft_block_size(draft_dir: Path | None) -> int | None:
     return int(size) if size is not None else None
 
 
+def _hybrid(text_cfg: dict) -> bool:
+    return "linear_attention" in (text_cfg.get("layer_types") or [])
+
+
 def is_hybrid_target(target_dir: Path) -> bool:
     """Whether the target has recurrent (linear-attention) layers, by its config."""
-    return "linear_attention" in (_text_config(target_dir).get("layer_types") or [])
+    return _hybrid(_text_config(target_dir))
 
 
 def check_ddtree_pair(algorithm: str, budget: int, target_dir: Path | None, draft_dir: Path | None) -> None:
@@ -328,9 +336,9 @@ class SGLangRunner:
             raise UsageError(f"timing repeats must be >= 0, got {timing_repeats}")
         self.timing_repeats = timing_repeats  # warm, untraced generates after the captured one (sweep tok/s)
         tdir, ddir = spec.resolved_dirs()
-        cfg = _config(tdir)  # the refusals below ask the target's config
-        text_cfg = cfg.get("text_config", cfg)
-        why = radix_refusal(self.settings, str((cfg.get("architectures") or [""])[0]), is_hybrid_target(tdir))
+        cfg = _config(tdir)  # the refusals below ask the target's config, read once
+        text_cfg = _text_of(cfg)
+        why = radix_refusal(self.settings, str((cfg.get("architectures") or [""])[0]), _hybrid(text_cfg))
         if why:
             raise UsageError(why)
         self.budget = resolve_budget(self.algorithm, spec.budget, ddir, tdir)

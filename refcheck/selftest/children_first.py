@@ -20,7 +20,6 @@ none of them is reached (the greedy walk never samples).
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import torch
@@ -97,7 +96,7 @@ class ChildrenFirstEngine(DDTreeDecoder):
 
     def residual_draw(self, q: torch.Tensor, kid_tokens: list[int], r: float) -> int:
         """The bonus after every child is rejected."""
-        return children_first.draw(q, kid_tokens, math.inf, r)
+        return children_first.bonus(q, kid_tokens, r)
 
 
 class CoinPerChild(ChildrenFirstEngine):
@@ -126,10 +125,7 @@ class ResidualGreedy(ChildrenFirstEngine):
     """The bonus is the argmax of the residual distribution instead of a draw from it."""
 
     def residual_draw(self, q: torch.Tensor, kid_tokens: list[int], r: float) -> int:
-        rest = q.clone()
-        if kid_tokens:
-            rest[torch.tensor(kid_tokens)] = 0.0
-        return int(rest.argmax())
+        return int(children_first.residual(q, kid_tokens).argmax())
 
 
 class TemperatureTwiceCF(ChildrenFirstEngine):

@@ -361,22 +361,19 @@ def _tree_records(snap: _Batch, pre: dict[str, Any], result: tuple) -> list[Step
 
 def _verify_coins(original, *args, **kwargs):
     snap = _batch
+    call = {**dict(zip(versions.TREE_SAMPLER_ARGS, args)), **kwargs}  # every argument by name
     if snap is not None:
-        _guard("verify_coins:before", _keep_coins, snap, args, kwargs)
+        _guard("verify_coins:before", _keep_coins, snap, call)
     fault = sampler_faults.active()
     if fault is not None:  # refcheck's selftest: SGLang samples wrongly, the record stays right
-        return original(**sampler_faults.apply(fault, args, kwargs))
+        return original(**sampler_faults.apply(fault, call))
     return original(*args, **kwargs)
 
 
-def _keep_coins(snap: _Batch, args: tuple, kwargs: dict) -> None:
+def _keep_coins(snap: _Batch, call: dict[str, Any]) -> None:
     """The coins SGLang's tree sampler is handed (copied before it runs; it does not change them)."""
-    def opt(i: int, name: str, default: float) -> float:
-        return float(args[i]) if len(args) > i else float(kwargs.get(name, default))
-
-    snap.coins = (_arg(args, kwargs, 7, "uniform_samples").detach().clone(),
-                  _arg(args, kwargs, 8, "uniform_samples_for_final_sampling").detach().clone(),
-                  (opt(11, "threshold_single", 1.0), opt(12, "threshold_acc", 1.0)))
+    snap.coins = (call["uniform_samples"].detach().clone(), call["uniform_samples_for_final_sampling"].detach().clone(),
+                  (float(call.get("threshold_single", 1.0)), float(call.get("threshold_acc", 1.0))))
 
 
 def _seq_lens(batch: Any) -> list[int] | None:

@@ -23,10 +23,6 @@ import torch
 
 ENV_FAULT = "REFCHECK_SAMPLER_FAULT"
 FAULTS = ("coin-shared", "target-sharpened")
-#: sgl_kernel.tree_speculative_sampling_target_only's parameters, in order (SGLang 0.5.17)
-KERNEL_ARGS = ("predicts", "accept_index", "accept_token_num", "candidates", "retrive_index", "retrive_next_token",
-               "retrive_next_sibling", "uniform_samples", "uniform_samples_for_final_sampling", "target_probs",
-               "draft_probs", "threshold_single", "threshold_acc", "deterministic")
 
 
 def active() -> str | None:
@@ -37,10 +33,10 @@ def active() -> str | None:
     return name
 
 
-def apply(name: str, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The kernel's arguments (positional ones named by :data:`KERNEL_ARGS`) as keywords, with fault ``name``
-    applied (new tensors; the caller's are untouched)."""
-    out = {**dict(zip(KERNEL_ARGS, args)), **kwargs}
+def apply(name: str, call: dict[str, Any]) -> dict[str, Any]:
+    """The kernel's arguments ``call`` (by name) with fault ``name`` applied (new tensors; the caller's are
+    untouched)."""
+    out = dict(call)
     if name == "coin-shared":
         coins = out["uniform_samples"]  # [bs, N]
         out["uniform_samples"] = coins[:, :1].expand_as(coins).contiguous()  # [bs, 1] -> [bs, N]

@@ -30,6 +30,13 @@ HOOK_TARGETS = {
     "verify_coins": "sgl_kernel.tree_speculative_sampling_target_only",
 }
 
+#: sgl_kernel.tree_speculative_sampling_target_only's parameters, in order (0.5.17 and 0.5.23): a positional
+#: call is read by these names
+TREE_SAMPLER_ARGS = ("predicts", "accept_index", "accept_token_num", "candidates", "retrive_index",
+                     "retrive_next_token", "retrive_next_sibling", "uniform_samples",
+                     "uniform_samples_for_final_sampling", "target_probs", "draft_probs", "threshold_single",
+                     "threshold_acc", "deterministic")
+
 #: hook name -> modules that do ``from ... import <function>`` (their binding is what runs)
 BINDINGS = {
     "eagle_sample": ("sglang.srt.speculative.ngram_worker", "sglang.srt.speculative.eagle_worker_common"),
