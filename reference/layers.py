@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from reference.fused import ATTENTION, GATED_DELTANET, project
 from reference.treechunk import ancestor_matrix, gated_delta_tree_chunk
 
 
@@ -66,27 +67,28 @@ def attention_tree(
     past_values: torch.Tensor,
     visible: torch.Tensor,
     prefix_valid: torch.Tensor | None = None,
+    fused: torch.Tensor | None = None,
 ) -> AttentionOut:
     """Full attention for n nodes over the committed prefix and their own ancestors.
 
     x: [n, H] (already input-layernormed); cos/sin: [n, R]; past_*: [Hkv, P, D];
     visible: [n, n] bool, visible[i, j] = node j is an ancestor-or-self of node i;
     prefix_valid: [P] bool, which past slots hold committed tokens (fixed-size caches,
-    reference/static.py); None = all of them.
+    reference/static.py); None = all of them. fused: q | k | v's fused weight (reference/fused.py).
     Handles Qwen3 (plain) and Qwen3.5 / Qwen3-Next (output gate packed into q_proj).
     """
     n = x.shape[0]
     d = attn.head_dim
     n_heads = attn.q_proj.out_features // d
     gate = None
-    q = attn.q_proj(x)
+    q, k, v = project(attn, x, ATTENTION, fused)  # [n, out] each (one GEMM when fused)
     if attn.o_proj.in_features * 2 == attn.q_proj.out_features:  # gated attention
         n_heads //= 2
         q, gate = torch.chunk(q.view(n, n_heads, 2 * d), 2, dim=-1)  # [n, Hq, D] each
         gate = gate.reshape(n, n_heads * d)
     q = attn.q_norm(q.reshape(n, n_heads, d)).transpose(0, 1)  # [Hq, n, D]
-    k = attn.k_norm(attn.k_proj(x).view(n, -1, d)).transpose(0, 1)  # [Hkv, n, D]
-    v = attn.v_proj(x).view(n, -1, d).transpose(0, 1)  # [Hkv, n, D]
+    k = attn.k_norm(k.view(n, -1, d)).transpose(0, 1)  # [Hkv, n, D]
+    v = v.view(n, -1, d).transpose(0, 1)  # [Hkv, n, D]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     keys = torch.cat([past_keys, k], dim=1)  # [Hkv, P+n, D]
@@ -134,17 +136,18 @@ class DeltaNetOut:
     states: torch.Tensor | LazyStates  # [n, HV, Dk, Dv] float32, each node's recurrent post-state
 
 
-def gdn_projections(gdn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def gdn_projections(gdn: torch.nn.Module, x: torch.Tensor,
+                    fused: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Input projections of one Gated DeltaNet layer for n tokens.
 
     Returns mixed_qkv [n, C], z [n, HV, Dv], b [n, HV], a [n, HV] in the model dtype.
-    Qwen3.5 has separate projections; Qwen3-Next packs them per key-head group.
+    Qwen3.5 has separate projections (one GEMM with their ``fused`` weight, reference/fused.py);
+    Qwen3-Next packs them per key-head group.
     """
     n = x.shape[0]
     if hasattr(gdn, "in_proj_qkv"):
-        mixed = gdn.in_proj_qkv(x)
-        z = gdn.in_proj_z(x).view(n, -1, gdn.head_v_dim)
-        return mixed, z, gdn.in_proj_b(x), gdn.in_proj_a(x)
+        mixed, z, b, a = project(gdn, x, GATED_DELTANET, fused)
+        return mixed, z.view(n, -1, gdn.head_v_dim), b, a
     q, k, v, z, b, a = gdn.fix_query_key_value_ordering(
         gdn.in_proj_qkvz(x).unsqueeze(0), gdn.in_proj_ba(x).unsqueeze(0)
     )
@@ -231,6 +234,7 @@ def deltanet_tree(
     leaky: bool = False,
     method: str = "levels",
     plan: TreePlan | None = None,
+    fused: torch.Tensor | None = None,
 ) -> DeltaNetOut:
     """Gated DeltaNet for n tree nodes with exact per-branch conv window and recurrent state.
 
@@ -238,11 +242,12 @@ def deltanet_tree(
     conv_state: [K-1, C] committed conv inputs; recurrent_state: [HV, Dk, Dv] float32.
     method: "levels" (recurrence depth level by depth level, all per-node states materialised) or
     "chunk" (the whole tree as one ancestor-masked chunk of the chunked delta rule,
-    reference/treechunk.py; per-node states rebuilt on demand). Both are exact.
+    reference/treechunk.py; per-node states rebuilt on demand). Both are exact. fused: the input
+    projections' fused weight (reference/fused.py).
     """
     n = x.shape[0]
     kernel = gdn.conv_kernel_size
-    mixed, z, b, a = gdn_projections(gdn, x)
+    mixed, z, b, a = gdn_projections(gdn, x, fused)
     plan = plan or TreePlan.build(parents, leaky)
     rec_parents, levels = plan.parents, plan.levels
 
@@ -250,7 +255,9 @@ def deltanet_tree(
     weight = gdn.conv1d.weight.squeeze(1)  # [C, K]
     rows = torch.cat([conv_state.to(mixed.dtype), mixed], dim=0)  # [K-1+n, C]
     windows = rows[plan.rows(kernel)]  # [n, K, C]
-    conv = torch.einsum("nkc,ck->nc", windows.to(weight.dtype), weight)
+    # Summed in float32 and rounded once to the weight dtype, as a conv kernel's accumulator does; an
+    # elementwise product and a K-term sum (not a per-channel batched GEMV) so that a compiled layer fuses it.
+    conv = (windows.float() * weight.t().float()).sum(dim=1).to(weight.dtype)  # [n, K, C] * [K, C] -> [n, C]
     if gdn.conv1d.bias is not None:
         conv = conv + gdn.conv1d.bias
     conv = F.silu(conv).to(mixed.dtype)  # [n, C]

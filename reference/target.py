@@ -25,6 +25,7 @@ import torch
 
 from reference.compat import rope_position_ids
 from reference.errors import CheckpointError, PromptError, UnsupportedModelError
+from reference.fused import MLP, UNFUSED, LayerFusion, fuse_layer, project
 from reference.layers import TreePlan, attention_tree, conv_window_rows, deltanet_tree
 from reference.state import TargetState, TreeForward
 from reference.treechunk import ancestor_matrix, checks_enabled, unchecked
@@ -73,9 +74,10 @@ class Target:
         #: how Gated DeltaNet layers evaluate a tree: "levels" (depth by depth) or "chunk" (one
         #: ancestor-masked chunk of the chunked delta rule, fast on GPUs); both exact.
         self.gdn_method: str = "chunk"
-        # The per-layer pieces of a forward; :meth:`compile` swaps in torch.compile'd versions.
-        self._deltanet, self._attention, self._mlp = deltanet_tree, attention_tree, _mlp
+        # One decoder layer of a forward; :meth:`compile` swaps in a torch.compile'd version.
+        self._layer_fn: Callable[..., tuple[torch.Tensor, Any]] = decoder_layer
         self.compiled = False
+        self.fusions: list[LayerFusion] = [UNFUSED] * len(self.layers)  # per layer; :meth:`compile` fuses
         #: applied to the residual stream after each add when set (None: exact). refcheck's rounding ensemble
         #: sets it to emulate an engine that stores the residual stream in its own dtype.
         self.residual_rounding: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -109,16 +111,26 @@ class Target:
         return self.body.embed_tokens.weight.dtype
 
     def compile(self) -> None:
-        """Run each layer's token mixer and MLP through ``torch.compile`` (Inductor, static shapes).
+        """The fast path: fused projections and each decoder layer through ``torch.compile``.
 
-        The math is the eager code's, traced (no graph breaks); Inductor fuses the dozens of small
-        elementwise kernels per layer (norms, gates, conv, l2-norm, decay, RoPE) that otherwise cost
-        more than the weights take to stream at one to 65 tokens. Every layer of a kind shares one
-        compiled graph (parameters are graph inputs); each new node count compiles once. Results
-        equal eager to float rounding (fused reductions), not bit for bit: the eager path stays the
-        reference, this one is for speed at scale (tests/test_target.py, scripts/bench_verify.py).
-        Compiled layers serve forwards without host-side checks (``validate=False``: the graphed
-        step, the benchmark); a validated forward (prefill, the decoder's checks) runs eager.
+        Two changes, both equal to the eager reference up to float rounding, never bit for bit:
+
+        * every layer's projections that read one input become one GEMM (``in_proj_qkv | z | b | a``,
+          ``q | k | v``, ``gate | up``: :func:`reference.fused.fuse_layer`; the weights stay held once).
+          This applies to every later forward of this target, eager ones included (the model's modules
+          are re-pointed at the fused rows but compute what they did: another target sharing the model
+          is unaffected);
+        * each decoder layer (norms, token mixer, residual adds, MLP) runs as one Inductor graph
+          (static shapes): the dozens of small elementwise kernels per layer (norms, gates, conv,
+          l2-norm, decay, RoPE) that otherwise cost more than the weights take to stream at one to 65
+          tokens are fused, across the layer's seams too. The math is the eager code's, traced (no
+          graph breaks). Every layer of a kind shares one compiled graph (parameters and the fused
+          weights are graph inputs); each new node count compiles once.
+
+        The eager path stays the reference; this one is for speed at scale (tests/test_target.py,
+        scripts/bench_verify.py). Compiled layers serve forwards without host-side checks
+        (``validate=False``: the graphed step, the benchmark); a validated forward (prefill, the
+        decoder's checks) runs the eager layers (on the fused weights).
         """
         import torch._dynamo
         import torch._inductor.config
@@ -130,9 +142,8 @@ class Target:
         # one graph per (layer kind, node count, tree-plan cache state): budgets 15 and 64, decode,
         # prefill chunks and the leaky variant need more than dynamo's default of 8
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        self._deltanet = torch.compile(deltanet_tree, dynamic=False)
-        self._attention = torch.compile(attention_tree, dynamic=False)
-        self._mlp = torch.compile(_mlp, dynamic=False)
+        self.fusions = [fuse_layer(layer) for layer in self.layers]
+        self._layer_fn = torch.compile(decoder_layer, dynamic=False)
         self.compiled = True
 
     def is_linear(self, layer: int) -> bool:
@@ -223,16 +234,13 @@ class Target:
             plan.window_rows.update({k: conv_window_rows(cparents, k) for k in self.conv_kernels})
         for kernel in self.conv_kernels:  # index bookkeeping once per forward, outside any compiled layer
             plan.rows(kernel)
-        # compiled layers run only where nothing is checked on the host (a check would break the graph)
-        deltanet, attention, mlp = (self._deltanet, self._attention, self._mlp) if self.compiled and not \
-            checks_enabled() else (deltanet_tree, attention_tree, _mlp)
         n = tokens.shape[0]
         h = self._stage_input(tokens)  # [n, H]
         cos, sin = self.rope(h, positions)
         fwd = TreeForward(logits=torch.empty(0), context=torch.empty(0), visible=visible)
         held: dict[int, torch.Tensor] = {}
         for i in self._layer_ids():
-            h, out = self.layer(i, h, state, plan, visible, cos, sin, leaky, (deltanet, attention, mlp))
+            h, out = self.layer(i, h, state, plan, visible, cos, sin, leaky)
             if self.is_linear(i):
                 fwd.conv[i], fwd.recurrent[i] = out.conv_windows, out.states
             else:
@@ -250,27 +258,21 @@ class Target:
         return cos[0], sin[0]  # [n, R]
 
     def layer(self, i: int, h: torch.Tensor, state: TargetState, plan: TreePlan, visible: torch.Tensor,
-              cos: torch.Tensor, sin: torch.Tensor, leaky: bool = False, mixers: tuple | None = None):
+              cos: torch.Tensor, sin: torch.Tensor, leaky: bool = False):
         """Decoder layer ``i`` over n nodes: h [n, H] in, (h after the layer [n, H], the mixer's output).
 
         The Gated DeltaNet mixer follows ``plan`` (its recurrence parents, ancestors and conv-window rows,
         which may differ: ``refcheck explain --layer`` builds such plans); attention follows ``visible``.
-        ``mixers`` (deltanet, attention, mlp) defaults to the eager ones.
+        The compiled layer (:meth:`compile`) runs only where nothing is checked on the host (a check would
+        break its graph).
         """
-        deltanet, attention, mlp = mixers or (deltanet_tree, attention_tree, _mlp)
-        layer = self.layers[i]
-        x = layer.input_layernorm(h)
+        run = self._layer_fn if self.compiled and not checks_enabled() else decoder_layer
         if self.is_linear(i):
-            out = deltanet(layer.linear_attn, x, plan.parents, state.conv[i], state.recurrent[i], leaky=leaky,
-                           method=self.gdn_method, plan=plan)
-        else:
-            out = attention(layer.self_attn, x, cos, sin, state.keys[i], state.values[i], visible,
-                            getattr(state, "prefix_valid", None))  # fixed-size caches mask unused slots
-        h = h + out.hidden
-        if self.residual_rounding is not None:
-            h = self.residual_rounding(h)
-        h = h + mlp(layer.mlp, layer.post_attention_layernorm(h))
-        return (h if self.residual_rounding is None else self.residual_rounding(h)), out
+            mixer_state: tuple = (state.conv[i], state.recurrent[i])
+        else:  # fixed-size caches (reference/static.py) mask their unused slots
+            mixer_state = (state.keys[i], state.values[i], getattr(state, "prefix_valid", None))
+        return run(self.layers[i], self.is_linear(i), h, mixer_state, plan, visible, cos, sin, leaky,
+                   self.gdn_method, self.residual_rounding, self.fusions[i])
 
     # -- the stages a layer-sharded target (reference/sharded.py) replaces ------------------------------------
     def _stage_input(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -309,8 +311,41 @@ class Target:
         return state, TreeForward(logits=torch.cat(logits), context=torch.cat(context))
 
 
-def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Dense or MoE MLP on [n, H]; MoE blocks expect a batch axis and may return router logits."""
+def decoder_layer(layer: torch.nn.Module, linear: bool, h: torch.Tensor, mixer_state: tuple, plan: TreePlan,
+                  visible: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, leaky: bool, gdn_method: str,
+                  rounding: Callable[[torch.Tensor], torch.Tensor] | None,
+                  fusion: LayerFusion = UNFUSED) -> tuple[torch.Tensor, Any]:
+    """One transformers decoder layer over n nodes: h [n, H] -> (h [n, H], the token mixer's output).
+
+    ``linear``: a Gated DeltaNet layer, ``mixer_state`` = (conv [K-1, C], recurrent [HV, Dk, Dv]); else
+    attention, ``mixer_state`` = (past keys, past values [Hkv, P, D], valid past slots [P] or None).
+    ``rounding`` (None: exact) is applied to the residual stream after each add (refcheck's rounding
+    ensemble emulates an engine that stores the residual stream in its own dtype). ``fusion``: the
+    layer's fused projection weights (reference/fused.py). Tensors and plain values only, so that one
+    compiled graph serves every layer of a kind (:meth:`Target.compile`).
+    """
+    x = layer.input_layernorm(h)
+    if linear:
+        conv, recurrent = mixer_state
+        out = deltanet_tree(layer.linear_attn, x, plan.parents, conv, recurrent, leaky=leaky, method=gdn_method,
+                            plan=plan, fused=fusion.mixer)
+    else:
+        keys, values, prefix_valid = mixer_state
+        out = attention_tree(layer.self_attn, x, cos, sin, keys, values, visible, prefix_valid, fusion.mixer)
+    h = h + out.hidden
+    if rounding is not None:
+        h = rounding(h)
+    h = h + mlp_forward(layer.mlp, layer.post_attention_layernorm(h), fusion.mlp)
+    return (h if rounding is None else rounding(h)), out
+
+
+def mlp_forward(mlp: torch.nn.Module, x: torch.Tensor, fused: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense or MoE MLP on [n, H]. A dense MLP with its gate | up ``fused`` weight (reference/fused.py)
+    runs them as one GEMM; otherwise the module's own forward (MoE blocks expect a batch axis and may
+    return router logits)."""
+    if fused is not None:
+        gate, up = project(mlp, x, MLP, fused)  # [n, I] each
+        return mlp.down_proj(mlp.act_fn(gate) * up)
     out = mlp(x.unsqueeze(0))
     if isinstance(out, tuple):
         out = out[0]

@@ -272,16 +272,20 @@ def gated_delta_tree_chunk(
 
     k_beta = kh * bh  # [HV, n, Dk]
     v_beta = vh * bh  # [HV, n, Dv]
+    # The beta-keys and the queries against every key, one batched matmul (rows n.. are the queries').
+    scores = (torch.cat([k_beta, qh], dim=1) @ kh.transpose(-1, -2)) * decay.repeat(1, 2, 1)  # [HV, 2n, n]
     # Unit lower-triangular UT system; the diagonal is never read (unitriangular=True) and the
     # upper triangle is zero because ancestors have smaller indices.
-    system = (k_beta @ kh.transpose(-1, -2)) * decay  # [HV, n, n]
+    system, attn = scores.split([n, n], dim=1)  # [HV, n, n] each
     rhs = torch.cat([v_beta, k_beta * ch.exp()[..., None]], dim=-1)  # [HV, n, Dv + Dk]
     sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # [HV, n, Dv + Dk]
     new_values, k_cumdecay = sol.split([dv, dk], dim=-1)  # [HV, n, Dv], [HV, n, Dk]
 
-    v_new = new_values - k_cumdecay @ initial_state  # [HV, n, Dv]
-    inter = (qh * ch.exp()[..., None]) @ initial_state  # [HV, n, Dv]
-    intra = ((qh @ kh.transpose(-1, -2)) * decay) @ v_new  # [HV, n, n] @ [HV, n, Dv]
+    # What the committed state gives the keys' UT rows and the queries, one batched matmul.
+    from_state = torch.cat([k_cumdecay, qh * ch.exp()[..., None]], dim=1) @ initial_state  # [HV, 2n, Dv]
+    v_new = new_values - from_state[:, :n]  # [HV, n, Dv]
+    inter = from_state[:, n:]  # [HV, n, Dv]
+    intra = attn @ v_new  # [HV, n, n] @ [HV, n, Dv]
     out = (inter + intra).transpose(0, 1).contiguous()  # [n, HV, Dv]
     return TreeChunk(
         out=out,

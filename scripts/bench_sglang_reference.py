@@ -83,8 +83,9 @@ def _verify_fn(target: Any, state: Any, tree: tuple) -> Any:
 
 
 def _compiled_rows(target: Any, state: Any, trees: dict, eager: dict, timer: Any, reps: int, out: dict,
-                   use_graphs: bool) -> None:
-    """Target.compile, then per budget: compile the node count, check it against eager, time its graph."""
+                   use_graphs: bool, profile_top: int = 0) -> None:
+    """Target.compile, then per budget: compile the node count, check it against eager, time its graph;
+    with ``profile_top``, one compiled forward's kernels under the profiler (the top names by time)."""
     t0 = time.time()
     target.compile()
     for b, tree in trees.items():
@@ -99,6 +100,14 @@ def _compiled_rows(target: Any, state: Any, trees: dict, eager: dict, timer: Any
         rec["compiled_graphed"] = row = _time_graph(timer, _verify_fn(target, state, tree), reps, use_graphs)
         print(f"reference B={b}: exact tree chunk, compiled+graphed {row.get('median_ms', float('nan')):.2f} ms "
               f"(max |Δ logit| vs eager {rec['compiled_max_abs_logit_diff']:.3g})", flush=True)
+        if profile_top and use_graphs:  # where the compiled forward's GPU time goes, kernel by kernel
+            rec["compiled_kernels"] = k = load_bench_verify().kernel_breakdown(_verify_fn(target, state, tree),
+                                                                               profile_top)
+            print(f"reference B={b}: {k['kernels']} kernels, GEMM {k['gemm_ms']:.2f} ms, attention "
+                  f"{k['attention_ms']:.2f} ms, other {k['other_ms']:.2f} ms", flush=True)
+            for row_k in k["top_kernels"]:
+                print(f"    {row_k['ms']:8.3f} ms {row_k['count']:5d}x {row_k['kind']:9s} {row_k['name'][:110]}",
+                      flush=True)
     out["compile_and_time_s"] = time.time() - t0
 
 
@@ -125,7 +134,7 @@ def reference_phase(args: argparse.Namespace, budgets: list[int], deadline: floa
         if deadline - time.time() < args.compile_reserve:
             out["skipped"].append("compiled rows (time limit)")
             return
-        _compiled_rows(target, state, trees, eager, timer, args.reps, out, graphs)
+        _compiled_rows(target, state, trees, eager, timer, args.reps, out, graphs, getattr(args, "profile_top", 0))
 
 
 def wait_for_gpu(min_free_gb: float, timeout_s: float = 60.0) -> float:

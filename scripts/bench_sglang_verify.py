@@ -253,6 +253,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--min-reference-s", type=float, default=45.0, help="skip the reference with less time left")
     ap.add_argument("--compile-reserve", type=float, default=60.0, help="skip the compiled rows with less left")
     ap.add_argument("--need-free-gb", type=float, default=70.0, help="free GPU memory to wait for before the reference")
+    ap.add_argument("--profile-top", type=int, default=0,
+                    help="profile one compiled reference forward per budget: its N most expensive kernels")
     ap.add_argument("--ref-shape", default=SHAPE, help="bench_verify shape of the reference (small: a CPU smoke test)")
     ap.add_argument("--ref-device", default="cuda", help="the reference's device (cpu: eager stand-ins, no graphs)")
     ap.add_argument("--model-dir", type=Path, default=None, help="where to write config.json (default: a temp dir)")

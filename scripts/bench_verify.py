@@ -189,8 +189,9 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def kernel_breakdown(fn) -> dict:
-    """One eager run of ``fn`` under the CUDA profiler: kernel count and summed kernel time by kind."""
+def kernel_breakdown(fn, top: int = 0) -> dict:
+    """One eager run of ``fn`` under the CUDA profiler: kernel count and summed kernel time by kind;
+    with ``top``, also the ``top`` kernel names by summed time (``top_kernels``: name, kind, count, ms)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -198,12 +199,21 @@ def kernel_breakdown(fn) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    out = {"kernels": 0, "gemm_ms": 0.0, "attention_ms": 0.0, "other_ms": 0.0}
+    out: dict = {"kernels": 0, "gemm_ms": 0.0, "attention_ms": 0.0, "other_ms": 0.0}
+    by_name: dict[str, list] = {}
     for ev in prof.events():
         if ev.device_type.name != "CUDA" or ev.device_time <= 0:
             continue
         out["kernels"] += 1
-        out[f"{kernel_kind(ev.name)}_ms"] += ev.device_time / 1e3  # device_time is in microseconds
+        ms = ev.device_time / 1e3  # device_time is in microseconds
+        out[f"{kernel_kind(ev.name)}_ms"] += ms
+        entry = by_name.setdefault(ev.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += ms
+    if top:
+        ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+        out["top_kernels"] = [{"name": name[:160], "kind": kernel_kind(name), "count": c, "ms": round(ms, 4)}
+                              for name, (c, ms) in ranked]
     return out
 
 
