@@ -390,16 +390,18 @@ def gate_jobs(manifest: Manifest, names: list[str]) -> list[list[str]]:
 
 
 def gate(golden_dir: Path, session: DiffSession, cases: list[str] | None = None, progress: Progress | None = None,
-         workers: int | None = 1, profiles: dict[str, Profile] | None = None, cache_dir: Path | None = None) -> list[Report]:
+         workers: int | None = 1, profiles: dict[str, Profile] | None = None, cache_dir: Path | None = None,
+         manifest: Manifest | None = None) -> list[Report]:
     """Verify the goldens' hashes, then each case's verdict (:func:`check_trace`), in the order of
     ``cases`` (default: every case). ``workers``: processes to spread the cases over (None: one per
     usable core; this process is one of them; :func:`gate_jobs` taken costliest first). ``profiles``:
     a dict that receives each case's :class:`Profile`. ``cache_dir``: reports cached there under a
     key of the golden's bytes, its settings, the packages' files and the environment
-    (:mod:`refcheck.gate_cache`)."""
+    (:mod:`refcheck.gate_cache`). ``manifest``: what :func:`verify` of ``golden_dir`` returned, when the
+    caller has verified already (read once)."""
     from refcheck.parallel import usable_cpus
 
-    manifest = verify(golden_dir)
+    manifest = verify(golden_dir) if manifest is None else manifest
     names = cases or sorted(manifest.cases)
     unknown = [n for n in names if n not in manifest.cases]
     if unknown:

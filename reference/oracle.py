@@ -32,6 +32,8 @@ built-in models and for spot checks on real ones.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from reference.compat import full_forward_logits
@@ -45,15 +47,6 @@ GUESS_MARGIN = 1e-2
 GUESS_CDF_MARGIN = 1e-2
 #: a guess is used only where its long forward's rows are within margin / GUESS_SAFETY of the prefixes' own
 GUESS_SAFETY = 20.0
-
-
-def _guesses(guess: list[int] | list[list[int]] | None) -> list[list[int]]:
-    """One guess or several, as a list of token lists."""
-    if not guess:
-        return []
-    if isinstance(guess[0], list):
-        return [list(g) for g in guess if g]  # type: ignore[union-attr]
-    return [list(guess)]  # type: ignore[arg-type]
 
 
 def _guess_rows(model: torch.nn.Module, prompt_ids: list[int], guess: list[int]) -> tuple[torch.Tensor, float]:
@@ -98,11 +91,11 @@ def sample_decode(
     sampling: Sampling,
     request: int = 0,
     stop_token_ids: frozenset[int] | set[int] = frozenset(),
-    guess: list[int] | list[list[int]] | None = None,
+    guesses: Sequence[Sequence[int]] = (),
 ) -> tuple[list[int], list[float]]:
-    """Target-only sampled continuation of ``prompt_ids`` and each draw's boundary margin (``guess``: the
-    continuation expected, or several, each settled in one forward where it holds and where it extends
-    what the ones before it settled; module docstring)."""
+    """Target-only sampled continuation of ``prompt_ids`` and each draw's boundary margin (``guesses``: the
+    continuations expected, each settled in one forward where it holds and where it extends what the ones
+    before it settled; module docstring)."""
     if sampling.greedy or sampling.keying != "position":
         raise SamplingError("sample_decode needs temperature > 0 and the 'position' keying")
     device = next(model.parameters()).device
@@ -117,10 +110,10 @@ def sample_decode(
         tok = inverse_cdf(probs, u)
         return tok, boundary_margin(probs, u, tok)
 
-    for g in _guesses(guess):
-        g = g[:max_new_tokens]
+    for guess in guesses:
+        g = list(guess)[:max_new_tokens]
         if len(g) <= len(out) or g[: len(out)] != out:
-            continue  # nothing new, or not a continuation of what is settled
+            continue  # empty, nothing new, or not a continuation of what is settled
         rows, drift = _guess_rows(model, list(prompt_ids), g)
         # a CDF edge moves by at most sum |dp| <= 2 max |d logit| / T (to first order)
         if GUESS_SAFETY * 2.0 * drift / sampling.temperature >= GUESS_CDF_MARGIN:
@@ -187,11 +180,12 @@ class GreedyMemo:
     @torch.no_grad()
     def decode(self, prompt_ids: list[int], max_new_tokens: int,
                stop_token_ids: frozenset[int] | set[int] = frozenset(),
-               guess: list[int] | list[list[int]] | None = None) -> list[int]:
-        """``greedy_decode``'s continuation; ``guess`` (the continuation expected, or several) is settled
-        first, one forward per guess (:meth:`learn`)."""
-        for g in _guesses(guess):
-            self.learn(list(prompt_ids), g[:max_new_tokens])
+               guesses: Sequence[Sequence[int]] = ()) -> list[int]:
+        """``greedy_decode``'s continuation; ``guesses`` (the continuations expected) are settled first, one
+        forward per guess (:meth:`learn`)."""
+        for g in guesses:
+            if g:
+                self.learn(list(prompt_ids), list(g)[:max_new_tokens])
         device = next(self.model.parameters()).device
         seq = list(prompt_ids)
         out: list[int] = []

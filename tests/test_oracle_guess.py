@@ -41,9 +41,9 @@ def test_a_guess_whose_forward_drifts_settles_nothing(hybrid, greedy_hybrid, mon
     real = oracle._guess_rows
     monkeypatch.setattr(oracle, "_guess_rows", lambda *a: (real(*a)[0], GUESS_MARGIN / GUESS_SAFETY))
     memo = GreedyMemo(target.model)
-    assert memo.decode(PROMPT, 40, guess=greedy_hybrid) == greedy_hybrid and memo.forwards == 3 + 40
+    assert memo.decode(PROMPT, 40, guesses=[greedy_hybrid]) == greedy_hybrid and memo.forwards == 3 + 40
     s = Sampling(temperature=1.0, seed=7)
-    assert sample_decode(target.model, PROMPT, 12, s, 3, guess=greedy_hybrid) == sample_decode(target.model, PROMPT, 12, s, 3)
+    assert sample_decode(target.model, PROMPT, 12, s, 3, guesses=[greedy_hybrid]) == sample_decode(target.model, PROMPT, 12, s, 3)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_greedy_with_any_guess_is_the_plain_loop(hybrid, greedy_hybrid, cut, rep
     want = greedy_hybrid
     guess = want[:cut] + ([replace] if cut < 40 else []) + [1] * extra
     memo = GreedyMemo(target.model)
-    assert memo.decode(PROMPT, 40, guess=guess) == want
+    assert memo.decode(PROMPT, 40, guesses=[guess]) == want
     right = cut == 40 or replace == want[cut]
     if right and extra == 0:
         assert memo.forwards <= 3 + 2  # the forward and its two probes (and a prefix or two left unsettled)
@@ -73,7 +73,7 @@ def test_greedy_guess_stops_at_stop_tokens(hybrid, greedy_hybrid):
     stop = {greedy_hybrid[9]}
     want = greedy_decode(target.model, PROMPT, 40, stop)
     memo = GreedyMemo(target.model)
-    assert memo.decode(PROMPT, 40, stop, guess=greedy_hybrid) == want == greedy_hybrid[: greedy_hybrid.index(greedy_hybrid[9]) + 1]
+    assert memo.decode(PROMPT, 40, stop, guesses=[greedy_hybrid]) == want == greedy_hybrid[: greedy_hybrid.index(greedy_hybrid[9]) + 1]
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_sampling_with_any_guess_is_the_plain_loop(hybrid, sampled_hybrid, cut, 
     target, _ = hybrid
     s, (want, margins) = sampled_hybrid
     guess = want[:cut] + ([replace] if cut < 40 else [])
-    got, got_margins = sample_decode(target.model, PROMPT, 40, s, 3, guess=guess)
+    got, got_margins = sample_decode(target.model, PROMPT, 40, s, 3, guesses=[guess])
     assert got == want and len(got_margins) == len(margins)
     assert max(abs(a - b) for a, b in zip(got_margins, margins)) < 1e-5
     assert got_margins[cut:] == margins[cut:]  # the loop's own values after the guess's first error
@@ -115,11 +115,11 @@ def test_a_second_guess_settles_what_follows_where_the_first_errs(hybrid, greedy
     want = greedy_hybrid
     wrong = want[:10] + [(want[10] + 1) % 500] + want[11:]
     memo = GreedyMemo(target.model)
-    assert memo.decode(PROMPT, 40, guess=[wrong, [7, 7, 7], want]) == want and memo.forwards <= 9 + 2
+    assert memo.decode(PROMPT, 40, guesses=[wrong, [7, 7, 7], want]) == want and memo.forwards <= 9 + 2
     s, (swant, smargins) = sampled_hybrid
     calls["n"] = 0
     swrong = swant[:5] + [(swant[5] + 1) % 500] + swant[6:]
-    got, got_margins = sample_decode(target.model, PROMPT, 40, s, 3, guess=[swrong, [1, 2], swant])
+    got, got_margins = sample_decode(target.model, PROMPT, 40, s, 3, guesses=[swrong, [1, 2], swant])
     assert got == swant and max(abs(a - b) for a, b in zip(got_margins, smargins)) < 1e-5
     near_edges = sum(m <= GUESS_CDF_MARGIN for m in smargins)  # draws the long forward leaves to their own prefix
     assert calls["n"] <= 2 * 3 + 1 + near_edges < 40  # two guesses' forwards and probes, the draw where the first errs

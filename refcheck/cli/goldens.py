@@ -30,7 +30,7 @@ def gate(golden_dir, cases, workers, profile, cache_dir, as_json):
     import time
 
     from refcheck.diff.session import DiffSession
-    from refcheck.golden import default_golden_dir, load_manifest
+    from refcheck.golden import default_golden_dir, verify
     from refcheck.golden import gate as run_gate
     from refcheck.log import progress_bar
 
@@ -38,10 +38,10 @@ def gate(golden_dir, cases, workers, profile, cache_dir, as_json):
     quiet()
     profiles: dict | None = {} if profile else None
     gdir = golden_dir or default_golden_dir()
-    total = len(cases) or len(load_manifest(gdir).cases)
-    with progress_bar(err, total, "gate") as progress:
+    manifest = verify(gdir)  # the hashes checked once, before any case runs
+    with progress_bar(err, len(cases) or len(manifest.cases), "gate") as progress:
         reports = run_gate(gdir, DiffSession(), list(cases) or None, progress=progress, workers=workers,
-                           profiles=profiles, cache_dir=cache_dir)
+                           profiles=profiles, cache_dir=cache_dir, manifest=manifest)
     report_table(reports, "refcheck gate")
     wall = time.perf_counter() - t0
     extra: dict = {"wall_s": wall, "cpu_s_this_process": time.process_time() - c0}

@@ -10,6 +10,7 @@ model once and does work the cases share once (same results as computing it per 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from refcheck.diff.findings import Report
@@ -90,13 +91,13 @@ class DiffSession:
         return self._memos[key]
 
     def greedy(self, runner: ReferenceRunner, prompt: list[int], n: int,
-               guess: list[int] | list[list[int]] | None = None) -> list[int]:
+               guesses: Sequence[Sequence[int]] = ()) -> list[int]:
         """The target-only greedy continuation of ``prompt``: ``n`` tokens (fewer after a stop token);
-        ``guess`` (the engine's output) is settled in one forward where it holds (``reference.oracle``)."""
+        ``guesses`` (the engine's output, ...) are settled in one forward each where they hold (``reference.oracle``)."""
         memo = self.memo(runner)
         before = memo.forwards
         with phase("greedy_oracle"):
-            out = memo.decode(prompt, n, runner.spec.stop_token_ids, guess=guess)
+            out = memo.decode(prompt, n, runner.spec.stop_token_ids, guesses=guesses)
         count("greedy_forwards", memo.forwards - before)
         return out
 
@@ -111,7 +112,7 @@ class DiffSession:
         spec = runner.spec
         with phase("greedy_oracle"):
             return sample_decode(runner.target.model, list(req.prompt_ids), spec.max_new_tokens, sr.sampling,
-                                 sr.rng_request, spec.stop_token_ids, guess=guesses or [list(req.output_ids)])
+                                 sr.rng_request, spec.stop_token_ids, guesses=guesses or [list(req.output_ids)])
 
     def reference_decode(self, runner: ReferenceRunner, prompt: list[int], request: int = 0) -> DecodeResult:
         """The reference's own DDTree run of ``prompt`` under ``runner.spec`` (computed once per spec);
@@ -169,7 +170,7 @@ class DiffSession:
                     greedy[r.request_id] = None if got is None else got[0]
                     margins[r.request_id] = None if got is None else got[1]
                 else:
-                    greedy[r.request_id] = self.greedy(runner, list(r.prompt_ids), spec.max_new_tokens, guess=guesses)
+                    greedy[r.request_id] = self.greedy(runner, list(r.prompt_ids), spec.max_new_tokens, guesses=guesses)
             cdf_tol = (cdf_tolerance(tol.logprob_abs, spec.sampling.temperature)
                        if spec.sampled and spec.sampling is not None else 0.0)
             with phase("free.check"):
