@@ -175,6 +175,10 @@ def test_compiled_target_equals_eager_on_decoy_trees(hybrid):
     compiled.compile()
     fused = [f for f in compiled.fusions if f.mixer is not None and f.mlp is not None]
     assert len(fused) == len(compiled.layers)  # every layer's input projections and gate | up are one GEMM each
+    import torch._dynamo.utils
+
+    torch._dynamo.reset()  # an earlier compile of the same shapes in this process would serve ours from its cache
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     calls: list[int] = []
     fn = compiled._layer_fn  # count calls into the compiled layer
     compiled._layer_fn = lambda *a, **k: (calls.append(1), fn(*a, **k))[1]
@@ -189,6 +193,9 @@ def test_compiled_target_equals_eager_on_decoy_trees(hybrid):
         calls.clear()
         assert _close(got.logits, want.logits)
         assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+    # one graph per layer kind, shared by every layer of the kind whatever its weights, and by the leaky
+    # and exact forwards (the tree plan carries the difference)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 2
     accepted = tree.walk_greedy(want.logits.argmax(-1))
     assert len(accepted) >= 3
     got_state, want_state = state.commit(got, accepted).tensors(), state.commit(want, accepted).tensors()
