@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from reference.fused import UNFUSED
 from reference.state import TargetState
 from reference.target import Target
 
@@ -51,10 +52,13 @@ class PipelineTarget(Target):
 
     def release_foreign_layers(self) -> None:
         """Free the weights of layers other ranks evaluate (moved to the meta device); the embedding
-        and head stay, since the drafter borrows them on every rank."""
+        and head stay, since the drafter borrows them on every rank. Their fused projection weights
+        (:meth:`Target.compile`) are dropped too: the modules' weights are views of them."""
+        self.fusions = list(self.fusions)  # this rank's own: the wrapped target keeps its list
         for i, layer in enumerate(self.layers):
             if i not in self.mine:
                 layer.to("meta")
+                self.fusions[i] = UNFUSED
 
     def empty_state(self) -> TargetState:
         full = super().empty_state()

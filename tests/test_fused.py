@@ -73,3 +73,22 @@ def test_a_target_sharing_the_model_computes_bit_for_bit_what_it_did_after_anoth
     _, fused = other.prefill(ids)  # the fused GEMMs: equal to float rounding
     assert torch.allclose(fused.logits, before.logits, atol=1e-4, rtol=1e-4)
     assert torch.equal(fused.logits.argmax(-1), before.logits.argmax(-1))
+
+
+def test_releasing_another_ranks_layers_drops_their_fused_weights(hybrid):
+    """A layer-sharded target that moves other ranks' layers to the meta device drops their fused weights too
+    (the modules' weights are views of them: kept, they would hold the layer's memory), and keeps its own."""
+    from reference.fused import UNFUSED
+    from reference.sharded import PipelineTarget
+    from reference.target import Target
+
+    target = Target(_model(hybrid))
+    target.fusions = [fuse_layer(layer) for layer in target.layers]
+    rank = PipelineTarget.__new__(PipelineTarget)  # the rank's view of the target, without a process group
+    rank.__dict__.update(target.__dict__)
+    rank.mine = range(0, 3)
+    rank.release_foreign_layers()
+    assert all(f is not UNFUSED and f.mixer is not None for f in rank.fusions[:3])
+    assert all(f is UNFUSED for f in rank.fusions[3:])
+    assert all(f is not UNFUSED for f in target.fusions)  # the wrapped target's list is its own
+    assert all(p.device.type == "meta" for layer in rank.layers[3:] for p in layer.parameters())
