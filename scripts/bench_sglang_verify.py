@@ -47,7 +47,9 @@ Figures per budget (JSON ``budgets`` rows; medians, min–max in the phase recor
   the round trips between SGLang's processes and everything else included: an upper bound for its
   verify alone. ``sglang_step_ms_raw`` does not subtract the prefill.
 * ratios ``reference / SGLang`` against the forward and the step (≤ 1: the reference is no slower),
-  and both sides over bench_verify's weight-streaming floor (weights / measured copy bandwidth).
+  and both sides over bench_verify's weight-streaming floor (weights / measured copy bandwidth);
+* ``goal`` (and the last line printed): per budget whether the reference's exact verify is no slower than
+  SGLang's graphed verify forward, ``met`` over all budgets (None while a side is missing).
 
 Time: ``--time-limit`` seconds from start (default 540, for a 600 s command): each SGLang phase is
 killed at ``--sglang-phase-limit`` or when only ``--ref-reserve`` seconds would be left for the
@@ -171,6 +173,23 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
               f"{f(r['sglang_step_ms'], ' ms')} | {f(r['reference_verify_ms'], ' ms')} | "
               f"{f(r['ratio_ref_over_sglang_forward'], '×')} | {f(r['ratio_ref_over_sglang_step'], '×')} | "
               f"{f(r['floor_ms'], ' ms')} |", flush=True)
+
+
+def goal(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The reference's speed goal per budget: its compiled + graphed exact verify no slower than SGLang's
+    graphed verify forward (ratio <= 1). ``met`` is None when a budget lacks either side."""
+    per = {str(r["budget"]): (None if r["ratio_ref_over_sglang_forward"] is None
+                              else bool(r["ratio_ref_over_sglang_forward"] <= 1.0)) for r in rows}
+    known = [v for v in per.values() if v is not None]
+    return {"rule": "reference compiled+graphed exact verify <= SGLang graphed verify forward",
+            "per_budget": per, "met": (all(known) if len(known) == len(per) else None)}
+
+
+def goal_line(g: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    parts = [f"B={r['budget']} " + ("not measured" if g["per_budget"][str(r["budget"])] is None else
+                                    f"{'met' if g['per_budget'][str(r['budget'])] else 'NOT met'} "
+                                    f"({r['ratio_ref_over_sglang_forward']:.2f}×)") for r in rows]
+    return "goal (the reference no slower than SGLang's verify forward): " + "; ".join(parts)
 
 
 # -- the run -----------------------------------------------------------------------------------------------------
@@ -299,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     if "reference" in args.phases:
         _reference(args, budgets, result, deadline, save)
     result["budgets"] = combine(result["sglang"], result["reference"], budgets)
+    result["goal"] = goal(result["budgets"])
     print_rows(result["budgets"])
+    print(goal_line(result["goal"], result["budgets"]), flush=True)
     if result["skipped"]:
         print("skipped: " + "; ".join(result["skipped"]), flush=True)
     save()

@@ -179,6 +179,11 @@ def test_summary_and_ratios_from_a_child_result(bench, engine):
     assert rows[0]["reference_x_floor"] == pytest.approx(24.8 / 13.0)
     assert rows[1]["sglang_step_ms"] is None and rows[1]["ratio_ref_over_sglang_forward"] is None
     assert engine.summarise_sglang({"timed": []}) == {}
+    g = bench.goal(rows)  # B=15 measured on both sides (0.8x: met), B=64 not
+    assert g["per_budget"] == {"15": True, "64": None} and g["met"] is None
+    assert "B=15 met (0.80×); B=64 not measured" in bench.goal_line(g, rows)
+    slow = [dict(rows[0], ratio_ref_over_sglang_forward=1.24)]
+    assert bench.goal(slow)["met"] is False and "B=15 NOT met (1.24×)" in bench.goal_line(bench.goal(slow), slow)
 
 
 FAKE_SGLANG = '''
