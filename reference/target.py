@@ -132,6 +132,8 @@ class Target:
         (``validate=False``: the graphed step, the benchmark); a validated forward (prefill, the
         decoder's checks) runs the eager layers (on the fused weights).
         """
+        if self.compiled:  # once: a second fusion would copy the fused weights again
+            return
         import torch._dynamo
         import torch._inductor.config
 

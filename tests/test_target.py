@@ -173,6 +173,9 @@ def test_compiled_target_equals_eager_on_decoy_trees(pair):
     eager = pair[0]
     compiled = Target(copy.deepcopy(eager.model))  # its own model: compile re-points the weights it fuses
     compiled.compile()
+    first = compiled.fusions
+    compiled.compile()  # idempotent: the weights are fused once
+    assert compiled.fusions is first
     fused = [f for f in compiled.fusions if f.mixer is not None and f.mlp is not None]
     assert len(fused) == len(compiled.layers)  # every layer's input projections and gate | up are one GEMM each
     import torch._dynamo.utils
