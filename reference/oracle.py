@@ -183,9 +183,8 @@ class GreedyMemo:
                guesses: Sequence[Sequence[int]] = ()) -> list[int]:
         """``greedy_decode``'s continuation; ``guesses`` (the continuations expected) are settled first, one
         forward per guess (:meth:`learn`)."""
-        for g in guesses:
-            if g:
-                self.learn(list(prompt_ids), list(g)[:max_new_tokens])
+        for g in guesses:  # (an empty one settles nothing)
+            self.learn(list(prompt_ids), list(g)[:max_new_tokens])
         device = next(self.model.parameters()).device
         seq = list(prompt_ids)
         out: list[int] = []

@@ -273,10 +273,10 @@ def gated_delta_tree_chunk(
     k_beta = kh * bh  # [HV, n, Dk]
     v_beta = vh * bh  # [HV, n, Dv]
     # The beta-keys and the queries against every key, one batched matmul (rows n.. are the queries').
-    scores = (torch.cat([k_beta, qh], dim=1) @ kh.transpose(-1, -2)) * decay.repeat(1, 2, 1)  # [HV, 2n, n]
+    scores = (torch.cat([k_beta, qh], dim=1) @ kh.transpose(-1, -2)).view(hv, 2, n, n)  # [HV, 2n, n] -> [HV, 2, n, n]
     # Unit lower-triangular UT system; the diagonal is never read (unitriangular=True) and the
     # upper triangle is zero because ancestors have smaller indices.
-    system, attn = scores.split([n, n], dim=1)  # [HV, n, n] each
+    system, attn = (scores * decay[:, None]).unbind(1)  # [HV, n, n] each
     rhs = torch.cat([v_beta, k_beta * ch.exp()[..., None]], dim=-1)  # [HV, n, Dv + Dk]
     sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # [HV, n, Dv + Dk]
     new_values, k_cumdecay = sol.split([dv, dk], dim=-1)  # [HV, n, Dv], [HV, n, Dk]

@@ -134,7 +134,7 @@ def reference_phase(args: argparse.Namespace, budgets: list[int], deadline: floa
         if deadline - time.time() < args.compile_reserve:
             out["skipped"].append("compiled rows (time limit)")
             return
-        _compiled_rows(target, state, trees, eager, timer, args.reps, out, graphs, getattr(args, "profile_top", 0))
+        _compiled_rows(target, state, trees, eager, timer, args.reps, out, graphs, args.profile_top)
 
 
 def wait_for_gpu(min_free_gb: float, timeout_s: float = 60.0) -> float:

@@ -93,7 +93,8 @@ class DiffSession:
     def greedy(self, runner: ReferenceRunner, prompt: list[int], n: int,
                guesses: Sequence[Sequence[int]] = ()) -> list[int]:
         """The target-only greedy continuation of ``prompt``: ``n`` tokens (fewer after a stop token);
-        ``guesses`` (the engine's output, ...) are settled in one forward each where they hold (``reference.oracle``)."""
+        ``guesses`` (the engine's output, the reference's own run) are settled in one forward each where they hold
+        (``reference.oracle``)."""
         memo = self.memo(runner)
         before = memo.forwards
         with phase("greedy_oracle"):
