@@ -138,6 +138,10 @@ def _typed(d: Mapping, key: str, kind: type | tuple[type, ...], default: Any, wh
     raise ProvenanceError(f"{where}{key} is {type(value).__name__} {value!r}, expected {kind}")
 
 
+#: the values of :attr:`Provenance.draft_rule`
+DRAFT_RULES = ("ddtree", "chain", "none", "other")
+
+
 @dataclass(frozen=True, slots=True)
 class Provenance:
     """A trace's provenance, typed. Defaults are what an old trace that lacks a key meant."""
@@ -209,6 +213,26 @@ class Provenance:
                 stats=_typed(cap, "stats", Mapping, {}, "provenance capture.") or {}),
             settings=st,
         )
+
+    @property
+    def draft_rule(self) -> str:
+        """How the engine turned its drafts into the tree it verified: ``ddtree`` (best-first at ``budget``),
+        ``chain`` (the top-1 token at each depth), ``none`` (target-only decoding) or ``other`` (its own rule,
+        e.g. SGLang's NGRAM: no reference algorithm to compare acceptance with). Read from
+        ``engine.settings.draft_rule`` where the runner recorded it, else derived from the engine and algorithm."""
+        rule = self.settings.get("draft_rule")
+        if isinstance(rule, str) and rule in DRAFT_RULES:
+            return rule
+        if rule is not None:
+            raise ProvenanceError(f"provenance engine.settings.draft_rule is {rule!r}, expected one of {DRAFT_RULES}")
+        algorithm = str(self.settings.get("algorithm") or "")
+        if algorithm == "NONE" or self.budget == 0:
+            return "none"
+        if algorithm == "DFLASH" or self.engine == "zlab" or self.budget is None:
+            return "chain"
+        if (self.engine == "sglang" and not algorithm.startswith("REFCHECK_DDTREE")) or self.drafter == "none":
+            return "other"
+        return "ddtree"
 
     @property
     def is_reference(self) -> bool:

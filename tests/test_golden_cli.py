@@ -115,6 +115,8 @@ GATE_WORK_BUDGET = {
     "forwards.replay.verify": 4444,           # one tree forward per replayed step
     "forwards.replay.drafter": 900,           # the DFlash drafter fed root + accepted nodes (888), and the scripted
                                               # drafter's oracle prefixes no earlier case had asked for
+    "forwards.replay.account": 40,            # the acceptance account's reference step where its tree is not the
+                                              # engine's (29: the zlab hybrid chain golden's steps after its leak)
     "forwards.replay.prefill": 170,           # one prompt prefill per request (162), re-prefills on misalignment
     "ensemble_steps": 290,                    # steps the calibrated verdict sends to the rounding ensemble (274:
                                               # the anchor step of each bf16 SGLang request, the steps over a
@@ -137,7 +139,7 @@ GATE_WORK_BUDGET = {
     "forwards.free.reference_decode": 3000,   # their forwards (2791; scripted drafts share the oracle's memo, so
                                               # which phase runs a shared prefix first depends on the case order)
     "runner_loads": 6,                        # per setting of pair, drafter and sampling the gate loads a runner
-    "forwards": 12600,                        # everything (12039, 1771 of it the three NGRAM goldens with coins;
+    "forwards": 12640,                        # everything (12039 + the account's 29, 1771 of it the three NGRAM goldens with coins;
                                               # 14104 for the 25 goldens before the kept noisy prefixes and the
                                               # oracle's guess): shared prefixes run once whichever phase asks
 }

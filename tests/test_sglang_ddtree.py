@@ -77,7 +77,7 @@ def test_pool_contexts_interleave_like_separate_drafters_and_match_the_decoder(p
         extend_context(pool, p.id, fwd.context, 0)
         firsts[p.id] = int(fwd.logits[-1].argmax())
     for p in reversed(prompts):  # interleaved order must not matter
-        tokens, parents = draft_tree(pool, p.id, firsts[p.id], len(p.prompt_ids), 15)
+        tokens, parents, _ = draft_tree(pool, p.id, firsts[p.id], len(p.prompt_ids), 15)
         res = DDTreeDecoder(target, ref, DecodeConfig(budget=15, max_new_tokens=40)).generate(list(p.prompt_ids))
         step0 = res.steps[0].tree
         assert tokens == step0.tokens.tolist() and parents == step0.parents.tolist()
@@ -198,7 +198,11 @@ def test_fault_algorithm_names():
     assert ALGORITHMS == {"REFCHECK_DDTREE_FAULT_MAMBA_FLAT_INDEX": "mamba-flat-index",
                           "REFCHECK_DDTREE_FAULT_KV_MOVE_LAST": "kv-move-last",
                           "REFCHECK_DDTREE_FAULT_FLAT_POSITIONS": "flat-positions",
-                          "REFCHECK_DDTREE_FAULT_BONUS_NEIGHBOUR": "bonus-neighbour"}
+                          "REFCHECK_DDTREE_FAULT_BONUS_NEIGHBOUR": "bonus-neighbour",
+                          "REFCHECK_DDTREE_FAULT_DRAFT_POSITIONS_SHIFTED": "draft-positions-shifted",
+                          "REFCHECK_DDTREE_FAULT_DRAFT_SKIP_LAST": "draft-skip-last",
+                          "REFCHECK_DDTREE_FAULT_DRAFT_WRONG_LAYERS": "draft-wrong-layers",
+                          "REFCHECK_DDTREE_FAULT_DRAFT_DEPTH_SHIFT": "draft-depth-shift"}
     assert set(ALGORITHMS) <= set(DFLASH_DRAFTED)  # drafted from the DFlash checkpoint, budget checked like DDTree
 
 
@@ -253,7 +257,7 @@ def test_fault_algorithms_register_with_their_worker(monkeypatch):
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setattr(alg, "_done", False)
     assert alg.register_algorithm()
-    assert set(registered) == {alg.NAME, alg.LEAKY_NAME, *alg.FAULT_NAMES}
+    assert set(registered) == {alg.NAME, alg.LEAKY_NAME, alg.SHADOW_NAME, *alg.FAULT_NAMES}
     assert registered[alg.NAME][1](None) is DDTreeWorker
     _, ddir = builtin_pair("hybrid")
     for name, fault in (("REFCHECK_DDTREE_FAULT_KV_MOVE_LAST", "kv-move-last"),

@@ -44,7 +44,7 @@ from trace_helpers import (  # noqa: E402
 def test_round_trip_realistic(trace_file: tuple[Trace, Path]) -> None:
     trace, path = trace_file
     back = read_trace(path)
-    assert back.schema_version == SCHEMA_VERSION == "1.3" and back.checksummed
+    assert back.schema_version == SCHEMA_VERSION == "1.4" and back.checksummed
     assert_traces_equal(trace, back)
     # bf16 bit-exact, explicitly
     s0, b0 = trace.steps[0], back.steps[0]

@@ -61,7 +61,7 @@ def test_serialization_is_deterministic_and_round_trips() -> None:
     a, b = trace_bytes(trace), trace_bytes(trace)
     assert a == b
     back = trace_from_bytes(a)
-    assert back.checksummed and back.schema_version == "1.3"
+    assert back.checksummed and back.schema_version == trace_schema.SCHEMA_VERSION
     assert_traces_equal(trace, back)
 
 
@@ -72,7 +72,7 @@ def test_legacy_file_reads_unchecked(tmp_path: Path) -> None:
                    meta_fn=lambda m: {**m, trace_schema.KEY_VERSION: b"1.0"})
     back = read_trace(tmp_path / "old.arrow")
     assert not back.checksummed and back.schema_version == "1.0"
-    back.schema_version, back.checksummed = "1.3", True
+    back.schema_version, back.checksummed = trace_schema.SCHEMA_VERSION, True
     assert_traces_equal(trace, back)
 
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
+from refcheck.diff.acceptance import merge_json
 from refcheck.errors import EXIT_MISMATCH, EXIT_NOTHING, EXIT_PASS
 
 
@@ -80,7 +81,9 @@ CATEGORY_TABLE: tuple[Category, ...] = (
     Category("recurrent", "state", "committed recurrent (Gated DeltaNet) state differs from the reference's"),
     Category("unmatched", "state", "a recorded state entry the reference has no counterpart for"),
     Category("ar_tokens", "request", "free run: the output differs from target-only greedy decoding (not lossless)"),
-    Category("acceptance", "run", "mean accepted length differs from the reference's beyond the stated tolerance"),
+    Category("acceptance", "step", "the accepted length differs from the reference's under the same drafting rule at the "
+             "same prefix, and no check of the step explains it (free run, strict: per-step τ of the reference's own "
+             "run)"),
     Category("distribution", "run", "at temperature > 0 with no draws recorded: the emitted tokens are not draws from the "
                                     "target's tempered distribution (statistical test)"),
 )
@@ -149,6 +152,12 @@ class Report:
                 self.stats[key] = self.stats.get(key, 0) + value
             elif key == "rounding_ratios":  # the judged deviations of both
                 self.stats[key] = self.stats.get(key, []) + value
+            elif key == "acceptance_account":  # accounts of parts of one trace
+                self.stats[key] = merge_json(self.stats.get(key), value)
+            elif key == "shadow":  # sums
+                mine = self.stats.setdefault(key, {k: 0 for k in value})
+                for k, v in value.items():
+                    mine[k] = mine.get(k, 0) + v
             elif key.startswith("max_"):  # largest deviations: the larger wins
                 self.stats[key] = max(self.stats.get(key, value), value)
             else:

@@ -45,7 +45,9 @@ from collections.abc import Callable
 
 import torch
 
+from refcheck.diff.acceptance import Account, DraftRule, StepAccount, cause_of
 from refcheck.diff.distribution import Evidence, judge
+from refcheck.diff.draft_checks import check_context, check_drafted_tree, reference_tau, shadow_tau
 from refcheck.diff.findings import Finding, Report, Verdict, worst_verdict
 from refcheck.diff.node_checks import FLOOR, NodeChecks, _abs_dev, _topk_at
 from refcheck.diff.sampling import SampledRequest, cdf_tolerance, replay_first_token, replay_sampled_step
@@ -76,8 +78,16 @@ class _Request(NodeChecks):
 
     def __init__(self, rep: Report, target: Target, drafter: Drafter, cal: Calibration, rid: str, stop: frozenset[int],
                  check_draft: bool = True, structural_trees: bool = False, ensemble: RoundingEnsemble | None = None,
-                 sampled: SampledRequest | None = None, evidence: Evidence | None = None):
+                 sampled: SampledRequest | None = None, evidence: Evidence | None = None, rule: DraftRule | None = None):
         self.rep, self.target, self.drafter, self.tol, self.rid, self.stop = rep, target, drafter, cal.tolerance, rid, stop
+        #: the engine's drafting rule and its acceptance account (None: no rule to hold its trees and τ to)
+        self.draft_rule = rule if rule is not None else DraftRule("other", None, 0)
+        self.ref_draft: torch.Tensor | None = None  # this step's reference draft [L, V], when computed
+        self.pending_tau: tuple[int, bool, bool] | None = None  # this step's (τ reference, trees differ, walk tie)
+        self.account = Account(self.draft_rule.name)
+        self.max_new_tokens: int | None = None  # the run's cap on each request's output (None: unknown)
+        self.draft_missing = ""  # why the engine's capture could not record its drafter (": reason"), if it said
+        self.shadow: int | None = None  # τ of this step's shadow tree under the reference's verify
         self.rule = cal.rule
         self.check_draft_enabled = check_draft
         self.structural_trees = structural_trees  # engine trees (SGLang NGRAM, ...) need not follow DDTree's rules
@@ -139,7 +149,8 @@ class _Request(NodeChecks):
                                  message="drafts not comparable: scripted drafter at different numerics"))
             return
         if not s.draft_topk_ids:
-            self.rep.add(Finding(Verdict.UNSUPPORTED, "draft", self.rid, s.step, message="engine recorded no draft top-k"))
+            self.rep.add(Finding(Verdict.UNSUPPORTED, "draft", self.rid, s.step,
+                                 message=f"engine recorded no draft top-k{self.draft_missing}"))
             return
         self.rep.check("draft")
         if ref is None:
@@ -171,6 +182,7 @@ class _Request(NodeChecks):
         if not (self.check_draft_enabled and s.draft_topk_ids):
             return None
         ref = self.drafter.propose(s.tree_tokens[0], self.state.length, len(s.draft_topk_ids))  # [L, V]
+        self.ref_draft = ref.float().cpu()
         ids = torch.tensor(s.draft_topk_ids, dtype=torch.long)
         if ids.shape[0] > ref.shape[0]:
             return None
@@ -297,9 +309,22 @@ class _Request(NodeChecks):
                 a = float(probs[node, list(kids)].sum())
                 self.evidence.add_walk(self.rid, int(tree.depths[node]) + 1, j + 1 < len(path), a)
 
+    def check_bounds(self, output: list[int]) -> None:
+        """The engine's output itself, whatever its steps say: at most ``max_new_tokens`` tokens, none past the
+        first stop token."""
+        self.rep.check("output")
+        if self.max_new_tokens is not None and len(output) > self.max_new_tokens:
+            self.fail("output", None, f"the request emitted {len(output)} tokens; max_new_tokens is {self.max_new_tokens}",
+                      details={"emitted": len(output), "max_new_tokens": self.max_new_tokens})
+        stop = next((i for i, t in enumerate(output) if t in self.stop), None)
+        if stop is not None and stop < len(output) - 1:
+            self.fail("output", None, f"the request emitted {len(output) - stop - 1} tokens after stop token "
+                      f"{output[stop]} (index {stop})", details={"stop_index": stop, "emitted": len(output)})
+
     def run(self, prompt: list[int], output: list[int], output_lps: list[float], steps: list[StepRow],
             first_uniform: float = float("nan")) -> None:
         P = len(prompt)
+        self.check_bounds(output)
         if not output and not steps:
             self.rep.add(Finding(Verdict.SKIPPED, "output", self.rid, None, message="request has no output and no steps"))
             return
@@ -326,8 +351,10 @@ class _Request(NodeChecks):
         try:
             for k, s in enumerate(steps):
                 since = self.since = len(self.rep.findings)
+                self.pending_tau = self.shadow = None
                 usable = self.replay_step(s, last=k == len(steps) - 1, prompt=prompt, output=output)
                 self.settle(since, s.step)
+                self.account_step(s, since)
                 self.step_verdict(since)
                 if not usable:
                     return  # the engine's step cannot be followed: later steps would only repeat this finding
@@ -339,6 +366,35 @@ class _Request(NodeChecks):
             i = next((j for j, (a, b) in enumerate(zip(emitted_all, output)) if a != b), min(len(emitted_all), len(output)))
             self.fail("output", None, f"request output differs from the steps' emitted tokens at index {i}",
                       position=P + i, details={"index": i})
+
+    def account_step(self, s: StepRow, since: int) -> None:
+        """The step's τ beside the reference's (same rule, same prefix), with the cause of any difference; an
+        unexplained difference fails ``acceptance`` (:mod:`refcheck.diff.acceptance`)."""
+        if self.shadow is not None:
+            sh = self.rep.stats.setdefault("shadow", {"steps": 0, "tau_engine": 0, "tau_shadow_tree": 0})
+            sh["steps"] += 1
+            sh["tau_engine"] += s.accept_length
+            sh["tau_shadow_tree"] += self.shadow
+        if self.pending_tau is None:
+            if self.sampled is None and self.draft_rule.name in ("ddtree", "chain") and not s.draft_topk_ids:
+                self.account.unrecorded += 1
+            return
+        tau_ref, trees_differ, tie = self.pending_tau
+        tau = len(s.accepted)
+        cause = None
+        if tau != tau_ref:
+            found = self.rep.findings[since:]
+            failed = {f.category for f in found if f.verdict == Verdict.FAIL}
+            excused = (trees_differ and bool(s.draft_topk_ids) and "draft" not in failed) or \
+                (not trees_differ and tie) or any(f.verdict in (Verdict.BENIGN_TIE, Verdict.TRIAGED) and
+                                                   f.category in ("tree", "draft", "logits") for f in found)
+            cause = cause_of(failed, trees_differ, excused, bool(s.draft_topk_ids))
+            self.rep.check("acceptance")
+            if cause == "unexplained":
+                self.fail("acceptance", s.step, f"τ {tau} where the reference's {self.draft_rule.name} step at this "
+                          f"prefix gives {tau_ref}, and no check of the step explains it",
+                          details={"tau_engine": tau, "tau_reference": tau_ref, "trees_differ": trees_differ})
+        self.account.add(StepAccount(self.rid, s.step, tau, tau_ref, cause))
 
     @timed("replay.verify", counter="steps_replayed")
     def replay_step(self, s: StepRow, last: bool, prompt: list[int], output: list[int]) -> bool:
@@ -365,6 +421,7 @@ class _Request(NodeChecks):
         fwd = self.target.forward(self.state, tree.tokens, tree.parents, tree.depths, capture=self.capture,
                                   keep_layer_outputs=want_layers)
         logp = torch.log_softmax(fwd.logits, dim=-1)
+        self.ref_draft = None
         draft_ref = self.draft_reference(s)
         prev = self.state.length
         valid_path = bool(s.accepted) and s.accepted[0] == 0 and all(0 <= a < n for a in s.accepted) \
@@ -372,6 +429,8 @@ class _Request(NodeChecks):
         new_state = self.state.commit(fwd, s.accepted) if valid_path else None
         self.step_ensemble(s, tree, logp, prompt + output[: s.committed_len - P], draft_ref, new_state, prev)
         self.check_draft(s, draft_ref)
+        check_drafted_tree(self, s)
+        check_context(self, s, tree, fwd.context, prev)
         walk = self.check_nodes(s, tree, logp, fwd.layer_outputs)
         if self.sampled is not None:
             self.check_sampled_step(s, tree, logp)
@@ -380,6 +439,8 @@ class _Request(NodeChecks):
         if s.accepted != ref_acc:
             self.fail("accepted_path", s.step, f"engine accepted {s.accepted}, the greedy walk gives {ref_acc}",
                       details={"engine": s.accepted, "reference": ref_acc})
+        self.pending_tau = reference_tau(self, s, tree, logp) if valid_path else None
+        self.shadow = shadow_tau(self, s)
         self.rep.check("accept_length")
         if s.accept_length != len(s.accepted):
             self.fail("accept_length", s.step, f"engine reports τ={s.accept_length} for {len(s.accepted)} accepted nodes "
@@ -433,18 +494,28 @@ def replay(trace: Trace, target: Target, drafter: Drafter, cal: Calibration, cas
     if cal.rule is not None:
         ensemble = RoundingEnsemble(target, drafter, engine_dtype, cal.rule, tuple(drafter.target_layer_ids))
     evidence = evidence if evidence is not None else Evidence()
+    rule = DraftRule(trace.prov.draft_rule, trace.prov.budget, target.vocab_size, check_draft)
+    account = Account(rule.name)
+    missing = trace.prov.capture.stats.get("draft_not_captured") if trace.prov.capture is not None else None
     hidden, any_sampled = [], False
     for req in trace.requests:
         sampled = SampledRequest.from_row(req)
         any_sampled |= sampled is not None
         r = _Request(rep, target, drafter, cal, req.request_id, stop_token_ids, check_draft, structural, ensemble,
-                     sampled, evidence)
+                     sampled, evidence, rule)
+        if missing:
+            r.draft_missing = f": {missing}"
+        r.max_new_tokens = trace.prov.max_new_tokens
         r.run(list(req.prompt_ids), list(req.output_ids), list(req.output_logprobs), trace.steps_of(req.request_id),
               req.first_uniform)
+        account.steps += r.account.steps
+        account.unrecorded += r.account.unrecorded
         if r.hidden:
             hidden.append(req.request_id)
     if any_sampled:
         judge_distribution(rep, evidence, hidden)
+    if rule.name != "other":
+        rep.stats["acceptance_account"] = account.to_json()
     return rep
 
 

@@ -38,8 +38,10 @@ def reference_spec_for(trace: Trace, dtype: str = "float32", device: str = "cpu"
     # An engine without a drafter (target-only decoding, budget 0) is replayed with root-only trees;
     # the reference then never calls its drafter, so the cheapest one stands in.
     drafter = "scripted" if prov.drafter == "none" else prov.drafter
+    # the reference runs the engine's own drafting rule: a chain engine (DFLASH) is set beside the reference's chain
+    budget = None if prov.draft_rule == "chain" else prov.budget
     spec = EngineSpec(dtype=dtype, device=device, drafter=drafter, max_new_tokens=prov.max_new_tokens,
-                      stop_token_ids=prov.stop_token_ids, seed=prov.seed, budget=prov.budget)
+                      stop_token_ids=prov.stop_token_ids, seed=prov.seed, budget=budget)
     sampled = next((SampledRequest.from_row(r) for r in trace.requests if r.sampled), None)
     spec.sampling = sampled.sampling if sampled is not None else None
     if model.startswith("builtin:"):

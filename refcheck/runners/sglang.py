@@ -47,7 +47,7 @@ from refcheck.prompts import Prompt
 from refcheck.reference_runner import EngineSpec
 from refcheck.runners.sglang_settings import DEFAULT as DEFAULT_SETTINGS
 from refcheck.runners.sglang_settings import ServingSettings, capture_refusal, radix_refusal
-from refcheck.sglang_capture import sampler_faults
+from refcheck.sglang_capture import dflash_taps, sampler_faults
 from refcheck.sglang_capture.records import UNTRACED_RID_PREFIX
 from refcheck.sglang_ddtree.faults import ALGORITHMS as FAULT_ALGORITHMS
 from refcheck.trace.io import Trace
@@ -55,7 +55,8 @@ from reference.drafter import dflash_value
 from reference.sampling import Sampling, request_key
 
 # algorithms whose drafts come from the DFlash draft checkpoint (refcheck's DDTree and its leaky and faulty twins)
-DFLASH_DRAFTED = ("DFLASH", "REFCHECK_DDTREE", "REFCHECK_DDTREE_LEAKY_CHAIN", *FAULT_ALGORITHMS)
+SHADOW = "REFCHECK_DDTREE_SHADOW"
+DFLASH_DRAFTED = ("DFLASH", "REFCHECK_DDTREE", "REFCHECK_DDTREE_LEAKY_CHAIN", SHADOW, *FAULT_ALGORITHMS)
 PLUGIN_ENTRY = "refcheck = refcheck.sglang_capture.plugin:register"
 
 
@@ -183,6 +184,9 @@ def engine_kwargs(spec: EngineSpec, model_path: str, algorithm: str = "NONE", cu
     elif algorithm == "NGRAM":
         kw.update(speculative_num_draft_tokens=budget + 1, speculative_ngram_max_bfs_breadth=ngram_breadth,
                   speculative_ngram_min_bfs_breadth=1)
+    elif algorithm == SHADOW:  # verifies the whole draft block as a chain; its tree's budget travels by environment
+        block = draft_block_size(Path(draft_path)) if draft_path else None
+        kw.update(speculative_num_draft_tokens=block or budget + 1, speculative_draft_model_path=draft_path)
     else:  # a registered plugin algorithm: it gets the draft model and the budget, reads what it needs
         kw.update(speculative_num_draft_tokens=budget + 1)
         if draft_path:
@@ -229,6 +233,15 @@ def sampling_rng(algorithm: str) -> str:
     return "engine-children-first" if algorithm == "NGRAM" else "engine"
 
 
+def draft_rule(algorithm: str) -> str:
+    """How an algorithm turns drafts into the tree it verifies (:attr:`refcheck.provenance.Provenance.draft_rule`)."""
+    if algorithm == "NONE":
+        return "none"
+    if algorithm in ("DFLASH", SHADOW):  # the shadow worker verifies the chain; its tree is recorded beside it
+        return "chain"
+    return "ddtree" if algorithm in DFLASH_DRAFTED else "other"
+
+
 def keyed(algorithm: str) -> bool:
     """Whether the algorithm samples with refcheck's keyed generator (seed and request word sent to SGLang)."""
     return sampling_rng(algorithm).startswith("refcheck-philox")
@@ -240,6 +253,13 @@ def check_sampling(algorithm: str, sampling: Sampling | None) -> None:
         fault = sampler_faults.active()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    try:
+        dfault = dflash_taps.active()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if dfault is not None and algorithm != "DFLASH":
+        raise UsageError(f"{dflash_taps.ENV_FAULT}={dfault} acts on SGLang's DFLASH drafter: --engine sglang:DFLASH "
+                         f"only (REFCHECK_DDTREE's drafter faults are algorithms: REFCHECK_DDTREE_FAULT_DRAFT_*)")
     if fault is not None and (algorithm != "NGRAM" or sampling is None or sampling.greedy):
         raise UsageError(f"{sampler_faults.ENV_FAULT}={fault} acts on SGLang's tree sampler: NGRAM at --temperature > 0 "
                          f"only (this run: {algorithm}, temperature {0 if sampling is None else sampling.temperature})")
@@ -402,6 +422,10 @@ class SGLangRunner:
             env[ENV_DIR] = str(records)
         if self.full_state:
             env[ENV_FULL] = "1"
+        if self.algorithm == SHADOW:
+            from refcheck.sglang_ddtree.algorithm import SHADOW_BUDGET_ENV
+
+            env[SHADOW_BUDGET_ENV] = str(self.budget)
         kw = engine_kwargs(self.spec, str(tdir), self.algorithm, mem_fraction_static=self.mem_fraction, budget=self.budget,
                            draft_path=str(ddir) if ddir else None, ngram_breadth=self.ngram_breadth, tp=self.tp,
                            settings=self.settings)
@@ -465,6 +489,10 @@ class SGLangRunner:
                            if self.spec.sampled and self.spec.sampling is not None else {}),
                         # a fault injected into SGLang's tree sampler (refcheck/sglang_capture/sampler_faults.py)
                         **({"sampler_fault": fault} if (fault := sampler_faults.active()) else {}),
+                        # a fault injected into SGLang's DFLASH drafter (refcheck/sglang_capture/dflash_taps.py)
+                        **({"draft_fault": dfault} if (dfault := dflash_taps.active()) else {}),
+                        draft_rule=draft_rule(self.algorithm), **({"shadow_budget": self.budget}
+                                                                   if self.algorithm == SHADOW else {}),
                         draft_dir=str(ddir) if ddir and self.spec.model_dir is not None else None)
         return settings
 

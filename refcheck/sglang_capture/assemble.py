@@ -59,11 +59,13 @@ def _step_row(prompt_id: str, k: int, s: StepCapture, keep: int) -> StepRow:
     return StepRow(
         request_id=prompt_id, step=k, committed_len=s.committed_len, tree_tokens=list(s.tokens),
         tree_parents=list(s.parents), tree_depths=list(s.depths), tree_ranks=sibling_ranks(s.parents, s.tokens, s.depths),
-        draft_topk_ids=[], draft_topk_logprobs=[], topk_ids=s.topk_ids, topk_logprobs=s.topk_logprobs,
+        draft_topk_ids=s.draft_ids, draft_topk_logprobs=s.draft_logprobs, topk_ids=s.topk_ids, topk_logprobs=s.topk_logprobs,
         target_argmax=list(s.argmax), accepted=list(s.accepted), accept_length=len(s.accepted), bonus=s.bonus,
         emitted=list(s.emitted[:keep]), emitted_logprobs=list(s.emitted_logprobs[:keep]), state=state,
         layer_sketch=s.layer_sketch, node_draws=list(s.draws), node_uniforms=list(s.uniforms),
-        residual_uniform=float(s.residual_uniform),
+        residual_uniform=float(s.residual_uniform), draft_context_positions=list(s.context_positions),
+        draft_context_sketch=s.context_sketch, shadow_tree_tokens=list(s.shadow_tokens),
+        shadow_tree_parents=list(s.shadow_parents),
         # SGLang's whole scheduler step (draft, verify, commit) for the batch this step ran in; "draft":
         # the part of it REFCHECK_DDTREE spent drafting and building the batch's trees (NaN for others)
         timings={"draft": float(s.meta.get("batch_draft_s", math.nan)), "tree": math.nan,
@@ -120,7 +122,11 @@ def _stats(kept: list[StepCapture], n_steps: int, n_branching: int, n_accepted: 
             # steps whose target forward replayed one of SGLang's CUDA graphs (the rest ran eagerly)
             "cuda_graph_steps": sum(bool(c.meta.get("cuda_graph")) for c in kept),
             # how far the scheduler's request lists lagged the device (the overlap scheduler: 1 step's tokens)
-            "committed_lag_max": max((int(c.meta.get("committed_lag") or 0) for c in kept), default=0)}
+            "committed_lag_max": max((int(c.meta.get("committed_lag") or 0) for c in kept), default=0),
+            # steps that carry the drafter's side (its top-k per depth), and why a drafter could not be captured
+            "draft_steps": sum(bool(c.draft_ids) for c in kept),
+            "draft_not_captured": next((c.meta["draft_not_captured"] for c in kept if c.meta.get("draft_not_captured")),
+                                       None)}
 
 
 def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[str, dict], capture: Capture,

@@ -13,7 +13,10 @@ SGLang's ``HookRegistry``:
 * ``eagle_utils.eagle_sample`` (tree verify: NGRAM, EAGLE, any plugin algorithm that uses it): the
   tree, every node's log-probs (taken before SGLang adds penalties in place) and the accept outputs;
 * ``DFlashWorkerV2.forward_batch_generation`` (DFLASH chain verify): candidates, logits and
-  accepted lengths of each decode step;
+  accepted lengths of each decode step, and the drafter's side (its top-k per depth, the context fed to it:
+  :mod:`refcheck.sglang_capture.dflash_taps`, which also injects the opt-in ``REFCHECK_DRAFT_FAULT``);
+* REFCHECK_DDTREE's worker keeps its drafter's side of each decode step (``last_sides``), attached to the
+  step's tree records after the batch;
 * ``refcheck.sglang_ddtree.sampling.keyed_sample`` (REFCHECK_DDTREE at temperature > 0, in place of
   ``eagle_sample``): the same tree records plus every node's draw and uniform; the prefill's keyed
   first-token uniforms are read from the worker (``last_first_uniforms``);
@@ -24,8 +27,9 @@ SGLang's ``HookRegistry``:
   ``softmax(logits / T)``; the raw logits are kept from just before it, for the prefill and
   target-only decode records.
 
-Capture never changes what SGLang computes (the one exception is opt-in: ``REFCHECK_SAMPLER_FAULT``
-injects a fault into the tree sampler for refcheck's own selftest, ``sampler_faults.py``): hooks read and copy, and every failure inside a hook is
+Capture never changes what SGLang computes (the exceptions are opt-in, for refcheck's own selftest:
+``REFCHECK_SAMPLER_FAULT`` injects a fault into the tree sampler, ``sampler_faults.py``, and
+``REFCHECK_DRAFT_FAULT`` one into DFLASH's drafter, ``dflash_taps.py``): hooks read and copy, and every failure inside a hook is
 written to the capture directory as an error record instead of being raised into SGLang. The
 first ``run_batch`` of each process writes a status file saying which hooks are live (HookRegistry
 only logs failures), so the runner can refuse a capture that silently missed a hook.
@@ -42,7 +46,7 @@ from typing import Any
 
 import torch
 
-from refcheck.sglang_capture import layers, sampler_faults, versions
+from refcheck.sglang_capture import dflash_taps, layers, sampler_faults, versions
 from refcheck.sglang_capture.records import ENV_DIR, ENV_FULL, UNTRACED_RID_PREFIX, Recorder
 from refcheck.sglang_capture.state import committed_rows, summarise, summarise_shard
 from refcheck.sglang_capture.steps import StepCapture, chain_steps, prefill_records, root_steps, tree_steps
@@ -257,7 +261,10 @@ def _after(scheduler: Any, snap: _Batch, result: Any) -> None:
     _attach_state(scheduler, snap, snap.pending)
     _attach_layers(scheduler, snap.pending)
     draft_s = getattr(getattr(scheduler, "draft_worker", None), "last_draft_s", None)  # REFCHECK_DDTREE's drafting
+    sides = getattr(getattr(scheduler, "draft_worker", None), "last_sides", None)  # REFCHECK_DDTREE's drafter side
     for s in snap.pending:
+        if isinstance(sides, dict) and s.layout == "tree":
+            s.attach_draft(sides.get(s.rid))
         s.meta["batch_step_s"] = snap.step_s
         if isinstance(draft_s, float):
             s.meta["batch_draft_s"] = draft_s
@@ -396,15 +403,23 @@ def _committed(snap: _Batch, rids: list[str], device_lens: list[int] | None) -> 
 
 def _dflash_forward(original, self, batch, *args, **kwargs):
     snap = _batch
+    fault = dflash_taps.active()  # a drafter fault for refcheck's selftest acts on untraced batches too
     decode = False
     if snap is not None:
         decode = bool(_guard("dflash:before", lambda: not (batch.forward_mode.is_extend() or batch.is_extend_in_batch
                                                            or batch.forward_mode.is_idle())))
         rids = [r.rid for r in batch.reqs]
-    result = original(self, batch, *args, **kwargs)
+    if snap is None and fault is None:
+        return original(self, batch, *args, **kwargs)
+    with dflash_taps.dflash_taps(self, len(batch.reqs), snap is not None and decode, fault) as taps:
+        result = original(self, batch, *args, **kwargs)
     if snap is not None and decode:
         recs = _guard("dflash:after", _chain_records, self, snap, rids, result)
         if recs:
+            for b, rec in enumerate(recs):
+                rec.attach_draft(taps.side(b))
+                if taps.missing:
+                    rec.meta["draft_not_captured"] = taps.missing
             snap.pending.extend(recs)
     return result
 

@@ -56,6 +56,15 @@ class StepCapture:
     uniforms: list[float] = field(default_factory=list)
     #: SGLang's tree sampler (NGRAM at T > 0): the coin of the bonus draw; NaN = not exposed
     residual_uniform: float = float("nan")
+    #: the drafter's side (refcheck.sglang_capture.drafts): its top-k per depth [L][k]; [] = not exposed
+    draft_ids: list[list[int]] = field(default_factory=list)
+    draft_logprobs: list[list[float]] = field(default_factory=list)
+    #: positions and feature sketch [A, r] of the context the engine fed its drafter from this step
+    context_positions: list[int] = field(default_factory=list)
+    context_sketch: torch.Tensor | None = None
+    #: shadow mode: the tree the drafter built when the engine verified its chain (root first); [] = none
+    shadow_tokens: list[int] = field(default_factory=list)
+    shadow_parents: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return _fields(self)
@@ -63,6 +72,14 @@ class StepCapture:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StepCapture:
         return cls(**d)
+
+    def attach_draft(self, side: dict[str, Any] | None) -> None:
+        """Set the drafter's side from a record of :mod:`refcheck.sglang_capture.drafts` (None: not exposed)."""
+        if not side:
+            return
+        self.draft_ids, self.draft_logprobs = side.get("ids", []), side.get("logprobs", [])
+        self.context_positions, self.context_sketch = side.get("positions", []), side.get("sketch")
+        self.shadow_tokens, self.shadow_parents = side.get("shadow_tokens", []), side.get("shadow_parents", [])
 
 
 @dataclass(slots=True)

@@ -1,8 +1,8 @@
 """Registering ``REFCHECK_DDTREE`` with SGLang's speculative-algorithm registry.
 
 Contract: :func:`register_algorithm` (called by refcheck's plugin in SGLang's main and scheduler
-processes) registers the algorithm under refcheck's own name (and its leaky and fault-injected
-twins: ``REFCHECK_DDTREE_LEAKY_CHAIN``, ``REFCHECK_DDTREE_FAULT_*``), so it never collides with a future
+processes) registers the algorithm under refcheck's own name (and its leaky, shadow and fault-injected
+twins: ``REFCHECK_DDTREE_LEAKY_CHAIN``, ``REFCHECK_DDTREE_SHADOW``, ``REFCHECK_DDTREE_FAULT_*``), so it never collides with a future
 builtin DDTree, and returns whether it did (False where SGLang or its registry is missing, or the
 name is taken). The algorithm presents itself to SGLang as NGRAM-like (``is_ngram``): tree verify
 with no draft model of SGLang's, NGRAM's verify input and KV sizing. Its server-args check runs in
@@ -42,6 +42,11 @@ LEAKY_NAME = "REFCHECK_DDTREE_LEAKY_CHAIN"
 #: the same worker with one engine fault injected into SGLang's tree verify, one algorithm per fault
 #: (``REFCHECK_DDTREE_FAULT_MAMBA_FLAT_INDEX`` ...; refcheck/sglang_ddtree/faults.py says what each does)
 FAULT_NAMES: tuple[str, ...] = tuple(FAULT_ALGORITHMS)
+#: the same drafter and tree builder, verifying the chain of each block's top-1 drafts (the tree is recorded
+#: for refcheck to check, not verified): DDTree in shadow mode
+SHADOW_NAME = "REFCHECK_DDTREE_SHADOW"
+#: the shadow tree's node budget (the runner sets it from ``--budget``; SGLang's own budget is the block's chain)
+SHADOW_BUDGET_ENV = "REFCHECK_SHADOW_BUDGET"
 _done = False
 
 def check_server_args(server_args, leaky: bool = False) -> None:
@@ -119,10 +124,13 @@ def register_algorithm() -> bool:
         def factory(server_args):
             from refcheck.sglang_ddtree.worker import DDTreeWorker
 
+            if fault == "shadow":
+                return type("DDTreeWorker_shadow", (DDTreeWorker,), {"shadow": True, "__module__": DDTreeWorker.__module__})
             return DDTreeWorker if fault is None else faulty_worker(DDTreeWorker, fault)
         return factory
 
     entries = [(NAME, check_server_args, None), (LEAKY_NAME, lambda a: check_server_args(a, leaky=True), None),
+               (SHADOW_NAME, check_server_args, "shadow"),
                *((name, check_server_args, fault) for name, fault in FAULT_ALGORITHMS.items())]
     for name, validate, fault in entries:
         try:

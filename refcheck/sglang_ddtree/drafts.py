@@ -63,20 +63,26 @@ class DrafterPool:
         self.contexts.clear()
 
 
-def draft_tree(pool: DrafterPool, rid: str, root: int, start: int, budget: int,
-               depth: int | None = None, temperature: float | None = None) -> tuple[list[int], list[int]]:
-    """One request's DDTree below ``root`` (at position ``start``): (tokens, parents), root first.
-    ``depth``: draft depths (default the block's); the reference decoder, like z-lab's dflash, drafts
-    only as deep as the tokens still to generate, so its last block is shorter. ``temperature`` (a
-    sampled request): the tree is built from the draft at that temperature, as the reference builds it."""
-    from reference.tree import build_ddtree
+def draft_tree(pool: DrafterPool, rid: str, root: int, start: int, budget: int | None,
+               depth: int | None = None, temperature: float | None = None,
+               depth_shift: bool = False) -> tuple[list[int], list[int], torch.Tensor]:
+    """One request's tree below ``root`` (at position ``start``): (tokens, parents, draft log-probs [L, V] float32
+    on the host), root first. ``budget`` None: the chain (the top-1 token per depth). ``depth``: draft depths
+    (default the block's); the reference decoder, like z-lab's dflash, drafts only as deep as the tokens still to
+    generate, so its last block is shorter. ``temperature`` (a sampled request): the tree is built from the draft
+    at that temperature, as the reference builds it. ``depth_shift`` (an injected fault): depth d's tokens are
+    taken from the draft's row for depth d + 1 (the last depth keeps its own)."""
+    from reference.tree import build_chain, build_ddtree
 
     with pool.context(rid) as drafter:
-        logp = drafter.propose(root, start, depth)  # [L, V] float32
+        logp = drafter.propose(root, start, depth).cpu()  # [L, V] float32
+    tree_lp = logp
     if temperature is not None and logp.numel():  # log_softmax(lp / T) = log_softmax(logits / T)
-        logp = torch.log_softmax(logp / temperature, dim=-1)
-    tree = build_ddtree(root, logp.cpu(), budget)
-    return tree.tokens.tolist(), tree.parents.tolist()
+        tree_lp = torch.log_softmax(logp / temperature, dim=-1)
+    if depth_shift and tree_lp.shape[0] > 1:
+        tree_lp = torch.cat([tree_lp[1:], tree_lp[-1:]])  # [L, V]: row d holds depth d + 2's draft
+    tree = build_chain(root, tree_lp) if budget is None else build_ddtree(root, tree_lp, budget)
+    return tree.tokens.tolist(), tree.parents.tolist(), logp
 
 
 def extend_context(pool: DrafterPool, rid: str, hidden: torch.Tensor, start: int) -> None:

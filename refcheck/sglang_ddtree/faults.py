@@ -21,6 +21,17 @@ step of SGLang's tree verify fed a wrong index, as a real engine bug would:
   record (its ``eagle_sample`` output, which refcheck's capture reads) is right; the token the engine
   emits, and the next step's root, are not.
 
+Drafter faults (output lossless, acceptance lowered; caught in ``draft`` or ``tree`` at the first decode step):
+
+* ``draft-positions-shifted``: the drafter's context is written at positions one past the tokens' own
+  (prefill and every step), as a drafter fed ``seq_len + j + 1`` would be;
+* ``draft-skip-last``: each step feeds the drafter the root and the accepted nodes except the last accepted
+  one (its target features are left out of the context);
+* ``draft-wrong-layers``: the drafter reads the target hidden states after the layers one past its
+  ``target_layer_ids`` (the wrong capture layers);
+* ``draft-depth-shift``: the tree is built with depth d's draft taken from the row of depth d + 1 (the
+  drafter's output read one position off); the recorded draft is the drafter's own.
+
 The functions below compute the faulty indices from SGLang's tensors; the worker applies them.
 """
 
@@ -29,7 +40,9 @@ from __future__ import annotations
 import torch
 
 PREFIX = "REFCHECK_DDTREE_FAULT_"
-FAULTS = ("mamba-flat-index", "kv-move-last", "flat-positions", "bonus-neighbour")
+VERIFY_FAULTS = ("mamba-flat-index", "kv-move-last", "flat-positions", "bonus-neighbour")
+DRAFT_FAULTS = ("draft-positions-shifted", "draft-skip-last", "draft-wrong-layers", "draft-depth-shift")
+FAULTS = VERIFY_FAULTS + DRAFT_FAULTS
 
 
 def algorithm_name(fault: str) -> str:
@@ -43,7 +56,8 @@ ALGORITHMS: dict[str, str] = {algorithm_name(f): f for f in FAULTS}
 #: fault key -> the diff category of the first finding expected on a hybrid target (conv ranks before
 #: recurrent; the neighbour's bonus shows as the next step's root, i.e. at the step after it acts)
 EXPECTED: dict[str, str] = {"mamba-flat-index": "conv", "kv-move-last": "kv", "flat-positions": "logits",
-                            "bonus-neighbour": "alignment"}
+                            "bonus-neighbour": "alignment", "draft-positions-shifted": "draft", "draft-skip-last": "draft",
+                            "draft-wrong-layers": "draft", "draft-depth-shift": "tree"}
 
 
 def chain_accept_index(accept_index: torch.Tensor, accept_lens: torch.Tensor, n: int) -> torch.Tensor:

@@ -21,8 +21,17 @@ every tensor the worker keeps from a verify (the drafter's context rows) is copi
 graph's output buffers within the step.
 
 ``fault`` (a key of :mod:`refcheck.sglang_ddtree.faults`, set by the ``REFCHECK_DDTREE_FAULT_*``
-algorithms; None = correct) feeds one of SGLang's steps a wrong index: the verify positions, the
-bonus, the mamba commit's or the KV move's accept index.
+algorithms; None = correct) feeds one of SGLang's steps a wrong index (the verify positions, the
+bonus, the mamba commit's or the KV move's accept index) or the drafter a wrong context or tree.
+
+``shadow`` (``REFCHECK_DDTREE_SHADOW``): the drafter's DDTree of :data:`SHADOW_BUDGET_ENV` nodes is built
+and recorded, but the chain of the top-1 draft token per depth (the whole block) is what SGLang verifies:
+how DDTree is brought up on a hybrid target before its per-node state is trusted.
+
+The drafter's side of each step, for refcheck's capture (only when ``REFCHECK_CAPTURE_DIR`` is set):
+:attr:`DDTreeWorker.last_sides` maps a request of the last decode step to its draft top-k per depth, the
+positions and feature sketch of the context fed to the drafter from the verify, and the shadow tree
+(:mod:`refcheck.sglang_capture.drafts`).
 
 Every SGLang call goes through its module attribute (``eagle_utils.eagle_sample`` ...), so
 refcheck's capture hooks see this worker exactly as they see NGRAM's. Refusals (ValueError at
@@ -40,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,7 +63,10 @@ from sglang.srt.speculative import ngram_worker as ngram
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
+from refcheck.sglang_capture.drafts import context_side, draft_side, topk_for
+from refcheck.sglang_capture.records import ENV_DIR
 from refcheck.sglang_ddtree import faults, sampling
+from refcheck.sglang_ddtree.algorithm import SHADOW_BUDGET_ENV
 from refcheck.sglang_ddtree.drafts import DrafterPool, TargetView, draft_tree, extend_context
 from refcheck.sglang_ddtree.hidden_states import HIDDEN_STATES_CEILING, hidden_states_ceiling_is_full
 from refcheck.sglang_ddtree.layout import batch_layout
@@ -108,6 +121,8 @@ class _Contexts:
 class DDTreeWorker(ngram.NGRAMWorker):
     #: an injected engine fault (refcheck/sglang_ddtree/faults.py), or None for the correct worker
     fault: str | None = None
+    #: shadow mode: build the DDTree, verify the chain (module docstring)
+    shadow: bool = False
 
     # SGLang passes keywords: 0.5.17 gives ``ps`` (its parallel state), 0.5.23 does not
     def __init__(self, server_args, gpu_id, nccl_port, target_worker, ps=None, **_ignored) -> None:
@@ -134,13 +149,22 @@ class DDTreeWorker(ngram.NGRAMWorker):
                              "(return_hidden_states_mode): the target's CUDA graphs would be captured without the hidden "
                              "states its drafter reads; the algorithm's server-args check sets it (did it run?)")
         self.budget = self.draft_token_num - 1
+        self.shadow_budget = int(os.environ.get(SHADOW_BUDGET_ENV) or 15) if self.shadow else None
+        self.capturing = bool(os.environ.get(ENV_DIR))
+        #: rid -> the drafter's side of its last decode step (module docstring), when capturing
+        self.last_sides: dict[str, dict] = {}
         model = self.model_runner.model
         cfg = self.model_runner.model_config
         view = TargetView.from_sglang(model, int(cfg.vocab_size), int(cfg.num_hidden_layers))
         self.drafter = DFlashDrafter.load(Path(server_args.speculative_draft_model_path), view)
         if not hasattr(model, "set_dflash_layers_to_capture"):
             raise ValueError(f"{type(model).__name__} cannot capture the hidden states DFlash drafts from")
-        model.set_dflash_layers_to_capture(list(self.drafter.target_layer_ids))
+        if self.shadow and self.budget != self.drafter.block_size - 1:
+            raise ValueError(f"REFCHECK_DDTREE_SHADOW verifies the whole draft block as a chain: "
+                             f"--speculative-num-draft-tokens must be the block size {self.drafter.block_size}")
+        # the drafter-layers fault captures the hidden states after the layers one past the drafter's own
+        shift = 1 if self.fault == "draft-wrong-layers" else 0
+        model.set_dflash_layers_to_capture([i + shift for i in self.drafter.target_layer_ids])
         self.pool = DrafterPool(self.drafter)
         #: seconds this worker spent drafting and building trees in its last decode step (None after a
         #: prefill); refcheck's capture records it as the step's "draft" phase
@@ -159,18 +183,47 @@ class DDTreeWorker(ngram.NGRAMWorker):
         t0 = time.perf_counter()
         trees = []
         self.keys = [sampling.request_keys(req.rid, req.sampling_params) for req in batch.reqs]
+        self.last_sides = {}
         for req, keys in zip(batch.reqs, self.keys):
             start = len(req.origin_input_ids) + len(req.output_ids) - 1  # the root's position
             left = getattr(req.sampling_params, "max_new_tokens", None)
-            depth = None if left is None else max(1, min(self.drafter.block_size - 1, int(left) - len(req.output_ids)))
+            depth = None if left is None or self.shadow else \
+                max(1, min(self.drafter.block_size - 1, int(left) - len(req.output_ids)))
             temperature = keys.sampling.temperature if keys is not None else None
-            trees.append(draft_tree(self.pool, req.rid, int(req.output_ids[-1]), start, self.budget, depth, temperature))
+            root, shift = int(req.output_ids[-1]), self.fault == "draft-depth-shift"
+            tokens, parents, logp = draft_tree(self.pool, req.rid, root, start, None if self.shadow else self.budget,
+                                               depth, temperature, shift)
+            trees.append((tokens, parents))
+            if self.capturing:
+                side = self.last_sides[req.rid] = draft_side(logp, topk_for(self.shadow_budget or self.budget,
+                                                                            int(logp.shape[-1])), logits=False)
+                if self.shadow:
+                    side["shadow_tokens"], side["shadow_parents"] = self._shadow_tree(root, logp, temperature)
         self.last_draft_s = time.perf_counter() - t0  # the drafter's .cpu() hand-off has synchronised
         return batch_layout(trees, self.draft_token_num)
 
-    def _extend(self, rids: list[str], hidden: torch.Tensor, rows: list[torch.Tensor], starts: list[int]) -> None:
+    def _shadow_tree(self, root: int, logp: torch.Tensor, temperature: float | None) -> tuple[list[int], list[int]]:
+        """The DDTree of the shadow budget from the draft (at the request's temperature when sampled)."""
+        from reference.tree import build_ddtree
+
+        lp = torch.log_softmax(logp / temperature, dim=-1) if temperature is not None else logp
+        tree = build_ddtree(root, lp, int(self.shadow_budget or 15))
+        return tree.tokens.tolist(), tree.parents.tolist()
+
+    def _extend(self, rids: list[str], hidden: torch.Tensor, rows: list[torch.Tensor], starts: list[int],
+                decode: bool = False) -> None:
+        """Grow each request's drafter context by ``hidden[rows]`` at consecutive positions from its start (the
+        drafter faults alter what is fed); a decode step's feed is recorded for the capture."""
         for rid, r, start in zip(rids, rows, starts):
-            extend_context(self.pool, rid, hidden[r.to(hidden.device)], start)
+            if decode and self.fault == "draft-skip-last" and len(r) > 1:
+                r = r[:-1]  # the last accepted node's features are left out
+            if self.fault == "draft-positions-shifted":
+                start += 1
+            feed = hidden[r.to(hidden.device)]  # [A, n_ids*H]
+            extend_context(self.pool, rid, feed, start)
+            if decode and self.capturing:
+                side = self.last_sides.setdefault(rid, {})
+                side.update(context_side(feed, torch.arange(start, start + len(r))))
 
     # -- one scheduler step ---------------------------------------------------------------------------
     def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
@@ -219,7 +272,7 @@ class DDTreeWorker(ngram.NGRAMWorker):
         ngram.move_accept_tokens_to_target_kvcache(batch, move_index, accept_lens - 1, self.token_to_kv_pool_allocator)
         idx, lens = accept_index.cpu(), accept_lens.cpu().tolist()
         # the drafter's context grows by the root and the accepted drafts (flat node rows), in path order
-        self._extend(rids, logits_output.hidden_states, [idx[b, : lens[b]].long() for b in range(bs)], prefix)
+        self._extend(rids, logits_output.hidden_states, [idx[b, : lens[b]].long() for b in range(bs)], prefix, decode=True)
         batch.forward_mode = ForwardMode.DECODE
         return out, next_token_ids, accept_lens, next_token_ids, new_seq_lens
 

@@ -21,7 +21,7 @@ import torch
 
 from refcheck.provenance import Provenance
 
-SCHEMA_VERSION = "1.3"  # 1.1 adds the checksum keys, 1.2 the sampling columns, 1.3 residual_uniform (docs/trace-format.md)
+SCHEMA_VERSION = "1.4"  # 1.1 checksum keys, 1.2 sampling columns, 1.3 residual_uniform, 1.4 the drafter's side (docs/trace-format.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +42,7 @@ INT32S, FLOAT32S, INT32S2, FLOAT32S2 = Column("int32[]"), Column("float32[]"), C
 TENSOR, TENSOR_OR_NONE = Column("tensor"), Column("tensor", nullable=True)
 SAMPLING = (1, 2)  # the version that added the sampling columns
 RESIDUAL = (1, 3)  # the version that added the residual uniform
+DRAFT = (1, 4)  # the version that added what the drafter consumed and the shadow tree
 
 
 @dataclass(slots=True, eq=False)
@@ -88,6 +89,16 @@ class StepRow:
     #: 1.3: the step's second uniform, which a children-first sampler (rng "engine-children-first") draws the
     #: bonus with after every child of the last accepted node is rejected; NaN = not exposed / not used
     residual_uniform: Annotated[float, Column("float64", since=RESIDUAL)] = float("nan")
+    # 1.4: the drafter's side of the step.
+    #: positions the engine fed its drafter's context from this step's verify (the root, then the accepted
+    #: nodes, in path order: what the next step's draft reads); [] = not exposed
+    draft_context_positions: Annotated[list[int], Column("int32[]", since=DRAFT)] = field(default_factory=list)
+    #: sketch (refcheck.sketch) of the target features fed with them, [len(draft_context_positions), r]; None = not exposed
+    draft_context_sketch: Annotated[torch.Tensor | None, Column("tensor", nullable=True, since=DRAFT)] = None
+    #: shadow mode (an engine that builds trees but verifies its chain): the tree its drafter built, [M] tokens
+    #: and parents, root first; [] = the verified tree is the drafted tree
+    shadow_tree_tokens: Annotated[list[int], Column("int32[]", since=DRAFT)] = field(default_factory=list)
+    shadow_tree_parents: Annotated[list[int], Column("int32[]", since=DRAFT)] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -24,6 +24,9 @@ Contract:
   (temperature 0, nothing exposed).
 * 1.3 adds ``residual_uniform`` per step (the children-first sampler's bonus uniform, NaN where not exposed)
   and the rng kind ``engine-children-first``; older files migrate with NaN.
+* 1.4 adds the drafter's side per step: the positions and a feature sketch of the context the engine fed its
+  drafter, and the shadow tree of an engine that builds trees but verifies a chain; older files migrate with
+  nothing exposed (empty lists, no sketch).
 """
 
 from __future__ import annotations
@@ -188,6 +191,7 @@ _MIGRATIONS: dict[tuple[int, int], Migration] = {
     (1, 0): Migration(to=(1, 1), upgrade=_same_tables),
     (1, 1): Migration(to=(1, 2), upgrade=_add_columns((1, 2))),  # the sampling columns, greedy defaults
     (1, 2): Migration(to=(1, 3), upgrade=_add_columns((1, 3))),  # residual_uniform, NaN (not exposed)
+    (1, 3): Migration(to=(1, 4), upgrade=_add_columns((1, 4))),  # the drafter's side, not exposed
 }
 
 

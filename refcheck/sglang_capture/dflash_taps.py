@@ -1,0 +1,152 @@
+"""Taps on SGLang's DFLASH drafter for one decode step: what it drafted and what it was fed; and its drafter faults.
+
+Contract: :func:`dflash_taps` is a context manager around one call of ``DFlashWorkerV2.forward_batch_generation``.
+While it is open, two instance-level wraps are in place (removed on exit):
+
+* the draft model runner's ``forward``: after the draft block's forward, the draft hidden states of depths
+  1..B-1 go through the target's LM head (the engine's own head and dtype, as SGLang's greedy draft does) and
+  each request's top-k per depth is kept (:func:`refcheck.sglang_capture.drafts.draft_side`); where SGLang's draft
+  returns no hidden states, nothing is kept and :attr:`DFlashTaps.missing` says why;
+* ``_append_target_hidden_to_draft_kv_by_loc``: the target features and positions the step feeds the drafter's
+  KV (per request its first ``commit_lens[b]`` rows of the verify block) are kept
+  (:func:`refcheck.sglang_capture.drafts.context_side`).
+
+``REFCHECK_DRAFT_FAULT`` (:data:`FAULTS`; opt-in, for refcheck's selftest, recorded in the provenance) injects a
+drafter fault into SGLang's DFLASH through the same wraps, while the taps keep what SGLang used:
+
+* ``context-positions-shifted``: the drafter's context is written at each token's position + 1;
+* ``context-skip-last``: a decode step writes all committed rows but the last (its features are left out);
+* ``context-layers-swapped``: the first two target layers' feature blocks are fed in swapped order;
+* ``draft-depth-shift``: depth d proposes the greedy token of depth d - 1 (depth 1 keeps its own): the
+  drafter's output read one position off.
+
+Each leaves the output lossless and lowers τ. No SGLang import: the worker is passed in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from refcheck.sglang_capture.drafts import DRAFT_TOPK, context_side, draft_side
+
+ENV_FAULT = "REFCHECK_DRAFT_FAULT"
+FAULTS = ("context-positions-shifted", "context-skip-last", "context-layers-swapped", "draft-depth-shift")
+#: fault -> the diff category of its first finding
+EXPECTED = {"context-positions-shifted": "draft", "context-skip-last": "draft", "context-layers-swapped": "draft",
+            "draft-depth-shift": "tree"}
+
+
+class DraftFaultError(ValueError):
+    """``REFCHECK_DRAFT_FAULT`` names no fault."""
+
+
+def active() -> str | None:
+    """The drafter fault this process injects (None: none); an unknown name is refused."""
+    name = os.environ.get(ENV_FAULT) or None
+    if name is not None and name not in FAULTS:
+        raise DraftFaultError(f"{ENV_FAULT}={name!r} is not a drafter fault (faults: {', '.join(FAULTS)})")
+    return name
+
+
+@dataclass
+class DFlashTaps:
+    drafts: list[dict[str, Any]] = field(default_factory=list)  # per request: draft_side
+    contexts: list[dict[str, Any]] = field(default_factory=list)  # per request: context_side (decode only)
+    missing: str | None = None  # why no draft top-k was kept
+
+    def side(self, b: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if b < len(self.drafts):
+            out.update(self.drafts[b])
+        if b < len(self.contexts):
+            out.update(self.contexts[b])
+        return out
+
+
+def _head_weight(worker: Any) -> torch.Tensor:
+    model = worker.target_worker.model_runner.model
+    vocab = int(worker.target_worker.model_runner.model_config.vocab_size)
+    return model.lm_head.weight[:vocab]  # [V, H]: padded vocabulary rows dropped
+
+
+def _swap_first_layers(hidden: torch.Tensor, n_layers: int) -> torch.Tensor:
+    """[n, n_ids*H] with the first two H-wide feature blocks swapped."""
+    if n_layers < 2:
+        return hidden
+    h = hidden.shape[-1] // n_layers
+    out = hidden.clone()
+    out[:, :h], out[:, h:2 * h] = hidden[:, h:2 * h], hidden[:, :h]
+    return out
+
+
+@contextlib.contextmanager
+def dflash_taps(worker: Any, bs: int, record: bool, fault: str | None) -> Iterator[DFlashTaps]:
+    """Open the taps (module docstring) for one ``forward_batch_generation`` of a batch of ``bs`` requests;
+    ``record``: keep what the drafter produced and consumed (a traced decode step)."""
+    taps = DFlashTaps()
+    try:
+        runner = worker.draft_model_runner
+        forward = runner.forward
+        append = worker._append_target_hidden_to_draft_kv_by_loc
+    except AttributeError as exc:  # another SGLang's DFLASH: nothing to tap, the step runs as SGLang has it
+        if fault is not None:
+            raise
+        taps.missing = f"this SGLang's DFLASH worker has no draft runner or drafter-KV writer to tap ({exc})"
+        yield taps
+        return
+    block = int(worker.block_size)
+    n_ids = int(getattr(getattr(runner, "model", None), "num_context_features", 1) or 1)  # target layers fed
+    own_forward = "forward" in vars(runner)  # an instance attribute to put back, else the class's method
+
+    def draft_forward(*args: Any, **kwargs: Any) -> Any:
+        out = forward(*args, **kwargs)
+        hidden = getattr(getattr(out, "logits_output", None), "hidden_states", None)
+        if record and hidden is not None:
+            hs = hidden.view(bs, block, -1)[:, 1:, :]  # [bs, B-1, H]: depths 1..B-1
+            w = _head_weight(worker)
+            logits = torch.matmul(hs.to(w.dtype), w.T)  # [bs, B-1, V] in the head's dtype, as the engine's draft
+            taps.drafts = [draft_side(logits[b], DRAFT_TOPK) for b in range(bs)]
+        elif record:
+            taps.missing = "SGLang's DFLASH draft forward returned no hidden states"
+        if fault == "draft-depth-shift":
+            sampler = getattr(worker, "_draft_sampler", None)
+            if sampler is not None and getattr(out, "can_run_graph", False):
+                tokens = sampler.out[: bs * (block - 1)].view(bs, block - 1)
+                tokens[:, 1:] = tokens[:, :-1].clone()
+            elif hidden is not None:
+                hv = hidden.view(bs, block, -1)
+                hv[:, 2:] = hv[:, 1:-1].clone()
+        return out
+
+    def feed(*, target_hidden: torch.Tensor, cache_loc: torch.Tensor, positions: torch.Tensor,
+             cache_loc_2d: torch.Tensor | None = None, commit_lens: torch.Tensor | None = None) -> Any:
+        if fault == "context-positions-shifted":
+            positions = positions + 1
+        elif fault == "context-skip-last" and commit_lens is not None:
+            commit_lens = (commit_lens - 1).clamp(min=0)
+        elif fault == "context-layers-swapped":
+            target_hidden = _swap_first_layers(target_hidden, n_ids)
+        if record and commit_lens is not None:
+            lens = commit_lens.tolist()
+            rows = target_hidden.view(bs, -1, target_hidden.shape[-1])  # [bs, B, F]
+            pos = positions.view(bs, -1)  # [bs, B]
+            taps.contexts = [context_side(rows[b, : int(lens[b])], pos[b, : int(lens[b])]) for b in range(bs)]
+        return append(target_hidden=target_hidden, cache_loc=cache_loc, positions=positions, cache_loc_2d=cache_loc_2d,
+                      commit_lens=commit_lens)
+
+    runner.forward = draft_forward
+    worker._append_target_hidden_to_draft_kv_by_loc = feed
+    try:
+        yield taps
+    finally:
+        if own_forward:
+            runner.forward = forward
+        else:
+            del runner.forward
+        del worker._append_target_hidden_to_draft_kv_by_loc

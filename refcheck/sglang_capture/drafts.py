@@ -1,0 +1,40 @@
+"""The drafter's side of a captured step: its top-k per depth and the context the engine fed it.
+
+Contract: pure torch, no SGLang import. :func:`draft_side` turns a drafter's output for one request (logits or
+log-probs ``[L, V]``, depths 1..L) into its top-k per depth (``k`` = :func:`topk_for`: enough ranks that the
+diff can rebuild a DDTree of the budget from the record alone); :func:`context_side` turns the target
+features the engine fed its drafter from one verify step (``[A, F]``: the root, then the accepted nodes, in
+path order) and their positions into their positions and feature sketch (:func:`refcheck.sketch.sketch_rows`).
+Both return plain dicts of lists and CPU tensors, ready for a capture record
+(:meth:`refcheck.sglang_capture.steps.StepCapture.attach_draft`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from refcheck.sketch import sketch_rows
+
+#: draft ranks recorded per depth for a chain drafter (as the reference's own traces record)
+DRAFT_TOPK = 8
+
+
+def topk_for(budget: int | None, vocab: int) -> int:
+    """Ranks to record per depth: a DDTree of ``budget`` nodes uses ranks below ``min(budget, V)``."""
+    return min(max(DRAFT_TOPK, budget or 0), vocab)
+
+
+def draft_side(scores: torch.Tensor, k: int, logits: bool = True) -> dict[str, Any]:
+    """``scores`` [L, V] (logits, or log-probs when ``logits`` is False) -> ids / log-probs of the top ``k`` per
+    depth. Log-softmax in float32: the engine's logits may be bf16, and bf16 log-probs would be coarser than the
+    engine's own choice of tokens."""
+    lp = torch.log_softmax(scores.float(), dim=-1) if logits else scores.float()  # [L, V]
+    top = lp.topk(min(k, lp.shape[-1]), dim=-1)
+    return {"ids": top.indices.cpu().tolist(), "logprobs": top.values.cpu().tolist()}
+
+
+def context_side(hidden: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
+    """The context rows fed to the drafter: ``hidden`` [A, F] target features, ``positions`` [A]."""
+    return {"positions": [int(p) for p in positions.reshape(-1).tolist()], "sketch": sketch_rows(hidden)}
