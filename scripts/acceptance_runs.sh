@@ -13,7 +13,7 @@
 set -uo pipefail
 kind=${1:?clean|faults}; out=${2:?OUT}; par=${3:-4}
 mkdir -p "$out"
-common="--pair hybrid --max-new-tokens ${MAX_NEW:-32} --ref-device cuda --sglang-mem-fraction 0.12 --json"
+common="--pair hybrid --max-new-tokens ${MAX_NEW:-32} --ref-device cuda --sglang-mem-fraction ${MEM:-0.2} --json"
 jobs=()
 if [ "$kind" = clean ]; then
   jobs+=("dflash|--sglang-algorithm DFLASH --budget 15"
@@ -31,6 +31,10 @@ else
     jobs+=("dflash-fault-$f|--sglang-algorithm DFLASH --budget 15|$f")
   done
 fi
+[ -n "${ALSO:-}" ] && for a in $ALSO; do  # clean runs to add, by name: dflash, ddtree-b32 (budget 32)
+  case $a in dflash) jobs+=("dflash|--sglang-algorithm DFLASH --budget 15");;
+             ddtree-b32) jobs+=("ddtree-b32|--sglang-algorithm REFCHECK_DDTREE --budget 32");; esac
+done
 one() {
   IFS='|' read -r name args fault <<<"$1"
   env ${fault:+REFCHECK_DRAFT_FAULT=$fault} timeout "${JOB_TIMEOUT:-280}" python3 -m refcheck diff --engine sglang $args \

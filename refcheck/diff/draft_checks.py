@@ -17,6 +17,7 @@ the few attributes :class:`ReplayedRequest` names), each called once per step by
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 import torch
@@ -43,6 +44,7 @@ class ReplayedRequest(Protocol):
     draft_rule: DraftRule
     sampled: SampledRequest | None
     ref_draft: torch.Tensor | None
+    tree_margin: tuple[float, int] | None
 
     def fail(self, category: str, step: int | None, message: str, **kw: Any) -> None: ...
 
@@ -148,9 +150,23 @@ def reference_tau(r: ReplayedRequest, s: StepRow, tree: Tree, logp: torch.Tensor
     ref_tree = reference_tree(r, s, int(s.tree_tokens[0]))
     if ref_tree is None:
         return None
-    if compare(s.tree_tokens, s.tree_parents, ref_tree, [], []) is None:
+    diff = compare(s.tree_tokens, s.tree_parents, ref_tree, [], [])
+    if diff is None:
         return len(pure), False, tie
+    r.tree_margin = _reference_margin(r.ref_draft, diff.engine_only, diff.rebuilt_only)
     return len(_forward_walk(r, ref_tree)), True, tie
+
+
+def _reference_margin(lp: torch.Tensor | None, engine_path: tuple[int, ...], ref_path: tuple[int, ...]) -> tuple[float, int]:
+    """(how much better the reference's draft scores the path the reference took than the one the engine took,
+    the longer path's depth): what the engine's draft deviation must explain for the trees to part at a near-tie."""
+    if lp is None or not engine_path or not ref_path or max(len(engine_path), len(ref_path)) > lp.shape[0]:
+        return math.inf, 0
+
+    def score(path: tuple[int, ...]) -> float:
+        return float(sum(lp[d, t] for d, t in enumerate(path)))
+
+    return score(ref_path) - score(engine_path), max(len(engine_path), len(ref_path))
 
 
 def shadow_tau(r: ReplayedRequest, s: StepRow) -> int | None:

@@ -150,7 +150,7 @@ class Report:
                     mine[k] = mine.get(k, 0) + v
             elif key == "ensemble_steps":  # counts add up
                 self.stats[key] = self.stats.get(key, 0) + value
-            elif key == "rounding_ratios":  # the judged deviations of both
+            elif key in ("rounding_ratios", "tree_parting_margins"):  # the judged deviations of both
                 self.stats[key] = self.stats.get(key, []) + value
             elif key == "acceptance_account":  # accounts of parts of one trace
                 self.stats[key] = merge_json(self.stats.get(key), value)

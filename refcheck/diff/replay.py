@@ -84,6 +84,10 @@ class _Request(NodeChecks):
         self.draft_rule = rule if rule is not None else DraftRule("other", None, 0)
         self.ref_draft: torch.Tensor | None = None  # this step's reference draft [L, V], when computed
         self.pending_tau: tuple[int, bool, bool] | None = None  # this step's (τ reference, trees differ, walk tie)
+        #: where this step's tree parts from the reference's: (reference draft's margin, depth), and the step's largest
+        #: draft log-prob deviation (what must explain that margin for the parting to be a near-tie)
+        self.tree_margin: tuple[float, int] | None = None
+        self.draft_dev = 0.0
         self.account = Account(self.draft_rule.name)
         self.max_new_tokens: int | None = None  # the run's cap on each request's output (None: unknown)
         self.draft_missing = ""  # why the engine's capture could not record its drafter (": reason"), if it said
@@ -158,6 +162,7 @@ class _Request(NodeChecks):
             return
         dev = _abs_dev(torch.tensor(s.draft_topk_logprobs, dtype=torch.float32), ref).amax(dim=1)  # [L]
         self.track_max("max_draft_logprob_abs", float(dev.max()))
+        self.draft_dev = float(dev.max())
         over = torch.nonzero(dev > self.tol.draft_logprob_abs).flatten().tolist()
         if not over:
             return
@@ -351,7 +356,8 @@ class _Request(NodeChecks):
         try:
             for k, s in enumerate(steps):
                 since = self.since = len(self.rep.findings)
-                self.pending_tau = self.shadow = None
+                self.pending_tau = self.shadow = self.tree_margin = None
+                self.draft_dev = 0.0
                 usable = self.replay_step(s, last=k == len(steps) - 1, prompt=prompt, output=output)
                 self.settle(since, s.step)
                 self.account_step(s, since)
@@ -366,6 +372,18 @@ class _Request(NodeChecks):
             i = next((j for j, (a, b) in enumerate(zip(emitted_all, output)) if a != b), min(len(emitted_all), len(output)))
             self.fail("output", None, f"request output differs from the steps' emitted tokens at index {i}",
                       position=P + i, details={"index": i})
+
+    def near_tie_parting(self) -> bool:
+        """Whether the engine's tree parts from the reference's where the step's draft deviation explains it: the
+        reference's draft prefers its path by at most twice the largest draft deviation per depth of the path (each
+        side's score moves by at most that much per depth). The margin is recorded in the report's stats."""
+        if self.tree_margin is None:
+            return False
+        margin, depth = self.tree_margin
+        bound = 2 * depth * max(self.draft_dev, FLOOR.draft_logprob_abs)
+        ratios = self.rep.stats.setdefault("tree_parting_margins", [])
+        ratios.append(round(margin / bound, 4) if bound > 0 and math.isfinite(margin) else None)
+        return math.isfinite(margin) and margin <= bound
 
     def account_step(self, s: StepRow, since: int) -> None:
         """The step's τ beside the reference's (same rule, same prefix), with the cause of any difference; an
@@ -385,9 +403,9 @@ class _Request(NodeChecks):
         if tau != tau_ref:
             found = self.rep.findings[since:]
             failed = {f.category for f in found if f.verdict == Verdict.FAIL}
-            excused = (trees_differ and bool(s.draft_topk_ids) and "draft" not in failed) or \
-                (not trees_differ and tie) or any(f.verdict in (Verdict.BENIGN_TIE, Verdict.TRIAGED) and
-                                                   f.category in ("tree", "draft", "logits") for f in found)
+            excused = (trees_differ and bool(s.draft_topk_ids) and "draft" not in failed and self.near_tie_parting()) \
+                or (not trees_differ and tie) or any(f.verdict in (Verdict.BENIGN_TIE, Verdict.TRIAGED) and
+                                                     f.category in ("tree", "logits") for f in found)
             cause = cause_of(failed, trees_differ, excused, bool(s.draft_topk_ids))
             self.rep.check("acceptance")
             if cause == "unexplained":
