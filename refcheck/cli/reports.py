@@ -17,6 +17,7 @@ from rich.table import Table
 
 from refcheck.cli.app import err
 from refcheck.cli.notes import LEGEND, count_notes, headline, manifest_notes, where
+from refcheck.diff.acceptance import account_line
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
 
 
@@ -57,7 +58,13 @@ def report_table(reports, title: str) -> None:
         if r.stats.get("mean_tau_engine") is not None:
             ref = r.stats.get("mean_tau_reference")
             err.print(f"{r.case}: mean τ engine {r.stats['mean_tau_engine']:.3f}"
-                      + (f", reference {ref:.3f}" if ref is not None else "") + " (bonus counted)")
+                      + (f", reference {ref:.3f} (its own run)" if ref is not None else "") + " (bonus counted)")
+        if r.stats.get("acceptance_account"):
+            err.print(f"{r.case}: {account_line(r.stats['acceptance_account'])}", markup=False)
+        sh = r.stats.get("shadow")
+        if sh and sh.get("steps"):
+            err.print(f"{r.case}: shadow tree: τ {sh['tau_shadow_tree'] / sh['steps']:.3f} under the reference's verify "
+                      f"vs the verified chain's {sh['tau_engine'] / sh['steps']:.3f} ({sh['steps']} steps)", markup=False)
 
 def finish(reports, as_json: bool, extra: dict | None = None) -> None:
     from refcheck.errors import EXIT_NOTHING

@@ -114,14 +114,19 @@ class Account:
                 "requests": per_req}
 
     def line(self) -> str:
-        """``τ engine 2.49 vs reference 2.61 (chain, 120 steps): -0.10 rounding, -0.02 draft``."""
-        j = self.to_json()
-        if not self.steps:
-            why = f"the engine recorded no draft at {self.unrecorded} steps" if self.unrecorded else "no greedy step"
-            return f"τ account ({self.rule}): nothing accounted ({why})"
-        causes = ", ".join(f"{v:+.3f} {c}" for c, v in j["by_cause"].items()) or "every step the same"
-        return (f"τ engine {j['tau_engine']:.3f} vs reference {j['tau_reference']:.3f} ({self.rule}, same prefixes, "
-                f"{j['steps']} steps): {causes}")
+        return account_line(self.to_json())
+
+
+def account_line(j: dict[str, Any]) -> str:
+    """An account's JSON in words: ``τ engine 2.49 vs reference 2.61 (chain, same prefixes, 120 steps): -0.10
+    rounding, -0.02 draft``."""
+    if not j.get("steps"):
+        n = j.get("unrecorded_steps", 0)
+        why = f"the engine recorded no draft at {n} steps" if n else "no greedy step"
+        return f"τ account ({j.get('rule')}): nothing accounted ({why})"
+    causes = ", ".join(f"{v:+.3f} {c}" for c, v in j["by_cause"].items()) or "every step the same"
+    return (f"τ engine {j['tau_engine']:.3f} vs reference {j['tau_reference']:.3f} ({j['rule']}, same prefixes, "
+            f"{j['steps']} steps): {causes}")
 
 
 def merge_json(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
