@@ -8,7 +8,8 @@ per verify step (median over the captured run's steps), tokens per second over t
 (median and min–max; the captured run's, which pays first-use kernel compilation and the capture,
 apart as ``cold_tokens_per_s``), whether every repeat produced the captured tokens, and the replay
 verdict against the reference (pass / benign tie / fail counts, failing categories and the first
-divergence with its step, node and layer). Every capture is written to
+divergence with its step, node and layer), and the acceptance account: τ beside the reference's under the same
+drafting rule at the same prefixes, the difference split by cause (:mod:`refcheck.diff.acceptance`). Every capture is written to
 ``save_dir`` (``sweep --out``) so failing rows can be reviewed and re-tabulated later
 (:func:`tabulate_traces`, ``sweep --from-traces``). Timings come from the capture,
 which synchronises the GPU around each scheduler step and writes its records outside that window.
@@ -97,6 +98,8 @@ def sweep_row(algorithm: str, budget: int, traces: list, report) -> dict:
         "fail_categories": sorted({f.category for f in report.failures}),
         "first_divergence": _first(report), "first_state_failure": _first_state(report),
         "replayed_steps": report.stats.get("steps", {}),
+        # τ beside the reference's under the same rule at the same prefixes, with the cause of each difference
+        "acceptance_account": report.stats.get("acceptance_account"),
     }
 
 

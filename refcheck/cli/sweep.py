@@ -120,13 +120,17 @@ def _sweep_sglang(blist, repeats, out_dir, algorithms, ref_device, model_dir, dr
     atomic_write_bytes(out_dir / "sweep-sglang.json", (json.dumps(result, indent=2) + "\n").encode())
     at = f" · T={result['temperature']:g}" if result.get("temperature") else ""
     table = Table(title=f"refcheck sweep · SGLang · {result['model']} · {dtype} · {result['repeats']} repeat(s){at}")
-    for col in ("algorithm", "budget", "τ", "steps", "step ms", "of which draft ms", "tok/s warm", "tok/s captured",
-                "verdict", "first divergence", "first state failure"):
+    for col in ("algorithm", "budget", "τ", "τ reference (same rule)", "τ difference by cause", "steps", "step ms",
+                "of which draft ms", "tok/s warm", "tok/s captured", "verdict", "first divergence", "first state failure"):
         table.add_column(col)
     for r in result["rows"]:
         ms, ts, dm, cold = r["step_ms"], r["tokens_per_s"], r.get("draft_ms") or {}, r.get("cold_tokens_per_s") or {}
         same = "" if r.get("repeats_match") is not False else " (repeats differ!)"
-        table.add_row(r["algorithm"], str(r["budget"]), f"{r['mean_tau']:.2f}" if r["mean_tau"] else "-", str(r["steps"]),
+        acc = r.get("acceptance_account") or {}
+        causes = ", ".join(f"{v:+.2f} {c}" for c, v in (acc.get("by_cause") or {}).items()) if acc.get("steps") else \
+            ("no drafts recorded" if acc.get("unrecorded_steps") else "-")
+        table.add_row(r["algorithm"], str(r["budget"]), f"{r['mean_tau']:.2f}" if r["mean_tau"] else "-",
+                      f"{acc['tau_reference']:.2f}" if acc.get("steps") else "-", causes or "none", str(r["steps"]),
                       f"{ms['median']:.1f} ({ms['min']:.1f}–{ms['max']:.1f})" if ms else "-",
                       f"{dm['median']:.1f}" if dm else "-",
                       (f"{ts['median']:.0f} ({ts['min']:.0f}–{ts['max']:.0f})" if ts else "-") + same,
