@@ -206,7 +206,8 @@ def run_one(run: CorpusRun, n_prompts: int, max_new_tokens: int, ref_device: str
 def row_of_trace(path: str, name: str, ref_device: str, bounds: dict | None = None, rule: dict | None = None) -> dict:
     """The corpus row of an engine trace recorded elsewhere (an SGLang capture; a worker entry point, so
     it takes the path): faulty when its engine is one of refcheck's deliberately broken layouts (LEAKY /
-    FAULT in the algorithm name)."""
+    FAULT in the algorithm name) or ran with a fault injected into SGLang's drafter or sampler (its provenance's
+    ``draft_fault`` / ``sampler_fault``)."""
     from refcheck.diff.session import DiffSession
     from refcheck.diff.tolerance import engine_numerics
     from refcheck.trace.io import read_trace
@@ -216,7 +217,10 @@ def row_of_trace(path: str, name: str, ref_device: str, bounds: dict | None = No
     prov = trace.prov
     settings = prov.settings
     alg = str(settings.get("algorithm", prov.engine))
-    kind = "fault" if ("LEAKY" in alg or "FAULT" in alg) else "clean"
+    injected = settings.get("draft_fault") or settings.get("sampler_fault")  # faults injected into SGLang's own code
+    kind = "fault" if ("LEAKY" in alg or "FAULT" in alg or injected) else "clean"
+    if injected:
+        alg += f"+{injected}"
     dtype, device = engine_numerics(trace.provenance)
     cal = calibration_under_test(dtype, device, bounds, rule)
     t0 = time.perf_counter()

@@ -329,10 +329,10 @@ class _Request(NodeChecks):
     def run(self, prompt: list[int], output: list[int], output_lps: list[float], steps: list[StepRow],
             first_uniform: float = float("nan")) -> None:
         P = len(prompt)
-        self.check_bounds(output)
         if not output and not steps:
             self.rep.add(Finding(Verdict.SKIPPED, "output", self.rid, None, message="request has no output and no steps"))
             return
+        self.check_bounds(output)
         logp0 = self.prefill(prompt)
         self.rep.check("output")
         if output and self.sampled is not None:

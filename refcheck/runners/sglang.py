@@ -50,12 +50,13 @@ from refcheck.runners.sglang_settings import ServingSettings, capture_refusal, r
 from refcheck.sglang_capture import dflash_taps, sampler_faults
 from refcheck.sglang_capture.records import UNTRACED_RID_PREFIX
 from refcheck.sglang_ddtree.faults import ALGORITHMS as FAULT_ALGORITHMS
+from refcheck.sglang_ddtree.shadow import SHADOW_BUDGET_ENV, SHADOW_NAME
 from refcheck.trace.io import Trace
 from reference.drafter import dflash_value
 from reference.sampling import Sampling, request_key
 
 # algorithms whose drafts come from the DFlash draft checkpoint (refcheck's DDTree and its leaky and faulty twins)
-SHADOW = "REFCHECK_DDTREE_SHADOW"
+SHADOW = SHADOW_NAME
 DFLASH_DRAFTED = ("DFLASH", "REFCHECK_DDTREE", "REFCHECK_DDTREE_LEAKY_CHAIN", SHADOW, *FAULT_ALGORITHMS)
 PLUGIN_ENTRY = "refcheck = refcheck.sglang_capture.plugin:register"
 
@@ -423,8 +424,6 @@ class SGLangRunner:
         if self.full_state:
             env[ENV_FULL] = "1"
         if self.algorithm == SHADOW:
-            from refcheck.sglang_ddtree.algorithm import SHADOW_BUDGET_ENV
-
             env[SHADOW_BUDGET_ENV] = str(self.budget)
         kw = engine_kwargs(self.spec, str(tdir), self.algorithm, mem_fraction_static=self.mem_fraction, budget=self.budget,
                            draft_path=str(ddir) if ddir else None, ngram_breadth=self.ngram_breadth, tp=self.tp,

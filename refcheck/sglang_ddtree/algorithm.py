@@ -34,6 +34,7 @@ from pathlib import Path
 
 from refcheck.sglang_ddtree.faults import ALGORITHMS as FAULT_ALGORITHMS
 from refcheck.sglang_ddtree.hidden_states import HIDDEN_STATES_CEILING
+from refcheck.sglang_ddtree.shadow import SHADOW_NAME
 
 NAME = "REFCHECK_DDTREE"
 #: the same worker with the hybrid backend in its chain layout (topk 1): the tree flattened through the
@@ -42,11 +43,7 @@ LEAKY_NAME = "REFCHECK_DDTREE_LEAKY_CHAIN"
 #: the same worker with one engine fault injected into SGLang's tree verify, one algorithm per fault
 #: (``REFCHECK_DDTREE_FAULT_MAMBA_FLAT_INDEX`` ...; refcheck/sglang_ddtree/faults.py says what each does)
 FAULT_NAMES: tuple[str, ...] = tuple(FAULT_ALGORITHMS)
-#: the same drafter and tree builder, verifying the chain of each block's top-1 drafts (the tree is recorded
-#: for refcheck to check, not verified): DDTree in shadow mode
-SHADOW_NAME = "REFCHECK_DDTREE_SHADOW"
-#: the shadow tree's node budget (the runner sets it from ``--budget``; SGLang's own budget is the block's chain)
-SHADOW_BUDGET_ENV = "REFCHECK_SHADOW_BUDGET"
+
 _done = False
 
 def check_server_args(server_args, leaky: bool = False) -> None:

@@ -66,11 +66,11 @@ from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from refcheck.sglang_capture.drafts import context_side, draft_side, topk_for
 from refcheck.sglang_capture.records import ENV_DIR
 from refcheck.sglang_ddtree import faults, sampling
-from refcheck.sglang_ddtree.algorithm import SHADOW_BUDGET_ENV
 from refcheck.sglang_ddtree.drafts import DrafterPool, TargetView, draft_tree, extend_context
 from refcheck.sglang_ddtree.hidden_states import HIDDEN_STATES_CEILING, hidden_states_ceiling_is_full
 from refcheck.sglang_ddtree.layout import batch_layout
 from refcheck.sglang_ddtree.sampling import RequestKeys
+from refcheck.sglang_ddtree.shadow import SHADOW_BUDGET_ENV
 from reference.drafter import DFlashDrafter
 
 logger = logging.getLogger(__name__)
