@@ -134,6 +134,12 @@ class Engine:
         self.model_runner = NS(model=model, model_config=NS(vocab_size=target.vocab_size,
                                                             num_hidden_layers=len(target.layers)), sample=self.sample)
 
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The layers whose hidden states the model returns: what the worker asked for (SGLang's
+        set_dflash_layers_to_capture), else the drafter's own."""
+        return tuple(getattr(self, "captured_ids", None) or self.capture)
+
     @staticmethod
     def sample(logits_output, batch):
         """SGLang's sampler at a sampling batch: its own draw, and the logits overwritten in place with
@@ -150,7 +156,7 @@ class Engine:
         if not is_verify:  # prefill
             logits, hidden = [], []
             for r in batch.reqs:
-                st, fwd = self.target.prefill(torch.tensor(r.origin_input_ids), capture=self.capture)
+                st, fwd = self.target.prefill(torch.tensor(r.origin_input_ids), capture=self.layers)
                 self.states[r.rid] = st
                 logits.append(fwd.logits[-1:])
                 hidden.append(fwd.context)
@@ -161,7 +167,7 @@ class Engine:
         for b, r in enumerate(batch.reqs):
             toks = vi.draft_token[b * n:(b + 1) * n]
             depths = vi.positions[b * n:(b + 1) * n] - vi.positions[b * n]
-            fwd = self.target.forward(self.states[r.rid], toks, torch.tensor(vi.parents[b]), depths, capture=self.capture)
+            fwd = self.target.forward(self.states[r.rid], toks, torch.tensor(vi.parents[b]), depths, capture=self.layers)
             self.fwds[r.rid] = fwd
             logits.append(fwd.logits)
             hidden.append(fwd.context)
@@ -237,7 +243,7 @@ def _run(module, engine_box, target, prompts, budget: int, max_new: int, fault: 
     cls = module.DDTreeWorker if fault is None else faulty_worker(module.DDTreeWorker, fault)
     worker = cls(server_args=args, gpu_id=0, ps=NS(tp_rank=0), nccl_port=0, target_worker=engine)
     worker.alloc_memory_pool()
-    assert engine.captured_ids == list(capture)
+    assert engine.captured_ids == [i + (fault == "draft-wrong-layers") for i in capture]
     reqs = [NS(rid=f"r{i}", origin_input_ids=list(p.prompt_ids), output_ids=[],
                sampling_params=_params(max_new, sampling, p.id)) for i, p in enumerate(prompts)]
     batch = NS(reqs=reqs, forward_mode=ForwardMode.EXTEND, extend_lens=[len(r.origin_input_ids) for r in reqs],
@@ -421,3 +427,49 @@ def test_bonus_from_the_neighbour_needs_two_requests(worker_module, hybrid):
     assert alone["r0"] == clean["r0"]  # one request: its neighbour is itself
     both, _, _ = _run(module, box, target, prompts, 15, 16, fault="bonus-neighbour")
     assert both != clean
+
+
+def test_the_capture_keeps_each_steps_drafter_side(worker_module, hybrid, monkeypatch):
+    """With capture on, each decode step leaves the drafter's top-k per depth (in the tree builder's order, ranks up
+    to the budget) and the positions and sketch of the context the step fed the drafter: the root and the accepted
+    nodes, at the committed positions."""
+    from refcheck.sglang_capture.records import ENV_DIR
+
+    monkeypatch.setenv(ENV_DIR, "/nonexistent")  # the worker only reads whether it is set
+    module, box = worker_module
+    target, _ = hybrid
+    sides = []
+    real = module.DDTreeWorker._verify
+
+    def verify(self, batch, rids):
+        prefix = batch.seq_lens.tolist()
+        out = real(self, batch, rids)
+        sides.append((prefix, out[2].tolist(), {r: dict(v) for r, v in self.last_sides.items()}, rids))
+        return out
+
+    monkeypatch.setattr(module.DDTreeWorker, "_verify", verify)
+    _run(module, box, target, load_prompts()[:2], 15, 12)
+    assert sides
+    for prefix, lens, by_rid, rids in sides:
+        for b, rid in enumerate(rids):
+            side = by_rid[rid]
+            assert len(side["ids"][0]) == 15 and side["logprobs"][0] == sorted(side["logprobs"][0], reverse=True)
+            assert side["positions"] == list(range(prefix[b], prefix[b] + lens[b]))
+            assert tuple(side["sketch"].shape) == (lens[b], 16)
+
+
+@pytest.mark.parametrize("fault", ["draft-positions-shifted", "draft-skip-last", "draft-wrong-layers", "draft-depth-shift"])
+def test_drafter_faults_keep_the_output_and_lower_acceptance(worker_module, hybrid, fault):
+    """Each drafter fault leaves the output the target's own (lossless) and changes the drafts: τ moves."""
+    module, box = worker_module
+    target, drafter = hybrid
+    prompts = load_prompts()[:2]
+    outputs, taus, _ = _run(module, box, target, prompts, 15, 24, fault=fault)
+    clean_taus = []
+    for i, p in enumerate(prompts):
+        ref = DDTreeDecoder(target, drafter, DecodeConfig(budget=15, max_new_tokens=24)).generate(list(p.prompt_ids))
+        assert outputs[f"r{i}"] == ref.output_ids
+        clean_taus.append([s.accept_length for s in ref.steps])
+    assert [taus[f"r{i}"] for i in range(len(prompts))] != clean_taus
+    assert sum(map(sum, (taus[f"r{i}"] for i in range(len(prompts))))) / sum(map(len, taus.values())) < \
+        sum(map(sum, clean_taus)) / sum(map(len, clean_taus))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import signal
@@ -456,6 +457,11 @@ class SGLangRunner:
         errors = list(cap.errors) + self._hook_errors(cap)
         prov["capture"] = {"enabled": self.capture, "errors": errors[:50], "problems": asm.problems[:50],
                            "incomplete": asm.incomplete, "crash": crash, "stats": asm.stats, "status": cap.status[:8]}
+        if asm.stats.get("draft_not_captured") or (self.algorithm in DFLASH_DRAFTED and not asm.stats.get("draft_steps")
+                                                     and asm.stats.get("steps")):
+            logging.getLogger("refcheck.progress").warning(
+                "%s: the drafter inside SGLang was not captured (%s); its draft checks are reported unsupported",
+                self.algorithm, asm.stats.get("draft_not_captured") or "no step carried its drafter's side")
         self.last_assembly = asm
         if crash or asm.incomplete:
             write_trace(asm.trace, cdir / "partial.arrow")
