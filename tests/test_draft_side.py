@@ -162,3 +162,17 @@ def test_output_past_max_new_tokens_or_a_stop_token_fails_whatever_the_steps_say
         **stopped.provenance["engine"]["settings"], "stop_token_ids": [stop]}}}
     rep = session.diff(stopped, "stopped", mode="replay")
     assert any("after stop token" in f.message for f in rep.failures if f.category == "output")
+
+
+def test_a_nan_in_a_state_sketch_or_the_drafter_feed_fails(session, clean):
+    bad = copy.deepcopy(clean)
+    entry = next(e for e in bad.steps[0].state if e.kind == "rec")
+    entry.sketch = entry.sketch.clone()
+    entry.sketch[0, 0] = float("nan")
+    rep = session.diff(bad, "nan-state", mode="replay")
+    assert any(f.category == "recurrent" and "non-finite" in f.message for f in rep.failures)
+    fed = copy.deepcopy(clean)
+    s = fed.steps[0]
+    s.draft_context_sketch = torch.full((len(s.accepted), 16), float("nan"))
+    rep = session.diff(fed, "nan-feed", mode="replay")
+    assert any(f.category == "draft" and "non-finite" in f.message for f in rep.failures)

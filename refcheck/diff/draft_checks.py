@@ -109,6 +109,9 @@ def check_context(r: ReplayedRequest, s: StepRow, tree: Tree, context: torch.Ten
                f"{sk.shape[-1] if sk.dim() == 2 else '?'}; the root and the accepted nodes are {ref.shape[0]} rows",
                details={"engine_rows": int(sk.shape[0]), "reference_rows": int(ref.shape[0])})
         return
+    if not bool(torch.isfinite(sk).all()):
+        r.fail("draft", s.step, "the sketch of the features fed to the drafter holds non-finite values (NaN or Inf)")
+        return
     err, cos = rel_l2(sk.float(), ref), cosine(sk.float(), ref)
     r.rep.stats["max_rel_l2_draft_context"] = max(r.rep.stats.get("max_rel_l2_draft_context", 0.0), err)
     if err > r.tol.tensor_rel_l2 or cos < r.tol.tensor_min_cos:

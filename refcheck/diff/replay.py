@@ -220,6 +220,9 @@ class _Request(NodeChecks):
             if got.shape != want.shape:
                 self.fail(cat, s.step, f"{name}: shape {tuple(got.shape)} vs reference {tuple(want.shape)}", layer=layer)
                 continue
+            if not bool(torch.isfinite(got).all()):  # NaN compares as no deviation at all: never let it pass
+                self.fail(cat, s.step, f"{name}: the engine's state holds non-finite values (NaN or Inf)", layer=layer)
+                continue
             err, cos = rel_l2(got, want), cosine(got, want)
             self.track_max(f"max_rel_l2_{cat}", err)
             if err > self.tol.tensor_rel_l2 or cos < self.tol.tensor_min_cos:
