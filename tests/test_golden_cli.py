@@ -80,6 +80,9 @@ def test_gate_passes_on_the_repository_goldens(repo_gate):
     # a fault injected into SGLang's own tree sampler at T = 1 (every node decides with the root's coin) is caught by
     # the children-first replay of the coins the capture recorded
     assert verdicts.pop("sglang-hybrid-ngram-b11-t1-fault-coin-shared") == "expected failure caught"
+    # a drafter fault inside SGLang (the last accepted node's features left out of the drafter's context): lossless
+    # output, lower τ, caught in draft at its onset step
+    assert verdicts.pop("sglang-hybrid-ddtree-fault-draft-skip-last") == "expected failure caught"
     assert set(verdicts.values()) == {"pass"}  # NGRAM under CUDA graphs included
     by_case = {r["case"]: r for r in report["reports"]}
     assert by_case["sglang-hybrid-dflash-b15"]["counts"]["triaged"] == 3  # judged rounding, each with its evidence
@@ -110,36 +113,38 @@ def test_gate_passes_on_the_repository_goldens(repo_gate):
 #: The two SGLang goldens at T = 1 (768 tokens each) added 872 steps, 128 ensemble steps and the keyed
 #: target-only oracle of one of them (6 prompts x 128 sampled tokens).
 GATE_WORK_BUDGET = {
-    "steps_replayed": 4444,                   # every verify step of every golden, once (2637 + 375 + 509 at T = 1,
-                                              # + 476 of NGRAM at T = 0.7 + 447 of its coin-shared fault)
-    "forwards.replay.verify": 4444,           # one tree forward per replayed step
-    "forwards.replay.drafter": 900,           # the DFlash drafter fed root + accepted nodes (888), and the scripted
+    "steps_replayed": 4517,                   # every verify step of every golden, once (2637 + 375 + 509 at T = 1,
+                                              # + 476 of NGRAM at T = 0.7 + 447 of its coin-shared fault + 73 of
+                                              # the REFCHECK_DDTREE drafter fault)
+    "forwards.replay.verify": 4517,           # one tree forward per replayed step
+    "forwards.replay.drafter": 980,           # the DFlash drafter fed root + accepted nodes (888), and the scripted
                                               # drafter's oracle prefixes no earlier case had asked for
-    "forwards.replay.account": 40,            # the acceptance account's reference step where its tree is not the
-                                              # engine's (29: the zlab hybrid chain golden's steps after its leak)
+    "forwards.replay.account": 100,           # the acceptance account's reference step where its tree is not the
+                                              # engine's (29: the zlab hybrid chain golden's steps after its leak,
+                                              # 57: the drafter-fault golden's)
     "forwards.replay.prefill": 170,           # one prompt prefill per request (162), re-prefills on misalignment
-    "ensemble_steps": 290,                    # steps the calibrated verdict sends to the rounding ensemble (274:
+    "ensemble_steps": 300,                    # steps the calibrated verdict sends to the rounding ensemble (274:
                                               # the anchor step of each bf16 SGLang request, the steps over a
                                               # bound, and sampled bf16 draws beyond the fp32 floor); none after a
                                               # request has failed; 67 of them the two NGRAM goldens at T = 0.7 / 1
                                               # with coins, whose bf16 walks are judged node by node
-    "forwards.ensemble": 3100,                # 8 noisy samples per such step, each one forward of the step's tree
+    "forwards.ensemble": 3280,                # 8 noisy samples per such step, each one forward of the step's tree
                                               # below the last partial chunk, + each new whole 64-token chunk of
                                               # its prefix once per request (the kept noisy prefixes), + 32 more
                                               # samples at the few steps whose deviation is within 4 x the rule
                                               # of the first spread without being covered (2936 in all, 824 of
                                               # them the goldens added with the tree sampler's coins; 4776 for the
                                               # goldens before when every sample re-prefilled its whole prefix)
-    "greedy_forwards": 650,                   # the greedy oracle: the engine's output, then the reference's own
+    "greedy_forwards": 690,                   # the greedy oracle: the engine's output, then the reference's own
                                               # run, each settled in one forward and two probes per prompt, then
                                               # one forward per prefix both leave unsettled (603; 1 160 without
                                               # the guesses; a drafter-less engine has no reference run to guess)
-    "reference_decodes": 110,                 # the reference's own runs: 6 prompts per distinct setting of the
+    "reference_decodes": 116,                 # the reference's own runs: 6 prompts per distinct setting of the
                                               # goldens with a drafter (none for NONE / NGRAM engines)
-    "forwards.free.reference_decode": 3000,   # their forwards (2791; scripted drafts share the oracle's memo, so
+    "forwards.free.reference_decode": 3140,   # their forwards (2791; scripted drafts share the oracle's memo, so
                                               # which phase runs a shared prefix first depends on the case order)
     "runner_loads": 6,                        # per setting of pair, drafter and sampling the gate loads a runner
-    "forwards": 12640,                        # everything (12039 + the account's 29, 1771 of it the three NGRAM goldens with coins;
+    "forwards": 13200,                        # everything (12039 + the account's 29 + the drafter-fault golden's 560, 1771 of it the three NGRAM goldens with coins;
                                               # 14104 for the 25 goldens before the kept noisy prefixes and the
                                               # oracle's guess): shared prefixes run once whichever phase asks
 }
