@@ -1,8 +1,10 @@
 """The calibration corpus: clean and faulty engines in their own dtype, diffed by the calibrated verdict.
 
 Contract: :func:`default_corpus` lists the runs (clean reference engines in each dtype at each budget
-and pair; every injected fault, in the first dtype, on the hybrid pair with the scripted drafter's deep
-paths); :func:`run_one` records one run's trace on the engine's device, diffs it against the fp32
+and pair, and sampled at :data:`CLEAN_SAMPLINGS` at budget 15; every injected fault, in the first dtype, on
+the hybrid pair with the scripted drafter's deep paths, and each sampling fault sampled, with the DFlash
+drafter, at :data:`~refcheck.selftest.sampling_faults.CORPUS_SAMPLING`'s parameters or the selftest's);
+:func:`run_one` records one run's trace on the engine's device, diffs it against the fp32
 reference with the verdict under test (the measured calibration, or a candidate's) and returns its
 row; a fault row also carries *where the fault first changes anything*: the first request, step and
 node at which its trace differs from the clean engine's trace in the same dtype. :func:`row_of_trace`
@@ -21,9 +23,16 @@ import torch
 
 from refcheck.budget import budget_json, budget_tag
 from refcheck.diff.findings import Finding, Report, Verdict
+from refcheck.selftest.sampling_faults import CORPUS_SAMPLING, SAMPLING_FAULTS, SELFTEST_SAMPLING
 from refcheck.trace.io import StepRow, Trace
+from reference.sampling import Sampling
 
 CLEAN_BUDGETS = (8, 15, 32, 64, None)
+#: the sampled clean runs (tag, sampling), each at :data:`SAMPLED_BUDGET` with the DFlash drafter: the DDTree
+#: paper's T = 1.0 and the selftest's T = 0.7 / top-p 0.9
+CLEAN_SAMPLINGS: tuple[tuple[str, Sampling], ...] = (("t1", Sampling(1.0, seed=SELFTEST_SAMPLING.seed)),
+                                                     ("t07-p09", SELFTEST_SAMPLING))
+SAMPLED_BUDGET = 15
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +47,7 @@ class CorpusRun:
     device: str
     model_dir: str | None = None  # a pair given by its directories (``pair`` is then its label)
     draft_dir: str | None = None
+    sampling: Sampling | None = None  # a sampled run (keyed uniforms, every draw recorded); None: greedy
 
     def spec(self, max_new_tokens: int):
         from pathlib import Path
@@ -46,33 +56,41 @@ class CorpusRun:
 
         return EngineSpec(pair=self.pair, drafter=self.drafter, budget=self.budget, dtype=self.dtype, device=self.device,
                           max_new_tokens=max_new_tokens, model_dir=Path(self.model_dir) if self.model_dir else None,
-                          draft_dir=Path(self.draft_dir) if self.draft_dir else None)
+                          draft_dir=Path(self.draft_dir) if self.draft_dir else None, sampling=self.sampling)
 
 
 def default_corpus(dtypes: list[str], device: str, faults: list[str], pairs: tuple[str, ...] = ("hybrid", "attention"),
                    budgets: tuple[int | None, ...] = CLEAN_BUDGETS,
                    own: tuple[str, str, str] | None = None) -> list[CorpusRun]:
-    """Clean: every dtype x pair x budget with the DFlash drafter, and the scripted drafter's deep paths on
-    the hybrid pair at budgets 15 and 64. Faulty: every fault in the first dtype (hybrid, scripted, budget 15).
-    ``own`` = (label, target dir, draft dir): the same corpus on that one pair instead (a hybrid target)."""
+    """Clean: every dtype x pair x budget with the DFlash drafter, the scripted drafter's deep paths on
+    the hybrid pair at budgets 15 and 64, and every dtype x pair sampled at each of :data:`CLEAN_SAMPLINGS`
+    (DFlash, budget :data:`SAMPLED_BUDGET`). Faulty: every fault in the first dtype (hybrid, scripted, budget
+    15; a sampling fault sampled, with DFlash). ``own`` = (label, target dir, draft dir): the same corpus on
+    that one pair instead (a hybrid target)."""
     dirs = dict(model_dir=own[1], draft_dir=own[2]) if own else {}
     pairs, hybrid = ((own[0],), own[0]) if own else (pairs, "hybrid")
     runs = [CorpusRun(f"clean-{d}-{p}-dflash-{budget_tag(b)}", "clean", "reference", p, "dflash", b, d, device, **dirs)
             for d in dtypes for p in pairs for b in budgets]
     runs += [CorpusRun(f"clean-{d}-{hybrid}-scripted-{budget_tag(b)}", "clean", "reference", hybrid, "scripted", b, d,
                        device, **dirs) for d in dtypes for b in (15, 64)]
+    runs += [CorpusRun(f"clean-{d}-{p}-dflash-{budget_tag(SAMPLED_BUDGET)}-{tag}", "clean", "reference", p, "dflash",
+                       SAMPLED_BUDGET, d, device, **dirs, sampling=sp)
+             for d in dtypes for p in pairs for tag, sp in CLEAN_SAMPLINGS]
     runs += [CorpusRun(f"fault-{f}-{dtypes[0]}" + (f"-{hybrid}" if own else ""), "graded" if ":" in f else "fault",
-                       f"fault:{f}", hybrid, _fault_drafter(f), 15, dtypes[0], device, **dirs) for f in faults]
+                       f"fault:{f}", hybrid, _fault_drafter(f), 15, dtypes[0], device, **dirs,
+                       sampling=CORPUS_SAMPLING.get(f, SELFTEST_SAMPLING) if f in SAMPLING_FAULTS else None)
+             for f in faults]
     return runs
 
 
 def _fault_drafter(name: str) -> str:
-    """Faults of the drafter's input run with the DFlash drafter (its draft is checked at any numerics);
-    the rest with the scripted drafter's deep accepted paths, on which commit faults show."""
+    """Faults of the drafter's input, and sampling faults (the DDTree engines that sample draft with DFlash),
+    run with the DFlash drafter (its draft is checked at any numerics); the rest with the scripted drafter's
+    deep accepted paths, on which commit faults show."""
     from refcheck.selftest.faults import find_fault
 
     entry = find_fault(name)
-    return "dflash" if entry is not None and entry[1] == "draft" else "scripted"
+    return "dflash" if name in SAMPLING_FAULTS or (entry is not None and entry[1] == "draft") else "scripted"
 
 
 # -- where a fault first acts -------------------------------------------------------------------------
@@ -86,6 +104,9 @@ def _step_diff(a: StepRow, b: StepRow) -> tuple[int | None, str] | None:
     for i, (x, y) in enumerate(zip(a.topk_logprobs, b.topk_logprobs)):
         if x != y or a.topk_ids[i] != b.topk_ids[i] or a.target_argmax[i] != b.target_argmax[i]:
             return i, "logits"
+    for i, (x, y) in enumerate(zip(_draws(a), _draws(b))):  # at T > 0: a node's draw or its uniform
+        if x != y:
+            return i, "draws"
     if a.accepted != b.accepted or a.accept_length != b.accept_length or a.bonus != b.bonus:
         return None, "walk"
     if a.emitted != b.emitted or a.emitted_logprobs != b.emitted_logprobs:
@@ -98,9 +119,22 @@ def _step_diff(a: StepRow, b: StepRow) -> tuple[int | None, str] | None:
     return None
 
 
+def _draws(s: StepRow) -> list[tuple[int, float | None]]:
+    """Each node's recorded draw and uniform (a NaN uniform, not recorded, as None), padded to the tree."""
+    n = len(s.tree_tokens)
+    draws = list(s.node_draws) + [-1] * (n - len(s.node_draws))
+    uniforms = [u if u == u else None for u in s.node_uniforms] + [None] * (n - len(s.node_uniforms))
+    return list(zip(draws, uniforms))
+
+
 def first_change(clean: Trace, faulty: Trace) -> dict | None:
-    """The earliest (by step) request, step and node where ``faulty`` differs from ``clean``."""
+    """The earliest (by step; the draw after the prefill is step -1) request, step and node where ``faulty``
+    differs from ``clean``."""
     best: dict | None = None
+    firsts = {r.request_id: r.output_ids[:1] for r in faulty.requests}
+    for req in clean.requests:
+        if req.output_ids[:1] != firsts.get(req.request_id, req.output_ids[:1]):
+            return {"request_id": req.request_id, "step": -1, "node": None, "what": "first token"}
     for req in clean.requests:
         a_steps, b_steps = clean.steps_of(req.request_id), faulty.steps_of(req.request_id)
         for a, b in zip(a_steps, b_steps):
@@ -138,7 +172,7 @@ def report_row(report: Report, kind: str, change: dict | None = None) -> dict:
            "ensemble_steps": report.stats.get("ensemble_steps", 0),
            "rounding_ratios": report.stats.get("rounding_ratios", []),
            "max": {k: v for k, v in report.stats.items() if k.startswith("max_")},
-           "steps": report.stats.get("steps", {})}
+           "steps": report.stats.get("steps", {}), "temperature": report.stats.get("temperature")}
     if kind != "clean":
         row["first_change"] = change
         mine = report.first_divergence().get(change["request_id"]) if change else None
@@ -248,6 +282,8 @@ def summarize(rows: list[dict]) -> dict:
     def q(p: float) -> float | None:
         return ratios[min(len(ratios) - 1, int(p * len(ratios)))] if ratios else None
 
+    leans = [r["temperature"] for r in clean if r.get("temperature") and r["temperature"].get("keyed_draws")]
+
     return {
         "clean_runs": len(clean), "false_alarms": sum(r["verdict"] == "fail" for r in clean),
         "faulty_runs": len(faulty), "detected": sum(r["verdict"] == "fail" for r in faulty),
@@ -258,6 +294,10 @@ def summarize(rows: list[dict]) -> dict:
         "clean_judged": len(ratios),
         "clean_ratio_quantiles": {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": ratios[-1] if ratios else None},
         "clean_maxima": maxima,
+        # the temperature check over the sampled clean runs: their steps' votes and the smallest p-value
+        "clean_temperature": {"runs": len(leans), "higher": sum(t["higher"] for t in leans),
+                              "lower": sum(t["lower"] for t in leans),
+                              "min_p": min((t["p_value"] for t in leans), default=None)},
     }
 
 
@@ -273,6 +313,15 @@ def detectability(rows: list[dict]) -> dict[str, list[tuple[float, bool]]]:
             pts = curves.setdefault(key, {})
             pts[float(size)] = pts.get(float(size), True) and r["verdict"] == "fail"
     return {k: sorted(v.items()) for k, v in sorted(curves.items())}
+
+
+def _temperature_line(summary: dict) -> list[str]:
+    """The temperature check's line of the table's header (sampled clean runs only)."""
+    t = summary.get("clean_temperature") or {}
+    if not t.get("runs"):
+        return []
+    return ["", f"Temperature check on the {t['runs']} sampled clean runs: steps leaning higher {t['higher']}, lower "
+                f"{t['lower']}; smallest p {t['min_p']:.3g}."]
 
 
 def _cell(w: dict | None) -> str:
@@ -291,6 +340,7 @@ def markdown(rows: list[dict], summary: dict) -> str:
            f"p50 {s['clean_ratio_quantiles']['p50']}, p99 {s['clean_ratio_quantiles']['p99']}, max "
            f"{s['clean_ratio_quantiles']['max']}). **Faulty runs: {s['detected']} of {s['faulty_runs']} detected, "
            f"{s['located']} at the step where the fault first acts, {s['faulty_nodes_triaged']} faulty nodes triaged.**",
+           *_temperature_line(s),
            "", "| run | kind | dtype | verdict | fail / triaged | ensemble steps | first finding | fault first acts | located |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -48,13 +48,33 @@ def test_first_change_finds_the_first_differing_step_and_node():
     assert ch is not None and ch["step"] == 0 and ch["what"] == "logits" and ch["node"] >= 1
 
 
+def test_first_change_of_a_sampling_fault_is_the_first_draw_it_moves():
+    from refcheck.selftest.sampling_faults import SAMPLING_FAULTS, SELFTEST_SAMPLING
+
+    session = DiffSession()
+    runner = session.runner(EngineSpec(pair="hybrid", budget=8, max_new_tokens=12, sampling=SELFTEST_SAMPLING))
+    prompts = load_prompts()[:1]
+    clean, _ = runner.trace(prompts)
+    assert first_change(clean, runner.trace(prompts)[0]) is None
+    twice, _ = runner.trace(prompts, cls=SAMPLING_FAULTS["temperature-twice"][0])
+    ch = first_change(clean, twice)
+    assert ch is not None and ch["what"] in ("draws", "first token"), ch
+
+
 def test_the_default_corpus_covers_dtypes_budgets_pairs_and_every_fault():
-    runs = default_corpus(["bfloat16", "float16"], "cuda", ["sibling-leak", "rec-scale:0.01"])
+    runs = default_corpus(["bfloat16", "float16"], "cuda", ["sibling-leak", "rec-scale:0.01", "temperature-1.1x"])
     clean = [r for r in runs if r.kind == "clean"]
-    assert len(clean) == 2 * 2 * 5 + 2 * 2 and {r.dtype for r in clean} == {"bfloat16", "float16"}
+    assert len(clean) == 2 * 2 * 5 + 2 * 2 + 2 * 2 * 2 and {r.dtype for r in clean} == {"bfloat16", "float16"}
     assert {r.budget for r in clean} == {8, 15, 32, 64, None}
+    sampled = [r for r in clean if r.sampling is not None]  # each dtype x pair at T = 1 and at T = 0.7 / top-p 0.9
+    assert sorted((r.sampling.temperature, r.sampling.top_p) for r in sampled) == [(0.7, 0.9)] * 4 + [(1.0, 1.0)] * 4
+    assert all(r.budget == 15 and r.drafter == "dflash" and r.spec(8).sampled for r in sampled)
     assert [(r.kind, r.engine, r.dtype) for r in runs if r.kind != "clean"] == [
-        ("fault", "fault:sibling-leak", "bfloat16"), ("graded", "fault:rec-scale:0.01", "bfloat16")]
+        ("fault", "fault:sibling-leak", "bfloat16"), ("graded", "fault:rec-scale:0.01", "bfloat16"),
+        ("fault", "fault:temperature-1.1x", "bfloat16")]
+    temp = runs[-1]  # a sampling fault runs sampled (T = 1.0: a temperature 10 % off), with the DFlash drafter
+    assert temp.sampling is not None and temp.sampling.temperature == 1.0 and temp.drafter == "dflash"
+    assert runs[-3].sampling is None
 
 
 def _row(name, kind, verdict, triaged=0, located=None, ratios=(), engine="reference"):
@@ -85,9 +105,14 @@ def test_the_command_writes_the_table_and_exits_by_its_claims(tmp_path, cli):
                          "--budget", "15", "--fault", "sibling-leak", "--prompts", "1", "--max-new-tokens", "12", "--json")
     assert code == 0, err
     summary = json.loads(out)
-    assert summary["clean_runs"] == 3 and summary["false_alarms"] == 0 and summary["detected"] == 1
-    assert (tmp_path / "calibration.md").read_text().count("| clean |") == 3
-    assert len(json.loads((tmp_path / "calibration.json").read_text())["rows"]) == 4
+    # clean: DFlash b15, scripted b15 and b64, and sampled (DFlash b15) at T = 1 and at T = 0.7 / top-p 0.9
+    assert summary["clean_runs"] == 5 and summary["false_alarms"] == 0 and summary["detected"] == 1
+    assert (tmp_path / "calibration.md").read_text().count("| clean |") == 5
+    rows = json.loads((tmp_path / "calibration.json").read_text())["rows"]
+    assert len(rows) == 6 and [r["sampling"]["temperature"] for r in rows if r["sampling"]] == [1.0, 0.7]
+    # the sampled clean rows pass the exact replay in bf16 (draws held to rounding) and the temperature check
+    assert all(r["temperature"]["verdict"] == "pass" and r["temperature"]["keyed_draws"] > 0 for r in rows if r["sampling"])
+    assert summary["clean_temperature"]["runs"] == 2
     code, _, err = cli("calibrate", "--out", str(tmp_path), "--fault", "no-such-fault", "--device", "cpu")
     assert code == 2 and "unknown fault" in err and "rec-scale:EPS" in err
 
@@ -97,7 +122,8 @@ def test_the_corpus_on_a_pair_given_by_its_directories(tmp_path):
     runs = default_corpus(["bfloat16"], "cuda", ["sibling-leak"], budgets=(15,), own=("wide", "/m/t", "/m/d"))
     assert {r.pair for r in runs} == {"wide"} and {(r.model_dir, r.draft_dir) for r in runs} == {("/m/t", "/m/d")}
     assert [r.name for r in runs] == ["clean-bfloat16-wide-dflash-b15", "clean-bfloat16-wide-scripted-b15",
-                                      "clean-bfloat16-wide-scripted-b64", "fault-sibling-leak-bfloat16-wide"]
+                                      "clean-bfloat16-wide-scripted-b64", "clean-bfloat16-wide-dflash-b15-t1",
+                                      "clean-bfloat16-wide-dflash-b15-t07-p09", "fault-sibling-leak-bfloat16-wide"]
     spec = runs[0].spec(8)
     assert str(spec.model_dir) == "/m/t" and str(spec.draft_dir) == "/m/d" and spec.model_label == "/m/t"
 
@@ -112,7 +138,9 @@ def test_the_command_runs_the_corpus_on_a_given_pair_and_refuses_half_of_one(tmp
     assert code == 0, err
     rows = json.loads((tmp_path / "calibration.json").read_text())["rows"]
     assert [r["name"] for r in rows] == ["clean-bfloat16-mine-dflash-b15", "clean-bfloat16-mine-scripted-b15",
-                                         "clean-bfloat16-mine-scripted-b64"] and all(r["verdict"] == "pass" for r in rows)
+                                         "clean-bfloat16-mine-scripted-b64", "clean-bfloat16-mine-dflash-b15-t1",
+                                         "clean-bfloat16-mine-dflash-b15-t07-p09"]
+    assert all(r["verdict"] == "pass" for r in rows)
     assert all(r["model_dir"] == str(tdir) for r in rows)
     code, _, err = cli("calibrate", "--out", str(tmp_path), "--device", "cpu", "--model", str(tdir))
     assert code == 2 and "--model and --draft go together" in err

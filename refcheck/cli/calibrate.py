@@ -13,12 +13,13 @@ from refcheck.errors import EXIT_MISMATCH, EXIT_PASS, UsageError
 
 
 def _fault_names(selected: tuple[str, ...]) -> list[str]:
-    """The faults to run: the named ones (each checked), or every discrete and graded fault."""
+    """The faults to run: the named ones (each checked), or every discrete, graded and sampling fault."""
     from refcheck.selftest.faults import fault, fault_names
+    from refcheck.selftest.sampling_faults import SAMPLING_FAULTS
 
     for name in selected:
         fault(name)  # an unknown name is a usage error listing the faults
-    return list(selected) or fault_names()
+    return list(selected) or [*fault_names(), *SAMPLING_FAULTS]
 
 
 def _pairs(text: str, option: str) -> dict[str, float]:
@@ -50,7 +51,8 @@ def trace_names(paths: list[Path]) -> list[str]:
               help="Engine dtypes of the clean runs (default: bfloat16 and float16); faults run in the first.")
 @click.option("--device", default="cuda", show_default=True, help="The engines' device.")
 @click.option("--ref-device", default=None, help="The fp32 reference's device (default: --device).")
-@click.option("--fault", "faults", multiple=True, help="Only these faults (default: every fault).")
+@click.option("--fault", "faults", multiple=True,
+              help="Only these faults (default: every fault; sampling faults run sampled, docs/calibration.md).")
 @click.option("--no-faults", is_flag=True, help="Clean runs only.")
 @click.option("--no-corpus", is_flag=True, help="Run no corpus: only --traces and --rows.")
 @click.option("--rows", "row_files", multiple=True, type=click.Path(path_type=Path, exists=True, dir_okay=False),

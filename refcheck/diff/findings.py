@@ -86,6 +86,8 @@ CATEGORY_TABLE: tuple[Category, ...] = (
              "run)"),
     Category("distribution", "run", "at temperature > 0 with no draws recorded: the emitted tokens are not draws from the "
                                     "target's tempered distribution (statistical test)"),
+    Category("temperature", "run", "at temperature > 0 with the engine's uniforms known: the draws that differ from the "
+                                   "reference's lean to one side of the request's temperature (sign test over the steps)"),
 )
 CATEGORIES: tuple[str, ...] = tuple(c.name for c in CATEGORY_TABLE)
 STATE_CATEGORIES: tuple[str, ...] = tuple(c.name for c in CATEGORY_TABLE if c.scope == "state")

@@ -19,7 +19,10 @@ and bonus: its path, bonus and first token are judged by exact replay of the eng
 uniforms (:mod:`refcheck.diff.sampling`), and every emitted token and walk step feeds the
 distributional test (:mod:`refcheck.diff.distribution`), judged once over the whole trace
 (category "distribution"; INCONCLUSIVE, exit 5, when a request hid its randomness and the sample
-cannot reach the stated power).
+cannot reach the stated power). Every draw with a known uniform feeds the temperature check
+(:mod:`refcheck.diff.temperature`, category "temperature", judged once over the whole trace): when the
+draws that differ from the reference's lean to one side of the temperature, the trace fails and no
+deviation in it stays triaged as rounding.
 
 **The calibrated verdict** (:mod:`refcheck.diff.tolerance`): a quantity within its cheap bound
 passes. For an engine dtype coarser than the reference, a draft, node, emitted log-prob or state
@@ -50,7 +53,15 @@ from refcheck.diff.distribution import Evidence, judge
 from refcheck.diff.draft_checks import check_context, check_drafted_tree, reference_tau, shadow_tau
 from refcheck.diff.findings import Finding, Report, Verdict, worst_verdict
 from refcheck.diff.node_checks import FLOOR, NodeChecks, _abs_dev, _topk_at
-from refcheck.diff.sampling import SampledRequest, cdf_tolerance, replay_first_token, replay_sampled_step
+from refcheck.diff.rounding_guard import withdraw_trace
+from refcheck.diff.sampling import (
+    CHILDREN_FIRST,
+    SampledRequest,
+    cdf_tolerance,
+    replay_first_token,
+    replay_sampled_step,
+)
+from refcheck.diff.temperature import Leans, judge_leans, node_leans
 from refcheck.diff.tolerance import Calibration
 from refcheck.diff.triage import RoundingEnsemble, StepSpread
 from refcheck.profile import timed
@@ -78,7 +89,8 @@ class _Request(NodeChecks):
 
     def __init__(self, rep: Report, target: Target, drafter: Drafter, cal: Calibration, rid: str, stop: frozenset[int],
                  check_draft: bool = True, structural_trees: bool = False, ensemble: RoundingEnsemble | None = None,
-                 sampled: SampledRequest | None = None, evidence: Evidence | None = None, rule: DraftRule | None = None):
+                 sampled: SampledRequest | None = None, evidence: Evidence | None = None, rule: DraftRule | None = None,
+                 leans: Leans | None = None):
         self.rep, self.target, self.drafter, self.tol, self.rid, self.stop = rep, target, drafter, cal.tolerance, rid, stop
         #: the engine's drafting rule and its acceptance account (None: no rule to hold its trees and τ to)
         self.draft_rule = rule if rule is not None else DraftRule("other", None, 0)
@@ -111,6 +123,7 @@ class _Request(NodeChecks):
         self.since = 0  # index of this step's first finding in the report
         self.sampled = sampled  # the request's sampling (None: greedy)
         self.evidence = evidence if evidence is not None else Evidence()
+        self.leans = leans if leans is not None else Leans()  # the keyed draws' leans (the temperature check)
         self.hidden = False  # some draw of this request could not be replayed exactly
 
     @property
@@ -306,6 +319,7 @@ class _Request(NodeChecks):
         self.hidden |= not res.exact
         n = tree.num_nodes
         path = [a for a in s.accepted if 0 <= a < n]
+        self.record_leans(s, tree, path, logp, probs)
         for node, tok in zip(path, s.emitted):
             if node in res.rounding and probs[node, tok] <= 0:  # a token rounding moved into the support
                 self.rep.stats["distribution_rounding_excluded"] = self.rep.stats.get("distribution_rounding_excluded", 0) + 1
@@ -329,6 +343,23 @@ class _Request(NodeChecks):
             self.fail("output", None, f"the request emitted {len(output) - stop - 1} tokens after stop token "
                       f"{output[stop]} (index {stop})", details={"stop_index": stop, "emitted": len(output)})
 
+    def record_leans(self, s: StepRow, tree: Tree, path: list[int], logp: torch.Tensor, probs: torch.Tensor) -> None:
+        """The temperature check's evidence of a step: the lean of every node draw whose uniform is known (the
+        engine's draw where it exposed one, else the token its walk took there: the next path node's or the
+        bonus). Children-first engines draw in another order and are not judged here."""
+        if self.sampling.rng == CHILDREN_FIRST:
+            return
+        n, V = probs.shape
+        tokens = {i: int(d) for i, d in enumerate(s.node_draws[:n]) if d >= 0}
+        for j, node in enumerate(path):
+            tokens.setdefault(node, int(tree.tokens[path[j + 1]]) if j + 1 < len(path) else s.bonus)
+        nodes = [i for i in sorted(tokens) if i < len(s.node_uniforms) and s.node_uniforms[i] == s.node_uniforms[i]
+                 and 0 <= tokens[i] < V]
+        if nodes:
+            idx = torch.tensor(nodes, dtype=torch.long)
+            self.leans.add(self.rid, s.step, node_leans(logp.cpu()[idx], probs[idx], [s.node_uniforms[i] for i in nodes],
+                                                        [tokens[i] for i in nodes]))
+
     def run(self, prompt: list[int], output: list[int], output_lps: list[float], steps: list[StepRow],
             first_uniform: float = float("nan")) -> None:
         P = len(prompt)
@@ -346,6 +377,8 @@ class _Request(NodeChecks):
                 self.rep.add(f)
             self.hidden |= not exact
             self.evidence.add_token(self.rid, probs0[0], output[0])
+            if exact and 0 <= output[0] < probs0.shape[1]:
+                self.leans.add(self.rid, -1, node_leans(logp0.cpu()[None], probs0, [first_uniform], [output[0]]))
         elif output and int(logp0.argmax()) != output[0]:
             self.token_flip("output", -1, None, logp0.cpu(), output[0], position=P)
         if output and output_lps:
@@ -505,9 +538,10 @@ def capture_findings(rep: Report, trace: Trace) -> None:
 
 def replay(trace: Trace, target: Target, drafter: Drafter, cal: Calibration, case: str = "",
            stop_token_ids: frozenset[int] = frozenset(), check_draft: bool = True, engine_dtype: str = "float32",
-           evidence: Evidence | None = None) -> Report:
+           evidence: Evidence | None = None, leans: Leans | None = None) -> Report:
     """Replay every request of ``trace``, judged by ``cal`` (the calibration of the engine's numerics).
-    ``evidence``: where the sampled requests' distributional evidence is collected (a fresh one by default)."""
+    ``evidence`` / ``leans``: where the sampled requests' distributional evidence and the keyed draws' leans
+    (the temperature check) are collected (fresh ones by default)."""
     rep = Report(case=case, mode="replay")
     capture_findings(rep, trace)
     structural = trace.prov.tree_rules == "structural"
@@ -518,12 +552,13 @@ def replay(trace: Trace, target: Target, drafter: Drafter, cal: Calibration, cas
     rule = DraftRule(trace.prov.draft_rule, trace.prov.budget, target.vocab_size, check_draft)
     account = Account(rule.name)
     missing = trace.prov.capture.stats.get("draft_not_captured") if trace.prov.capture is not None else None
+    leans = leans if leans is not None else Leans()
     hidden, any_sampled = [], False
     for req in trace.requests:
         sampled = SampledRequest.from_row(req)
         any_sampled |= sampled is not None
         r = _Request(rep, target, drafter, cal, req.request_id, stop_token_ids, check_draft, structural, ensemble,
-                     sampled, evidence, rule)
+                     sampled, evidence, rule, leans)
         if missing:
             r.draft_missing = f": {missing}"
         r.max_new_tokens = trace.prov.max_new_tokens
@@ -535,6 +570,7 @@ def replay(trace: Trace, target: Target, drafter: Drafter, cal: Calibration, cas
             hidden.append(req.request_id)
     if any_sampled:
         judge_distribution(rep, evidence, hidden)
+        judge_temperature(rep, leans)
     if rule.name != "other":
         rep.stats["acceptance_account"] = account.to_json()
     return rep
@@ -556,3 +592,25 @@ def judge_distribution(rep: Report, evidence: Evidence, hidden: list[str]) -> No
         rep.inconclusive.append(f"distribution: p = {v.p_value:.3g} on {where}; {v.n_required} tokens are needed for power "
                                 f"{v.power:g} against a {v.effect:g}-SD shift at alpha {v.alpha:g} "
                                 f"({len(hidden)} requests hide their randomness)")
+
+
+def judge_temperature(rep: Report, leans: Leans) -> None:
+    """The temperature check over a trace's keyed draws (:mod:`refcheck.diff.temperature`): a finding and
+    stats. When it fails, no deviation in the trace stays triaged as rounding."""
+    v = judge_leans(leans)
+    rep.stats["temperature"] = v.to_json()
+    if not leans.keyed_draws:
+        return  # no draw with a known uniform: nothing to judge (the distributional test covers the trace)
+    rep.check("temperature")
+    if v.verdict != "fail":
+        return
+    where = "the temperature check"
+    rep.add(Finding(Verdict.FAIL, "temperature", None, None,
+                    message=f"the sampled draws that differ from the reference's lean to a {v.side} temperature: "
+                            f"{max(v.higher, v.lower)} of {v.higher + v.lower} verify steps ({v.draws_higher} draws "
+                            f"higher, {v.draws_lower} lower, of {v.keyed_draws} keyed draws); p = {v.p_value:.3g} < "
+                            f"alpha {v.alpha:g} even for a correct engine whose steps lean {50 + 100 * v.slack:g} / "
+                            f"{50 - 100 * v.slack:g}. Rounding moves draws either way alike: the engine samples at a "
+                            "temperature other than the request's",
+                    details=v.to_json()))
+    rep.stats["temperature"]["withdrawn"] = withdraw_trace(rep, where)

@@ -7,7 +7,8 @@ up a step's ensemble (node log-probs at the engine's top-k ids and both argmaxes
 state), run on first use; :meth:`judged` is a deviation over its bound held to the rule's factor x its
 spread; :meth:`beyond_rounding` is one *under* its bound at an anchor step; :meth:`consistent` records a
 deviation rounding explains, which :meth:`settle` reports as triaged only if nothing fails at its step or
-earlier, and :meth:`withdraw` turns into a failure once the request fails later. Every judged deviation's
+earlier, and :meth:`withdraw` turns into a failure once the request fails later (:func:`withdraw_trace`: once a
+check over the whole trace fails). Every judged deviation's
 ratio to its spread is kept in the report's ``rounding_ratios`` (the calibration's raw data).
 """
 
@@ -35,11 +36,26 @@ def _as_compared(entry: StateEntry, rows: torch.Tensor) -> torch.Tensor:
     return rows.float().cpu() if entry.full is not None else sketch_rows(rows)
 
 
-def _not_triaged(f: Finding, where: str) -> None:
-    """A rounding-consistent finding in a request that fails (at ``where``): a failure, with the reason."""
+def _not_triaged(f: Finding, where: str, whole: str = "the request") -> None:
+    """A rounding-consistent finding in a request (``whole``: or a trace) that fails (at ``where``): a
+    failure, with the reason."""
     f.verdict = Verdict.FAIL
-    f.message += f"; not triaged: the request fails at {where}, so rounding cannot be presumed"
+    f.message += f"; not triaged: {whole} fails at {where}, so rounding cannot be presumed"
     f.details["not_triaged"] = where
+
+
+def withdraw_trace(rep: Report, where: str) -> int:
+    """A check over the whole trace failed (``where`` names it): no deviation in the trace stays triaged as
+    rounding, as :meth:`RoundingGuard.withdraw` does for a failing request. Returns how many were withdrawn."""
+    found = [f for f in rep.findings if f.verdict == Verdict.TRIAGED and f.details.get("rule") == "rounding"]
+    for f in found:
+        _not_triaged(f, where, "the trace")
+    moved = len({(f.request_id, f.step) for f in found if f.step is not None and f.step >= 0})
+    if moved:  # steps whose worst finding is now a failure (a request with a failure has no triaged step)
+        steps = rep.stats.setdefault("steps", {"pass": 0, "benign_tie": 0, "fail": 0})
+        steps["triaged"] = steps.get("triaged", 0) - moved
+        steps["fail"] = steps.get("fail", 0) + moved
+    return len(found)
 
 
 class RoundingGuard:

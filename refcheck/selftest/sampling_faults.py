@@ -7,6 +7,9 @@ they are tested under :data:`SELFTEST_SAMPLING` (T = 0.7, top-p 0.9: temperature
 top-p misplaced both show). :data:`SAMPLING_FAULTS` maps a name to (class, the category the exact
 replay must catch first when the engine's draws and uniforms are in the trace). With them hidden
 (:func:`hide_randomness`), the distributional test must catch each (docs/sampling.md).
+:data:`CORPUS_SAMPLING` names the faults the calibration corpus runs at other parameters: the
+temperatures 10 % off (``temperature-1.1x``, ``temperature-0.9x``) at T = 1.0, where an engine in bf16
+must fail on the temperature check (:mod:`refcheck.diff.temperature`) within 300 emitted tokens.
 
 A uniform shared by *siblings only* is not here: the walk consults one node per depth, so it cannot
 change the output (the reference's own "position" keying does exactly that); the fault that does is
@@ -41,6 +44,29 @@ class TemperatureTwice(DDTreeDecoder):
     def sample_probs(self, logits: torch.Tensor) -> torch.Tensor:
         s = self.cfg.sampling
         return tempered_probs(logits / s.temperature, s.temperature, s.top_k, s.top_p)
+
+
+class TemperatureScaled(DDTreeDecoder):
+    """Samples at the request's temperature times :attr:`factor` (a temperature off by a fixed ratio: a
+    config default, a clamp or a unit slip); the tree is still built at the request's temperature."""
+
+    factor: float = 1.0
+
+    def sample_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        s = self.cfg.sampling
+        return tempered_probs(logits, s.temperature * self.factor, s.top_k, s.top_p)
+
+
+class TemperatureHigh(TemperatureScaled):
+    """Samples at 1.1 x the request's temperature (10 % flatter)."""
+
+    factor = 1.1
+
+
+class TemperatureLow(TemperatureScaled):
+    """Samples at 0.9 x the request's temperature (10 % sharper)."""
+
+    factor = 0.9
 
 
 class TopPAfterWalk(DDTreeDecoder):
@@ -94,10 +120,20 @@ class BonusGreedy(DDTreeDecoder):
 SAMPLING_FAULTS: dict[str, tuple[type[DDTreeDecoder], str]] = {
     "argmax-at-temperature": (ArgmaxAtTemperature, "sampling"),
     "temperature-twice": (TemperatureTwice, "sampling"),
+    "temperature-1.1x": (TemperatureHigh, "sampling"),
+    "temperature-0.9x": (TemperatureLow, "sampling"),
     "top-p-after-walk": (TopPAfterWalk, "sampling"),
     "uniform-shared": (SharedUniform, "sampling"),
     "draft-prob-rule": (DraftProbRule, "accepted_path"),
     "bonus-greedy": (BonusGreedy, "bonus"),
+}
+
+
+#: the sampling a fault is run at in the calibration corpus (``refcheck calibrate``), where it is not
+#: :data:`SELFTEST_SAMPLING`: a temperature off by 10 % at the DDTree paper's T = 1.0
+CORPUS_SAMPLING: dict[str, Sampling] = {
+    "temperature-1.1x": Sampling(temperature=1.0, seed=SELFTEST_SAMPLING.seed),
+    "temperature-0.9x": Sampling(temperature=1.0, seed=SELFTEST_SAMPLING.seed),
 }
 
 
