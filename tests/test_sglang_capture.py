@@ -388,7 +388,7 @@ def test_branching_trees_in_the_chain_layout_are_flagged_from_the_capture_alone(
     assert asm.stats["chain_layout_branching_steps"] == 2 and asm.stats["chain_layout_first"] == [prompts[0].id, 0]
     assert asm.stats["cuda_graph_steps"] == 1
     from refcheck.diff.findings import Report
-    from refcheck.diff.replay import capture_findings
+    from refcheck.diff.trace_verdicts import capture_findings
 
     trace = asm.trace
     trace.provenance["capture"] = {"stats": asm.stats, "errors": []}

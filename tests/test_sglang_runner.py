@@ -197,7 +197,7 @@ def test_engine_start_failure_is_a_model_error_with_the_scheduler_message(fake_s
 
 def test_engine_crash_mid_run_keeps_a_partial_trace_and_is_reported(fake_sglang):
     from refcheck.diff.findings import Report
-    from refcheck.diff.replay import capture_findings
+    from refcheck.diff.trace_verdicts import capture_findings
     from refcheck.prompts import load_prompts
 
     runner = fake_sglang("crash")

@@ -49,11 +49,10 @@ from collections.abc import Callable
 import torch
 
 from refcheck.diff.acceptance import Account, DraftRule, StepAccount, cause_of
-from refcheck.diff.distribution import Evidence, judge
+from refcheck.diff.distribution import Evidence
 from refcheck.diff.draft_checks import check_context, check_drafted_tree, reference_tau, shadow_tau
 from refcheck.diff.findings import Finding, Report, Verdict, worst_verdict
 from refcheck.diff.node_checks import FLOOR, NodeChecks, _abs_dev, _topk_at
-from refcheck.diff.rounding_guard import withdraw_trace
 from refcheck.diff.sampling import (
     CHILDREN_FIRST,
     SampledRequest,
@@ -61,8 +60,9 @@ from refcheck.diff.sampling import (
     replay_first_token,
     replay_sampled_step,
 )
-from refcheck.diff.temperature import Leans, judge_leans, node_leans
+from refcheck.diff.temperature import Leans, node_leans
 from refcheck.diff.tolerance import Calibration
+from refcheck.diff.trace_verdicts import capture_findings, judge_distribution, judge_temperature
 from refcheck.diff.triage import RoundingEnsemble, StepSpread
 from refcheck.profile import timed
 from refcheck.sketch import cosine, rel_l2, sketch_rows, state_rows
@@ -514,28 +514,6 @@ class _Request(NodeChecks):
         return True
 
 
-def capture_findings(rep: Report, trace: Trace) -> None:
-    """An engine run that crashed or whose capture failed is a failure of its own ("engine")."""
-    cap = trace.prov.capture
-    if cap is None:
-        return
-    rep.check("engine")
-    if cap.crash or cap.incomplete:
-        rep.add(Finding(Verdict.FAIL, "engine", None, None,
-                        message=f"engine run incomplete ({cap.crash or 'no result'}); requests without a result: "
-                                f"{list(cap.incomplete)}; partial trace: {cap.partial_trace or '-'}"))
-    for msg in cap.errors:
-        rep.add(Finding(Verdict.FAIL, "engine", None, None, message=f"capture: {msg}"))
-    stats = cap.stats
-    if stats.get("chain_layout_branching_steps"):
-        rid, step = stats.get("chain_layout_first", [None, None])
-        rep.check("tree")
-        rep.add(Finding(Verdict.FAIL, "tree", rid, step,
-                        message=f"the engine verified {stats['chain_layout_branching_steps']} branching trees with its "
-                                "recurrent layers in the chain layout (speculative_eagle_topk <= 1): sibling nodes run "
-                                "through each other's state (first at this step)"))
-
-
 def replay(trace: Trace, target: Target, drafter: Drafter, cal: Calibration, case: str = "",
            stop_token_ids: frozenset[int] = frozenset(), check_draft: bool = True, engine_dtype: str = "float32",
            evidence: Evidence | None = None, leans: Leans | None = None) -> Report:
@@ -574,43 +552,3 @@ def replay(trace: Trace, target: Target, drafter: Drafter, cal: Calibration, cas
     if rule.name != "other":
         rep.stats["acceptance_account"] = account.to_json()
     return rep
-
-
-def judge_distribution(rep: Report, evidence: Evidence, hidden: list[str]) -> None:
-    """The distributional verdict over a trace's sampled requests: a finding, stats, or INCONCLUSIVE."""
-    evidence.hidden_requests = len(hidden)
-    v = judge(evidence)
-    rep.check("distribution")
-    rep.stats["distribution"] = {**v.to_json(), "hidden_requests": hidden}
-    where = f"{v.n_tokens} tokens, {v.n_walk_nodes} walk nodes"
-    if v.verdict == "fail":
-        what = f"{v.impossible} emitted tokens of probability 0" if v.impossible else \
-            f"p = {v.p_value:.3g} < alpha {v.alpha:g} (" + ", ".join(f"{k} {p:.3g}" for k, p in v.p_values.items()) + ")"
-        rep.add(Finding(Verdict.FAIL, "distribution", None, None, message=f"emitted tokens are not draws from the "
-                        f"target's sampling distribution: {what}; {where}", details=v.to_json()))
-    elif v.verdict == "inconclusive" and hidden:
-        rep.inconclusive.append(f"distribution: p = {v.p_value:.3g} on {where}; {v.n_required} tokens are needed for power "
-                                f"{v.power:g} against a {v.effect:g}-SD shift at alpha {v.alpha:g} "
-                                f"({len(hidden)} requests hide their randomness)")
-
-
-def judge_temperature(rep: Report, leans: Leans) -> None:
-    """The temperature check over a trace's keyed draws (:mod:`refcheck.diff.temperature`): a finding and
-    stats. When it fails, no deviation in the trace stays triaged as rounding."""
-    v = judge_leans(leans)
-    rep.stats["temperature"] = v.to_json()
-    if not leans.keyed_draws:
-        return  # no draw with a known uniform: nothing to judge (the distributional test covers the trace)
-    rep.check("temperature")
-    if v.verdict != "fail":
-        return
-    where = "the temperature check"
-    rep.add(Finding(Verdict.FAIL, "temperature", None, None,
-                    message=f"the sampled draws that differ from the reference's lean to a {v.side} temperature: "
-                            f"{max(v.higher, v.lower)} of {v.higher + v.lower} verify steps ({v.draws_higher} draws "
-                            f"higher, {v.draws_lower} lower, of {v.keyed_draws} keyed draws); p = {v.p_value:.3g} < "
-                            f"alpha {v.alpha:g} even for a correct engine whose steps lean {50 + 100 * v.slack:g} / "
-                            f"{50 - 100 * v.slack:g}. Rounding moves draws either way alike: the engine samples at a "
-                            "temperature other than the request's",
-                    details=v.to_json()))
-    rep.stats["temperature"]["withdrawn"] = withdraw_trace(rep, where)
