@@ -51,12 +51,12 @@ def _dense(ids: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]], vo
 
 
 def rebuild(rule: str, root: int, ids: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]], vocab: int,
-            budget: int | None, depth: int | None = None) -> Tree | None:
-    """The tree ``rule`` (``ddtree`` / ``chain``) builds from the recorded draft; None when undecidable (module
-    docstring). ``depth``: the chain's drafted depth (default every recorded row)."""
+            budget: int | None) -> Tree | None:
+    """The tree ``rule`` (``ddtree`` / ``chain``: one node per recorded depth) builds from the recorded draft; None
+    when undecidable (module docstring)."""
     lp = _dense(ids, logprobs, vocab)
     if rule == "chain":
-        return build_chain(root, lp, depth)
+        return build_chain(root, lp)
     if rule != "ddtree" or budget is None:
         raise ValueError(f"no tree rule {rule!r} at budget {budget}")
     tree = build_ddtree(root, lp, budget)

@@ -37,9 +37,6 @@ from refcheck.sglang_capture.drafts import DRAFT_TOPK, context_side, draft_side
 
 ENV_FAULT = "REFCHECK_DRAFT_FAULT"
 FAULTS = ("context-positions-shifted", "context-skip-last", "context-layers-swapped", "draft-depth-shift")
-#: fault -> the diff category of its first finding
-EXPECTED = {"context-positions-shifted": "draft", "context-skip-last": "draft", "context-layers-swapped": "draft",
-            "draft-depth-shift": "tree"}
 
 
 class DraftFaultError(ValueError):
