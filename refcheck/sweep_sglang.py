@@ -107,7 +107,9 @@ def run_sglang_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int]
                      algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS, ref_dtype: str = "float32",
                      ref_device: str = "cuda", runner_factory: Callable | None = None,
                      progress: Progress | None = None,
-                     save_dir: Path | None = None) -> dict:
+                     save_dir: Path | None = None, runner_options: dict | None = None) -> dict:
+    """One captured run per (algorithm, budget), diffed in replay (module docstring); ``runner_options`` go to
+    each runner as they are (``mem_fraction``, ``cuda_graphs``)."""
     if runner_factory is None:
         from refcheck.runners.sglang import SGLangRunner
 
@@ -117,7 +119,8 @@ def run_sglang_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int]
     for alg in algorithms:
         for budget in budgets:
             tell(progress, f"{alg} budget {budget}: captured run + {repeats} warm repeat(s)")
-            trace = runner_factory(dataclasses.replace(spec, budget=budget), alg, timing_repeats=repeats).trace(prompts)
+            trace = runner_factory(dataclasses.replace(spec, budget=budget), alg, timing_repeats=repeats,
+                                   **(runner_options or {})).trace(prompts)
             if save_dir is not None:  # every capture kept: a failing row can be reviewed later, on CPU
                 save_dir.mkdir(parents=True, exist_ok=True)
                 write_trace(trace, save_dir / f"{alg}-b{budget}.arrow")

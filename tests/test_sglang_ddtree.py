@@ -202,7 +202,9 @@ def test_fault_algorithm_names():
                           "REFCHECK_DDTREE_FAULT_DRAFT_POSITIONS_SHIFTED": "draft-positions-shifted",
                           "REFCHECK_DDTREE_FAULT_DRAFT_SKIP_LAST": "draft-skip-last",
                           "REFCHECK_DDTREE_FAULT_DRAFT_WRONG_LAYERS": "draft-wrong-layers",
-                          "REFCHECK_DDTREE_FAULT_DRAFT_DEPTH_SHIFT": "draft-depth-shift"}
+                          "REFCHECK_DDTREE_FAULT_DRAFT_DEPTH_SHIFT": "draft-depth-shift",
+                          "REFCHECK_DDTREE_FAULT_TEMPERATURE_HIGH": "temperature-high",
+                          "REFCHECK_DDTREE_FAULT_TEMPERATURE_LOW": "temperature-low"}
     assert set(ALGORITHMS) <= set(DFLASH_DRAFTED)  # drafted from the DFlash checkpoint, budget checked like DDTree
 
 
@@ -225,6 +227,34 @@ def test_fault_indices():
     predict = torch.tensor([5, 0, 7, 8, 6, 0, 0, 0], dtype=torch.int32)
     got = neighbour_bonus(predict, accept_index, lens, logits, n).tolist()
     assert got == [5, 0, 7, 7, 0, 0, 0, 0]  # request 0's bonus (flat 3) from flat 7; request 1's (flat 4) from flat 0
+
+
+def test_sampler_faults_scale_the_temperature_the_keyed_sampler_draws_at():
+    """temperature-high / -low hand the keyed sampler 1.1 x / 0.9 x the request's temperature (greedy requests
+    and the other faults untouched); at a node whose uniform lies between the two CDF edges the draw moves."""
+    from refcheck.sglang_ddtree.faults import sampler_keys
+    from refcheck.sglang_ddtree.sampling import RequestKeys, sample_tree
+    from reference.sampling import Sampling
+
+    keys = [RequestKeys(Sampling(temperature=0.8, top_p=0.9, seed=3), 7), None]
+    assert sampler_keys(keys, None) is keys and sampler_keys(keys, "kv-move-last") is keys
+    high, greedy = sampler_keys(keys, "temperature-high")
+    assert greedy is None and high is not None
+    assert high.sampling.temperature == pytest.approx(0.88) and high.sampling.top_p == 0.9 and high.request == 7
+    assert keys[0] is not None and keys[0].sampling.temperature == 0.8  # the request's own keys stay
+    low = sampler_keys(keys, "temperature-low")[0]
+    assert low is not None and low.sampling.temperature == pytest.approx(0.72)
+    # one root, no drafts: every draw is the first token; over many keys the scaled sampler draws differently
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))  # [1, V]
+    one = torch.tensor([[0]])
+    none = torch.tensor([[-1]])
+    moved = 0
+    for word in range(500):  # about 2.6 % of uniforms lie between the edges of T = 1.0 and T = 1.1
+        k = [RequestKeys(Sampling(temperature=1.0, seed=1), word)]
+        a = sample_tree(logits, one, none, none, k, [5], 1)[0]
+        b = sample_tree(logits, one, none, none, sampler_keys(k, "temperature-high"), [5], 1)[0]
+        moved += int(a[0] != b[0])
+    assert 0 < moved < 50
 
 
 def test_fault_algorithms_register_with_their_worker(monkeypatch):

@@ -230,8 +230,9 @@ def test_sglang_sweep_table_from_recorded_traces(tmp_path):
               "LEAKY": read_trace(REPO_GOLDEN / cases["sglang-hybrid-ngram-b11-breadth1-leak"].file)}
 
     class Replayed:
-        def __init__(self, spec, alg, timing_repeats=0):
+        def __init__(self, spec, alg, timing_repeats=0, **options):
             self.alg, self.repeats = alg, timing_repeats
+            seen.append(options)
 
         def trace(self, prompts):
             t = traces[self.alg]
@@ -239,8 +240,11 @@ def test_sglang_sweep_table_from_recorded_traces(tmp_path):
                                                       repeats_match=self.alg == "GOOD")
             return t
 
+    seen: list[dict] = []
     res = run_sglang_sweep(EngineSpec(pair="hybrid", dtype="bfloat16"), load_prompts(), [11], repeats=3,
-                           algorithms=("GOOD", "LEAKY"), ref_device="cpu", runner_factory=Replayed, save_dir=tmp_path)
+                           algorithms=("GOOD", "LEAKY"), ref_device="cpu", runner_factory=Replayed, save_dir=tmp_path,
+                           runner_options={"mem_fraction": 0.15, "cuda_graphs": True})
+    assert seen == [{"mem_fraction": 0.15, "cuda_graphs": True}] * 2  # every engine gets the sweep's options
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{a}-b11.arrow" for a in ("GOOD", "LEAKY")]
     good, leaky = res["rows"]
     assert good["verdict"] == "pass" and good["fail_categories"] == []  # its 3 deviating nodes judged bf16 rounding

@@ -95,3 +95,9 @@ def test_zlab_is_flagged_on_hybrid_target(zlab):
 def test_zlab_needs_chain(cli, monkeypatch):
     code, _, err = cli("diff", "--engine", "zlab", "--budget", "15")
     assert code == EXIT_USAGE and "chain" in err
+
+
+@pytest.mark.parametrize("flag", [["--sglang-mem-fraction", "0.2"], ["--cuda-graphs"]])
+def test_sweep_engine_options_need_the_sglang_engine(cli, tmp_path, flag):
+    code, _, err = cli("sweep", "--budgets", "4", "--out", str(tmp_path / "o"), *flag)
+    assert code == EXIT_USAGE and "needs --engine sglang" in err and "Traceback" not in err

@@ -36,9 +36,12 @@ from refcheck.prompts import load_prompts
 @click.option("--from-traces", "from_traces", multiple=True, type=click.Path(path_type=Path),
               help="With --engine sglang: tabulate saved SGLang traces (repeatable) instead of running the engine; "
                    "rows are grouped by each trace's algorithm and budget.")
+@click.option("--sglang-mem-fraction", "mem_fraction", type=click.FloatRange(0.01, 0.95), default=None,
+              help="With --engine sglang: SGLang's mem_fraction_static per engine (default 0.3).")
+@click.option("--cuda-graphs", is_flag=True, help="With --engine sglang: run each engine with CUDA graphs.")
 @model_options
 @sampling_options
-def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_device, from_traces,
+def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_device, from_traces, mem_fraction, cuda_graphs,
           model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device, drafter, stop_ids, as_json,
           temperature, top_k, top_p, sample_seed):
     """Acceptance and speed against node budget: τ, histograms, per-phase time, speedup over target-only.
@@ -56,9 +59,14 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
     check_output_dir(out_dir, "--out")  # before minutes of decoding, not after
     if from_traces and engine != "sglang":
         raise UsageError("--from-traces tabulates SGLang traces: add --engine sglang")
+    runner_options = {k: v for k, v in (("mem_fraction", mem_fraction), ("cuda_graphs", cuda_graphs or None))
+                      if v is not None}
+    if runner_options and engine != "sglang":
+        raise UsageError(f"--{'sglang-mem-fraction' if 'mem_fraction' in runner_options else 'cuda-graphs'} "
+                         "needs --engine sglang")
     if engine == "sglang":
         _sweep_sglang(blist, repeats, out_dir, sglang_algorithms, ref_device, model_dir, draft_dir, pair, prompts_file,
-                      max_new_tokens, dtype, stop_ids, as_json, from_traces, sampling)
+                      max_new_tokens, dtype, stop_ids, as_json, from_traces, sampling, runner_options)
         return
     spec = spec_from_options(model_dir, draft_dir, pair, blist[0], max_new_tokens, dtype, device, drafter, stop_ids,
                              sampling)
@@ -98,7 +106,7 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
     sys.exit(EXIT_PASS if all(r["lossless"] for r in result["budgets"]) else EXIT_MISMATCH)
 
 def _sweep_sglang(blist, repeats, out_dir, algorithms, ref_device, model_dir, draft_dir, pair, prompts_file,
-                  max_new_tokens, dtype, stop_ids, as_json, from_traces=(), sampling=None) -> None:
+                  max_new_tokens, dtype, stop_ids, as_json, from_traces=(), sampling=None, runner_options=None) -> None:
     from refcheck.sweep_sglang import DEFAULT_ALGORITHMS, run_sglang_sweep, tabulate_traces
     from refcheck.trace.io import atomic_write_bytes, read_trace
 
@@ -115,7 +123,7 @@ def _sweep_sglang(blist, repeats, out_dir, algorithms, ref_device, model_dir, dr
                                  sampling)
         result = run_sglang_sweep(spec, load_prompts(prompts_file, spec.resolved_dirs()[0]), blist, repeats, tuple(algorithms) or DEFAULT_ALGORITHMS,
                                   ref_device=ref_device, save_dir=out_dir / "traces",
-                                  progress=progress_line)
+                                  progress=progress_line, runner_options=runner_options)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / "sweep-sglang.json", (json.dumps(result, indent=2) + "\n").encode())
     at = f" · T={result['temperature']:g}" if result.get("temperature") else ""

@@ -32,17 +32,30 @@ Drafter faults (output lossless, acceptance lowered; caught in ``draft`` or ``tr
 * ``draft-depth-shift``: the tree is built with depth d's draft taken from the row of depth d + 1 (the
   drafter's output read one position off); the recorded draft is the drafter's own.
 
-The functions below compute the faulty indices from SGLang's tensors; the worker applies them.
+Sampler faults (temperature > 0; output and acceptance look plausible; caught by the ``temperature`` check):
+
+* ``temperature-high`` / ``temperature-low``: the keyed sampler draws every node (and the first token) at 1.1 x /
+  0.9 x the request's temperature, while the tree is still built at the request's (a sampler handed a
+  temperature scaled twice, or a stale one); each changed draw alone lies within bf16 rounding at its node.
+
+The functions below compute the faulty indices (and sampler keys) from SGLang's tensors; the worker applies them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+
+from refcheck.sglang_ddtree.sampling import RequestKeys
 
 PREFIX = "REFCHECK_DDTREE_FAULT_"
 VERIFY_FAULTS = ("mamba-flat-index", "kv-move-last", "flat-positions", "bonus-neighbour")
 DRAFT_FAULTS = ("draft-positions-shifted", "draft-skip-last", "draft-wrong-layers", "draft-depth-shift")
-FAULTS = VERIFY_FAULTS + DRAFT_FAULTS
+SAMPLER_FAULTS = ("temperature-high", "temperature-low")
+FAULTS = VERIFY_FAULTS + DRAFT_FAULTS + SAMPLER_FAULTS
+#: sampler fault -> the factor its sampler applies to the request's temperature
+TEMPERATURE_FACTOR: dict[str, float] = {"temperature-high": 1.1, "temperature-low": 0.9}
 
 
 def algorithm_name(fault: str) -> str:
@@ -57,7 +70,17 @@ ALGORITHMS: dict[str, str] = {algorithm_name(f): f for f in FAULTS}
 #: recurrent; the neighbour's bonus shows as the next step's root, i.e. at the step after it acts)
 EXPECTED: dict[str, str] = {"mamba-flat-index": "conv", "kv-move-last": "kv", "flat-positions": "logits",
                             "bonus-neighbour": "alignment", "draft-positions-shifted": "draft", "draft-skip-last": "draft",
-                            "draft-wrong-layers": "draft", "draft-depth-shift": "tree"}
+                            "draft-wrong-layers": "draft", "draft-depth-shift": "tree", "temperature-high": "temperature",
+                            "temperature-low": "temperature"}
+
+
+def sampler_keys(keys: list[RequestKeys | None], fault: str | None) -> list[RequestKeys | None]:
+    """The keys the sampler draws with: the requests' own, or with the temperature a sampler fault scales."""
+    factor = TEMPERATURE_FACTOR.get(fault or "")
+    if factor is None:
+        return keys
+    return [None if k is None else RequestKeys(dataclasses.replace(k.sampling, temperature=k.sampling.temperature * factor),
+                                               k.request) for k in keys]
 
 
 def chain_accept_index(accept_index: torch.Tensor, accept_lens: torch.Tensor, n: int) -> torch.Tensor:

@@ -258,7 +258,8 @@ class DDTreeWorker(ngram.NGRAMWorker):
         out = self.target_worker.forward_batch_generation(batch, is_verify=True, capture_hidden_mode=CaptureHiddenMode.FULL)
         logits_output = out.logits_output
         if any(k is not None for k in self.keys):  # refcheck's keyed sampler (module docstring), seen by the capture
-            predict, accept_lens, accept_index, _, _ = sampling.keyed_sample(verify_input, batch, logits_output, self.keys)
+            predict, accept_lens, accept_index, _, _ = sampling.keyed_sample(verify_input, batch, logits_output,
+                                                                             faults.sampler_keys(self.keys, self.fault))
         else:
             predict, accept_lens, accept_index = eagle_utils.eagle_sample(verify_input, batch, logits_output, None)
         new_seq_lens = batch.seq_lens + accept_lens
@@ -283,7 +284,7 @@ class DDTreeWorker(ngram.NGRAMWorker):
         with _raw_logits(self.model_runner, any(k is not None for k in keys)) as raw:
             out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
         logits = raw[0] if raw else out.logits_output.next_token_logits  # [bs, V]
-        next_token_ids = self._keyed_first_tokens(batch, keys, logits, out.next_token_ids)
+        next_token_ids = self._keyed_first_tokens(batch, faults.sampler_keys(keys, self.fault), logits, out.next_token_ids)
         hidden = out.logits_output.hidden_states  # [extend tokens, n_ids*H]
         offsets = np.cumsum([0] + list(batch.extend_lens))
         for b, rid in enumerate(rids):
