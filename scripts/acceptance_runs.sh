@@ -1,7 +1,7 @@
 #!/bin/bash
 # Acceptance, verified, on one GPU: SGLang's drafters captured and diffed, clean and with injected drafter faults.
 #
-#   scripts/acceptance_runs.sh clean|faults|sampled OUT [PARALLEL]
+#   scripts/acceptance_runs.sh clean|faults|sampled|none OUT [PARALLEL]
 #
 # Each run is `refcheck diff --engine sglang` (the built-in hybrid pair, bf16 engine, fp32 reference on the GPU,
 # default diff options), several engines side by side on the one GPU (PARALLEL, default 4); OUT/NAME.json is each
@@ -10,7 +10,7 @@
 # `clean`: DFLASH and REFCHECK_DDTREE (budgets 15 and 32), CUDA graphs off and on, and REFCHECK_DDTREE_SHADOW;
 # `faults`: the four REFCHECK_DDTREE drafter faults and the four DFLASH drafter faults (REFCHECK_DRAFT_FAULT);
 # `sampled`: REFCHECK_DDTREE budget 15 at T = 1.0 (MAX_NEW 50: 300 emitted tokens), clean and with its sampler
-# at 1.1 x and 0.9 x the request's temperature (REFCHECK_DDTREE_FAULT_TEMPERATURE_HIGH / _LOW).
+# at 1.1 x and 0.9 x the request's temperature (REFCHECK_DDTREE_FAULT_TEMPERATURE_HIGH / _LOW); `none`: only ALSO's.
 # Run it through scripts/sglang_bundle.sh run (SGLang 0.5.17 offline).
 set -uo pipefail
 kind=${1:?clean|faults|sampled}; out=${2:?OUT}; par=${3:-4}
@@ -30,19 +30,22 @@ elif [ "$kind" = sampled ]; then
   jobs+=("ddtree-b15-t1|--sglang-algorithm REFCHECK_DDTREE --budget 15 $t1"
          "ddtree-fault-temperature_high-t1|--sglang-algorithm REFCHECK_DDTREE_FAULT_TEMPERATURE_HIGH --budget 15 $t1"
          "ddtree-fault-temperature_low-t1|--sglang-algorithm REFCHECK_DDTREE_FAULT_TEMPERATURE_LOW --budget 15 $t1")
-else
+elif [ "$kind" = faults ]; then
   for f in POSITIONS_SHIFTED SKIP_LAST WRONG_LAYERS DEPTH_SHIFT; do
     jobs+=("ddtree-fault-${f,,}|--sglang-algorithm REFCHECK_DDTREE_FAULT_DRAFT_$f --budget 15")
   done
   for f in context-positions-shifted context-skip-last context-layers-swapped draft-depth-shift; do
     jobs+=("dflash-fault-$f|--sglang-algorithm DFLASH --budget 15|$f")
   done
+elif [ "$kind" != none ]; then
+  echo "acceptance_runs.sh: unknown kind '$kind' (clean, faults, sampled, or none with ALSO)" >&2; exit 2
 fi
 # runs to add, by name: dflash, ddtree-b32, ddtree-b32-graphs, dflash-fault-<REFCHECK_DRAFT_FAULT name>
 [ -n "${ALSO:-}" ] && for a in $ALSO; do
   case $a in dflash) jobs+=("dflash|--sglang-algorithm DFLASH --budget 15");;
              ddtree-b32) jobs+=("ddtree-b32|--sglang-algorithm REFCHECK_DDTREE --budget 32");;
              ddtree-b32-graphs) jobs+=("ddtree-b32-graphs|--sglang-algorithm REFCHECK_DDTREE --budget 32 --cuda-graphs");;
+             ddtree-b15-t1) jobs+=("ddtree-b15-t1|--sglang-algorithm REFCHECK_DDTREE --budget 15 --temperature 1.0 --max-new-tokens 50");;
              dflash-fault-*) jobs+=("$a|--sglang-algorithm DFLASH --budget 15|${a#dflash-fault-}");; esac
 done
 one() {

@@ -34,13 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from refcheck.diff.replay import replay  # noqa: E402
 from refcheck.diff.session import DiffSession  # noqa: E402
-from refcheck.diff.temperature import ALPHA, Leans, lean_p_value  # noqa: E402
+from refcheck.diff.temperature import Leans  # noqa: E402
 from refcheck.diff.tolerance import calibration_for  # noqa: E402
 from refcheck.parallel import run_parallel  # noqa: E402
 from refcheck.prompts import Prompt, load_prompts  # noqa: E402
 from refcheck.reference_runner import EngineSpec  # noqa: E402
 from refcheck.selftest.sampling_faults import SAMPLING_FAULTS  # noqa: E402
-from refcheck.trace.io import Trace  # noqa: E402
 from reference.decode import DDTreeDecoder  # noqa: E402
 from reference.sampling import Sampling  # noqa: E402
 
@@ -53,27 +52,6 @@ def prompts_for(n: int) -> list[Prompt]:
         return base[:n]
     return [Prompt(f"{base[i % len(base)].id}-{i}", base[i % len(base)].prompt_ids, base[i % len(base)].kind)
             for i in range(n)]
-
-
-def tokens_until_fail(leans: Leans, trace: Trace) -> int | None:
-    """Emitted tokens (requests in order, steps in order) after which the check first fails, else None."""
-    per_step: dict[tuple[str, int], int] = {}
-    done = 0
-    for req in trace.requests:
-        count = done + (1 if req.output_ids else 0)
-        per_step[(req.request_id, -1)] = count
-        for s in trace.steps_of(req.request_id):
-            count += len(s.emitted)
-            per_step[(req.request_id, s.step)] = count
-        done += len(req.output_ids)
-    higher = lower = 0
-    for key, leans_of_step in leans.steps.items():
-        total = sum(leans_of_step)
-        higher += total > 0
-        lower += total < 0
-        if lean_p_value(higher, lower) < ALPHA:
-            return per_step.get(key)
-    return None
 
 
 def run(row: dict) -> dict:
@@ -100,7 +78,7 @@ def run(row: dict) -> dict:
            "outright_categories": sorted({f.category for f in rep.failures if "not_triaged" not in f.details}),
            "temperature": {key: t.get(key) for key in ("verdict", "p_value", "higher", "lower", "even", "draws_higher",
                                                        "draws_lower", "draws_neither", "keyed_draws", "withdrawn")},
-           "tokens_until_fail": tokens_until_fail(leans, trace), "seconds": round(time.time() - t0, 1)}
+           "tokens_until_fail": t.get("fails_after_tokens"), "seconds": round(time.time() - t0, 1)}
     print(json.dumps({k: out[k] for k in ("engine", "pair", "drafter", "budget", "sampling", "dtype", "seed", "verdict",
                                           "outright_categories", "tokens_until_fail")} | {"t": out["temperature"]}),
           flush=True)

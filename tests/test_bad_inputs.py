@@ -18,152 +18,41 @@ import os
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from bad_input_cases_cli import CASES as CLI_CASES
+from bad_input_cases_store import CASES as STORE_CASES
+from bad_input_kit import (
+    CASE,
+    FAST,
+    ONE_PROMPT,
+    ROOT,
+    Bad,
+    edit_json,
+    edit_manifest,
+    flipped,
+    golden_dir,
+    golden_file,
+    manifest_text,
+    model_copy,
+    model_run,
+    poison_weights,
+    prompts,
+    rewritten,
+    set_cell,
+    text_run,
+    trace_copy,
+    write,
+)
 
 from refcheck.errors import EXIT_CORRUPT, EXIT_GOLDEN, EXIT_MODEL, EXIT_PASS, EXIT_USAGE
 from refcheck.golden import REPO_GOLDEN
-from refcheck.models import builtin_pair
 from refcheck.trace import schema as trace_schema
 from refcheck.trace import store
-from refcheck.trace.manifest import load_manifest
-
-from trace_helpers import rewrite, rewrite_legacy
-
-ROOT = Path(__file__).resolve().parents[1]
-CASE = "zlab-hybrid-chain"  # the smallest real golden (sealed, schema 1.1)
-
-
-# ------------------------------------------------------------------------------ builders
-def golden_file() -> Path:
-    return REPO_GOLDEN / load_manifest(REPO_GOLDEN).cases[CASE].file
-
-
-def trace_copy(work: Path, name: str = "t.arrow") -> Path:
-    dst = work / name
-    shutil.copy(golden_file(), dst)
-    return dst
-
-
-def write(work: Path, name: str, data: bytes | str) -> Path:
-    path = work / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data.encode() if isinstance(data, str) else data)
-    return path
-
-
-def flipped(work: Path, at: float, bit: int = 2) -> Path:
-    data = bytearray(golden_file().read_bytes())
-    data[int(len(data) * at)] ^= 1 << bit
-    return write(work, "flipped.arrow", bytes(data))
-
-
-def rewritten(work: Path, table_fn=lambda t: t, meta_fn=lambda m: m, legacy: bool = False) -> Path:
-    (rewrite_legacy if legacy else rewrite)(golden_file(), work / "bad.arrow", table_fn=table_fn, meta_fn=meta_fn)
-    return work / "bad.arrow"
-
-
-def set_cell(table: pa.Table, column: str, row: int, fn) -> pa.Table:
-    values = table.column(column).to_pylist()
-    values[row] = fn(values[row])
-    i = table.column_names.index(column)
-    return table.set_column(i, table.schema.field(i), pa.array(values, table.schema.field(i).type))
-
-
-def golden_dir(work: Path, cases: tuple[str, ...] = (CASE,)) -> Path:
-    gdir = work / "g"
-    gdir.mkdir()
-    m = load_manifest(REPO_GOLDEN)
-    for c in cases:
-        shutil.copy(REPO_GOLDEN / m.cases[c].file, gdir)
-    m.cases = {c: m.cases[c] for c in cases}
-    m.save(gdir)
-    return gdir
-
-
-def manifest_text(work: Path, text: str) -> Path:
-    gdir = golden_dir(work)
-    (gdir / "MANIFEST.json").write_text(text)
-    return gdir
-
-
-def edit_manifest(work: Path, fn) -> Path:
-    gdir = golden_dir(work)
-    obj = json.loads((gdir / "MANIFEST.json").read_text())
-    fn(obj)
-    (gdir / "MANIFEST.json").write_text(json.dumps(obj))
-    return gdir
-
-
-def model_copy(work: Path, which: str = "target") -> tuple[Path, Path]:
-    tdir, ddir = builtin_pair("hybrid")
-    t, d = work / "target", work / "draft"
-    shutil.copytree(tdir, t)
-    shutil.copytree(ddir, d)
-    return t, d
-
-
-def poison_weights(directory: Path, value: float) -> None:
-    from safetensors.torch import load_file, save_file
-
-    f = directory / "model.safetensors"
-    weights = load_file(str(f))
-    name = sorted(k for k, v in weights.items() if v.is_floating_point() and v.dim() == 2)[0]
-    weights[name].view(-1)[3] = value
-    save_file(weights, str(f), metadata={"format": "pt"})
-
-
-def edit_json(path: Path, fn) -> None:
-    obj = json.loads(path.read_text())
-    fn(obj)
-    path.write_text(json.dumps(obj))
-
-
-def prompts(work: Path, text: str) -> Path:
-    return write(work, "p.jsonl", text)
-
-
-ONE_PROMPT = '{"id": "a", "prompt_ids": [30, 31, 32, 33, 34, 35]}\n'
-FAST = ["--max-new-tokens", "3", "--drafter", "scripted"]
-
-
-def _text_run(line: str, drop: tuple[str, ...] = (), corrupt: str | None = None) -> Callable[[Path], list[str]]:
-    """``run`` on a copy of the built-in pair whose target directory lost ``drop`` / has ``corrupt`` garbled,
-    with a prompts file of one text line."""
-    def build(work: Path) -> list[str]:
-        t, d = model_copy(work)
-        for name in drop:
-            (t / name).unlink()
-        if corrupt:
-            (t / corrupt).write_text("{not a tokenizer")
-        return ["run", "--model", str(t), "--draft", str(d), "--max-new-tokens", "2", "--prompts", str(prompts(work, line))]
-    return build
-
 
 # ------------------------------------------------------------------------------ the corpus
-@dataclass(frozen=True)
-class Bad:
-    id: str
-    kind: str
-    build: Callable[[Path], list[str]]  # makes the inputs under work/, returns the CLI arguments
-    code: int
-    match: str  # regex the error (or warning) line must match
-    writes: str | None = None  # the one directory under work/ the command may change
-    env: tuple[tuple[str, str], ...] = ()
-
-
-def _model_run(t_d_mutate: Callable[[Path, Path], None]) -> Callable[[Path], list[str]]:
-    def build(work: Path) -> list[str]:
-        t, d = model_copy(work)
-        t_d_mutate(t, d)
-        return ["run", "--model", str(t), "--draft", str(d), "--max-new-tokens", "2",
-                "--prompts", str(prompts(work, ONE_PROMPT))]
-    return build
-
-
 CORPUS: list[Bad] = [
     # ---- traces
     Bad("trace-truncated", "trace", lambda w: ["trace", "show", str(write(w, "t.arrow", golden_file().read_bytes()[:-100]))],
@@ -294,28 +183,28 @@ CORPUS: list[Bad] = [
     # ---- models
     Bad("model-missing-dir", "model", lambda w: ["run", "--model", str(w / "nope"), "--draft", str(w / "nope2")], EXIT_MODEL,
         "checkpoint directory not found"),
-    Bad("model-no-weights", "model", _model_run(lambda t, d: (t / "model.safetensors").unlink()), EXIT_MODEL, "no \\*\\.safetensors weights"),
-    Bad("model-garbage-safetensors", "model", _model_run(lambda t, d: (t / "model.safetensors").write_bytes(os.urandom(5000))),
+    Bad("model-no-weights", "model", model_run(lambda t, d: (t / "model.safetensors").unlink()), EXIT_MODEL, "no \\*\\.safetensors weights"),
+    Bad("model-garbage-safetensors", "model", model_run(lambda t, d: (t / "model.safetensors").write_bytes(os.urandom(5000))),
         EXIT_MODEL, "target weights .* are not a valid safetensors file"),
-    Bad("model-truncated-safetensors", "model", _model_run(lambda t, d: (t / "model.safetensors").write_bytes(
+    Bad("model-truncated-safetensors", "model", model_run(lambda t, d: (t / "model.safetensors").write_bytes(
         (t / "model.safetensors").read_bytes()[:2000])), EXIT_MODEL, "not a valid safetensors file|cannot load target"),
-    Bad("model-bad-config", "model", _model_run(lambda t, d: (t / "config.json").write_text("{oops")), EXIT_MODEL, "malformed config.json"),
-    Bad("model-unsupported-type", "model", _model_run(lambda t, d: edit_json(t / "config.json", lambda c: c.update(model_type="llama"))),
+    Bad("model-bad-config", "model", model_run(lambda t, d: (t / "config.json").write_text("{oops")), EXIT_MODEL, "malformed config.json"),
+    Bad("model-unsupported-type", "model", model_run(lambda t, d: edit_json(t / "config.json", lambda c: c.update(model_type="llama"))),
         EXIT_MODEL, "model type 'llama' is not supported"),
-    Bad("model-nan-weights", "model", _model_run(lambda t, d: poison_weights(t, float("nan"))), EXIT_MODEL,
+    Bad("model-nan-weights", "model", model_run(lambda t, d: poison_weights(t, float("nan"))), EXIT_MODEL,
         r"target model .*: tensor \S+ holds 1 NaN and 0 Inf values"),
-    Bad("model-inf-weights", "model", _model_run(lambda t, d: poison_weights(t, float("inf"))), EXIT_MODEL, r"holds 0 NaN and 1 Inf"),
-    Bad("draft-nan-weights", "model", _model_run(lambda t, d: poison_weights(d, float("nan"))), EXIT_MODEL, r"draft model .*: tensor \S+ holds 1 NaN"),
-    Bad("draft-garbage-safetensors", "model", _model_run(lambda t, d: (d / "model.safetensors").write_bytes(b"\x08" + os.urandom(300))),
+    Bad("model-inf-weights", "model", model_run(lambda t, d: poison_weights(t, float("inf"))), EXIT_MODEL, r"holds 0 NaN and 1 Inf"),
+    Bad("draft-nan-weights", "model", model_run(lambda t, d: poison_weights(d, float("nan"))), EXIT_MODEL, r"draft model .*: tensor \S+ holds 1 NaN"),
+    Bad("draft-garbage-safetensors", "model", model_run(lambda t, d: (d / "model.safetensors").write_bytes(b"\x08" + os.urandom(300))),
         EXIT_MODEL, "draft weights .* are not a valid safetensors file"),
-    Bad("draft-other-layer-count", "model", _model_run(lambda t, d: edit_json(d / "config.json", lambda c: (
+    Bad("draft-other-layer-count", "model", model_run(lambda t, d: edit_json(d / "config.json", lambda c: (
         c["dflash_config"].update(num_target_layers=4, target_layer_ids=[1, 2]), c.update(num_target_layers=4)))),
         EXIT_MODEL, "was made for a 4-layer target; this target has 6 layers"),
-    Bad("draft-layer-ids-out-of-range", "model", _model_run(lambda t, d: edit_json(d / "config.json", lambda c: c["dflash_config"].update(
+    Bad("draft-layer-ids-out-of-range", "model", model_run(lambda t, d: edit_json(d / "config.json", lambda c: c["dflash_config"].update(
         target_layer_ids=[1, 9]))), EXIT_MODEL, r"target_layer_ids \[9\] outside the target's 6 layers"),
-    Bad("draft-other-width", "model", _model_run(lambda t, d: edit_json(d / "config.json", lambda c: c.update(hidden_size=96))),
+    Bad("draft-other-width", "model", model_run(lambda t, d: edit_json(d / "config.json", lambda c: c.update(hidden_size=96))),
         EXIT_MODEL, "draft hidden size 96 != target hidden size 128"),
-    Bad("draft-other-vocab", "model", _model_run(lambda t, d: edit_json(d / "config.json", lambda c: c.update(vocab_size=1024))),
+    Bad("draft-other-vocab", "model", model_run(lambda t, d: edit_json(d / "config.json", lambda c: c.update(vocab_size=1024))),
         EXIT_MODEL, "draft vocab size 1024 != target vocab size 512"),
     Bad("draft-missing", "model", lambda w: ["run", "--model", str(model_copy(w)[0])], EXIT_USAGE, "without --draft"),
     # ---- prompts
@@ -327,9 +216,9 @@ CORPUS: list[Bad] = [
     Bad("prompts-repeated-id", "prompt", lambda w: ["run", "--prompts", str(prompts(w, ONE_PROMPT * 2))], EXIT_USAGE, "repeats prompt ids"),
     Bad("prompts-outside-vocab", "prompt", lambda w: ["run", "--prompts", str(prompts(w, '{"id": "a", "prompt_ids": [1, 99999]}\n')), *FAST],
         EXIT_USAGE, r"token id out of range \[0, 512\)"),
-    Bad("prompts-text-no-tokenizer", "prompt", _text_run('{"id": "a", "prompt": "The quiet river"}\n', drop=("tokenizer.json",)),
+    Bad("prompts-text-no-tokenizer", "prompt", text_run('{"id": "a", "prompt": "The quiet river"}\n', drop=("tokenizer.json",)),
         EXIT_USAGE, r"has no tokenizer \(tokenizer\.json or tokenizer_config\.json\)"),
-    Bad("prompts-chat-no-template", "prompt", _text_run('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n'),
+    Bad("prompts-chat-no-template", "prompt", text_run('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n'),
         EXIT_USAGE, "has no chat template"),
     Bad("prompts-text-and-ids", "prompt", lambda w: ["run", "--prompts", str(prompts(w, '{"id": "a", "prompt": "x", "prompt_ids": [3]}\n'))],
         EXIT_USAGE, "give exactly one of 'prompt_ids'"),
@@ -337,7 +226,7 @@ CORPUS: list[Bad] = [
         EXIT_USAGE, "'prompt' must be non-empty text"),
     Bad("prompts-messages-malformed", "prompt", lambda w: ["run", "--prompts", str(prompts(w, '{"id": "a", "messages": [{"role": 1}]}\n'))],
         EXIT_USAGE, "'messages' must be a non-empty list"),
-    Bad("prompts-bad-tokenizer-file", "prompt", _text_run('{"id": "a", "prompt": "The quiet river"}\n',
+    Bad("prompts-bad-tokenizer-file", "prompt", text_run('{"id": "a", "prompt": "The quiet river"}\n',
                                                             corrupt="tokenizer.json"),
         EXIT_USAGE, "is not a tokenizer file"),
     # ---- output paths
@@ -351,7 +240,7 @@ CORPUS: list[Bad] = [
         EXIT_USAGE, "--out .* is a file, not a directory"),
     Bad("sweep-out-under-file", "output", lambda w: ["sweep", "--out", str(write(w, "f", "x") / "o"), "--budgets", "1", "--no-plots", *FAST],
         EXIT_USAGE, "is not a directory"),
-]
+] + STORE_CASES + CLI_CASES
 
 
 def _unlink(gdir: Path, case: str) -> Path:

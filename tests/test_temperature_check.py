@@ -116,6 +116,30 @@ def test_a_temperature_off_by_ten_percent_leans_one_way_and_fails(factor, side):
     assert v.verdict == "fail" and v.side == side and v.p_value < 1e-6, v
 
 
+def test_the_running_test_names_the_step_and_the_tokens_it_first_fails_at():
+    """Steps in the order added; the count is the emitted tokens once that step is done, requests in order."""
+    from types import SimpleNamespace
+
+    from refcheck.diff.temperature import emitted_after, first_failing_step
+
+    leans = Leans()
+    leans.add("a", 0, [-1])  # one lower vote first, then higher ones: 20 against 1 is the first below alpha
+    for step in range(1, 25):
+        leans.add("a" if step < 10 else "b", step, [1, None])
+    higher = [k for k in leans.steps][1:]
+    first = first_failing_step(leans)
+    assert lean_p_value(19, 1) >= ALPHA > lean_p_value(20, 1) and first == higher[19] == ("b", 20)
+    step = lambda i, n: SimpleNamespace(step=i, emitted=[0] * n)  # noqa: E731
+    trace = SimpleNamespace(requests=[SimpleNamespace(request_id="a", output_ids=[0] * 21),
+                                      SimpleNamespace(request_id="b", output_ids=[0] * 31)],
+                            steps_of=lambda rid: [step(i, 2) for i in (range(10) if rid == "a" else range(10, 25))])
+    counts = emitted_after(trace)  # type: ignore[arg-type]
+    assert counts[("a", -1)] == 1 and counts[("a", 9)] == 21 and counts[("b", -1)] == 22 and counts[("b", 20)] == 44
+    v = judge_leans(leans, emitted_after=counts)
+    assert v.verdict == "fail" and v.fails_after_tokens == counts[first]
+    assert judge_leans(leans).fails_after_tokens is None
+
+
 # -- end to end: the reference run as a bf16 engine, diffed with default options ------------------------------
 @pytest.fixture(scope="module")
 def session():
@@ -151,6 +175,8 @@ def test_a_bf16_engine_at_a_temperature_ten_percent_off_fails_by_default(session
     t = rep.stats["temperature"]
     assert t["verdict"] == "fail" and max(t["higher"], t["lower"]) > 4 * min(t["higher"], t["lower"]), t
     assert side in outright[0].message and t["withdrawn"] > 0
+    emitted = sum(len(r.output_ids) for r in trace.requests)
+    assert 0 < t["fails_after_tokens"] <= emitted and f"from {t['fails_after_tokens']} emitted tokens" in outright[0].message
     assert not any(f.verdict.value == "triaged" for f in rep.findings)
 
 

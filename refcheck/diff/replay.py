@@ -60,7 +60,7 @@ from refcheck.diff.sampling import (
     replay_first_token,
     replay_sampled_step,
 )
-from refcheck.diff.temperature import Leans, node_leans
+from refcheck.diff.temperature import Leans, emitted_after, node_leans
 from refcheck.diff.tolerance import Calibration
 from refcheck.diff.trace_verdicts import capture_findings, judge_distribution, judge_temperature
 from refcheck.diff.triage import RoundingEnsemble, StepSpread
@@ -548,7 +548,7 @@ def replay(trace: Trace, target: Target, drafter: Drafter, cal: Calibration, cas
             hidden.append(req.request_id)
     if any_sampled:
         judge_distribution(rep, evidence, hidden)
-        judge_temperature(rep, leans)
+        judge_temperature(rep, leans, emitted_after(trace))
     if rule.name != "other":
         rep.stats["acceptance_account"] = account.to_json()
     return rep

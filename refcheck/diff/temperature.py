@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from refcheck.trace.io import Trace
 from reference.sampling import inverse_cdf
 
 ALPHA = 1e-3
@@ -108,6 +109,8 @@ class LeanVerdict:
     keyed_draws: int
     alpha: float
     slack: float
+    #: emitted tokens (requests in order, steps in order) after which the running test first fails; None if never
+    fails_after_tokens: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -142,11 +145,41 @@ def lean_p_value(higher: int, lower: int, slack: float = SLACK) -> float:
     return min(1.0, 2 * min(binomial_tail(n, higher, q), binomial_tail(n, lower, q)))
 
 
-def judge_leans(leans: Leans, alpha: float = ALPHA, slack: float = SLACK) -> LeanVerdict:
-    """The sign test over the steps' votes (module docstring)."""
+def first_failing_step(leans: Leans, alpha: float = ALPHA, slack: float = SLACK) -> tuple[str, int] | None:
+    """The (request, step) whose vote first brings the running sign test below ``alpha`` (steps in the order
+    added: requests in order, steps in order), or None."""
+    higher = lower = 0
+    for key, vote in zip(leans.steps, leans.votes()):
+        higher, lower = higher + (vote > 0), lower + (vote < 0)
+        if vote and lean_p_value(higher, lower, slack) < alpha:
+            return key
+    return None
+
+
+def judge_leans(leans: Leans, alpha: float = ALPHA, slack: float = SLACK,
+                emitted_after: dict[tuple[str, int], int] | None = None) -> LeanVerdict:
+    """The sign test over the steps' votes (module docstring); ``emitted_after`` (:func:`emitted_after`) gives
+    the verdict the emitted tokens after which the running test first fails."""
     votes = leans.votes()
     higher, lower = votes.count(1), votes.count(-1)
     draws = [x for v in leans.steps.values() for x in v]
     p = lean_p_value(higher, lower, slack)
+    first = first_failing_step(leans, alpha, slack) if emitted_after is not None and p < alpha else None
     return LeanVerdict("fail" if p < alpha else "pass", p, higher, lower, votes.count(0), draws.count(1),
-                       draws.count(-1), draws.count(0), leans.keyed_draws, alpha, slack)
+                       draws.count(-1), draws.count(0), leans.keyed_draws, alpha, slack,
+                       None if first is None or emitted_after is None else emitted_after.get(first))
+
+
+def emitted_after(trace: Trace) -> dict[tuple[str, int], int]:
+    """(request, step) -> the tokens the trace's engine has emitted once that step is done, requests in order
+    (step -1: the first token after the prefill)."""
+    out: dict[tuple[str, int], int] = {}
+    done = 0
+    for req in trace.requests:
+        count = done + (1 if req.output_ids else 0)
+        out[(req.request_id, -1)] = count
+        for s in trace.steps_of(req.request_id):
+            count += len(s.emitted)
+            out[(req.request_id, s.step)] = count
+        done += len(req.output_ids)
+    return out

@@ -55,10 +55,11 @@ def judge_distribution(rep: Report, evidence: Evidence, hidden: list[str]) -> No
                                 f"({len(hidden)} requests hide their randomness)")
 
 
-def judge_temperature(rep: Report, leans: Leans) -> None:
+def judge_temperature(rep: Report, leans: Leans, emitted: dict[tuple[str, int], int] | None = None) -> None:
     """The temperature check over a trace's keyed draws (:mod:`refcheck.diff.temperature`): a finding and
-    stats. When it fails, no deviation in the trace stays triaged as rounding."""
-    v = judge_leans(leans)
+    stats (with ``emitted``, :func:`refcheck.diff.temperature.emitted_after`, the emitted tokens after which it
+    first fails). When it fails, no deviation in the trace stays triaged as rounding."""
+    v = judge_leans(leans, emitted_after=emitted)
     rep.stats["temperature"] = v.to_json()
     if not leans.keyed_draws:
         return  # no draw with a known uniform: nothing to judge (the distributional test covers the trace)
@@ -71,7 +72,9 @@ def judge_temperature(rep: Report, leans: Leans) -> None:
                             f"{max(v.higher, v.lower)} of {v.higher + v.lower} verify steps ({v.draws_higher} draws "
                             f"higher, {v.draws_lower} lower, of {v.keyed_draws} keyed draws); p = {v.p_value:.3g} < "
                             f"alpha {v.alpha:g} even for a correct engine whose steps lean {50 + 100 * v.slack:g} / "
-                            f"{50 - 100 * v.slack:g}. Rounding moves draws either way alike: the engine samples at a "
-                            "temperature other than the request's",
+                            f"{50 - 100 * v.slack:g}"
+                            + (f" (failing from {v.fails_after_tokens} emitted tokens on)" if v.fails_after_tokens else "")
+                            + ". Rounding moves draws either way alike: the engine samples at a temperature other "
+                            "than the request's",
                     details=v.to_json()))
     rep.stats["temperature"]["withdrawn"] = withdraw_trace(rep, where)
