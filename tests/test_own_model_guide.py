@@ -1,4 +1,4 @@
-"""The README's "your model" guide, run end to end as written, on a model directory that is not a built-in:
+"""The "your model" guide (docs/models.md), run end to end as written, on a model directory that is not a built-in:
 text and chat prompts, a run with the lossless check, a recorded trace, a golden started from it, the gate
 over it, and a diff of the golden that names its manifest entry."""
 
@@ -25,11 +25,11 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% en
 
 
 def guide_block() -> str:
-    """The bash block that follows the guide's marker in README.md."""
-    text = (ROOT / "README.md").read_text()
+    """The bash block that follows the guide's marker in docs/models.md."""
+    text = (ROOT / "docs" / "models.md").read_text()
     at = text.index(MARK)
     block = re.search(r"```bash\n(.*?)```", text[at:], re.S)
-    assert block, "README: the own-model guide's bash block is missing"
+    assert block, "docs/models.md: the own-model guide's bash block is missing"
     return block.group(1)
 
 

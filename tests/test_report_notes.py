@@ -132,11 +132,11 @@ def test_trace_show_prints_one_readable_fact_a_line(cli):
     assert "recorded with: refcheck 0.1.0, torch 2.11.0+cu130, transformers 5.12.1" in out
 
 
-def test_the_readme_lists_every_fault_engine():
-    """README's fault:NAME table names every discrete fault and the graded ones' stems, nothing else."""
+def test_the_goldens_page_lists_every_fault_engine():
+    """docs/goldens.md's fault:NAME table names every discrete fault and the graded ones' stems, nothing else."""
     from refcheck.selftest.faults import fault_names
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "goldens.md").read_text()
     table = readme[readme.index("| NAME | what the engine gets wrong |"):]
     table = table[:table.index("\n\n")]
     listed = {m.group(1) for m in re.finditer(r"^\| `([a-z0-9:.\-A-Z]+)` \|", table, re.M)}
