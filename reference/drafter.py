@@ -10,7 +10,9 @@ rejected nodes.
 :class:`DFlashDrafter` reads a z-lab DFlash checkpoint: ``config.json`` (Qwen3 fields plus
 ``dflash_config`` with ``mask_token_id``, ``target_layer_ids``, ``block_size``) and safetensors
 ``layers.N.self_attn.{q,k,v,o}_proj``, ``q_norm``, ``k_norm``, ``mlp.*``, ``fc``,
-``hidden_norm``, ``norm``. Token embeddings and LM head are the target's. The input block is
+``hidden_norm``, ``norm`` (optionally under ``model.``). Token embeddings and LM head are the target's
+(a checkpoint's own are ignored). Loading is strict: a tensor missing, unexpected, of the wrong shape
+or not floating point is refused by name (reference/checkpoint.py). The input block is
 ``[b, MASK × (L)]``; the context (``hidden_norm(fc(target hidden))``) gives extra keys/values to
 every layer, kept in a per-request cache; the block's own keys/values never persist. Attention
 inside the block is non-causal.
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from reference.checkpoint import TensorInfo, read_tensor_index, state_report
 from reference.errors import CheckpointError, ModelMismatchError
 from reference.layers import apply_rope, repeat_heads
 from reference.target import Target
@@ -59,6 +62,34 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 def dflash_value(cfg: dict, name: str, default=None):
     """A DFlash setting of a draft config: ``dflash_config`` first, then the top level (older checkpoints)."""
     return (cfg.get("dflash_config") or {}).get(name, cfg.get(name, default))
+
+
+def _draft_name(name: str) -> str | None:
+    """The drafter's state name of a draft checkpoint tensor; None for the target's embeddings and LM head,
+    which some DFlash checkpoints carry and the drafter takes from the target instead."""
+    name = name.removeprefix("model.")
+    return None if name.startswith(("lm_head", "embed_tokens")) else name
+
+
+def read_draft_weights(path: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors of draft checkpoint ``path`` under the drafter's names, after checking them against
+    ``state`` (every tensor present, none unexpected, shapes equal, floating point: reference/checkpoint.py)."""
+    index: dict[str, TensorInfo] = {}
+    for name, info in read_tensor_index(path, "draft").items():
+        new = _draft_name(name)
+        if new in index:
+            raise CheckpointError(f"draft checkpoint {path}: tensor {new} is there twice (with and without 'model.')")
+        if new is not None:
+            index[new] = info
+    state_report(index, state).raise_if_bad(f"draft checkpoint {path}")
+    weights: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            tensors = load_file(str(f))
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise CheckpointError(f"cannot read draft weights {f}: {exc}") from exc
+        weights.update({new: t for name, t in tensors.items() if (new := _draft_name(name)) is not None})
+    return weights
 
 
 class DFlashDrafter(nn.Module):
@@ -138,25 +169,19 @@ class DFlashDrafter(nn.Module):
             )
         if cfg.get("vocab_size", target.vocab_size) != target.vocab_size:
             raise ModelMismatchError(f"draft vocab {cfg['vocab_size']} != target vocab {target.vocab_size}")
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
+        if not any(path.glob("*.safetensors")):
             raise CheckpointError(f"no *.safetensors weights in draft checkpoint directory {path}")
         model = cls(cfg, target)
         bad = [i for i in model.target_layer_ids if not 0 <= i < len(target.layers)]
         if bad:
             raise ModelMismatchError(f"draft target_layer_ids {bad} outside the target's {len(target.layers)} layers")
-        weights: dict[str, torch.Tensor] = {}
-        for f in files:
-            try:
-                weights.update(load_file(str(f)))
-            except Exception as exc:  # safetensors raises its own error types
-                raise CheckpointError(f"cannot read draft weights {f}: {exc}") from exc
-        weights = {k.removeprefix("model."): v for k, v in weights.items() if not k.startswith(("lm_head", "embed_tokens"))}
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        missing = [m for m in missing if not m.startswith("rotary_emb")]
-        if missing or unexpected:
-            raise CheckpointError(f"draft checkpoint {path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        model.load_state_dict(read_draft_weights(path, model.checkpoint_state()), strict=False)
         return model.to(device=target.device, dtype=target.dtype).eval()
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """The parameters and persistent buffers a draft checkpoint provides (all but the rotary tables,
+        computed from the config)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb")}
 
     # -- context cache --------------------------------------------------------------------------
     def reset(self) -> None:

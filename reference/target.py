@@ -5,7 +5,10 @@ Contract: :class:`Target` wraps a transformers causal LM of type ``qwen3`` (atte
 architecture) or ``qwen3_next``. It calls the model's own modules (embeddings, norms, MLPs, the
 attention and Gated DeltaNet weights) through :mod:`reference.layers`, never the model's forward,
 so the reference owns the tree semantics and the state layout while the weights and numerics stay
-the library's. ``forward`` evaluates n nodes below a committed :class:`TargetState`; a prefill is
+the library's. ``Target.load`` is strict: a checkpoint that lacks a tensor of the model, holds one it has
+no place for, or one of the wrong shape or a non-floating-point dtype is refused by name
+(:class:`~reference.errors.CheckpointTensorsError`, reference/checkpoint.py), never run with random
+weights. ``forward`` evaluates n nodes below a committed :class:`TargetState`; a prefill is
 a chain, a verify is a draft tree. Node positions are ``state.length + depth`` (siblings share a
 position). ``commit`` never re-runs the model.
 
@@ -23,6 +26,7 @@ from typing import Any
 
 import torch
 
+from reference.checkpoint import read_tensor_index, transformers_files, transformers_report
 from reference.compat import rope_position_ids
 from reference.errors import CheckpointError, PromptError, UnsupportedModelError
 from reference.fused import MLP, UNFUSED, LayerFusion, fuse_layer, project
@@ -50,6 +54,19 @@ def read_config(path: Path) -> dict:
     if not any(Path(path).glob("*.safetensors")):
         raise CheckpointError(f"no *.safetensors weights in checkpoint directory {path}")
     return cfg
+
+
+def _from_pretrained(path: Path, dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """transformers' causal LM of ``path`` and its loading report (missing, unexpected and mismatched
+    tensors are reported there, not raised: the caller refuses them by name)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True,
+                                                           output_loading_info=True, ignore_mismatched_sizes=True)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise CheckpointError(f"cannot load target checkpoint {path}: {exc}") from exc
+    return model, dict(info)
 
 
 class Target:
@@ -88,18 +105,22 @@ class Target:
     # -- loading ------------------------------------------------------------------------------
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Target:
-        from transformers import AutoModelForCausalLM
+        """The target of checkpoint directory ``path``, in ``dtype`` on ``device``.
 
-        cfg = read_config(Path(path))
+        Strict: every parameter and persistent buffer of the model comes from the checkpoint with
+        its shape, and the checkpoint holds nothing the model has no place for (tensors the model's
+        class skips on purpose, e.g. a vision tower, excepted), else CheckpointTensorsError naming
+        the tensors (reference/checkpoint.py)."""
+        path = Path(path)
+        cfg = read_config(path)
         if cfg["model_type"] not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"{path}: model type {cfg['model_type']!r} is not supported "
                 f"(supported: {sorted(SUPPORTED_MODEL_TYPES)})"
             )
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
-        except (OSError, ValueError, KeyError, RuntimeError) as exc:
-            raise CheckpointError(f"cannot load target checkpoint {path}: {exc}") from exc
+        index = read_tensor_index(path, "target", transformers_files(path))
+        model, info = _from_pretrained(path, dtype)
+        transformers_report(info, index, model.state_dict()).raise_if_bad(f"target checkpoint {path}")
         return cls(model.to(device))
 
     @property

@@ -387,7 +387,7 @@ class _Request(NodeChecks):
             if not math.isfinite(output_lps[0]) or abs(output_lps[0] - ref) > self.tol.logprob_abs:
                 self.fail("logprobs", -1, f"log-prob of the first token {output_lps[0]:.5g} vs reference {ref:.5g}")
         self.root = output[0] if output else None
-        emitted_all = output[:1]
+        emitted_all, emitted_lps = output[:1], output_lps[:1]
         start = len(self.rep.findings)
         try:
             for k, s in enumerate(steps):
@@ -401,6 +401,7 @@ class _Request(NodeChecks):
                 if not usable:
                     return  # the engine's step cannot be followed: later steps would only repeat this finding
                 emitted_all += s.emitted
+                emitted_lps += s.emitted_logprobs
         finally:
             self.withdraw(start)
         self.rep.check("output")
@@ -408,6 +409,24 @@ class _Request(NodeChecks):
             i = next((j for j, (a, b) in enumerate(zip(emitted_all, output)) if a != b), min(len(emitted_all), len(output)))
             self.fail("output", None, f"request output differs from the steps' emitted tokens at index {i}",
                       position=P + i, details={"index": i})
+        elif output_lps:
+            self.check_output_logprobs(output_lps, emitted_lps, P)
+
+    def check_output_logprobs(self, output_lps: list[float], emitted_lps: list[float], prompt_len: int) -> None:
+        """The request's output log-probs are the engine's own per-step reports of the same tokens (the first
+        token's is judged against the reference above): one per output token, and each the value its step
+        reported (NaN, "not reported", only where the step has none either; +inf never)."""
+        if len(output_lps) != len(emitted_lps):
+            self.fail("output", None, f"the request records {len(output_lps)} output log-probs for "
+                      f"{len(emitted_lps)} output tokens", details={"logprobs": len(output_lps)})
+            return
+        for i, (a, b) in enumerate(zip(output_lps[1:], emitted_lps[1:]), start=1):
+            same = (math.isnan(a) and math.isnan(b)) or a == b or (
+                math.isfinite(a) and math.isfinite(b) and abs(a - b) <= self.tol.logprob_abs)
+            if not same or a == math.inf:
+                self.fail("output", None, f"the request's output log-prob at index {i} is {a:.5g} where its step "
+                          f"reported {b:.5g}", position=prompt_len + i, details={"index": i})
+                return
 
     def near_tie_parting(self) -> bool:
         """Whether the engine's tree parts from the reference's where the step's draft deviation explains it: the
