@@ -1,10 +1,13 @@
 """A golden's gate policy: what its manifest entry says the gate must hold it to, typed and applied.
 
 Contract: :meth:`GatePolicy.of` reads a manifest entry's rules — ``expect`` (``pass``, ``fail`` or
-``fail:CATEGORY``), ``expect_first`` (where an expected failure must first show), ``allow_unsupported``
-(categories the engine cannot record) and ``triaged`` (findings a person reviewed) — and refuses
-what it cannot honour (a category that does not exist, the retired per-golden ``triage_rules``) with
-a :class:`~refcheck.errors.GoldenError` naming the entry. :meth:`GatePolicy.apply` turns a diff report
+``fail:CATEGORY``), ``expect_first`` (where an expected failure must first show: ``{request_id, step,
+node, layer}``, node and layer null for any), ``allow_unsupported`` (a list of the categories the engine
+cannot record) and ``triaged`` (a list of the findings a person reviewed: ``{request_id, step, node,
+category}``) — and refuses what it cannot honour (a value of another shape, a category that does not
+exist, the retired per-golden ``triage_rules``) with a :class:`~refcheck.errors.GoldenError` naming
+the entry. :func:`policy_problem` is the shape check alone, which the manifest loader applies to every
+entry (:mod:`refcheck.trace.manifest`). :meth:`GatePolicy.apply` turns a diff report
 into the gate's: unsupported or skipped checks outside the allowance fail ("the gate is strict about
 skips"), reviewed findings become TRIAGED, an expected failure is marked. The entry's file format is
 the manifest's (:mod:`refcheck.trace.manifest`); ``golden add`` parses its command-line forms here.
@@ -18,6 +21,48 @@ from refcheck.diff.findings import Finding, Report, Verdict, check_category
 from refcheck.errors import GoldenError, UsageError
 
 POLICY_KEYS = ("expect", "expect_first", "allow_unsupported", "triaged")
+_TRIAGED_KEYS = ("request_id", "step", "node", "category")
+_FIRST_KEYS = ("request_id", "step", "node", "layer")
+
+
+def _int(value: object, optional: bool) -> bool:
+    return (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
+
+
+def _place(value: object, keys: tuple[str, ...], required: tuple[str, ...]) -> bool:
+    """A finding's place: an object of ``keys`` (``required`` present) whose request id is text, step an
+    integer, node / layer integers or null, and category text."""
+    if not isinstance(value, dict) or set(value) - set(keys) or set(required) - set(value):
+        return False
+    return (isinstance(value.get("request_id", ""), str) and _int(value.get("step", 0), False)
+            and all(_int(value.get(k), True) for k in ("node", "layer")) and isinstance(value.get("category", ""), str))
+
+
+def _brief(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def policy_problem(settings: dict, partial: bool = False) -> str | None:
+    """What in a manifest entry's policy keys has the wrong shape, in words naming the key (``triaged[0] is
+    1, expected ...``); None when every key present has its shape. A manifest's triaged findings name all
+    of request_id, step, node and category; ``partial`` (a policy built in code) needs only the category."""
+    expect = settings.get("expect", "pass")
+    if not isinstance(expect, str) or not (expect in ("pass", "fail") or expect.startswith("fail:")):
+        return f"expect is {_brief(expect)}, expected 'pass', 'fail' or 'fail:CATEGORY'"
+    allow = settings.get("allow_unsupported", [])
+    if not isinstance(allow, list) or not all(isinstance(c, str) for c in allow):
+        return f"allow_unsupported is {_brief(allow)}, expected a list of category names"
+    triaged = settings.get("triaged", [])
+    if not isinstance(triaged, list):
+        return f"triaged is {_brief(triaged)}, expected a list of {{request_id, step, node, category}}"
+    for i, t in enumerate(triaged):
+        if not _place(t, _TRIAGED_KEYS, ("category",) if partial else _TRIAGED_KEYS):
+            return f"triaged[{i}] is {_brief(t)}, expected {{request_id, step, node, category}} (node null for none)"
+    first = settings.get("expect_first")
+    if first is not None and not _place(first, _FIRST_KEYS, ("request_id", "step")):
+        return f"expect_first is {_brief(first)}, expected null or {{request_id, step, node, layer}} (node, layer null for any)"
+    return None
 
 
 def refuse_triage_rules(name: str, settings: dict) -> None:
@@ -40,9 +85,10 @@ class GatePolicy:
     def of(cls, name: str, settings: dict) -> GatePolicy:
         """The policy in a manifest entry's settings; GoldenError naming the entry if it cannot be honoured."""
         refuse_triage_rules(name, settings)
-        expect = str(settings.get("expect", "pass"))
-        if expect != "pass" and expect != "fail" and not expect.startswith("fail:"):
-            raise GoldenError(f"golden {name}: manifest expect is {expect!r}, expected 'pass', 'fail' or 'fail:CATEGORY'")
+        problem = policy_problem(settings, partial=True)
+        if problem:
+            raise GoldenError(f"golden {name}: manifest {problem}")
+        expect = settings.get("expect", "pass")
         named = [("expect", expect.split(":", 1)[1])] if expect.startswith("fail:") else []
         named += [("allow_unsupported", c) for c in settings.get("allow_unsupported", [])]
         named += [("triaged", t.get("category")) for t in settings.get("triaged", [])]

@@ -6,11 +6,15 @@ Contract:
   provenance summary, history of replacements with reasons).
 * :func:`regenerate` re-runs the reference for each case and prints a review summary against the
   stored golden (first divergent token per prompt, τ deltas, what in the provenance changed).
-  Without ``accept`` it writes ``<case>.arrow.pending`` beside the golden and the old golden stays
-  untouched; with ``accept`` (and a reason, when a golden is replaced) it replaces every case in
-  one locked, crash-safe transaction of :mod:`refcheck.trace.store` (all cases or none) and records
-  old -> new provenance and the reason. :func:`add_trace` and :func:`remove_case` go through the
-  same store; case names are plain names (``store.check_case_name``).
+  Before any decoding it refuses (UsageError, exit 2) a case named twice, an unknown case, a blank
+  reason and a golden directory a writer cannot use (``store.check_writable``: missing with its
+  parent, read-only, full, not a directory). Without ``accept`` it writes ``<case>.arrow.pending``
+  beside the golden and the old golden stays untouched; with ``accept`` (and a reason, when a golden
+  is replaced) it replaces every case in one locked, crash-safe transaction of
+  :mod:`refcheck.trace.store` (all cases or none) and records old -> new provenance and the reason; a
+  case another writer replaced, added or removed while it decoded is refused (GoldenError, nothing
+  written). :func:`add_trace` and :func:`remove_case` go through the same store and need a non-blank
+  reason; case names are plain names (``store.check_case_name``).
 * :func:`gate` verifies hashes (missing -> exit 3, mismatch -> exit 4), refuses stale goldens
   (model/draft/tokenizer/budget/prompt-set changed -> exit 3), diffs every case in replay and
   free-run mode against the live reference and is strict about skips: an unsupported or skipped
@@ -41,7 +45,7 @@ from refcheck.provenance import dir_sha256, stale_reasons
 from refcheck.reference_runner import EngineSpec
 from refcheck.trace import store
 from refcheck.trace.io import Trace, atomic_write_bytes, read_trace, trace_bytes, trace_from_bytes
-from refcheck.trace.manifest import Manifest, load_manifest
+from refcheck.trace.manifest import Manifest, load_manifest, shown
 
 REPO_GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 PENDING_SUFFIX = ".pending"
@@ -137,16 +141,15 @@ def review(case: str, old: Trace | None, new: Trace) -> Review:
 
 
 # -- regeneration ------------------------------------------------------------------------------------
-def regenerate(
-    golden_dir: Path,
-    case_names: list[str] | None,
-    reason: str | None,
-    accept: bool,
-    session: DiffSession,
-    progress: Progress | None = None,
-) -> list[Review]:
-    golden_dir = Path(golden_dir)
+def _regen_names(golden_dir: Path, case_names: list[str] | None, reason: str | None) -> list[str]:
+    """The cases to regenerate, refused up front (UsageError) when one is named twice, is not a built-in
+    reference case, or the reason given is blank."""
     names = case_names or list(GOLDEN_CASES)
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UsageError(f"--case {shown(twice[0])} is given more than once; name each case once")
+    if reason is not None and not reason.strip():
+        raise UsageError("--reason is empty: say why the goldens change (recorded in MANIFEST.json)")
     unknown = [n for n in names if n not in GOLDEN_CASES]
     if unknown:
         stored = set(load_manifest(golden_dir, allow_missing=True).cases)
@@ -158,38 +161,66 @@ def regenerate(
                              "reference --model DIR --draft DIR --prompts FILE --save-trace TRACE) and replace them with "
                              "refcheck golden add TRACE --case NAME --reason ...")
         raise UsageError(f"unknown golden case(s) {unknown} (known: {', '.join(GOLDEN_CASES)})")
-    if accept:
-        store.check_writable(golden_dir)  # before minutes of decoding, not after
+    return names
+
+
+def _stored_golden(path: Path) -> tuple[Trace | None, bool]:
+    """(the golden at ``path`` or None, whether a file is there at all)."""
+    if not path.is_file():
+        return None, False
+    try:
+        return read_trace(path), True
+    except CorruptTraceError:
+        return None, True
+
+
+def _write_pending(path: Path, data: bytes) -> Path:
+    pending = path.with_name(path.name + PENDING_SUFFIX)
+    try:
+        path.parent.mkdir(exist_ok=True)
+        atomic_write_bytes(pending, data)
+    except OSError as exc:
+        raise UsageError(f"cannot write {pending}: {exc.strerror or exc}; the goldens are unchanged") from None
+    return pending
+
+
+def regenerate(
+    golden_dir: Path,
+    case_names: list[str] | None,
+    reason: str | None,
+    accept: bool,
+    session: DiffSession,
+    progress: Progress | None = None,
+) -> list[Review]:
+    """Re-run the reference for each case and review it against the stored golden (module docstring).
+    The cases, the reason and the golden directory are checked before any decoding; with ``accept`` each
+    case is written only if no other writer changed or removed it since this regeneration read the store."""
+    golden_dir = Path(golden_dir)
+    names = _regen_names(golden_dir, case_names, reason)
+    store.check_writable(golden_dir)  # before minutes of decoding, not after
+    with store.reading(golden_dir):
+        seen = load_manifest(golden_dir, allow_missing=True).cases
     prompts = load_prompts()
     reviews: list[Review] = []
     writes: list[store.Write] = []
     for name in names:
         tell(progress, f"regen: {name}")
-        case = GOLDEN_CASES[name]
-        runner = session.runner(case.spec())
-        trace, _ = runner.trace(prompts)
+        trace, _ = session.runner(GOLDEN_CASES[name].spec()).trace(prompts)
         trace.provenance["case"] = name
         data = trace_bytes(trace)
         path = golden_dir / f"{name}.arrow"
-        old = None
-        if path.is_file():
-            try:
-                old = read_trace(path)
-            except CorruptTraceError:
-                old = None
+        old, present = _stored_golden(path)
         rev = review(name, old, trace)
-        if path.is_file() and old is None:
+        if present and old is None:
             rev.status = "old unreadable"
         if accept:
             if old is not None and rev.status != "unchanged" and not reason:
                 raise UsageError(f"golden {name} changes: give --reason for the record (nothing was written)")
-            writes.append(store.Write(name, data, _summary(trace.provenance), reason))
+            base = seen[name].sha256 if name in seen else None
+            writes.append(store.Write(name, data, _summary(trace.provenance), reason, expect_base=True, base=base))
             rev.written = str(path)
         else:
-            golden_dir.mkdir(parents=True, exist_ok=True)
-            pending = path.with_name(path.name + PENDING_SUFFIX)
-            atomic_write_bytes(pending, data)
-            rev.written = str(pending)
+            rev.written = str(_write_pending(path, data))
         reviews.append(rev)
     if writes:
         store.commit(golden_dir, writes)  # every case or none, whatever instant the process dies
@@ -204,6 +235,7 @@ def add_trace(golden_dir: Path, trace_path: Path, case: str, expect: str, allow_
     The trace is first put through the gate's own check with these settings: a trace that would fail
     the gate the moment it lands (``--expect pass`` with failures, an expected failure not caught, or
     stale models) is refused with the first failing findings, and nothing is written."""
+    _need_reason("add", reason)
     store.check_case_name(case)
     if expect != "pass" and not expect.startswith("fail"):
         raise UsageError(f"--expect must be 'pass', 'fail' or 'fail:CATEGORY', got {expect!r}")
@@ -218,6 +250,8 @@ def add_trace(golden_dir: Path, trace_path: Path, case: str, expect: str, allow_
     if case in GOLDEN_CASES:
         raise UsageError(f"{case!r} is a built-in reference case; choose another name")
     store.check_writable(Path(golden_dir))
+    with store.reading(Path(golden_dir)):
+        load_manifest(Path(golden_dir), allow_missing=True)  # a broken store is refused before the gate's check
     try:
         data = Path(trace_path).read_bytes()  # the bytes checked are the bytes stored
     except OSError:
@@ -240,11 +274,15 @@ def add_trace(golden_dir: Path, trace_path: Path, case: str, expect: str, allow_
     return Path(golden_dir) / store.trace_file_name(case)
 
 
+def _need_reason(command: str, reason: str | None) -> None:
+    if not reason or not reason.strip():
+        raise UsageError(f"golden {command} needs --reason (recorded in MANIFEST.json)")
+
+
 def remove_case(golden_dir: Path, case: str, reason: str) -> Manifest:
     """Remove a golden case (its entry moves to the manifest's ``removed`` list with the reason;
     its file is deleted), in one store transaction."""
-    if not reason or not reason.strip():
-        raise UsageError("golden remove needs --reason (recorded in MANIFEST.json)")
+    _need_reason("remove", reason)
     return store.commit(Path(golden_dir), removes=[store.Remove(store.check_case_name(case), reason)])
 
 
@@ -257,7 +295,7 @@ def verify(golden_dir: Path) -> Manifest:
         problems = manifest.verify(Path(golden_dir))
     if not manifest.cases:
         raise GoldenError(f"{golden_dir}: the manifest lists no golden traces (run: refcheck golden regen --accept)")
-    missing = [p for p in problems if "missing" in p]
+    missing = [p for p in problems if p.endswith(" is missing")]
     if missing:
         raise GoldenError("missing golden trace(s): " + "; ".join(missing))
     if problems:

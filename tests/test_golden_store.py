@@ -1,9 +1,13 @@
 """The golden store (refcheck/trace/store.py): crash at every write step, concurrent writers, the
-writer lock, plain case names, leftovers and cleaning."""
+writer lock, plain case names, leftovers and cleaning; a journal obeyed only when it is its own
+transaction's, a regeneration that meets a removal, failures while staging (a full disk), the
+up-front checks of `golden regen`, the manifest's policy shapes and names printed escaped."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -14,7 +18,19 @@ from pathlib import Path
 
 import pytest
 
-from refcheck.errors import EXIT_CORRUPT, EXIT_GOLDEN, EXIT_PASS, EXIT_USAGE, GoldenLockError, UsageError
+from refcheck import golden as golden_mod
+from refcheck.errors import (
+    EXIT_CORRUPT,
+    EXIT_GOLDEN,
+    EXIT_PASS,
+    EXIT_USAGE,
+    CorruptTraceError,
+    GoldenError,
+    GoldenLockError,
+    OutputPathError,
+    UsageError,
+)
+from refcheck.gate_policy import GatePolicy
 from refcheck.golden import verify
 from refcheck.trace import store
 from refcheck.trace.io import trace_bytes
@@ -245,3 +261,293 @@ def test_readers_wait_for_a_writer_and_share_with_each_other(tmp_path: Path, mon
     with store.locked(gdir, shared=True):  # another reader does not block verify
         monkeypatch.setenv(store.LOCK_TIMEOUT_ENV, "0.1")
         assert set(verify(gdir).cases) == {"a", "b", "c"}
+
+
+# ------------------------------------------------------------------------ the journal is bound
+def _interrupted(gdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the replace-a / add-d / remove-c transaction up to its commit point, then stop (as a process
+    killed right after writing its journal)."""
+    def stop(*_a: object) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(store, "_apply", stop)
+        with pytest.raises(KeyboardInterrupt):
+            store.commit(gdir, [store.Write("a", NEW_A, {"seed": 10}, "r"), store.Write("d", NEW_D, {"seed": 11}, "r")],
+                         [store.Remove("c", "gone")])
+    assert (gdir / store.JOURNAL_NAME).exists()
+
+
+@pytest.mark.parametrize("partly", [False, True])
+def test_a_genuine_interrupted_transaction_is_rolled_forward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              partly: bool) -> None:
+    gdir = tmp_path / "g"
+    _initial(gdir)
+    _interrupted(gdir, monkeypatch)
+    assert _state_files(gdir)["a"] == sha256_bytes(OLD["a"])
+    journal = store.read_journal(gdir)
+    assert journal is not None and set(journal.sha256) == {s for s, _ in journal.renames} | {journal.manifest}
+    if partly:  # killed in the middle of rolling forward: a renamed, the manifest switched
+        os.replace(gdir / journal.renames[0][0], gdir / journal.renames[0][1])
+        os.replace(gdir / journal.manifest, gdir / "MANIFEST.json")
+    assert _state(gdir) == "new" and not (gdir / store.JOURNAL_NAME).exists()
+    assert store.leftovers(gdir, load_manifest(gdir)).temporary == []
+
+
+def _state_files(gdir: Path) -> dict[str, str]:
+    return {p.stem: sha256_file(p) for p in gdir.glob("*.arrow")}
+
+
+def _listing(gdir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(gdir.iterdir())}
+
+
+def _edit_journal(gdir: Path, fn) -> None:
+    obj = json.loads((gdir / store.JOURNAL_NAME).read_text())
+    fn(obj)
+    (gdir / store.JOURNAL_NAME).write_text(json.dumps(obj))
+
+
+@pytest.mark.parametrize("forge", ["delete-live-case", "delete-manifest", "rename-onto-other-case", "staged-changed",
+                                   "old-format", "other-txid"])
+def test_a_journal_that_is_not_its_transactions_is_left_alone(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              forge: str) -> None:
+    gdir = tmp_path / "g"
+    _initial(gdir)
+    _interrupted(gdir, monkeypatch)
+    journal = store.read_journal(gdir)
+    assert journal is not None
+    staged_a = journal.renames[0][0]
+    if forge == "delete-live-case":
+        _edit_journal(gdir, lambda o: o["deletes"].append("b.arrow"))
+    elif forge == "delete-manifest":
+        _edit_journal(gdir, lambda o: o["deletes"].append("MANIFEST.json"))
+    elif forge == "rename-onto-other-case":
+        _edit_journal(gdir, lambda o: o["renames"][0].__setitem__(1, "b.arrow"))
+    elif forge == "staged-changed":
+        (gdir / staged_a).write_bytes(NEW_D)
+    elif forge == "old-format":
+        _edit_journal(gdir, lambda o: (o.pop("sha256"), o.update(version=1)))
+    else:
+        _edit_journal(gdir, lambda o: o.update(txid="ffffffffffff"))
+    before = _listing(gdir)
+    code, _, err = cli("golden", "verify", "--golden", str(gdir))
+    assert code == EXIT_CORRUPT and "Traceback" not in err, err
+    assert err.count("refcheck: error:") == 1 and "it was left alone (nothing was renamed or deleted)" in err
+    with pytest.raises(CorruptTraceError, match="left alone"):
+        store.clean(gdir)
+    with pytest.raises(CorruptTraceError, match="left alone"):
+        store.commit(gdir, removes=[store.Remove("b", "x")])
+    assert _listing(gdir) == before
+
+
+# ------------------------------------------------------------------ regen beside a removal
+class _Runner:
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def trace(self, prompts):
+        trace = make_trace(n_requests=1, n_steps=2)
+        trace.provenance["seed"] = self.seed
+        return trace, None
+
+
+class _Session:
+    """Stands in for DiffSession: every case decodes a small synthetic trace; counts the decodes."""
+
+    decodes = 0
+
+    def runner(self, spec):
+        type(self).decodes += 1
+        return _Runner(99)
+
+
+CASE_B1 = "attention-b1"
+
+
+def _with_case(gdir: Path) -> None:
+    store.commit(gdir, [store.Write(CASE_B1, OLD["a"], {"seed": 0}, "r")])
+
+
+def _before_commit(monkeypatch: pytest.MonkeyPatch, action) -> None:
+    """Run ``action`` once, between regen's decoding and its commit (another writer's turn)."""
+    real, done = store.commit, []
+
+    def hooked(*args, **kwargs):
+        if not done:
+            done.append(True)
+            action()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "commit", hooked)
+
+
+def test_regen_of_a_case_removed_meanwhile_refuses(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gdir = tmp_path / "g"
+    _with_case(gdir)
+    monkeypatch.setattr("refcheck.diff.session.DiffSession", _Session)
+    codes = []
+    _before_commit(monkeypatch, lambda: codes.append(cli("golden", "remove", CASE_B1, "--reason", "retired",
+                                                         "--golden", str(gdir))[0]))
+    code, _, err = cli("golden", "regen", "--case", CASE_B1, "--accept", "--reason", "r", "--golden", str(gdir))
+    assert codes == [EXIT_PASS] and code == EXIT_GOLDEN and "Traceback" not in err
+    assert f"golden case '{CASE_B1}' was removed (reason: retired) by another writer" in err
+    manifest = _manifest_of(gdir)
+    assert CASE_B1 not in manifest.cases and [r["case"] for r in manifest.removed] == [CASE_B1]
+    assert not (gdir / f"{CASE_B1}.arrow").exists()
+
+
+def _manifest_of(gdir: Path):
+    with store.reading(gdir):
+        return load_manifest(gdir)
+
+
+@pytest.mark.parametrize("meanwhile", ["replaced", "added"])
+def test_regen_of_a_case_changed_meanwhile_refuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, meanwhile: str) -> None:
+    gdir = tmp_path / "g"
+    if meanwhile == "replaced":
+        _with_case(gdir)
+    else:
+        _initial(gdir)
+    _before_commit(monkeypatch, lambda: store.commit(gdir, [store.Write(CASE_B1, NEW_D, {"seed": 11}, "other")]))
+    with pytest.raises(GoldenError, match=f"'{CASE_B1}' was {meanwhile} by another writer"):
+        golden_mod.regenerate(gdir, [CASE_B1], "r", True, _Session())  # type: ignore[arg-type]
+    assert load_manifest(gdir).cases[CASE_B1].sha256 == sha256_bytes(NEW_D)
+
+
+def test_regen_of_an_unchanged_store_lands(tmp_path: Path) -> None:
+    gdir = tmp_path / "g"
+    _with_case(gdir)
+    golden_mod.regenerate(gdir, [CASE_B1], "r", True, _Session())  # type: ignore[arg-type]
+    entry = verify(gdir).cases[CASE_B1]
+    assert entry.history[-1].sha256_old == sha256_bytes(OLD["a"]) and entry.history[-1].reason == "r"
+
+
+# ------------------------------------------------------------------------ a full disk, staging
+def _full_at(monkeypatch: pytest.MonkeyPatch, call: int) -> None:
+    """``os.fsync`` fails with ENOSPC at its ``call``-th call (1-based) from now on."""
+    real, calls = os.fsync, []
+
+    def fsync(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) >= call:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+@pytest.mark.parametrize("call", [1, 2])
+def test_a_full_disk_while_staging_leaves_no_staged_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: int) -> None:
+    gdir = tmp_path / "g"
+    _initial(gdir)
+    before = _listing(gdir)
+    _full_at(monkeypatch, call)  # 1: the first staged trace itself; 2: the staged manifest after it
+    with pytest.raises(UsageError, match="No space left on device; nothing was changed"):
+        store.commit(gdir, [store.Write("a", NEW_A, {}, "r")])
+    monkeypatch.undo()
+    assert _listing(gdir) == before and _state(gdir) == "old"
+
+
+def test_golden_add_on_a_full_disk_fails_cleanly(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gdir = tmp_path / "g"
+    _initial(gdir)
+    before = _listing(gdir)
+    shutil.copy(ROOT / "golden" / "zlab-hybrid-chain.arrow", tmp_path / "t.arrow")
+    monkeypatch.setattr(golden_mod, "check_trace", lambda *a, **k: type("R", (), {"verdict": "pass"})())
+    _full_at(monkeypatch, 1)
+    code, _, err = cli("golden", "add", str(tmp_path / "t.arrow"), "--case", "x", "--reason", "r", "--golden", str(gdir))
+    assert code == EXIT_USAGE and "Traceback" not in err and "No space left on device; nothing was changed" in err, err
+    assert _listing(gdir) == before
+
+
+def test_a_change_larger_than_the_free_space_is_refused_before_staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gdir = tmp_path / "g"
+    _initial(gdir)
+    before = _listing(gdir)
+    real = store.free_bytes
+    monkeypatch.setattr(store, "free_bytes", lambda p: store.MIN_FREE_BYTES if Path(p) == gdir else real(p))
+    with pytest.raises(OutputPathError, match="the change needs .* bytes, its file system has"):
+        store.commit(gdir, [store.Write("big", b"x" * (store.MIN_FREE_BYTES + 1), {}, "r")])
+    assert _listing(gdir) == before
+
+
+# ------------------------------------------------------------------ golden regen: checked first
+def _regen(cli, gdir: Path, *extra: str) -> tuple[int, str]:
+    _Session.decodes = 0
+    code, _, err = cli("golden", "regen", "--case", CASE_B1, "--golden", str(gdir), *extra)
+    assert "Traceback" not in err and err.count("refcheck: error:") == 1, err
+    return code, err
+
+
+@pytest.fixture
+def fake_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("refcheck.diff.session.DiffSession", _Session)
+
+
+@pytest.mark.parametrize("accept", [(), ("--accept", "--reason", "r")])
+def test_regen_into_a_full_directory_is_refused_before_decoding(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                fake_session: None, accept: tuple[str, ...]) -> None:
+    gdir = tmp_path / "g"
+    _with_case(gdir)
+    monkeypatch.setattr(store, "free_bytes", lambda p: 4096)
+    code, err = _regen(cli, gdir, *accept)
+    assert code == EXIT_USAGE and "its file system is full (4096 bytes free" in err and _Session.decodes == 0
+
+
+@pytest.mark.parametrize("accept", [(), ("--accept", "--reason", "r")])
+def test_regen_into_a_read_only_directory_is_refused_before_decoding(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     fake_session: None, accept: tuple[str, ...]) -> None:
+    gdir = tmp_path / "g"
+    _with_case(gdir)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: False if Path(p) == gdir and mode & os.W_OK else real(p, mode, **k))
+    code, err = _regen(cli, gdir, *accept)
+    assert code == EXIT_USAGE and "is not writable" in err and _Session.decodes == 0
+
+
+def test_regen_on_a_late_full_disk_fails_cleanly(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 fake_session: None) -> None:
+    gdir = tmp_path / "g"
+    _with_case(gdir)
+    before = _listing(gdir)
+    _full_at(monkeypatch, 1)
+    code, err = _regen(cli, gdir, "--accept", "--reason", "r")
+    assert code == EXIT_USAGE and "No space left on device; nothing was changed" in err
+    monkeypatch.setattr(golden_mod, "atomic_write_bytes", lambda *a, **k: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, "No space left on device")))
+    code, err = _regen(cli, gdir)
+    assert code == EXIT_USAGE and f"{CASE_B1}.arrow.pending: No space left on device; the goldens are unchanged" in err
+    assert _listing(gdir) == before
+
+
+def test_regen_refuses_a_case_named_twice_before_decoding(tmp_path: Path) -> None:
+    _Session.decodes = 0
+    with pytest.raises(UsageError, match=f"--case {CASE_B1} is given more than once"):
+        golden_mod.regenerate(tmp_path / "g", [CASE_B1, "hybrid-b1", CASE_B1], "r", True, _Session())  # type: ignore[arg-type]
+    assert _Session.decodes == 0 and not (tmp_path / "g").exists()
+
+
+# ------------------------------------------------------------- manifest shapes, escaped names
+@pytest.mark.parametrize(("key", "value"), [("triaged", [1]), ("allow_unsupported", 5), ("expect_first", "garbage"),
+                                            ("expect", 3), ("triaged", [{"request_id": "a", "step": "0", "node": None,
+                                                                         "category": "logits"}])])
+def test_policy_of_another_shape_is_a_golden_error(key: str, value: object) -> None:
+    with pytest.raises(GoldenError, match=rf"golden x: manifest {key}(\[0\])? is"):
+        GatePolicy.of("x", {"expect": "fail", key: value})
+
+
+def test_the_repository_manifest_loads_and_keeps_every_key(tmp_path: Path) -> None:
+    text = (ROOT / "golden" / "MANIFEST.json").read_text()
+    assert json.loads(load_manifest(ROOT / "golden").to_bytes()) == json.loads(text)
+
+
+def test_names_from_the_directory_are_printed_escaped(cli, tmp_path: Path) -> None:
+    gdir = tmp_path / "g"
+    _initial(gdir)
+    (gdir / "x\nrefcheck: error: forged.arrow").write_bytes(b"x")
+    (gdir / ".a.arrow.1\nrefcheck: error: y.staged").write_bytes(b"x")
+    code, _, err = cli("golden", "verify", "--golden", str(gdir))
+    assert code == EXIT_PASS and not [line for line in err.splitlines() if line.startswith("refcheck: error:")], err
+    assert "warning: orphan trace 'x\\nrefcheck: error: forged.arrow'" in err
+    assert "warning: leftover temporary file '.a.arrow.1\\nrefcheck: error: y.staged'" in err

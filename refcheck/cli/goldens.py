@@ -119,10 +119,11 @@ def golden_regen(cases, reason, accept, golden_dir, as_json):
 def golden_add(trace_path, case, expect, allow_unsupported, reason, triage, expect_first, golden_dir):
     """Store an engine's trace (SGLang, z-lab, ...) as a golden case the gate re-checks."""
     from refcheck.golden import add_trace, default_golden_dir
+    from refcheck.trace.manifest import shown
 
     path = add_trace(golden_dir or default_golden_dir(), trace_path, case, expect,
                      [c for c in allow_unsupported.split(",") if c], reason, list(triage), expect_first=expect_first)
-    err.print(f"added golden {case}: {path}", markup=False)
+    err.print(f"added golden {shown(case)}: {path}", markup=False)
     sys.exit(EXIT_PASS)
 
 @golden.command("remove")
@@ -132,9 +133,10 @@ def golden_add(trace_path, case, expect, allow_unsupported, reason, triage, expe
 def golden_remove(case, reason, golden_dir):
     """Remove a golden case (one locked, crash-safe change; its manifest entry is kept with the reason)."""
     from refcheck.golden import default_golden_dir, remove_case
+    from refcheck.trace.manifest import shown
 
     remove_case(golden_dir or default_golden_dir(), case, reason)
-    err.print(f"removed golden {case}", markup=False)
+    err.print(f"removed golden {shown(case)}", markup=False)
     sys.exit(EXIT_PASS)
 
 @golden.command("verify")
@@ -154,11 +156,12 @@ def golden_verify(golden_dir, clean, clean_orphans):
     for msg in store.leftovers(gdir, manifest).messages():
         err.print(f"warning: {msg}", markup=False)
     from refcheck.trace.io import file_checksummed
+    from refcheck.trace.manifest import shown
 
     legacy = [c for c, e in sorted(manifest.cases.items()) if not file_checksummed(gdir / e.file)]
     if legacy:
         err.print(f"warning: {len(legacy)} golden(s) are schema 1.0 traces without their own checksums (unchecked on "
                   f"read; the manifest's sha256 protects them; seal them: python scripts/seal_goldens.py): "
-                  + ", ".join(legacy), markup=False)
+                  + ", ".join(shown(c) for c in legacy), markup=False)
     err.print(f"{len(manifest.cases)} golden traces match {gdir / 'MANIFEST.json'}", markup=False)
     sys.exit(EXIT_PASS)
