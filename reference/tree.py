@@ -436,7 +436,7 @@ def build_chain(root_token: int, draft_logits: torch.Tensor, depth: int | None =
         TreeError: on a non-2-D / non-floating / NaN / +inf ``draft_logits``,
             a depth outside ``[0, L]``, or a root token outside ``[0, V)``.
     """
-    logits = _as_fp32_matrix("draft_logits", draft_logits).cpu()  # the log-softmax below: CPU rounding, as before
+    logits = _as_fp32_matrix("draft_logits", draft_logits).cpu()  # the log-softmax below rounds on the CPU, whatever device the logits are on
     n_depth, vocab = int(logits.shape[0]), int(logits.shape[1])
     root = _check_root(root_token, vocab)
     d = n_depth if depth is None else _check_int("depth", depth)

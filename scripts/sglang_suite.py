@@ -12,7 +12,7 @@ in OUT: ``<config>.arrow`` (the SGLang trace), ``<config>.fp32.json`` / ``<confi
 A configuration that crashes or times out is recorded as such; the others still run.
 ``--parallel N`` runs N configurations side by side on the one GPU, their engine starts spaced by
 ``--stagger`` seconds (SGLang sizes its pools from the memory free at its start; two engines
-profiling at once both count the same memory, which failed a third engine this session): fewer
+profiling at once both count the same memory, and a third may then find none): fewer
 device minutes, timings under contention.
 """
 

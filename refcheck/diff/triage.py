@@ -6,8 +6,8 @@ drafter), and its residual stream after every add, multiplied by ``1 + u*U(-1, 1
 roundoff (bf16 2^-8, fp16 2^-11): the size of one rounding of each stored activation, the error a
 correct engine in that dtype commits: every tensor a GEMM reads (norm outputs, attention and Gated
 DeltaNet core outputs, the gated MLP product) and writes is stored rounded, and so is the residual
-stream. (Linear outputs alone under-estimate it: on the first H200 corpus a bf16 engine's draft
-log-probs deviated by up to 3.9x the linear-output-only spread.)
+stream. (Linear outputs alone under-estimate it: on an H200 corpus a bf16 engine's draft log-probs
+deviated by up to 3.9x the linear-output-only spread.)
 Each sample re-prefills the committed tokens (so rounding accumulates over the prefix as it does in
 the engine's carried state; the noisy state after whole 64-token chunks is kept from step to step,
 see :class:`RoundingEnsemble`), verifies the step's tree below the last partial chunk in one
