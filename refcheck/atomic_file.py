@@ -2,15 +2,34 @@
 
 Contract: :func:`atomic_write_bytes` leaves either the old file or the whole new one at the path,
 whatever instant the process dies (temp file in the same directory, fsync, ``os.replace``,
-directory fsync); :func:`fsync_dir` makes a directory's renames durable. Used by traces, the golden
-store and manifest, the SGLang capture's records and the child-process status files.
+directory fsync); :func:`fsync_dir` makes a directory's renames durable. It replaces only a regular
+file: a directory, device (``/dev/null``), FIFO or socket at the path (a symbolic link followed) is a
+:class:`NotRegularFileError` and stays as it is. Used by traces, the golden store and manifest, the
+SGLang capture's records and the child-process status files.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
 from pathlib import Path
+
+
+class NotRegularFileError(OSError):
+    """The path to write holds something other than a regular file (a directory, device, FIFO, socket)."""
+
+
+def refuse_non_regular(path: Path) -> None:
+    """Raise :class:`NotRegularFileError` unless ``path`` is a regular file or absent (a link followed)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # nothing there (or unreachable: the write itself reports that)
+        return
+    if not stat.S_ISREG(mode):
+        raise NotRegularFileError(errno.EEXIST, "not a regular file (a directory, device, FIFO or socket): refusing to "
+                                                "replace it", str(path))
 
 
 def fsync_dir(directory: Path) -> None:
@@ -39,11 +58,13 @@ def _new_file_mode(path: Path) -> int:
 def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> int:
     """Write ``data`` to ``path`` atomically (temp file in the same directory, fsync,
     ``os.replace``, directory fsync). On any exception the temp file is removed and an existing
-    file at ``path`` is untouched. Returns the bytes written.
+    file at ``path`` is untouched. Something other than a regular file at ``path`` (before the write or at
+    the rename) is a :class:`NotRegularFileError`. Returns the bytes written.
 
     ``durable=False`` skips the two fsyncs: still all-or-nothing for readers, but a power cut may lose
     the write (the capture's per-step records inside a running engine, re-made by re-running)."""
     path = Path(path)
+    refuse_non_regular(path)
     directory = path.parent if str(path.parent) else Path(".")
     mode = _new_file_mode(path)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
@@ -55,6 +76,7 @@ def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> int:
                 f.flush()
                 os.fsync(f.fileno())
         os.chmod(tmp, mode)
+        refuse_non_regular(path)  # made meanwhile
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -83,7 +83,8 @@ class NonFiniteError(ModelError):
 
 
 class OutputPathError(UsageError):
-    """An output path (--save-trace, --out, --json FILE) that cannot be written, found before any work."""
+    """An output path (--save-trace, --out, --cache-dir) that cannot be written, or that holds something other than
+    a regular file (a directory, device, FIFO or socket, never replaced), found before any work."""
 
 
 class NothingComparedError(RefcheckError):

@@ -15,13 +15,17 @@ gives a new key and the case is diffed again; nothing is ever invalidated by tim
 cases on the built-in models are cached (a trace that names a model directory outside the package
 depends on files the key does not cover). A cached report is exactly the stored one
 (:func:`report_from_json` inverts :meth:`Report.to_json`). The cache is opt-in (``refcheck gate
---cache-dir DIR`` or ``REFCHECK_GATE_CACHE``); the library never uses one unless given.
+--cache-dir DIR`` or ``REFCHECK_GATE_CACHE``); the library never uses one unless given. A directory that
+cannot be written (a file, a read-only directory, under a file) is refused when the cache is opened,
+before any case runs (:class:`~refcheck.errors.OutputPathError`, exit 2); a write that fails later (disk
+full) is a warning: the verdict does not depend on the cache, and the case is diffed again next time.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import platform
 import sys
 from collections import Counter
@@ -29,11 +33,13 @@ from pathlib import Path
 
 from refcheck.atomic_file import atomic_write_bytes
 from refcheck.diff.findings import Finding, Report, Verdict
+from refcheck.outputs import check_output_dir
 from refcheck.provenance import file_sha256
 
 _SKIP_DIRS = {"__pycache__"}
 _SKIP_SUFFIXES = (".pyc", ".pyo")
 FORMAT = 1  # bump when the stored form changes
+_log = logging.getLogger(__name__)
 
 
 def package_roots() -> tuple[Path, ...]:
@@ -90,10 +96,11 @@ def report_from_json(d: dict) -> Report:
 
 
 class ReportCache:
-    """Reports on disk, one JSON file per key, written atomically."""
+    """Reports on disk, one JSON file per key, written atomically; the directory is checked on opening."""
 
     def __init__(self, directory: Path, roots: tuple[Path, ...] | None = None) -> None:
         self.dir = Path(directory)
+        check_output_dir(self.dir, "--cache-dir")
         self.digest = source_digest(roots)
         self.env = environment()
 
@@ -114,6 +121,11 @@ class ReportCache:
         key = self.key(entry)
         if key is None:
             return
-        self.dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(self.dir / f"{key}.json", json.dumps(report.to_json(), default=str).encode())
+        path = self.dir / f"{key}.json"
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(path, json.dumps(report.to_json(), default=str).encode())
+        except OSError as exc:
+            _log.warning(f"warning: could not store {report.case}'s report in the gate cache ({path}: "
+                         f"{exc.strerror or exc}); the verdict is unaffected")
 

@@ -9,6 +9,10 @@ through the CLI's rich console as it is worded (no time, level or path columns, 
 (default info; ``warning`` silences progress). :func:`progress_bar` shows long work of a known
 number of units as a :mod:`rich.progress` bar on a terminal, and as the same records elsewhere. Used as a library without :func:`configure`, refcheck's records go
 wherever the application's logging sends them (nowhere, by default, below WARNING).
+
+Names read from files (prompt ids, request ids, case names, paths) are untrusted text: a record is shown as one
+line, whatever it holds (:func:`one_line`: a newline or NUL in a name is written ``\\n``, ``\\x00``), so no name
+can start a line of its own (a forged ``refcheck: error:`` line).
 """
 
 from __future__ import annotations
@@ -18,14 +22,24 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 LEVELS = ("debug", "info", "warning", "error")
 _MARK = "_refcheck_cli_handler"
 
 
+def one_line(text: str) -> str:
+    """``text`` as one line of output: each character that does not print (newline, carriage return, tab, NUL,
+    escape, other control and format characters) written as Python writes it in a string literal (``\\n``,
+    ``\\x00``, ``\\u200b``); printable text unchanged."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class ConsoleHandler(logging.Handler):
-    """Each record's message printed on a rich console, as worded."""
+    """Each record's message printed on a rich console, as worded, on one line (:func:`one_line`)."""
 
     def __init__(self, console: Console) -> None:
         super().__init__()
@@ -33,7 +47,7 @@ class ConsoleHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.console.print(self.format(record), markup=False, highlight=False, soft_wrap=True)
+            self.console.print(one_line(self.format(record)), markup=False, highlight=False, soft_wrap=True)
         except Exception:  # noqa: BLE001 - logging never raises into the caller
             self.handleError(record)
 
@@ -69,7 +83,7 @@ def progress_bar(console: Console, total: int, what: str) -> Iterator[Callable[[
         task = bar.add_task("", total=total)
 
         def advance(line: str) -> None:
-            bar.update(task, advance=1, description=line)
+            bar.update(task, advance=1, description=escape(one_line(line)))  # the bar renders markup: a name is text
             logging.getLogger("refcheck.progress").debug(line)
 
         yield advance

@@ -10,16 +10,29 @@ Workers are spawned processes (CUDA-safe); worker ``i`` uses ``cuda:i`` when the
 longest first, on this process and ``N - 1`` workers that stay up between jobs (the gate's cases:
 :func:`refcheck.golden.gate_shard`, each worker keeping its :class:`DiffSession` and so its models and
 shared work). Nothing here knows goldens: the gate hands its jobs in.
+
+Workers end with this process (:func:`worker_pool`): they stay in its process group (a signal to the
+group reaches them), ignore SIGINT (a terminal's Ctrl-C reaches the whole group; this process decides)
+and leave on their own within a second when this process is gone, whatever ended it (:func:`worker_init`).
+While they run, SIGTERM or SIGINT to this process (its main thread) ends every worker
+(:func:`ended_on_signal`: SIGTERM, then SIGKILL after :data:`GRACE_S`), then takes the signal's own
+course: SIGTERM ends the process (exit 143), SIGINT raises ``KeyboardInterrupt``.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import threading
+import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from multiprocessing.connection import wait as wait_ready
+from multiprocessing.process import BaseProcess
+from types import FrameType
 from typing import TypeVar
 
 from refcheck.diff.findings import Report
@@ -28,6 +41,8 @@ from refcheck.trace.io import Trace
 
 T = TypeVar("T")
 _VOLATILE = ("created", "device", "prompt_set_sha256")  # provenance keys that differ between shards
+GRACE_S = 3.0  # seconds a worker has to end after SIGTERM before it is killed
+_ENDING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def split(items: Sequence[T], n: int) -> list[list[T]]:
@@ -95,12 +110,82 @@ def merge_reports(reports: Sequence[Report], case: str, mode: str) -> Report:
     return out
 
 
+def _watch_parent(parent: int) -> None:
+    """Leave at once when ``parent`` is no longer this process's parent (it ended, whatever ended it)."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def worker_init(parent: int) -> None:
+    """A worker's start (module docstring): SIGINT ignored, a thread that ends it when ``parent`` is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(parent,), name="refcheck-parent-watch", daemon=True).start()
+
+
+def end_processes(procs: Iterable[BaseProcess], grace: float = GRACE_S) -> None:
+    """SIGTERM to each of ``procs``, SIGKILL to those still up after ``grace`` seconds."""
+    pending = {}
+    for p in list(procs):
+        try:
+            p.terminate()
+            pending[p.sentinel] = p
+        except (OSError, ValueError, AttributeError):  # already gone, closed, or never started
+            pass
+    deadline = time.monotonic() + grace
+    while pending and (left := deadline - time.monotonic()) > 0:
+        for ready in wait_ready(list(pending), left):
+            pending.pop(ready)
+    for p in pending.values():
+        try:
+            p.kill()
+        except (OSError, ValueError):
+            pass
+
+
+@contextmanager
+def ended_on_signal(processes: Callable[[], Iterable[BaseProcess]]) -> Iterator[None]:
+    """While the block runs: SIGTERM / SIGINT to this process end ``processes()`` first (:func:`end_processes`),
+    then take the course the handler before this one gives them (module docstring). Only the main thread can
+    set handlers; elsewhere (and for a signal set to be ignored) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in _ENDING_SIGNALS}
+    mine = [sig for sig, old in previous.items() if old is not signal.SIG_IGN and old is not None]  # None: set outside Python
+
+    def restore() -> None:
+        for sig in mine:
+            signal.signal(sig, previous[sig])
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        end_processes(processes())
+        restore()
+        signal.raise_signal(signum)
+
+    for sig in mine:
+        signal.signal(sig, on_signal)
+    try:
+        yield
+    finally:
+        restore()
+
+
+@contextmanager
+def worker_pool(workers: int) -> Iterator[ProcessPoolExecutor]:
+    """``workers`` spawned processes that end with this one (module docstring); shut down on leaving."""
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"), initializer=worker_init,
+                               initargs=(os.getpid(),))
+    with ended_on_signal(lambda: (getattr(pool, "_processes", None) or {}).values()), pool:  # the workers spawned so far
+        yield pool
+
+
 def run_parallel(fn: Callable[..., T], jobs: Sequence[tuple], workers: int) -> list[T]:
-    """fn(*job) for every job, in spawned worker processes (in order); inline when workers == 1."""
+    """fn(*job) for every job, in spawned worker processes (:func:`worker_pool`, in order); inline when
+    workers == 1."""
     if workers <= 1 or len(jobs) <= 1:
         return [fn(*job) for job in jobs]
-    ctx = mp.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as pool:
+    with worker_pool(min(workers, len(jobs))) as pool:
         futures = [pool.submit(fn, *job) for job in jobs]
         return [f.result() for f in futures]
 
@@ -111,7 +196,7 @@ def run_queue(fn: Callable[..., T], jobs: Sequence[tuple], workers: int, inline:
     as a worker is free (put the longest first): ``inline(*job)`` in this process, ``fn(*job)`` in
     ``workers - 1`` spawned processes, which stay up from job to job. ``on_result(index, result)`` is
     called as each job finishes (one at a time). A job's exception is raised here once the running
-    jobs are done; jobs not started by then are not run."""
+    jobs are done; jobs not started by then are not run. The workers: :func:`worker_pool`."""
     pending = deque(enumerate(jobs))
     lock = threading.Lock()
     results: list = [None] * len(jobs)
@@ -137,7 +222,7 @@ def run_queue(fn: Callable[..., T], jobs: Sequence[tuple], workers: int, inline:
     if helpers < 1:
         drain(lambda job: inline(*job))
     else:
-        with ProcessPoolExecutor(max_workers=helpers, mp_context=mp.get_context("spawn")) as pool:
+        with worker_pool(helpers) as pool:
             feeders = [threading.Thread(target=drain, args=(lambda job: pool.submit(fn, *job).result(),), daemon=True)
                        for _ in range(helpers)]
             for t in feeders:

@@ -138,6 +138,26 @@ def _typed(d: Mapping, key: str, kind: type | tuple[type, ...], default: Any, wh
     raise ProvenanceError(f"{where}{key} is {type(value).__name__} {value!r}, expected {kind}")
 
 
+def _positive_int(d: Mapping, key: str, default: int, where: str) -> int:
+    value = _typed(d, key, int, default, where)
+    if value is None:
+        return default
+    if isinstance(value, bool) or value < 1:
+        raise ProvenanceError(f"{where}{key} is {value!r}, expected an integer >= 1")
+    return int(value)
+
+
+def _token_ids(d: Mapping, key: str, where: str) -> frozenset[int]:
+    values = _typed(d, key, list, [], where) or []
+    bad = next((v for v in values if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < TOKEN_ID_LIMIT), None)
+    if bad is not None:
+        raise ProvenanceError(f"{where}{key} holds {bad!r}, expected token ids (integers in [0, 2**31))")
+    return frozenset(values)
+
+
+#: token ids are below this (the trace stores them as int32)
+TOKEN_ID_LIMIT = 2**31
+
 #: the values of :attr:`Provenance.draft_rule`
 DRAFT_RULES = ("ddtree", "chain", "none", "other")
 
@@ -171,7 +191,8 @@ class Provenance:
 
     @classmethod
     def of(cls, d: Mapping[str, Any]) -> Provenance:
-        """Read and check a provenance dict (ProvenanceError on a field of the wrong type)."""
+        """Read and check a provenance dict (ProvenanceError on a field of the wrong type or out of range: a
+        token limit below 1, a stop token id that is not an integer in [0, 2**31))."""
         if not isinstance(d, Mapping):
             raise ProvenanceError(f"provenance is {type(d).__name__}, expected a JSON object")
         eng = _typed(d, "engine", Mapping, {}, "provenance ") or {}
@@ -196,14 +217,14 @@ class Provenance:
             device=str(_typed(d, "device", str, "cpu", "provenance ") or "cpu"),
             budget=budget,
             block_size=_typed(d, "block_size", int, None, "provenance "),
-            max_new_tokens=int(_typed(d, "max_new_tokens", int, 64, "provenance ") or 64),
+            max_new_tokens=_positive_int(d, "max_new_tokens", 64, "provenance "),
             drafter=str(_typed(d, "drafter", str, "dflash", "provenance ") or "dflash"),
             prompt_set_sha256=_typed(d, "prompt_set_sha256", str, None, "provenance "),
             created=_typed(d, "created", str, None, "provenance "),
             case=_typed(d, "case", str, None, "provenance "),
             tree_rules=rules,
             draft_dir=Path(draft_dir) if draft_dir else None,
-            stop_token_ids=frozenset(int(t) for t in _typed(st, "stop_token_ids", list, [], "provenance engine.settings.") or []),
+            stop_token_ids=_token_ids(st, "stop_token_ids", "provenance engine.settings."),
             seed=int(_typed(st, "seed", int, 0, "provenance engine.settings.") or 0),
             capture=None if not cap else CaptureReport(
                 crash=_typed(cap, "crash", str, None, "provenance capture."),

@@ -4,7 +4,8 @@ Contract: :func:`sharded_diff` replays a trace against the reference split by la
 processes (rank i on ``cuda:i`` with NCCL when the reference device is CUDA, gloo on CPUs), each
 holding only its own layers' weights and state, and returns rank 0's report, which equals an
 unsharded replay's. Only replay is sharded: the free-run oracle is transformers' own forward of the
-whole model, so ``mode`` must be "replay".
+whole model, so ``mode`` must be "replay". A user error in a rank (a corrupt trace, a model error: one
+with an exit code, :func:`refcheck.errors.exit_code_for`) is raised here as itself, naming the trace's file.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from refcheck.diff.findings import STATE_CATEGORIES, Report, step_counts
-from refcheck.errors import UsageError
+from refcheck.errors import UsageError, exit_code_for
 from refcheck.trace.io import Trace, trace_bytes, trace_from_bytes
 
 
@@ -26,7 +27,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank(rank: int, shards: int, port: int, data: bytes, case: str, ref_dtype: str, ref_device: str, out: str) -> None:
+def _rank(rank: int, shards: int, port: int, data: bytes, case: str, ref_dtype: str, ref_device: str, out: str,
+          source: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -44,13 +46,17 @@ def _rank(rank: int, shards: int, port: int, data: bytes, case: str, ref_dtype: 
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=shards)
     try:
-        trace = trace_from_bytes(data)
+        trace = trace_from_bytes(data, source)
         session = DiffSession()
         runner = session.runner(reference_spec_for(trace, ref_dtype, device))
         runner.target = PipelineTarget(runner.target)
         runner.target.release_foreign_layers()
         report = session.diff(trace, case, mode="replay", ref_dtype=ref_dtype, ref_device=device)
         Path(out).with_suffix(f".{rank}.pkl").write_bytes(pickle.dumps(report))
+    except Exception as exc:
+        if exit_code_for(exc) is not None:  # the parent raises it as itself
+            Path(out).with_suffix(f".{rank}.error.pkl").write_bytes(pickle.dumps(exc))
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -62,8 +68,10 @@ def sharded_diff(trace: Trace, case: str, mode: str, shards: int, ref_dtype: str
     if mode != "replay":
         raise UsageError("--ref-shards shards the replay only (the free-run oracle is transformers' whole-model "
                          "forward): pass --mode replay")
+    from refcheck.diff.session import reference_spec_for
     from refcheck.diff.tolerance import calibration_for, engine_numerics
 
+    reference_spec_for(trace, ref_dtype, ref_device)  # a malformed provenance: its error here, not in every rank
     numerics = engine_numerics(trace.provenance)
     if calibration_for(*numerics).rule is not None:
         raise UsageError(f"--ref-shards: an engine trace in {numerics[0]} is judged by the calibrated verdict, whose "
@@ -73,8 +81,15 @@ def sharded_diff(trace: Trace, case: str, mode: str, shards: int, ref_dtype: str
         raise UsageError(f"--ref-shards {shards} needs {shards} CUDA devices, {torch.cuda.device_count()} visible")
     with tempfile.TemporaryDirectory(prefix="refcheck-shards-") as tmp:
         out = os.path.join(tmp, "report.pkl")
-        mp.start_processes(_rank, args=(shards, free_port(), trace_bytes(trace), case, ref_dtype, ref_device, out),
-                           nprocs=shards, start_method="spawn")
+        try:
+            mp.start_processes(_rank, args=(shards, free_port(), trace_bytes(trace), case, ref_dtype, ref_device, out,
+                                            trace.source or case), nprocs=shards, start_method="spawn")
+        except Exception:
+            errors = [Path(out).with_suffix(f".{r}.error.pkl") for r in range(shards)]
+            typed = next((pickle.loads(e.read_bytes()) for e in errors if e.is_file()), None)
+            if typed is None:
+                raise
+            raise typed from None
         return merge_shard_reports([pickle.loads(Path(out).with_suffix(f".{r}.pkl").read_bytes()) for r in range(shards)])
 
 

@@ -3,22 +3,37 @@
 Contract: every command prints human output (rich tables, progress) on stderr and, with
 ``--json``, only JSON on stdout. User errors never show a traceback: they print
 ``refcheck: error: <message>`` and exit with the code documented in :mod:`refcheck.errors`.
+
+Names read from files (prompt ids, request ids, case names, paths) are untrusted text: the error line and
+every string printed on :data:`err` are one line each, their characters that do not print escaped
+(:func:`refcheck.log.one_line`), so a name holding a newline cannot start a line of its own. Table cells
+that show such names escape them where the table is built.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import click
 from rich.console import Console
 
 from refcheck.errors import exit_code_for
-from refcheck.log import LEVELS, configure
+from refcheck.log import LEVELS, configure, one_line
 from refcheck.log import progress_line as progress_line  # the CLI's Progress: log records shown on ``err``
 
-err = Console(stderr=True)
+
+class LineConsole(Console):
+    """A rich console on which each string printed is one line of text (:func:`refcheck.log.one_line`);
+    other renderables (tables) print as they are."""
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        super().print(*(one_line(o) if isinstance(o, str) else o for o in objects), **kwargs)
+
+
+err = LineConsole(stderr=True)
 if not err.is_terminal:  # logs and CI: wide enough that tables do not wrap every cell
-    err = Console(stderr=True, width=160)
+    err = LineConsole(stderr=True, width=160)
 
 
 @click.group()
@@ -50,5 +65,5 @@ def entry() -> None:
         code = exit_code_for(exc)
         if code is None:
             raise
-        click.echo(f"refcheck: error: {exc}", err=True)
+        click.echo(f"refcheck: error: {one_line(str(exc))}", err=True)
         sys.exit(code)

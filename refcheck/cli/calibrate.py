@@ -11,6 +11,9 @@ import click
 from refcheck.cli.app import err, main, quiet
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS, UsageError
 
+#: the files calibrate writes in --out (besides traces/RUN.arrow with --save-traces)
+OUT_FILES = ("calibration.json", "calibration.md")
+
 
 def _fault_names(selected: tuple[str, ...]) -> list[str]:
     """The faults to run: the named ones (each checked), or every discrete, graded and sampling fault."""
@@ -82,10 +85,12 @@ def calibrate(out_dir, dtypes, device, ref_device, faults, no_faults, no_corpus,
     """Measure the verdict: clean engines must pass, every fault must fail where it first acts.
 
     Dtypes with no measured calibration are run with their candidate bounds (refcheck/diff/tolerance.py)."""
-    from refcheck.atomic_file import atomic_write_bytes
-    from refcheck.calibrate import calibration_under_test, default_corpus, markdown, row_of_trace, run_one, summarize
+    from refcheck.calibrate import calibration_under_test, default_corpus, row_of_trace, run_one
+    from refcheck.outputs import check_output_dir
     from refcheck.parallel import run_parallel
 
+    check_label(label)
+    check_output_dir(out_dir, "--out", OUT_FILES)  # before any model loads
     quiet()
     dtypes = list(dtypes) or ["bfloat16", "float16"]
     ref_device = ref_device or device
@@ -94,45 +99,85 @@ def calibrate(out_dir, dtypes, device, ref_device, faults, no_faults, no_corpus,
     from refcheck.sweep import parse_budgets
 
     blist = tuple(parse_budgets(",".join(budgets))) if budgets else CLEAN_BUDGETS
-    if (model_dir is None) != (draft_dir is None):
-        raise UsageError("--model and --draft go together (a target and its DFlash draft)")
-    if model_dir is not None and pairs:
-        raise UsageError("--pair names built-in pairs; with --model the corpus runs on that pair alone")
-    own = None
-    if model_dir is not None:
-        from refcheck.reference_runner import EngineSpec, load_pair
-
-        load_pair(EngineSpec(model_dir=model_dir, draft_dir=draft_dir))  # a wrong pair is refused before any run
-        own = (label or model_dir.resolve().parent.name, str(model_dir), str(draft_dir))
+    own = _own_pair(model_dir, draft_dir, pairs, label)
     corpus = [] if no_corpus else default_corpus(dtypes, device, names, tuple(pairs) or ("hybrid", "attention"), blist,
                                                  own)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    err.print(f"calibrate: {len(corpus)} runs + {len(traces)} traces, {workers} process(es)", markup=False)
+    if save_traces:
+        check_output_dir(out_dir, "--out", [f"traces/{run.name}.arrow" for run in corpus])
+    earlier = _earlier_rows(row_files)
     over, rule = _pairs(bounds, "--bounds"), _pairs(rule_text, "--rule")
     for d in dtypes:  # a bad field or an unknown dtype: a usage error before any run
         calibration_under_test(d, device, over, rule)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    err.print(f"calibrate: {len(corpus)} runs + {len(traces)} traces, {workers} process(es)", markup=False)
     results = run_parallel(run_one, [(r, n_prompts, max_new_tokens, ref_device, over, rule) for r in corpus], workers)
     rows = [row for row, _ in results]
     if save_traces:
-        (out_dir / "traces").mkdir(exist_ok=True)
-        for run, (_, data) in zip(corpus, results):
-            atomic_write_bytes(out_dir / "traces" / f"{run.name}.arrow", data)
+        _save_traces(out_dir, corpus, [data for _, data in results])
     rows += run_parallel(row_of_trace, [(str(p), name, ref_device, over, rule) for p, name in zip(traces, trace_names(traces))],
                          workers)
+    _finish(out_dir, rows + earlier, as_json)
+
+
+def check_label(label: str | None) -> None:
+    """``--label`` names files (OUT/traces/RUN.arrow): a plain name, else a :class:`UsageError`."""
+    if label is not None and (label in ("", ".", "..") or "/" in label or "\\" in label or not label.isprintable()):
+        raise UsageError(f"--label {label!r} names the runs' files (OUT/traces/RUN.arrow): give a plain name, without "
+                         "'/' or '\\', not '.' or '..' (nothing was run)")
+
+
+def _own_pair(model_dir: Path | None, draft_dir: Path | None, pairs: tuple[str, ...],
+              label: str | None) -> tuple[str, str, str] | None:
+    """(label, target dir, draft dir) of ``--model``/``--draft``, the pair loaded once to refuse a wrong one
+    before any run; None for the built-in pairs."""
+    if (model_dir is None) != (draft_dir is None):
+        raise UsageError("--model and --draft go together (a target and its DFlash draft)")
+    if model_dir is None:
+        return None
+    if pairs:
+        raise UsageError("--pair names built-in pairs; with --model the corpus runs on that pair alone")
+    from refcheck.reference_runner import EngineSpec, load_pair
+
+    load_pair(EngineSpec(model_dir=model_dir, draft_dir=draft_dir))
+    return (label or model_dir.resolve().parent.name, str(model_dir), str(draft_dir))
+
+
+def _earlier_rows(row_files: tuple[Path, ...]) -> list[dict]:
+    """The rows of the ``--rows`` files (read before any run: a bad file is a usage error at once)."""
+    rows: list[dict] = []
     for f in row_files:
         try:
             rows += json.loads(f.read_text())["rows"]
         except (ValueError, KeyError, TypeError) as exc:
             raise UsageError(f"--rows {f}: not a calibration.json ({exc})") from None
-    first: dict[str, dict] = {}  # a run in two parts (each part's clean twins) counts once: the first row of a name
+    return rows
+
+
+def _save_traces(out_dir: Path, corpus: list, traces: list[bytes]) -> None:
+    from refcheck.atomic_file import atomic_write_bytes
+
+    (out_dir / "traces").mkdir(exist_ok=True)
+    for run, data in zip(corpus, traces):
+        atomic_write_bytes(out_dir / "traces" / f"{run.name}.arrow", data)
+
+
+def _finish(out_dir: Path, rows: list[dict], as_json: bool) -> None:
+    """Write calibration.json and calibration.md (a run in two parts counts once: the first row of a name), print
+    the table and exit: 0 when clean runs pass and every fault is caught untriaged, else 1."""
+    from refcheck.atomic_file import atomic_write_bytes
+    from refcheck.calibrate import markdown, summarize
+
+    first: dict[str, dict] = {}
     for r in rows:
         first.setdefault(r["name"], r)
     rows = list(first.values())
     summary = summarize(rows)
     atomic_write_bytes(out_dir / "calibration.json",
                        (json.dumps({"summary": summary, "rows": rows}, indent=1, default=str) + "\n").encode())
-    atomic_write_bytes(out_dir / "calibration.md", markdown(rows, summary).encode())
-    err.print(markdown(rows, summary), markup=False)
+    text = markdown(rows, summary)
+    atomic_write_bytes(out_dir / "calibration.md", text.encode())
+    for line in text.splitlines():  # a line at a time: each one line on the console, whatever a row's name holds
+        err.print(line, markup=False)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     ok = summary["false_alarms"] == 0 and summary["detected"] == summary["faulty_runs"] \

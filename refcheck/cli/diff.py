@@ -1,7 +1,14 @@
-"""``refcheck diff``: an engine (live, a recorded trace, or the goldens) against the reference."""
+"""``refcheck diff``: an engine (live, a recorded trace, or the goldens) against the reference.
+
+Contract: one source is diffed: a live engine (``--engine``), recorded trace files (``--against``) or the
+goldens (neither). An option that the chosen source does not use is refused before anything runs (exit 2):
+a recorded trace or a golden names its own models and settings, so the live run's options (``--model``,
+``--prompts``, ``--save-trace``, ...) would be ignored, and a live run reads no golden directory.
+"""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import click
@@ -11,6 +18,7 @@ from refcheck.cli.app import err, main
 from refcheck.cli.notes import explain_target, headline, where
 from refcheck.cli.options import (
     DeviceType,
+    given_options,
     model_options,
     sampling_from_options,
     sampling_options,
@@ -21,6 +29,34 @@ from refcheck.cli.reports import finish, report_table, steps_table
 from refcheck.errors import GoldenError, UsageError
 from refcheck.prompts import load_prompts, prompt_set_hash
 from refcheck.spec import DTYPE_NAMES
+
+#: options of a live run (--engine) only: a recorded trace or a golden carries its own
+_LIVE_ONLY = ("draft_dir", "prompts_file", "max_new_tokens", "dtype", "device", "drafter", "stop_ids", "save_trace",
+              "workers", "full_state", "sglang_algorithm", "cuda_graphs", "ngram_breadth", "tp", "max_running",
+              "mem_fraction", "serving", "layer_sketches")
+#: options that pick the goldens to diff (and the live run's models, with --engine)
+_GOLDEN_PICKS = ("golden_dir", "model_dir", "pair", "budget")
+
+
+def refuse_unused_options(engine: str | None, against: tuple[Path, ...]) -> None:
+    """A :class:`UsageError` for options the chosen source (module docstring) would ignore."""
+    if engine and against:
+        raise UsageError(f"--engine {engine} runs a live engine and --against diffs recorded trace files: give one of "
+                         "them (nothing was run)")
+    if against:
+        unused = given_options(_LIVE_ONLY + _GOLDEN_PICKS)
+        if unused:
+            raise UsageError(f"--against diffs recorded trace files, which name their own models and settings: "
+                             f"{', '.join(unused)} would be ignored (they set up a live --engine run or pick the "
+                             "goldens; nothing was run)")
+    elif engine:
+        if given_options(("golden_dir",)):
+            raise UsageError("--golden picks the goldens to diff; with --engine the live run is diffed (nothing was run)")
+    else:
+        unused = given_options(_LIVE_ONLY)
+        if unused:
+            raise UsageError(f"{', '.join(unused)} set up a live run, which needs --engine: without --engine or "
+                             "--against, diff judges the golden traces, which carry their own settings (nothing was run)")
 
 
 def _engine_and_options(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, device, mem_fraction=None,
@@ -100,6 +136,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
     from refcheck.outputs import check_output_file, late_write_error
     from refcheck.trace.io import write_trace
 
+    refuse_unused_options(engine, against)
     sampling = sampling_from_options(temperature, top_k, top_p, sample_seed)  # out of range: exit 2
     if sampling is not None and not engine:
         raise UsageError("--temperature > 0 runs a live engine (--engine ...): a recorded trace carries its own "
@@ -236,7 +273,9 @@ def _explain_hint(report, path) -> None:
     shown = headline(report)
     layer = " --layer" if f.layer is not None else ""  # bisected: the trace has layer sketches to explain with
     why = "" if f is shown else f" (the table's {where(shown)} is not a node-level logits finding; this is the earliest one)"
-    err.print(f"explain it: refcheck explain {path} --request {f.request_id} --step {f.step} --node {f.node}{layer}{why}",
+    command = (f"refcheck explain {shlex.quote(str(path))} --request {shlex.quote(f.request_id)} --step {f.step} "
+               f"--node {f.node}")
+    err.print(f"explain it: {command}{layer}{why}",
               markup=False, soft_wrap=True)  # one line, whatever the width: a command to paste
 
 

@@ -76,7 +76,8 @@ def matrix(algorithms, setting_names, cell_names, out_dir, pair, max_new_tokens,
         sys.exit(EXIT_PASS)
     done = finished_rows(resume) if resume else {}  # a bad file: exit 2 before any engine starts
     quiet()
-    check_output_dir(out_dir, "--out")
+    check_output_dir(out_dir, "--out", ["matrix.json", "matrix.md", "matrix.partial.json",
+                                        *(f"traces/{c.name}.arrow" for c in todo)])
     import torch
 
     spec = EngineSpec(pair=pair, dtype="bfloat16", device="cuda", max_new_tokens=max_new_tokens)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,12 +43,29 @@ class DeviceType(click.ParamType):
 
 
 def parse_ids(text: str | None) -> frozenset[int]:
+    """``--stop``'s token ids: comma-separated integers in [0, 2**31); anything else is a usage error."""
+    from refcheck.provenance import TOKEN_ID_LIMIT
+
     if not text:
         return frozenset()
     try:
-        return frozenset(int(t) for t in text.split(","))
+        ids = frozenset(int(t) for t in text.split(","))
     except ValueError as exc:
         raise UsageError(f"--stop must be comma-separated token ids, got {text!r}") from exc
+    bad = sorted(t for t in ids if not 0 <= t < TOKEN_ID_LIMIT)
+    if bad:
+        raise UsageError(f"--stop {text}: {bad[0]} is not a token id (token ids are integers in [0, 2**31))")
+    return ids
+
+
+def given_options(names: Iterable[str]) -> list[str]:
+    """The options among parameter ``names`` that the user gave (command line or environment), each as its
+    first flag (``--model``), in the command's order."""
+    ctx = click.get_current_context()
+    wanted = set(names)
+    return [p.opts[0] for p in ctx.command.params if p.name in wanted and p.opts
+            and ctx.get_parameter_source(p.name) not in (None, click.core.ParameterSource.DEFAULT)]
+
 
 def model_options(f):
     """Options shared by every command that runs models."""

@@ -3,7 +3,9 @@
 Contract: :func:`report_table` prints one row per report, then the column legend, the manifest
 rules that changed a verdict, a line per group of non-pass findings saying why and where
 (:mod:`refcheck.cli.notes`), the replayed steps and τ; :func:`steps_table` one row per verify
-step; :func:`finish` the JSON (with ``--json``) and the exit code. Human output goes to stderr.
+step; :func:`finish` the JSON (with ``--json``) and the exit code. Human output goes to stderr. Case
+names, request ids and messages are text from files: a table cell shows them as written, escaped
+(:func:`name_cell`), and no line is read as markup.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from refcheck.cli.app import err
 from refcheck.cli.notes import LEGEND, count_notes, headline, manifest_notes, where
 from refcheck.diff.acceptance import account_line
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
+from refcheck.log import one_line
+
+
+def name_cell(text: str) -> str:
+    """A name or message from a file as a table cell: one line, characters that do not print escaped, no markup."""
+    return escape(one_line(text))
 
 
 def first_cell(r) -> str:
@@ -29,9 +37,9 @@ def first_cell(r) -> str:
     more = f"\n(+{others} more request{'s' if others > 1 else ''} failing: --steps, --json)" if others > 0 else ""
     if r.expect_failure is not None:
         tag = "[green]expected failure caught[/]" if r.expected_failure_met else "[red]expected failure NOT caught[/]"
-        return tag + (f"\n{escape(where(first))}: {escape(first.message)}" if first else f" ({r.expect_failure})")
+        return tag + (f"\n{name_cell(where(first))}: {name_cell(first.message)}" if first else f" ({r.expect_failure})")
     if first is not None:
-        return f"[red]{escape(where(first))}[/]\n{escape(first.message)}{more}"
+        return f"[red]{name_cell(where(first))}[/]\n{name_cell(first.message)}{more}"
     return "[green]none[/]"
 
 
@@ -41,7 +49,7 @@ def report_table(reports, title: str) -> None:
         table.add_column(col)
     for r in reports:
         c = r.counts
-        table.add_row(r.case, r.mode, str(sum(r.checks.values())), str(c["pass"]), str(c["benign_tie"]),
+        table.add_row(name_cell(r.case), r.mode, str(sum(r.checks.values())), str(c["pass"]), str(c["benign_tie"]),
                       str(c["triaged"]), str(c["fail"]), str(c["unsupported"] + c["skipped"]), first_cell(r))
     err.print(table)
     if any(r.findings for r in reports):
@@ -54,11 +62,12 @@ def report_table(reports, title: str) -> None:
             devs = [f"max |Δ log-prob| {r.stats['max_logprob_abs']:.3g}"] if "max_logprob_abs" in r.stats else []
             devs += [f"max rel L2 {k[11:]} {r.stats[k]:.3g}" for k in sorted(r.stats) if k.startswith("max_rel_l2_")]
             err.print(f"{r.case}: replayed steps: {st.get('pass', 0)} pass · {st.get('benign_tie', 0)} benign tie · "
-                      + (f"{st['triaged']} triaged · " if st.get("triaged") else "") + f"{st.get('fail', 0)} fail" + (" · " + ", ".join(devs) if devs else ""))
+                      + (f"{st['triaged']} triaged · " if st.get("triaged") else "") + f"{st.get('fail', 0)} fail" + (" · " + ", ".join(devs) if devs else ""),
+                      markup=False)
         if r.stats.get("mean_tau_engine") is not None:
             ref = r.stats.get("mean_tau_reference")
             err.print(f"{r.case}: mean τ engine {r.stats['mean_tau_engine']:.3f}"
-                      + (f", reference {ref:.3f} (its own run)" if ref is not None else "") + " (bonus counted)")
+                      + (f", reference {ref:.3f} (its own run)" if ref is not None else "") + " (bonus counted)", markup=False)
         if r.stats.get("acceptance_account"):
             err.print(f"{r.case}: {account_line(r.stats['acceptance_account'])}", markup=False)
         sh = r.stats.get("shadow")
@@ -89,7 +98,7 @@ def steps_table(report, trace, limit: int = 500) -> None:
     for f in report.findings:
         if f.step is not None and f.step >= 0:
             by_step.setdefault((f.request_id, f.step), []).append(f)
-    table = Table(title=f"{report.case}: verify steps")
+    table = Table(title=f"{name_cell(report.case)}: verify steps")
     for col in ("request", "step", "position", "nodes", "τ", "verdict", "categories", "first finding"):
         table.add_column(col)
     for s in trace.steps[:limit]:
@@ -99,11 +108,11 @@ def steps_table(report, trace, limit: int = 500) -> None:
         shown = [f for f in fs if f.verdict == worst] if worst else []
         style = {Verdict.FAIL: "red", Verdict.TRIAGED: "yellow", Verdict.BENIGN_TIE: "cyan"}.get(worst, "green")
         first = shown[0] if shown else None
-        table.add_row(s.request_id, str(s.step), str(s.committed_len), str(len(s.tree_tokens)), str(s.accept_length),
+        table.add_row(name_cell(s.request_id), str(s.step), str(s.committed_len), str(len(s.tree_tokens)), str(s.accept_length),
                       f"[{style}]{worst.value if worst else 'pass'}[/]", ", ".join(sorted({f.category for f in shown})),
                       (f"node {first.node} " if first and first.node is not None else "")
                       + (f"layer {first.layer} " if first and first.layer is not None else "")
-                      + (first.message[:90] if first else ""))
+                      + (name_cell(first.message[:90]) if first else ""))
     err.print(table)
     if len(trace.steps) > limit:
         err.print(f"{report.case}: {len(trace.steps) - limit} more steps not shown (see --json)", markup=False)

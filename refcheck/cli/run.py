@@ -73,12 +73,14 @@ def _run_report(engine: str, spec: EngineSpec, prompts, runs: list) -> dict:
     }
 
 def _print_run_table(report: dict) -> None:
+    from refcheck.cli.reports import name_cell
+
     table = Table(title=f"refcheck run · {report['engine']} · budget {report['budget']} · {report['drafter']} drafter")
     for col in ("prompt", "kind", "tokens", "steps", "τ", "AR"):
         table.add_column(col, justify="right" if col in ("tokens", "steps", "τ") else "left")
     for p in report["prompts"]:
         ar = {"pass": "[green]pass[/]", "fail": f"[red]FAIL @{p['first_ar_mismatch']}[/]"}.get(p["ar"], "-")
-        table.add_row(p["id"], p["kind"], str(len(p["output_ids"])), str(len(p["accept_lengths"])), f"{p['mean_tau']:.2f}", ar)
+        table.add_row(name_cell(p["id"]), name_cell(p["kind"]), str(len(p["output_ids"])), str(len(p["accept_lengths"])), f"{p['mean_tau']:.2f}", ar)
     err.print(table)
     vm = report["verify_ms_median"]
     err.print(f"mean τ {report['mean_tau']:.3f} over {report['steps']} steps; median verify {vm:.1f} ms" if vm else "no verify steps")

@@ -47,16 +47,15 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
     """Acceptance and speed against node budget: τ, histograms, per-phase time, speedup over target-only.
 
     With --engine sglang: per SGLang algorithm and budget, τ, step time, tokens/s and the replay verdict."""
-    from refcheck.atomic_file import atomic_write_bytes
-    from refcheck.outputs import check_output_dir, late_write_error
-    from refcheck.sweep import parse_budgets, plot_sweep, run_sweep
+    from refcheck.outputs import check_output_dir
+    from refcheck.sweep import parse_budgets, run_sweep
 
     quiet()
     sampling = sampling_from_options(temperature, top_k, top_p, sample_seed)  # out of range: exit 2
     if sampling is not None and from_traces:
         raise UsageError("--temperature with --from-traces: a recorded trace carries its own sampling parameters")
     blist = parse_budgets(budgets)
-    check_output_dir(out_dir, "--out")  # before minutes of decoding, not after
+    check_output_dir(out_dir, "--out", _out_files(engine, no_plots, blist, sglang_algorithms, bool(from_traces)))
     if from_traces and engine != "sglang":
         raise UsageError("--from-traces tabulates SGLang traces: add --engine sglang")
     runner_options = {k: v for k, v in (("mem_fraction", mem_fraction), ("cuda_graphs", cuda_graphs or None))
@@ -77,13 +76,7 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
         except ImportError as exc:
             raise UsageError("plotting backend missing: pip install matplotlib (or pass --no-plots)") from exc
     result = run_sweep(spec, prompts, blist, repeats, progress=progress_line)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(out_dir / "sweep.json", (json.dumps(result, indent=2) + "\n").encode())
-        plots = [] if no_plots else plot_sweep(result, out_dir)
-        late = None
-    except OSError as exc:  # the table and the JSON still print; the error follows them
-        plots, late = [], late_write_error(out_dir, exc, "the sweep results")
+    plots, late = _write_sweep(result, out_dir, no_plots)
     at = f" · T={sampling.temperature:g} top-k {sampling.top_k} top-p {sampling.top_p:g}" if sampling else ""
     table = Table(title=f"refcheck sweep · {result['model']} · {dtype} · {device} · {drafter} drafter · {repeats} repeat(s)"
                   + at)
@@ -104,6 +97,34 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
     if late is not None:
         raise late
     sys.exit(EXIT_PASS if all(r["lossless"] for r in result["budgets"]) else EXIT_MISMATCH)
+
+#: the plots ``sweep`` writes beside sweep.json (refcheck/sweep.py: plot_sweep)
+PLOTS = ("sweep_tau_speed.png", "sweep_acceptance_histogram.png")
+
+
+def _out_files(engine: str, no_plots: bool, budgets: list, algorithms: tuple[str, ...], from_traces: bool) -> list[str]:
+    """The files a sweep writes in --out: each must be a regular file or absent before it starts."""
+    if engine != "sglang":
+        return ["sweep.json", *(() if no_plots else PLOTS)]
+    from refcheck.sweep_sglang import DEFAULT_ALGORITHMS
+
+    traces = [] if from_traces else [f"traces/{a}-b{b}.arrow" for a in (algorithms or DEFAULT_ALGORITHMS) for b in budgets]
+    return ["sweep-sglang.json", *traces]
+
+
+def _write_sweep(result: dict, out_dir: Path, no_plots: bool) -> tuple[list[Path], Exception | None]:
+    """sweep.json and the plots in ``out_dir``: (the plots written, the error to raise after the report or None)."""
+    from refcheck.atomic_file import atomic_write_bytes
+    from refcheck.outputs import late_write_error
+    from refcheck.sweep import plot_sweep
+
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(out_dir / "sweep.json", (json.dumps(result, indent=2) + "\n").encode())
+        return ([] if no_plots else plot_sweep(result, out_dir)), None
+    except OSError as exc:  # the table and the JSON still print; the error follows them
+        return [], late_write_error(out_dir, exc, "the sweep results")
+
 
 def _sweep_sglang(blist, repeats, out_dir, algorithms, ref_device, model_dir, draft_dir, pair, prompts_file,
                   max_new_tokens, dtype, stop_ids, as_json, from_traces=(), sampling=None, runner_options=None) -> None:

@@ -3,9 +3,12 @@ provenance, runs replay and/or free-run, and merges the reports.
 
 Contract: :func:`reference_spec_for` derives the reference's :class:`EngineSpec` from a trace's
 provenance (model, drafter kind, budget, token limits; the reference's own dtype/device are the
-caller's choice, fp32 CPU by default). :class:`DiffSession` keeps loaded reference runners, the
-target's greedy continuations and the reference's own runs, so a gate over many cases loads each
-model once and does work the cases share once (same results as computing it per case).
+caller's choice, fp32 CPU by default); a trace whose token limit its target's context cannot hold
+(a prompt plus ``max_new_tokens`` beyond it: no run of that model recorded it) is a
+:class:`~refcheck.errors.CorruptTraceError` naming the file (:func:`check_token_limit`).
+:class:`DiffSession` keeps loaded reference runners, the target's greedy continuations and the
+reference's own runs, so a gate over many cases loads each model once and does work the cases share
+once (same results as computing it per case).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from refcheck.diff.freerun import free_run
 from refcheck.diff.replay import replay
 from refcheck.diff.sampling import SampledRequest, cdf_tolerance
 from refcheck.diff.tolerance import Calibration, calibration_for, engine_numerics
-from refcheck.errors import UsageError
+from refcheck.errors import CorruptTraceError, UsageError
 from refcheck.models import BUILTIN_PAIRS
 from refcheck.profile import count, phase, watch_forwards
 from refcheck.reference_runner import ReferenceRunner
@@ -53,6 +56,17 @@ def reference_spec_for(trace: Trace, dtype: str = "float32", device: str = "cpu"
         spec.model_dir = Path(model)
         spec.draft_dir = prov.draft_dir
     return spec
+
+
+def check_token_limit(trace: Trace, context: int, source: str) -> None:
+    """Every request's prompt plus the trace's ``max_new_tokens`` fits the target's ``context`` (positions);
+    else a :class:`CorruptTraceError` naming ``source`` and the longest prompt."""
+    limit = trace.prov.max_new_tokens
+    longest = max(trace.requests, key=lambda r: len(r.prompt_ids), default=None)
+    if longest is not None and len(longest.prompt_ids) + limit > context:
+        raise CorruptTraceError(f"{source}: provenance max_new_tokens {limit}: request {longest.request_id!r} has a "
+                                f"prompt of {len(longest.prompt_ids)} tokens, and prompt + new tokens exceed the "
+                                f"target's context of {context} positions (no run of this model could record it)")
 
 
 class DiffSession:
@@ -142,6 +156,7 @@ class DiffSession:
         spec = reference_spec_for(trace, ref_dtype, ref_device)
         runner = self.runner(spec)
         check_token_ids(trace, runner.target.vocab_size, case)  # an id beyond the target's vocabulary: a corrupt trace
+        check_token_limit(trace, runner.target.max_positions, trace.source or case)
         eng_dtype, eng_device = engine_numerics(trace.provenance)
         cal = calibration or calibration_for(eng_dtype, eng_device)
         tol = cal.tolerance

@@ -2,7 +2,7 @@
 
 Contract: a prompts file is JSONL, one object per line, with exactly one of
 
-* ``"prompt_ids": [int, ...]`` — token ids, used as they are;
+* ``"prompt_ids": [int, ...]`` — token ids in [0, 2**31) (the trace's int32), used as they are;
 * ``"prompt": "text"`` — tokenized with the target directory's own tokenizer
   (:mod:`refcheck.prompts.tokenizer`, offline);
 * ``"messages": [{"role": ..., "content": ...}, ...]`` — rendered with the model's chat template
@@ -10,7 +10,8 @@ Contract: a prompts file is JSONL, one object per line, with exactly one of
 
 and optional ``"id"``, ``"kind"`` (e.g. code / arithmetic / prose) and ``"max_new_tokens"``. Blank
 lines are skipped. Anything else raises :class:`PromptsFileError` naming the line; text without a
-tokenizer raises :class:`refcheck.errors.TokenizerError`. A :class:`Prompt` always holds ids (what
+tokenizer raises :class:`refcheck.errors.TokenizerError`. Ids are names from a file: printed, they are
+escaped (:func:`refcheck.log.one_line`), whatever characters they hold. A :class:`Prompt` always holds ids (what
 runs and what the trace records). The prompt-set hash (sha256 of the canonical JSON of every
 prompt's id, ids, kind and token limit) identifies a set in trace provenance: a text prompt hashes
 like the ids it tokenizes to.
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from refcheck.errors import PromptsFileError
+from refcheck.provenance import TOKEN_ID_LIMIT
 
 BUILTIN_PROMPTS = Path(__file__).resolve().parent / "builtin.jsonl"
 #: the keys that give a prompt's content (exactly one per line)
@@ -82,6 +84,9 @@ def _prompt_ids(obj: dict, where: str, tokenizer: _LazyTokenizer) -> list[int]:
         ids = obj["prompt_ids"]
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise PromptsFileError(f"{where}: 'prompt_ids' must be a non-empty list of non-negative integers")
+        big = next((t for t in ids if t >= TOKEN_ID_LIMIT), None)
+        if big is not None:
+            raise PromptsFileError(f"{where}: 'prompt_ids' holds {big}, not a token id (token ids are below 2**31)")
         return ids
     if "prompt" in obj:
         text = obj["prompt"]

@@ -13,7 +13,9 @@ Contract:
   :class:`~refcheck.trace.schema.SchemaVersionError` for a newer major schema version;
   :class:`~refcheck.errors.CorruptTraceError` for an empty file, a bad magic, a truncated or
   corrupt Arrow file, an Arrow file that is not a refcheck trace, missing columns, nulls in
-  required values, zero requests, or bad provenance JSON. Files of an older or equal major and
+  required values, zero requests, or bad provenance JSON. The trace remembers its file
+  (``Trace.source``): its typed provenance (``Trace.prov``, read when the trace is diffed) names it
+  in a :class:`~refcheck.provenance.ProvenanceError`. Files of an older or equal major and
   any minor are accepted: they are routed through ``schema._MIGRATIONS`` (see
   :func:`refcheck.trace.schema.migrate`) before the column check; columns of a newer minor that
   this version does not know are ignored.
@@ -441,6 +443,7 @@ def trace_from_bytes(data: bytes, source: str = "<bytes>") -> Trace:
         steps=[_step_from(rec, source) for rec in _rows(steps)],
         schema_version=version_text,
         checksummed=checksummed,
+        source=source,
     )
     _validate_trace(trace, source)
     return trace

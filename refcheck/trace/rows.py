@@ -7,7 +7,8 @@ in the order declared here, and its ``Annotated`` :class:`Column` says how it is
 (:mod:`refcheck.trace.schema`), the encoder and the decoder (:mod:`refcheck.trace.io`) are derived from
 these declarations (:func:`columns`), so a new column is one annotated field here (plus, for a minor
 version bump, its default, which is what files of older versions read as). ``Trace.prov`` reads the
-provenance dict as a typed :class:`~refcheck.provenance.Provenance`. No pyarrow here.
+provenance dict as a typed :class:`~refcheck.provenance.Provenance` (a
+:class:`~refcheck.provenance.ProvenanceError` names the trace's file). No pyarrow here.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Annotated, Any
 
 import torch
 
-from refcheck.provenance import Provenance
+from refcheck.provenance import Provenance, ProvenanceError
 
 SCHEMA_VERSION = "1.4"  # 1.1 checksum keys, 1.2 sampling columns, 1.3 residual_uniform, 1.4 the drafter's side (docs/trace-format.md)
 
@@ -150,18 +151,26 @@ def defaults(row: type) -> dict[str, Any]:
 @dataclass(slots=True, eq=False)
 class Trace:
     """A whole trace. ``schema_version`` is the version the file was written with (read) or
-    :data:`SCHEMA_VERSION` (new); :func:`write_trace` always writes :data:`SCHEMA_VERSION`."""
+    :data:`SCHEMA_VERSION` (new); :func:`write_trace` always writes :data:`SCHEMA_VERSION`. ``source``: the
+    file it was read from (what errors about its content name), None for a trace made in memory."""
 
     provenance: dict[str, Any]
     requests: list[RequestRow]
     steps: list[StepRow]
     schema_version: str = SCHEMA_VERSION
     checksummed: bool = True  # False: read from a 1.0 file, which carries no checksums ("unchecked")
+    source: str | None = None
 
     @property
     def prov(self) -> Provenance:
-        """The provenance, typed and checked (:class:`refcheck.provenance.Provenance`)."""
-        return Provenance.of(self.provenance)
+        """The provenance, typed and checked (:class:`refcheck.provenance.Provenance`); a field of the wrong type
+        or out of range is a :class:`ProvenanceError` naming :attr:`source`."""
+        try:
+            return Provenance.of(self.provenance)
+        except ProvenanceError as exc:
+            if self.source is None:
+                raise
+            raise ProvenanceError(f"{self.source}: {exc}") from None
 
     def steps_of(self, request_id: str) -> list[StepRow]:
         """The steps of one request, sorted by step."""

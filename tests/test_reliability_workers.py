@@ -1,0 +1,173 @@
+"""Worker processes end with the process that started them (refcheck/parallel.py: worker_pool): they stay in
+its process group, and SIGTERM or SIGINT to it, or its death by SIGKILL, leaves no worker behind, even one
+blocked in its task. Each test runs the pool in a real subprocess (its own session, killed as a group after
+the test) and watches the worker pids."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from refcheck.prompts import BUILTIN_PROMPTS
+
+ROOT = Path(__file__).resolve().parents[1]
+START_S = 120.0  # spawned workers import torch: slow on a loaded 2-core machine
+GONE_S = 8.0  # SIGTERM, then SIGKILL after refcheck.parallel.GRACE_S (3 s), then the kernel's own time
+
+SCRIPT = '''
+import os, sys, time
+from pathlib import Path
+
+
+def block(out: str, i: int) -> None:
+    """A task that never ends: its pid and process group in out/PID.json, then sleep."""
+    Path(out, f"{os.getpid()}.tmp").write_text(f'{{"pgid": {os.getpgid(0)}}}')
+    os.replace(Path(out, f"{os.getpid()}.tmp"), Path(out, f"{os.getpid()}.json"))
+    while True:
+        time.sleep(1)
+
+
+def idle(out: str, i: int) -> None:
+    while True:
+        time.sleep(1)
+
+
+if __name__ == "__main__":
+    from refcheck import parallel
+
+    out, kind = sys.argv[1], sys.argv[2]
+    if kind == "run_parallel":
+        parallel.run_parallel(block, [(out, i) for i in range(2)], 2)
+    else:  # run_queue: this process runs one job inline, two workers the others
+        parallel.run_queue(block, [(out, i) for i in range(3)], 3, inline=idle)
+'''
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped by its new parent, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def _start(tmp_path: Path, kind: str) -> tuple[subprocess.Popen, dict[int, int]]:
+    """The pool script running ``kind`` in its own session, and its workers' pid -> process group."""
+    script = tmp_path / "pool_script.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "pids"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, str(script), str(out), kind], cwd=ROOT, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)},  # this checkout's refcheck
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _wait_for(lambda: len(list(out.glob("*.json"))) == 2 or proc.poll() is not None, START_S, "two workers")
+    assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+    return proc, {int(p.stem): json.loads(p.read_text())["pgid"] for p in out.glob("*.json")}
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """Clean up whatever the test left: the session's process group (the script and any worker)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["run_parallel", "run_queue"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_parent_ends_every_worker(tmp_path: Path, kind: str, sig: signal.Signals) -> None:
+    proc, workers = _start(tmp_path, kind)
+    try:
+        assert set(workers.values()) == {os.getpgid(proc.pid)}, "the workers are in the parent's process group"
+        proc.send_signal(sig)
+        proc.wait(timeout=GONE_S + 10)
+        if sig == signal.SIGTERM:
+            assert proc.returncode == -signal.SIGTERM  # killed by the signal: a shell reports exit 143
+        else:
+            assert proc.returncode in (-signal.SIGINT, 1), proc.returncode  # KeyboardInterrupt
+        _wait_for(lambda: not any(_alive(pid) for pid in workers), GONE_S, f"workers {sorted(workers)} to end")
+    finally:
+        _end_group(proc)
+
+
+@pytest.mark.slow
+def test_workers_leave_when_the_parent_is_killed(tmp_path: Path) -> None:
+    """SIGKILL leaves the parent no chance to end its workers: they notice it is gone and leave."""
+    proc, workers = _start(tmp_path, "run_parallel")
+    try:
+        proc.kill()
+        proc.wait(timeout=10)
+        _wait_for(lambda: not any(_alive(pid) for pid in workers), GONE_S, f"workers {sorted(workers)} to end")
+    finally:
+        _end_group(proc)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return []
+    return [int(c) for t in tasks for c in (t / "children").read_text().split()]
+
+
+def _spawned_workers(pid: int) -> list[int]:
+    """The children of ``pid`` that are multiprocessing's spawned workers (not its resource tracker)."""
+    out = []
+    for child in _children(pid):
+        try:
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"spawn_main" in cmd:
+            out.append(child)
+    return out
+
+
+def _two_long_prompts(tmp_path: Path) -> list[str]:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(BUILTIN_PROMPTS.read_text().splitlines(keepends=True)[:2]))
+    return ["--engine", "reference", "--drafter", "scripted", "--prompts", str(prompts), "--max-new-tokens", "1500",
+            "--workers", "2"]
+
+
+def _sharded_replay(_tmp_path: Path) -> list[str]:
+    return ["--against", str(ROOT / "golden" / "hybrid-b64.arrow"), "--ref-shards", "2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [_two_long_prompts, _sharded_replay], ids=["workers", "ref-shards"])
+def test_sigterm_to_a_diff_with_two_processes_leaves_none(tmp_path: Path, args) -> None:
+    """The real command, ``refcheck diff --workers 2`` (data-parallel: refcheck/parallel.py) or ``--ref-shards 2``
+    (the reference split by layers: torch's spawned ranks, which torch ends when their parent dies), SIGTERM as
+    soon as both processes run: it exits by the signal and neither process stays."""
+    cmd = [sys.executable, "-m", "refcheck", "diff", "--mode", "replay", *args(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(lambda: len(_spawned_workers(proc.pid)) == 2 or proc.poll() is not None, START_S, "two workers")
+        workers = _spawned_workers(proc.pid)
+        assert proc.poll() is None and len(workers) == 2
+        assert {os.getpgid(w) for w in workers} == {os.getpgid(proc.pid)}
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=GONE_S + 10)
+        assert proc.returncode == -signal.SIGTERM
+        _wait_for(lambda: not any(_alive(pid) for pid in workers), GONE_S, f"workers {workers} to end")
+    finally:
+        _end_group(proc)
