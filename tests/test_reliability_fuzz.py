@@ -63,9 +63,6 @@ LIST_COLUMNS = ("tree_tokens", "tree_parents", "tree_depths", "tree_ranks", "tar
 
 def _known(column: str, value: float, leaf: int) -> str | None:
     """Why writing ``value`` at leaf ``leaf`` of ``column`` breaks the property today (None: it does not)."""
-    if column == "layer_sketch":
-        return ("exit 0: the reader (refcheck/trace/io.py _validate_step) accepts non-finite sketch tensors and the "
-                "diff reads layer_sketch only to bisect a failing node (refcheck/diff/node_checks.py bisect)")
     return None
 
 

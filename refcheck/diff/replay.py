@@ -470,6 +470,21 @@ class _Request(NodeChecks):
         self.account.add(StepAccount(self.rid, s.step, tau, tau_ref, cause))
 
     @timed("replay.verify", counter="steps_replayed")
+    def check_layer_sketch(self, s: StepRow) -> bool:
+        """Whether the step carries layer sketches to bisect with; non-finite ones (NaN compares as no deviation)
+        fail the step's logits, naming the first layer and node that holds one."""
+        sk = s.layer_sketch
+        if sk is None:
+            return False
+        bad = torch.nonzero(~torch.isfinite(sk.float()).flatten(2).all(dim=-1))  # [k, 2]: (layer, node) pairs
+        if bad.numel():
+            layer, node = (int(v) for v in bad[0])
+            self.rep.check("logits")
+            self.fail("logits", s.step, f"the engine's layer sketch holds non-finite values (NaN or Inf) at layer "
+                      f"{layer}, node {node}", node=node, layer=layer)
+            return False
+        return True
+
     def replay_step(self, s: StepRow, last: bool, prompt: list[int], output: list[int]) -> bool:
         """Re-verify one engine step and follow its commit; False when the step cannot be followed."""
         P, root = len(prompt), self.root
@@ -490,7 +505,7 @@ class _Request(NodeChecks):
         except (TreeError, RuntimeError, ValueError) as exc:
             self.fail("tree", s.step, f"malformed tree: {exc}")
             return False
-        want_layers = s.layer_sketch is not None
+        want_layers = self.check_layer_sketch(s)
         fwd = self.target.forward(self.state, tree.tokens, tree.parents, tree.depths, capture=self.capture,
                                   keep_layer_outputs=want_layers)
         logp = torch.log_softmax(fwd.logits, dim=-1)
