@@ -8,15 +8,37 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from bad_input_kit import FAST, ONE_PROMPT, Bad, golden_dir, model_copy, prompts, rewritten, trace_copy, write
+from bad_input_kit import (
+    FAST,
+    ONE_PROMPT,
+    Bad,
+    golden_dir,
+    model_copy,
+    model_run,
+    prompts,
+    rewritten,
+    trace_copy,
+    write,
+)
 
-from refcheck.errors import EXIT_CORRUPT, EXIT_GOLDEN, EXIT_USAGE
+from refcheck.errors import EXIT_CORRUPT, EXIT_GOLDEN, EXIT_MODEL, EXIT_USAGE
 from refcheck.trace import schema as trace_schema
 
 FORGED = "x\nrefcheck: error: forged"  # a name that, printed raw, would start a second error line
 
 
 # ------------------------------------------------------------------------------ builders
+def drop_tensor(which: str, name: str) -> Callable[[Path, Path], None]:
+    """A ``model_run`` mutation: tensor ``name`` removed from the target's or the draft's safetensors."""
+    def mutate(t: Path, d: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        f = (t if which == "target" else d) / "model.safetensors"
+        weights = load_file(str(f))
+        del weights[name]
+        save_file(weights, str(f), metadata={"format": "pt"})
+    return mutate
+
 def provenance_edit(fn: Callable[[dict], None]) -> Callable[[dict], dict]:
     """A ``meta_fn`` for :func:`bad_input_kit.rewritten` that edits the provenance JSON with ``fn``."""
     def meta(m: dict) -> dict:
@@ -65,6 +87,11 @@ LIVE = ["diff", "--engine", "reference", *FAST]
 
 
 CASES: list[Bad] = [
+    # ---- checkpoints: a missing tensor is refused by name, never initialised at random
+    Bad("model-target-missing-tensor", "model", model_run(drop_tensor("target", "model.layers.3.mlp.down_proj.weight")),
+        EXIT_MODEL, r"target checkpoint .* 1 missing tensor: model\.layers\.3\.mlp\.down_proj\.weight"),
+    Bad("model-draft-missing-tensor", "model", model_run(drop_tensor("draft", "fc.weight")),
+        EXIT_MODEL, r"missing tensor: fc\.weight"),
     # ---- traces: provenance out of range is a corrupt trace naming the file
     Bad("prov-stop-ids-float", "trace", lambda w: ["diff", "--against", str(rewritten(w, meta_fn=provenance_edit(
         with_stop_ids([1.5]))))], EXIT_CORRUPT, r"bad\.arrow: provenance engine\.settings\.stop_token_ids holds 1\.5"),

@@ -5,7 +5,7 @@ file changed outside the directory the command may write (nothing at all for a r
 Kinds: trace (corrupt or malformed trace files), golden (manifests, golden directories, the store),
 option (bad option values), model (checkpoints and draft/target pairs), prompt (prompts files),
 output (output paths checked before work, late write failures). ``test_corpus_size`` keeps the
-corpus at 60 entries or more and reports the counts by kind.
+corpus at 140 entries or more and reports the counts by kind.
 """
 
 from __future__ import annotations
@@ -360,5 +360,5 @@ def test_late_save_trace_failure_keeps_the_report(cli, tmp_path: Path, monkeypat
 
 def test_corpus_size() -> None:
     kinds = collections.Counter(b.kind for b in CORPUS)
-    assert len(CORPUS) >= 60 and len({b.id for b in CORPUS}) == len(CORPUS), kinds
+    assert len(CORPUS) >= 140 and len({b.id for b in CORPUS}) == len(CORPUS), kinds
     assert set(kinds) == {"trace", "golden", "option", "model", "prompt", "output"}, kinds
