@@ -6,7 +6,8 @@ a step's nodes, given the reference's log-probs ``logp`` [N, V] at the engine's 
 benign tie under the tolerance's tie margin, a flip rounding at the engine's dtype explains (the walk then
 follows the engine), or a failure; top-k log-probs over the cheap bound are held to the rounding ensemble
 (:class:`~refcheck.diff.rounding_guard.RoundingGuard`), and at an anchor step those within it too. A failing
-node of a step that carries layer sketches is bisected to its first differing layer. :meth:`fail`,
+node of a step that carries layer sketches is bisected to its first differing layer (the finding's details:
+``rel_l2`` there, ``per_layer_rel_l2`` at every layer, the ``tolerance`` they were held to). :meth:`fail`,
 :meth:`track_max` and :meth:`token_flip` are the request's shared ways of reporting (the emitted-token,
 draft and state checks use them too).
 """
@@ -173,11 +174,12 @@ class NodeChecks(RoundingGuard):
         if eng.shape != ref.shape:
             self.fail("logits", s.step, f"layer sketches have shape {tuple(eng.shape)}, reference {tuple(ref.shape)}", node=node)
             return
-        for layer in range(ref.shape[0]):
-            err = rel_l2(eng[layer, node], ref[layer, node])
+        per_layer = [rel_l2(eng[layer, node], ref[layer, node]) for layer in range(ref.shape[0])]
+        for layer, err in enumerate(per_layer):
             if err > self.tol.tensor_rel_l2:
                 kind = "linear_attention" if self.target.is_linear(layer) else "attention"
                 self.rep.add(Finding(Verdict.FAIL, "logits", self.rid, s.step, node=node, layer=layer, layer_type=kind,
                                      message=f"layer bisection: first differing layer {layer} ({kind}), rel L2 {err:.3g}",
-                                     details={"rel_l2": err}))
+                                     details={"rel_l2": err, "per_layer_rel_l2": per_layer,
+                                              "tolerance": self.tol.tensor_rel_l2}))
                 return

@@ -6,8 +6,9 @@ through transformers' ``AutoTokenizer`` with ``local_files_only`` (chat template
 bare ``tokenizer.json`` through the ``tokenizers`` library. Nothing is downloaded. A directory with
 neither raises :class:`refcheck.errors.TokenizerError` (exit 2) naming the files looked for.
 :meth:`encode` turns text into ids the way the model's tokenizer does by default (its special
-tokens, e.g. a BOS, included); :meth:`encode_chat` renders ``messages`` with the model's chat
-template (generation prompt appended) and encodes the result without adding special tokens again.
+tokens, e.g. a BOS, included) and :meth:`decode` ids back into text; :meth:`encode_chat` renders
+``messages`` with the model's chat template (generation prompt appended) and encodes the result without
+adding special tokens again.
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ class PromptTokenizer:
         if self.kind == "tokenizers":
             return list(self._backend.encode(text).ids)
         return list(self._backend(text)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        """``ids`` as text, special tokens included (a report shows what the model saw)."""
+        return str(self._backend.decode(list(ids), skip_special_tokens=False))
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         template = getattr(self._backend, "chat_template", None) if self.kind == "transformers" else None

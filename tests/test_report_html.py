@@ -1,0 +1,250 @@
+"""``refcheck report``: the HTML page of a diffed trace reads back what the Report says, and links only to itself.
+
+Three goldens, each diffed once (replay: the page does not depend on the mode): a passing one, a failing
+SGLang one (layer sketches: the failing nodes carry per-layer numbers) and a sampled one. The page is parsed
+with the standard library's HTML parser. The command itself runs in-process with the diff stubbed by the
+fixture's report (its exit code and file), and on bad input (a flipped byte: exit 4; an output directory
+that does not exist: exit 2 before any diff). The browser test screenshots the failing page with headless
+Chromium when one is installed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from refcheck.diff.findings import Report
+from refcheck.diff.session import DiffSession
+from refcheck.report import TokenText, render_page
+from refcheck.trace.io import read_trace
+from refcheck.trace.rows import Trace
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("report_html")]
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDENS = {"pass": "attention-b15.arrow", "fail": "sglang-hybrid-ddtree-b15-leaky-chain.arrow",
+           "sampled": "hybrid-b15-t1.arrow"}
+VOID = {"meta", "br", "hr", "img", "input", "link", "source", "wbr", "col", "area", "base", "embed"}
+
+
+@dataclass
+class Element:
+    tag: str
+    attrs: dict[str, str]
+    ancestors: list[Element]
+    text: str = ""
+
+    @property
+    def classes(self) -> set[str]:
+        return set(self.attrs.get("class", "").split())
+
+
+@dataclass
+class Page(HTMLParser):
+    elements: list[Element] = field(default_factory=list)
+    stack: list[Element] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        HTMLParser.__init__(self)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        el = Element(tag, {k: v or "" for k, v in attrs}, list(self.stack))
+        self.elements.append(el)
+        if tag not in VOID:
+            self.stack.append(el)
+
+    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.elements.append(Element(tag, {k: v or "" for k, v in attrs}, list(self.stack)))
+
+    def handle_endtag(self, tag: str) -> None:
+        while self.stack:
+            if self.stack.pop().tag == tag:
+                break
+
+    def handle_data(self, data: str) -> None:
+        for el in self.stack:
+            el.text += data
+
+    def ids(self) -> dict[str, Element]:
+        return {el.attrs["id"]: el for el in self.elements if "id" in el.attrs}
+
+    def within(self, ident: str) -> list[Element]:
+        return [el for el in self.elements if any(a.attrs.get("id") == ident for a in el.ancestors)]
+
+
+@dataclass
+class Rendered:
+    name: str
+    report: Report
+    trace: Trace
+    html: str
+    page: Page
+
+
+@pytest.fixture(scope="module")
+def session() -> DiffSession:
+    return DiffSession()
+
+
+@pytest.fixture(scope="module")
+def pages(session) -> Callable[[str], Rendered]:
+    """pages(name): the golden's diff and page, made once per module."""
+    done: dict[str, Rendered] = {}
+
+    def get(name: str) -> Rendered:
+        if name not in done:
+            path = ROOT / "golden" / GOLDENS[name]
+            trace = read_trace(path)
+            report = session.diff(trace, path.stem, "replay")
+            html = render_page(report, trace, TokenText.for_trace(trace.provenance))
+            page = Page()
+            page.feed(html)
+            page.close()
+            done[name] = Rendered(name, report, trace, html, page)
+        return done[name]
+
+    return get
+
+
+@pytest.fixture(params=list(GOLDENS))
+def rendered(request, pages) -> Rendered:
+    return pages(request.param)
+
+
+def test_the_summary_shows_the_reports_verdict_and_counts(rendered):
+    ids = rendered.page.ids()
+    assert ids["verdict"].text.strip() == rendered.report.verdict
+    assert rendered.report.verdict == ("fail" if rendered.name == "fail" else "pass")
+    cells = {el.attrs["data-verdict"]: el for el in rendered.page.within("counts") if "data-verdict" in el.attrs}
+    counts = rendered.report.counts
+    assert set(cells) == {"pass", "benign_tie", "triaged", "fail", "unsupported", "skipped"}
+    for verdict, el in cells.items():
+        assert el.text.split()[-1] == str(counts[verdict]), verdict
+    if rendered.report.stats.get("mean_tau_engine") is not None:
+        assert "mean τ engine" in ids["tau"].text
+    assert rendered.trace.provenance["engine"]["name"] in ids["provenance"].text
+
+
+def test_every_verify_step_has_a_strip_cell_linking_to_its_detail(rendered):
+    ids = rendered.page.ids()
+    for i, req in enumerate(rendered.trace.requests):
+        steps = sorted(s.step for s in rendered.trace.steps if s.request_id == req.request_id)
+        cells = [el for el in rendered.page.within(f"q{i}") if "cell" in el.classes]
+        assert [int(el.attrs["data-step"]) for el in cells] == steps
+        for el, step in zip(cells, steps):
+            assert el.attrs["href"] == f"#q{i}-s{step}" and f"q{i}-s{step}" in ids
+        assert f"q{i}-s{steps[0]}-n0" in ids  # the first step's tree is drawn
+
+
+def test_the_failing_steps_tree_marks_the_failing_node(pages):
+    rendered = pages("fail")
+    ids = rendered.page.ids()
+    order = [r.request_id for r in rendered.trace.requests]
+    nodes = [(rid, f) for rid, f in rendered.report.first_divergence().items() if f.node is not None]
+    assert nodes
+    for rid, f in nodes:
+        el = ids[f"q{order.index(rid)}-s{f.step}-n{f.node}"]
+        assert "fail" in el.classes and "node" in el.classes
+        assert any(a.tag == "svg" for a in el.ancestors)
+        assert f"node {f.node}" in el.text and "fail logits" in el.text  # the <title> tooltip
+    charts = [el for el in rendered.page.elements if el.tag == "svg" and "bars" in el.classes]
+    assert charts, "a layer-bisection finding draws its per-layer chart"
+    assert any("first failing: layer" in el.text for el in charts)
+
+
+def test_every_anchor_resolves_and_nothing_comes_from_the_network(rendered):
+    ids = rendered.page.ids()
+    summary_links = [el.attrs["href"] for el in rendered.page.within("summary") if "href" in el.attrs]
+    assert summary_links and all(h.startswith("#") and h[1:] in ids for h in summary_links), summary_links
+    if rendered.name == "fail":
+        assert sum(1 for el in rendered.page.within("summary") if "first" in el.classes) == len(rendered.trace.requests)
+    for el in rendered.page.elements:
+        for attr in ("href", "src", "xlink:href", "action", "data"):
+            value = el.attrs.get(attr)
+            if value is not None and attr in ("href", "xlink:href"):
+                assert value.startswith("#") and value[1:] in ids, value
+            assert value is None or not value.lower().startswith(("http:", "https:", "//")), value
+    assert "http://" not in rendered.html and "https://" not in rendered.html
+    assert not any(el.tag in ("link", "img", "iframe") for el in rendered.page.elements)
+
+
+def test_a_page_of_many_findings_caps_its_trees_and_its_list(pages, monkeypatch):
+    rendered = pages("pass")
+    from refcheck.diff.findings import Finding, Verdict
+    from refcheck.report import page as page_module
+    from refcheck.report.findings_list import FINDINGS_CAP
+
+    monkeypatch.setattr(page_module, "TREE_CAP", 3)
+    steps = rendered.trace.steps
+    made_up = [Finding(Verdict.FAIL, "logits", steps[k % len(steps)].request_id, steps[k % len(steps)].step, node=1,
+                       message=f"made up {k}", details={"max_abs": 0.5}) for k in range(FINDINGS_CAP + 123)]
+    report = Report(case="many", mode="replay", findings=made_up)
+    report.check("logits", len(made_up))
+    page = Page()
+    page.feed(render_page(report, rendered.trace))
+    ids = page.ids()
+    assert sum(1 for el in page.elements if el.tag == "svg" and "treesvg" in el.classes) == 3
+    assert sum(1 for el in page.elements if el.tag == "tr" and el.attrs.get("id", "").startswith("f")) == FINDINGS_CAP
+    assert "123 more not listed" in ids["findings-more"].text
+    assert all(f"q{i}-s{s.step}" in ids for i, r in enumerate(rendered.trace.requests)
+               for s in steps if s.request_id == r.request_id)
+    assert any("tree not drawn" in el.text for el in page.elements if "brief" in el.classes)
+
+
+def test_the_command_writes_the_page_and_exits_with_the_verdict(rendered, cli, tmp_path, monkeypatch):
+    monkeypatch.setattr(DiffSession, "diff", lambda *a, **k: rendered.report)
+    out = tmp_path / "r.html"
+    code, _, err = cli("report", str(ROOT / "golden" / GOLDENS[rendered.name]), "-o", str(out))
+    assert code == rendered.report.exit_code == (1 if rendered.name == "fail" else 0), err
+    assert 'id="verdict"' in out.read_text()
+
+
+def test_a_flipped_byte_is_exit_4_with_one_error_line(cli, tmp_path):
+    bad = tmp_path / "flipped.arrow"
+    data = bytearray((ROOT / "golden" / GOLDENS["pass"]).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    code, out, err = cli("report", str(bad), "-o", str(tmp_path / "x.html"))
+    assert code == 4
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("refcheck: error:"), err
+    assert not (tmp_path / "x.html").exists()
+
+
+def test_an_output_in_a_missing_directory_is_exit_2_before_any_diff(cli, tmp_path, monkeypatch):
+    def no_work(*args, **kwargs):
+        raise AssertionError("the diff ran")
+
+    monkeypatch.setattr(DiffSession, "diff", no_work)
+    monkeypatch.setattr("refcheck.trace.io.read_trace", no_work)
+    code, _, err = cli("report", str(ROOT / "golden" / GOLDENS["pass"]), "-o", str(tmp_path / "missing" / "x.html"))
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "does not exist" in lines[0], err
+
+
+def chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def screenshot(html: Path, png: Path) -> None:
+    """A headless Chromium screenshot of the page at ``html``, 1400 x 2000."""
+    browser = chromium()
+    assert browser is not None
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={png}",
+                    "--window-size=1400,2000", f"file://{html}"], check=True, capture_output=True, timeout=120)
+
+
+@pytest.mark.skipif(chromium() is None, reason="no chromium or chromium-browser on PATH")
+def test_a_browser_renders_the_failing_page(pages, tmp_path):
+    html = tmp_path / "fail.html"
+    html.write_text(pages("fail").html)
+    png = tmp_path / "fail.png"
+    screenshot(html, png)
+    assert png.is_file() and png.stat().st_size > 10_000
