@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 from refcheck.cli.app import err
-from refcheck.cli.diff import _explain_hint, golden_note
+from refcheck.cli.diff import explain_hint, golden_note
 from refcheck.cli.notes import WHY_NOT_COMPARED, count_notes, explain_target, headline, where
 from refcheck.cli.reports import report_table
 from refcheck.diff.findings import Finding, Report, Verdict
@@ -45,7 +45,7 @@ def test_table_shows_the_node_the_explain_hint_names():
     assert headline(r) is early and explain_target(r) is early
     table = printed(report_table, [r], "t")
     assert "prose-2 step 20 node 9 · logits" in table and "+1 more request failing" in table
-    hint = printed(_explain_hint, r, "T.arrow")
+    hint = printed(explain_hint, r, "T.arrow")
     assert "--request prose-2 --step 20 --node 9" in hint and "is not a node-level" not in hint
 
 
@@ -54,7 +54,7 @@ def test_hint_says_when_the_table_shows_another_kind_of_finding():
     node = Finding(Verdict.FAIL, "logits", "b", 4, node=2, message="off")
     r = report(kv, node)
     assert headline(r) is kv and explain_target(r) is node
-    hint = printed(_explain_hint, r, "T.arrow")
+    hint = printed(explain_hint, r, "T.arrow")
     assert "--request b --step 4 --node 2" in hint and "the table's a step 1 · kv is not a node-level logits finding" in hint
 
 

@@ -177,7 +177,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
         golden_note(path, applied)
     files = list(against) if against else ([save_trace] * len(reports) if save_trace else [])
     for report, path in zip(reports, files):
-        _explain_hint(report, path)
+        explain_hint(report, path)
     if engine and save_trace:  # after the report: a late write failure cannot lose it
         try:
             write_trace(traces[0], save_trace)
@@ -263,7 +263,7 @@ def report_json_and_raise(reports, as_json: bool, error: Exception) -> None:
     raise error
 
 
-def _explain_hint(report, path) -> None:
+def explain_hint(report, path) -> None:
     """The command that explains the node the table shows (:func:`refcheck.cli.notes.explain_target`:
     the headline finding when it is a node-level logits finding, else the earliest one that is); with
     ``--layer`` when layer bisection placed it (the trace carries layer sketches)."""
