@@ -287,11 +287,16 @@ def remove_case(golden_dir: Path, case: str, reason: str) -> Manifest:
 
 
 # -- verification and the gate ------------------------------------------------------------------------
-def verify(golden_dir: Path) -> Manifest:
-    """Hash check of every golden: GoldenError for missing files, CorruptTraceError for mismatches.
-    A golden change interrupted after its commit point is completed first (``store.recover``)."""
+def verify(golden_dir: Path, case: str | None = None) -> Manifest:
+    """Hash check of every golden (or of ``case`` alone, as a manifest of that one entry): GoldenError for missing
+    files, CorruptTraceError for mismatches. A golden change interrupted after its commit point is completed first
+    (``store.recover``)."""
     with store.reading(Path(golden_dir)):
         manifest = load_manifest(Path(golden_dir))
+        if case is not None:
+            if case not in manifest.cases:
+                raise GoldenError(f"no golden trace for case(s) {[case]} in {golden_dir}")
+            manifest = Manifest(cases={case: manifest.cases[case]})
         problems = manifest.verify(Path(golden_dir))
     if not manifest.cases:
         raise GoldenError(f"{golden_dir}: the manifest lists no golden traces (run: refcheck golden regen --accept)")

@@ -155,23 +155,10 @@ class GateCaseFailure(Exception):
 
 
 def _verified_entry(golden_dir: Path, case: str) -> Any:
-    """``case``'s manifest entry after the gate's hash check of its trace alone (``refcheck.golden.verify``'s
-    errors and wording, restricted to this case)."""
-    from refcheck.errors import CorruptTraceError, GoldenError
-    from refcheck.trace import store
-    from refcheck.trace.manifest import Manifest, load_manifest
+    """``case``'s manifest entry after the gate's hash check of its trace alone (``refcheck.golden.verify``)."""
+    from refcheck.golden import verify
 
-    with store.reading(golden_dir):
-        entry = load_manifest(golden_dir).cases.get(case)
-        if entry is None:
-            raise GoldenError(f"no golden trace for case(s) {[case]} in {golden_dir}")
-        problems = Manifest(cases={case: entry}).verify(golden_dir)
-    missing = [p for p in problems if p.endswith(" is missing")]
-    if missing:
-        raise GoldenError("missing golden trace(s): " + "; ".join(missing))
-    if problems:
-        raise CorruptTraceError("golden trace(s) do not match MANIFEST.json: " + "; ".join(problems))
-    return entry
+    return verify(golden_dir, case).cases[case]
 
 
 class GoldenCaseItem(pytest.Item):

@@ -469,7 +469,6 @@ class _Request(NodeChecks):
                           details={"tau_engine": tau, "tau_reference": tau_ref, "trees_differ": trees_differ})
         self.account.add(StepAccount(self.rid, s.step, tau, tau_ref, cause))
 
-    @timed("replay.verify", counter="steps_replayed")
     def check_layer_sketch(self, s: StepRow) -> bool:
         """Whether the step carries layer sketches to bisect with; non-finite ones (NaN compares as no deviation)
         fail the step's logits, naming the first layer and node that holds one."""
@@ -485,6 +484,7 @@ class _Request(NodeChecks):
             return False
         return True
 
+    @timed("replay.verify", counter="steps_replayed")
     def replay_step(self, s: StepRow, last: bool, prompt: list[int], output: list[int]) -> bool:
         """Re-verify one engine step and follow its commit; False when the step cannot be followed."""
         P, root = len(prompt), self.root
