@@ -6,8 +6,8 @@ Contract
 Data
 ----
 One CSV per public source lives in ``refcheck/baselines/data/`` (see ``README.md`` next to this
-file for columns and provenance). Every figure is transcribed from ``/work/shared/baselines.md``;
-none is invented. The CSV *stem* is the baseline ``name``:
+file for columns and provenance). Every figure is transcribed from the public source that README names
+(the DDTree paper's tables and figures, z-lab/dflash's README); none is invented. The CSV *stem* is the baseline ``name``:
 
 * ``ddtree_table1``       DDTree paper Table 1 (DFlash chain vs DDTree best budget, 10 datasets,
                           3 targets, T=0 and T=1).
