@@ -237,7 +237,7 @@ def screenshot(html: Path, png: Path) -> None:
     """A headless Chromium screenshot of the page at ``html``, 1400 x 2000."""
     browser = chromium()
     assert browser is not None
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={png}",
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", f"--screenshot={png}",
                     "--window-size=1400,2000", f"file://{html}"], check=True, capture_output=True, timeout=120)
 
 
@@ -248,3 +248,20 @@ def test_a_browser_renders_the_failing_page(pages, tmp_path):
     png = tmp_path / "fail.png"
     screenshot(html, png)
     assert png.is_file() and png.stat().st_size > 10_000
+    # the DOM the browser built (scripts run): the failing nodes are drawn marked, the summary's links land
+    browser = chromium()
+    assert browser is not None
+    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                          "--dump-dom", f"file://{html}"], check=True, capture_output=True, text=True, timeout=120).stdout
+    rendered = pages("fail")
+    seen = Page()
+    seen.feed(dom)
+    seen.close()
+    ids = seen.ids()
+    order = [r.request_id for r in rendered.trace.requests]
+    for rid, f in rendered.report.first_divergence().items():
+        if f.node is not None:
+            el = ids[f"q{order.index(rid)}-s{f.step}-n{f.node}"]
+            assert "fail" in el.classes and any(a.tag == "svg" for a in el.ancestors)
+    links = [el.attrs["href"] for el in seen.within("summary") if "href" in el.attrs]
+    assert links and all(h[1:] in ids for h in links)
