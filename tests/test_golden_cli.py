@@ -175,6 +175,30 @@ def test_diff_budget_15_against_goldens(cli, monkeypatch, golden_session):
     assert cases == {"hybrid-b15", "hybrid-b15-scripted", "hybrid-b15-t1", "sglang-hybrid-dflash-b15",
                      "sglang-hybrid-dflash-tp2", "sglang-hybrid-ddtree-b15", "sglang-hybrid-ddtree-b15-t1"}
     # SGLang's real steps too, at tensor parallelism 2 as well, and the reference and SGLang sampled at temperature 1
+    lines = err.strip().splitlines()  # quiet by default: one line per case and a summary
+    assert len(lines) == len(cases) + 1, err
+    assert all(any(ln.startswith(f"{c}: pass · ") for ln in lines) for c in cases)
+    assert lines[-1].startswith("refcheck diff · budget 15 · mode both: 7 case(s): 7 pass")
+
+
+def test_the_quiet_report_and_the_verbose_table_say_the_same(capsys):
+    """One line per case (verdict, counts, τ, the first failure) and a summary; --verbose: the table and notes."""
+    from refcheck.cli.reports import report_table
+    from refcheck.diff.findings import Finding, Report, Verdict
+
+    ok = Report(case="ok", mode="replay")
+    ok.check("logits", 10)
+    ok.stats.update(mean_tau_engine=3.0, mean_tau_reference=3.25)
+    bad = Report(case="bad", mode="replay", findings=[Finding(Verdict.FAIL, "kv", "r1", 2, node=3, message="leak\nhere")])
+    bad.check("kv", 4)
+    report_table([ok, bad], "t", verbose=False)
+    quiet = capsys.readouterr().err.strip().splitlines()
+    assert quiet == ["ok: pass · 10 checks: 10 pass, 0 benign, 0 triaged, 0 fail, 0 unsupported · τ 3.000 vs 3.250",
+                     "bad: fail · 4 checks: 3 pass, 0 benign, 0 triaged, 1 fail, 0 unsupported · first: r1 step 2 node 3 · kv: "
+                     "leak\\nhere",
+                     "t: 2 case(s): 1 pass, 1 fail (--verbose: the table and what every count holds)"]
+    report_table([ok, bad], "t", verbose=True)
+    assert "┃ case" in capsys.readouterr().err
 
 
 def test_diff_live_fault_engine_fails(cli, monkeypatch, tmp_path):

@@ -8,6 +8,7 @@ a recorded trace or a golden names its own models and settings, so the live run'
 
 from __future__ import annotations
 
+import logging
 import shlex
 from pathlib import Path
 
@@ -121,13 +122,15 @@ def _engine_and_options(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype
               help="With --engine sglang: sketch every target layer's output (forward hooks) so a failing node gets "
                    "layer bisection; slower.")
 @click.option("--steps", is_flag=True, help="Also print one row per verify step: tree size, τ, verdict, first finding.")
+@click.option("-v", "--verbose", is_flag=True,
+              help="The report as a table, with what every count holds (default: one line per case and a summary).")
 @click.option("--ref-shards", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --against and --mode replay: split the reference by layers over N processes (N GPUs with "
                    "--ref-device cuda, NCCL; gloo on CPUs).")
 @model_options
 @sampling_options
 def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, workers, full_state, sglang_algorithm,
-         cuda_graphs, ngram_breadth, tp, max_running, mem_fraction, serving, layer_sketches, steps, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
+         cuda_graphs, ngram_breadth, tp, max_running, mem_fraction, serving, layer_sketches, steps, verbose, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
          drafter, stop_ids, as_json, temperature, top_k, top_p, sample_seed):
     """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
 
@@ -169,12 +172,13 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
         _diff_goldens(golden_dir, budget, model, session, mode, ref_dtype, ref_device, reports, traces, golden_notes)
     # the budgets diffed: the traces' own (an --against trace of budget 64 is not "budget 15")
     shown = sorted({budget_label(t.prov.budget) for t in traces}) or [budget_label(budget)]
-    report_table(reports, f"refcheck diff · budget {', '.join(shown)} · mode {mode}")
+    report_table(reports, f"refcheck diff · budget {', '.join(shown)} · mode {mode}", verbose=verbose or steps)
     if steps:
         for report, trace in zip(reports, traces):
             steps_table(report, trace)
-    for path, applied in golden_notes:
-        golden_note(path, applied)
+    for path, applied in golden_notes:  # a golden diffed alone: the gate's rules for it, which this diff does not apply
+        if verbose or steps or not applied:
+            golden_note(path, applied)
     files = list(against) if against else ([save_trace] * len(reports) if save_trace else [])
     for report, path in zip(reports, files):
         explain_hint(report, path)
@@ -238,7 +242,7 @@ def _diff_goldens(golden_dir, budget, model, session, mode, ref_dtype, ref_devic
                           "(create them: refcheck golden regen --accept --reason ...)")
     for name in names:
         trace = read_trace(gdir / manifest.cases[name].file)
-        err.print(f"diffing golden {name} against the live reference", markup=False)
+        logging.getLogger("refcheck.cli.diff").debug("diffing golden %s against the live reference", name)
         # the gate's own judgement of the golden (its manifest entry's rules included): diff and gate agree
         reports.append(check_trace(name, trace, manifest.cases[name].provenance, session, mode, ref_dtype, ref_device))
         golden_notes.append((gdir / manifest.cases[name].file, True))

@@ -24,8 +24,10 @@ from refcheck.errors import EXIT_GOLDEN, EXIT_PASS
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None, envvar="REFCHECK_GATE_CACHE",
               help="Keep each case's report there, keyed by the golden's bytes, its settings, refcheck's and the "
                    "reference's code and the library versions; a case whose key is stored is not diffed again.")
+@click.option("-v", "--verbose", is_flag=True,
+              help="The report as a table, with what every count holds (default: one line per case and a summary).")
 @click.option("--json", "as_json", is_flag=True)
-def gate(golden_dir, cases, workers, profile, cache_dir, as_json):
+def gate(golden_dir, cases, workers, profile, cache_dir, verbose, as_json):
     """CI gate: verify, then diff every golden case against the live reference (strict about skips)."""
     import time
 
@@ -42,7 +44,7 @@ def gate(golden_dir, cases, workers, profile, cache_dir, as_json):
     with progress_bar(err, len(cases) or len(manifest.cases), "gate") as progress:
         reports = run_gate(gdir, DiffSession(), list(cases) or None, progress=progress, workers=workers,
                            profiles=profiles, cache_dir=cache_dir, manifest=manifest)
-    report_table(reports, "refcheck gate")
+    report_table(reports, "refcheck gate", verbose=verbose)
     wall = time.perf_counter() - t0
     extra: dict = {"wall_s": wall, "cpu_s_this_process": time.process_time() - c0}
     if profiles is not None:

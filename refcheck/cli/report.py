@@ -1,7 +1,7 @@
 """``refcheck report``: one recorded trace diffed against the reference, as a self-contained HTML page.
 
 Contract: ``refcheck report TRACE [-o FILE]`` diffs TRACE as ``refcheck diff --against TRACE`` does
-(same modes and reference numerics), prints the same verdict table on stderr, and writes the page of
+(same modes and reference numerics), prints its one-line verdict on stderr, and writes the page of
 :mod:`refcheck.report` to FILE (default: ``<TRACE's stem>.report.html`` in the current directory),
 atomically. The output path is checked before the trace is read (a missing directory: exit 2); a
 corrupt trace is exit 4; a page that cannot be written after the diff is exit 2 after the table. The
@@ -40,7 +40,7 @@ def report(trace_path: Path, output: Path | None, mode: str, ref_dtype: str, ref
     trace = read_trace(trace_path)
     err.print(f"diffing {trace_path}", markup=False)
     result = DiffSession().diff(trace, Path(trace_path).stem, mode, ref_dtype=ref_dtype, ref_device=ref_device)
-    report_table([result], f"refcheck report · mode {mode}")
+    report_table([result], f"refcheck report · mode {mode}", verbose=False)  # the page holds the rest
     page = render_page(result, trace, TokenText.for_trace(trace.provenance))
     try:
         atomic_write_bytes(output, page.encode("utf-8"))

@@ -1,8 +1,9 @@
 """The verdict output shared by the diffing commands: report tables, per-step tables, exit codes.
 
-Contract: :func:`report_table` prints one row per report, then the column legend, the manifest
-rules that changed a verdict, a line per group of non-pass findings saying why and where
-(:mod:`refcheck.cli.notes`), the replayed steps and τ; :func:`steps_table` one row per verify
+Contract: :func:`report_table` prints, by default, one line per report (its verdict, counts, τ and, when it
+fails, its first failure) and a summary line (:func:`report_lines`); with ``verbose`` one row per report, then the
+column legend, the manifest rules that changed a verdict, a line per group of non-pass findings saying why and
+where (:mod:`refcheck.cli.notes`), the replayed steps and τ; :func:`steps_table` one row per verify
 step; :func:`finish` the JSON (with ``--json``) and the exit code. Human output goes to stderr. Case
 names, request ids and messages are text from files: a table cell shows them as written, escaped
 (:func:`name_cell`), and no line is read as markup.
@@ -43,7 +44,32 @@ def first_cell(r) -> str:
     return "[green]none[/]"
 
 
-def report_table(reports, title: str) -> None:
+def report_lines(reports, title: str) -> None:
+    """The quiet report: one line per report, then one summary line."""
+    for r in reports:
+        c = r.counts
+        tau = r.stats.get("mean_tau_engine")
+        ref = r.stats.get("mean_tau_reference")
+        line = (f"{r.case}: {r.verdict} · {sum(r.checks.values())} checks: {c['pass']} pass, {c['benign_tie']} benign, "
+                f"{c['triaged']} triaged, {c['fail']} fail, {c['unsupported'] + c['skipped']} unsupported")
+        if tau is not None:
+            line += f" · τ {tau:.3f}" + (f" vs {ref:.3f}" if ref is not None else "")
+        first = headline(r) if r.failures or r.expect_failure is not None else None
+        if first is not None:
+            line += f" · first: {where(first)}: {first.message}"
+        err.print(one_line(line), markup=False, soft_wrap=True)
+    verdicts: dict[str, int] = {}
+    for r in reports:
+        verdicts[r.verdict] = verdicts.get(r.verdict, 0) + 1
+    counted = ", ".join(f"{n} {v}" for v, n in verdicts.items()) or "nothing diffed"
+    err.print(f"{title}: {len(reports)} case(s): {counted} (--verbose: the table and what every count holds)",
+              markup=False, soft_wrap=True)
+
+
+def report_table(reports, title: str, verbose: bool = True) -> None:
+    if not verbose:
+        report_lines(reports, title)
+        return
     table = Table(title=title)
     for col in ("case", "mode", "checks", "pass", "benign", "triaged", "fail", "unsupp.", "first divergence"):
         table.add_column(col)
