@@ -3,13 +3,13 @@
 ``--refcheck-gate DIR`` on a two-case golden directory (one expected pass, one expected failure),
 intact, with a corrupt trace, a missing trace and an expectation the trace does not meet.
 
-The plugin is loaded into the inner sessions with ``-p refcheck.pytest_plugin`` unless this
-environment's refcheck install already registers the ``pytest11`` entry point. It is imported here
-so that its DiffSession (the loaded models) outlives each inner session."""
+The inner sessions load exactly the plugins they use (``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1``, then ``-p
+refcheck.pytest_plugin`` and ``-p xdist.plugin``), whether or not this environment's refcheck install
+registers the ``pytest11`` entry point. The plugin is imported here so that its DiffSession (the loaded
+models) outlives each inner session."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import re
 import shutil
 from pathlib import Path
@@ -28,13 +28,11 @@ LEAKY = REPO_GOLDEN / "sglang-hybrid-ddtree-b15-leaky-chain.arrow"
 EXPECT_PASS, EXPECT_FAIL = "attention-b15", "zlab-hybrid-chain"
 
 
-def _plugin_args() -> list[str]:
-    active = any(ep.value == "refcheck.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
-    return ["-p", "no:cacheprovider"] + ([] if active else ["-p", "refcheck.pytest_plugin"])
-
-
 def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest_inprocess(*_plugin_args(), *args)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+        return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "refcheck.pytest_plugin",
+                                            "-p", "xdist.plugin", *args)
 
 
 def _gate_dir(pytester: pytest.Pytester) -> Path:
