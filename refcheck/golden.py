@@ -309,7 +309,7 @@ def verify(golden_dir: Path, case: str | None = None) -> Manifest:
 
 
 def live_provenance_reasons(trace: Trace, session: DiffSession) -> list[str]:
-    """Why a stored trace no longer matches the models and prompts it names (empty = fresh)."""
+    """Why a stored trace does not match the current models and prompts it names (empty = fresh)."""
     prov = trace.prov
     case = GOLDEN_CASES.get(prov.case or "")
     if prov.is_reference and case is not None:

@@ -111,7 +111,7 @@ def merge_reports(reports: Sequence[Report], case: str, mode: str) -> Report:
 
 
 def _watch_parent(parent: int) -> None:
-    """Leave at once when ``parent`` is no longer this process's parent (it ended, whatever ended it)."""
+    """Leave at once when this process's parent is not ``parent`` (it ended, whatever ended it)."""
     while os.getppid() == parent:
         time.sleep(0.5)
     os._exit(1)

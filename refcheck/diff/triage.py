@@ -210,7 +210,7 @@ class RoundingEnsemble:
     chunks is therefore a function of its tokens alone: it is kept per (seed, run, capture) for the
     ``keep`` most recent prefixes and extended chunk by chunk at the next step of the request, which
     computes exactly what a fresh prefill would (the same forwards, in the same order, under the same
-    noise) at a cost that no longer grows with the prefix at every step.
+    noise) at a cost that does not grow with the prefix at every step.
     """
 
     keep = 2  # kept prefixes per (seed, run, capture): the request being replayed (one at a time), and one more

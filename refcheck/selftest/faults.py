@@ -115,7 +115,7 @@ class ParentState(DDTreeDecoder):
     """Commits the conv/recurrent state of the last accepted node's *parent* (one node behind).
 
     KV is right. With only the root accepted the parent is the last committed token, whose state
-    the engine already holds, so the state stays as before the step (an engine that indexes the
+    the engine already holds, so the committed state is the one the step started from (an engine that indexes the
     path with ``accept_length - 2`` and skips the write when that is negative).
     """
 
