@@ -12,8 +12,6 @@ made non-finite (NaN, +Inf, -Inf in the log-prob columns or the state sketches) 
   layer sketch on every step. (The smallest golden itself, ``zlab-hybrid-chain``, is a known-buggy engine's
   trace that already exits 1: a non-finite value could not turn it into a false pass.)
 
-:data:`KNOWN_BUGS` lists the (column, value, leaf) edits that break the property today, in code outside this
-suite's reach; each has a strict xfail reproducer below, and the fuzz leaves them out until it XPASSes.
 Examples are derandomized and few: the file runs in under a minute on 2 cores.
 """
 
@@ -39,7 +37,6 @@ from refcheck.golden import REPO_GOLDEN
 from refcheck.models import builtin_pair
 from refcheck.trace import Trace, decode_tensor, encode_tensor, read_trace, write_trace
 from refcheck.trace.schema import KEY_REQUESTS
-from reference.tree import TreeError
 
 from trace_helpers import rewrite
 
@@ -59,21 +56,6 @@ LIST_COLUMNS = ("tree_tokens", "tree_parents", "tree_depths", "tree_ranks", "tar
                 "emitted", "emitted_logprobs", "topk_ids", "topk_logprobs", "draft_topk_ids",
                 "draft_topk_logprobs", "state", "requests.prompt_ids", "requests.output_ids",
                 "requests.output_logprobs")
-
-
-def _known(column: str, value: float, leaf: int) -> str | None:
-    """Why writing ``value`` at leaf ``leaf`` of ``column`` breaks the property today (None: it does not)."""
-    return None
-
-
-def _first_known(column: str, value: float) -> tuple[int, str] | None:
-    """The first leaf (of 0 and 1) where writing ``value`` into ``column`` breaks the property, and why."""
-    return next(((leaf, why) for leaf in (0, 1) if (why := _known(column, value, leaf)) is not None), None)
-
-
-#: (column, value, leaf) -> why, for the minimal reproducers; the fuzz asks :func:`_known` directly
-KNOWN_BUGS = {(c, v, hit[0]): hit[1] for c in FLOAT_COLUMNS for v in ("nan", "inf", "-inf")
-              if (hit := _first_known(c, float(v))) is not None}
 
 
 # ------------------------------------------------------------------------------ the bases
@@ -187,8 +169,8 @@ def _resealed(base: Path, dst: Path, column: str, row: int, fn: Callable[[Any], 
     return dst
 
 
-#: (column, value) pairs the fuzz writes: every float column and non-finite value but the known bugs at every leaf
-NONFINITE_EDITS = [(c, v) for c in FLOAT_COLUMNS for v in NONFINITE if _known(c, v, 0) is None]
+#: (column, value) pairs the fuzz writes: every float column and non-finite value
+NONFINITE_EDITS = [(c, v) for c in FLOAT_COLUMNS for v in NONFINITE]
 
 
 @settings(FUZZ, max_examples=16)
@@ -202,8 +184,6 @@ NONFINITE_EDITS = [(c, v) for c in FLOAT_COLUMNS for v in NONFINITE if _known(c,
 @example(edit=("draft_topk_logprobs", math.nan), row=2, pos=1)  # no tree is rebuilt from it; the draft check fails it
 def test_nonfinite_values_never_pass(cli, tmp_path, base, edit, row, pos):
     column, value = edit
-    if _known(column, value, pos % base.outputs) is not None:
-        return  # pinned by test_known_bug below
     path = _resealed(base.path, tmp_path / "edited.arrow", column, row, _set_value(column, pos, value))
     assert _diff(cli, path) != EXIT_PASS, f"{value} in {column} (row {row}, leaf {pos}) passed the diff"
 
@@ -220,17 +200,3 @@ def test_out_of_range_token_ids_are_corrupt(cli, tmp_path, base, column, row, po
 @given(column=st.sampled_from(LIST_COLUMNS), row=st.integers(0, 1 << 16), grow=st.booleans())
 def test_wrong_list_lengths_end_cleanly(cli, tmp_path, base, column, row, grow):
     _diff(cli, _resealed(base.path, tmp_path / "edited.arrow", column, row, _resize(grow)))
-
-
-# ------------------------------------------------------------------------------ known bugs
-def _known_bug_param(column: str, value: str, leaf: int, why: str) -> Any:
-    raises = TreeError if why.startswith("traceback") else AssertionError  # AssertionError: the diff exits 0
-    return pytest.param(column, value, leaf, id=f"{column}-{value}-at-{leaf}",
-                        marks=pytest.mark.xfail(strict=True, raises=raises, reason=why))
-
-
-@pytest.mark.parametrize("column, value, leaf", [_known_bug_param(*key, why) for key, why in sorted(KNOWN_BUGS.items())])
-def test_known_bug(cli, tmp_path, base, column, value, leaf):
-    """Minimal reproducers of :data:`KNOWN_BUGS`: step 1, the first leaf of the column where that fails."""
-    path = _resealed(base.path, tmp_path / "edited.arrow", column, 1, _set_value(column, leaf, float(value)))
-    assert _diff(cli, path) != EXIT_PASS

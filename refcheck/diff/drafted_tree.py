@@ -4,7 +4,8 @@ Contract: :func:`rebuild` runs the engine's drafting rule (``ddtree`` at a budge
 token per depth, ties to the lower token id) on the engine's recorded draft top-k (``ids`` / ``logprobs``
 ``[L][k]``; the tokens outside the recorded top-k read as impossible). It returns ``None`` where the recorded
 top-k cannot decide the tree: a DDTree that pops a node of the last recorded rank (the next rank, which
-was not recorded, could have been popped after it). :func:`compare` holds two trees as sets of root paths
+was not recorded, could have been popped after it), or NaN / +inf scores, which no rule orders (the draft check
+fails them). :func:`compare` holds two trees as sets of root paths
 (token sequences), so a node order of the engine's own (SGLang's tree layout) does not matter, and returns
 ``None`` when they are the same tree, else a :class:`TreeDifference` naming the first path each has that
 the other lacks and the score margin between them under the engine's own draft log-probs: under
@@ -55,6 +56,8 @@ def rebuild(rule: str, root: int, ids: Sequence[Sequence[int]], logprobs: Sequen
     """The tree ``rule`` (``ddtree`` / ``chain``: one node per recorded depth) builds from the recorded draft; None
     when undecidable (module docstring)."""
     lp = _dense(ids, logprobs, vocab)
+    if bool((lp.isnan() | (lp == math.inf)).any()):
+        return None
     if rule == "chain":
         return build_chain(root, lp)
     if rule != "ddtree" or budget is None:
