@@ -67,12 +67,9 @@ def passes(report: Report) -> bool:
 
 def explain_command(report: Report, path: str) -> str | None:
     """The ``explain it: refcheck explain ...`` line the CLI prints after its table (None: no node to explain)."""
-    from refcheck.cli.app import err
-    from refcheck.cli.diff import explain_hint
+    from refcheck.cli.diff import explain_line
 
-    with err.capture() as captured:
-        explain_hint(report, path)
-    return captured.get().strip() or None
+    return explain_line(report, path)
 
 
 def _finding_line(report: Report) -> str | None:

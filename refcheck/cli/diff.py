@@ -267,20 +267,27 @@ def report_json_and_raise(reports, as_json: bool, error: Exception) -> None:
     raise error
 
 
-def explain_hint(report, path) -> None:
+def explain_line(report, path) -> str | None:
     """The command that explains the node the table shows (:func:`refcheck.cli.notes.explain_target`:
-    the headline finding when it is a node-level logits finding, else the earliest one that is); with
-    ``--layer`` when layer bisection placed it (the trace carries layer sketches)."""
+    the headline finding when it is a node-level logits finding, else the earliest one that is), as the line
+    ``explain it: ...``; with ``--layer`` when layer bisection placed it (the trace carries layer sketches).
+    None: no node to explain."""
     f = explain_target(report)
     if f is None:
-        return
+        return None
     shown = headline(report)
     layer = " --layer" if f.layer is not None else ""  # bisected: the trace has layer sketches to explain with
     why = "" if f is shown else f" (the table's {where(shown)} is not a node-level logits finding; this is the earliest one)"
     command = (f"refcheck explain {shlex.quote(str(path))} --request {shlex.quote(f.request_id)} --step {f.step} "
                f"--node {f.node}")
-    err.print(f"explain it: {command}{layer}{why}",
-              markup=False, soft_wrap=True)  # one line, whatever the width: a command to paste
+    return f"explain it: {command}{layer}{why}"
+
+
+def explain_hint(report, path) -> None:
+    """:func:`explain_line`, printed (one line, whatever the width: a command to paste)."""
+    line = explain_line(report, path)
+    if line is not None:
+        err.print(line, markup=False, soft_wrap=True)
 
 
 def golden_note(path: Path, applied: bool) -> None:
