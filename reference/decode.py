@@ -100,6 +100,17 @@ class DecodeResult:
         return sum(self.accept_lengths) / max(len(self.steps), 1)
 
 
+@dataclass(slots=True)
+class _Acceptance:
+    """What one step's walk decided."""
+
+    accepted: list[int]  # node indices, root first
+    source: int  # the node whose prediction is the bonus
+    bonus: int
+    draws: torch.Tensor | None = None  # [N] int64 (sampling only)
+    uniforms: torch.Tensor | None = None  # [N] float64 (sampling only)
+
+
 def _clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -113,98 +124,139 @@ class DDTreeDecoder:
 
     def generate(self, prompt_ids: list[int], request: int = 0) -> DecodeResult:
         """Decode one prompt; ``request`` keys the sampling generator (unused when greedy)."""
-        target, drafter, cfg = self.target, self.drafter, self.cfg
+        cfg = self.cfg
+        self._check_prompt(prompt_ids)
+        state, bonus, bonus_lp, first_u = self._prefill(prompt_ids, request)
+        out, out_lp = [bonus], [bonus_lp]
+        result = DecodeResult(list(prompt_ids), out, out_lp, [], state if cfg.keep_states else None, first_u, request)
+        while len(out) < cfg.max_new_tokens and bonus not in cfg.stop_token_ids:
+            record, emitted, state = self._step(state, bonus, request, len(result.steps), cfg.max_new_tokens - len(out))
+            bonus = record.bonus
+            out.extend(record.emitted)
+            out_lp.extend(record.emitted_logprobs)
+            result.steps.append(record)
+            if any(t in cfg.stop_token_ids for t in emitted):
+                break
+        return result
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise PromptError("empty prompt")
-        if len(prompt_ids) + cfg.max_new_tokens > target.max_positions:
+        if len(prompt_ids) + self.cfg.max_new_tokens > self.target.max_positions:
             raise PromptError(
-                f"prompt of {len(prompt_ids)} tokens + {cfg.max_new_tokens} new tokens exceeds the target's "
-                f"context of {target.max_positions}"
+                f"prompt of {len(prompt_ids)} tokens + {self.cfg.max_new_tokens} new tokens exceeds the target's "
+                f"context of {self.target.max_positions}"
             )
-        dev = target.device
-        capture = tuple(drafter.target_layer_ids)
+
+    def _prefill(self, prompt_ids: list[int], request: int) -> tuple[TargetState, int, float, float | None]:
+        """Prefill the target and the drafter's context; returns the state, the first token (the first
+        step's root), its log-prob and, when sampling, the uniform it was drawn with."""
+        target, drafter, dev = self.target, self.drafter, self.target.device
         prompt = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
-        state, fwd = target.prefill(prompt, capture=capture)
+        state, fwd = target.prefill(prompt, capture=tuple(drafter.target_layer_ids))
         drafter.reset()
         drafter.extend(fwd.context, torch.arange(len(prompt_ids), device=dev), prompt)
         logp = torch.log_softmax(fwd.logits[-1], dim=-1)
         first_u = None
-        if cfg.sampled:
+        if self.cfg.sampled:
             u0 = self.node_uniforms(request, -1, [len(prompt_ids)])
             bonus = int(self.draw(self.sample_probs(fwd.logits[-1:]), u0)[0])
             first_u = float(u0[0])
         else:
             bonus = int(logp.argmax())
-        out, out_lp = [bonus], [float(logp[bonus])]
-        result = DecodeResult(list(prompt_ids), out, out_lp, [], state if cfg.keep_states else None, first_u, request)
+        return state, bonus, float(logp[bonus]), first_u
 
-        while len(out) < cfg.max_new_tokens and bonus not in cfg.stop_token_ids:
-            depth = min(drafter.block_size - 1, cfg.max_new_tokens - len(out))
-            t0 = _clock(dev)
-            if cfg.budget == 0:  # root-only trees: one token per step, nothing to draft
-                draft_lp = torch.empty(0, target.vocab_size)
-            else:
-                draft_lp = drafter.propose(bonus, state.length, depth)  # [L, V] fp32
-            tree_lp = draft_lp  # what the tree is built from: the draft at the target's temperature when sampling
-            if cfg.sampled and draft_lp.numel():  # log_softmax(lp / T) = log_softmax(logits / T)
-                tree_lp = torch.log_softmax(draft_lp / cfg.sampling.temperature, dim=-1)
-            t1 = _clock(dev)
-            tree = build_chain(bonus, tree_lp) if cfg.budget is None else build_ddtree(bonus, tree_lp, cfg.budget)
-            t2 = _clock(dev)
-            fwd = self.verify(state, tree, capture)
-            logp = torch.log_softmax(fwd.logits, dim=-1)  # [N, V]
-            argmax = logp.argmax(dim=-1)
-            t3 = _clock(dev)
-            draws = uniforms = None
-            if cfg.sampled:
-                probs = self.sample_probs(fwd.logits)  # [N, V] float64
-                uniforms = self.node_uniforms(request, len(result.steps), (state.length + 1 + tree.depths).tolist())
-                draws = self.draw(probs, uniforms)  # [N] int64
-                accepted = self.sample_walk(tree, draws, uniforms, tree_lp)
-                source = self.bonus_node(accepted)
-                bonus = self.bonus_token(fwd.logits, probs, draws, uniforms, source)
-            else:
-                accepted = self.walk(tree, argmax.cpu())
-                source = self.bonus_node(accepted)
-                bonus = int(argmax[source])
-            prev_len = state.length
-            state = self.commit(state, fwd, accepted)
-            ctx = torch.tensor(self.context_nodes(tree, accepted), dtype=torch.long, device=dev)
-            drafter.extend(fwd.context[ctx], prev_len + tree.depths.to(dev)[ctx], tree.tokens.to(dev)[ctx])
-            t4 = _clock(dev)
+    def _step(self, state: TargetState, bonus: int, request: int, step: int,
+              room: int) -> tuple[StepRecord, list[int], TargetState]:
+        """One verify step below root ``bonus`` with ``room`` tokens left to emit: draft -> tree -> verify ->
+        walk -> commit. Returns its record, the tokens it emitted (before the engine reports them: they decide
+        the stop) and the committed state."""
+        cfg, dev = self.cfg, self.target.device
+        t0 = _clock(dev)
+        draft_lp, tree_lp = self._draft(bonus, state.length, min(self.drafter.block_size - 1, room))
+        t1 = _clock(dev)
+        tree = build_chain(bonus, tree_lp) if cfg.budget is None else build_ddtree(bonus, tree_lp, cfg.budget)
+        t2 = _clock(dev)
+        fwd = self.verify(state, tree, tuple(self.drafter.target_layer_ids))
+        logp = torch.log_softmax(fwd.logits, dim=-1)  # [N, V]
+        argmax = logp.argmax(dim=-1)
+        t3 = _clock(dev)
+        acc = self._accept(tree, fwd.logits, argmax, tree_lp, request, step, state.length)
+        prev_len = state.length
+        state = self.commit(state, fwd, acc.accepted)
+        self._extend_draft_context(fwd, tree, acc.accepted, prev_len)
+        t4 = _clock(dev)
+        emitted, lps = self._emitted(tree, logp, acc, room)
+        timings = {"draft": t1 - t0, "tree": t2 - t1, "verify": t3 - t2, "commit": t4 - t3}
+        record = self._record(step, prev_len, tree, logp, argmax, acc, emitted, lps, timings)
+        if cfg.keep_states:
+            record.state, record.draft_logprobs = state, draft_lp.cpu()
+        if cfg.keep_layers:
+            record.layer_outputs = torch.stack(fwd.layer_outputs).cpu()
+        return record, emitted, state
 
-            emitted = [int(tree.tokens[i]) for i in accepted[1:]] + [bonus]
-            lps = [float(logp[p, tok]) for p, tok in zip(accepted[:-1] + [source], emitted)]
-            emitted, lps = self._cut(emitted, lps, cfg.max_new_tokens - len(out))
-            shown, shown_lps = self.report_emitted(emitted, lps)
-            out.extend(shown)
-            out_lp.extend(shown_lps)
-            top = logp.topk(min(cfg.topk, logp.shape[-1]), dim=-1)
-            topk_ids, topk_lps = self.report_topk(top.indices.cpu(), top.values.cpu())
-            result.steps.append(
-                StepRecord(
-                    step=len(result.steps),
-                    committed_len=prev_len,
-                    tree=tree,
-                    target_argmax=argmax.cpu(),
-                    topk_ids=topk_ids,
-                    topk_logprobs=topk_lps,
-                    accepted=accepted,
-                    accept_length=self.report_accept_length(accepted),
-                    bonus=bonus,
-                    emitted=shown,
-                    emitted_logprobs=shown_lps,
-                    timings={"draft": t1 - t0, "tree": t2 - t1, "verify": t3 - t2, "commit": t4 - t3},
-                    state=state if cfg.keep_states else None,
-                    draft_logprobs=draft_lp.cpu() if cfg.keep_states else None,
-                    layer_outputs=torch.stack(fwd.layer_outputs).cpu() if cfg.keep_layers else None,
-                    draws=draws,
-                    uniforms=uniforms,
-                )
-            )
-            if any(t in cfg.stop_token_ids for t in emitted):
-                break
-        return result
+    def _draft(self, bonus: int, committed_len: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's log-probs [L, V] fp32 for ``depth`` positions below ``bonus``, and what the tree is
+        built from: the same, or when sampling the draft at the target's temperature."""
+        if self.cfg.budget == 0:  # root-only trees: one token per step, nothing to draft
+            draft_lp = torch.empty(0, self.target.vocab_size)
+        else:
+            draft_lp = self.drafter.propose(bonus, committed_len, depth)  # [L, V] fp32
+        tree_lp = draft_lp
+        if self.cfg.sampled and draft_lp.numel():  # log_softmax(lp / T) = log_softmax(logits / T)
+            tree_lp = torch.log_softmax(draft_lp / self.cfg.sampling.temperature, dim=-1)
+        return draft_lp, tree_lp
+
+    def _accept(self, tree: Tree, logits: torch.Tensor, argmax: torch.Tensor, tree_lp: torch.Tensor, request: int,
+                step: int, committed_len: int) -> _Acceptance:
+        """The walk and the bonus: follow the target's argmax, or when sampling each node's draw."""
+        if not self.cfg.sampled:
+            accepted = self.walk(tree, argmax.cpu())
+            source = self.bonus_node(accepted)
+            return _Acceptance(accepted, source, int(argmax[source]))
+        probs = self.sample_probs(logits)  # [N, V] float64
+        uniforms = self.node_uniforms(request, step, (committed_len + 1 + tree.depths).tolist())
+        draws = self.draw(probs, uniforms)  # [N] int64
+        accepted = self.sample_walk(tree, draws, uniforms, tree_lp)
+        source = self.bonus_node(accepted)
+        bonus = self.bonus_token(logits, probs, draws, uniforms, source)
+        return _Acceptance(accepted, source, bonus, draws, uniforms)
+
+    def _extend_draft_context(self, fwd: TreeForward, tree: Tree, accepted: list[int], prev_len: int) -> None:
+        """Append the context nodes' target hidden states to the drafter's context, at their positions."""
+        dev = self.target.device
+        ctx = torch.tensor(self.context_nodes(tree, accepted), dtype=torch.long, device=dev)
+        self.drafter.extend(fwd.context[ctx], prev_len + tree.depths.to(dev)[ctx], tree.tokens.to(dev)[ctx])
+
+    def _emitted(self, tree: Tree, logp: torch.Tensor, acc: _Acceptance,
+                 room: int) -> tuple[list[int], list[float]]:
+        """The accepted drafted tokens then the bonus, with the target log-prob of each at its parent, cut."""
+        emitted = [int(tree.tokens[i]) for i in acc.accepted[1:]] + [acc.bonus]
+        lps = [float(logp[p, tok]) for p, tok in zip(acc.accepted[:-1] + [acc.source], emitted)]
+        return self._cut(emitted, lps, room)
+
+    def _record(self, step: int, committed_len: int, tree: Tree, logp: torch.Tensor, argmax: torch.Tensor,
+                acc: _Acceptance, emitted: list[int], lps: list[float], timings: dict[str, float]) -> StepRecord:
+        """The step as the engine reports it (what it returns, its top-k and its τ)."""
+        shown, shown_lps = self.report_emitted(emitted, lps)
+        top = logp.topk(min(self.cfg.topk, logp.shape[-1]), dim=-1)
+        topk_ids, topk_lps = self.report_topk(top.indices.cpu(), top.values.cpu())
+        return StepRecord(
+            step=step,
+            committed_len=committed_len,
+            tree=tree,
+            target_argmax=argmax.cpu(),
+            topk_ids=topk_ids,
+            topk_logprobs=topk_lps,
+            accepted=acc.accepted,
+            accept_length=self.report_accept_length(acc.accepted),
+            bonus=acc.bonus,
+            emitted=shown,
+            emitted_logprobs=shown_lps,
+            timings=timings,
+            draws=acc.draws,
+            uniforms=acc.uniforms,
+        )
 
     # -- the steps an engine can get wrong; refcheck's fault injection overrides these ---------------
     def verify(self, state: TargetState, tree: Tree, capture: tuple[int, ...]) -> TreeForward:

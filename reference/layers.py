@@ -245,23 +245,46 @@ def deltanet_tree(
     reference/treechunk.py; per-node states rebuilt on demand). Both are exact. fused: the input
     projections' fused weight (reference/fused.py).
     """
-    n = x.shape[0]
-    kernel = gdn.conv_kernel_size
     mixed, z, b, a = gdn_projections(gdn, x, fused)
     plan = plan or TreePlan.build(parents, leaky)
-    rec_parents, levels = plan.parents, plan.levels
+    conv, windows = tree_conv(gdn, mixed, conv_state, plan)
+    q, k, v, g, beta = delta_rule_inputs(gdn, conv, b, a)
+    if method == "chunk":  # the committed state enters in float32, the recurrence's dtype
+        chunk = gated_delta_tree_chunk(q, k, v, g, beta, plan.parents, recurrent_state.float(), plan.ancestors)
+        hidden = gated_output(gdn, chunk.out, z, x.dtype)
+        return DeltaNetOut(hidden=hidden, conv_windows=windows[:, 1:], states=LazyStates(chunk))
+    if method != "levels":
+        raise ValueError(f"unknown Gated DeltaNet tree method {method!r} (levels, chunk)")
+    states, core = delta_rule_levels(q, k, v, g, beta, plan, recurrent_state)
+    return DeltaNetOut(hidden=gated_output(gdn, core, z, x.dtype), conv_windows=windows[:, 1:], states=states)
 
-    # Causal depthwise conv over each node's own path (conv in the weight dtype, as transformers).
+
+def tree_conv(gdn: torch.nn.Module, mixed: torch.Tensor, conv_state: torch.Tensor,
+              plan: TreePlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv over each node's own path (conv in the weight dtype, as transformers).
+
+    mixed: [n, C]; conv_state: [K-1, C]. Returns the activated conv output [n, C] in mixed's dtype and
+    each node's window [n, K, C] of conv inputs, oldest first (the node itself last).
+    """
     weight = gdn.conv1d.weight.squeeze(1)  # [C, K]
     rows = torch.cat([conv_state.to(mixed.dtype), mixed], dim=0)  # [K-1+n, C]
-    windows = rows[plan.rows(kernel)]  # [n, K, C]
+    windows = rows[plan.rows(gdn.conv_kernel_size)]  # [n, K, C]
     # Summed in float32 and rounded once to the weight dtype, as a conv kernel's accumulator does; an
     # elementwise product and a K-term sum (not a per-channel batched GEMV) so that a compiled layer fuses it.
     conv = (windows.float() * weight.t().float()).sum(dim=1).to(weight.dtype)  # [n, K, C] * [K, C] -> [n, C]
     if gdn.conv1d.bias is not None:
         conv = conv + gdn.conv1d.bias
-    conv = F.silu(conv).to(mixed.dtype)  # [n, C]
+    return F.silu(conv).to(mixed.dtype), windows  # [n, C], [n, K, C]
 
+
+def delta_rule_inputs(gdn: torch.nn.Module, conv: torch.Tensor, b: torch.Tensor,
+                      a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The delta rule's per-head inputs from the conv output [n, C] and the gates b, a [n, HV].
+
+    Returns q, k [n, HV, Dk] (l2-normalised; q also scaled by 1/sqrt(Dk)), v [n, HV, Dv], g (log decay)
+    and beta [n, HV], all float32.
+    """
+    n = conv.shape[0]
     q, k, v = torch.split(conv, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
     hv = gdn.num_v_heads
     rep = hv // gdn.num_k_heads
@@ -274,19 +297,23 @@ def deltanet_tree(
     beta = b.sigmoid().float()  # [n, HV]
     # A_log and a in float32 so that exp/softplus cannot overflow in half precision.
     g = -gdn.A_log.float().exp() * F.softplus(a.float() + gdn.dt_bias)  # [n, HV]
+    return q, k, v, g, beta
 
-    if method == "chunk":
-        chunk = gated_delta_tree_chunk(q, k, v, g, beta, rec_parents, recurrent_state.float(), plan.ancestors)
-        core = chunk.out.to(x.dtype).reshape(-1, gdn.head_v_dim)  # [n*HV, Dv]
-        out = gdn.norm(core, z.reshape(-1, gdn.head_v_dim)).reshape(n, -1)  # [n, HV*Dv]
-        return DeltaNetOut(hidden=gdn.out_proj(out), conv_windows=windows[:, 1:], states=LazyStates(chunk))
-    if method != "levels":
-        raise ValueError(f"unknown Gated DeltaNet tree method {method!r} (levels, chunk)")
-    states = torch.empty(n, hv, gdn.head_k_dim, gdn.head_v_dim, dtype=torch.float32, device=x.device)
-    core = torch.empty(n, hv, gdn.head_v_dim, dtype=torch.float32, device=x.device)
-    start = recurrent_state.float().unsqueeze(0)  # [1, HV, Dk, Dv]
-    for idx in levels:
-        par = rec_parents[idx]
+
+def delta_rule_levels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      plan: TreePlan, recurrent_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence depth level by depth level, each node from its parent's post-state.
+
+    Inputs as :func:`delta_rule_inputs` returns them; recurrent_state: [HV, Dk, Dv]. Returns every
+    node's post-state [n, HV, Dk, Dv] and output [n, HV, Dv], float32.
+    """
+    n, hv, dk = k.shape
+    dv = v.shape[-1]
+    states = torch.empty(n, hv, dk, dv, dtype=torch.float32, device=q.device)
+    core = torch.empty(n, hv, dv, dtype=torch.float32, device=q.device)
+    start = recurrent_state.float().unsqueeze(0)  # [1, HV, Dk, Dv], float32 like the whole recurrence
+    for idx in plan.levels:
+        par = plan.parents[idx]
         prev = torch.where((par >= 0).view(-1, 1, 1, 1), states[par.clamp(min=0)], start)  # [m, HV, Dk, Dv]
         s = prev * g[idx].exp()[..., None, None]
         kt = k[idx]
@@ -295,7 +322,13 @@ def deltanet_tree(
         s = s + kt[..., None] * delta[..., None, :]
         states[idx] = s
         core[idx] = (s * q[idx][..., None]).sum(dim=-2)
+    return states, core
 
-    core = core.to(x.dtype).reshape(-1, gdn.head_v_dim)  # [n*HV, Dv]
+
+def gated_output(gdn: torch.nn.Module, core: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The gated norm and output projection of the recurrence's output core [n, HV, Dv]: hidden [n, H]."""
+    n = core.shape[0]
+    # Back in the model dtype: the norm and the projection run in it, as transformers' layer does.
+    core = core.to(dtype).reshape(-1, gdn.head_v_dim)  # [n, HV, Dv] -> [n*HV, Dv]
     out = gdn.norm(core, z.reshape(-1, gdn.head_v_dim)).reshape(n, -1)  # [n, HV*Dv]
-    return DeltaNetOut(hidden=gdn.out_proj(out), conv_windows=windows[:, 1:], states=states)
+    return gdn.out_proj(out)

@@ -170,6 +170,28 @@ class Tree:
         ``structural_only``: check only what any verify tree must satisfy (root first, parents
         precede children, depths consistent, tokens non-negative), not the DDTree rank/score and
         distinct-sibling rules: engine trees such as SGLang NGRAM's are not DDTree trees."""
+        n = self._check_fields()
+        tokens = self.tokens.tolist()
+        parents = self.parents.tolist()
+        depths = self.depths.tolist()
+        ranks = self.ranks.tolist()
+        scores = self.scores.tolist()
+        _check_root_node(parents[0], depths[0], ranks[0], scores[0])
+        ddtree = _DDTreeRules()
+        for i in range(n):
+            _check_node_values(i, tokens[i], ranks[i], scores[i])
+            if i == 0:
+                continue
+            p, d = parents[i], depths[i]
+            if not 0 <= p < i:
+                raise TreeError(f"parents[{i}] = {p} must satisfy 0 <= parent < {i}")
+            if d != depths[p] + 1:
+                raise TreeError(f"depths[{i}] = {d} != depths[parent {p}] + 1 = {depths[p] + 1}")
+            if not structural_only:
+                ddtree.check(i, p, d, tokens[i], ranks[i], scores[i], scores[p])
+
+    def _check_fields(self) -> int:
+        """Check every field's type, shape, dtype and length; returns ``N``."""
         fields = {
             "tokens": (self.tokens, torch.int64),
             "parents": (self.parents, torch.int64),
@@ -190,58 +212,7 @@ class Tree:
                 raise TreeError(f"{name} has length {t.shape[0]}, expected {n}")
         if n < 1:
             raise TreeError("a tree needs at least the root node")
-
-        tokens = self.tokens.tolist()
-        parents = self.parents.tolist()
-        depths = self.depths.tolist()
-        ranks = self.ranks.tolist()
-        scores = self.scores.tolist()
-
-        if parents[0] != -1:
-            raise TreeError(f"parents[0] must be -1, got {parents[0]}")
-        if depths[0] != 0:
-            raise TreeError(f"depths[0] must be 0, got {depths[0]}")
-        if ranks[0] != 0:
-            raise TreeError(f"ranks[0] must be 0, got {ranks[0]}")
-        if scores[0] != 0.0:
-            raise TreeError(f"scores[0] must be 0.0, got {scores[0]}")
-
-        rank_to_token: dict[tuple[int, int], int] = {}
-        token_to_rank: dict[tuple[int, int], int] = {}
-        sibling_tokens: set[tuple[int, int]] = set()
-        for i in range(n):
-            tok, s, r = tokens[i], scores[i], ranks[i]
-            if tok < 0:
-                raise TreeError(f"tokens[{i}] = {tok} is negative")
-            if r < 0:
-                raise TreeError(f"ranks[{i}] = {r} is negative")
-            if s != s or s == float("inf"):
-                raise TreeError(f"scores[{i}] = {s} is NaN or +inf")
-            if i == 0:
-                continue
-            p, d = parents[i], depths[i]
-            if not 0 <= p < i:
-                raise TreeError(f"parents[{i}] = {p} must satisfy 0 <= parent < {i}")
-            if d != depths[p] + 1:
-                raise TreeError(f"depths[{i}] = {d} != depths[parent {p}] + 1 = {depths[p] + 1}")
-            if structural_only:
-                continue
-            if (p, tok) in sibling_tokens:
-                raise TreeError(f"node {i} repeats token {tok} among the children of {p}")
-            sibling_tokens.add((p, tok))
-            if rank_to_token.setdefault((d, r), tok) != tok:
-                raise TreeError(
-                    f"depth {d} rank {r} maps to tokens {rank_to_token[(d, r)]} and {tok}"
-                )
-            if token_to_rank.setdefault((d, tok), r) != r:
-                raise TreeError(
-                    f"depth {d} token {tok} has ranks {token_to_rank[(d, tok)]} and {r}"
-                )
-            if s > scores[p]:
-                raise TreeError(
-                    f"scores[{i}] = {s} exceeds its parent's score {scores[p]} "
-                    "(log-probs must be <= 0)"
-                )
+        return n
 
     # ----------------------------------------------------------- verification
     def walk_greedy(self, target_argmax: torch.Tensor) -> list[int]:
@@ -272,6 +243,56 @@ class Tree:
             accepted.append(nxt)
             cur = nxt
         return accepted
+
+
+# ----------------------------------------------------------------- invariants
+def _check_root_node(parent: int, depth: int, rank: int, score: float) -> None:
+    if parent != -1:
+        raise TreeError(f"parents[0] must be -1, got {parent}")
+    if depth != 0:
+        raise TreeError(f"depths[0] must be 0, got {depth}")
+    if rank != 0:
+        raise TreeError(f"ranks[0] must be 0, got {rank}")
+    if score != 0.0:
+        raise TreeError(f"scores[0] must be 0.0, got {score}")
+
+
+def _check_node_values(i: int, tok: int, r: int, s: float) -> None:
+    if tok < 0:
+        raise TreeError(f"tokens[{i}] = {tok} is negative")
+    if r < 0:
+        raise TreeError(f"ranks[{i}] = {r} is negative")
+    if s != s or s == float("inf"):
+        raise TreeError(f"scores[{i}] = {s} is NaN or +inf")
+
+
+class _DDTreeRules:
+    """The DDTree-only invariants, checked node by node in index order: siblings carry distinct tokens, rank
+    and token determine each other at a given depth, and no score exceeds its parent's."""
+
+    def __init__(self) -> None:
+        self.rank_to_token: dict[tuple[int, int], int] = {}
+        self.token_to_rank: dict[tuple[int, int], int] = {}
+        self.sibling_tokens: set[tuple[int, int]] = set()
+
+    def check(self, i: int, p: int, d: int, tok: int, r: int, s: float, parent_score: float) -> None:
+        """Node ``i`` (parent ``p``, depth ``d``, token, rank, score) against the nodes checked before it."""
+        if (p, tok) in self.sibling_tokens:
+            raise TreeError(f"node {i} repeats token {tok} among the children of {p}")
+        self.sibling_tokens.add((p, tok))
+        if self.rank_to_token.setdefault((d, r), tok) != tok:
+            raise TreeError(
+                f"depth {d} rank {r} maps to tokens {self.rank_to_token[(d, r)]} and {tok}"
+            )
+        if self.token_to_rank.setdefault((d, tok), r) != r:
+            raise TreeError(
+                f"depth {d} token {tok} has ranks {self.token_to_rank[(d, tok)]} and {r}"
+            )
+        if s > parent_score:
+            raise TreeError(
+                f"scores[{i}] = {s} exceeds its parent's score {parent_score} "
+                "(log-probs must be <= 0)"
+            )
 
 
 # --------------------------------------------------------------------- inputs
@@ -378,6 +399,15 @@ def build_ddtree(root_token: int, draft_logprobs: torch.Tensor, budget: int) -> 
     lp = _as_fp32_matrix("draft_logprobs", draft_logprobs)
     n_depth, vocab = int(lp.shape[0]), int(lp.shape[1])
     root = _check_root(root_token, vocab)
+    lp = _clamp_logprobs(lp)
+    k = min(b, vocab)
+    if k == 0 or n_depth == 0:
+        return _make_tree([root], [-1], [0], [0], [0.0])
+    return _best_first(root, lp, k, b)
+
+
+def _clamp_logprobs(lp: torch.Tensor) -> torch.Tensor:
+    """Reject logits passed as log-probs; clamp the round-off above 0."""
     max_val = float(lp.max()) if lp.numel() else 0.0
     if max_val > LOGPROB_POS_TOL:
         raise TreeError(
@@ -386,18 +416,18 @@ def build_ddtree(root_token: int, draft_logprobs: torch.Tensor, budget: int) -> 
         )
     # Round-off can leave log_softmax outputs a hair above 0; clamp so that a
     # child's score never exceeds its parent's (the top-B proof needs lp <= 0).
-    lp = lp.clamp(max=0.0)
+    return lp.clamp(max=0.0)
 
+
+def _best_first(root: int, lp: torch.Tensor, k: int, budget: int) -> Tree:
+    """Pop the ``budget`` best rank paths over the per-depth top-``k`` of ``lp`` [L, V] (DDTree Algorithm 1)."""
+    n_depth = int(lp.shape[0])
     tokens, parents, depths, ranks, scores = [root], [-1], [0], [0], [0.0]
-    k = min(b, vocab)
-    if k == 0 or n_depth == 0:
-        return _make_tree(tokens, parents, depths, ranks, scores)
-
     vals, ids = _sorted_rows(lp, k)
     # Heap entry: (-score, rank_path, parent_index, parent_score).  rank_path
     # is unique per candidate, so the trailing fields are never compared.
     heap: list[tuple[float, tuple[int, ...], int, float]] = [(-vals[0][0], (0,), 0, 0.0)]
-    while heap and len(tokens) - 1 < b:
+    while heap and len(tokens) - 1 < budget:
         neg_score, rank_path, parent, parent_score = heapq.heappop(heap)
         score = -neg_score
         depth = len(rank_path)

@@ -251,7 +251,7 @@ def gated_delta_tree_chunk(
     ancestors: ``ancestor_matrix(parents)`` [n, n] bool when the caller has it already (a forward
     computes it once for all its layers); not re-derived or checked against ``parents``.
     """
-    n, hv, dk, dv, parents = _check_inputs(q, k, v, g, beta, parents, initial_state)
+    n, _, _, _, parents = _check_inputs(q, k, v, g, beta, parents, initial_state)
     if ancestors is not None and tuple(ancestors.shape) != (n, n):
         raise ValueError(f"ancestors must have shape ({n}, {n}), got {tuple(ancestors.shape)}")
     anc = ancestor_matrix(parents) if ancestors is None else ancestors  # [n, n]
@@ -264,12 +264,32 @@ def gated_delta_tree_chunk(
     vh = v.transpose(0, 1)  # [HV, n, Dv]
     bh = beta.T[..., None]  # [HV, n, 1]
     ch = cum.T  # [HV, n]
+    decay = _path_decay(ch, anc)  # [HV, n, n]
+    v_new, out = _solve_chunk(qh, kh, vh, bh, ch, decay, initial_state)
+    return TreeChunk(
+        out=out,
+        ancestors=anc,
+        cum=cum,
+        _decay=decay,
+        _k=kh,
+        _v_new=v_new,
+        _initial_state=initial_state,
+    )
 
-    # D[h, i, j] = exp(cum_i - cum_j) for j ancestor-or-self of i; masked in log space before exp
-    # (a non-ancestor pair can have a large positive difference that would overflow).
+
+def _path_decay(ch: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
+    """D[h, i, j] = exp(cum_i - cum_j) for j ancestor-or-self of i, else 0: [HV, n, n] from ch [HV, n]."""
+    # Masked in log space before exp (a non-ancestor pair can have a large positive difference that would overflow).
     log_decay = (ch[:, :, None] - ch[:, None, :]).masked_fill(~anc, float("-inf"))  # [HV, n, n]
-    decay = log_decay.exp()  # [HV, n, n]
+    return log_decay.exp()  # [HV, n, n]
 
+
+def _solve_chunk(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, bh: torch.Tensor, ch: torch.Tensor,
+                 decay: torch.Tensor, initial_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The UT system and the outputs, heads first (q, k [HV, n, Dk], v [HV, n, Dv], beta [HV, n, 1], cum
+    [HV, n], decay [HV, n, n]). Returns the per-node delta u [HV, n, Dv] and the outputs [n, HV, Dv]."""
+    hv, n, dk = kh.shape
+    dv = vh.shape[-1]
     k_beta = kh * bh  # [HV, n, Dk]
     v_beta = vh * bh  # [HV, n, Dv]
     # The beta-keys and the queries against every key, one batched matmul (rows n.. are the queries').
@@ -286,16 +306,7 @@ def gated_delta_tree_chunk(
     v_new = new_values - from_state[:, :n]  # [HV, n, Dv]
     inter = from_state[:, n:]  # [HV, n, Dv]
     intra = attn @ v_new  # [HV, n, n] @ [HV, n, Dv]
-    out = (inter + intra).transpose(0, 1).contiguous()  # [n, HV, Dv]
-    return TreeChunk(
-        out=out,
-        ancestors=anc,
-        cum=cum,
-        _decay=decay,
-        _k=kh,
-        _v_new=v_new,
-        _initial_state=initial_state,
-    )
+    return v_new, (inter + intra).transpose(0, 1).contiguous()  # [n, HV, Dv]
 
 
 # ----------------------------------------------------------------------------------------- oracle

@@ -126,8 +126,7 @@ def fixed_shape_step(target, drafter, state, root: int, budget: int, timer, reps
     bonus = torch.tensor(root, device=dev)  # [] the next block's first token, written by the verify step
     lp_eager = drafter.propose(root, state.length)
     tree0 = build_ddtree(root, lp_eager, budget)
-    for dst, src in zip(ins, (tree0.tokens, tree0.parents, tree0.depths)):
-        dst.copy_(src)
+    load_tree(ins, tree0)
     snap, ctx_snap = sstate.snapshot(), ctx.snapshot()
 
     def undo() -> None:
@@ -151,27 +150,42 @@ def fixed_shape_step(target, drafter, state, root: int, budget: int, timer, reps
         verify()
     except Exception as exc:  # noqa: BLE001 - reported as the benchmark's result
         return {"error": f"{type(exc).__name__}: {exc}"}
-    eager = target.forward(state, tree0.tokens, tree0.parents, tree0.depths, capture=cap)
-    want = tree0.walk_greedy(eager.logits.argmax(-1).cpu())
-    k = int(n_acc)
-    equal = path[:k].tolist() == want and int(out_bonus) == int(eager.logits[want[-1]].argmax())
-    logit_err = float((logits - eager.logits).abs().max())
-    undo()
-    times = {"draft": timer(draft, reps)}
-    undo()
-    times["verify"] = timer(verify, reps)
-    undo()
+    equal, logit_err = equals_eager(target, state, tree0, cap, (n_acc, path, out_bonus, logits))
 
     def step() -> None:  # graphed draft, host tree, graphed verify + walk + commit + extend
         draft()
-        tr = build_ddtree(int(bonus), lp_out, budget)  # reads the bonus and the drafts' top-k on the host
-        for dst, src in zip(ins, (tr.tokens, tr.parents, tr.depths)):
-            dst.copy_(src)
+        load_tree(ins, build_ddtree(int(bonus), lp_out, budget))  # reads the bonus and the drafts' top-k on the host
         verify()
 
-    times["step"] = timer(step, reps)
-    undo()
+    times = time_phases(timer, reps, undo, {"draft": draft, "verify": verify, "step": step})
     return {"equal": equal, "logit_err": logit_err, "draft_err": draft_err, "times": times}
+
+
+def load_tree(ins: list[torch.Tensor], tree) -> None:
+    """Copy a tree's tokens, parents and depths into the fixed-size input buffers ``ins`` ([n] each)."""
+    for dst, src in zip(ins, (tree.tokens, tree.parents, tree.depths)):
+        dst.copy_(src)
+
+
+def equals_eager(target, state, tree, cap: tuple[int, ...], outputs: tuple) -> tuple[bool, float]:
+    """Whether one fixed-shape verify's outputs (accepted count, path, bonus, logits) equal the eager
+    forward and walk over ``tree``, and the largest logit difference."""
+    n_acc, path, out_bonus, logits = outputs
+    eager = target.forward(state, tree.tokens, tree.parents, tree.depths, capture=cap)
+    want = tree.walk_greedy(eager.logits.argmax(-1).cpu())
+    k = int(n_acc)
+    equal = path[:k].tolist() == want and int(out_bonus) == int(eager.logits[want[-1]].argmax())
+    return equal, float((logits - eager.logits).abs().max())
+
+
+def time_phases(timer, reps: int, undo, phases: dict) -> dict[str, list[float]]:
+    """Time each phase ``reps`` times, in order, each from the snapshot state (``undo`` before and after)."""
+    undo()
+    times = {}
+    for name, fn in phases.items():
+        times[name] = timer(fn, reps)
+        undo()
+    return times
 
 
 GEMM_MARKERS = ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk", "cublas")
@@ -226,7 +240,7 @@ def bandwidth(device: torch.device, timer: Timer) -> float:
     return 2 * x.numel() * 4 / (ms / 1e3)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -239,77 +253,180 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--compile", action="store_true", help="also time the graphed rows with Target.compile")
     ap.add_argument("--profile", action="store_true", help="kernel-time breakdown of one forward (CUDA only)")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    dev = torch.device(args.device)
-    t0 = time.time()
-    target = build(args.shape, DTYPES[args.dtype], args.device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
-    timer = Timer(dev)
-    bw = bandwidth(dev, timer)
-    floor_ms = 1e3 * weight_bytes / bw
-    print(f"built {args.shape} ({weight_bytes / 1e9:.1f} GB) in {time.time() - t0:.1f} s; copy bandwidth "
-          f"{bw / 1e12:.2f} TB/s; weight-streaming floor {floor_ms:.2f} ms", flush=True)
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, target.vocab_size, (args.prefix,), generator=gen)
-    drafter = random_drafter(target)
-    with torch.no_grad():
-        state, pf = target.prefill(prompt.to(dev), capture=tuple(drafter.target_layer_ids))
-        drafter.extend(pf.context, torch.arange(args.prefix, device=dev), prompt.to(dev))
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    resident = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
-    rows = []
 
-    def add(name: str, budget, times: list[float], leaky_ms: float | None = None, extra: dict | None = None):
+class Bench:
+    """One run: the model with its prefilled state and drafter, the options, and the rows measured so far
+    (each row is printed as it is measured)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        dev = torch.device(args.device)
+        self.dev = dev
+        t0 = time.time()
+        self.target = build(args.shape, DTYPES[args.dtype], args.device)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.target.model.parameters())
+        self.timer = Timer(dev)
+        self.bw = bandwidth(dev, self.timer)
+        self.floor_ms = 1e3 * self.weight_bytes / self.bw
+        print(f"built {args.shape} ({self.weight_bytes / 1e9:.1f} GB) in {time.time() - t0:.1f} s; copy bandwidth "
+              f"{self.bw / 1e12:.2f} TB/s; weight-streaming floor {self.floor_ms:.2f} ms", flush=True)
+        self.gen = torch.Generator().manual_seed(0)
+        self.prompt = torch.randint(0, self.target.vocab_size, (args.prefix,), generator=self.gen)
+        self.drafter = random_drafter(self.target)
+        with torch.no_grad():
+            self.state, pf = self.target.prefill(self.prompt.to(dev), capture=tuple(self.drafter.target_layer_ids))
+            self.drafter.extend(pf.context, torch.arange(args.prefix, device=dev), self.prompt.to(dev))
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        self.resident = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
+        self.rows: list[dict] = []
+        self.one = torch.zeros(1, dtype=torch.long, device=dev)
+        self.use_graphs = dev.type == "cuda" and not args.no_graphs
+
+    # -- rows ----------------------------------------------------------------------------------------
+    def add(self, name: str, budget, times: list[float], leaky_ms: float | None = None,
+            extra: dict | None = None) -> None:
         med = statistics.median(times)
         row = {"what": name, "budget": budget, "median_ms": med, "min_ms": min(times), "max_ms": max(times),
-               "x_floor": med / floor_ms, "x_leaky": (med / leaky_ms) if leaky_ms else None, **(extra or {})}
-        rows.append(row)
+               "x_floor": med / self.floor_ms, "x_leaky": (med / leaky_ms) if leaky_ms else None, **(extra or {})}
+        self.rows.append(row)
         lk = f"{row['x_leaky']:.2f}× leaky" if row["x_leaky"] else ""
         print(f"{name:28s} B={str(budget):>4s} {med:9.2f} ms [{min(times):.2f}–{max(times):.2f}] "
               f"{row['x_floor']:6.2f}× floor {lk}", flush=True)
 
-    one = torch.zeros(1, dtype=torch.long, device=dev)
-
-    def try_graph(name, budget, fn, leaky_ms=None):
-        if dev.type != "cuda" or args.no_graphs:
+    def try_graph(self, name: str, budget, fn, leaky_ms: float | None = None) -> float | None:
+        """Time ``fn`` as a CUDA-graph replay (CUDA, unless --no-graphs); a failed capture is a row too."""
+        if not self.use_graphs:
             return None
         try:
-            times = timer(capture(fn)[0], args.reps)
+            times = self.timer(capture(fn)[0], self.args.reps)
         except Exception as exc:  # noqa: BLE001 - a benchmark row, not a crash: report why
             print(f"{name:28s} B={str(budget):>4s} capture failed: {type(exc).__name__}: {exc}", flush=True)
-            rows.append({"what": name, "budget": budget, "error": f"{type(exc).__name__}: {exc}"})
+            self.rows.append({"what": name, "budget": budget, "error": f"{type(exc).__name__}: {exc}"})
             return None
-        add(name, budget, times, leaky_ms)
+        self.add(name, budget, times, leaky_ms)
         return statistics.median(times)
 
-    def breakdown(name: str, budget, fn) -> None:
-        if dev.type != "cuda" or not args.profile:
+    def breakdown(self, name: str, budget, fn) -> None:
+        """With --profile on CUDA: the kernel-time breakdown of one run of ``fn``."""
+        if self.dev.type != "cuda" or not self.args.profile:
             return
         k = kernel_breakdown(fn)
         total = k["gemm_ms"] + k["attention_ms"] + k["other_ms"]
-        rows.append({"what": f"kernels: {name}", "budget": budget, **k, "gemm_x_floor": k["gemm_ms"] / floor_ms})
+        floor_ms = self.floor_ms
+        self.rows.append({"what": f"kernels: {name}", "budget": budget, **k, "gemm_x_floor": k["gemm_ms"] / floor_ms})
         print(f"{'  kernels: ' + name:28s} B={str(budget):>4s} {k['kernels']:6d} kernels, {total:8.2f} ms: GEMM "
               f"{k['gemm_ms']:.2f} ({k['gemm_ms'] / floor_ms:.2f}× floor), attention {k['attention_ms']:.2f}, "
               f"other {k['other_ms']:.2f}", flush=True)
 
-    def step_rows(kind: str, b: int, res: dict, leaky_ms: float) -> None:
+    def step_rows(self, kind: str, b: int, leaky_ms: float) -> None:
+        """The fixed-shape end-to-end step (:func:`fixed_shape_step`): its check against eager and its phases."""
+        res = fixed_shape_step(self.target, self.drafter, self.state, int(self.prompt[-1]), b, self.timer,
+                               max(3, self.args.reps // 2), self.use_graphs)
         if "error" in res:
             print(f"{'reference step, ' + kind:28s} B={b:>4d} failed: {res['error']}", flush=True)
-            rows.append({"what": f"reference step, {kind}", "budget": b, "error": res["error"]})
+            self.rows.append({"what": f"reference step, {kind}", "budget": b, "error": res["error"]})
             return
         print(f"{kind + ' step equals eager':28s} B={b:>4d} {'yes' if res['equal'] else 'NO'} "
               f"(max |Δ logit| {res['logit_err']:.3g}, max |Δ draft log-prob| {res['draft_err']:.3g})", flush=True)
-        add(f"  draft: propose, {kind}", b, res["times"]["draft"])
-        add(f"verify+walk+commit, {kind}", b, res["times"]["verify"], leaky_ms)
-        add(f"reference step, {kind}", b, res["times"]["step"], leaky_ms,
-            {"equals_eager": res["equal"], "max_abs_logit_diff": res["logit_err"],
-             "max_abs_draft_diff": res["draft_err"]})
+        self.add(f"  draft: propose, {kind}", b, res["times"]["draft"])
+        self.add(f"verify+walk+commit, {kind}", b, res["times"]["verify"], leaky_ms)
+        self.add(f"reference step, {kind}", b, res["times"]["step"], leaky_ms,
+                 {"equals_eager": res["equal"], "max_abs_logit_diff": res["logit_err"],
+                  "max_abs_draft_diff": res["draft_err"]})
 
-    def compiled_rows(target, drafter, state, prompt, trees, leaky_by_budget, one, use_graphs) -> None:
+    # -- the benchmark -------------------------------------------------------------------------------
+    def decode_rows(self) -> None:
+        """A plain one-token decode step: eager, graphed, and its kernel breakdown."""
+        target, state, one = self.target, self.state, self.one
+        self.add("decode step (1 token)", "-",
+                 self.timer(lambda: target.forward(state, one + 7, one - 1, one), self.args.reps))
+        self.try_graph("decode step, graphed", "-", self.decode_step)
+        self.breakdown("decode step", "-", self.decode_step)
+
+    def decode_step(self):
+        """One token through the target, without host checks (graphable)."""
+        one = self.one
+        return self.target.forward(self.state, one + 7, one - 1, one, validate=False)
+
+    def budget_rows(self, b: int) -> tuple[tuple, float]:
+        """Every row of budget ``b`` over one DDTree-shaped tree from peaked random draft log-probs; returns the
+        tree's tokens, parents and depths on the device, and the leaky forward's median (ms)."""
+        lp = torch.log_softmax(3 * torch.randn(15, self.target.vocab_size, generator=self.gen), dim=-1)
+        tree = build_ddtree(int(self.prompt[-1]), lp, b)
+        tt, tp, td = tree.tokens.to(self.dev), tree.parents.to(self.dev), tree.depths.to(self.dev)
+        leaky_ms = self.verify_rows(b, tree, (tt, tp, td))
+        self.phase_rows(b, leaky_ms)
+        return (tt, tp, td), leaky_ms
+
+    def verify_rows(self, b: int, tree, tensors: tuple) -> float:
+        """The leaky forward, the exact verify (tree chunk, eager and graphed; depth levels) and the commit;
+        returns the leaky forward's median (ms)."""
+        target, state, timer, reps = self.target, self.state, self.timer, self.args.reps
+        tt, tp, td = tensors
+        target.gdn_method = "chunk"
+        leaky = timer(lambda: target.forward(state, tt, tp, td, leaky=True), reps)
+        leaky_ms = statistics.median(leaky)
+        self.add("leaky masked forward", b, leaky)
+        if self.dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        chunk = timer(lambda: target.forward(state, tt, tp, td), reps)
+        peak = (torch.cuda.max_memory_allocated() - self.resident) / 1e9 if self.dev.type == "cuda" else None
+        self.add("exact verify: tree chunk", b, chunk, leaky_ms, {"peak_extra_gb": peak})
+        g_leaky = self.try_graph("leaky forward, graphed", b, lambda: target.forward(state, tt, tp, td, leaky=True,
+                                                                                    validate=False))
+        self.try_graph("exact tree chunk, graphed", b, lambda: target.forward(state, tt, tp, td, validate=False),
+                       g_leaky)
+        self.breakdown("exact tree chunk", b, lambda: target.forward(state, tt, tp, td, validate=False))
+        fwd = target.forward(state, tt, tp, td)
+        path = tree.path(int(tree.depths.argmax()))
+        self.add("commit", b, timer(lambda: state.commit(fwd, path), reps))
+        target.gdn_method = "levels"
+        levels = timer(lambda: target.forward(state, tt, tp, td), self.args.level_reps, 1)
+        self.add("exact verify: depth levels", b, levels, leaky_ms)
+        target.gdn_method = "chunk"
+        return leaky_ms
+
+    def phase_rows(self, b: int, leaky_ms: float) -> None:
+        """The phases of the end-to-end step side by side (the drafter and the host-side tree builder), the
+        eager step, and the fixed-shape (graphed on CUDA) step."""
+        target, drafter, state, prompt, reps = self.target, self.drafter, self.state, self.prompt, self.args.reps
+        self.add("  draft: propose", b, self.timer(lambda: drafter.propose(int(prompt[-1]), state.length), reps))
+        lp_dev = drafter.propose(int(prompt[-1]), state.length)
+        self.add("  tree: build_ddtree", b, self.timer(lambda: build_ddtree(int(prompt[-1]), lp_dev, b), reps))
+
+        def step() -> None:
+            lp2 = drafter.propose(int(prompt[-1]), state.length)
+            tr = build_ddtree(int(prompt[-1]), lp2, b)
+            f = target.forward(state, tr.tokens, tr.parents, tr.depths, capture=tuple(drafter.target_layer_ids))
+            acc = tr.walk_greedy(f.logits.argmax(-1).cpu())
+            state.commit(f, acc)
+
+        self.add("reference step (end to end)", b, self.timer(step, max(3, reps // 2)), leaky_ms)
+        self.step_rows("graphed" if self.use_graphs else "fixed-shape", b, leaky_ms)
+
+    def compiled_rows(self, trees: dict[int, tuple], leaky_by_budget: dict[int, float]) -> None:
         """The graphed rows again, each layer's pieces through torch.compile (the drafter stays eager)."""
-        kind = "compiled+graphed" if use_graphs else "compiled"
+        target, state = self.target, self.state
+        kind = "compiled+graphed" if self.use_graphs else "compiled"
+        if not self.compile_checked(trees):
+            return
+        self.try_graph(f"decode step, {kind}", "-", self.decode_step)
+        self.breakdown("decode step, compiled", "-", self.decode_step)
+        for b, (tt, tp, td) in trees.items():
+            g_leaky = self.try_graph(f"leaky forward, {kind}", b,
+                                     lambda: target.forward(state, tt, tp, td, leaky=True, validate=False))
+            self.try_graph(f"exact tree chunk, {kind}", b, lambda: target.forward(state, tt, tp, td, validate=False),
+                           g_leaky)
+            self.breakdown("exact tree chunk, compiled", b, lambda: target.forward(state, tt, tp, td, validate=False))
+            self.step_rows(kind, b, leaky_by_budget[b])
+
+    def compile_checked(self, trees: dict[int, tuple]) -> bool:
+        """Compile the target, every shape once, each checked against the eager forward; False (and an error
+        row) when the compiler fails."""
+        target, state, one = self.target, self.state, self.one
         eager_out = {b: target.forward(state, *trees[b], validate=False).logits for b in trees}
         t0 = time.time()
         target.compile()
@@ -317,82 +434,35 @@ def main() -> None:
             for b, (tt, tp, td) in trees.items():  # compile every shape once, and check it against eager
                 err = float((target.forward(state, tt, tp, td, validate=False).logits - eager_out[b]).abs().max())
                 target.forward(state, tt, tp, td, leaky=True, validate=False)
-                rows.append({"what": "compiled forward vs eager", "budget": b, "max_abs_logit_diff": err})
+                self.rows.append({"what": "compiled forward vs eager", "budget": b, "max_abs_logit_diff": err})
                 print(f"{'compiled equals eager':28s} B={b:>4d} max |Δ logit| {err:.3g}", flush=True)
             target.forward(state, one + 7, one - 1, one, validate=False)
         except Exception as exc:  # noqa: BLE001 - a compiler failure is this row's result, not a crash
             print(f"compile failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
-            rows.append({"what": "compile", "error": f"{type(exc).__name__}: {str(exc)[:400]}"})
-            return
+            self.rows.append({"what": "compile", "error": f"{type(exc).__name__}: {str(exc)[:400]}"})
+            return False
         print(f"compiled every shape in {time.time() - t0:.1f} s", flush=True)
-        try_graph(f"decode step, {kind}", "-", lambda: target.forward(state, one + 7, one - 1, one, validate=False))
-        breakdown("decode step, compiled", "-", lambda: target.forward(state, one + 7, one - 1, one, validate=False))
-        for b, (tt, tp, td) in trees.items():
-            g_leaky = try_graph(f"leaky forward, {kind}", b,
-                                lambda: target.forward(state, tt, tp, td, leaky=True, validate=False))
-            try_graph(f"exact tree chunk, {kind}", b, lambda: target.forward(state, tt, tp, td, validate=False),
-                      g_leaky)
-            breakdown("exact tree chunk, compiled", b, lambda: target.forward(state, tt, tp, td, validate=False))
-            res = fixed_shape_step(target, drafter, state, int(prompt[-1]), b, timer, max(3, args.reps // 2),
-                                   use_graphs)
-            step_rows(kind, b, res, leaky_by_budget[b])
+        return True
 
+    def summary(self) -> dict:
+        return {"shape": self.args.shape, "dtype": self.args.dtype, "device": str(self.dev), "prefix": self.args.prefix,
+                "weight_gb": self.weight_bytes / 1e9, "bandwidth_tb_s": self.bw / 1e12, "floor_ms": self.floor_ms,
+                "rows": self.rows, "gpu": torch.cuda.get_device_name() if self.dev.type == "cuda" else None,
+                "torch": torch.__version__}
+
+
+def main() -> None:
+    args = parse_args()
+    bench = Bench(args)
     trees: dict[int, tuple] = {}
     leaky_by_budget: dict[int, float] = {}
-    use_graphs = dev.type == "cuda" and not args.no_graphs
     with torch.no_grad():
-        add("decode step (1 token)", "-", timer(lambda: target.forward(state, one + 7, one - 1, one), args.reps))
-        try_graph("decode step, graphed", "-", lambda: target.forward(state, one + 7, one - 1, one, validate=False))
-        breakdown("decode step", "-", lambda: target.forward(state, one + 7, one - 1, one, validate=False))
+        bench.decode_rows()
         for b in [int(x) for x in args.budgets.split(",")]:
-            lp = torch.log_softmax(3 * torch.randn(15, target.vocab_size, generator=gen), dim=-1)
-            tree = build_ddtree(int(prompt[-1]), lp, b)
-            tt, tp, td = tree.tokens.to(dev), tree.parents.to(dev), tree.depths.to(dev)
-            trees[b] = (tt, tp, td)
-            target.gdn_method = "chunk"
-            leaky = timer(lambda: target.forward(state, tt, tp, td, leaky=True), args.reps)
-            leaky_ms = statistics.median(leaky)
-            add("leaky masked forward", b, leaky)
-            if dev.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            chunk = timer(lambda: target.forward(state, tt, tp, td), args.reps)
-            peak = (torch.cuda.max_memory_allocated() - resident) / 1e9 if dev.type == "cuda" else None
-            add("exact verify: tree chunk", b, chunk, leaky_ms, {"peak_extra_gb": peak})
-            g_leaky = try_graph("leaky forward, graphed", b, lambda: target.forward(state, tt, tp, td, leaky=True,
-                                                                                   validate=False))
-            try_graph("exact tree chunk, graphed", b, lambda: target.forward(state, tt, tp, td, validate=False), g_leaky)
-            breakdown("exact tree chunk", b, lambda: target.forward(state, tt, tp, td, validate=False))
-            fwd = target.forward(state, tt, tp, td)
-            path = tree.path(int(tree.depths.argmax()))
-            add("commit", b, timer(lambda: state.commit(fwd, path), args.reps))
-            target.gdn_method = "levels"
-            add("exact verify: depth levels", b, timer(lambda: target.forward(state, tt, tp, td), args.level_reps, 1),
-                leaky_ms)
-            target.gdn_method = "chunk"
-
-            # the phases of the end-to-end step, side by side (the drafter and the host-side tree builder)
-            add("  draft: propose", b, timer(lambda: drafter.propose(int(prompt[-1]), state.length), args.reps))
-            lp_dev = drafter.propose(int(prompt[-1]), state.length)
-            add("  tree: build_ddtree", b, timer(lambda: build_ddtree(int(prompt[-1]), lp_dev, b), args.reps))
-
-            def step():
-                lp2 = drafter.propose(int(prompt[-1]), state.length)
-                tr = build_ddtree(int(prompt[-1]), lp2, b)
-                f = target.forward(state, tr.tokens, tr.parents, tr.depths, capture=tuple(drafter.target_layer_ids))
-                acc = tr.walk_greedy(f.logits.argmax(-1).cpu())
-                state.commit(f, acc)
-
-            add("reference step (end to end)", b, timer(step, max(3, args.reps // 2)), leaky_ms)
-            kind = "graphed" if use_graphs else "fixed-shape"
-            res = fixed_shape_step(target, drafter, state, int(prompt[-1]), b, timer, max(3, args.reps // 2), use_graphs)
-            step_rows(kind, b, res, leaky_ms)
-            leaky_by_budget[b] = leaky_ms
-
+            trees[b], leaky_by_budget[b] = bench.budget_rows(b)
         if args.compile:
-            compiled_rows(target, drafter, state, prompt, trees, leaky_by_budget, one, use_graphs)
-    out = {"shape": args.shape, "dtype": args.dtype, "device": str(dev), "prefix": args.prefix,
-           "weight_gb": weight_bytes / 1e9, "bandwidth_tb_s": bw / 1e12, "floor_ms": floor_ms, "rows": rows,
-           "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None, "torch": torch.__version__}
+            bench.compiled_rows(trees, leaky_by_budget)
+    out = bench.summary()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

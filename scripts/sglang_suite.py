@@ -124,6 +124,14 @@ def child(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    args = parser().parse_args()
+    if args.child:
+        child(args)
+        return
+    run_suite(args)
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--configs", default="none,dflash,capture-off,ngram,ngram-b1")
@@ -145,10 +153,12 @@ def main() -> None:
     ap.add_argument("--algorithm", default="DFLASH", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=int, default=15, help=argparse.SUPPRESS)
     ap.add_argument("--json-out", default="", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        child(args)
-        return
+    return ap
+
+
+def run_suite(args: argparse.Namespace) -> None:
+    """Every configuration of ``--configs``, one after another or ``--parallel`` side by side; ``capture-off``
+    last when parallel (it compares against dflash.arrow). The summary is rewritten as each one finishes."""
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     names = args.configs.split(",")

@@ -11,7 +11,7 @@ The mean acceptance length is the pooled ratio ``sum(all taus) / n_steps`` (what
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -197,27 +197,38 @@ def acceptance_verdict(taus_by_request: Sequence[Sequence[int]], baseline_tau: f
     ``ok | below | significantly_below``; None without ``baseline_positions``), ``observed_positions``,
     ``notes`` and ``rule``.
     """
+    _check_verdict_args(baseline_tau, rtol, position_floor)
+    reqs = _as_requests(taus_by_request)
+    n_steps = int(sum(r.size for r in reqs))
+    b = float(baseline_tau)
+    band = [b * (1 - rtol), b * (1 + rtol)]
+    out = _undecided(n_steps, len(reqs), b, rtol, band, rtol * b, alpha)
+    if n_steps == 0:
+        return _done(out, INCONCLUSIVE, f"no steps (need >= {min_steps})", "too_few_steps")
+    mean, lo, hi, sig_below, below = _measure(out, reqs, baseline_positions, position_floor, n_boot, alpha, seed)
+    return _decide(out, mean, lo, hi, alpha, sig_below, below, min_steps, min_requests)
+
+
+def _check_verdict_args(baseline_tau: float, rtol: float, position_floor: float) -> None:
     if baseline_tau <= 0:
         raise ValueError(f"baseline_tau must be > 0, got {baseline_tau}")
     if not 0 <= rtol < 1:
         raise ValueError(f"rtol must be in [0, 1), got {rtol}")
     if position_floor < 0:
         raise ValueError(f"position_floor must be >= 0, got {position_floor}")
-    reqs = _as_requests(taus_by_request)
-    n_steps = int(sum(r.size for r in reqs))
-    n_requests = len(reqs)
-    b = float(baseline_tau)
-    band = [b * (1 - rtol), b * (1 + rtol)]
-    max_h = rtol * b
-    out = _undecided(n_steps, n_requests, b, rtol, band, max_h, alpha)
 
-    def done(verdict: str, reason: str, why: str | None = None) -> dict:
-        out["verdict"], out["reason"], out["inconclusive_reason"] = verdict, reason, why
-        return out
 
-    if n_steps == 0:
-        return done(INCONCLUSIVE, f"no steps (need >= {min_steps})", "too_few_steps")
+def _done(out: dict, verdict: str, reason: str, why: str | None = None) -> dict:
+    """:func:`acceptance_verdict`'s record with its verdict, its one-line reason and, when INCONCLUSIVE, why."""
+    out["verdict"], out["reason"], out["inconclusive_reason"] = verdict, reason, why
+    return out
 
+
+def _measure(out: dict, reqs: list[np.ndarray], baseline_positions: Sequence[float] | None, position_floor: float,
+             n_boot: int, alpha: float, seed: int) -> tuple[float, float, float, list[int], list[int]]:
+    """Fill in :func:`acceptance_verdict`'s statistics: the pooled mean and its CI, the per-position
+    acceptance and, with ``baseline_positions``, the per-depth rows. Returns ``(mean, lo, hi, depths
+    significantly below, depths below)`` (the depths: their baseline minus ``position_floor``)."""
     if baseline_positions is not None:
         bpos = np.asarray(list(baseline_positions), dtype=np.float64)
         block_size = bpos.size + 1
@@ -231,6 +242,7 @@ def acceptance_verdict(taus_by_request: Sequence[Sequence[int]], baseline_tau: f
 
     mean, lo, hi = bootstrap_mean_ci(reqs, n_boot=n_boot, alpha=alpha, seed=seed)
     h = max(mean - lo, hi - mean)
+    b = out["baseline_tau"]
     out.update(mean=mean, ci=[lo, hi], ci_halfwidth=h, delta=mean - b, rel_delta=(mean - b) / b)
     observed = per_position_acceptance(all_taus.tolist(), block_size) if block_size > 1 else []
     out["observed_positions"] = observed
@@ -240,15 +252,7 @@ def acceptance_verdict(taus_by_request: Sequence[Sequence[int]], baseline_tau: f
     if bpos is not None and block_size > 1:
         plo, phi = _position_cis(reqs, block_size, n_boot, alpha, seed)
         out["positions"] = _position_rows(observed, bpos, plo, phi, position_floor, sig_below, below)
-
-    if n_steps < min_steps:
-        return done(INCONCLUSIVE, f"too few steps: {n_steps} < min_steps={min_steps}",
-                    "too_few_steps")
-    if n_requests < min_requests:
-        out["notes"].append("single-request CI resamples steps and ignores their correlation")
-        return done(INCONCLUSIVE, f"too few requests: {n_requests} < min_requests={min_requests}",
-                    "too_few_requests")
-    return _decide(out, done, mean, lo, hi, alpha, b, rtol, band, sig_below, below)
+    return mean, lo, hi, sig_below, below
 
 
 def _undecided(n_steps: int, n_requests: int, b: float, rtol: float, band: list[float], max_h: float,
@@ -289,10 +293,18 @@ def _position_rows(observed: Sequence[float], bpos: np.ndarray, plo: np.ndarray,
     return positions
 
 
-def _decide(out: dict, done: Callable[..., dict], mean: float, lo: float, hi: float, alpha: float, b: float,
-            rtol: float, band: list[float], sig_below: list[int], below: list[int]) -> dict:
-    """Steps 3-6 of :func:`acceptance_verdict`'s decision rule (enough steps and requests)."""
-    n_requests, max_h = out["n_requests"], out["max_halfwidth"]
+def _decide(out: dict, mean: float, lo: float, hi: float, alpha: float, sig_below: list[int], below: list[int],
+            min_steps: int, min_requests: int) -> dict:
+    """Steps 1-6 of :func:`acceptance_verdict`'s decision rule, its statistics measured."""
+    n_steps, n_requests, max_h = out["n_steps"], out["n_requests"], out["max_halfwidth"]
+    b, rtol, band = out["baseline_tau"], out["rtol"], out["band"]
+    if n_steps < min_steps:
+        return _done(out, INCONCLUSIVE, f"too few steps: {n_steps} < min_steps={min_steps}",
+                     "too_few_steps")
+    if n_requests < min_requests:
+        out["notes"].append("single-request CI resamples steps and ignores their correlation")
+        return _done(out, INCONCLUSIVE, f"too few requests: {n_requests} < min_requests={min_requests}",
+                     "too_few_requests")
     h = out["ci_halfwidth"]
     stats = f"mean tau {mean:.3f}, {100 * (1 - alpha):g}% CI [{lo:.3f}, {hi:.3f}]"
     if hi < band[0] or sig_below:
@@ -303,15 +315,15 @@ def _decide(out: dict, done: Callable[..., dict], mean: float, lo: float, hi: fl
         if sig_below:
             parts.append(f"per-position acceptance significantly below baseline-floor at "
                          f"depth(s) {sig_below}")
-        return done(FAIL, "; ".join(parts))
+        return _done(out, FAIL, "; ".join(parts))
     if h > max_h:
-        return done(INCONCLUSIVE, f"CI too wide: half-width {h:.3f} > rtol*baseline {max_h:.3f} "
-                    f"({stats}, {n_requests} requests); add requests", "ci_too_wide")
+        return _done(out, INCONCLUSIVE, f"CI too wide: half-width {h:.3f} > rtol*baseline {max_h:.3f} "
+                     f"({stats}, {n_requests} requests); add requests", "ci_too_wide")
     if below:
-        return done(INCONCLUSIVE, f"per-position acceptance below baseline-floor at depth(s) "
-                    f"{below}, not significantly; add requests", "position_not_significant")
+        return _done(out, INCONCLUSIVE, f"per-position acceptance below baseline-floor at depth(s) "
+                     f"{below}, not significantly; add requests", "position_not_significant")
     if lo > band[1]:
         out["notes"].append(f"mean significantly above the band high {band[1]:.3f}: better than "
                             f"published; check that the conditions match")
-    return done(PASS, f"{stats} is not significantly below the band low {band[0]:.3f} "
-                f"(baseline {b:.3f}, rtol {rtol:g})")
+    return _done(out, PASS, f"{stats} is not significantly below the band low {band[0]:.3f} "
+                 f"(baseline {b:.3f}, rtol {rtol:g})")
