@@ -4,12 +4,19 @@ Three goldens, each diffed once (replay: the page does not depend on the mode): 
 SGLang one (layer sketches: the failing nodes carry per-layer numbers) and a sampled one. The page is parsed
 with the standard library's HTML parser. The command itself runs in-process with the diff stubbed by the
 fixture's report (its exit code and file), and on bad input (a flipped byte: exit 4; an output directory
-that does not exist: exit 2 before any diff). The browser test screenshots the failing page with headless
-Chromium when one is installed.
+that does not exist: exit 2 before any diff). The page of several cases (``refcheck gate --html``,
+``refcheck diff --html``) holds the passing and the failing golden, the gate's over a golden directory of
+those two with its verdicts stubbed by the fixture's reports: an index whose links resolve, ids unique across
+the cases, the failing case's failing nodes marked, a trace that cannot be read said so, the per-page caps.
+The browser tests screenshot the failing page and a gate page with headless Chromium when one is installed,
+and follow a case link of the gate page's index.
 """
 
 from __future__ import annotations
 
+import errno
+import json
+import re
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -265,3 +272,228 @@ def test_a_browser_renders_the_failing_page(pages, tmp_path):
             assert "fail" in el.classes and any(a.tag == "svg" for a in el.ancestors)
     links = [el.attrs["href"] for el in seen.within("summary") if "href" in el.attrs]
     assert links and all(h[1:] in ids for h in links)
+
+
+# -- the page of several cases: refcheck gate --html, refcheck diff --html --------------------------------
+ON_PAGE = ("pass", "fail")  # the cases of the gate's and the diff's page, in this order
+
+
+def parse(html: str) -> Page:
+    page = Page()
+    page.feed(html)
+    page.close()
+    return page
+
+
+def check_cases_page(html: str, cases: list[Rendered]) -> Page:
+    """The page of ``cases`` (case k in ``#c<k>``): one index row per case linking to its section, unique ids,
+    every link resolving, each case's verdict and its failing nodes marked under the case's own prefix."""
+    page = parse(html)
+    listed = [el.attrs["id"] for el in page.elements if "id" in el.attrs]
+    assert len(listed) == len(set(listed)), [i for i in listed if listed.count(i) > 1][:5]
+    assert all(re.match(r"c\d+(-|$)", i) for i in listed if i not in ("index", "overall", "cases")), listed[:20]
+    ids = page.ids()
+    rows = [el for el in page.within("cases") if el.tag == "tr"][1:]
+    assert len(rows) == len(cases)
+    case_links = [el.attrs["href"] for el in page.within("cases") if el.tag == "a" and re.fullmatch(r"#c\d+", el.attrs["href"])]
+    assert case_links == [f"#c{k}" for k in range(len(cases))]
+    for el in page.elements:
+        for attr in ("href", "xlink:href"):
+            if attr in el.attrs:
+                assert el.attrs[attr].startswith("#") and el.attrs[attr][1:] in ids, el.attrs[attr]
+    overall = "fail" if any(c.report.exit_code == 1 for c in cases) else "pass"
+    assert ids["overall"].text.strip() == overall and f": {overall} ·" in html.split("</title>")[0]
+    for k, c in enumerate(cases):
+        assert c.report.case in ids[f"c{k}"].text
+        assert ids[f"c{k}-verdict"].text.strip() == c.report.verdict
+        order = [r.request_id for r in c.trace.requests]
+        assert f"c{k}-q0-s{min(s.step for s in c.trace.steps if s.request_id == order[0])}" in ids
+        for rid, f in c.report.first_divergence().items():
+            if f.node is not None:
+                el = ids[f"c{k}-q{order.index(rid)}-s{f.step}-n{f.node}"]
+                assert "fail" in el.classes and "node" in el.classes and any(a.tag == "svg" for a in el.ancestors)
+    assert any(c.report.first_divergence() for c in cases)
+    return page
+
+
+@pytest.fixture
+def gate_dir(tmp_path) -> Path:
+    """A golden directory of the passing and the failing golden (their manifest entries as the repository's)."""
+    from refcheck.golden import REPO_GOLDEN
+    from refcheck.trace.manifest import load_manifest
+
+    gdir = tmp_path / "g"
+    gdir.mkdir()
+    manifest = load_manifest(REPO_GOLDEN)
+    names = [Path(GOLDENS[n]).stem for n in ON_PAGE]
+    for name in names:
+        shutil.copy(REPO_GOLDEN / manifest.cases[name].file, gdir)
+    manifest.cases = {n: manifest.cases[n] for n in names}
+    manifest.save(gdir)
+    return gdir
+
+
+def stub_verdicts(monkeypatch, pages) -> list[Rendered]:
+    """The gate's and the diff's verdicts are the fixture's reports (the failing golden's plain diff: it fails)."""
+    by_case = {pages(n).report.case: pages(n).report for n in ON_PAGE}
+    monkeypatch.setattr("refcheck.golden.check_trace", lambda name, *a, **k: by_case[name])
+    monkeypatch.setattr(DiffSession, "diff", lambda self, trace, case, *a, **k: by_case[case])
+    return [pages(n) for n in ON_PAGE]
+
+
+def run_gate_html(cli, gate_dir: Path, out: Path, *extra: str) -> tuple[int, str]:
+    code, _, err = cli("gate", str(gate_dir), "--workers", "1", "--html", str(out), *extra)
+    return code, err
+
+
+def test_the_gate_page_holds_every_case(pages, cli, gate_dir, tmp_path, monkeypatch):
+    cases = stub_verdicts(monkeypatch, pages)
+    out = tmp_path / "gate.html"
+    code, err = run_gate_html(cli, gate_dir, out)
+    assert code == 1, err  # the verdict's exit code
+    html = out.read_text()
+    check_cases_page(html, cases)
+    assert f"wrote {out} ({out.stat().st_size:,} bytes)" in err
+    assert err.index("gate: 2 cases") < err.index(f"wrote {out}")
+
+
+def test_the_gate_page_reads_the_golden_trace_of_a_cached_report(pages, cli, gate_dir, tmp_path, monkeypatch):
+    cases = stub_verdicts(monkeypatch, pages)
+    cache = tmp_path / "cache"
+    assert run_gate_html(cli, gate_dir, tmp_path / "first.html", "--cache-dir", str(cache))[0] == 1
+
+    def no_diff(*args, **kwargs):
+        raise AssertionError("the case was diffed again")
+
+    monkeypatch.setattr("refcheck.golden.check_trace", no_diff)
+    out = tmp_path / "cached.html"
+    code, err = run_gate_html(cli, gate_dir, out, "--cache-dir", str(cache))
+    assert code == 1, err
+    check_cases_page(out.read_text(), cases)
+
+
+def test_a_trace_the_gate_page_cannot_read_is_said_and_the_gate_still_judges(pages, cli, gate_dir, tmp_path,
+                                                                                 monkeypatch):
+    stub_verdicts(monkeypatch, pages)
+    from refcheck.trace import io as trace_io
+
+    real = trace_io.read_trace
+    failing_file = GOLDENS["fail"]
+
+    def read(path):
+        if Path(path).name == failing_file:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path)
+
+    monkeypatch.setattr(trace_io, "read_trace", read)  # the page's reads; the gate's own are refcheck.golden's
+    out = tmp_path / "gate.html"
+    code, err = run_gate_html(cli, gate_dir, out)
+    assert code == 1, err
+    page = parse(out.read_text())
+    ids = page.ids()
+    assert "could not be read" in ids["c1-unread"].text and failing_file in ids["c1-unread"].text
+    assert ids["c1-verdict"].text.strip() == "fail" and "c1-findings" in ids
+    assert "c0-q0" in ids and not any(i.startswith("c1-q") for i in ids)
+
+
+def test_the_diff_page_of_two_trace_files(pages, cli, tmp_path, monkeypatch):
+    cases = stub_verdicts(monkeypatch, pages)
+    out = tmp_path / "diff.html"
+    files = [str(ROOT / "golden" / GOLDENS[n]) for n in ON_PAGE]
+    code, _, err = cli("diff", "--against", files[0], "--against", files[1], "--mode", "replay", "--html", str(out))
+    assert code == 1, err
+    check_cases_page(out.read_text(), cases)
+    assert f"wrote {out} ({out.stat().st_size:,} bytes)" in err
+
+
+def test_the_diff_page_of_a_live_engine(pages, cli, tmp_path, monkeypatch):
+    rendered = pages("fail")
+    monkeypatch.setattr("refcheck.cli.diff._live_engine", lambda *a, **k: (rendered.report, rendered.trace))
+    out = tmp_path / "live.html"
+    code, _, err = cli("diff", "--engine", "fault:sibling-leak", "--drafter", "scripted", "--html", str(out))
+    assert code == 1, err
+    check_cases_page(out.read_text(), [rendered])
+    assert "live engine fault:sibling-leak" in out.read_text()
+
+
+@pytest.mark.parametrize("command", ["gate", "diff"])
+def test_an_html_path_in_a_missing_directory_is_exit_2_before_any_diff(command, cli, gate_dir, tmp_path, monkeypatch):
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started")
+
+    for target in ("refcheck.golden.verify", "refcheck.golden.check_trace", "refcheck.trace.io.read_trace"):
+        monkeypatch.setattr(target, no_work)
+    monkeypatch.setattr(DiffSession, "diff", no_work)
+    missing = str(tmp_path / "missing" / "x.html")
+    args = ([str(gate_dir), "--html", missing] if command == "gate"
+            else ["--against", str(gate_dir / GOLDENS["pass"]), "--html", missing])
+    code, _, err = cli(command, *args)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--html" in lines[0] and "does not exist" in lines[0], err
+
+
+def test_a_gate_page_that_cannot_be_written_is_exit_2_after_the_report(pages, cli, gate_dir, tmp_path, monkeypatch):
+    stub_verdicts(monkeypatch, pages)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("refcheck.atomic_file.atomic_write_bytes", full)
+    out = tmp_path / "gate.html"
+    code, stdout, err = cli("gate", str(gate_dir), "--workers", "1", "--html", str(out), "--json")
+    assert code == 2 and not out.exists()
+    assert "could not write the report page" in err and err.index("gate: 2 cases") < err.index("could not write")
+    assert len(json.loads(stdout)["reports"]) == 2  # the JSON is out before the error
+
+
+def test_the_page_caps_are_shared_by_its_cases(pages, monkeypatch):
+    from refcheck.report import Case, render_cases
+    from refcheck.report import page as page_module
+    from refcheck.report.findings_list import FINDINGS_CAP
+
+    monkeypatch.setattr(page_module, "TREE_CAP", 7)
+    cases = [pages(n) for n in ON_PAGE]
+    page = parse(render_cases([Case(c.report, c.trace) for c in cases], "refcheck gate", "refcheck gate --json"))
+    trees = [el for el in page.elements if el.tag == "svg" and "treesvg" in el.classes]
+    assert len(trees) == 7
+    # the failing case is drawn first: its first divergences have their trees, the passing case the rest
+    failing = [el for el in trees if any(a.attrs.get("id") == "c1" for a in el.ancestors)]
+    assert len(failing) >= len(cases[1].report.first_divergence())
+    rows = [el for el in page.elements if el.tag == "tr" and re.fullmatch(r"c\d+-f\d+", el.attrs.get("id", ""))]
+    assert len(rows) == min(FINDINGS_CAP, sum(len(c.report.findings) for c in cases))
+    assert any("shared by its 2 cases" in el.text for el in page.elements if "brief" in el.classes)
+
+
+@pytest.mark.skipif(chromium() is None, reason="no chromium or chromium-browser on PATH")
+def test_a_browser_follows_a_case_link_of_the_gate_page(pages, cli, gate_dir, tmp_path, monkeypatch):
+    cases = stub_verdicts(monkeypatch, pages)
+    out = tmp_path / "gate.html"
+    assert run_gate_html(cli, gate_dir, out)[0] == 1
+    screenshot(out, tmp_path / "gate.png")
+    assert (tmp_path / "gate.png").stat().st_size > 10_000
+    # a copy with a probe: click the failing case's index link, then record where the page went
+    probe = ("<script>window.addEventListener('load',function(){document.querySelector('#cases a[href=\"#c1\"]')"
+             ".click();setTimeout(function(){var p=document.createElement('pre');p.id='probe';p.textContent="
+             "JSON.stringify({hash:location.hash,y:window.scrollY,top:document.getElementById('c1')"
+             ".getBoundingClientRect().top});document.body.appendChild(p);},200);});</script>")
+    probed = tmp_path / "probed.html"
+    probed.write_text(out.read_text().replace("</body>", probe + "</body>"))
+    browser = chromium()
+    assert browser is not None
+    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                          "--window-size=1400,2000", "--virtual-time-budget=3000", "--dump-dom", f"file://{probed}"],
+                         check=True, capture_output=True, text=True, timeout=120).stdout
+    seen = parse(dom)
+    where = json.loads(seen.ids()["probe"].text)
+    assert where["hash"] == "#c1" and where["y"] > 0 and abs(where["top"]) < 2, where
+    check_cases_page(re.sub(r'<pre id="probe">.*?</pre>', "", dom, flags=re.S), cases)
+    # the case the link leads to, as a browser shows it: a copy that shows only the :target case (a headless
+    # screenshot of a scrolled page comes out blank, about 13 kB), opened at #c1
+    only = tmp_path / "only-target.html"
+    only.write_text(out.read_text().replace("</head>", "<style>section.case:not(:target),#index{display:none}</style></head>"))
+    shot = tmp_path / "gate-c1.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                    f"--screenshot={shot}", "--window-size=1400,2000", f"file://{only}#c1"],
+                   check=True, capture_output=True, timeout=120)
+    assert shot.stat().st_size > 50_000

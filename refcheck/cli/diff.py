@@ -4,6 +4,10 @@ Contract: one source is diffed: a live engine (``--engine``), recorded trace fil
 goldens (neither). An option that the chosen source does not use is refused before anything runs (exit 2):
 a recorded trace or a golden names its own models and settings, so the live run's options (``--model``,
 ``--prompts``, ``--save-trace``, ...) would be ignored, and a live run reads no golden directory.
+``--html PATH`` (any source) is checked before anything runs (a missing directory: exit 2); after the report
+it writes every diffed case on one self-contained page (:func:`refcheck.report.render_cases`, each case with
+the trace it judged), atomically, with its size printed; a page that cannot be written is exit 2 after the
+report, otherwise the exit code is the verdicts'.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import logging
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -26,10 +31,14 @@ from refcheck.cli.options import (
     spec_from_options,
     unless_given,
 )
-from refcheck.cli.reports import finish, report_table, steps_table
+from refcheck.cli.reports import finish, report_table, steps_table, write_html
 from refcheck.errors import GoldenError, UsageError
 from refcheck.prompts import load_prompts, prompt_set_hash
 from refcheck.spec import DTYPE_NAMES
+
+if TYPE_CHECKING:
+    from refcheck.diff.findings import Report
+    from refcheck.trace.rows import Trace
 
 #: options of a live run (--engine) only: a recorded trace or a golden carries its own
 _LIVE_ONLY = ("draft_dir", "prompts_file", "max_new_tokens", "dtype", "device", "drafter", "stop_ids", "save_trace",
@@ -122,6 +131,8 @@ def _engine_and_options(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype
               help="With --engine sglang: sketch every target layer's output (forward hooks) so a failing node gets "
                    "layer bisection; slower.")
 @click.option("--steps", is_flag=True, help="Also print one row per verify step: tree size, τ, verdict, first finding.")
+@click.option("--html", "html", type=click.Path(path_type=Path), default=None,
+              help="Also write every diffed case's report on one self-contained HTML page (refcheck report's, per case).")
 @click.option("-v", "--verbose", is_flag=True,
               help="The report as a table, with what every count holds (default: one line per case and a summary).")
 @click.option("--ref-shards", type=click.IntRange(min=1), default=1, show_default=True,
@@ -130,14 +141,13 @@ def _engine_and_options(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype
 @model_options
 @sampling_options
 def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, workers, full_state, sglang_algorithm,
-         cuda_graphs, ngram_breadth, tp, max_running, mem_fraction, serving, layer_sketches, steps, verbose, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
+         cuda_graphs, ngram_breadth, tp, max_running, mem_fraction, serving, layer_sketches, steps, html, verbose, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
          drafter, stop_ids, as_json, temperature, top_k, top_p, sample_seed):
     """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
 
     With no --engine / --against: the golden engine traces in golden/ for this budget and pair."""
     from refcheck.diff.session import DiffSession
-    from refcheck.outputs import check_output_file, late_write_error
-    from refcheck.trace.io import write_trace
+    from refcheck.outputs import check_output_file
 
     refuse_unused_options(engine, against)
     sampling = sampling_from_options(temperature, top_k, top_p, sample_seed)  # out of range: exit 2
@@ -148,6 +158,8 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
         raise UsageError(f"engine {engine} cannot sample yet: refcheck records its runs greedily only (temperature 0). "
                          "Sampling engines: reference, fault:NAME")
     check_output_file(save_trace, "--save-trace")  # before the run, not after it
+    if html is not None:
+        check_output_file(html, "--html")
     session = DiffSession()
     reports = []
     traces = []  # the engine trace behind each report (for --steps)
@@ -182,12 +194,39 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
     files = list(against) if against else ([save_trace] * len(reports) if save_trace else [])
     for report, path in zip(reports, files):
         explain_hint(report, path)
-    if engine and save_trace:  # after the report: a late write failure cannot lose it
-        try:
-            write_trace(traces[0], save_trace)
-        except OSError as exc:
-            report_json_and_raise(reports, as_json, late_write_error(save_trace, exc, "the trace"))
+    sources = [str(p) for p in against] if against else (
+        [str(save_trace or f"live engine {engine}")] if engine else [str(p) for p, _ in golden_notes])
+    late = _write_outputs(traces[0] if engine else None, save_trace, html, reports, traces, sources)
+    if late is not None:
+        report_json_and_raise(reports, as_json, late)
     finish(reports, as_json)
+
+
+def _write_outputs(live_trace: Trace | None, save_trace: Path | None, html: Path | None, reports: list[Report],
+                   traces: list[Trace], sources: list[str]) -> Exception | None:
+    """The writes after the report (a late failure cannot lose it): the live engine's trace to ``save_trace``,
+    the page to ``html``; the first write's error, else None."""
+    from refcheck.outputs import late_write_error
+    from refcheck.trace.io import write_trace
+
+    late: list[Exception] = []
+    if live_trace is not None and save_trace:
+        try:
+            write_trace(live_trace, save_trace)
+        except OSError as exc:
+            late.append(late_write_error(save_trace, exc, "the trace"))
+    if html is not None:
+        page_error = write_html(html, diff_page(reports, traces, sources))
+        late += [page_error] if page_error is not None else []
+    return late[0] if late else None
+
+
+def diff_page(reports: list[Report], traces: list[Trace], sources: list[str]) -> str:
+    """The page of the diffed ``reports``, each with the trace it judged (``sources``: where each trace is)."""
+    from refcheck.report import Case, render_cases
+
+    return render_cases([Case(r, t, src) for r, t, src in zip(reports, traces, sources)], "refcheck diff",
+                        "refcheck diff --json")
 
 
 def _live_engine(engine, engine_opts, spec, prompts_file, workers, mode, ref_dtype, ref_device, full_state):

@@ -1,17 +1,30 @@
-"""``refcheck gate`` and ``refcheck golden regen|add|verify``: the golden traces and the CI gate on them."""
+"""``refcheck gate`` and ``refcheck golden regen|add|verify``: the golden traces and the CI gate on them.
+
+Contract of ``refcheck gate --html PATH``: the path is checked before the goldens are verified (a missing
+directory: exit 2, nothing run); after the verdicts are printed, every case's report goes on one page
+(:func:`refcheck.report.render_cases`), each case's trace read for it from its golden file (a report from
+``--cache-dir`` included; a trace that cannot be read: the page says so for that case), written atomically
+with its size printed. A page that cannot be written is exit 2 after the report; otherwise the exit code is
+the verdicts'.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.table import Table
 
 from refcheck.cli.app import err, main, progress_line, quiet
-from refcheck.cli.reports import finish, report_table
+from refcheck.cli.reports import finish, report_table, write_html
 from refcheck.errors import EXIT_GOLDEN, EXIT_PASS
+
+if TYPE_CHECKING:
+    from refcheck.diff.findings import Report
+    from refcheck.trace.manifest import Manifest
 
 
 @main.command()
@@ -26,8 +39,10 @@ from refcheck.errors import EXIT_GOLDEN, EXIT_PASS
                    "reference's code and the library versions; a case whose key is stored is not diffed again.")
 @click.option("-v", "--verbose", is_flag=True,
               help="The report as a table, with what every count holds (default: one line per case and a summary).")
+@click.option("--html", "html", type=click.Path(path_type=Path), default=None,
+              help="Also write every case's report on one self-contained HTML page (refcheck report's, per case).")
 @click.option("--json", "as_json", is_flag=True)
-def gate(golden_dir, cases, workers, profile, cache_dir, verbose, as_json):
+def gate(golden_dir, cases, workers, profile, cache_dir, verbose, html, as_json):
     """CI gate: verify, then diff every golden case against the live reference (strict about skips)."""
     import time
 
@@ -35,7 +50,10 @@ def gate(golden_dir, cases, workers, profile, cache_dir, verbose, as_json):
     from refcheck.golden import default_golden_dir, verify
     from refcheck.golden import gate as run_gate
     from refcheck.log import progress_bar
+    from refcheck.outputs import check_output_file
 
+    if html is not None:
+        check_output_file(html, "--html")  # before any case runs
     t0, c0 = time.perf_counter(), time.process_time()
     quiet()
     profiles: dict | None = {} if profile else None
@@ -51,7 +69,20 @@ def gate(golden_dir, cases, workers, profile, cache_dir, verbose, as_json):
         profile_table(profiles)
         extra["profile"] = {n: p.to_json() for n, p in profiles.items()}
     err.print(f"gate: {len(reports)} cases in {wall:.1f} s", markup=False)
-    finish(reports, as_json, extra)
+    error = write_html(html, gate_page(gdir, manifest, reports)) if html is not None else None
+    finish(reports, as_json, extra, error)
+
+
+def gate_page(gdir: Path, manifest: Manifest, reports: list[Report]) -> str:
+    """The page of the gate's ``reports``, each case's trace read from its golden file when its section is drawn."""
+    from functools import partial
+
+    from refcheck.report import Case, render_cases
+    from refcheck.trace.io import read_trace
+
+    files = [Path(gdir) / manifest.cases[r.case].file for r in reports]
+    return render_cases([Case(r, partial(read_trace, f), str(f)) for r, f in zip(reports, files)],
+                        "refcheck gate", "refcheck gate --json")
 
 
 def profile_table(profiles: dict) -> None:

@@ -28,10 +28,9 @@ from refcheck.spec import DTYPE_NAMES
 @click.option("--ref-device", type=DeviceType(), default="cpu", show_default=True)
 def report(trace_path: Path, output: Path | None, mode: str, ref_dtype: str, ref_device: str) -> None:
     """Diff a recorded trace and write a self-contained HTML report (summary, step strips, trees, findings)."""
-    from refcheck.atomic_file import atomic_write_bytes
-    from refcheck.cli.reports import finish, report_table
+    from refcheck.cli.reports import finish, report_table, write_html
     from refcheck.diff.session import DiffSession
-    from refcheck.outputs import check_output_file, late_write_error
+    from refcheck.outputs import check_output_file
     from refcheck.report import TokenText, render_page
     from refcheck.trace.io import read_trace
 
@@ -42,9 +41,4 @@ def report(trace_path: Path, output: Path | None, mode: str, ref_dtype: str, ref
     result = DiffSession().diff(trace, Path(trace_path).stem, mode, ref_dtype=ref_dtype, ref_device=ref_device)
     report_table([result], f"refcheck report · mode {mode}", verbose=False)  # the page holds the rest
     page = render_page(result, trace, TokenText.for_trace(trace.provenance))
-    try:
-        atomic_write_bytes(output, page.encode("utf-8"))
-    except OSError as exc:
-        raise late_write_error(output, exc, "the report") from exc
-    err.print(f"wrote {output} ({len(page.encode('utf-8')):,} bytes)", markup=False)
-    finish([result], False)
+    finish([result], False, error=write_html(output, page))

@@ -4,7 +4,8 @@ Contract: :func:`report_table` prints, by default, one line per report (its verd
 fails, its first failure) and a summary line (:func:`report_lines`); with ``verbose`` one row per report, then the
 column legend, the manifest rules that changed a verdict, a line per group of non-pass findings saying why and
 where (:mod:`refcheck.cli.notes`), the replayed steps and τ; :func:`steps_table` one row per verify
-step; :func:`finish` the JSON (with ``--json``) and the exit code. Human output goes to stderr. Case
+step; :func:`finish` the JSON (with ``--json``) and the exit code, or a late write's error once the JSON is out;
+:func:`write_html` writes a report page atomically and prints ``wrote FILE (N bytes)``. Human output goes to stderr. Case
 names, request ids and messages are text from files: a table cell shows them as written, escaped
 (:func:`name_cell`), and no line is read as markup.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 from rich.markup import escape
@@ -101,7 +103,9 @@ def report_table(reports, title: str, verbose: bool = True) -> None:
             err.print(f"{r.case}: shadow tree: τ {sh['tau_shadow_tree'] / sh['steps']:.3f} under the reference's verify "
                       f"vs the verified chain's {sh['tau_engine'] / sh['steps']:.3f} ({sh['steps']} steps)", markup=False)
 
-def finish(reports, as_json: bool, extra: dict | None = None) -> None:
+def finish(reports, as_json: bool, extra: dict | None = None, error: Exception | None = None) -> None:
+    """The JSON (with ``as_json``), the inconclusive lines, then exit with the verdicts' code; ``error`` (a write
+    that failed after the report was printed) is raised instead, its exit code winning."""
     from refcheck.errors import EXIT_NOTHING
 
     if as_json:
@@ -110,11 +114,28 @@ def finish(reports, as_json: bool, extra: dict | None = None) -> None:
     for r in reports:
         for why in r.inconclusive:
             err.print(f"{r.case}: INCONCLUSIVE {why}", markup=False, soft_wrap=True)
+    if error is not None:
+        raise error
     if EXIT_MISMATCH in codes:
         sys.exit(EXIT_MISMATCH)
     if not reports or all(c == EXIT_NOTHING for c in codes) or any(r.inconclusive for r in reports):
         sys.exit(EXIT_NOTHING)  # nothing compared, or a statistical verdict short of its stated power
     sys.exit(EXIT_PASS)
+
+def write_html(path: Path, page: str) -> Exception | None:
+    """Write ``page`` to ``path`` atomically and print ``wrote PATH (N bytes)``; a write that fails gives the
+    error to raise once the report is out (:func:`refcheck.outputs.late_write_error`, exit 2), else None."""
+    from refcheck.atomic_file import atomic_write_bytes
+    from refcheck.outputs import late_write_error
+
+    data = page.encode("utf-8")
+    try:
+        atomic_write_bytes(path, data)
+    except OSError as exc:
+        return late_write_error(path, exc, "the report page")
+    err.print(f"wrote {path} ({len(data):,} bytes)", markup=False)
+    return None
+
 
 def steps_table(report, trace, limit: int = 500) -> None:
     """One row per verify step of the engine trace: its tree, τ and the replay's verdict there."""

@@ -2,19 +2,23 @@
 
 Contract: :func:`render_page` returns one self-contained HTML document (inline CSS, SVG and script;
 no ``src`` or ``href`` leaves the page). Each request has ``<section id="q<i>">`` with its step strip
-(:mod:`.strip`) and an element per verify step (:mod:`.step_detail`): the tree is drawn for the
-request's first step and for every step with a non-pass finding, at most :data:`TREE_CAP` (200)
-trees in the page, in request and step order; further steps get one line each, which says the cap
-left their tree out. The findings list is capped at
-:data:`~refcheck.report.findings_list.FINDINGS_CAP` (500) rows.
+(:mod:`.strip`) and an element per verify step (:mod:`.step_detail`). A tree is wanted for each
+request's first step and for every step with a non-pass finding; :func:`trees_to_draw` picks at most
+:data:`TREE_CAP` (200) of them for the page, in this order: each request's first divergence (the step
+of its first failing finding), each request's first step, then the other wanted steps in request and
+step order. Every other wanted step gets one line, which says the cap left its tree out. The findings
+list is capped at :data:`~refcheck.report.findings_list.FINDINGS_CAP` (500) rows. :func:`report_body`
+is the same content under a :class:`Caps` of its own, for a page of several cases (:mod:`.cases`);
+:func:`document` wraps a body in the page's head (title, stylesheet, script).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from refcheck.report.anchors import Anchors
-from refcheck.report.findings_list import findings_list
+from refcheck.report.findings_list import FINDINGS_CAP, findings_list
 from refcheck.report.step_detail import step_brief, step_detail
 from refcheck.report.strip import step_strip
 from refcheck.report.style import COLOURS, SCRIPT, stylesheet
@@ -28,6 +32,19 @@ if TYPE_CHECKING:
     from refcheck.trace.rows import StepRow, Trace
 
 TREE_CAP = 200
+
+
+@dataclass(frozen=True)
+class Caps:
+    """What one report's part of a page may hold: ``trees`` trees and ``findings`` rows of findings;
+    ``trees_why`` and ``findings_why`` say (in parentheses, leading space included) why more are left
+    out, ``hint`` where the whole list is."""
+
+    trees: int
+    findings: int
+    trees_why: str
+    findings_why: str = ""
+    hint: str = "refcheck diff --against TRACE --json"
 
 
 def steps_by_request(trace: Trace) -> dict[str, list[StepRow]]:
@@ -45,44 +62,58 @@ def _legend() -> str:
             'outline and edges = the engine\'s accepted path; hover a node for its numbers</span></p>')
 
 
-class _Trees:
-    """How many trees the page may still draw (:data:`TREE_CAP`)."""
+def trees_to_draw(report: Report, by_request: dict[str, list[StepRow]], index: FindingIndex,
+                  cap: int) -> set[tuple[str, int]]:
+    """The (request, step) pairs whose tree the page draws: at most ``cap``, in the module docstring's order."""
+    present = {(rid, s.step) for rid, steps in by_request.items() for s in steps}
+    position = {rid: i for i, rid in enumerate(by_request)}
+    firsts = [(f.request_id, f.step) for f in report.first_divergence().values()
+              if f.request_id is not None and f.step is not None and (f.request_id, f.step) in present]
+    firsts.sort(key=lambda p: (position[p[0]], p[1]))
+    starts = [(rid, steps[0].step) for rid, steps in by_request.items() if steps]
+    rest = [(rid, s.step) for rid, steps in by_request.items() for s in steps[1:] if index.step(rid, s.step)]
+    return set(list(dict.fromkeys(firsts + starts + rest))[:max(cap, 0)])
 
-    def __init__(self, cap: int) -> None:
-        self.left = cap
 
-    def take(self) -> bool:
-        self.left -= 1
-        return self.left >= 0
-
-
-def _request_section(i: int, rid: str, steps: list[StepRow], index: FindingIndex, anchors: Anchors,
-                     tokens: TokenText | None, trees: _Trees) -> str:
+def _request_section(rid: str, steps: list[StepRow], index: FindingIndex, anchors: Anchors,
+                     tokens: TokenText | None, drawn: set[tuple[str, int]], why: str) -> str:
     parts = []
     for k, s in enumerate(steps):
-        wanted = k == 0 or bool(index.step(s.request_id, s.step))
-        if wanted and trees.take():
+        if (rid, s.step) in drawn:
             parts.append(step_detail(s, index, anchors, tokens))
         else:
-            why = f" (tree not drawn: the page draws at most {TREE_CAP} trees)" if wanted else ""
-            parts.append(step_brief(s, index, anchors, why))
-    return (f'<section id="q{i}" class="card"><h2>request {esc(rid)} · {len(steps)} verify steps</h2>'
-            f'{step_strip(steps, index, anchors)}{_legend()}{"".join(parts)}</section>')
+            wanted = k == 0 or bool(index.step(s.request_id, s.step))
+            parts.append(step_brief(s, index, anchors, f" (tree not drawn: {why})" if wanted else ""))
+    return (f'<section id="{anchors.request(rid)}" class="card"><h2>request {esc(rid)} · {len(steps)} verify steps'
+            f'</h2>{step_strip(steps, index, anchors)}{_legend()}{"".join(parts)}</section>')
+
+
+def report_body(report: Report, trace: Trace, tokens: TokenText | None, anchors: Anchors,
+                caps: Caps) -> tuple[str, int]:
+    """The summary, the request sections and the findings of ``report`` under ``caps``: (HTML, trees drawn)."""
+    index = FindingIndex(report.findings)
+    by_request = steps_by_request(trace)
+    listed = {r.request_id: by_request[r.request_id] for r in trace.requests}  # the requests with an anchor
+    drawn = trees_to_draw(report, listed, index, caps.trees)
+    order: dict[str | None, int] = {rid: i for i, rid in enumerate(by_request)}
+    sections = [_request_section(rid, steps, index, anchors, tokens, drawn, caps.trees_why)
+                for rid, steps in listed.items()]
+    body = (summary(report, trace, by_request, index, anchors) + "".join(sections)
+            + findings_list(report.findings, order, anchors, caps.findings, caps.findings_why, caps.hint))
+    return body, len(drawn)
+
+
+def document(title: str, body: str) -> str:
+    """One self-contained HTML document: ``title`` (plain text) and ``body`` (HTML) with the inline style and script."""
+    return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+            '<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f'<title>{esc(title)}</title><style>{stylesheet()}</style><script>{SCRIPT}</script></head>'
+            f'<body><main>{body}</main></body></html>\n')
 
 
 def render_page(report: Report, trace: Trace, tokens: TokenText | None = None) -> str:
     """The HTML page of ``report`` (the diff of ``trace``); ``tokens`` adds the tokens' text."""
     anchors = Anchors(r.request_id for r in trace.requests)
-    index = FindingIndex(report.findings)
-    by_request = steps_by_request(trace)
-    trees = _Trees(TREE_CAP)
-    order: dict[str | None, int] = {rid: i for i, rid in enumerate(by_request)}
-    sections = [_request_section(i, rid, by_request[rid], index, anchors, tokens, trees)
-                for i, rid in enumerate(r.request_id for r in trace.requests)]
-    body = (summary(report, trace, by_request, index, anchors) + "".join(sections)
-            + findings_list(report.findings, order, anchors))
-    return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-            '<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f'<title>refcheck report: {esc(report.case)} · {esc(report.verdict)}</title>'
-            f'<style>{stylesheet()}</style><script>{SCRIPT}</script></head>'
-            f'<body><main>{body}</main></body></html>\n')
+    caps = Caps(TREE_CAP, FINDINGS_CAP, f"the page draws at most {TREE_CAP} trees")
+    body, _ = report_body(report, trace, tokens, anchors, caps)
+    return document(f"refcheck report: {report.case} · {report.verdict}", body)

@@ -3,7 +3,8 @@
 Contract: :data:`CSS` colours every verdict class of :mod:`.verdicts` (cells, tree nodes, badges,
 table rows) the same way: pass green, benign tie yellow, triaged orange, fail red, unsupported and
 skipped grey; an accepted tree node has a thick blue outline and its edges are blue. :data:`SCRIPT`
-only filters the findings list by verdict; the page reads the same without it.
+only filters a findings list by verdict (the rows of the ``table.findings`` in the select's own
+section, so each case of a page of several has its own filter); the page reads the same without it.
 """
 
 from __future__ import annotations
@@ -50,11 +51,16 @@ font-size:12px;font-weight:600;border-radius:3px;text-decoration:none}
 .findings td{border-top:1px solid #eaeef2;padding:3px 10px 3px 0}.findings td.msg{max-width:760px}
 a{color:#0969da}
 .legend span{margin-right:14px}#requests td:first-child,#requests th{white-space:nowrap}
+section.case{border-top:4px solid #8c959f;margin-top:36px;padding-top:4px}
+.casenav{color:#57606a;font-weight:600;margin:4px 0}
+.cases td{border-top:1px solid #eaeef2;padding:3px 14px 3px 0;font-variant-numeric:tabular-nums}
+.cases td:first-child{white-space:nowrap}
 """
 
 SCRIPT = """
-function filterFindings(v){
-  document.querySelectorAll('#findings tbody tr').forEach(function(r){
+function filterFindings(sel){
+  var v = sel.value;
+  sel.closest('section').querySelectorAll('table.findings tbody tr').forEach(function(r){
     r.style.display = (v === '' || r.classList.contains(v)) ? '' : 'none';
   });
 }

@@ -3,10 +3,11 @@
 Contract: :func:`summary` gives ``<section id="summary">`` holding the case and trace file, the
 verdict (``<span id="verdict">``, the report's :attr:`~refcheck.diff.findings.Report.verdict`), the
 counts table (``<table id="counts">``, one ``<td data-verdict=V>`` per verdict: the report's
-:attr:`~refcheck.diff.findings.Report.counts`), mean τ of the engine and of the reference with the
-acceptance account where the report has one, the engine and models from the trace's provenance, and
-one row per request linking to its strip (``#q<i>``) and to its first divergence's step. Every
-``href`` in it is an anchor of the page (:mod:`.anchors`).
+:attr:`~refcheck.diff.findings.Report.counts`; :func:`counts_table`), mean τ of the engine and of the
+reference with the acceptance account where the report has one, the engine and models from the trace's
+provenance, and one row per request linking to its strip (``#q<i>``) and to its first divergence's
+step. Every id is the :class:`~refcheck.report.anchors.Anchors`' own (prefixed on a page of several
+cases: ``c3-summary``), and every ``href`` in it is an anchor of the page.
 """
 
 from __future__ import annotations
@@ -28,21 +29,23 @@ def _short(value: Any) -> str:
     return value[:12] + "…" if isinstance(value, str) and len(value) == 64 else str(value)
 
 
-def _verdict_class(report: Report) -> str:
+def verdict_class(report: Report) -> str:
+    """The badge colour of the report's verdict: pass, fail, or unsupported (grey) for the rest."""
     if report.expect_failure is not None:
         return "pass" if report.expected_failure_met else "fail"
     return {"fail": "fail", "pass": "pass"}.get(report.verdict, "unsupported")
 
 
-def _counts(report: Report) -> str:
+def counts_table(report: Report, anchors: Anchors) -> str:
+    """The counts table (one cell per verdict) and the number of checks made."""
     counts = report.counts
     cells = "".join(f'<td data-verdict="{v}"><span class="dot {v}"></span>{LABELS[v]} <b>{counts.get(v, 0)}</b></td>'
                     for v in COUNTED)
-    return (f'<table id="counts" class="counts"><tr>{cells}</tr></table>'
+    return (f'<table id="{anchors.fixed("counts")}" class="counts"><tr>{cells}</tr></table>'
             f'<p>{sum(report.checks.values())} checks made</p>')
 
 
-def _tau(report: Report, trace: Trace) -> str:
+def _tau(report: Report, trace: Trace, anchors: Anchors) -> str:
     from refcheck.diff.acceptance import account_line
 
     st = report.stats
@@ -57,10 +60,10 @@ def _tau(report: Report, trace: Trace) -> str:
                      "and both)")
     if st.get("acceptance_account"):
         lines.append(account_line(st["acceptance_account"]))
-    return "".join(f'<p id="tau">{esc(line)}</p>' if i == 0 else f"<p>{esc(line)}</p>" for i, line in enumerate(lines))
+    return "".join(f'<p id="{anchors.fixed("tau")}">{esc(line)}</p>' if i == 0 else f"<p>{esc(line)}</p>" for i, line in enumerate(lines))
 
 
-def _provenance(trace: Trace) -> str:
+def _provenance(trace: Trace, anchors: Anchors) -> str:
     p = trace.provenance
     eng = p.get("engine") or {}
     settings = eng.get("settings") or {}
@@ -76,7 +79,7 @@ def _provenance(trace: Trace) -> str:
             ("recorded", ", ".join(f"{k} {v}" for k, v in (p.get("versions") or {}).items())
              + (f" · {p['created']}" if p.get("created") else ""))]
     body = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in rows)
-    return f'<table id="provenance">{body}</table>'
+    return f'<table id="{anchors.fixed("provenance")}">{body}</table>'
 
 
 def _first_link(f: Finding | None, anchors: Anchors) -> str:
@@ -104,7 +107,7 @@ def _requests(report: Report, trace: Trace, by_request: dict[str, list[StepRow]]
     head = "<tr><th>request</th><th>steps</th><th>mean τ</th><th>worst</th><th>first divergence</th></tr>"
     run_level = firsts.get(None)
     extra = f"<p>whole run: {_first_link(run_level, anchors)}</p>" if run_level is not None else ""
-    return f'<table id="requests">{head}{"".join(rows)}</table>{extra}'
+    return f'<table id="{anchors.fixed("requests")}">{head}{"".join(rows)}</table>{extra}'
 
 
 def summary(report: Report, trace: Trace, by_request: dict[str, list[StepRow]], index: FindingIndex,
@@ -114,8 +117,9 @@ def summary(report: Report, trace: Trace, by_request: dict[str, list[StepRow]], 
     notes = "".join(f'<p class="note">INCONCLUSIVE: {esc(w)}</p>' for w in report.inconclusive)
     if report.expect_failure is not None:
         notes += f'<p class="note">expected failure of this engine: {esc(report.expect_failure)}</p>'
-    return (f'<section id="summary" class="card"><h1>refcheck report: {esc(report.case)}</h1>'
+    return (f'<section id="{anchors.fixed("summary")}" class="card"><h1>refcheck report: {esc(report.case)}</h1>'
             f'<p>trace <code>{esc(trace.source or "-")}</code> · schema {esc(trace.schema_version)} · mode '
-            f'{esc(report.mode)} · verdict <span id="verdict" class="badge {_verdict_class(report)}">{esc(verdict)}'
-            f'</span></p>{notes}{_counts(report)}{_tau(report, trace)}{_provenance(trace)}'
+            f'{esc(report.mode)} · verdict <span id="{anchors.fixed("verdict")}" class="badge {verdict_class(report)}">'
+            f'{esc(verdict)}</span></p>{notes}{counts_table(report, anchors)}{_tau(report, trace, anchors)}'
+            f'{_provenance(trace, anchors)}'
             f'<h3>requests</h3>{_requests(report, trace, by_request, index, anchors)}</section>')
