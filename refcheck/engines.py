@@ -105,7 +105,7 @@ def _open_sglang(engine, spec, session, full_state, options) -> Engine:
 
 
 SGLANG_OPTIONS = frozenset({"cuda_graphs", "ngram_breadth", "tp", "mem_fraction", "max_running", "layer_sketches",
-                            "settings"})
+                            "settings", "capture_sample"})
 
 KINDS: tuple[EngineKind, ...] = (
     EngineKind("reference", "reference", "refcheck's DDTree decoder (the reference itself, run as an engine)",

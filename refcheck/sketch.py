@@ -29,16 +29,14 @@ def _projection(features: int, dim: int, seed: int, device: str) -> torch.Tensor
     return (torch.randn(features, dim, generator=gen) / dim**0.5).to(device)  # [F, r]
 
 
+def projection(features: int, dim: int = SKETCH_DIM, device: str = "cpu") -> torch.Tensor:
+    """The seeded Gaussian projection of ``features``-wide rows, [F, dim] float32 on ``device`` (cached)."""
+    return _projection(features, dim, SEED, device)
+
+
 def sketch_rows(x: torch.Tensor, dim: int = SKETCH_DIM) -> torch.Tensor:
     """[rows, F] -> [rows, dim] float32 (upcast first: bf16 accumulation would swamp the signal)."""
     proj = _projection(x.shape[-1], dim, SEED, str(x.device))
-    return (x.float() @ proj).cpu()
-
-
-def sketch_slice(x: torch.Tensor, index: torch.Tensor, features: int, dim: int = SKETCH_DIM) -> torch.Tensor:
-    """[rows, len(index)] holding features ``index`` of ``features``-wide rows -> their share of the
-    rows' sketch, [rows, dim] float32: the shares of a split row sum to the row's sketch (linearity)."""
-    proj = _projection(features, dim, SEED, str(x.device))[index.to(x.device)]  # [len(index), dim]
     return (x.float() @ proj).cpu()
 
 

@@ -16,12 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 60
 #: "path:function" -> its length in lines (may shrink, may not grow)
-LONG = {"scripts/bench_verify.py:main": 170, "refcheck/baselines/stats.py:acceptance_verdict": 98,
-        "reference/decode.py:generate": 94, "reference/tree.py:validate": 78, "reference/layers.py:deltanet_tree": 74,
-        "scripts/sglang_suite.py:main": 66, "scripts/bench_verify.py:fixed_shape_step": 66,
-        "refcheck/sglang_capture/assemble.py:assemble_trace": 66, "refcheck/runners/sglang.py:trace": 65,
-        "reference/tree.py:build_ddtree": 64, "refcheck/sglang_capture/dflash_taps.py:dflash_taps": 64,
-        "reference/treechunk.py:gated_delta_tree_chunk": 62, "refcheck/diff/replay.py:replay_step": 61}
+LONG = {"refcheck/sglang_capture/assemble.py:assemble_trace": 66, "refcheck/runners/sglang.py:trace": 65,
+        "refcheck/sglang_capture/dflash_taps.py:dflash_taps": 64, "refcheck/diff/replay.py:replay_step": 61}
 NARRATION = re.compile(r"\b(this|last|earlier|previous|next) session\b|\bfirst H200 (corpus|run)\b|\bbefore the fix\b|"
                        r"\bnow fixed\b|\bwe fixed\b|\bas before\b|\bused to (be|fail|pass)\b", re.I)
 

@@ -24,8 +24,8 @@ from refcheck.reference_runner import EngineSpec, ReferenceRunner
 from refcheck.sglang_capture.assemble import assemble_trace, sibling_ranks
 from refcheck.sglang_capture.layout import links_from_parents
 from refcheck.sglang_capture.records import Capture, Recorder, read_capture
-from refcheck.sglang_capture.state import committed_rows, summarise, summarise_shard
-from refcheck.sglang_capture.steps import StepCapture, chain_steps, prefill_records, tree_steps
+from refcheck.sglang_capture.state import batch_state, request_state
+from refcheck.sglang_capture.steps import StepCapture, chain_steps, prefill_records, summarise_nodes, tree_steps
 from refcheck.sglang_ddtree.sampling import RequestKeys, first_token, sample_tree
 from reference.sampling import Sampling, request_key
 from reference.tree import Tree, TreeError
@@ -97,7 +97,7 @@ def fake_sglang(runner, prompts, trees, layout: str, leaky: bool = False, steps:
     for p, key in zip(prompts, keys):
         st, fwd = target.prefill(torch.tensor(p.prompt_ids))
         first, u = (int(fwd.logits[-1].argmax()), None) if key is None else first_token(fwd.logits[-1], key, len(p.prompt_ids))
-        cap.prefills[0] += prefill_records(fwd.logits[-1:], torch.tensor([first]), [rids[p.id]], [len(p.prompt_ids)],
+        cap.prefills[0] += prefill_records(summarise_nodes(fwd.logits[-1:], torch.tensor([first])), torch.tensor([first]), [rids[p.id]], [len(p.prompt_ids)],
                                            None if u is None else {rids[p.id]: u})
         states.append(st)
         roots.append(first)
@@ -124,7 +124,8 @@ def fake_sglang(runner, prompts, trees, layout: str, leaky: bool = False, steps:
             predict, lens, accept_index, draws, uniforms = sample_tree(logits, torch.stack(tok_rows), nt, ns, keys,
                                                                        committed, n)
             accs = [[int(i) - b * n for i in accept_index[b, : int(lens[b])]] for b in range(len(prompts))]
-            recs = tree_steps(torch.cat(tok_rows), nt, ns, logits, accept_index, lens, predict, rid_list, committed,
+            recs = tree_steps(torch.cat(tok_rows), nt, ns, summarise_nodes(logits, predict), accept_index, lens, predict,
+                              rid_list, committed,
                               positions=torch.cat([c + depths for c in committed]), draws=draws, uniforms=uniforms)
         elif layout == "tree":
             links = [links_from_parents(parents.tolist()) for _ in prompts]
@@ -135,14 +136,15 @@ def fake_sglang(runner, prompts, trees, layout: str, leaky: bool = False, steps:
                 for j in acc:
                     predict[b * n + j] = int(fwds[b].logits[j].argmax())
             recs = tree_steps(torch.cat(tok_rows), torch.tensor([lk[0] for lk in links]), torch.tensor([lk[1] for lk in links]),
-                              logits, accept_index, torch.tensor([len(a) for a in accs], dtype=torch.int32), predict,
+                              summarise_nodes(logits, predict), accept_index,
+                              torch.tensor([len(a) for a in accs], dtype=torch.int32), predict,
                               rid_list, committed, positions=torch.cat([c + depths for c in committed]))
         else:
             out_tokens = torch.zeros(len(prompts), n, dtype=torch.int64)
             for b, acc in enumerate(accs):
                 emitted = tok_rows[b][acc[1:]].tolist() + [int(fwds[b].logits[acc[-1]].argmax())]
                 out_tokens[b, : len(emitted)] = torch.tensor(emitted)
-            recs = chain_steps(torch.stack(tok_rows), logits, torch.tensor([len(a) for a in accs], dtype=torch.int32),
+            recs = chain_steps(torch.stack(tok_rows), summarise_nodes(logits, out_tokens.reshape(-1)), torch.tensor([len(a) for a in accs], dtype=torch.int32),
                                out_tokens, rid_list, committed)
         if layer_sketches:  # what the forward hooks record: each layer's output over the flat batch of nodes
             from refcheck.sglang_capture import layers as layer_hooks
@@ -161,7 +163,8 @@ def fake_sglang(runner, prompts, trees, layout: str, leaky: bool = False, steps:
         for b, r in enumerate(recs):
             slots = req_to_token[b + 1, r.committed_len: r.committed_len + len(r.accepted)]
             if tp == 1:
-                r.state = summarise(committed_rows(kv, slots, mamba, mslots[b]), full=full)
+                r.state = request_state(batch_state(kv, slots[None], mamba, torch.tensor([mslots[b]]), full=full), 0,
+                                        len(slots))
             roots[b] = r.bonus
             outputs[b] += r.emitted
         if tp == 1:
@@ -172,7 +175,8 @@ def fake_sglang(runner, prompts, trees, layout: str, leaky: bool = False, steps:
             for b, r in enumerate(recs):
                 copy = StepCapture.from_dict({**r.to_dict(), "state": {}, "meta": dict(r.meta)})
                 slots = req_to_token[b + 1, r.committed_len: r.committed_len + len(r.accepted)]
-                copy.state = summarise_shard(committed_rows(kv_r, slots, mamba_r, mslots[b]), rank, tp, groups, full)
+                copy.state = request_state(batch_state(kv_r, slots[None], mamba_r, torch.tensor([mslots[b]]), full=full,
+                                                       shard=(rank, tp, groups)), 0, len(slots))
                 copy.meta.update(tp_rank=rank, tp_size=tp, conv_groups=list(groups))
                 cap.steps.setdefault(rank, []).append(copy)
     results = {p.id: {"output_ids": outputs[b]} for b, p in enumerate(prompts)}
@@ -264,21 +268,20 @@ def test_chain_capture_of_a_correct_engine_passes(setup):
     assert all(s.tree_parents == [-1] + list(range(n - 1)) for s in asm.trace.steps)
 
 
-def test_records_round_trip_through_the_capture_directory(setup, tmp_path):
-    runner, prompts, trees = setup
-    cap, results, rids = fake_sglang(runner, prompts[:2], trees, "tree", steps=2)
+def test_records_round_trip_through_the_capture_directory(tmp_path):
     rec = Recorder(tmp_path)
-    for p in cap.prefills[0]:
-        rec.prefill(p)
-    for s in cap.steps[0]:
-        rec.step(s)
+    logits, nxt = torch.randn(2, 9), torch.tensor([3, 4])
+    rec.ship("prefill_batch", {"rids": ["a", "b"], "prompt_lens": [5, 6], "uniforms": {"b": 0.5}},
+             {"t": {"nodes": summarise_nodes(logits, nxt).tensors(), "next_ids": nxt}})
+    assert rec.shipper.drain(10.0)
     rec.error("eagle_sample:after", "boom")
     (rec.dir / "00000099.pt").write_bytes(b"torn")
     back = read_capture(tmp_path)
-    assert [s.to_dict()["accepted"] for s in back.steps[0]] == [s.accepted for s in cap.steps[0]]
-    assert torch.equal(back.steps[0][0].state["rec.0"][2], cap.steps[0][0].state["rec.0"][2])
+    a, b = back.prefills[0]
+    assert (a.rid, a.prompt_len, a.token, b.token, b.uniform) == ("a", 5, 3, 4, 0.5) and math.isnan(a.uniform)
+    assert a.logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[3]), abs=1e-6)
     assert any("boom" in e for e in back.errors) and any("unreadable record" in e for e in back.errors)
-    assert not list(rec.dir.glob(".*.tmp"))
+    assert not list(rec.dir.glob(".*.tmp")) and back.lost == 0
 
 
 def test_assembly_cuts_the_last_block_and_flags_inconsistencies(setup):
@@ -312,8 +315,9 @@ def test_tree_steps_on_a_worked_example():
     tokens = torch.tensor([10, 11, 12, 13])
     logits = torch.full((4, 20), -5.0)
     logits[0, 12] = logits[2, 7] = logits[1, 13] = logits[3, 1] = 5.0
-    recs = tree_steps(tokens, torch.tensor([[1, 3, -1, -1]]), torch.tensor([[-1, 2, -1, -1]]), logits,
-                      torch.tensor([[0, 2, -1, -1]]), torch.tensor([2]), torch.tensor([12, 0, 7, 0]), ["a"], [5],
+    predict = torch.tensor([12, 0, 7, 0])
+    recs = tree_steps(tokens, torch.tensor([[1, 3, -1, -1]]), torch.tensor([[-1, 2, -1, -1]]),
+                      summarise_nodes(logits, predict), torch.tensor([[0, 2, -1, -1]]), torch.tensor([2]), predict, ["a"], [5],
                       positions=torch.tensor([5, 6, 6, 7]))
     r = recs[0]
     assert r.parents == [-1, 0, 0, 1] and r.depths == [0, 1, 1, 2] and r.accepted == [0, 2]
@@ -332,16 +336,24 @@ def test_duplicate_sibling_tokens_walk_like_sglang():
     assert tree.walk_greedy(torch.tensor([0, 3, 9, 1])) == [0, 1]
 
 
-def test_committed_rows_layouts():
+def test_batch_state_layouts_and_sketches():
+    """Each request's committed rows in refcheck's layouts (its KV rows from its slots, its conv / SSM slot), and
+    sketches equal to the reference layout's (the SSM's sketched in SGLang's order with permuted projection rows)."""
+    from refcheck.sketch import sketch_rows
+
     kb = torch.arange(8 * 2 * 3, dtype=torch.float32).reshape(8, 2, 3)
     conv = torch.arange(4 * 6 * 3, dtype=torch.float32).reshape(4, 6, 3)  # [slots, C, K-1]
-    ssm = torch.arange(4 * 2 * 5 * 3, dtype=torch.float32).reshape(4, 2, 5, 3)  # [slots, HV, V, K]
-    rows = committed_rows({1: (kb, kb + 1)}, torch.tensor([6, 2]), {0: (conv, ssm)}, 3)
-    assert torch.equal(rows["kv_k.1"][2], kb[[6, 2]].reshape(2, 6))
-    assert torch.equal(rows["conv.0"][2], conv[3].T)
-    assert torch.equal(rows["rec.0"][2], ssm[3].transpose(-1, -2).reshape(2, 15))
+    ssm = torch.randn(4, 2, 5, 3)  # [slots, HV, V, K]
+    batch = batch_state({1: (kb, kb + 1)}, torch.tensor([[6, 2, 0], [1, 5, 7]]), {0: (conv, ssm)},
+                        torch.tensor([3, 1]), full=True)
+    one = request_state(batch, 1, 2)
+    assert torch.equal(one["kv_k.1"][3], kb[[1, 5]].reshape(2, 6))
+    assert torch.equal(one["conv.0"][3], conv[1].T)
+    assert torch.equal(one["rec.0"][3], ssm[1].transpose(-1, -2).reshape(2, 15))
+    assert torch.allclose(one["rec.0"][2], sketch_rows(ssm[1].transpose(-1, -2).reshape(2, 15)), atol=1e-5)
+    assert torch.allclose(one["kv_v.1"][2], sketch_rows((kb + 1)[[1, 5]].reshape(2, 6)), atol=1e-5)
     with pytest.raises(ValueError):
-        committed_rows({}, torch.tensor([0]), {0: (conv, ssm)}, None)
+        batch_state({}, torch.tensor([[0]]), {0: (conv, ssm)}, None)
 
 
 def test_tensor_parallel_shards_combine_to_the_full_state(setup):
@@ -427,3 +439,64 @@ def test_one_step_past_the_output_is_expected_under_the_overlap_scheduler(setup)
     over = assemble_trace(prompts[:1], rids, cut, cap, prov, overlap=True)
     assert not over.problems and over.stats["steps_past_output_dropped"] == 1
     assert len(over.trace.steps) == len(plain.trace.steps) == 2
+
+
+def _sampled(cap, rule):
+    """The capture a sampled run makes of the same steps: each request's steps the rule takes, numbered as the
+    plugin numbers them (the request's k-th step in the engine)."""
+    from refcheck.sglang_capture.records import Capture
+
+    out = Capture(steps={}, prefills=cap.prefills)
+    for rank, steps in cap.steps.items():
+        seen: dict[str, int] = {}
+        for s in steps:
+            k = seen.get(s.rid, 0)
+            seen[s.rid] = k + 1
+            if rule.takes(s.rid, k):
+                s2 = StepCapture.from_dict({**s.to_dict(), "meta": {**s.meta, "step_index": k}})
+                out.steps.setdefault(rank, []).append(s2)
+    return out
+
+
+def test_a_sampled_capture_is_judged_on_the_steps_it_holds(setup):
+    """One step in two per request (seeded phases): the assembly numbers steps as the engine did and places each
+    in the output by its committed length; the replay re-prefills across every gap and passes the correct engine,
+    while the leaky engine's sampled trace still fails on the steps it holds."""
+    from refcheck.sglang_capture.sample_rule import SampleRule
+
+    runner, prompts, trees = setup
+    rule = SampleRule(2, seed=3)
+    cap, results, rids = fake_sglang(runner, prompts, trees, "tree")
+    asm = assemble_trace(prompts, rids, results, _sampled(cap, rule), _prov(runner, prompts, 15))
+    assert not asm.problems, asm.problems
+    assert len(asm.trace.steps) == 2 * len(prompts)
+    assert {s.step for s in asm.trace.steps} != {0, 1}  # the phases differ between requests here
+    rep = _replay(asm.trace)
+    assert not rep.failures, [f.message for f in rep.failures]
+    assert rep.stats["gaps_crossed"] >= len(prompts) and rep.checks["recurrent"] > 0
+    leaky, results, rids = fake_sglang(runner, prompts, trees, "tree", leaky=True)
+    rep = _replay(assemble_trace(prompts, rids, results, _sampled(leaky, rule), _prov(runner, prompts, 15)).trace)
+    assert {f.category for f in rep.failures} & {"logits", "recurrent"}
+
+
+def test_a_sampled_step_off_its_output_is_an_alignment_failure(setup):
+    """A step after a gap whose committed length does not lie where its root is in the output is not followed."""
+    from refcheck.sglang_capture.sample_rule import SampleRule
+
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts[:1], trees, "tree")
+    sampled = _sampled(cap, SampleRule(2, seed=3))
+    late = sampled.steps[0][-1]
+    late.committed_len += 1  # the engine says it had one more token than its output puts before the root
+    trace = assemble_trace(prompts[:1], rids, results, sampled, _prov(runner, prompts[:1], 15)).trace
+    assert any(f.category in ("alignment", "output") for f in _replay(trace).failures)
+
+
+def test_records_lost_to_a_full_capture_queue_are_reported_not_failed(setup):
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts[:1], trees, "tree", steps=2)
+    trace = assemble_trace(prompts[:1], rids, results, cap, _prov(runner, prompts[:1], 15)).trace
+    trace.provenance["capture"] = {"incomplete": [], "crash": None, "errors": [], "stats": {"lost_batches": 3}}
+    rep = _replay(trace)
+    assert not rep.failures and rep.exit_code == 0
+    assert any(f.category == "engine" and "3 batch record(s)" in f.message for f in rep.findings)

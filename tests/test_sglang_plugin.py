@@ -14,8 +14,14 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from refcheck.sglang_capture import plugin
-from refcheck.sglang_capture.records import read_capture
+from refcheck.sglang_capture import plugin, records
+from refcheck.sglang_capture.drafts import context_side
+
+
+def read_capture(root):
+    """The capture directory once the plugin's writer thread has written every queued record."""
+    assert plugin.drain(10.0)
+    return records.read_capture(root)
 
 V, N, HKV, D, C, KM1, HV, DK, DV = 32, 4, 2, 3, 6, 3, 2, 4, 5
 
@@ -74,6 +80,8 @@ def _tree() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def capture_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(tmp_path))
     monkeypatch.setattr(plugin, "_recorder", None)
+    monkeypatch.setattr(plugin, "_rule", None)
+    monkeypatch.setattr(plugin, "_steps_seen", {})
     return tmp_path
 
 
@@ -290,7 +298,7 @@ def test_dflash_drafter_faults_act_and_the_capture_keeps_what_sglang_used(captur
     elif fault == "context-layers-swapped":
         h = _FakeDFlash.F // 2
         assert torch.equal(fed["target_hidden"][:, :h], features0[:, h:])
-        assert not torch.allclose(chain.context_sketch, plugin.dflash_taps.context_side(features0[:2], torch.arange(2))["sketch"])
+        assert not torch.allclose(chain.context_sketch, context_side(features0[:2], torch.arange(2))["sketch"])
     else:  # depth d drafts from depth d - 1's hidden state; the record holds the drafter's own output
         assert torch.equal(drafted["hidden"][2:], hidden0[1:-1])
         assert [r[0] for r in chain.draft_ids] == (hidden0[1:] @ w.head.T).argmax(-1).tolist()
@@ -430,3 +438,34 @@ def test_an_injected_sampler_fault_changes_the_kernel_inputs_not_the_record(capt
     monkeypatch.setenv(sampler_faults.ENV_FAULT, "no-such")
     with pytest.raises(UsageError, match="not one of"):
         check_sampling("NGRAM", t1)
+
+
+def test_a_sampled_capture_records_the_steps_its_rule_takes_and_leaves_other_batches_alone(capture_dir, monkeypatch):
+    """REFCHECK_CAPTURE_SAMPLE=4:3: each request's steps are recorded one in four (its step number kept); a batch
+    holding no recorded request runs its hooks straight through (no records, no device work)."""
+    from refcheck.sglang_capture.sample_rule import SampleRule
+
+    monkeypatch.setenv("REFCHECK_CAPTURE_SAMPLE", "4:3")
+    rule = SampleRule(4, 3)  # r0 at step 1, r1 (alone in its batch) at step 2, nothing at steps 0 and 3
+    sched, *_ = _scheduler()
+    _prefill(sched)
+    tokens, nt, ns = _tree()
+    out = (torch.tensor([12, 0, 30, 0, 21, 23, 0, 31]), torch.tensor([2, 3]), torch.tensor([[0, 2, -1, -1], [4, 5, 7, -1]]))
+    calls = []
+
+    def worker(self, b):
+        vi = NS(draft_token=tokens, retrieve_next_token=nt, retrieve_next_sibling=ns, positions=None)
+        plugin._eagle_sample(lambda *a: calls.append(plugin._batch is not None) or out, vi, b,
+                             NS(next_token_logits=torch.randn(2 * N, V)), None)
+        return NS(logits_output=None, next_token_ids=None)
+
+    for k in range(4):
+        plugin._run_batch(worker, sched, _batch("decode", True, [[7] * (k + 1), [9] * (k + 1)]))
+    cap = read_capture(capture_dir)
+    assert not cap.errors, cap.errors
+    want = [(rid, k) for k in range(4) for rid in ("r0", "r1") if rule.takes(rid, k)]
+    assert [(s.rid, s.meta["step_index"]) for s in cap.steps[0]] == want == [("r0", 1), ("r1", 2)]
+    taken = {(rid, k) for rid, k in want}
+    assert calls == [any((rid, k) in taken for rid in ("r0", "r1")) for k in range(4)]
+    r1 = [s for s in cap.steps[0] if s.rid == "r1"]
+    assert all(s.accepted == [0, 1, 3] for s in r1)  # accept_index's flat rows counted in SGLang's whole batch

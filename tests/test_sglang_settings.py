@@ -139,19 +139,14 @@ def test_committed_lengths_come_from_the_device_where_the_batch_has_them():
     takes the forward batch's seq lens, and says how far the lists lagged."""
     import torch
 
-    from refcheck.sglang_capture.plugin import _Batch, _committed, _lags, _seq_lens
+    from refcheck.sglang_capture.expand import _committed, _lags
 
-    snap = _Batch("decode", True, ["a", "b"], [10, 20], [1, 2], [5, 5], [5, 5], [0, 1], 2)
-    assert _committed(snap, ["b", "a"], None) == ([20, 10], {"committed_from": "requests"})
-    got, meta = _committed(snap, ["a", "b"], [13, 20])
+    rec = {"committed_host": [10, 20], "t": {}}
+    assert _committed(rec) == ([10, 20], {"committed_from": "requests"})
+    got, meta = _committed({**rec, "t": {"committed": torch.tensor([13, 20])}})
     assert got == [13, 20] and meta == {"committed_from": "forward_batch", "committed_lag": 3}
-    assert _committed(snap, ["a", "b"], [1])[1]["committed_from"] == "requests"  # a batch of another size
+    assert _committed({**rec, "t": {"committed": torch.tensor([1])}})[1]["committed_from"] == "requests"  # another size
     assert _lags([], []) == 0
-
-    class Batch:
-        seq_lens = torch.tensor([4, 7])
-
-    assert _seq_lens(Batch()) == [4, 7] and _seq_lens(object()) is None
 
 
 def test_the_hybrid_radix_cache_is_refused_where_sglang_would_run_something_else():

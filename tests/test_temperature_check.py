@@ -129,12 +129,13 @@ def test_the_running_test_names_the_step_and_the_tokens_it_first_fails_at():
     higher = [k for k in leans.steps][1:]
     first = first_failing_step(leans)
     assert lean_p_value(19, 1) >= ALPHA > lean_p_value(20, 1) and first == higher[19] == ("b", 20)
-    step = lambda i, n: SimpleNamespace(step=i, emitted=[0] * n)  # noqa: E731
-    trace = SimpleNamespace(requests=[SimpleNamespace(request_id="a", output_ids=[0] * 21),
-                                      SimpleNamespace(request_id="b", output_ids=[0] * 31)],
+    # request b's first recorded step is its step 10 (a sampled capture): counted from its own place in the output
+    step = lambda i, n: SimpleNamespace(step=i, emitted=[0] * n, committed_len=3 + 2 * i)  # noqa: E731
+    trace = SimpleNamespace(requests=[SimpleNamespace(request_id="a", output_ids=[0] * 21, prompt_ids=[0] * 3),
+                                      SimpleNamespace(request_id="b", output_ids=[0] * 51, prompt_ids=[0] * 3)],
                             steps_of=lambda rid: [step(i, 2) for i in (range(10) if rid == "a" else range(10, 25))])
     counts = emitted_after(trace)  # type: ignore[arg-type]
-    assert counts[("a", -1)] == 1 and counts[("a", 9)] == 21 and counts[("b", -1)] == 22 and counts[("b", 20)] == 44
+    assert counts[("a", -1)] == 1 and counts[("a", 9)] == 21 and counts[("b", -1)] == 22 and counts[("b", 20)] == 64
     v = judge_leans(leans, emitted_after=counts)
     assert v.verdict == "fail" and v.fails_after_tokens == counts[first]
     assert judge_leans(leans).fails_after_tokens is None

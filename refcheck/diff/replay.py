@@ -388,9 +388,12 @@ class _Request(NodeChecks):
                 self.fail("logprobs", -1, f"log-prob of the first token {output_lps[0]:.5g} vs reference {ref:.5g}")
         self.root = output[0] if output else None
         emitted_all, emitted_lps = output[:1], output_lps[:1]
-        start = len(self.rep.findings)
+        start, last_step, gapped = len(self.rep.findings), -1, False
         try:
             for k, s in enumerate(steps):
+                if s.step != last_step + 1 and self.cross_gap(s, prompt, output):
+                    emitted_all, gapped = output[: s.committed_len - P + 1], True
+                last_step = s.step
                 since = self.since = len(self.rep.findings)
                 self.pending_tau = self.shadow = self.tree_margin = None
                 self.draft_dev = 0.0
@@ -404,13 +407,32 @@ class _Request(NodeChecks):
                 emitted_lps += s.emitted_logprobs
         finally:
             self.withdraw(start)
+        self.check_output(output, output_lps, emitted_all, emitted_lps, P, gapped)
+
+    def cross_gap(self, s: StepRow, prompt: list[int], output: list[int]) -> bool:
+        """A step after steps the capture did not record (a sampled capture, or records it lost): the reference
+        re-prefills the engine's committed tokens up to the step's root; False when the step's committed length
+        does not lie inside the output (the alignment check then fails it)."""
+        done = s.committed_len - len(prompt)
+        if not 0 <= done < len(output) or s.committed_len == self.state.length:
+            return False
+        self.prefill(prompt + output[:done])
+        self.root = output[done]
+        self.rep.stats["gaps_crossed"] = self.rep.stats.get("gaps_crossed", 0) + 1
+        return True
+
+    def check_output(self, output: list[int], output_lps: list[float], emitted_all: list[int], emitted_lps: list[float],
+                     prompt_len: int, gapped: bool) -> None:
+        """The request's output is the steps' emitted tokens (after a gap: they are where their steps put them, and
+        the recorded steps may end before the output does)."""
         self.rep.check("output")
-        if emitted_all != output:
+        want = output[: len(emitted_all)] if gapped else output
+        if emitted_all != want:
             i = next((j for j, (a, b) in enumerate(zip(emitted_all, output)) if a != b), min(len(emitted_all), len(output)))
             self.fail("output", None, f"request output differs from the steps' emitted tokens at index {i}",
-                      position=P + i, details={"index": i})
-        elif output_lps:
-            self.check_output_logprobs(output_lps, emitted_lps, P)
+                      position=prompt_len + i, details={"index": i})
+        elif output_lps and not gapped:
+            self.check_output_logprobs(output_lps, emitted_lps, prompt_len)
 
     def check_output_logprobs(self, output_lps: list[float], emitted_lps: list[float], prompt_len: int) -> None:
         """The request's output log-probs are the engine's own per-step reports of the same tokens (the first

@@ -178,8 +178,12 @@ def emitted_after(trace: Trace) -> dict[tuple[str, int], int]:
     for req in trace.requests:
         count = done + (1 if req.output_ids else 0)
         out[(req.request_id, -1)] = count
+        last = -1
         for s in trace.steps_of(req.request_id):
+            if s.step != last + 1:  # after steps a sampled capture did not record: the step's own place
+                count = done + s.committed_len - len(req.prompt_ids) + 1
             count += len(s.emitted)
             out[(req.request_id, s.step)] = count
+            last = s.step
         done += len(req.output_ids)
     return out

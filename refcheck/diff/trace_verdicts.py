@@ -28,6 +28,10 @@ def capture_findings(rep: Report, trace: Trace) -> None:
     for msg in cap.errors:
         rep.add(Finding(Verdict.FAIL, "engine", None, None, message=f"capture: {msg}"))
     stats = cap.stats
+    if stats.get("lost_batches"):
+        rep.add(Finding(Verdict.SKIPPED, "engine", None, None,
+                        message=f"the capture fell behind the engine: {stats['lost_batches']} batch record(s) found its "
+                                "queue full and were not recorded; the replay crosses their steps by re-prefilling"))
     if stats.get("chain_layout_branching_steps"):
         rid, step = stats.get("chain_layout_first", [None, None])
         rep.check("tree")

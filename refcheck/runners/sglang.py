@@ -331,6 +331,16 @@ def settings_changed(asked: ServingSettings, status: dict[str, Any]) -> list[str
             for name in want if got.get(name) is not None and got[name] != want[name]]
 
 
+def _sample_rules(capture_sample: str | None, sampled_timing: str | None) -> tuple[Any, Any]:
+    """The captured pass's rule and the sampled timing pass's (None: no such pass); a bad rule is a UsageError."""
+    from refcheck.sglang_capture.sample_rule import CaptureSampleError, parse
+
+    try:
+        return parse(capture_sample), (parse(sampled_timing) if sampled_timing else None)
+    except CaptureSampleError as exc:
+        raise UsageError(f"--capture-sample: {exc}") from None
+
+
 class SGLangRunner:
     name = "sglang"
 
@@ -338,7 +348,8 @@ class SGLangRunner:
                  ngram_breadth: int = 10, capture_dir: Path | None = None, full_state: bool = False,
                  timeout_s: float = 3600.0, tp: int = 1, layer_sketches: bool = False,
                  mem_fraction: float = 0.3, timing_repeats: int = 0, max_running: int | None = None,
-                 settings: ServingSettings = DEFAULT_SETTINGS, warmup: bool = False) -> None:
+                 settings: ServingSettings = DEFAULT_SETTINGS, warmup: bool = False, capture_sample: str | None = None,
+                 sampled_timing: str | None = None) -> None:
         self.algorithm = algorithm.upper()
         self.settings = merged_settings(settings, cuda_graphs, max_running)
         self.spec, self.capture, self.ngram_breadth = spec, capture, ngram_breadth
@@ -357,6 +368,8 @@ class SGLangRunner:
         if timing_repeats < 0:
             raise UsageError(f"timing repeats must be >= 0, got {timing_repeats}")
         self.timing_repeats = timing_repeats  # warm, untraced generates after the captured one (sweep tok/s)
+        # the captured pass records 1 step in N per request (full: every step); the timing pass, with its own rule
+        self.sample, self.sampled_timing = _sample_rules(capture_sample, sampled_timing)
         tdir, ddir = spec.resolved_dirs()
         cfg = _config(tdir)  # the refusals below ask the target's config, read once
         text_cfg = _text_of(cfg)
@@ -407,6 +420,7 @@ class SGLangRunner:
         from refcheck.provenance import build_provenance
         from refcheck.sglang_capture.assemble import assemble_trace
         from refcheck.sglang_capture.records import ENV_DIR, ENV_FULL, Capture, read_capture
+        from refcheck.sglang_capture.sample_rule import ENV_SAMPLE
         from refcheck.trace.io import write_trace
 
         tdir, ddir = self.spec.resolved_dirs()
@@ -420,8 +434,11 @@ class SGLangRunner:
         env = dict(os.environ)
         env.pop(ENV_DIR, None)
         env.pop(ENV_FULL, None)
+        env.pop(ENV_SAMPLE, None)
         if self.capture:
             env[ENV_DIR] = str(records)
+            if not self.sample.full:
+                env[ENV_SAMPLE] = self.sample.to_env()
         if self.full_state:
             env[ENV_FULL] = "1"
         if self.algorithm == SHADOW:
@@ -448,15 +465,7 @@ class SGLangRunner:
             model_label=self.spec.model_label)
         asm = assemble_trace(prompts, rids, results, cap, prov, self.spec.sampling if self.spec.sampled else None,
                              sampling_rng(self.algorithm), overlap=self.settings.overlap)
-        from refcheck.sglang_capture.versions import SUPPORTED
-
-        seen = {str(st.get("sglang")) for st in cap.status} - set(SUPPORTED)
-        if seen:  # not an error: the hook targets may still hold, but nobody has read this release
-            asm.problems.append(f"SGLang {', '.join(sorted(seen))} is not a release refcheck's hooks were checked "
-                                f"against ({', '.join(SUPPORTED)})")
-        errors = list(cap.errors) + self._hook_errors(cap)
-        prov["capture"] = {"enabled": self.capture, "errors": errors[:50], "problems": asm.problems[:50],
-                           "incomplete": asm.incomplete, "crash": crash, "stats": asm.stats, "status": cap.status[:8]}
+        prov["capture"] = self._capture_provenance(cap, asm, crash)
         if asm.stats.get("draft_not_captured") or (self.algorithm in DFLASH_DRAFTED and not asm.stats.get("draft_steps")
                                                      and asm.stats.get("steps")):
             logging.getLogger("refcheck.progress").warning(
@@ -467,6 +476,21 @@ class SGLangRunner:
             write_trace(asm.trace, cdir / "partial.arrow")
             prov["capture"]["partial_trace"] = str(cdir / "partial.arrow")
         return asm.trace
+
+    def _capture_provenance(self, cap: Any, asm: Any, crash: str | None) -> dict[str, Any]:
+        """The trace's ``capture`` provenance: errors, problems, crash, stats, the schedulers' status, the rule."""
+        from refcheck.sglang_capture.versions import SUPPORTED
+
+        seen = {str(st.get("sglang")) for st in cap.status} - set(SUPPORTED)
+        if seen:  # not an error: the hook targets may still hold, but nobody has read this release
+            asm.problems.append(f"SGLang {', '.join(sorted(seen))} is not a release refcheck's hooks were checked "
+                                f"against ({', '.join(SUPPORTED)})")
+        errors = list(cap.errors) + self._hook_errors(cap)
+        if cap.lost:
+            asm.stats["lost_batches"] = cap.lost
+        return {"enabled": self.capture, "errors": errors[:50], "problems": asm.problems[:50],
+                "incomplete": asm.incomplete, "crash": crash, "stats": asm.stats, "status": cap.status[:8],
+                "sample": self.sample.to_json()}
 
     def _add_forward_hooks(self, kw: dict[str, Any]) -> None:
         """SGLang ``forward_hooks``: per-layer sketches (layer bisection, slower) and the GDN probe (a diagnostic of
@@ -490,6 +514,8 @@ class SGLangRunner:
                         serving=self.settings.to_json(), serving_label=self.settings.label(),
                         warmup_generate_s=run.get("warmup_generate_s"), warmup_match=run.get("warmup_match"),
                         untraced_diffs=run.get("untraced_diffs") or {},
+                        sampled_generate_s=[round(t, 3) for t in run.get("sampled_generate_s") or []],
+                        sampled_match=run.get("sampled_match"), capture_behind=run.get("capture_behind") or {},
                         **({"sampling": self.spec.sampling.to_json(), "rng": sampling_rng(self.algorithm)}
                            if self.spec.sampled and self.spec.sampling is not None else {}),
                         # a fault injected into SGLang's tree sampler (refcheck/sglang_capture/sampler_faults.py)
@@ -503,6 +529,8 @@ class SGLangRunner:
 
     def _run_engine(self, cdir: Path, env: dict, kw: dict, prompts: list[Prompt], rids: dict[str, str]) -> dict:
         """SGLang in its own process (sglang_child); returns its last reported stage."""
+        from refcheck.sglang_capture.sample_rule import sampled_rid
+
         job, result, log = cdir / "job.json", cdir / "result.json", cdir / "engine.log"
         result.unlink(missing_ok=True)
         job.write_text(json.dumps({
@@ -511,7 +539,9 @@ class SGLangRunner:
             "timing_rids": [[f"{UNTRACED_RID_PREFIX}{k}-{rids[p.id]}" for p in prompts] for k in range(self.timing_repeats)],
             "sampling_params": [request_sampling_params(p, self.spec, self.algorithm) for p in prompts],
             "stagger_s": self.settings.stagger_ms / 1000.0,
-            "warmup_rids": [f"{UNTRACED_RID_PREFIX}warm-{rids[p.id]}" for p in prompts] if self.warmup else []}))
+            "warmup_rids": [f"{UNTRACED_RID_PREFIX}warm-{rids[p.id]}" for p in prompts] if self.warmup else [],
+            "sampled_rids": [[sampled_rid(self.sampled_timing, f"timing-{rids[p.id]}") for p in prompts]]
+            if self.sampled_timing is not None and self.capture else []}))
         with log.open("w") as f:
             # a session of its own: on a timeout the engine's schedulers go down with it
             proc = subprocess.Popen([sys.executable, "-m", "refcheck.runners.sglang_child", str(job)], env=env,

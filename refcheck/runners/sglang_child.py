@@ -9,6 +9,11 @@ rids (the capture plugin passes them through: no synchronisation, no records), a
 carries ``repeat_generate_s`` (their wall times: tokens/s without first-use kernel compilation or
 capture) and ``repeats_match`` (whether every repeat produced the captured output ids), and
 ``untraced_diffs`` where an untraced pass left the captured one (:func:`first_differences`). With
+``sampled_rids`` (rids marked for a sampled capture, :func:`refcheck.sglang_capture.sample_rule.sampled_rid`)
+those passes run after the captured one: ``sampled_generate_s``, ``sampled_match``. Before the untraced passes
+and before the engine stops, the child waits until the scheduler processes have written every capture record
+they queued (:func:`refcheck.sglang_capture.shipper.wait_drained`; ``capture_behind`` lists any that did not
+within a minute). With
 ``warmup_rids`` one untraced pass runs before the captured one (``warmup_generate_s``, ``warmup_match``);
 with ``stagger_s`` > 0 the requests of each pass arrive one every ``stagger_s`` seconds. SGLang
 answers a dead scheduler by killing its whole process tree (SIGQUIT, then SIGKILL): running it here
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -74,6 +80,26 @@ def generate(engine: Any, job: dict, rids: list[str]) -> list[dict]:
     return engine.loop.run_until_complete(every())
 
 
+def _passes(engine: Any, job: dict, passes: list[list[str]], outputs: list[list[int]]) -> tuple[list[float], bool]:
+    """Run each pass (a list of rids) over the job's requests: (wall times, whether every pass gave ``outputs``)."""
+    times, match = [], True
+    for rids in passes:
+        t0 = time.time()
+        again = _outputs(generate(engine, job, rids))
+        times.append(time.time() - t0)
+        match = match and again == outputs
+    return times, match
+
+
+def _drained() -> dict[str, int]:
+    """Wait for the capture's writer threads (when this engine captures): {queue file: records not written}."""
+    from refcheck.sglang_capture.records import ENV_DIR
+    from refcheck.sglang_capture.shipper import wait_drained
+
+    root = os.environ.get(ENV_DIR)
+    return wait_drained(Path(root)) if root else {}
+
+
 def main(job_path: str) -> int:
     job = json.loads(Path(job_path).read_text())
     result = Path(job["result"])
@@ -106,6 +132,8 @@ def main(job_path: str) -> int:
         if warm:
             warm["warmup_match"] = warm_out == outputs
             diffs["warmup"] = first_differences(outputs, warm_out)
+        sampled_s, sampled_match = _passes(engine, job, job.get("sampled_rids") or [], outputs)
+        behind = _drained()
         repeat_s, match = [], True
         for k, rids in enumerate(job.get("timing_rids") or []):
             t2 = time.time()
@@ -115,6 +143,8 @@ def main(job_path: str) -> int:
             diffs[f"repeat{k}"] = first_differences(outputs, again)
         _write(result, {"stage": "done", "start_s": start_s, "generate_s": generate_s, "sglang": version,
                         "outputs": outputs, "repeat_generate_s": repeat_s, "repeats_match": match, **warm,
+                        "sampled_generate_s": sampled_s, "sampled_match": sampled_match if sampled_s else None,
+                        "capture_behind": behind,
                         "untraced_diffs": {name: d for name, d in diffs.items() if d},
                         "meta": [{k: v for k, v in r.get("meta_info", {}).items() if isinstance(v, (int, float, str))}
                                  for r in out]})

@@ -7,7 +7,9 @@ trace's request and step rows. SGLang emits whole verify blocks and then cuts th
 holds (the last step may be partial; steps wholly past the output are dropped). Under tensor
 parallelism every rank records; :func:`merge_ranks` combines their state shards. When a request has
 no generate result (the engine crashed), its output is rebuilt from the captured records and the
-request is listed in :attr:`Assembly.incomplete`. Inconsistencies between the records and the
+request is listed in :attr:`Assembly.incomplete`. A step's number is the engine's (``step_index``, counted by
+the plugin): a sampled capture records some steps of each request, and a step after unrecorded ones is placed
+in the output by its committed length (the request then carries no per-token log-probs). Inconsistencies between the records and the
 output (a step's emitted tokens not matching the output, committed lengths that do not follow
 each other, tensor-parallel ranks that disagree) are not repaired: they stay in the trace for the diff to report, and are listed in
 :attr:`Assembly.problems`.
@@ -71,6 +73,22 @@ def _step_row(prompt_id: str, k: int, s: StepCapture, keep: int) -> StepRow:
         timings={"draft": float(s.meta.get("batch_draft_s", math.nan)), "tree": math.nan,
                  "verify": float(s.meta.get("batch_step_s", math.nan)), "commit": math.nan},
     )
+
+
+def _step_problems(where: str, s: StepCapture, previous: StepCapture | None, held: list[int]) -> list[str]:
+    """A step's disagreements with the output (``held``: what the output holds where the step emitted), with the
+    step just before it (when that one was recorded), and a lossy sampler setting."""
+    out = []
+    if s.emitted[:len(held)] != held:
+        out.append(f"{where}: emitted {s.emitted[:len(held)]} but the output holds {held}")
+    if previous is not None and s.committed_len != previous.committed_len + len(previous.accepted):
+        out.append(f"{where}: committed length {s.committed_len} does not follow the previous step "
+                   f"({previous.committed_len} + {len(previous.accepted)})")
+    th = s.meta.get("accept_thresholds")
+    if th is not None and list(th) != [1.0, 1.0]:  # SGLang's speculative_accept_threshold_single / _acc
+        out.append(f"{where}: SGLang's tree sampler ran with accept thresholds {list(th)} (single, acc): below 1 it "
+                   "accepts drafts the target would not draw, by design lossy")
+    return out
 
 
 def merge_ranks(capture: Capture, problems: list[str]) -> list[StepCapture]:
@@ -158,23 +176,19 @@ def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[st
         lps = [first.logprob] if first is not None and output else []
         filled = 1 if output else 0
         for k, s in enumerate(recs):
+            index = int(s.meta.get("step_index", k))
+            follows = k == 0 and index == 0 or k > 0 and index == int(recs[k - 1].meta.get("step_index", k - 1)) + 1
+            if not follows:  # steps the capture did not record (sampled, or lost) lie before this one
+                filled, lps = s.committed_len - len(p.prompt_ids) + 1, []
             if filled >= len(output):
                 past_end += len(recs) - k
                 if not (overlap and len(recs) - k == 1):
                     out.problems.append(f"{p.id}: {len(recs) - k} captured step(s) past the end of the output dropped")
                 break
             keep = min(len(s.emitted), len(output) - filled)
-            if s.emitted[:keep] != output[filled:filled + keep]:
-                out.problems.append(f"{p.id} step {k}: emitted {s.emitted[:keep]} but the output holds "
-                                    f"{output[filled:filled + keep]}")
-            if k and s.committed_len != recs[k - 1].committed_len + len(recs[k - 1].accepted):
-                out.problems.append(f"{p.id} step {k}: committed length {s.committed_len} does not follow the previous "
-                                    f"step ({recs[k - 1].committed_len} + {len(recs[k - 1].accepted)})")
-            th = s.meta.get("accept_thresholds")
-            if th is not None and list(th) != [1.0, 1.0]:  # SGLang's speculative_accept_threshold_single / _acc
-                out.problems.append(f"{p.id} step {k}: SGLang's tree sampler ran with accept thresholds {list(th)} "
-                                    "(single, acc): below 1 it accepts drafts the target would not draw, by design lossy")
-            out.trace.steps.append(_step_row(p.id, k, s, keep))
+            out.problems += _step_problems(f"{p.id} step {index}", s, recs[k - 1] if k and follows else None,
+                                           output[filled:filled + keep])
+            out.trace.steps.append(_step_row(p.id, index, s, keep))
             kept.append(s)
             if lps:
                 lps.extend(s.emitted_logprobs[:keep])

@@ -5,11 +5,14 @@ While it is open, two instance-level wraps are in place (removed on exit):
 
 * the draft model runner's ``forward``: after the draft block's forward, the draft hidden states of depths
   1..B-1 go through the target's LM head (the engine's own head and dtype, as SGLang's greedy draft does) and
-  each request's top-k per depth is kept (:func:`refcheck.sglang_capture.drafts.draft_side`); where SGLang's draft
-  returns no hidden states, nothing is kept and :attr:`DFlashTaps.missing` says why;
-* ``_append_target_hidden_to_draft_kv_by_loc``: the target features and positions the step feeds the drafter's
-  KV (per request its first ``commit_lens[b]`` rows of the verify block) are kept
-  (:func:`refcheck.sglang_capture.drafts.context_side`).
+  the batch's top ranks per depth are kept on the device (:func:`refcheck.sglang_capture.drafts.draft_top`,
+  :attr:`DFlashTaps.draft`); where SGLang's draft returns no hidden states, nothing is kept and
+  :attr:`DFlashTaps.missing` says why;
+* ``_append_target_hidden_to_draft_kv_by_loc``: the target features the step feeds the drafter's KV, sketched
+  on the device, with their positions and each request's count of rows (its first ``commit_lens[b]`` rows of
+  the verify block), are kept (:attr:`DFlashTaps.context`).
+
+Nothing is copied to the host here: the plugin ships the kept tensors with the step's record.
 
 ``REFCHECK_DRAFT_FAULT`` (:data:`FAULTS`; opt-in, for refcheck's selftest, recorded in the provenance) injects a
 drafter fault into SGLang's DFLASH through the same wraps, while the taps keep what SGLang used:
@@ -28,12 +31,13 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from refcheck.sglang_capture.drafts import DRAFT_TOPK, context_side, draft_side
+from refcheck.sglang_capture.drafts import DRAFT_TOPK, draft_top
+from refcheck.sketch import SKETCH_DIM, projection
 
 ENV_FAULT = "REFCHECK_DRAFT_FAULT"
 FAULTS = ("context-positions-shifted", "context-skip-last", "context-layers-swapped", "draft-depth-shift")
@@ -53,17 +57,11 @@ def active() -> str | None:
 
 @dataclass
 class DFlashTaps:
-    drafts: list[dict[str, Any]] = field(default_factory=list)  # per request: draft_side
-    contexts: list[dict[str, Any]] = field(default_factory=list)  # per request: context_side (decode only)
+    #: the batch's draft top ranks (:func:`draft_top`: ids, logprobs [bs, B-1, K2], reach [bs, B-1]), on the device
+    draft: dict[str, torch.Tensor] | None = None
+    #: the drafter's context: sketch [bs, B, r], positions [bs, B], lens [bs] (rows fed per request), on the device
+    context: dict[str, torch.Tensor] | None = None
     missing: str | None = None  # why no draft top-k was kept
-
-    def side(self, b: int) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if b < len(self.drafts):
-            out.update(self.drafts[b])
-        if b < len(self.contexts):
-            out.update(self.contexts[b])
-        return out
 
 
 def _head_weight(worker: Any) -> torch.Tensor:
@@ -80,6 +78,14 @@ def _swap_first_layers(hidden: torch.Tensor, n_layers: int) -> torch.Tensor:
     out = hidden.clone()
     out[:, :h], out[:, h:2 * h] = hidden[:, h:2 * h], hidden[:, :h]
     return out
+
+
+def _context(target_hidden: torch.Tensor, positions: torch.Tensor, commit_lens: torch.Tensor, bs: int) -> dict:
+    """The drafter's context of a decode step, on the device: feature sketch [bs, B, r], positions [bs, B], lens."""
+    rows = target_hidden.view(bs, -1, target_hidden.shape[-1])  # [bs*B, F] -> [bs, B, F]
+    # float32 for the projection: bf16 accumulation would swamp the signal
+    sketch = rows.float() @ projection(rows.shape[-1], SKETCH_DIM, str(rows.device))  # [bs, B, r]
+    return {"sketch": sketch, "positions": positions.view(bs, -1).clone(), "lens": commit_lens.clone()}  # [bs*B] -> [bs, B]
 
 
 @contextlib.contextmanager
@@ -108,7 +114,7 @@ def dflash_taps(worker: Any, bs: int, record: bool, fault: str | None) -> Iterat
             hs = hidden.view(bs, block, -1)[:, 1:, :]  # [bs, B-1, H]: depths 1..B-1
             w = _head_weight(worker)
             logits = torch.matmul(hs.to(w.dtype), w.T)  # [bs, B-1, V] in the head's dtype, as the engine's draft
-            taps.drafts = [draft_side(logits[b], DRAFT_TOPK) for b in range(bs)]
+            taps.draft = draft_top(logits, DRAFT_TOPK)
         elif record:
             taps.missing = "SGLang's DFLASH draft forward returned no hidden states"
         if fault == "draft-depth-shift":
@@ -130,10 +136,7 @@ def dflash_taps(worker: Any, bs: int, record: bool, fault: str | None) -> Iterat
         elif fault == "context-layers-swapped":
             target_hidden = _swap_first_layers(target_hidden, n_ids)
         if record and commit_lens is not None:
-            lens = commit_lens.tolist()
-            rows = target_hidden.view(bs, -1, target_hidden.shape[-1])  # [bs, B, F]
-            pos = positions.view(bs, -1)  # [bs, B]
-            taps.contexts = [context_side(rows[b, : int(lens[b])], pos[b, : int(lens[b])]) for b in range(bs)]
+            taps.context = _context(target_hidden, positions, commit_lens, bs)
         return append(target_hidden=target_hidden, cache_loc=cache_loc, positions=positions, cache_loc_2d=cache_loc_2d,
                       commit_lens=commit_lens)
 

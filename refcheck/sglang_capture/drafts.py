@@ -7,6 +7,12 @@ features the engine fed its drafter from one verify step (``[A, F]``: the root, 
 path order) and their positions into their positions and feature sketch (:func:`refcheck.sketch.sketch_rows`).
 Both return plain dicts of lists and CPU tensors, ready for a capture record
 (:meth:`refcheck.sglang_capture.steps.StepCapture.attach_draft`).
+
+Inside the engine's step the drafter's scores are reduced on the device instead (:func:`draft_top`: the top
+``k + DRAFT_MARGIN`` per depth and how many scores reach the k-th), and :func:`draft_side_of_top` orders them
+on the host as the tree builder does. When no more than ``k + DRAFT_MARGIN`` scores reach the k-th value,
+every tie at the k-th rank is among the kept ones, so the host's order is the full sort's; a wider tie is
+reported as not captured rather than recorded in another order.
 """
 
 from __future__ import annotations
@@ -36,6 +42,33 @@ def draft_side(scores: torch.Tensor, k: int, logits: bool = True) -> dict[str, A
     vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)
     k = min(k, lp.shape[-1])
     return {"ids": ids[:, :k].cpu().tolist(), "logprobs": vals[:, :k].cpu().tolist()}
+
+
+#: extra ranks kept on the device so that a tie at the k-th rank is still ordered exactly on the host
+DRAFT_MARGIN = 8
+
+
+def draft_top(scores: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """``scores`` [..., V] logits -> on their device: ``ids`` / ``logprobs`` [..., k + margin] (any order within
+    equal values) and ``reach`` [...] (how many log-probs are >= the k-th largest)."""
+    lp = torch.log_softmax(scores.float(), dim=-1)  # float32: see draft_side
+    k = min(k, lp.shape[-1])
+    top = lp.topk(min(k + DRAFT_MARGIN, lp.shape[-1]), dim=-1)
+    reach = (lp >= top.values[..., k - 1: k]).sum(dim=-1)
+    return {"ids": top.indices, "logprobs": top.values, "reach": reach, "k": torch.tensor(k)}
+
+
+def draft_side_of_top(ids: torch.Tensor, logprobs: torch.Tensor, reach: torch.Tensor, k: int) -> dict[str, Any] | None:
+    """One request's :func:`draft_top` rows ([L, K2], [L, K2], [L], host) -> :func:`draft_side`'s dict; None when a
+    tie at the k-th rank is wider than the kept ranks."""
+    if int(reach.max()) > ids.shape[-1]:
+        return None
+    out_ids, out_lps = [], []
+    for row_ids, row_lps in zip(ids.tolist(), logprobs.tolist()):
+        order = sorted(range(len(row_ids)), key=lambda j: (-row_lps[j], row_ids[j]))[:k]
+        out_ids.append([row_ids[j] for j in order])
+        out_lps.append([row_lps[j] for j in order])
+    return {"ids": out_ids, "logprobs": out_lps}
 
 
 def context_side(hidden: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:

@@ -5,7 +5,8 @@ Contract: :func:`hook_factory` is what SGLang's ``forward_hooks`` server argumen
 (:data:`TARGET_PATTERNS`, SGLang's ``model.layers.<i>`` names) and sketches the layer's output (the
 residual stream after the layer: SGLang returns ``(hidden, residual)``, whose sum is it, computed at
 once because the next layer's fused add-norm rewrites ``residual`` in place) with refcheck's seeded
-projection, ``[tokens, H] -> [tokens, r]`` float32. The sketches of one forward are collected by
+projection, ``[tokens, H] -> [tokens, r]`` float32, kept on the device (the plugin ships them with the step's
+record). The sketches of one forward are collected by
 layer id in :data:`FORWARDS` (the last few forwards); :func:`take` returns the latest forward whose
 every layer saw ``tokens`` rows, as ``[layers, tokens, r]``. Hooks fire only on eager forwards (SGLang
 registers them after CUDA-graph capture).
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from refcheck.sketch import sketch_rows
+from refcheck.sketch import SKETCH_DIM, projection
 
 TARGET_PATTERNS = ["model.layers.[0-9]", "model.layers.[0-9][0-9]", "model.layers.[0-9][0-9][0-9]"]
 SPEC = {"name": "refcheck-layer-sketches", "target_modules": TARGET_PATTERNS,
@@ -42,7 +43,9 @@ def hook_factory(config: dict) -> Any:
         if layer is None:
             return
         with torch.no_grad():
-            sketch = sketch_rows(layer_output(output))  # [tokens, r] float32 on the CPU
+            out = layer_output(output)  # [tokens, H]
+            # float32 for the projection: bf16 accumulation would swamp the signal
+            sketch = out.float() @ projection(out.shape[-1], SKETCH_DIM, str(out.device))  # [tokens, r]
         if layer == 0 or not FORWARDS or layer in FORWARDS[-1]:
             FORWARDS.append({})
         FORWARDS[-1][int(layer)] = sketch

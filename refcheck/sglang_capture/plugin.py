@@ -27,6 +27,17 @@ SGLang's ``HookRegistry``:
   ``softmax(logits / T)``; the raw logits are kept from just before it, for the prefill and
   target-only decode records.
 
+**Cost.** The hooks do on the device, in the engine's step and on its stream, only what must be done there:
+the verify logits reduced to each node's top-k, argmax and emitted log-prob, the committed state gathered
+and sketched (:func:`~refcheck.sglang_capture.state.batch_state`), the drafter's top ranks and context
+sketched. Nothing synchronises the device or waits for the disk: each record's tensors are copied to
+pinned host memory asynchronously and written by a background thread
+(:mod:`refcheck.sglang_capture.shipper`); the per-request, per-node Python runs when refcheck reads the
+capture (:mod:`refcheck.sglang_capture.expand`). The step's time comes from two CUDA events around it. With
+``REFCHECK_CAPTURE_SAMPLE=N:SEED`` (:mod:`refcheck.sglang_capture.sample_rule`) only one step in N of each
+request is recorded (the prefill's first token always); a batch with no recorded request runs as if no
+capture were loaded.
+
 Capture never changes what SGLang computes (the exceptions are opt-in, for refcheck's own selftest:
 ``REFCHECK_SAMPLER_FAULT`` injects a fault into the tree sampler, ``sampler_faults.py``, and
 ``REFCHECK_DRAFT_FAULT`` one into DFLASH's drafter, ``dflash_taps.py``): hooks read and copy, and every failure inside a hook is
@@ -38,8 +49,9 @@ only logs failures), so the runner can refuse a capture that silently missed a h
 from __future__ import annotations
 
 import os
-import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,30 +60,36 @@ import torch
 
 from refcheck.sglang_capture import dflash_taps, layers, sampler_faults, versions
 from refcheck.sglang_capture.records import ENV_DIR, ENV_FULL, UNTRACED_RID_PREFIX, Recorder
-from refcheck.sglang_capture.state import committed_rows, summarise, summarise_shard
-from refcheck.sglang_capture.steps import StepCapture, chain_steps, prefill_records, root_steps, tree_steps
+from refcheck.sglang_capture.sample_rule import ENV_SAMPLE, SampleRule, parse, rule_for
+from refcheck.sglang_capture.state import batch_state
+from refcheck.sglang_capture.steps import node_logprobs, pick, summarise_nodes
 
 _registered = False
 _patched: list[str] = []
 _originals: dict[str, Any] = {}
 _recorder: Recorder | None = None
+_rule: SampleRule | None = None
+_steps_seen: dict[str, int] = {}  # rid -> decode / verify steps this process has run for it
 
 
 @dataclass
 class _Batch:
-    """What the scheduler's batch looked like before it ran."""
+    """What the scheduler's batch looked like before it ran, and which of its requests this step records."""
 
     mode: str  # "extend", "decode" or "other"
     speculative: bool
     rids: list[str]
-    committed: list[int]  # decode: tokens with KV before the step (the root's position)
+    committed: list[int]  # decode: tokens with KV before the step (the root's position), per the scheduler
     roots: list[int]
     prompt_lens: list[int]
     fill_lens: list[int]
-    pool_rows: list[int]
+    pool_rows: torch.Tensor | None  # [bs] the requests' rows of req_to_token, on the device
     topk: int | None
-    pending: list[StepCapture] = field(default_factory=list)
-    step_s: float = float("nan")
+    take: list[int] = field(default_factory=list)  # batch rows recorded at this step
+    steps: list[int] = field(default_factory=list)  # their step numbers
+    index: torch.Tensor | None = None  # ``take`` on the device (None: every row)
+    pending: list[dict[str, Any]] = field(default_factory=list)  # the verify calls' records, tensors on the device
+    events: tuple[Any, Any] | None = None  # CUDA events around the scheduler's step
     raw_logits: torch.Tensor | None = None  # [bs, V] before a sampling batch's sampler overwrote them
     #: the tree sampler's coins [bs, N], bonus coins [bs] and (threshold_single, threshold_acc) of this batch's verify
     coins: tuple[torch.Tensor, torch.Tensor, tuple[float, float]] | None = None
@@ -79,9 +97,17 @@ class _Batch:
     # root): right even under the overlap scheduler, whose per-request lists lag one step behind
     decode_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def committed_of(self, rids: list[str]) -> list[int]:
-        where = dict(zip(self.rids, self.committed))
-        return [where[r] for r in rids]
+    def rows(self, t: torch.Tensor, per: int = 1) -> torch.Tensor:
+        """The recorded requests' rows of a batch tensor [bs*per, ...] (or [bs, ...] with per=1)."""
+        if self.index is None:
+            return t
+        bs = len(self.rids)
+        shaped = t.reshape(bs, per, *t.shape[1:]) if per > 1 else t  # [bs*per, ...] -> [bs, per, ...]
+        sel = shaped[self.index.to(t.device)]
+        return sel.reshape(-1, *t.shape[1:]) if per > 1 else sel
+
+    def host(self, values: list[Any]) -> list[Any]:
+        return [values[i] for i in self.take]
 
 
 _batch: _Batch | None = None
@@ -137,12 +163,24 @@ def _rec(scheduler: Any = None) -> Recorder:
         _recorder = Recorder(Path(os.environ[ENV_DIR]), versions.tp_of(scheduler)[0] if scheduler is not None else 0)
         try:
             _recorder.status({"pid": os.getpid(), "tp_rank": _recorder.tp_rank, "sglang": versions.sglang_version(),
-                              "hooks": hook_status(), "patched": _patched,
+                              "hooks": hook_status(), "patched": _patched, "sample": _sample_rule().to_json(),
                               "server_topk": versions.server_topk(scheduler) if scheduler is not None else None,
                               "serving": versions.serving_of(scheduler) if scheduler is not None else None})
         except Exception as exc:  # a status we cannot compute must not stop the engine
             _recorder.error("status", f"{type(exc).__name__}: {exc}")
     return _recorder
+
+
+def drain(timeout_s: float = 60.0) -> bool:
+    """Wait until this process's queued records are written (tests, and code that reads in-process)."""
+    return _recorder is None or _recorder.shipper.drain(timeout_s)
+
+
+def _sample_rule() -> SampleRule:
+    global _rule
+    if _rule is None:
+        _rule = parse(os.environ.get(ENV_SAMPLE))
+    return _rule
 
 
 def _guard(where: str, fn, *args) -> Any:
@@ -158,20 +196,62 @@ def _arg(args: tuple, kwargs: dict, i: int, name: str) -> Any:
 
 
 # -- run_batch -----------------------------------------------------------------------------------------
+def _device_index(rows: list[int], device: Any) -> torch.Tensor:
+    """A host index list on ``device`` without a stream synchronisation (pinned source, asynchronous copy)."""
+    t = torch.tensor(rows, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _choose(snap: _Batch, device: Any) -> None:
+    """Which requests this step records: every one at a prefill; at a decode step, those the rule takes."""
+    if snap.mode == "extend":
+        snap.take = list(range(len(snap.rids)))
+        return
+    if snap.mode != "decode":
+        return
+    rule = _sample_rule()
+    for b, rid in enumerate(snap.rids):
+        k = _steps_seen.get(rid, 0)
+        _steps_seen[rid] = k + 1
+        if rule_for(rid, rule).takes(rid, k):
+            snap.take.append(b)
+            snap.steps.append(k)
+    if snap.take and len(snap.take) < len(snap.rids):
+        snap.index = _device_index(snap.take, device)
+
+
 def _snapshot(scheduler: Any, batch: Any) -> _Batch:
     fm = batch.forward_mode
     mode = "extend" if fm.is_extend() else "decode" if fm.is_decode() else "other"
     reqs = list(batch.reqs)
-    spec = not batch.spec_algorithm.is_none()
-    return _Batch(
-        mode=mode, speculative=spec, rids=[r.rid for r in reqs],
+    rows = batch.req_pool_indices
+    snap = _Batch(
+        mode=mode, speculative=not batch.spec_algorithm.is_none(), rids=[r.rid for r in reqs],
         committed=[len(r.origin_input_ids) + len(r.output_ids) - 1 for r in reqs],
         roots=[int(r.output_ids[-1]) if r.output_ids else -1 for r in reqs],
         prompt_lens=[len(r.origin_input_ids) for r in reqs],
         fill_lens=[len(getattr(r, "fill_ids", None) or r.origin_input_ids) for r in reqs],
-        pool_rows=[int(i) for i in batch.req_pool_indices.tolist()] if batch.req_pool_indices is not None else [],
+        pool_rows=rows.detach().clone() if isinstance(rows, torch.Tensor) else None,
         topk=versions.server_topk(scheduler),
     )
+    _choose(snap, rows.device if isinstance(rows, torch.Tensor) else "cpu")
+    return snap
+
+
+def _engine_stream(scheduler: Any) -> Any:
+    """The stream SGLang's forward runs on: the overlap scheduler's forward stream, else the current one."""
+    if torch.cuda.is_available() and getattr(scheduler, "enable_overlap", False):
+        return getattr(scheduler, "forward_stream", None)
+    return None
+
+
+@contextmanager
+def _on_engine_stream(scheduler: Any) -> Iterator[None]:
+    stream = _engine_stream(scheduler)
+    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        yield
 
 
 def _pools(scheduler: Any) -> tuple[Any, Any]:
@@ -179,7 +259,8 @@ def _pools(scheduler: Any) -> tuple[Any, Any]:
     return runner.token_to_kv_pool, runner.req_to_token_pool
 
 
-def _attach_state(scheduler: Any, snap: _Batch, steps: list[StepCapture]) -> None:
+def _pool_views(scheduler: Any) -> tuple[dict, dict, int, Any]:
+    """(kv buffers by layer, mamba (conv, ssm) by layer, conv window axis, req_to_token pool)."""
     kv_pool, rtp = _pools(scheduler)
     if hasattr(kv_pool, "full_attention_layer_id_mapping"):
         kv_layers = sorted(kv_pool.full_attention_layer_id_mapping)
@@ -191,86 +272,123 @@ def _attach_state(scheduler: Any, snap: _Batch, steps: list[StepCapture]) -> Non
     axis = -1
     if hasattr(rtp, "mamba_map"):
         pool = rtp.mamba_pool
-        cache = pool.mamba_cache
         axis = int(getattr(pool, "conv_window_axis", -1))
-        mamba = {layer: (cache.conv[0][i], cache.temporal[i]) for layer, i in rtp.mamba_map.items()}
-    full = bool(os.environ.get(ENV_FULL))
-    row_of = dict(zip(snap.rids, snap.pool_rows))
+        mamba = {layer: (pool.mamba_cache.conv[0][i], pool.mamba_cache.temporal[i]) for layer, i in rtp.mamba_map.items()}
+    return kv, mamba, axis, rtp
+
+
+def _state(scheduler: Any, snap: _Batch, committed: torch.Tensor, width: int) -> dict[str, Any]:
+    """The recorded requests' committed state after the step, sketched on the device (``state``, ``tp``)."""
+    kv, mamba, axis, rtp = _pool_views(scheduler)
+    table = rtp.req_to_token
+    rows = snap.rows(snap.pool_rows).to(table.device).long()  # type: ignore[arg-type]
+    cols = committed.to(table.device).long()[:, None] + torch.arange(width, device=table.device)  # [b, W]
+    slots = table[rows[:, None], cols.clamp(max=table.shape[1] - 1)]  # [b, W]: rows past the commit are dropped later
+    mslots = rtp.req_index_to_mamba_index_mapping[rows] if mamba else None
     tp_rank, tp_size = versions.tp_of(scheduler)
     groups = getattr(getattr(rtp, "mamba_pool", None), "conv_shard_groups", None)
-    for s in steps:
-        rpi = row_of[s.rid]
-        slots = rtp.req_to_token[rpi, s.committed_len: s.committed_len + len(s.accepted)]
-        mslot = int(rtp.req_index_to_mamba_index_mapping[rpi]) if mamba else None
-        rows = committed_rows(kv, slots, mamba, mslot, axis)
-        if tp_size > 1:  # this rank's shards, sketched so that the ranks' sketches combine exactly
-            s.state = summarise_shard(rows, tp_rank, tp_size, tuple(groups) if groups else None, full)
-            s.meta.update(tp_rank=tp_rank, tp_size=tp_size, conv_groups=list(groups) if groups else None)
-        else:
-            s.state = summarise(rows, full)
+    groups = tuple(groups) if groups else None
+    shard = (tp_rank, tp_size, groups) if tp_size > 1 else None
+    full = bool(os.environ.get(ENV_FULL))
+    out: dict[str, Any] = {"state": batch_state(kv, slots, mamba, mslots, axis, full, shard)}
+    if shard is not None:
+        out["tp"] = {"tp_rank": tp_rank, "tp_size": tp_size, "conv_groups": list(groups) if groups else None}
+    return out
 
 
-def _attach_layers(scheduler: Any, steps: list[StepCapture]) -> None:
-    """Per-request slices of the verify forward's layer sketches (when the layer hooks are on)."""
+def _layers(scheduler: Any, snap: _Batch, nodes: int) -> torch.Tensor | None:
+    """The recorded requests' slices of the verify forward's layer sketches (when the layer hooks are on)."""
     if not layers.FORWARDS:
-        return
+        return None
     n_layers = int(scheduler.tp_worker.model_runner.model_config.num_hidden_layers)
-    sk = layers.take(sum(len(s.tokens) for s in steps), n_layers)  # [layers, bs*N, r]
+    sk = layers.take(len(snap.rids) * nodes, n_layers)  # [layers, bs*N, r]
     layers.FORWARDS.clear()
     if sk is None:
+        return None
+    return snap.rows(sk.transpose(0, 1), nodes).transpose(0, 1)  # [layers, b*N, r]
+
+
+def _fields(scheduler: Any, snap: _Batch, part: dict[str, Any], result: Any) -> dict[str, Any]:
+    worker = getattr(scheduler, "draft_worker", None)
+    meta = {"server_topk": snap.topk, "batch_size": len(snap.rids), **part.get("meta", {}),
+            "cuda_graph": bool(getattr(result, "can_run_cuda_graph", False))}  # the verify replayed a CUDA graph
+    draft_s = getattr(worker, "last_draft_s", None)  # REFCHECK_DDTREE's drafting
+    if isinstance(draft_s, float):
+        meta["batch_draft_s"] = draft_s
+    sides = getattr(worker, "last_sides", None)  # REFCHECK_DDTREE's drafter side
+    return {"layout": part["layout"], "rids": snap.host(snap.rids), "origin": list(snap.take), "steps": list(snap.steps),
+            "committed_host": snap.host(snap.committed), "roots_host": snap.host(snap.roots), "meta": meta,
+            "sides": {r: sides.get(r) for r in snap.host(snap.rids)} if isinstance(sides, dict) else None,
+            "events": snap.events}
+
+
+def _ship_decode(scheduler: Any, snap: _Batch, result: Any) -> None:
+    """Record a decode batch's verify calls (or its target-only step) with the committed state."""
+    parts = snap.pending
+    if not snap.speculative:
+        part = _root_part(snap, result)
+        if part is None:
+            return
+        parts = [part]
+    elif not parts:
+        _rec(scheduler).error("run_batch", "a speculative decode batch ran but no verify step was captured "
+                                           "(is its hook live?)")
         return
-    off = 0
-    for s in steps:
-        s.layer_sketch = sk[:, off: off + len(s.tokens)].clone()  # [layers, N, r]
-        off += len(s.tokens)
+    for part in parts:
+        width = part.pop("width")
+        tensors = {"t": part.pop("t"), **_state(scheduler, snap, part["committed"], width),
+                   "layers": _layers(scheduler, snap, width), "draft": part.pop("draft", None),
+                   "context": part.pop("context", None)}
+        tensors["t"]["committed"] = part.pop("committed")
+        _rec(scheduler).ship("batch", _fields(scheduler, snap, part, result), tensors)
 
 
-def _after(scheduler: Any, snap: _Batch, result: Any) -> None:
-    """Record what the batch produced (``_run_batch`` has synchronised the device after it)."""
-    rec = _rec(scheduler)
+def _root_part(snap: _Batch, result: Any) -> dict[str, Any] | None:
     logits = getattr(getattr(result, "logits_output", None), "next_token_logits", None)
     if snap.raw_logits is not None:  # the sampler overwrote them with probabilities
         logits = snap.raw_logits
-    if snap.mode == "extend":
-        if logits is None:
-            return
-        done = [i for i, (p, f) in enumerate(zip(snap.prompt_lens, snap.fill_lens)) if f >= p]  # last prefill chunk
-        recs = prefill_records(logits[done], torch.as_tensor(result.next_token_ids).reshape(-1)[done],
-                               [snap.rids[i] for i in done], [snap.prompt_lens[i] for i in done],
-                               getattr(getattr(scheduler, "draft_worker", None), "last_first_uniforms", None))
-        for r in recs:
-            rec.prefill(r)
+    if logits is None:
+        _rec().error("run_batch", "target-only decode result has no logits")
+        return None
+    nxt = snap.rows(torch.as_tensor(result.next_token_ids).reshape(-1))
+    t: dict[str, Any] = {"nodes": summarise_nodes(snap.rows(logits), nxt).tensors(), "next_ids": nxt}
+    committed = None
+    if snap.decode_inputs is not None and len(snap.decode_inputs[0]) == len(snap.rids):
+        t["roots"] = snap.rows(snap.decode_inputs[0])
+        committed = snap.rows(snap.decode_inputs[1]) - 1  # seq lens count the root
+    if committed is None:
+        committed = _host_lens(snap, logits.device)
+    return {"layout": "root", "t": t, "committed": committed, "width": 1,
+            "meta": {"server_topk": snap.topk}}
+
+
+def _ship_prefill(scheduler: Any, snap: _Batch, result: Any) -> None:
+    logits = getattr(getattr(result, "logits_output", None), "next_token_logits", None)
+    if snap.raw_logits is not None:  # the sampler overwrote them with probabilities
+        logits = snap.raw_logits
+    if logits is None:
         return
-    if snap.mode != "decode":
+    done = [i for i, (p, f) in enumerate(zip(snap.prompt_lens, snap.fill_lens)) if f >= p]  # last prefill chunk
+    if not done:
         return
-    if not snap.speculative:
-        if logits is None:
-            rec.error("run_batch", "target-only decode result has no logits")
-            return
-        roots, committed, source = snap.roots, snap.committed, "requests"
-        if snap.decode_inputs is not None and len(snap.decode_inputs[0]) == len(snap.rids):
-            roots = [int(t) for t in snap.decode_inputs[0].tolist()]
-            committed = [int(n) - 1 for n in snap.decode_inputs[1].tolist()]  # seq lens count the root
-            source = "forward_batch"
-        snap.pending = root_steps(roots, logits, torch.as_tensor(result.next_token_ids), snap.rids, committed,
-                                  meta={"server_topk": snap.topk, "committed_from": source,
-                                        "committed_lag": _lags(snap.committed, committed)})
-    elif not snap.pending:
-        rec.error("run_batch", "a speculative decode batch ran but no verify step was captured (is its hook live?)")
-        return
-    _attach_state(scheduler, snap, snap.pending)
-    _attach_layers(scheduler, snap.pending)
-    draft_s = getattr(getattr(scheduler, "draft_worker", None), "last_draft_s", None)  # REFCHECK_DDTREE's drafting
-    sides = getattr(getattr(scheduler, "draft_worker", None), "last_sides", None)  # REFCHECK_DDTREE's drafter side
-    for s in snap.pending:
-        if isinstance(sides, dict) and s.layout == "tree":
-            s.attach_draft(sides.get(s.rid))
-        s.meta["batch_step_s"] = snap.step_s
-        if isinstance(draft_s, float):
-            s.meta["batch_draft_s"] = draft_s
-        s.meta["batch_size"] = len(snap.rids)
-        s.meta["cuda_graph"] = bool(getattr(result, "can_run_cuda_graph", False))  # the verify replayed a CUDA graph
-        rec.step(s)
+    idx = _device_index(done, logits.device) if len(done) < len(snap.rids) else None
+    nxt = torch.as_tensor(result.next_token_ids).reshape(-1)
+    lg = logits if idx is None else logits[idx]
+    nxt = nxt if idx is None else nxt[idx.to(nxt.device)]
+    uniforms = getattr(getattr(scheduler, "draft_worker", None), "last_first_uniforms", None)
+    rids = [snap.rids[i] for i in done]
+    _rec(scheduler).ship("prefill_batch", {"rids": rids, "prompt_lens": [snap.prompt_lens[i] for i in done],
+                                           "uniforms": dict(uniforms) if isinstance(uniforms, dict) else None},
+                         {"t": {"nodes": summarise_nodes(lg, nxt).tensors(), "next_ids": nxt}})
+
+
+def _after(scheduler: Any, snap: _Batch, result: Any) -> None:
+    """Record what the batch produced, on the engine's stream (ordered after its commit, before its next step)."""
+    with _on_engine_stream(scheduler):
+        if snap.mode == "extend":
+            _ship_prefill(scheduler, snap, result)
+        elif snap.mode == "decode" and snap.take:
+            _ship_decode(scheduler, snap, result)
 
 
 def _untraced(batch: Any) -> bool:
@@ -279,26 +397,32 @@ def _untraced(batch: Any) -> bool:
     return bool(reqs) and all(str(r.rid).startswith(UNTRACED_RID_PREFIX) for r in reqs)
 
 
+def _event(scheduler: Any) -> Any:
+    if not torch.cuda.is_available():
+        return None
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record(_engine_stream(scheduler) or torch.cuda.current_stream())
+    return ev
+
+
 def _run_batch(original, self, batch, *args, **kwargs):
     global _batch
     if _untraced(batch):
         return original(self, batch, *args, **kwargs)
     _rec(self)
     snap = _guard("run_batch:snapshot", _snapshot, self, batch)
+    if snap is None or (snap.mode != "extend" and not snap.take):  # nothing recorded at this step
+        return original(self, batch, *args, **kwargs)
     _batch = snap
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # the step's wall time starts with an idle device
-    t0 = time.perf_counter()
+    start = _event(self)
     try:
         result = original(self, batch, *args, **kwargs)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        step_s = time.perf_counter() - t0  # the whole scheduler step (draft + verify + commit), capture excluded
     finally:
         _batch = None
-    if snap is not None:
-        snap.step_s = step_s
-        _guard("run_batch:after", _after, self, snap, result)
+    end = _event(self)
+    if start is not None and end is not None:
+        snap.events = (start, end)
+    _guard("run_batch:after", _after, self, snap, result)
     return result
 
 
@@ -325,45 +449,62 @@ def _eagle_sample(original, *args, **kwargs):
     snap = _batch
     pre = None
     if snap is not None:
-        pre = _guard("eagle_sample:before", _tree_inputs, args, kwargs)
+        pre = _guard("eagle_sample:before", _tree_inputs, snap, args, kwargs)
     result = original(*args, **kwargs)
     if snap is not None and pre is not None:
-        recs = _guard("eagle_sample:after", _tree_records, snap, pre, result)
-        if recs:
-            snap.pending.extend(recs)
+        part = _guard("eagle_sample:after", _tree_part, snap, pre, result)
+        if part:
+            snap.pending.append(part)
     return result
 
 
-def _tree_inputs(args: tuple, kwargs: dict) -> dict[str, Any] | None:
+def _opt(snap: _Batch, t: torch.Tensor | None, per: int = 1) -> torch.Tensor | None:
+    return None if t is None else snap.rows(t.detach(), per).clone()
+
+
+def _tree_inputs(snap: _Batch, args: tuple, kwargs: dict) -> dict[str, Any] | None:
     verify_input, batch, logits_output = (_arg(args, kwargs, 0, "verify_input"), _arg(args, kwargs, 1, "batch"),
                                           _arg(args, kwargs, 2, "logits_output"))
     if batch.forward_mode.is_idle():
         return None
-    nt = getattr(verify_input, "retrieve_next_token", None)
-    ns = getattr(verify_input, "retrieve_next_sibling", None)
-    pos = getattr(verify_input, "positions", None)
-    return {"tokens": verify_input.draft_token.detach().clone(), "nt": None if nt is None else nt.detach().clone(),
-            "ns": None if ns is None else ns.detach().clone(), "pos": None if pos is None else pos.detach().clone(),
-            # before the original runs: eagle_sample adds penalties and logit bias to these in place
-            "logits": logits_output.next_token_logits.detach().clone(), "rids": [r.rid for r in batch.reqs],
-            # tokens with KV before the step (the roots' positions), on the device: right under overlap too
-            "seq_lens": _seq_lens(batch)}
+    tokens = verify_input.draft_token
+    n = int(tokens.shape[0]) // len(snap.rids)
+    # before the original runs: eagle_sample adds penalties and logit bias to the logits in place
+    logits = snap.rows(logits_output.next_token_logits.detach(), n)  # [b*N, V]
+    logp = node_logprobs(logits)
+    lens = getattr(batch, "seq_lens", None)  # tokens with KV before the step (the roots' positions), on the device
+    return {"n": n, "logp": logp, "nodes": summarise_nodes(logits, None, logp=logp),
+            "tokens": _opt(snap, tokens, n), "nt": _opt(snap, getattr(verify_input, "retrieve_next_token", None)),
+            "ns": _opt(snap, getattr(verify_input, "retrieve_next_sibling", None)),
+            "pos": _opt(snap, getattr(verify_input, "positions", None), n),
+            "seq_lens": _opt(snap, lens) if isinstance(lens, torch.Tensor) and len(lens) == len(snap.rids) else None}
 
 
-def _tree_records(snap: _Batch, pre: dict[str, Any], result: tuple) -> list[StepCapture]:
+def _tree_part(snap: _Batch, pre: dict[str, Any], result: tuple) -> dict[str, Any]:
     predict, accept_lens, accept_index = result[:3]
     draws, uniforms = result[3:5] if len(result) >= 5 else (None, None)  # the keyed sampler's
-    residuals = None
+    n, residuals = pre["n"], None
     coins, snap.coins = snap.coins, None
     if coins is not None and uniforms is None:  # SGLang's tree sampler ran inside this eagle_sample
         uniforms, residuals = coins[0].reshape(-1), coins[1]  # [bs, N] -> [bs*N]
-    committed, meta = _committed(snap, pre["rids"], pre["seq_lens"])
+    pred = snap.rows(predict.detach(), n)
+    nodes = pre["nodes"]
+    nodes.picked = pick(pre["logp"], pred)
+    t = {"tokens": pre["tokens"], "nt": pre["nt"], "ns": pre["ns"], "pos": pre["pos"], "nodes": nodes.tensors(),
+         "accept_index": _opt(snap, accept_index), "accept_lens": _opt(snap, accept_lens), "predict": pred,
+         "draws": _opt(snap, draws, n), "uniforms": _opt(snap, uniforms, n), "residuals": _opt(snap, residuals)}
+    committed = pre["seq_lens"]
+    if committed is None:
+        committed = _host_lens(snap, pred.device)
+    meta: dict[str, Any] = {"layout_in_engine": "tree" if (snap.topk or 0) > 1 else "chain"}
     if coins is not None:
         meta["accept_thresholds"] = list(coins[2])
-    return tree_steps(pre["tokens"], pre["nt"], pre["ns"], pre["logits"], accept_index, accept_lens, predict,
-                      pre["rids"], committed, positions=pre["pos"], draws=draws, uniforms=uniforms, residuals=residuals,
-                      meta={"server_topk": snap.topk, "layout_in_engine": "tree" if (snap.topk or 0) > 1 else "chain",
-                            **meta})
+    return {"layout": "tree", "t": t, "committed": committed, "width": n, "meta": meta}
+
+
+def _host_lens(snap: _Batch, device: Any) -> torch.Tensor:
+    """The scheduler's committed lengths of the recorded requests, on ``device`` (no device lengths to use)."""
+    return _device_index(snap.host(snap.committed), device)
 
 
 def _verify_coins(original, *args, **kwargs):
@@ -383,24 +524,6 @@ def _keep_coins(snap: _Batch, call: dict[str, Any]) -> None:
                   (float(call.get("threshold_single", 1.0)), float(call.get("threshold_acc", 1.0))))
 
 
-def _seq_lens(batch: Any) -> list[int] | None:
-    lens = getattr(batch, "seq_lens", None)
-    return [int(n) for n in lens.tolist()] if isinstance(lens, torch.Tensor) else None
-
-
-def _lags(requests: list[int], used: list[int]) -> int:
-    """How many steps' tokens the scheduler's request lists were behind the device (0 without overlap)."""
-    return max((abs(a - b) for a, b in zip(requests, used)), default=0)
-
-
-def _committed(snap: _Batch, rids: list[str], device_lens: list[int] | None) -> tuple[list[int], dict[str, Any]]:
-    """Committed lengths of a verify batch: the forward batch's (device) where it has them, else the requests'."""
-    from_requests = snap.committed_of(rids)
-    if device_lens is None or len(device_lens) != len(rids):
-        return from_requests, {"committed_from": "requests"}
-    return device_lens, {"committed_from": "forward_batch", "committed_lag": _lags(from_requests, device_lens)}
-
-
 def _dflash_forward(original, self, batch, *args, **kwargs):
     snap = _batch
     fault = dflash_taps.active()  # a drafter fault for refcheck's selftest acts on untraced batches too
@@ -408,31 +531,35 @@ def _dflash_forward(original, self, batch, *args, **kwargs):
     if snap is not None:
         decode = bool(_guard("dflash:before", lambda: not (batch.forward_mode.is_extend() or batch.is_extend_in_batch
                                                            or batch.forward_mode.is_idle())))
-        rids = [r.rid for r in batch.reqs]
     if snap is None and fault is None:
         return original(self, batch, *args, **kwargs)
     with dflash_taps.dflash_taps(self, len(batch.reqs), snap is not None and decode, fault) as taps:
         result = original(self, batch, *args, **kwargs)
     if snap is not None and decode:
-        recs = _guard("dflash:after", _chain_records, self, snap, rids, result)
-        if recs:
-            for b, rec in enumerate(recs):
-                rec.attach_draft(taps.side(b))
-                if taps.missing:
-                    rec.meta["draft_not_captured"] = taps.missing
-            snap.pending.extend(recs)
+        part = _guard("dflash:after", _chain_part, self, snap, result, taps)
+        if part:
+            snap.pending.append(part)
     return result
 
 
-def _chain_records(worker: Any, snap: _Batch, rids: list[str], result: Any) -> list[StepCapture]:
-    bs = len(rids)
+def _chain_part(worker: Any, snap: _Batch, result: Any, taps: dflash_taps.DFlashTaps) -> dict[str, Any]:
+    bs = len(snap.rids)
     logits = result.logits_output.next_token_logits
     if logits is None:
         raise RuntimeError("DFLASH verify result carries no logits (skipped for TP > 1 greedy in newer SGLang)")
     cand = worker._draft_block_tokens_buf[:bs]  # [bs, B]: column 0 the root, then the drafts
+    block = int(cand.shape[1])
+    outs = snap.rows(result.next_token_ids.reshape(bs, -1))  # [b, B]
+    nodes = summarise_nodes(snap.rows(logits.detach(), block), outs.reshape(-1))
     new_lens = getattr(result, "new_seq_lens", None)
-    device = ([int(n) - int(a) for n, a in zip(new_lens.tolist(), result.accept_lens.tolist())]
-              if isinstance(new_lens, torch.Tensor) else None)  # after the step minus what it appended
-    committed, meta = _committed(snap, rids, device)
-    return chain_steps(cand, logits, result.accept_lens, result.next_token_ids.reshape(bs, -1), rids,
-                       committed, meta={"server_topk": snap.topk, "layout_in_engine": "chain", **meta})
+    committed = (snap.rows(new_lens) - snap.rows(result.accept_lens) if isinstance(new_lens, torch.Tensor)
+                 else _host_lens(snap, logits.device))  # after the step minus what it appended
+    t = {"cand": snap.rows(cand).clone(), "nodes": nodes.tensors(), "accept_lens": _opt(snap, result.accept_lens),
+         "out_tokens": outs.clone()}
+    draft = {k: (v if v.dim() == 0 else snap.rows(v)) for k, v in taps.draft.items()} if taps.draft else None
+    context = {k: snap.rows(v) for k, v in taps.context.items()} if taps.context else None
+    meta: dict[str, Any] = {"layout_in_engine": "chain"}
+    if taps.missing:
+        meta["draft_not_captured"] = taps.missing
+    return {"layout": "chain", "t": t, "committed": committed, "width": block, "meta": meta, "draft": draft,
+            "context": context}

@@ -3,9 +3,14 @@
 Contract: a :class:`Recorder` (one per scheduler process) writes each record as its own file
 ``rank{tp}-pid{pid}/{seq:08d}.pt`` (``torch.save`` of plain dicts, lists and CPU tensors) through a
 temporary name and an atomic rename, so a crash loses at most the record being written and never
-leaves a half file under a final name. ``status-rank{tp}-pid{pid}.json`` says which hooks are live.
-:func:`read_capture` returns every complete record of a directory, per rank, in write order; a file
-that cannot be read is reported (not skipped silently) in :attr:`Capture.errors`.
+leaves a half file under a final name. Batch records go through the process's
+:class:`~refcheck.sglang_capture.shipper.Shipper` (:meth:`Recorder.ship`: asynchronous host copies, written
+by its thread, counted in ``queue-rank{tp}-pid{pid}.bin``); error records are written at once.
+``status-rank{tp}-pid{pid}.json`` says which hooks are live. :func:`read_capture` returns every complete
+record of a directory, per rank, in write order, batch records expanded per request
+(:mod:`refcheck.sglang_capture.expand`); a file that cannot be read, records still queued when the engine
+stopped, and records the queue could not take are reported (not skipped silently) in :attr:`Capture.errors`
+and :attr:`Capture.lost`.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +26,8 @@ from typing import Any
 import torch
 
 from refcheck.atomic_file import atomic_write_bytes
+from refcheck.sglang_capture.expand import expand_batch, expand_prefill
+from refcheck.sglang_capture.shipper import Shipper, counts_path, queue_files, read_counts
 from refcheck.sglang_capture.steps import PrefillCapture, StepCapture
 
 ENV_DIR = "REFCHECK_CAPTURE_DIR"
@@ -34,19 +42,20 @@ class Recorder:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.status_path = Path(root) / f"status-rank{tp_rank}-pid{os.getpid()}.json"
         self.tp_rank, self.seq = tp_rank, 0
+        self._lock = threading.Lock()  # the engine's thread (errors) and the shipper's (records) both write
+        self.shipper = Shipper(self.write, self.error, counts_path(root, tp_rank))
 
     def write(self, kind: str, payload: dict[str, Any]) -> None:
         buf = io.BytesIO()
         torch.save({"type": kind, **payload}, buf)
+        with self._lock:
+            seq, self.seq = self.seq, self.seq + 1
         # not fsynced: a record lost to a power cut is re-made by re-running; readers never see half of one
-        atomic_write_bytes(self.dir / f"{self.seq:08d}.pt", buf.getvalue(), durable=False)
-        self.seq += 1
+        atomic_write_bytes(self.dir / f"{seq:08d}.pt", buf.getvalue(), durable=False)
 
-    def step(self, rec: StepCapture) -> None:
-        self.write("step", rec.to_dict())
-
-    def prefill(self, rec: PrefillCapture) -> None:
-        self.write("prefill", rec.to_dict())
+    def ship(self, kind: str, fields: dict[str, Any], tensors: dict[str, Any]) -> None:
+        """Queue a batch record (its tensors may be on the device); see :mod:`refcheck.sglang_capture.shipper`."""
+        self.shipper.ship(kind, fields, tensors)
 
     def error(self, where: str, message: str) -> None:
         self.write("error", {"where": where, "message": message})
@@ -61,6 +70,7 @@ class Capture:
     prefills: dict[int, list[PrefillCapture]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)  # hook errors and unreadable files
     status: list[dict[str, Any]] = field(default_factory=list)
+    lost: int = 0  # batch records the engine's capture queue could not take (it was full)
 
 
 def read_capture(root: Path) -> Capture:
@@ -82,16 +92,32 @@ def read_capture(root: Path) -> Capture:
                 cap.errors.append(f"{d.name}/{f.name}: unreadable record ({type(exc).__name__}: {exc})")
                 continue
             kind = rec.pop("type", None)
-            if kind == "step":
-                cap.steps.setdefault(rank, []).append(StepCapture.from_dict(rec))
-            elif kind == "prefill":
-                cap.prefills.setdefault(rank, []).append(PrefillCapture(**rec))
+            if kind == "batch":
+                cap.steps.setdefault(rank, []).extend(expand_batch(rec))
+            elif kind == "prefill_batch":
+                cap.prefills.setdefault(rank, []).extend(expand_prefill(rec))
             elif kind == "error":
                 cap.errors.append(f"{d.name}: hook error in {rec.get('where')}: {rec.get('message')}")
             else:
                 cap.errors.append(f"{d.name}/{f.name}: unknown record type {kind!r}")
+    _read_queues(root, cap)
     for rank, ps in sorted(pids.items()):
         if len(ps) > 1:  # two engines' records in one directory, or ranks that do not know who they are
             cap.errors.append(f"{len(ps)} scheduler processes (pids {', '.join(ps)}) recorded as tensor-parallel rank "
                               f"{rank}: their shards cannot be told apart, so the committed state cannot be combined")
     return cap
+
+
+def _read_queues(root: Path, cap: Capture) -> None:
+    """Records queued but never written (the engine stopped first) are errors; records lost to a full queue are
+    counted."""
+    for f in queue_files(root):
+        try:
+            queued, written, lost = read_counts(f)
+        except (OSError, ValueError) as exc:
+            cap.errors.append(f"{f.name}: unreadable capture queue counts ({exc})")
+            continue
+        if written < queued:
+            cap.errors.append(f"{f.name}: {queued - written} of {queued} captured batches were still queued when the "
+                              "engine stopped (not written)")
+        cap.lost += lost

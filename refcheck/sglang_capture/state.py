@@ -1,49 +1,93 @@
-"""SGLang's KV and mamba pools -> the committed state of one request after a step, in refcheck's layouts.
+"""SGLang's KV and mamba pools -> the committed state of a batch's requests after a step, sketched on the device.
 
-Contract: :func:`committed_rows` takes per-layer views of SGLang's pools (the caller resolves them:
-``kv`` maps a global layer id to that layer's K and V buffers ``[slots_total, H_kv, D]``; ``mamba``
-maps a global layer id to its conv buffer ``[mamba_slots, conv_dim, K-1]`` (or ``[..., K-1,
-conv_dim]`` when ``conv_window_axis`` is 0) and SSM buffer ``[mamba_slots, HV, V, K]``), the token
-slots of the KV rows the step appended, and the request's mamba slot. It returns name -> (layer,
-kind, rows) with the same names and row layouts as :func:`refcheck.sketch.state_rows`:
-``kv_k.L``/``kv_v.L`` ``[a, H_kv*D]``, ``conv.L`` ``[K-1, conv_dim]``, ``rec.L`` ``[HV, K*V]``.
-:func:`summarise` turns rows into trace entries (seeded sketch, optional full copy). Under tensor
-parallelism :func:`summarise_shard` sketches a rank's slice with the full tensor's projection rows and
+Contract: :func:`batch_state` takes per-layer views of SGLang's pools (the caller resolves them: ``kv``
+maps a global layer id to that layer's K and V buffers ``[slots_total, H_kv, D]``; ``mamba`` maps a global
+layer id to its conv buffer ``[mamba_slots, conv_dim, K-1]`` (or ``[..., K-1, conv_dim]`` when
+``conv_window_axis`` is 0) and SSM buffer ``[mamba_slots, HV, V, K]``), the token slots ``[b, W]`` of the KV
+rows each request's step may have appended (W = the step's widest possible commit; the rows past a request's
+accepted count are sketched and dropped on the host) and the requests' mamba slots ``[b]``. Everything stays
+on the pools' device (gathers and one projection per state, no host copy). It returns name -> (layer, kind,
+sketch ``[b, R, r]`` float32, full rows ``[b, R, F]`` or None) with the names and row layouts of
+:func:`refcheck.sketch.state_rows`: ``kv_k.L``/``kv_v.L`` ``[a, H_kv*D]``, ``conv.L`` ``[K-1, conv_dim]``,
+``rec.L`` ``[HV, K*V]``. The recurrent state is sketched in SGLang's own ``[V, K]`` order with the
+projection's rows permuted to match (the same linear map as the reference layout's, without transposing
+the state). :func:`request_state` cuts one request's entries (its accepted KV rows) on the host. Under
+tensor parallelism (``shard``) a rank sketches its slice with the full tensor's projection rows, and
 :func:`combine_shards` adds (feature-split KV and conv) or stacks (row-split SSM) the ranks' sketches.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from refcheck.sglang_capture.layout import conv_to_reference, ssm_to_reference
-from refcheck.sketch import sketch_rows, sketch_slice
+from refcheck.sketch import SKETCH_DIM, projection
+
+#: name -> (layer, kind, sketch, full rows or None)
+Entry = tuple[int, str, torch.Tensor, "torch.Tensor | None"]
 
 
-def committed_rows(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor,
-                   mamba: dict[int, tuple[torch.Tensor, torch.Tensor]], mamba_slot: int | None,
-                   conv_window_axis: int = -1) -> dict[str, tuple[int, str, torch.Tensor]]:
-    rows: dict[str, tuple[int, str, torch.Tensor]] = {}
-    idx = slots.long()
+@lru_cache(maxsize=256)
+def _ssm_projection(k: int, v: int, device: str) -> torch.Tensor:
+    """The reference layout's projection of ``[K*V]`` rows, its rows reordered for SGLang's ``[V*K]`` rows."""
+    p = projection(k * v, SKETCH_DIM, device)  # [K*V, r]
+    return p.view(k, v, -1).transpose(0, 1).reshape(v * k, -1).contiguous()  # [K, V, r] -> [V*K, r]
+
+
+def _project(kind: str, x: torch.Tensor, shard: tuple[int, int, tuple[int, ...] | None] | None) -> torch.Tensor:
+    """[..., F] rows of one state kind -> [..., r] float32 (upcast: bf16 accumulation would swamp the signal)."""
+    if shard is None or kind == "rec":
+        proj = projection(x.shape[-1], SKETCH_DIM, str(x.device))
+    else:
+        proj = _shard_projection(kind, x.shape[-1], *shard, str(x.device))
+    return x.float() @ proj
+
+
+@lru_cache(maxsize=256)
+def _shard_projection(kind: str, local: int, rank: int, size: int, groups: tuple[int, ...] | None,
+                      device: str) -> torch.Tensor:
+    """The full tensor's projection rows of the features a rank holds, [F_local, r] (built once per device)."""
+    idx = feature_index(kind, local, rank, size, groups)
+    n_full = local * size if kind != "conv" else sum(groups or ())
+    return projection(n_full, SKETCH_DIM, "cpu")[idx].to(device)
+
+
+def batch_state(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor,
+                mamba: dict[int, tuple[torch.Tensor, torch.Tensor]], mamba_slots: torch.Tensor | None,
+                conv_window_axis: int = -1, full: bool = False,
+                shard: tuple[int, int, tuple[int, ...] | None] | None = None) -> dict[str, Entry]:
+    """The module docstring's batch entries; ``shard`` = (tp rank, tp size, conv groups) under TP."""
+    out: dict[str, Entry] = {}
+    b, w = slots.shape
     for layer, (k_buf, v_buf) in sorted(kv.items()):
+        idx = slots.reshape(-1).long().to(k_buf.device)  # [b*W]
         for kind, buf in (("kv_k", k_buf), ("kv_v", v_buf)):
-            sel = buf[idx.to(buf.device)]  # [a, H_kv, D]
-            rows[f"{kind}.{layer}"] = (layer, kind, sel.reshape(sel.shape[0], -1))  # [a, H_kv*D]
-    if mamba and mamba_slot is None:
-        raise ValueError("a hybrid model's state needs the request's mamba slot")
+            rows = buf[idx].reshape(b, w, -1)  # [b*W, H_kv, D] -> [b, W, H_kv*D]
+            out[f"{kind}.{layer}"] = (layer, kind, _project(kind, rows, shard), rows if full else None)
+    if mamba and mamba_slots is None:
+        raise ValueError("a hybrid model's state needs the requests' mamba slots")
     for layer, (conv_buf, ssm_buf) in sorted(mamba.items()):
-        conv = conv_buf[mamba_slot]
-        conv = conv_to_reference(conv) if conv_window_axis in (-1, conv.dim() - 1) else conv  # [K-1, conv_dim]
-        rec = ssm_to_reference(ssm_buf[mamba_slot])  # [HV, V, K] -> [HV, K, V]
-        rows[f"conv.{layer}"] = (layer, "conv", conv)
-        rows[f"rec.{layer}"] = (layer, "rec", rec.reshape(rec.shape[0], -1))  # [HV, K*V]
-    return rows
+        ms = mamba_slots.long().to(conv_buf.device)  # type: ignore[union-attr]
+        conv = conv_buf[ms]  # [b, C, K-1] (or [b, K-1, C])
+        conv = conv_to_reference(conv) if conv_window_axis in (-1, conv.dim() - 1) else conv  # [b, K-1, C]
+        out[f"conv.{layer}"] = (layer, "conv", _project("conv", conv, shard), conv if full else None)
+        ssm = ssm_buf[ms]  # [b, HV, V, K]
+        hv, v, k = ssm.shape[1:]
+        sketch = ssm.reshape(b, hv, v * k).float() @ _ssm_projection(k, v, str(ssm.device))  # [b, HV, r]
+        rec = ssm_to_reference(ssm).reshape(b, hv, k * v) if full else None  # [b, HV, K, V] -> [b, HV, K*V]
+        out[f"rec.{layer}"] = (layer, "rec", sketch, rec)
+    return out
 
 
-def summarise(rows: dict[str, tuple[int, str, torch.Tensor]], full: bool) -> dict[str, tuple[int, str, torch.Tensor, torch.Tensor | None]]:
-    """name -> (layer, kind, sketch [rows, r] float32 on the CPU, full rows on the CPU or None)."""
-    return {name: (layer, kind, sketch_rows(t), t.detach().cpu().clone() if full else None)
-            for name, (layer, kind, t) in rows.items()}
+def request_state(batch: dict[str, Entry], b: int, kv_rows: int) -> dict[str, Entry]:
+    """Request ``b``'s entries of a (host) batch: its first ``kv_rows`` KV rows, its conv and recurrent rows."""
+    out: dict[str, Entry] = {}
+    for name, (layer, kind, sketch, rows) in batch.items():
+        cut = slice(0, kv_rows) if kind in ("kv_k", "kv_v") else slice(None)
+        out[name] = (layer, kind, sketch[b, cut].clone(), None if rows is None else rows[b, cut].clone())
+    return out
 
 
 # -- tensor parallelism ----------------------------------------------------------------------------------
@@ -71,21 +115,6 @@ def feature_index(kind: str, local_features: int, tp_rank: int, tp_size: int,
             off += g
         return torch.cat(parts)
     raise ValueError(f"unknown state kind {kind!r}")
-
-
-def summarise_shard(rows: dict[str, tuple[int, str, torch.Tensor]], tp_rank: int, tp_size: int,
-                    conv_groups: tuple[int, ...] | None, full: bool) -> dict[str, tuple[int, str, torch.Tensor, torch.Tensor | None]]:
-    """A rank's partial sketches (see above) and, when asked, its raw shard."""
-    out = {}
-    for name, (layer, kind, t) in rows.items():
-        idx = feature_index(kind, t.shape[-1], tp_rank, tp_size, conv_groups)
-        if idx is None:
-            sk = sketch_rows(t)
-        else:
-            n_full = t.shape[-1] * tp_size if kind != "conv" else sum(conv_groups)
-            sk = sketch_slice(t, idx, n_full)
-        out[name] = (layer, kind, sk, t.detach().cpu().clone() if full else None)
-    return out
 
 
 def combine_shards(shards: list[tuple[int, str, torch.Tensor, torch.Tensor | None]],

@@ -1,0 +1,166 @@
+"""Capture records leave the engine's thread at once: device tensors copied to host asynchronously, files
+written by a background thread.
+
+Contract: :meth:`Shipper.ship` takes a record (a kind, plain host fields, and a nest of dicts / lists /
+tuples holding tensors) from inside a scheduler hook. It starts a non-blocking device-to-host copy of every
+CUDA tensor on the current stream (into pinned memory from PyTorch's caching host allocator), records one
+CUDA event after them, and queues the record; it never synchronises the device and never waits for the
+disk. A daemon thread takes records in order, waits for each record's event, and writes it through the
+:class:`~refcheck.sglang_capture.records.Recorder` (one atomic file per record). CPU tensors are cloned at
+ship time (the engine may reuse their storage). A record's ``events`` field (two CUDA events recorded
+around the engine's step on its stream) becomes ``step_s``, their distance in seconds. The queue holds at most ``depth`` records: a record that
+finds it full is not queued but counted as lost, never blocking the engine and never silently missing.
+
+Counts live in a 24-byte memory-mapped file ``queue-rank{r}-pid{pid}.bin`` (little-endian u64: records
+queued, records written, records lost), updated by plain memory writes, so the engine's parent can wait
+until every queued record is on disk (:func:`wait_drained`) before it stops SGLang, and the reader can
+report lost records (:func:`read_counts`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import queue
+import struct
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+QUEUE_DEPTH = 512
+_FMT = "<QQQ"  # queued, written, lost
+_SIZE = struct.calcsize(_FMT)
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.is_cuda:
+        return t.detach().to("cpu", non_blocking=True)  # pinned output: the copy overlaps the engine's work
+    return t.detach().clone()
+
+
+def _timed(fields: dict[str, Any]) -> dict[str, Any]:
+    """``events`` (two CUDA events around the engine's step, both complete) -> ``step_s``, their distance."""
+    events = fields.get("events")
+    if events is None:
+        return fields
+    out = {k: v for k, v in fields.items() if k != "events"}
+    out["step_s"] = events[0].elapsed_time(events[1]) / 1000.0
+    return out
+
+
+class Counters:
+    """The queue's three counts, in a file the parent process can read while the engine runs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "wb") as f:
+            f.write(b"\0" * _SIZE)
+        self._file = open(path, "r+b")  # noqa: SIM115 - held for the process's life, as the mapping is
+        self._map = mmap.mmap(self._file.fileno(), _SIZE)
+        self.queued = self.written = self.lost = 0
+
+    def bump(self, field: str) -> None:
+        setattr(self, field, getattr(self, field) + 1)
+        struct.pack_into(_FMT, self._map, 0, self.queued, self.written, self.lost)
+
+
+def read_counts(path: Path) -> tuple[int, int, int]:
+    """(queued, written, lost) of one scheduler process's capture queue."""
+    data = Path(path).read_bytes()
+    if len(data) != _SIZE:
+        raise ValueError(f"{path.name}: {len(data)} bytes, a capture queue file holds {_SIZE}")
+    return struct.unpack(_FMT, data)
+
+
+def queue_files(root: Path) -> list[Path]:
+    return sorted(Path(root).glob("queue-rank*-pid*.bin"))
+
+
+def wait_drained(root: Path, timeout_s: float = 60.0, poll_s: float = 0.01) -> dict[str, int]:
+    """Wait until every scheduler process of the capture directory has written what it queued (the engine's
+    requests are done, so nothing more is queued); returns {file: records still queued} for those that did not
+    drain within ``timeout_s`` (empty: all drained)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        behind = {}
+        for f in queue_files(root):
+            try:
+                queued, written, _ = read_counts(f)
+            except (OSError, ValueError):
+                continue
+            if written < queued:
+                behind[f.name] = queued - written
+        if not behind or time.monotonic() >= deadline:
+            return behind
+        time.sleep(poll_s)
+
+
+class Shipper:
+    """The queue and writer thread of one scheduler process (module docstring)."""
+
+    def __init__(self, write: Callable[[str, dict[str, Any]], None], error: Callable[[str, str], None],
+                 counts_path: Path, depth: int = QUEUE_DEPTH) -> None:
+        self._write, self._error = write, error
+        self._queue: queue.Queue[tuple[str, dict[str, Any], Any] | None] = queue.Queue(maxsize=depth)
+        self.counts = Counters(counts_path)
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="refcheck-capture-writer", daemon=True)
+        self._thread.start()
+
+    def ship(self, kind: str, fields: dict[str, Any], tensors: dict[str, Any]) -> bool:
+        """Queue one record; False when the queue was full (the record is counted as lost)."""
+        host = _map_tensors(tensors, _to_host)
+        event = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            event = torch.cuda.Event()
+            event.record()
+        with self._lock:
+            try:
+                self._queue.put_nowait((kind, fields, (host, event)))
+            except queue.Full:
+                self.counts.bump("lost")
+                return False
+            self.counts.bump("queued")
+        return True
+
+    def drain(self, timeout_s: float = 60.0) -> bool:
+        """Wait (in this process) until every queued record is written; True when it was."""
+        deadline = time.monotonic() + timeout_s
+        while self.counts.written < self.counts.queued and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return self.counts.written >= self.counts.queued
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            kind, fields, (host, event) = item
+            try:
+                if event is not None:
+                    event.synchronize()  # the record's copies have landed in host memory
+                self._write(kind, {**_timed(fields), **host})
+            except Exception as exc:  # a record that cannot be written is reported, the rest carry on
+                self._error(f"writer:{kind}", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
+            finally:
+                with self._lock:
+                    self.counts.bump("written")
+
+
+def counts_path(root: Path, tp_rank: int) -> Path:
+    return Path(root) / f"queue-rank{tp_rank}-pid{os.getpid()}.bin"

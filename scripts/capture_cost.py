@@ -1,0 +1,165 @@
+"""What capture costs SGLang: full and sampled capture against untraced passes on the same warm engine.
+
+Usage (on a GPU machine with SGLang; through the bundle: ``scripts/sglang_bundle.sh run python3 scripts/...``)::
+
+    python scripts/capture_cost.py --out OUT [--algorithms NONE,DFLASH,NGRAM,REFCHECK_DDTREE] [--graphs off,on]
+        [--workloads one,mixed] [--sample 16] [--repeats 2] [--mem-fraction 0.3] [--diff]
+
+Per cell (algorithm x CUDA graphs x workload) one SGLang engine runs, in order: an untraced warm-up pass, the
+captured pass (every step recorded), a sampled pass (1 step in ``--sample`` per request, rids marked for it),
+and ``--repeats`` untraced passes. Each pass generates the same requests; the overheads are the captured and
+sampled passes' wall times over the median untraced pass's, and every pass's tokens are compared with the
+captured pass's. Trace bytes per verify step are the written Arrow trace's size over its steps. ``--diff``
+also judges each captured trace (replay, the GPU reference when one is visible; steps per second) and the
+sampled pass's trace, assembled from the same capture directory (its verdict beside the full one's).
+Writes ``OUT/capture_cost.json`` (rows, as they finish) and ``OUT/capture_cost.md`` (the table). Workloads:
+``one`` (the first built-in prompt), ``mixed`` (refcheck's 32 mixed requests, all at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from refcheck.prompts import load_prompts  # noqa: E402
+from refcheck.prompts.workloads import workload  # noqa: E402
+from refcheck.reference_runner import EngineSpec  # noqa: E402
+
+
+def _prompts(name: str) -> list:
+    return load_prompts()[:1] if name == "one" else list(workload("mixed"))
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff: dict | None) -> dict[str, Any]:
+    """One table row from a captured trace (its provenance holds every pass's wall time)."""
+    st, cap = trace.prov.settings, trace.provenance.get("capture", {})
+    untraced = statistics.median(st.get("repeat_generate_s") or [0.0]) or None
+    sampled = (st.get("sampled_generate_s") or [None])[0]
+    steps = len(trace.steps)
+    return {"algorithm": algorithm, "graphs": graphs, "workload": load, "requests": len(trace.requests),
+            "steps": steps, "captured_s": st.get("generate_s"), "sampled_s": sampled, "untraced_s": untraced,
+            "overhead_full": _ratio(st.get("generate_s"), untraced), "overhead_sampled": _ratio(sampled, untraced),
+            "tokens_same_untraced": st.get("repeats_match"), "tokens_same_sampled": st.get("sampled_match"),
+            "graphed_steps": (cap.get("stats") or {}).get("cuda_graph_steps"),
+            "bytes_per_step": path.stat().st_size / steps if steps else None,
+            "capture_errors": (cap.get("errors") or [])[:3], "capture_behind": st.get("capture_behind") or {},
+            "lost_batches": (cap.get("stats") or {}).get("lost_batches", 0), **(diff or {})}
+
+
+def judge(trace: Any, name: str) -> dict[str, Any]:
+    import torch
+
+    from refcheck.diff.session import DiffSession
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.perf_counter()
+    rep = DiffSession().diff(trace, name, "replay", ref_device=device)
+    wall = time.perf_counter() - t0
+    return {"verdict": rep.verdict, "fail_categories": sorted({f.category for f in rep.failures}),
+            "diff_steps_per_s": len(trace.steps) / wall if wall > 0 else None}
+
+
+def run_cell(args: argparse.Namespace, algorithm: str, graphs: bool, load: str) -> dict[str, Any]:
+    from refcheck.errors import RefcheckError
+    from refcheck.runners.sglang import SGLangRunner
+    from refcheck.trace.io import write_trace
+
+    name = f"{algorithm.lower()}-{'graphs' if graphs else 'eager'}-{load}"
+    spec = EngineSpec(pair=args.pair, budget=args.budget, max_new_tokens=args.max_new_tokens, dtype="bfloat16",
+                      device="cuda")
+    try:
+        runner = SGLangRunner(spec, algorithm, cuda_graphs=graphs, warmup=True, timing_repeats=args.repeats,
+                              sampled_timing=f"{args.sample}:0", mem_fraction=args.mem_fraction,
+                              capture_dir=args.out / name)
+        trace = runner.trace(_prompts(load))
+    except RefcheckError as exc:
+        return {"algorithm": algorithm, "graphs": graphs, "workload": load, "error": f"{type(exc).__name__}: {exc}"}
+    path = args.out / f"{name}.arrow"
+    write_trace(trace, path)
+    row = row_of(algorithm, graphs, load, trace, path, judge(trace, name) if args.diff else None)
+    sampled = sampled_trace(trace, args.out / name) if args.diff else None
+    if sampled is not None:
+        write_trace(sampled, args.out / f"{name}-sampled.arrow")
+        got = judge(sampled, f"{name}-sampled")
+        row.update(sampled_steps=len(sampled.steps), sampled_verdict=got["verdict"],
+                   sampled_fail_categories=got["fail_categories"])
+    return row
+
+
+def sampled_trace(trace: Any, cdir: Path) -> Any:
+    """The sampled pass's trace, from the records its marked rids left in the cell's capture directory."""
+    from refcheck.prompts import Prompt
+    from refcheck.sglang_capture.assemble import assemble_trace
+    from refcheck.sglang_capture.records import read_capture
+
+    job = json.loads((cdir / "job.json").read_text())
+    if not job.get("sampled_rids") or not trace.prov.settings.get("sampled_match"):
+        return None
+    prompts = [Prompt(r.request_id, tuple(r.prompt_ids), r.kind) for r in trace.requests]
+    rids = {p.id: rid for p, rid in zip(prompts, job["sampled_rids"][0])}
+    results = {r.request_id: {"output_ids": list(r.output_ids)} for r in trace.requests}
+    prov = json.loads(json.dumps(trace.provenance, default=str))
+    asm = assemble_trace(prompts, rids, results, read_capture(cdir / "records"), prov)
+    asm.trace.provenance["capture"] = {**prov.get("capture", {}), "problems": asm.problems[:50], "stats": asm.stats}
+    return asm.trace
+
+
+def _fmt(v: Any, spec: str = ".2f") -> str:
+    return "—" if v is None else format(v, spec) if isinstance(v, float) else str(v)
+
+
+def markdown(rows: list[dict[str, Any]], sample: int) -> str:
+    head = (f"| algorithm | graphs | workload | steps | untraced s | full capture | 1 in {sample} | bytes/step | "
+            "tokens same | verdict (full / sampled) | diff steps/s |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    body = "".join(
+        f"| {r['algorithm']} | {'on' if r['graphs'] else 'off'} | {r['workload']} | "
+        + (f"error: {r['error'][:120]} | | | | | | | |\n" if "error" in r else
+           f"{r['steps']} | {_fmt(r['untraced_s'], '.3f')} | {_fmt(r['overhead_full'])}× | "
+           f"{_fmt(r['overhead_sampled'])}× | {_fmt(r['bytes_per_step'], '.0f')} | "
+           f"{r['tokens_same_untraced']}/{r['tokens_same_sampled']} | {r.get('verdict', '—')} / "
+           f"{r.get('sampled_verdict', '—')} ({r.get('sampled_steps', '—')} steps) | "
+           f"{_fmt(r.get('diff_steps_per_s'), '.1f')} |\n")
+        for r in rows)
+    return head + body
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--algorithms", default="NONE,DFLASH,NGRAM,REFCHECK_DDTREE")
+    ap.add_argument("--graphs", default="off,on")
+    ap.add_argument("--workloads", default="one,mixed")
+    ap.add_argument("--sample", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--mem-fraction", type=float, default=0.3)
+    ap.add_argument("--pair", default="hybrid")
+    ap.add_argument("--budget", type=int, default=15)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--diff", action="store_true")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    for algorithm in args.algorithms.split(","):
+        for graphs in (g == "on" for g in args.graphs.split(",")):
+            for load in args.workloads.split(","):
+                rows.append(run_cell(args, algorithm, graphs, load))
+                (args.out / "capture_cost.json").write_text(json.dumps(rows, indent=1, default=str))
+                print(markdown(rows[-1:], args.sample).splitlines()[-1], flush=True)
+    (args.out / "capture_cost.md").write_text(markdown(rows, args.sample))
+    print(markdown(rows, args.sample))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
