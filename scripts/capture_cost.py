@@ -111,7 +111,8 @@ def sampled_trace(trace: Any, cdir: Path) -> Any:
     results = {r.request_id: {"output_ids": list(r.output_ids)} for r in trace.requests}
     prov = json.loads(json.dumps(trace.provenance, default=str))
     asm = assemble_trace(prompts, rids, results, read_capture(cdir / "records"), prov)
-    asm.trace.provenance["capture"] = {**prov.get("capture", {}), "problems": asm.problems[:50], "stats": asm.stats}
+    asm.trace.provenance["capture"] = {**prov.get("capture", {}), "problems": asm.problems[:50], "stats": asm.stats,
+                                       "sample": {"every": int(job["sampled_rids"][0][0].split("-")[2]), "seed": 0}}
     return asm.trace
 
 

@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 
+from refcheck.sglang_capture import packing
 from refcheck.sglang_capture.records import Recorder, read_capture
 from refcheck.sglang_capture.sample_rule import CaptureSampleError, SampleRule, parse, rule_for, sampled_rid
 from refcheck.sglang_capture.shipper import Shipper, read_counts, wait_drained
@@ -19,9 +20,9 @@ from refcheck.sglang_capture.shipper import Shipper, read_counts, wait_drained
 def _stalled(tmp_path, depth: int):
     gate, written = threading.Event(), []
 
-    def write(kind, payload):
+    def write(kind, data):
         gate.wait(10.0)
-        written.append((kind, payload))
+        written.append((kind, packing.decode(data)))
 
     return Shipper(write, lambda where, msg: None, tmp_path / "queue-rank0-pid1.bin", depth=depth), gate, written
 
@@ -72,3 +73,25 @@ def test_the_sampling_rule_records_one_step_in_n_per_request_at_seeded_phases():
 def test_a_sampling_rule_out_of_range_is_refused(text):
     with pytest.raises(CaptureSampleError):
         parse(text)
+
+
+def test_a_record_round_trips_through_its_packed_bytes():
+    """Nested fields and tensors of every dtype a record holds come back equal; CUDA-first numbering keeps each
+    tensor in its place; a torn file is refused."""
+    nest = {"type": "batch", "rids": ["a", "b"], "meta": {"x": 1.5, "flag": True, "none": None},
+            "t": {"ids": torch.tensor([[1, 2], [3, 4]]), "lp": torch.tensor([0.5, float("nan")]),
+                  "empty": torch.zeros(0, 3), "scalar": torch.tensor(7, dtype=torch.int32),
+                  "half": torch.tensor([1.0, 2.0], dtype=torch.bfloat16), "mask": torch.tensor([True, False])},
+            "state": {"kv_k.1": (1, "kv_k", torch.arange(6.0).reshape(1, 2, 3), None)}}
+    skeleton, ts = packing.pack(nest)
+    back = packing.decode(packing.encode(skeleton, packing.table(ts), packing.flatten(ts).numpy().tobytes()))
+    assert back["rids"] == ["a", "b"] and back["meta"] == {"x": 1.5, "flag": True, "none": None}
+    for k, v in nest["t"].items():
+        assert back["t"][k].dtype == v.dtype and torch.equal(back["t"][k].nan_to_num(), v.nan_to_num()), k
+    layer, kind, sketch, full = back["state"]["kv_k.1"]
+    assert (layer, kind, full) == (1, "kv_k", None) and torch.equal(sketch, nest["state"]["kv_k.1"][2])
+    data = packing.encode(skeleton, packing.table(ts), packing.flatten(ts).numpy().tobytes())
+    with pytest.raises(ValueError):
+        packing.decode(data[:-3])
+    with pytest.raises(ValueError):
+        packing.decode(b"PK\x03\x04 a zip")

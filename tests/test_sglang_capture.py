@@ -275,7 +275,7 @@ def test_records_round_trip_through_the_capture_directory(tmp_path):
              {"t": {"nodes": summarise_nodes(logits, nxt).tensors(), "next_ids": nxt}})
     assert rec.shipper.drain(10.0)
     rec.error("eagle_sample:after", "boom")
-    (rec.dir / "00000099.pt").write_bytes(b"torn")
+    (rec.dir / "00000099.rec").write_bytes(b"torn")
     back = read_capture(tmp_path)
     a, b = back.prefills[0]
     assert (a.rid, a.prompt_len, a.token, b.token, b.uniform) == ("a", 5, 3, 4, 0.5) and math.isnan(a.uniform)

@@ -193,3 +193,24 @@ def test_seal_script_proves_content_and_is_idempotent(cli, tmp_path: Path) -> No
     assert seal.seal(gdir) == []  # idempotent
     sealed.steps[0].topk_logprobs[0][0] += 1e-3  # the digest sees a changed value
     assert seal.content_sha256(sealed) != digest
+
+
+def test_a_sampled_capture_may_hold_some_steps_only(tmp_path):
+    """A trace whose capture declares 1 step in N > 1 (or records its queue lost) holds the steps it recorded,
+    numbered as the engine ran them; distinct and non-negative, and written and read back whole. Without the
+    declaration the same gap is refused."""
+    from dataclasses import replace
+
+    trace = make_trace(n_requests=2, n_steps=4)
+    kept = [s for s in trace.steps if s.step in (1, 3)]
+    gapped = replace(trace, steps=kept, provenance={**trace.provenance, "capture": {"sample": {"every": 2, "seed": 0}}})
+    write_trace(gapped, tmp_path / "sampled.arrow")
+    back = read_trace(tmp_path / "sampled.arrow")
+    assert sorted({s.step for s in back.steps}) == [1, 3]
+    lost = replace(gapped, provenance={**trace.provenance, "capture": {"stats": {"lost_batches": 2}}})
+    write_trace(lost, tmp_path / "lost.arrow")
+    with pytest.raises(TraceValidationError, match="steps must run 0, 1, 2"):
+        write_trace(replace(gapped, provenance=trace.provenance), tmp_path / "undeclared.arrow")
+    twice = replace(gapped, steps=kept + [kept[0]])
+    with pytest.raises(TraceValidationError, match="has step 1 twice"):
+        write_trace(twice, tmp_path / "twice.arrow")

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 #: options of a live run (--engine) only: a recorded trace or a golden carries its own
 _LIVE_ONLY = ("draft_dir", "prompts_file", "max_new_tokens", "dtype", "device", "drafter", "stop_ids", "save_trace",
               "workers", "full_state", "sglang_algorithm", "cuda_graphs", "ngram_breadth", "tp", "max_running",
-              "mem_fraction", "serving", "layer_sketches")
+              "mem_fraction", "serving", "layer_sketches", "capture_sample")
 #: options that pick the goldens to diff (and the live run's models, with --engine)
 _GOLDEN_PICKS = ("golden_dir", "model_dir", "pair", "budget")
 
@@ -70,7 +70,7 @@ def refuse_unused_options(engine: str | None, against: tuple[Path, ...]) -> None
 
 
 def _engine_and_options(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, device, mem_fraction=None,
-                        max_running=None, layer_sketches=False, serving=None):
+                        max_running=None, layer_sketches=False, serving=None, capture_sample=None):
     """The engine name and its kind's options from the command line (only the options given), refused
     where the engine's kind does not take them; dtype and device default to the kind's (SGLang: bf16 on
     the GPU)."""
@@ -87,8 +87,16 @@ def _engine_and_options(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype
         from refcheck.runners.sglang_settings import parse_settings
 
         settings = parse_settings(serving)  # an unknown or malformed item: exit 2 before anything starts
+    if capture_sample:
+        from refcheck.sglang_capture.sample_rule import CaptureSampleError, parse
+
+        try:
+            parse(capture_sample)  # out of range: exit 2 before anything starts
+        except CaptureSampleError as exc:
+            raise UsageError(f"--capture-sample: {exc}") from None
     given = {"cuda_graphs": cuda_graphs or None, "tp": tp if tp > 1 else None, "mem_fraction": mem_fraction,
-             "max_running": max_running, "layer_sketches": layer_sketches or None, "settings": settings}
+             "max_running": max_running, "layer_sketches": layer_sketches or None, "settings": settings,
+             "capture_sample": capture_sample}
     opts = {k: v for k, v in given.items() if v is not None}
     kind = check_engine(engine, opts)
     if "ngram_breadth" in kind.options:
@@ -130,6 +138,10 @@ def _engine_and_options(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype
 @click.option("--layer-sketches", is_flag=True,
               help="With --engine sglang: sketch every target layer's output (forward hooks) so a failing node gets "
                    "layer bisection; slower.")
+@click.option("--capture-sample", "capture_sample", default=None, metavar="N[:SEED]",
+              help="With --engine sglang: record one verify step in N of each request (phases seeded by SEED, default "
+                   "0; every prefill's first token always); the diff judges the steps recorded, re-prefilling the "
+                   "engine's output across the others.")
 @click.option("--steps", is_flag=True, help="Also print one row per verify step: tree size, τ, verdict, first finding.")
 @click.option("--html", "html", type=click.Path(path_type=Path), default=None,
               help="Also write every diffed case's report on one self-contained HTML page (refcheck report's, per case).")
@@ -141,7 +153,8 @@ def _engine_and_options(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype
 @model_options
 @sampling_options
 def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, workers, full_state, sglang_algorithm,
-         cuda_graphs, ngram_breadth, tp, max_running, mem_fraction, serving, layer_sketches, steps, html, verbose, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
+         cuda_graphs, ngram_breadth, tp, max_running, mem_fraction, serving, layer_sketches, capture_sample, steps, html,
+         verbose, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
          drafter, stop_ids, as_json, temperature, top_k, top_p, sample_seed):
     """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
 
@@ -170,7 +183,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
         # an unknown engine, or an option it does not take: a usage error before any process starts
         engine, engine_opts, dtype, device = _engine_and_options(engine, sglang_algorithm, cuda_graphs, ngram_breadth,
                                                                  tp, dtype, device, mem_fraction, max_running,
-                                                                 layer_sketches, serving)
+                                                                 layer_sketches, serving, capture_sample)
         spec = spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids,
                                  sampling)
         report, trace = _live_engine(engine, engine_opts, spec, prompts_file, workers, mode, ref_dtype, ref_device,

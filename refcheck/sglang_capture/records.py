@@ -1,8 +1,8 @@
 """The capture directory: what the plugin writes inside SGLang's scheduler processes, read back in order.
 
 Contract: a :class:`Recorder` (one per scheduler process) writes each record as its own file
-``rank{tp}-pid{pid}/{seq:08d}.pt`` (``torch.save`` of plain dicts, lists and CPU tensors) through a
-temporary name and an atomic rename, so a crash loses at most the record being written and never
+``rank{tp}-pid{pid}/{seq:08d}.rec`` (:mod:`refcheck.sglang_capture.packing`: a JSON header and the tensors'
+bytes) through a temporary name and an atomic rename, so a crash loses at most the record being written and never
 leaves a half file under a final name. Batch records go through the process's
 :class:`~refcheck.sglang_capture.shipper.Shipper` (:meth:`Recorder.ship`: asynchronous host copies, written
 by its thread, counted in ``queue-rank{tp}-pid{pid}.bin``); error records are written at once.
@@ -15,7 +15,6 @@ and :attr:`Capture.lost`.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import threading
@@ -23,9 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from refcheck.atomic_file import atomic_write_bytes
+from refcheck.sglang_capture import packing
 from refcheck.sglang_capture.expand import expand_batch, expand_prefill
 from refcheck.sglang_capture.shipper import Shipper, counts_path, queue_files, read_counts
 from refcheck.sglang_capture.steps import PrefillCapture, StepCapture
@@ -45,20 +43,19 @@ class Recorder:
         self._lock = threading.Lock()  # the engine's thread (errors) and the shipper's (records) both write
         self.shipper = Shipper(self.write, self.error, counts_path(root, tp_rank))
 
-    def write(self, kind: str, payload: dict[str, Any]) -> None:
-        buf = io.BytesIO()
-        torch.save({"type": kind, **payload}, buf)
+    def write(self, kind: str, data: bytes) -> None:
+        """One encoded record (``kind`` names it in errors), as the next file of this process."""
         with self._lock:
             seq, self.seq = self.seq, self.seq + 1
         # not fsynced: a record lost to a power cut is re-made by re-running; readers never see half of one
-        atomic_write_bytes(self.dir / f"{seq:08d}.pt", buf.getvalue(), durable=False)
+        atomic_write_bytes(self.dir / f"{seq:08d}.rec", data, durable=False)
 
     def ship(self, kind: str, fields: dict[str, Any], tensors: dict[str, Any]) -> None:
         """Queue a batch record (its tensors may be on the device); see :mod:`refcheck.sglang_capture.shipper`."""
         self.shipper.ship(kind, fields, tensors)
 
     def error(self, where: str, message: str) -> None:
-        self.write("error", {"where": where, "message": message})
+        self.write("error", packing.encode({"type": "error", "where": where, "message": message}, []))
 
     def status(self, info: dict[str, Any]) -> None:
         atomic_write_bytes(self.status_path, json.dumps(info, indent=1, default=str).encode(), durable=False)
@@ -85,10 +82,10 @@ def read_capture(root: Path) -> Capture:
     for d in sorted(root.glob("rank*-pid*")):
         rank = int(d.name[4:].split("-", 1)[0])
         pids.setdefault(rank, []).append(d.name.split("-pid", 1)[1])
-        for f in sorted(d.glob("[0-9]*.pt")):
+        for f in sorted(d.glob("[0-9]*.rec")):
             try:
-                rec = torch.load(f, map_location="cpu", weights_only=True)
-            except Exception as exc:  # a torn or foreign file: report it, keep the rest
+                rec = packing.decode(f.read_bytes())
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:  # a torn file
                 cap.errors.append(f"{d.name}/{f.name}: unreadable record ({type(exc).__name__}: {exc})")
                 continue
             kind = rec.pop("type", None)

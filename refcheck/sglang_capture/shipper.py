@@ -2,12 +2,14 @@
 written by a background thread.
 
 Contract: :meth:`Shipper.ship` takes a record (a kind, plain host fields, and a nest of dicts / lists /
-tuples holding tensors) from inside a scheduler hook. It starts a non-blocking device-to-host copy of every
-CUDA tensor on the current stream (into pinned memory from PyTorch's caching host allocator), records one
-CUDA event after them, and queues the record; it never synchronises the device and never waits for the
-disk. A daemon thread takes records in order, waits for each record's event, and writes it through the
-:class:`~refcheck.sglang_capture.records.Recorder` (one atomic file per record). CPU tensors are cloned at
-ship time (the engine may reuse their storage). A record's ``events`` field (two CUDA events recorded
+tuples holding tensors) from inside a scheduler hook. Its CUDA tensors are laid end to end in one byte
+buffer on the device (one ``cat``, :mod:`refcheck.sglang_capture.packing`) and copied to pinned host memory
+(PyTorch's caching host allocator) without blocking, on the current stream; one CUDA event is recorded
+after the copy and the record is queued. It never synchronises the device and never waits for the disk. A
+daemon thread takes records in order, waits for each record's event, and writes the header and the bytes
+through the :class:`~refcheck.sglang_capture.records.Recorder` (one atomic file per record: no pickling, so
+the thread holds the interpreter lock only briefly). CPU tensors are copied at ship time (the engine may
+reuse their storage). A record's ``events`` field (two CUDA events recorded
 around the engine's step on its stream) becomes ``step_s``, their distance in seconds. The queue holds at most ``depth`` records: a record that
 finds it full is not queued but counted as lost, never blocking the engine and never silently missing.
 
@@ -27,40 +29,35 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from refcheck.sglang_capture import packing
 
 QUEUE_DEPTH = 512
 _FMT = "<QQQ"  # queued, written, lost
 _SIZE = struct.calcsize(_FMT)
 
 
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
-    return obj
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    if t.is_cuda:
-        return t.detach().to("cpu", non_blocking=True)  # pinned output: the copy overlaps the engine's work
-    return t.detach().clone()
+@dataclass
+class _Item:
+    kind: str
+    skeleton: Any  # the record, tensors replaced by their index in ``entries``
+    entries: list[dict[str, Any]]  # the tensors' dtype, shape and byte range (packing.table)
+    device_bytes: torch.Tensor  # [n] uint8 on the host (pinned; valid once ``event`` has completed)
+    host_bytes: torch.Tensor  # [m] uint8: the CPU tensors' bytes
+    event: Any
 
 
 def _timed(fields: dict[str, Any]) -> dict[str, Any]:
     """``events`` (two CUDA events around the engine's step, both complete) -> ``step_s``, their distance."""
-    events = fields.get("events")
-    if events is None:
-        return fields
-    out = {k: v for k, v in fields.items() if k != "events"}
-    out["step_s"] = events[0].elapsed_time(events[1]) / 1000.0
-    return out
+    events = fields.pop("events", None)
+    if events is not None:
+        fields["step_s"] = events[0].elapsed_time(events[1]) / 1000.0
+    return fields
 
 
 class Counters:
@@ -113,10 +110,10 @@ def wait_drained(root: Path, timeout_s: float = 60.0, poll_s: float = 0.01) -> d
 class Shipper:
     """The queue and writer thread of one scheduler process (module docstring)."""
 
-    def __init__(self, write: Callable[[str, dict[str, Any]], None], error: Callable[[str, str], None],
+    def __init__(self, write: Callable[[str, bytes], None], error: Callable[[str, str], None],
                  counts_path: Path, depth: int = QUEUE_DEPTH) -> None:
         self._write, self._error = write, error
-        self._queue: queue.Queue[tuple[str, dict[str, Any], Any] | None] = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=depth)
         self.counts = Counters(counts_path)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="refcheck-capture-writer", daemon=True)
@@ -124,14 +121,18 @@ class Shipper:
 
     def ship(self, kind: str, fields: dict[str, Any], tensors: dict[str, Any]) -> bool:
         """Queue one record; False when the queue was full (the record is counted as lost)."""
-        host = _map_tensors(tensors, _to_host)
+        skeleton, ts = packing.pack({"type": kind, **fields, **tensors})
+        n_dev = sum(t.is_cuda for t in ts)
+        device_bytes = packing.flatten(ts[:n_dev])
         event = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if device_bytes.is_cuda:
+            device_bytes = device_bytes.to("cpu", non_blocking=True)  # pinned output: overlaps the engine's work
             event = torch.cuda.Event()
             event.record()
+        item = _Item(kind, skeleton, packing.table(ts), device_bytes, packing.flatten(ts[n_dev:]), event)
         with self._lock:
             try:
-                self._queue.put_nowait((kind, fields, (host, event)))
+                self._queue.put_nowait(item)
             except queue.Full:
                 self.counts.bump("lost")
                 return False
@@ -150,13 +151,14 @@ class Shipper:
             item = self._queue.get()
             if item is None:
                 return
-            kind, fields, (host, event) = item
             try:
-                if event is not None:
-                    event.synchronize()  # the record's copies have landed in host memory
-                self._write(kind, {**_timed(fields), **host})
+                if item.event is not None:
+                    item.event.synchronize()  # the record's copy has landed in host memory (the lock is released)
+                data = packing.encode(_timed(item.skeleton), item.entries, item.device_bytes.numpy().tobytes(),
+                                      item.host_bytes.numpy().tobytes())
+                self._write(item.kind, data)
             except Exception as exc:  # a record that cannot be written is reported, the rest carry on
-                self._error(f"writer:{kind}", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
+                self._error(f"writer:{item.kind}", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
             finally:
                 with self._lock:
                     self.counts.bump("written")

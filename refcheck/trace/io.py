@@ -155,13 +155,29 @@ def _validate_tree(s: StepRow, source: str, where: str) -> None:
             _fail(source, f"{where} node {i}", f"depth {depths[i]} but its parent {p} has depth {depths[p]}")
 
 
+def gaps_declared(provenance: dict[str, Any]) -> bool:
+    """Whether the trace's capture says it holds some steps only: a sampled capture (1 step in N > 1), or
+    records its queue lost."""
+    cap = provenance.get("capture") or {}
+    sample = cap.get("sample") if isinstance(cap, dict) else None
+    every = sample.get("every", 1) if isinstance(sample, dict) else 1
+    stats = cap.get("stats") if isinstance(cap, dict) else None
+    return (isinstance(every, int) and every > 1) or bool(isinstance(stats, dict) and stats.get("lost_batches"))
+
+
 def _validate_step_numbers(trace: Trace, source: str) -> None:
-    """Each request's steps are exactly 0..n-1 (no gap, no jump)."""
+    """Each request's steps are exactly 0..n-1 (no gap, no jump); a trace whose capture declares gaps
+    (:func:`gaps_declared`) holds non-negative ones."""
     numbers: dict[str, list[int]] = {}
     for s in trace.steps:
         numbers.setdefault(s.request_id, []).append(s.step)
+    sampled = gaps_declared(trace.provenance)
     for rid, steps in numbers.items():
         steps.sort()
+        if sampled:
+            if steps[0] < 0:
+                raise TraceValidationError(f"{source}: request {rid!r} step {steps[0]}: step numbers are >= 0")
+            continue  # (each number once: checked with every trace's steps)
         gap = next((i for i, k in enumerate(steps) if k != i), None)
         if gap is not None:
             raise TraceValidationError(f"{source}: request {rid!r} step {steps[gap]}: steps must run 0, 1, 2, ... "

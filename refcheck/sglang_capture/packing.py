@@ -1,0 +1,109 @@
+"""A capture record as one header and one byte buffer: packed on the engine's side, unpacked by the reader.
+
+Contract: a record is a nest of dicts, lists and tuples whose leaves are JSON values or tensors.
+:func:`split` replaces each tensor by ``{"__tensor__": i}`` and returns the tensors in order (:func:`pack`: the
+CUDA ones first); :func:`flatten`
+turns tensors of one device into one ``uint8`` buffer (a single ``cat`` where they live, so a record leaves the
+device in one copy) with each tensor's dtype, shape and byte range. :func:`encode` writes ``MAGIC``, the
+header's length (u64, little-endian), the header (JSON: the record's skeleton and its tensor table) and the
+bytes; :func:`decode` reads it back, every tensor a copy of its bytes (tuples come back as lists). A file
+that is not such a record raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import torch
+
+MAGIC = b"RCAP1\n"
+_KEY = "__tensor__"
+
+
+def split(nest: Any) -> tuple[Any, list[torch.Tensor]]:
+    """(the nest with every tensor replaced by its index, the tensors in that order)."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+            return {_KEY: len(tensors) - 1}
+        if isinstance(obj, dict):
+            return {str(k): walk(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [walk(v) for v in obj]
+        return obj
+
+    return walk(nest), tensors
+
+
+def pack(nest: Any) -> tuple[Any, list[torch.Tensor]]:
+    """:func:`split`, with the CUDA tensors numbered first (they leave the device as one buffer, the CPU ones follow
+    it in the file)."""
+    skeleton, tensors = split(nest)
+    order = sorted(range(len(tensors)), key=lambda i: not tensors[i].is_cuda)  # stable: device ones first
+    where = {old: new for new, old in enumerate(order)}
+
+    def renumber(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            return {_KEY: where[obj[_KEY]]} if set(obj) == {_KEY} else {k: renumber(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [renumber(v) for v in obj]
+        return obj
+
+    return renumber(skeleton), [tensors[i] for i in order]
+
+
+def table(tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
+    """Each tensor's dtype, shape and byte range in the flattened buffer, in order."""
+    out, offset = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        out.append({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": offset, "bytes": n})
+        offset += n
+    return out
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' bytes, one after the other, as one ``uint8`` tensor on their device."""
+    if not tensors:
+        return torch.empty(0, dtype=torch.uint8)
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]  # [n] -> [n * itemsize] bytes
+    return torch.cat(parts)
+
+
+def encode(skeleton: Any, entries: list[dict[str, Any]], *data: bytes) -> bytes:
+    """The record's file contents (``data``: the tensors' bytes, in the table's order)."""
+    header = json.dumps({"record": skeleton, "tensors": entries}).encode()
+    return b"".join([MAGIC, struct.pack("<Q", len(header)), header, *data])
+
+
+def decode(raw: bytes) -> Any:
+    """A record file's bytes -> the nest, tensors restored."""
+    if not raw.startswith(MAGIC) or len(raw) < len(MAGIC) + 8:
+        raise ValueError("not a refcheck capture record")
+    (n,) = struct.unpack_from("<Q", raw, len(MAGIC))
+    start = len(MAGIC) + 8
+    head = json.loads(raw[start:start + n])
+    data = memoryview(raw)[start + n:]
+    tensors = []
+    for e in head["tensors"]:
+        if e["offset"] + e["bytes"] > len(data):
+            raise ValueError("capture record cut short")
+        chunk = bytearray(data[e["offset"]: e["offset"] + e["bytes"]])
+        flat = torch.frombuffer(chunk, dtype=getattr(torch, e["dtype"])) if chunk else \
+            torch.empty(0, dtype=getattr(torch, e["dtype"]))
+        tensors.append(flat.reshape(e["shape"]))
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            if set(obj) == {_KEY}:
+                return tensors[obj[_KEY]]
+            return {k: walk(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [walk(v) for v in obj]
+        return obj
+
+    return walk(head["record"])
