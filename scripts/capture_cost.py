@@ -67,6 +67,7 @@ def judge(trace: Any, name: str) -> dict[str, Any]:
     rep = DiffSession().diff(trace, name, "replay", ref_device=device)
     wall = time.perf_counter() - t0
     return {"verdict": rep.verdict, "fail_categories": sorted({f.category for f in rep.failures}),
+            "first_failures": [f"{f.category} {f.request_id} step {f.step}: {f.message[:160]}" for f in rep.failures[:4]],
             "diff_steps_per_s": len(trace.steps) / wall if wall > 0 else None}
 
 

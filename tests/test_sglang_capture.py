@@ -352,6 +352,12 @@ def test_batch_state_layouts_and_sketches():
     assert torch.equal(one["rec.0"][3], ssm[1].transpose(-1, -2).reshape(2, 15))
     assert torch.allclose(one["rec.0"][2], sketch_rows(ssm[1].transpose(-1, -2).reshape(2, 15)), atol=1e-5)
     assert torch.allclose(one["kv_v.1"][2], sketch_rows((kb + 1)[[1, 5]].reshape(2, 6)), atol=1e-5)
+    for axis in (-1, 1):  # SGLang's axis of the window in one slot's [C, K-1] state (1: the same, counted forward)
+        again = batch_state({}, torch.tensor([[0]]), {0: (conv, ssm)}, torch.tensor([2]), axis, full=True)
+        assert torch.equal(again["conv.0"][3][0], conv[2].T)
+    window_first = conv.transpose(1, 2).contiguous()  # a pool keeping [K-1, C] per slot: conv_window_axis 0
+    again = batch_state({}, torch.tensor([[0]]), {0: (window_first, ssm)}, torch.tensor([2]), 0, full=True)
+    assert torch.equal(again["conv.0"][3][0], conv[2].T)
     with pytest.raises(ValueError):
         batch_state({}, torch.tensor([[0]]), {0: (conv, ssm)}, None)
 

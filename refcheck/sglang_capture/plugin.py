@@ -204,6 +204,14 @@ def _device_index(rows: list[int], device: Any) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def _on(t: Any, device: Any) -> torch.Tensor:
+    """A batch output (a tensor on either side, or a list) on ``device``, without a stream synchronisation."""
+    t = torch.as_tensor(t)
+    if t.device == torch.device(device) or torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)  # a host tensor: pinned first, so the copy is asynchronous
+
+
 def _choose(snap: _Batch, device: Any) -> None:
     """Which requests this step records: every one at a prefill; at a decode step, those the rule takes."""
     if snap.mode == "extend":
@@ -350,7 +358,7 @@ def _root_part(snap: _Batch, result: Any) -> dict[str, Any] | None:
     if logits is None:
         _rec().error("run_batch", "target-only decode result has no logits")
         return None
-    nxt = snap.rows(torch.as_tensor(result.next_token_ids).reshape(-1))
+    nxt = snap.rows(_on(result.next_token_ids, logits.device).reshape(-1))
     t: dict[str, Any] = {"nodes": summarise_nodes(snap.rows(logits), nxt).tensors(), "next_ids": nxt}
     committed = None
     if snap.decode_inputs is not None and len(snap.decode_inputs[0]) == len(snap.rids):
@@ -372,9 +380,9 @@ def _ship_prefill(scheduler: Any, snap: _Batch, result: Any) -> None:
     if not done:
         return
     idx = _device_index(done, logits.device) if len(done) < len(snap.rids) else None
-    nxt = torch.as_tensor(result.next_token_ids).reshape(-1)
+    nxt = _on(result.next_token_ids, logits.device).reshape(-1)
     lg = logits if idx is None else logits[idx]
-    nxt = nxt if idx is None else nxt[idx.to(nxt.device)]
+    nxt = nxt if idx is None else nxt[idx]
     uniforms = getattr(getattr(scheduler, "draft_worker", None), "last_first_uniforms", None)
     rids = [snap.rids[i] for i in done]
     _rec(scheduler).ship("prefill_batch", {"rids": rids, "prompt_lens": [snap.prompt_lens[i] for i in done],
@@ -549,7 +557,7 @@ def _chain_part(worker: Any, snap: _Batch, result: Any, taps: dflash_taps.DFlash
         raise RuntimeError("DFLASH verify result carries no logits (skipped for TP > 1 greedy in newer SGLang)")
     cand = worker._draft_block_tokens_buf[:bs]  # [bs, B]: column 0 the root, then the drafts
     block = int(cand.shape[1])
-    outs = snap.rows(result.next_token_ids.reshape(bs, -1))  # [b, B]
+    outs = snap.rows(_on(result.next_token_ids, logits.device).reshape(bs, -1))  # [b, B]
     nodes = summarise_nodes(snap.rows(logits.detach(), block), outs.reshape(-1))
     new_lens = getattr(result, "new_seq_lens", None)
     committed = (snap.rows(new_lens) - snap.rows(result.accept_lens) if isinstance(new_lens, torch.Tensor)

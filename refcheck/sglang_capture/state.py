@@ -3,7 +3,7 @@
 Contract: :func:`batch_state` takes per-layer views of SGLang's pools (the caller resolves them: ``kv``
 maps a global layer id to that layer's K and V buffers ``[slots_total, H_kv, D]``; ``mamba`` maps a global
 layer id to its conv buffer ``[mamba_slots, conv_dim, K-1]`` (or ``[..., K-1, conv_dim]`` when
-``conv_window_axis`` is 0) and SSM buffer ``[mamba_slots, HV, V, K]``), the token slots ``[b, W]`` of the KV
+``conv_window_axis``, SGLang's axis of the window in one slot's state, is 0) and SSM buffer ``[mamba_slots, HV, V, K]``), the token slots ``[b, W]`` of the KV
 rows each request's step may have appended (W = the step's widest possible commit; the rows past a request's
 accepted count are sketched and dropped on the host) and the requests' mamba slots ``[b]``. Everything stays
 on the pools' device (gathers and one projection per state, no host copy). It returns name -> (layer, kind,
@@ -71,7 +71,8 @@ def batch_state(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], slots: torch.T
     for layer, (conv_buf, ssm_buf) in sorted(mamba.items()):
         ms = mamba_slots.long().to(conv_buf.device)  # type: ignore[union-attr]
         conv = conv_buf[ms]  # [b, C, K-1] (or [b, K-1, C])
-        conv = conv_to_reference(conv) if conv_window_axis in (-1, conv.dim() - 1) else conv  # [b, K-1, C]
+        # the pool's axis counts in one slot's [conv_dim, K-1] state: -1 or 1 put the window last
+        conv = conv_to_reference(conv) if conv_window_axis in (-1, 1) else conv  # [b, K-1, C]
         out[f"conv.{layer}"] = (layer, "conv", _project("conv", conv, shard), conv if full else None)
         ssm = ssm_buf[ms]  # [b, HV, V, K]
         hv, v, k = ssm.shape[1:]
