@@ -163,13 +163,7 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
     from refcheck.outputs import check_output_file
 
     refuse_unused_options(engine, against)
-    sampling = sampling_from_options(temperature, top_k, top_p, sample_seed)  # out of range: exit 2
-    if sampling is not None and not engine:
-        raise UsageError("--temperature > 0 runs a live engine (--engine ...): a recorded trace carries its own "
-                         "sampling parameters")
-    if sampling is not None and engine and not _can_sample(engine):
-        raise UsageError(f"engine {engine} cannot sample yet: refcheck records its runs greedily only (temperature 0). "
-                         "Sampling engines: reference, fault:NAME")
+    sampling = _live_sampling(engine, temperature, top_k, top_p, sample_seed)
     check_output_file(save_trace, "--save-trace")  # before the run, not after it
     if html is not None:
         check_output_file(html, "--html")
@@ -232,6 +226,19 @@ def _write_outputs(live_trace: Trace | None, save_trace: Path | None, html: Path
         page_error = write_html(html, diff_page(reports, traces, sources))
         late += [page_error] if page_error is not None else []
     return late[0] if late else None
+
+
+def _live_sampling(engine: str | None, temperature, top_k, top_p, sample_seed):
+    """The live run's sampling (None: greedy); out of range, without a live engine, or for an engine that records
+    greedily only: a usage error (exit 2)."""
+    sampling = sampling_from_options(temperature, top_k, top_p, sample_seed)
+    if sampling is not None and not engine:
+        raise UsageError("--temperature > 0 runs a live engine (--engine ...): a recorded trace carries its own "
+                         "sampling parameters")
+    if sampling is not None and engine and not _can_sample(engine):
+        raise UsageError(f"engine {engine} cannot sample yet: refcheck records its runs greedily only (temperature 0). "
+                         "Sampling engines: reference, fault:NAME")
+    return sampling
 
 
 def diff_page(reports: list[Report], traces: list[Trace], sources: list[str]) -> str:

@@ -359,8 +359,9 @@ class SGLangRunner:
         why = capture_refusal(self.settings, self.algorithm, self.layer_sketches, tp) or self._engine_refusal(ngram_breadth)
         if why:
             raise UsageError(why)
-        # warmup: one untraced generate of the same prompts before the captured one, so that the captured run and
-        # the timing repeats both find compiled kernels (the capture's overhead is then warm against warm)
+        # warmup: one untraced generate of the same prompts before the captured one, and one captured whose records
+        # are not read, so that the captured run and the timing repeats both find compiled kernels and grown buffers
+        # (the capture's overhead is then warm against warm)
         self.warmup = warmup
         if not 0.0 < mem_fraction < 1.0:
             raise UsageError(f"--sglang-mem-fraction must be between 0 and 1, got {mem_fraction}")
@@ -529,7 +530,7 @@ class SGLangRunner:
 
     def _run_engine(self, cdir: Path, env: dict, kw: dict, prompts: list[Prompt], rids: dict[str, str]) -> dict:
         """SGLang in its own process (sglang_child); returns its last reported stage."""
-        from refcheck.sglang_capture.sample_rule import sampled_rid
+        from refcheck.sglang_capture.sample_rule import SampleRule, sampled_rid
 
         job, result, log = cdir / "job.json", cdir / "result.json", cdir / "engine.log"
         result.unlink(missing_ok=True)
@@ -540,6 +541,8 @@ class SGLangRunner:
             "sampling_params": [request_sampling_params(p, self.spec, self.algorithm) for p in prompts],
             "stagger_s": self.settings.stagger_ms / 1000.0,
             "warmup_rids": [f"{UNTRACED_RID_PREFIX}warm-{rids[p.id]}" for p in prompts] if self.warmup else [],
+            "capture_warm_rids": [sampled_rid(SampleRule(), f"warm-{rids[p.id]}") for p in prompts]
+            if self.warmup and self.capture else [],
             "sampled_rids": [[sampled_rid(self.sampled_timing, f"timing-{rids[p.id]}") for p in prompts]]
             if self.sampled_timing is not None and self.capture else []}))
         with log.open("w") as f:

@@ -14,7 +14,9 @@ those passes run after the captured one: ``sampled_generate_s``, ``sampled_match
 and before the engine stops, the child waits until the scheduler processes have written every capture record
 they queued (:func:`refcheck.sglang_capture.shipper.wait_drained`; ``capture_behind`` lists any that did not
 within a minute). With
-``warmup_rids`` one untraced pass runs before the captured one (``warmup_generate_s``, ``warmup_match``);
+``warmup_rids`` one untraced pass runs before the captured one (``warmup_generate_s``, ``warmup_match``), and
+with ``capture_warm_rids`` a captured pass whose records nobody reads (the capture's kernels load and its
+buffers grow before the timed passes; the child waits for its records to be written);
 with ``stagger_s`` > 0 the requests of each pass arrive one every ``stagger_s`` seconds. SGLang
 answers a dead scheduler by killing its whole process tree (SIGQUIT, then SIGKILL): running it here
 keeps refcheck's own process, and the records captured so far, alive; whatever stage the file last
@@ -81,13 +83,16 @@ def generate(engine: Any, job: dict, rids: list[str]) -> list[dict]:
 
 
 def _passes(engine: Any, job: dict, passes: list[list[str]], outputs: list[list[int]]) -> tuple[list[float], bool]:
-    """Run each pass (a list of rids) over the job's requests: (wall times, whether every pass gave ``outputs``)."""
+    """Run each pass (a list of rids) over the job's requests, then wait for the capture's writers: (wall times,
+    whether every pass gave ``outputs``). A captured warm-up passes ``outputs`` = [] (its records are not read)."""
     times, match = [], True
     for rids in passes:
         t0 = time.time()
         again = _outputs(generate(engine, job, rids))
         times.append(time.time() - t0)
         match = match and again == outputs
+    if passes:
+        _drained()
     return times, match
 
 
@@ -124,6 +129,7 @@ def main(job_path: str) -> int:
             t0 = time.time()
             warm_out = _outputs(generate(engine, job, job["warmup_rids"]))
             warm = {"warmup_generate_s": time.time() - t0}
+        _passes(engine, job, [job["capture_warm_rids"]] if job.get("capture_warm_rids") else [], [])
         t1 = time.time()
         out = generate(engine, job, job["rids"])
         generate_s = time.time() - t1

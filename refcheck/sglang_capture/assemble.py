@@ -144,7 +144,15 @@ def _stats(kept: list[StepCapture], n_steps: int, n_branching: int, n_accepted: 
             # steps that carry the drafter's side (its top-k per depth), and why a drafter could not be captured
             "draft_steps": sum(bool(c.draft_ids) for c in kept),
             "draft_not_captured": next((c.meta["draft_not_captured"] for c in kept if c.meta.get("draft_not_captured")),
-                                       None)}
+                                       None),
+            # the capture hooks' time on the scheduler's thread per recorded batch (its requests share it), in ms
+            "capture_host_ms_per_batch": _per_batch_ms(kept)}
+
+
+def _per_batch_ms(kept: list[StepCapture]) -> float | None:
+    batches = {(c.meta.get("batch_step_s"), c.meta.get("capture_host_s")) for c in kept
+               if isinstance(c.meta.get("capture_host_s"), float)}
+    return round(1000 * sum(h for _, h in batches) / len(batches), 4) if batches else None
 
 
 def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[str, dict], capture: Capture,

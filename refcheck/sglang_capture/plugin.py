@@ -49,6 +49,7 @@ only logs failures), so the runner can refuse a capture that silently missed a h
 from __future__ import annotations
 
 import os
+import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -90,6 +91,8 @@ class _Batch:
     index: torch.Tensor | None = None  # ``take`` on the device (None: every row)
     pending: list[dict[str, Any]] = field(default_factory=list)  # the verify calls' records, tensors on the device
     events: tuple[Any, Any] | None = None  # CUDA events around the scheduler's step
+    host_s: float = 0.0  # the hooks' own time on the scheduler's thread at this step (what capture costs it)
+    after_t0: float = 0.0  # when recording the finished batch began
     raw_logits: torch.Tensor | None = None  # [bs, V] before a sampling batch's sampler overwrote them
     #: the tree sampler's coins [bs, N], bonus coins [bs] and (threshold_single, threshold_acc) of this batch's verify
     coins: tuple[torch.Tensor, torch.Tensor, tuple[float, float]] | None = None
@@ -324,6 +327,7 @@ def _fields(scheduler: Any, snap: _Batch, part: dict[str, Any], result: Any) -> 
     if isinstance(draft_s, float):
         meta["batch_draft_s"] = draft_s
     sides = getattr(worker, "last_sides", None)  # REFCHECK_DDTREE's drafter side
+    meta["capture_host_s"] = snap.host_s + time.perf_counter() - snap.after_t0
     return {"layout": part["layout"], "rids": snap.host(snap.rids), "origin": list(snap.take), "steps": list(snap.steps),
             "committed_host": snap.host(snap.committed), "roots_host": snap.host(snap.roots), "meta": meta,
             "sides": {r: sides.get(r) for r in snap.host(snap.rids)} if isinstance(sides, dict) else None,
@@ -392,6 +396,7 @@ def _ship_prefill(scheduler: Any, snap: _Batch, result: Any) -> None:
 
 def _after(scheduler: Any, snap: _Batch, result: Any) -> None:
     """Record what the batch produced, on the engine's stream (ordered after its commit, before its next step)."""
+    snap.after_t0 = time.perf_counter()
     with _on_engine_stream(scheduler):
         if snap.mode == "extend":
             _ship_prefill(scheduler, snap, result)
@@ -418,7 +423,10 @@ def _run_batch(original, self, batch, *args, **kwargs):
     if _untraced(batch):
         return original(self, batch, *args, **kwargs)
     _rec(self)
+    t0 = time.perf_counter()
     snap = _guard("run_batch:snapshot", _snapshot, self, batch)
+    if snap is not None:
+        snap.host_s += time.perf_counter() - t0
     if snap is None or (snap.mode != "extend" and not snap.take):  # nothing recorded at this step
         return original(self, batch, *args, **kwargs)
     _batch = snap
@@ -457,12 +465,16 @@ def _eagle_sample(original, *args, **kwargs):
     snap = _batch
     pre = None
     if snap is not None:
+        t0 = time.perf_counter()
         pre = _guard("eagle_sample:before", _tree_inputs, snap, args, kwargs)
+        snap.host_s += time.perf_counter() - t0
     result = original(*args, **kwargs)
     if snap is not None and pre is not None:
+        t0 = time.perf_counter()
         part = _guard("eagle_sample:after", _tree_part, snap, pre, result)
         if part:
             snap.pending.append(part)
+        snap.host_s += time.perf_counter() - t0
     return result
 
 
@@ -544,9 +556,11 @@ def _dflash_forward(original, self, batch, *args, **kwargs):
     with dflash_taps.dflash_taps(self, len(batch.reqs), snap is not None and decode, fault) as taps:
         result = original(self, batch, *args, **kwargs)
     if snap is not None and decode:
+        t0 = time.perf_counter()
         part = _guard("dflash:after", _chain_part, self, snap, result, taps)
         if part:
             snap.pending.append(part)
+        snap.host_s += time.perf_counter() - t0
     return result
 
 
