@@ -469,3 +469,17 @@ def test_a_sampled_capture_records_the_steps_its_rule_takes_and_leaves_other_bat
     assert calls == [any((rid, k) in taken for rid in ("r0", "r1")) for k in range(4)]
     r1 = [s for s in cap.steps[0] if s.rid == "r1"]
     assert all(s.accepted == [0, 1, 3] for s in r1)  # accept_index's flat rows counted in SGLang's whole batch
+
+
+def test_a_prefill_whose_next_tokens_are_a_host_list_is_recorded(capture_dir):
+    """SGLang hands a prefill's next tokens over as a device tensor, a host tensor or a list, depending on the path:
+    each reaches the logits' device for the record."""
+    sched, *_ = _scheduler()
+    logits = torch.randn(2, V)
+    ids = logits.argmax(-1).tolist()
+    plugin._run_batch(lambda self, batch: NS(logits_output=NS(next_token_logits=logits), next_token_ids=ids), sched,
+                      _batch("extend", True, [[], []]))
+    cap = read_capture(capture_dir)
+    assert not cap.errors, cap.errors
+    assert [p.token for p in cap.prefills[0]] == ids
+    assert cap.prefills[0][1].logprob == pytest.approx(float(torch.log_softmax(logits[1], -1).max()), abs=1e-6)
