@@ -8,7 +8,7 @@ therefore gives the same trace and the same findings as a one-process run (tests
 Workers are spawned processes (CUDA-safe); worker ``i`` uses ``cuda:i`` when the device is CUDA, so
 ``--workers N`` on an N-GPU host is one process per GPU. :func:`run_queue` runs jobs from one queue,
 longest first, on this process and ``N - 1`` workers that stay up between jobs (the gate's cases:
-:func:`refcheck.golden.gate_shard`, each worker keeping its :class:`DiffSession` and so its models and
+:func:`refcheck.goldens.gate.gate_shard`, each worker keeping its :class:`DiffSession` and so its models and
 shared work). Nothing here knows goldens: the gate hands its jobs in.
 
 Workers end with this process (:func:`worker_pool`): they stay in its process group (a signal to the

@@ -14,7 +14,7 @@ Contract:
   case and marked ``refcheck_gate`` (``-m refcheck_gate`` keeps only them), to what the session collects;
   a manifest that cannot be read is a collection error. Each item checks its own trace against the
   manifest (missing: the gate's GoldenError; hash mismatch: its CorruptTraceError), then judges it with
-  the gate's per-case judgement :func:`refcheck.golden.gate_case` (stale models fail with its
+  the gate's per-case judgement :func:`refcheck.goldens.judge.gate_case` (stale models fail with its
   GoldenError); the item passes when ``refcheck gate`` would pass that case (an expected failure caught
   included). Items hold only the directory and the case name, so pytest-xdist workers collect and run
   them on their own.
@@ -152,8 +152,8 @@ class GateCaseFailure(Exception):
 
 
 def _verified_entry(golden_dir: Path, case: str) -> Any:
-    """``case``'s manifest entry after the gate's hash check of its trace alone (``refcheck.golden.verify``)."""
-    from refcheck.golden import verify
+    """``case``'s manifest entry after the gate's hash check of its trace alone (``refcheck.goldens.verify``)."""
+    from refcheck.goldens.verify import verify
 
     return verify(golden_dir, case).cases[case]
 
@@ -162,7 +162,7 @@ class GoldenCaseItem(pytest.Item):
     """One golden case, judged as ``refcheck gate DIR --case NAME`` judges it."""
 
     def runtest(self) -> None:
-        from refcheck.golden import gate_case
+        from refcheck.goldens.judge import gate_case
 
         golden_dir = self.path.parent
         entry = _verified_entry(golden_dir, self.name)
@@ -186,8 +186,7 @@ class GoldenManifest(pytest.File):
 
     def collect(self) -> Iterator[GoldenCaseItem]:
         from refcheck.errors import GoldenError
-        from refcheck.trace import store
-        from refcheck.trace.manifest import load_manifest
+        from refcheck.goldens import load_manifest, store
 
         with store.reading(self.path.parent):
             cases = sorted(load_manifest(self.path.parent).cases)

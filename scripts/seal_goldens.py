@@ -5,7 +5,7 @@ Contract: for every manifest case whose trace has no checksums, the trace is dec
 by this refcheck (schema 1.1, sealed), decoded again, and the two decodings are compared through
 :func:`content_sha256` (every provenance key, request and step field; floats by value with NaN
 kept; tensors by dtype, shape and raw bytes). Only when they are equal is the new file written,
-all cases in one golden store transaction (``refcheck.trace.store.commit``), each with a history
+all cases in one golden store transaction (``refcheck.goldens.store.commit``), each with a history
 entry whose reason carries the content digest. Any difference aborts with nothing written
 (exit 1). Already sealed cases are skipped, so a second run changes nothing.
 
@@ -24,10 +24,8 @@ from typing import Any
 
 import torch
 
-from refcheck.golden import default_golden_dir
-from refcheck.trace import store
+from refcheck.goldens import default_golden_dir, load_manifest, store
 from refcheck.trace.io import Trace, trace_bytes, trace_from_bytes
-from refcheck.trace.manifest import load_manifest
 
 REASON = "sealed as trace schema 1.1 (the file's own checksums, issue 19); decoded content identical to the 1.0 file"
 

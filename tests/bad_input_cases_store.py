@@ -10,7 +10,7 @@ from pathlib import Path
 from bad_input_kit import CASE, Bad, edit_manifest, golden_dir, trace_copy, write
 
 from refcheck.errors import EXIT_CORRUPT, EXIT_USAGE
-from refcheck.trace import store
+from refcheck.goldens import store
 
 TXID = "0123456789ab"
 FORGED = "x\nrefcheck: error: forged"

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from refcheck.golden import REPO_GOLDEN
+from refcheck.goldens import REPO_GOLDEN
+from refcheck.goldens.manifest import load_manifest
 from refcheck.models import builtin_pair
-from refcheck.trace.manifest import load_manifest
 
 from trace_helpers import rewrite, rewrite_legacy
 

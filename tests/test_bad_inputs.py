@@ -48,9 +48,8 @@ from bad_input_kit import (
 )
 
 from refcheck.errors import EXIT_CORRUPT, EXIT_GOLDEN, EXIT_MODEL, EXIT_PASS, EXIT_USAGE
-from refcheck.golden import REPO_GOLDEN
+from refcheck.goldens import REPO_GOLDEN, store
 from refcheck.trace import schema as trace_schema
-from refcheck.trace import store
 
 # ------------------------------------------------------------------------------ the corpus
 CORPUS: list[Bad] = [

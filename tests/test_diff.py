@@ -145,9 +145,9 @@ def test_drafterless_engines_are_not_given_a_reference_ddtree_run():
     """An engine trace without a drafter (SGLang's NONE / NGRAM) runs no DDTree: its free run checks the tokens
     against target-only decoding and reports the engine's τ alone (no reference DDTree run, whose scripted
     stand-in drafter would cost a greedy continuation per sampled prefix at T > 0)."""
-    from refcheck.golden import REPO_GOLDEN
+    from refcheck.goldens import REPO_GOLDEN
+    from refcheck.goldens.manifest import load_manifest
     from refcheck.trace.io import Trace, read_trace
-    from refcheck.trace.manifest import load_manifest
 
     full = read_trace(REPO_GOLDEN / load_manifest(REPO_GOLDEN).cases["sglang-hybrid-none"].file)
     rid = full.requests[0].request_id

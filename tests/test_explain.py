@@ -9,7 +9,7 @@ import pytest
 from refcheck.diff.explain import explain_node
 from refcheck.diff.session import DiffSession, reference_spec_for
 from refcheck.errors import EXIT_USAGE, UsageError
-from refcheck.golden import REPO_GOLDEN
+from refcheck.goldens import REPO_GOLDEN
 from refcheck.trace.io import read_trace
 
 # --dist loadgroup: one xdist worker runs the whole module, so

@@ -10,13 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from refcheck import golden as golden_mod
 from refcheck.diff.session import DiffSession
-from refcheck.gate_cache import ReportCache, package_roots, report_from_json, source_digest
-from refcheck.golden import REPO_GOLDEN, cached_gate_case, estimated_cost, gate, gate_jobs
+from refcheck.goldens import GOLDEN_CASES, REPO_GOLDEN, GoldenCase
+from refcheck.goldens.cache import ReportCache, package_roots, report_from_json, source_digest
+from refcheck.goldens.gate import cached_gate_case, gate
+from refcheck.goldens.manifest import load_manifest
+from refcheck.goldens.regen import regenerate
+from refcheck.goldens.schedule import estimated_cost, gate_jobs
 from refcheck.parallel import run_queue
 from refcheck.profile import Profile, case_rows, count, phase, phase_rows, timed
-from refcheck.trace.manifest import load_manifest
 from reference.oracle import GreedyMemo, greedy_decode
 from reference.scripted import ScriptedDrafter
 
@@ -123,8 +125,8 @@ def test_scripted_drafter_with_a_memo_drafts_the_same(hybrid):
 def tiny_golden(tmp_path, monkeypatch) -> Path:
     """A golden dir with one small reference case, written by the real regen workflow."""
     gdir = tmp_path / "golden"
-    monkeypatch.setitem(golden_mod.GOLDEN_CASES, "tiny", golden_mod.GoldenCase("tiny", "attention", 4, max_new_tokens=5))
-    golden_mod.regenerate(gdir, ["tiny"], "test", True, DiffSession())
+    monkeypatch.setitem(GOLDEN_CASES, "tiny", GoldenCase("tiny", "attention", 4, max_new_tokens=5))
+    regenerate(gdir, ["tiny"], "test", True, DiffSession())
     return gdir
 
 

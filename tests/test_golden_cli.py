@@ -10,17 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from refcheck import golden as golden_mod
-from refcheck.errors import EXIT_CORRUPT, EXIT_GOLDEN, EXIT_MISMATCH, EXIT_NOTHING, EXIT_PASS, EXIT_USAGE
-from refcheck.golden import REPO_GOLDEN
+from refcheck.diff.session import DiffSession
+from refcheck.errors import EXIT_CORRUPT, EXIT_GOLDEN, EXIT_MISMATCH, EXIT_NOTHING, EXIT_PASS, EXIT_USAGE, GoldenError
+from refcheck.goldens import GOLDEN_CASES, REPO_GOLDEN, GoldenCase
+from refcheck.goldens.manifest import load_manifest, sha256_file
+from refcheck.goldens.regen import regenerate
 from refcheck.trace.io import RequestRow, Trace, read_trace, write_trace
-from refcheck.trace.manifest import load_manifest, sha256_file
 
 
 def _use_session(mp: pytest.MonkeyPatch, session) -> None:
     """Every command run in-process hands out ``session`` where it would make a new DiffSession."""
     mp.setattr("refcheck.diff.session.DiffSession", lambda: session)
-    mp.setattr("refcheck.golden.DiffSession", lambda: session)
+    mp.setattr("refcheck.goldens.edits.DiffSession", lambda: session)
+    mp.setattr("refcheck.goldens.gate.DiffSession", lambda: session)
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +222,7 @@ def test_unknown_engine_is_usage(cli, monkeypatch):
 def small_golden(tmp_path, monkeypatch):
     """A golden dir with one case, built by the real regen workflow."""
     gdir = tmp_path / "golden"
-    monkeypatch.setitem(golden_mod.GOLDEN_CASES, "tiny", golden_mod.GoldenCase("tiny", "hybrid", 4, max_new_tokens=6))
+    monkeypatch.setitem(GOLDEN_CASES, "tiny", GoldenCase("tiny", "hybrid", 4, max_new_tokens=6))
     return gdir
 
 
@@ -233,7 +235,7 @@ def test_regen_review_accept_and_history(cli, monkeypatch, small_golden):
     assert code == EXIT_PASS and not (gdir / "tiny.arrow.pending").exists()
     first = (gdir / "tiny.arrow").read_bytes()
     # a change (here: the case decodes more tokens) needs review: without --accept nothing is replaced
-    monkeypatch.setitem(golden_mod.GOLDEN_CASES, "tiny", golden_mod.GoldenCase("tiny", "hybrid", 4, max_new_tokens=9))
+    monkeypatch.setitem(GOLDEN_CASES, "tiny", GoldenCase("tiny", "hybrid", 4, max_new_tokens=9))
     code, out, _ = cli("golden", "regen", "--case", "tiny", "--golden", str(gdir), "--json")
     assert code == EXIT_GOLDEN and (gdir / "tiny.arrow").read_bytes() == first
     review = json.loads(out)["reviews"][0]
@@ -255,14 +257,14 @@ def test_interrupted_regen_keeps_the_old_golden(cli, monkeypatch, small_golden):
     assert cli("golden", "regen", "--case", "tiny", "--golden", str(gdir), "--accept")[0] == 0
     before = (gdir / "tiny.arrow").read_bytes()
     manifest_before = (gdir / "MANIFEST.json").read_bytes()
-    monkeypatch.setitem(golden_mod.GOLDEN_CASES, "tiny", golden_mod.GoldenCase("tiny", "hybrid", 4, max_new_tokens=9))
+    monkeypatch.setitem(GOLDEN_CASES, "tiny", GoldenCase("tiny", "hybrid", 4, max_new_tokens=9))
 
     def crash(*a, **k):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(KeyboardInterrupt):
-        golden_mod.regenerate(gdir, ["tiny"], "r", True, golden_mod.DiffSession())
+        regenerate(gdir, ["tiny"], "r", True, DiffSession())
     assert (gdir / "tiny.arrow").read_bytes() == before
     assert (gdir / "MANIFEST.json").read_bytes() == manifest_before
     assert sorted(p.name for p in gdir.iterdir()) == ["MANIFEST.json", "tiny.arrow"]
@@ -349,7 +351,7 @@ def test_triaged_findings_pass_the_gate_and_others_still_fail(tmp_path):
 
     from refcheck.diff.findings import Finding, Report, Verdict
     from refcheck.errors import UsageError
-    from refcheck.gate_policy import apply_triage, parse_triage
+    from refcheck.goldens.policy import apply_triage, parse_triage
 
     triaged = parse_triage(["code-2:0:2:logits", "a:b:c:3:-:recurrent"])
     assert triaged[1] == {"request_id": "a:b:c", "step": 3, "node": None, "category": "recurrent"}
@@ -377,7 +379,8 @@ def test_diff_steps_table_shows_each_replayed_step(cli, golden_session):
 def test_an_expected_failure_must_first_show_where_the_manifest_says(golden_session):
     """A fault golden's ``expect_first``: the gate passes it only while its first failure stays at that
     request, step, node and layer; moved, the case fails ("expected failure NOT caught")."""
-    from refcheck.golden import check_trace, parse_expect_first
+    from refcheck.goldens.judge import check_trace
+    from refcheck.goldens.policy import parse_expect_first
 
     entry = load_manifest(REPO_GOLDEN).cases["sglang-hybrid-ddtree-fault-flat-positions"]
     trace = read_trace(REPO_GOLDEN / entry.file)
@@ -425,7 +428,7 @@ def test_diff_on_the_goldens_judges_them_as_the_gate_does(cli, tmp_path, golden_
     both (the gate is strict about skips; diff once passed it)."""
     import shutil
 
-    from refcheck.trace.manifest import Manifest
+    from refcheck.goldens.manifest import Manifest
 
     name = "sglang-hybrid-ddtree-b15"
     repo = load_manifest(REPO_GOLDEN)
@@ -447,16 +450,16 @@ def test_a_category_typo_in_a_rule_is_refused(cli, tmp_path):
     """--triage, --allow-unsupported and --expect fail:CATEGORY name real categories; a manifest whose rule
     names none is refused by the gate (a typo would never match anything and pass silently)."""
     from refcheck.diff.findings import CATEGORIES
-    from refcheck.gate_policy import GatePolicy
+    from refcheck.goldens.policy import GatePolicy
 
     src = str(REPO_GOLDEN / "sglang-hybrid-ngram-tp2.arrow")
     for args in (["--triage", "prose-2:19:9:logit"], ["--allow-unsupported", "drafts"], ["--expect", "fail:kvv"]):
         code, _, err = cli("golden", "add", src, "--case", "x", "--reason", "r", "--golden", str(tmp_path / "g"), *args)
         assert code == EXIT_USAGE and "unknown category" in err and "recurrent" in err, (args, err)
     assert not (tmp_path / "g").exists() or not any((tmp_path / "g").iterdir())
-    with pytest.raises(golden_mod.GoldenError, match="golden x: manifest triaged: unknown category 'logit'"):
+    with pytest.raises(GoldenError, match="golden x: manifest triaged: unknown category 'logit'"):
         GatePolicy.of("x", {"triaged": [{"request_id": "a", "step": 1, "node": 2, "category": "logit"}]})
-    with pytest.raises(golden_mod.GoldenError, match="golden x: manifest expect is 'failed'"):
+    with pytest.raises(GoldenError, match="golden x: manifest expect is 'failed'"):
         GatePolicy.of("x", {"expect": "failed"})
     p = GatePolicy.of("x", {"expect": "fail:kv", "allow_unsupported": ["draft"],
                             "triaged": [{"category": c} for c in CATEGORIES]})

@@ -7,11 +7,11 @@ import json
 
 import torch
 
-from refcheck import golden as golden_mod
 from refcheck import provenance
-from refcheck.drift import numeric_drift, version_changes
 from refcheck.errors import EXIT_GOLDEN, EXIT_PASS, EXIT_USAGE
-from refcheck.golden import REPO_GOLDEN, review
+from refcheck.goldens import GOLDEN_CASES, REPO_GOLDEN, GoldenCase
+from refcheck.goldens.drift import numeric_drift, version_changes
+from refcheck.goldens.review import review
 from refcheck.trace.io import read_trace
 
 
@@ -59,7 +59,7 @@ def test_version_changes_lists_only_what_differs():
 
 def test_regen_of_an_unchanged_case_is_unchanged_and_a_version_bump_is_drift(cli, monkeypatch, tmp_path):
     gdir = tmp_path / "golden"
-    monkeypatch.setitem(golden_mod.GOLDEN_CASES, "tiny", golden_mod.GoldenCase("tiny", "hybrid", 4, max_new_tokens=4))
+    monkeypatch.setitem(GOLDEN_CASES, "tiny", GoldenCase("tiny", "hybrid", 4, max_new_tokens=4))
     assert cli("golden", "regen", "--case", "tiny", "--golden", str(gdir), "--accept")[0] == EXIT_PASS
     code, out, _ = cli("golden", "regen", "--case", "tiny", "--golden", str(gdir), "--json")
     assert code == EXIT_GOLDEN and json.loads(out)["reviews"][0]["status"] == "unchanged"

@@ -1,4 +1,4 @@
-"""The golden store (refcheck/trace/store.py): crash at every write step, concurrent writers, the
+"""The golden store (refcheck/goldens/store.py): crash at every write step, concurrent writers, the
 writer lock, plain case names, leftovers and cleaning; a journal obeyed only when it is its own
 transaction's, a regeneration that meets a removal, failures while staging (a full disk), the
 up-front checks of `golden regen`, the manifest's policy shapes and names printed escaped."""
@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from refcheck import golden as golden_mod
 from refcheck.errors import (
     EXIT_CORRUPT,
     EXIT_GOLDEN,
@@ -30,11 +29,11 @@ from refcheck.errors import (
     OutputPathError,
     UsageError,
 )
-from refcheck.gate_policy import GatePolicy
-from refcheck.golden import verify
-from refcheck.trace import store
+from refcheck.goldens import edits, regen, store
+from refcheck.goldens.manifest import load_manifest, sha256_bytes, sha256_file
+from refcheck.goldens.policy import GatePolicy
+from refcheck.goldens.verify import verify
 from refcheck.trace.io import trace_bytes
-from refcheck.trace.manifest import load_manifest, sha256_bytes, sha256_file
 
 from trace_helpers import make_trace
 
@@ -59,7 +58,7 @@ def _initial(gdir: Path) -> None:
 _TXN = """
 import sys
 from pathlib import Path
-from refcheck.trace import store
+from refcheck.goldens import store
 gdir, new_a, new_d = Path(sys.argv[1]), Path(sys.argv[2]).read_bytes(), Path(sys.argv[3]).read_bytes()
 store.commit(gdir, [store.Write("a", new_a, {"seed": 10}, "r"), store.Write("d", new_d, {"seed": 11}, "r")],
              [store.Remove("c", "gone")])
@@ -132,7 +131,7 @@ def test_crash_at_every_step_of_cli_remove(tmp_path: Path) -> None:
 def test_concurrent_writers_both_land(tmp_path: Path) -> None:
     gdir = tmp_path / "g"
     _initial(gdir)
-    script = ("import sys; from pathlib import Path; from refcheck.trace import store; "
+    script = ("import sys; from pathlib import Path; from refcheck.goldens import store; "
               "store.commit(Path(sys.argv[1]), [store.Write(sys.argv[2], Path(sys.argv[3]).read_bytes(), {}, 'r')])")
     procs = []
     for case, data in (("x", NEW_A), ("y", NEW_D)):
@@ -411,14 +410,14 @@ def test_regen_of_a_case_changed_meanwhile_refuses(tmp_path: Path, monkeypatch: 
         _initial(gdir)
     _before_commit(monkeypatch, lambda: store.commit(gdir, [store.Write(CASE_B1, NEW_D, {"seed": 11}, "other")]))
     with pytest.raises(GoldenError, match=f"'{CASE_B1}' was {meanwhile} by another writer"):
-        golden_mod.regenerate(gdir, [CASE_B1], "r", True, _Session())  # type: ignore[arg-type]
+        regen.regenerate(gdir, [CASE_B1], "r", True, _Session())  # type: ignore[arg-type]
     assert load_manifest(gdir).cases[CASE_B1].sha256 == sha256_bytes(NEW_D)
 
 
 def test_regen_of_an_unchanged_store_lands(tmp_path: Path) -> None:
     gdir = tmp_path / "g"
     _with_case(gdir)
-    golden_mod.regenerate(gdir, [CASE_B1], "r", True, _Session())  # type: ignore[arg-type]
+    regen.regenerate(gdir, [CASE_B1], "r", True, _Session())  # type: ignore[arg-type]
     entry = verify(gdir).cases[CASE_B1]
     assert entry.history[-1].sha256_old == sha256_bytes(OLD["a"]) and entry.history[-1].reason == "r"
 
@@ -454,7 +453,7 @@ def test_golden_add_on_a_full_disk_fails_cleanly(cli, tmp_path: Path, monkeypatc
     _initial(gdir)
     before = _listing(gdir)
     shutil.copy(ROOT / "golden" / "zlab-hybrid-chain.arrow", tmp_path / "t.arrow")
-    monkeypatch.setattr(golden_mod, "check_trace", lambda *a, **k: type("R", (), {"verdict": "pass"})())
+    monkeypatch.setattr(edits, "check_trace", lambda *a, **k: type("R", (), {"verdict": "pass"})())
     _full_at(monkeypatch, 1)
     code, _, err = cli("golden", "add", str(tmp_path / "t.arrow"), "--case", "x", "--reason", "r", "--golden", str(gdir))
     assert code == EXIT_USAGE and "Traceback" not in err and "No space left on device; nothing was changed" in err, err
@@ -514,7 +513,7 @@ def test_regen_on_a_late_full_disk_fails_cleanly(cli, tmp_path: Path, monkeypatc
     _full_at(monkeypatch, 1)
     code, err = _regen(cli, gdir, "--accept", "--reason", "r")
     assert code == EXIT_USAGE and "No space left on device; nothing was changed" in err
-    monkeypatch.setattr(golden_mod, "atomic_write_bytes", lambda *a, **k: (_ for _ in ()).throw(
+    monkeypatch.setattr(regen, "atomic_write_bytes", lambda *a, **k: (_ for _ in ()).throw(
         OSError(errno.ENOSPC, "No space left on device")))
     code, err = _regen(cli, gdir)
     assert code == EXIT_USAGE and f"{CASE_B1}.arrow.pending: No space left on device; the goldens are unchanged" in err
@@ -524,7 +523,7 @@ def test_regen_on_a_late_full_disk_fails_cleanly(cli, tmp_path: Path, monkeypatc
 def test_regen_refuses_a_case_named_twice_before_decoding(tmp_path: Path) -> None:
     _Session.decodes = 0
     with pytest.raises(UsageError, match=f"--case {CASE_B1} is given more than once"):
-        golden_mod.regenerate(tmp_path / "g", [CASE_B1, "hybrid-b1", CASE_B1], "r", True, _Session())  # type: ignore[arg-type]
+        regen.regenerate(tmp_path / "g", [CASE_B1, "hybrid-b1", CASE_B1], "r", True, _Session())  # type: ignore[arg-type]
     assert _Session.decodes == 0 and not (tmp_path / "g").exists()
 
 

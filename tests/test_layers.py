@@ -5,6 +5,9 @@
   never import an engine runner
   (``refcheck.runners``, ``refcheck.engines``, ``refcheck.sglang_*``): a diff judges a trace, whatever
   recorded it; the trace format does not import the diff either;
+* the goldens (``refcheck.goldens``: cases, manifest, store, gate) stand on the trace format, the diff and
+  the reference, never on an engine runner or the CLI; the trace format and the diff never import the
+  goldens (a golden directory is one use of traces, not part of their format or their judgement);
 * the SGLang capture (``refcheck.sglang_capture``, loaded inside SGLang's own processes) never imports
   a runner (``refcheck.runners``, which drives SGLang from outside);
 * no import cycles, lazy imports included.
@@ -64,6 +67,26 @@ def test_the_trace_format_does_not_import_the_diff():
     bad = sorted((m, e) for m, es in GRAPH.items() if _under(m, ["refcheck.trace"]) for e in es
                  if _under(e, ["refcheck.diff"]))
     assert not bad, bad
+
+
+def test_the_goldens_import_no_runner_and_no_cli():
+    bad = sorted((m, e) for m, es in GRAPH.items() if _under(m, ["refcheck.goldens"])
+                 for e in es if _under(e, [*ENGINE_SIDE, "refcheck.cli"]))
+    assert not bad, bad
+
+
+def test_the_trace_format_and_the_diff_do_not_import_the_goldens():
+    bad = sorted((m, e) for m, es in GRAPH.items() if _under(m, ["refcheck.trace", "refcheck.diff"])
+                 for e in es if _under(e, ["refcheck.goldens"]))
+    assert not bad, bad
+
+
+def test_the_goldens_layer_is_checked():
+    """The package the two checks above name exists and imports the trace format and the diff (a rename
+    would make them vacuous)."""
+    goldens = {e for m, es in GRAPH.items() if _under(m, ["refcheck.goldens"]) for e in es}
+    assert "refcheck.goldens.store" in MODULES and "refcheck.trace.io" in goldens
+    assert any(_under(e, ["refcheck.diff"]) for e in goldens)
 
 
 def test_the_capture_imports_no_runner():

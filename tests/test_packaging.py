@@ -98,9 +98,9 @@ def test_the_installed_wheel_sees_the_goldens_fresh(wheel: Path, tmp_path: Path)
     """Install the wheel (no dependencies: this environment's) into a directory of its own and, from
     outside the repository, hash the built-in models as an installed refcheck does: the hashes the
     goldens were recorded with (a file missing from the wheel would make every built-in golden stale)."""
-    from refcheck.golden import REPO_GOLDEN
+    from refcheck.goldens import REPO_GOLDEN
+    from refcheck.goldens.manifest import load_manifest
     from refcheck.trace.io import read_trace
-    from refcheck.trace.manifest import load_manifest
 
     site = tmp_path / "site"
     _run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)], cwd=tmp_path)
@@ -135,8 +135,8 @@ def test_refcheck_gate_passes_from_a_fresh_venv(wheel: Path, tmp_path: Path) -> 
     transformers and the rest through a ``.pth`` file (nothing is downloaded; the repository's editable
     refcheck stays out of reach: a path listed in a ``.pth`` file is not scanned for ``.pth`` files of
     its own)."""
-    from refcheck.golden import REPO_GOLDEN
-    from refcheck.trace.manifest import load_manifest
+    from refcheck.goldens import REPO_GOLDEN
+    from refcheck.goldens.manifest import load_manifest
 
     t0 = time.perf_counter()
     venv = tmp_path / "venv"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS, UsageError
-from refcheck.golden import REPO_GOLDEN
+from refcheck.goldens import REPO_GOLDEN
 from refcheck.parallel import merge_traces, shard_device, split
 from refcheck.trace.io import read_trace
 

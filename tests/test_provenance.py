@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from refcheck.errors import EXIT_CORRUPT
-from refcheck.golden import REPO_GOLDEN
+from refcheck.goldens import REPO_GOLDEN
+from refcheck.goldens.manifest import load_manifest
 from refcheck.provenance import Provenance, ProvenanceError
 from refcheck.trace.io import read_trace, write_trace
-from refcheck.trace.manifest import load_manifest
 
 
 def _golden(name: str):

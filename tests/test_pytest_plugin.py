@@ -19,7 +19,7 @@ from bad_input_kit import edit_manifest, golden_dir
 
 from refcheck import pytest_plugin
 from refcheck.cli.notes import headline
-from refcheck.golden import REPO_GOLDEN
+from refcheck.goldens import REPO_GOLDEN
 
 pytest_plugins = ["pytester"]
 

@@ -14,8 +14,8 @@ import click
 import pytest
 
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
-from refcheck.golden import REPO_GOLDEN
-from refcheck.trace.manifest import load_manifest
+from refcheck.goldens import REPO_GOLDEN
+from refcheck.goldens.manifest import load_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from refcheck.errors import EXIT_CORRUPT, EXIT_MISMATCH, EXIT_PASS
-from refcheck.golden import REPO_GOLDEN
+from refcheck.goldens import REPO_GOLDEN
 from refcheck.models import builtin_pair
 from refcheck.trace import Trace, decode_tensor, encode_tensor, read_trace, write_trace
 from refcheck.trace.schema import KEY_REQUESTS

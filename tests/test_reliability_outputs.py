@@ -123,9 +123,9 @@ def test_a_late_save_trace_into_a_special_file_is_an_output_error(cli, tmp_path:
 def test_a_gate_cache_that_cannot_be_opened_is_refused_and_a_late_write_is_a_warning(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from refcheck.diff.findings import Report
-    from refcheck.gate_cache import ReportCache
-    from refcheck.golden import REPO_GOLDEN
-    from refcheck.trace.manifest import load_manifest
+    from refcheck.goldens import REPO_GOLDEN
+    from refcheck.goldens.cache import ReportCache
+    from refcheck.goldens.manifest import load_manifest
 
     (tmp_path / "f").write_text("x")
     with pytest.raises(OutputPathError, match=r"--cache-dir .*: .*f is not a directory"):
@@ -136,7 +136,7 @@ def test_a_gate_cache_that_cannot_be_opened_is_refused_and_a_late_write_is_a_war
     def full(*_a, **_k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("refcheck.gate_cache.atomic_write_bytes", full)
+    monkeypatch.setattr("refcheck.goldens.cache.atomic_write_bytes", full)
     with caplog.at_level(logging.WARNING, logger="refcheck"):
         cache.put(entry, Report(case="c", mode="both"))
     assert any("No space left on device" in r.getMessage() and "verdict is unaffected" in r.getMessage()

@@ -319,8 +319,8 @@ def check_cases_page(html: str, cases: list[Rendered]) -> Page:
 @pytest.fixture
 def gate_dir(tmp_path) -> Path:
     """A golden directory of the passing and the failing golden (their manifest entries as the repository's)."""
-    from refcheck.golden import REPO_GOLDEN
-    from refcheck.trace.manifest import load_manifest
+    from refcheck.goldens import REPO_GOLDEN
+    from refcheck.goldens.manifest import load_manifest
 
     gdir = tmp_path / "g"
     gdir.mkdir()
@@ -336,7 +336,7 @@ def gate_dir(tmp_path) -> Path:
 def stub_verdicts(monkeypatch, pages) -> list[Rendered]:
     """The gate's and the diff's verdicts are the fixture's reports (the failing golden's plain diff: it fails)."""
     by_case = {pages(n).report.case: pages(n).report for n in ON_PAGE}
-    monkeypatch.setattr("refcheck.golden.check_trace", lambda name, *a, **k: by_case[name])
+    monkeypatch.setattr("refcheck.goldens.judge.check_trace", lambda name, *a, **k: by_case[name])
     monkeypatch.setattr(DiffSession, "diff", lambda self, trace, case, *a, **k: by_case[case])
     return [pages(n) for n in ON_PAGE]
 
@@ -365,7 +365,7 @@ def test_the_gate_page_reads_the_golden_trace_of_a_cached_report(pages, cli, gat
     def no_diff(*args, **kwargs):
         raise AssertionError("the case was diffed again")
 
-    monkeypatch.setattr("refcheck.golden.check_trace", no_diff)
+    monkeypatch.setattr("refcheck.goldens.judge.check_trace", no_diff)
     out = tmp_path / "cached.html"
     code, err = run_gate_html(cli, gate_dir, out, "--cache-dir", str(cache))
     assert code == 1, err
@@ -385,7 +385,7 @@ def test_a_trace_the_gate_page_cannot_read_is_said_and_the_gate_still_judges(pag
             raise OSError(errno.EIO, "Input/output error")
         return real(path)
 
-    monkeypatch.setattr(trace_io, "read_trace", read)  # the page's reads; the gate's own are refcheck.golden's
+    monkeypatch.setattr(trace_io, "read_trace", read)  # the page's reads; the gate's own are refcheck.goldens.judge's
     out = tmp_path / "gate.html"
     code, err = run_gate_html(cli, gate_dir, out)
     assert code == 1, err
@@ -421,7 +421,7 @@ def test_an_html_path_in_a_missing_directory_is_exit_2_before_any_diff(command, 
     def no_work(*args, **kwargs):
         raise AssertionError("work started")
 
-    for target in ("refcheck.golden.verify", "refcheck.golden.check_trace", "refcheck.trace.io.read_trace"):
+    for target in ("refcheck.goldens.verify.verify", "refcheck.goldens.judge.check_trace", "refcheck.trace.io.read_trace"):
         monkeypatch.setattr(target, no_work)
     monkeypatch.setattr(DiffSession, "diff", no_work)
     missing = str(tmp_path / "missing" / "x.html")

@@ -12,8 +12,10 @@ from refcheck.cli.diff import explain_hint, golden_note
 from refcheck.cli.notes import WHY_NOT_COMPARED, count_notes, explain_target, headline, where
 from refcheck.cli.reports import report_table
 from refcheck.diff.findings import Finding, Report, Verdict
-from refcheck.gate_policy import GatePolicy
-from refcheck.golden import default_golden_dir, entry_rules, golden_entry_for
+from refcheck.goldens import default_golden_dir
+from refcheck.goldens.judge import entry_rules
+from refcheck.goldens.manifest import golden_entry_for
+from refcheck.goldens.policy import GatePolicy
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -163,7 +163,7 @@ def test_impossible_token_fails_exactly():
 
 
 def test_schema_1_1_golden_reads_as_greedy():
-    from refcheck.golden import default_golden_dir
+    from refcheck.goldens import default_golden_dir
     from refcheck.trace.io import read_trace
 
     trace = read_trace(default_golden_dir() / "zlab-hybrid-chain.arrow")

@@ -12,7 +12,7 @@ import torch
 
 from refcheck.diff.session import DiffSession, reference_spec_for
 from refcheck.errors import UsageError
-from refcheck.golden import REPO_GOLDEN
+from refcheck.goldens import REPO_GOLDEN
 from refcheck.sglang_capture import gdn_probe
 from refcheck.sglang_capture.gdn_probe_check import check_probe, match_step, read_probes
 from refcheck.sglang_capture.gdn_replay import ReferenceKernels, gdn_inputs, split_qkv, tree_links

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from refcheck.diff.session import DiffSession, reference_spec_for
 from refcheck.errors import UsageError
-from refcheck.golden import REPO_GOLDEN
+from refcheck.goldens import REPO_GOLDEN
 from refcheck.sglang_capture.gdn_replay import ReferenceKernels, gdn_inputs, parents_from_links, replay, tree_links
 from refcheck.trace.io import read_trace
 

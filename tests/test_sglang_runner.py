@@ -219,11 +219,11 @@ def test_engine_hang_times_out(fake_sglang):
 
 def test_sglang_sweep_table_from_recorded_traces(tmp_path):
     """The sweep's bookkeeping over stand-in runs: the stored SGLang goldens play the engine."""
-    from refcheck.golden import REPO_GOLDEN
+    from refcheck.goldens import REPO_GOLDEN
+    from refcheck.goldens.manifest import load_manifest
     from refcheck.prompts import load_prompts
     from refcheck.sweep_sglang import run_sglang_sweep
     from refcheck.trace.io import read_trace
-    from refcheck.trace.manifest import load_manifest
 
     cases = load_manifest(REPO_GOLDEN).cases
     traces = {"GOOD": read_trace(REPO_GOLDEN / cases["sglang-hybrid-ngram-b11"].file),
@@ -263,10 +263,10 @@ def test_sglang_sweep_from_saved_traces_groups_by_algorithm_and_budget(tmp_path)
 
     from refcheck.cli import main
     from refcheck.errors import UsageError
-    from refcheck.golden import REPO_GOLDEN
+    from refcheck.goldens import REPO_GOLDEN
+    from refcheck.goldens.manifest import load_manifest
     from refcheck.sweep_sglang import tabulate_traces
     from refcheck.trace.io import read_trace
-    from refcheck.trace.manifest import load_manifest
 
     cases = load_manifest(REPO_GOLDEN).cases
     good = read_trace(REPO_GOLDEN / cases["sglang-hybrid-ngram-b11"].file)

@@ -105,9 +105,9 @@ def test_cli_replay_against_a_sharded_reference_equals_unsharded(cli, tmp_path):
     """`refcheck diff --against T --ref-shards 2 --mode replay` (gloo, CPU) reports what one process does."""
     import json
 
-    from refcheck.golden import REPO_GOLDEN
+    from refcheck.goldens import REPO_GOLDEN
+    from refcheck.goldens.manifest import load_manifest
     from refcheck.trace.io import read_trace, write_trace
-    from refcheck.trace.manifest import load_manifest
 
     cases = load_manifest(REPO_GOLDEN).cases
     # SGLang's bf16 DFLASH trace, labelled float32: judged by the fixed fp32 bounds (no rounding ensemble, which

@@ -11,7 +11,7 @@ import pytest
 
 from refcheck.diff.session import DiffSession
 from refcheck.errors import EXIT_MISMATCH, EXIT_NOTHING, EXIT_PASS, EXIT_USAGE
-from refcheck.golden import REPO_GOLDEN
+from refcheck.goldens import REPO_GOLDEN
 from refcheck.prompts import load_prompts
 from refcheck.reference_runner import EngineSpec
 from refcheck.trace.io import read_trace, write_trace

@@ -11,14 +11,12 @@ import pytest
 
 from refcheck import atomic_file
 from refcheck.errors import EXIT_CORRUPT, EXIT_GOLDEN, CorruptTraceError, GoldenError
+from refcheck.goldens.manifest import Manifest, load_manifest, sha256_file
 from refcheck.trace import (
     SCHEMA_VERSION,
-    Manifest,
     SchemaVersionError,
     Trace,
-    load_manifest,
     read_trace,
-    sha256_file,
     trace_bytes,
     write_trace,
 )

@@ -12,11 +12,11 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from refcheck.golden import REPO_GOLDEN
+from refcheck.goldens import REPO_GOLDEN
+from refcheck.goldens.manifest import load_manifest
 from refcheck.trace import rows, schema
 from refcheck.trace.checksums import batch_sha256
 from refcheck.trace.io import read_trace, trace_bytes, trace_from_bytes
-from refcheck.trace.manifest import load_manifest
 
 GOLDENS = sorted({e.file for e in load_manifest(REPO_GOLDEN).cases.values()})
 

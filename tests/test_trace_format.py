@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from refcheck import atomic_file
 from refcheck.errors import CorruptTraceError
+from refcheck.goldens.manifest import sha256_file
 from refcheck.trace import (
     DTYPE_NAMES,
     SCHEMA_VERSION,
@@ -25,7 +26,6 @@ from refcheck.trace import (
     decode_tensor,
     encode_tensor,
     read_trace,
-    sha256_file,
     trace_bytes,
     write_trace,
 )

@@ -17,7 +17,8 @@ from refcheck.diff.session import DiffSession, reference_spec_for
 from refcheck.diff.tolerance import CALIBRATIONS, NoCalibration, calibration_for
 from refcheck.diff.triage import UNIT_ROUNDOFF, RoundingEnsemble, Rule, StepInputs, StepSpread, rounding_noise
 from refcheck.errors import GoldenError
-from refcheck.golden import REPO_GOLDEN, check_trace
+from refcheck.goldens import REPO_GOLDEN
+from refcheck.goldens.judge import check_trace
 from refcheck.trace.io import Trace, read_trace
 
 # --dist loadgroup: one xdist worker runs the whole module, so
@@ -249,7 +250,7 @@ def test_manual_triage_moves_only_the_steps_it_changed():
     """A golden's reviewed findings move their steps from fail to triaged; steps the verdict already
     triaged are not moved again (the step counts of a golden with both never go negative)."""
     from refcheck.diff.findings import Finding, Report
-    from refcheck.gate_policy import apply_triage
+    from refcheck.goldens.policy import apply_triage
 
     rep = Report(case="c", mode="replay")
     rep.add(Finding(Verdict.TRIAGED, "logits", "r", 1, node=3, message="by the rule"))

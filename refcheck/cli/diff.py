@@ -287,7 +287,9 @@ def _diff_goldens(golden_dir, budget, model, session, mode, ref_dtype, ref_devic
                   golden_notes) -> None:
     """Judge the goldens of this budget and model as the gate does (appending to ``reports``, ``traces`` and
     ``golden_notes``); none: a :class:`GoldenError`."""
-    from refcheck.golden import check_trace, default_golden_dir, verify
+    from refcheck.goldens import default_golden_dir
+    from refcheck.goldens.judge import check_trace
+    from refcheck.goldens.verify import verify
     from refcheck.trace.io import read_trace
 
     gdir = golden_dir or default_golden_dir()
@@ -352,7 +354,8 @@ def explain_hint(report, path) -> None:
 def golden_note(path: Path, applied: bool) -> None:
     """When ``path`` is a golden listed in the manifest beside it: say that ``refcheck gate`` judges it
     through that entry, what the entry says, and whether this diff applied it."""
-    from refcheck.golden import entry_rules, golden_entry_for
+    from refcheck.goldens.judge import entry_rules
+    from refcheck.goldens.manifest import golden_entry_for
 
     found = golden_entry_for(path)
     if found is None:

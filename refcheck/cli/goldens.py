@@ -24,7 +24,7 @@ from refcheck.errors import EXIT_GOLDEN, EXIT_PASS
 
 if TYPE_CHECKING:
     from refcheck.diff.findings import Report
-    from refcheck.trace.manifest import Manifest
+    from refcheck.goldens.manifest import Manifest
 
 
 @main.command()
@@ -47,8 +47,9 @@ def gate(golden_dir, cases, workers, profile, cache_dir, verbose, html, as_json)
     import time
 
     from refcheck.diff.session import DiffSession
-    from refcheck.golden import default_golden_dir, verify
-    from refcheck.golden import gate as run_gate
+    from refcheck.goldens import default_golden_dir
+    from refcheck.goldens.gate import gate as run_gate
+    from refcheck.goldens.verify import verify
     from refcheck.log import progress_bar
     from refcheck.outputs import check_output_file
 
@@ -112,7 +113,8 @@ def golden() -> None:
 def golden_regen(cases, reason, accept, golden_dir, as_json):
     """Re-run the reference for the golden cases and show what changed; --accept replaces them."""
     from refcheck.diff.session import DiffSession
-    from refcheck.golden import default_golden_dir, regenerate
+    from refcheck.goldens import default_golden_dir
+    from refcheck.goldens.regen import regenerate
 
     quiet()
     reviews = regenerate(golden_dir or default_golden_dir(), list(cases) or None, reason, accept, DiffSession(),
@@ -151,8 +153,8 @@ def golden_regen(cases, reason, accept, golden_dir, as_json):
 @click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None)
 def golden_add(trace_path, case, expect, allow_unsupported, reason, triage, expect_first, golden_dir):
     """Store an engine's trace (SGLang, z-lab, ...) as a golden case the gate re-checks."""
-    from refcheck.golden import add_trace, default_golden_dir
-    from refcheck.trace.manifest import shown
+    from refcheck.goldens import default_golden_dir, shown
+    from refcheck.goldens.edits import add_trace
 
     path = add_trace(golden_dir or default_golden_dir(), trace_path, case, expect,
                      [c for c in allow_unsupported.split(",") if c], reason, list(triage), expect_first=expect_first)
@@ -165,8 +167,8 @@ def golden_add(trace_path, case, expect, allow_unsupported, reason, triage, expe
 @click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None)
 def golden_remove(case, reason, golden_dir):
     """Remove a golden case (one locked, crash-safe change; its manifest entry is kept with the reason)."""
-    from refcheck.golden import default_golden_dir, remove_case
-    from refcheck.trace.manifest import shown
+    from refcheck.goldens import default_golden_dir, shown
+    from refcheck.goldens.edits import remove_case
 
     remove_case(golden_dir or default_golden_dir(), case, reason)
     err.print(f"removed golden {shown(case)}", markup=False)
@@ -178,8 +180,8 @@ def golden_remove(case, reason, golden_dir):
 @click.option("--clean-orphans", is_flag=True, help="Also delete *.arrow files the manifest does not list.")
 def golden_verify(golden_dir, clean, clean_orphans):
     """Check every golden trace's sha256 against MANIFEST.json; warn about orphan and leftover files."""
-    from refcheck.golden import default_golden_dir, verify
-    from refcheck.trace import store
+    from refcheck.goldens import default_golden_dir, store
+    from refcheck.goldens.verify import verify
 
     gdir = golden_dir or default_golden_dir()
     manifest = verify(gdir)
@@ -188,8 +190,8 @@ def golden_verify(golden_dir, clean, clean_orphans):
             err.print(f"removed {name}", markup=False)
     for msg in store.leftovers(gdir, manifest).messages():
         err.print(f"warning: {msg}", markup=False)
+    from refcheck.goldens import shown
     from refcheck.trace.io import file_checksummed
-    from refcheck.trace.manifest import shown
 
     legacy = [c for c, e in sorted(manifest.cases.items()) if not file_checksummed(gdir / e.file)]
     if legacy:

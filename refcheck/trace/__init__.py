@@ -3,9 +3,9 @@
 Contract: :func:`write_trace` / :func:`read_trace` round-trip a :class:`Trace` (requests, per-step
 rows with tree, top-k, acceptance, emitted tokens, state sketches and timings, free-form JSON
 provenance) exactly, with tensors bit-exact; writes are atomic; every read failure is a typed
-:mod:`refcheck.errors` error (see :mod:`refcheck.trace.io`). :mod:`refcheck.trace.manifest` keeps
-the sha256 ``MANIFEST.json`` beside stored traces. The format is documented in
-``docs/trace-format.md``.
+:mod:`refcheck.errors` error (see :mod:`refcheck.trace.io`). The format is documented in
+``docs/trace-format.md``. This package is the format alone: golden directories of traces (their
+manifest and store) are :mod:`refcheck.goldens`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# Names are loaded on first use (PEP 562): ``refcheck.trace.store`` and ``manifest`` (the golden
-# store's transactions, `refcheck golden remove`) do not need torch, which the tensor codec imports.
+# Names are loaded on first use (PEP 562): importing the package alone loads neither pyarrow nor torch.
 _EXPORTS = {
     "DTYPE_NAMES": "codec",
     "decode_tensor": "codec",
@@ -28,12 +27,6 @@ _EXPORTS = {
     "trace_bytes": "io",
     "trace_from_bytes": "io",
     "write_trace": "io",
-    "MANIFEST_NAME": "manifest",
-    "HistoryEntry": "manifest",
-    "Manifest": "manifest",
-    "ManifestEntry": "manifest",
-    "load_manifest": "manifest",
-    "sha256_file": "manifest",
     "REQUESTS_SCHEMA": "schema",
     "SCHEMA_VERSION": "schema",
     "STATE_KINDS": "schema",
@@ -66,14 +59,6 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers
         trace_from_bytes,
         write_trace,
     )
-    from refcheck.trace.manifest import (
-        MANIFEST_NAME,
-        HistoryEntry,
-        Manifest,
-        ManifestEntry,
-        load_manifest,
-        sha256_file,
-    )
     from refcheck.trace.schema import (
         REQUESTS_SCHEMA,
         SCHEMA_VERSION,
@@ -86,15 +71,11 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers
 
 __all__ = [
     "DTYPE_NAMES",
-    "MANIFEST_NAME",
     "REQUESTS_SCHEMA",
     "SCHEMA_VERSION",
     "STATE_KINDS",
     "STEPS_SCHEMA",
     "TIMING_FIELDS",
-    "HistoryEntry",
-    "Manifest",
-    "ManifestEntry",
     "RequestRow",
     "SchemaVersionError",
     "StateEntry",
@@ -104,9 +85,7 @@ __all__ = [
     "atomic_write_bytes",
     "decode_tensor",
     "encode_tensor",
-    "load_manifest",
     "read_trace",
-    "sha256_file",
     "trace_bytes",
     "trace_from_bytes",
     "write_trace",

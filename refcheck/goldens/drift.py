@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
-from refcheck.trace.io import Trace
+from refcheck.trace.io import StepRow, Trace
 
 #: the provenance ``versions`` keys compared (any other key is compared too, these first)
 VERSION_KEYS = ("transformers", "torch", "pyarrow", "python", "refcheck")
 
 
-def version_changes(old: dict, new: dict) -> list[str]:
+def version_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """``["transformers 5.23.0 → 5.24.0", ...]`` from two provenances' ``versions``."""
     a, b = old.get("versions") or {}, new.get("versions") or {}
     keys = [k for k in VERSION_KEYS if k in a or k in b] + sorted((set(a) | set(b)) - set(VERSION_KEYS))
@@ -55,7 +56,7 @@ class Drift:
             parts.append(f"{self.topk_ids_moved} top-k ids moved")
         return ", ".join(parts) + f" over {self.steps_compared} steps"
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"steps_compared": self.steps_compared, "max_logprob_abs": self.max_logprob_abs,
                 "max_emitted_logprob_abs": self.max_emitted_logprob_abs, "topk_ids_moved": self.topk_ids_moved,
                 "max_state_rel_l2": dict(self.max_state_rel_l2)}
@@ -70,36 +71,41 @@ def _abs_diff(a: list[float], b: list[float]) -> float:
     return worst
 
 
+def _step_drift(drift: Drift, o: StepRow, s: StepRow) -> None:
+    """Add one step's drift to ``drift``: ``o`` the old row, ``s`` the new one of the same request, step and
+    tree tokens."""
+    drift.steps_compared += 1
+    for ids_o, ids_n, lp_o, lp_n in zip(o.topk_ids, s.topk_ids, o.topk_logprobs, s.topk_logprobs):
+        for a, b, x, y in zip(ids_o, ids_n, lp_o, lp_n):
+            if a != b:
+                drift.topk_ids_moved += 1
+            elif not (math.isnan(x) or math.isnan(y)):
+                drift.max_logprob_abs = max(drift.max_logprob_abs, abs(x - y))
+    if o.emitted == s.emitted:
+        drift.max_emitted_logprob_abs = max(drift.max_emitted_logprob_abs,
+                                            _abs_diff(o.emitted_logprobs, s.emitted_logprobs))
+    states = {e.name: e for e in o.state}
+    for e in s.state:
+        prev = states.get(e.name)
+        if prev is None or prev.sketch.shape != e.sketch.shape:
+            continue
+        old_t, new_t = prev.sketch.double(), e.sketch.double()
+        rel = float((new_t - old_t).norm() / max(float(old_t.norm()), 1e-30))
+        drift.max_state_rel_l2[e.kind] = max(drift.max_state_rel_l2.get(e.kind, 0.0), rel)
+
+
 def numeric_drift(old: Trace, new: Trace) -> Drift:
     """How far ``new``'s numbers moved from ``old``'s where both describe the same step and node."""
     drift = Drift()
     by_key = {(s.request_id, s.step): s for s in old.steps}
     for s in new.steps:
         o = by_key.get((s.request_id, s.step))
-        if o is None or o.tree_tokens != s.tree_tokens:
-            continue
-        drift.steps_compared += 1
-        for ids_o, ids_n, lp_o, lp_n in zip(o.topk_ids, s.topk_ids, o.topk_logprobs, s.topk_logprobs):
-            for a, b, x, y in zip(ids_o, ids_n, lp_o, lp_n):
-                if a != b:
-                    drift.topk_ids_moved += 1
-                elif not (math.isnan(x) or math.isnan(y)):
-                    drift.max_logprob_abs = max(drift.max_logprob_abs, abs(x - y))
-        if o.emitted == s.emitted:
-            drift.max_emitted_logprob_abs = max(drift.max_emitted_logprob_abs,
-                                                _abs_diff(o.emitted_logprobs, s.emitted_logprobs))
-        states = {e.name: e for e in o.state}
-        for e in s.state:
-            prev = states.get(e.name)
-            if prev is None or prev.sketch.shape != e.sketch.shape:
-                continue
-            a, b = prev.sketch.double(), e.sketch.double()
-            rel = float((b - a).norm() / max(float(a.norm()), 1e-30))
-            drift.max_state_rel_l2[e.kind] = max(drift.max_state_rel_l2.get(e.kind, 0.0), rel)
+        if o is not None and o.tree_tokens == s.tree_tokens:
+            _step_drift(drift, o, s)
     outs = {r.request_id: r for r in old.requests}
     for r in new.requests:
-        o = outs.get(r.request_id)
-        if o is not None and o.output_ids == r.output_ids:
+        prev = outs.get(r.request_id)
+        if prev is not None and prev.output_ids == r.output_ids:
             drift.max_emitted_logprob_abs = max(drift.max_emitted_logprob_abs,
-                                                _abs_diff(o.output_logprobs, r.output_logprobs))
+                                                _abs_diff(prev.output_logprobs, r.output_logprobs))
     return drift

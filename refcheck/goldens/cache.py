@@ -30,9 +30,11 @@ import platform
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from refcheck.atomic_file import atomic_write_bytes
 from refcheck.diff.findings import Finding, Report, Verdict
+from refcheck.goldens.manifest import ManifestEntry
 from refcheck.outputs import check_output_dir
 from refcheck.provenance import file_sha256
 
@@ -63,7 +65,7 @@ def source_digest(roots: tuple[Path, ...] | None = None) -> str:
     return h.hexdigest()
 
 
-def environment() -> dict:
+def environment() -> dict[str, Any]:
     """What, besides the code, can change the reference's numbers."""
     import numpy
     import pyarrow
@@ -75,12 +77,12 @@ def environment() -> dict:
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
 
 
-def cacheable(entry) -> bool:
+def cacheable(entry: ManifestEntry) -> bool:
     """Only cases on the built-in models (everything they read is inside the packages)."""
     return str(entry.provenance.get("model", "")).startswith("builtin:")
 
 
-def case_key(entry, digest: str, env: dict) -> str:
+def case_key(entry: ManifestEntry, digest: str, env: dict[str, Any]) -> str:
     """The key of a case's report: the golden's sha256, its manifest settings, the source digest and
     the environment."""
     blob = json.dumps({"format": FORMAT, "golden_sha256": entry.sha256, "settings": entry.provenance,
@@ -88,7 +90,7 @@ def case_key(entry, digest: str, env: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def report_from_json(d: dict) -> Report:
+def report_from_json(d: dict[str, Any]) -> Report:
     """The :class:`Report` whose ``to_json()`` is ``d``."""
     findings = [Finding(**{**f, "verdict": Verdict(f["verdict"])}) for f in d["findings"]]
     return Report(case=d["case"], mode=d["mode"], findings=findings, checks=Counter(d["checks"]), stats=d["stats"],
@@ -104,10 +106,10 @@ class ReportCache:
         self.digest = source_digest(roots)
         self.env = environment()
 
-    def key(self, entry) -> str | None:
+    def key(self, entry: ManifestEntry) -> str | None:
         return case_key(entry, self.digest, self.env) if cacheable(entry) else None
 
-    def get(self, entry) -> Report | None:
+    def get(self, entry: ManifestEntry) -> Report | None:
         key = self.key(entry)
         path = self.dir / f"{key}.json"
         if key is None or not path.is_file():
@@ -117,7 +119,7 @@ class ReportCache:
         except (OSError, ValueError, KeyError, TypeError):
             return None  # an unreadable entry is a miss; the case is diffed again and the entry rewritten
 
-    def put(self, entry, report: Report) -> None:
+    def put(self, entry: ManifestEntry, report: Report) -> None:
         key = self.key(entry)
         if key is None:
             return

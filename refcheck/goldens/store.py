@@ -26,7 +26,7 @@ Contract:
 
   A crash before the commit point leaves the old store (plus staged leftovers, reported by
   :func:`leftovers`); a crash after it is rolled forward by :func:`recover`, which every writer
-  and :func:`~refcheck.golden.verify` run first (idempotent). Readers take a shared lock
+  and :func:`~refcheck.goldens.verify.verify` run first (idempotent). Readers take a shared lock
   (:func:`reading`), so a reader sees every case at its old or its new version, never a mix of
   manifest and bytes.
 * **A journal is obeyed only when it is its transaction's.** Before anything is renamed or deleted,
@@ -43,7 +43,7 @@ Contract:
   single dots between them; no path separator, no ``..``, no leading dot, no control character, at
   most 100 characters): anything else is a :class:`~refcheck.errors.UsageError` (exit 2), its name
   printed escaped. Messages print names read from a directory through
-  :func:`~refcheck.trace.manifest.shown`.
+  :func:`~refcheck.goldens.manifest.shown`.
 * A writer's directory is checked by :func:`check_writable` before any work (callers run it before a
   long computation): it must exist, or be missing under an existing parent (it is then created); it
   must be a directory (not a file, a dangling link or a symbolic link loop), writable, and (before a
@@ -73,8 +73,8 @@ from typing import Any
 
 from refcheck.atomic_file import atomic_write_bytes, fsync_dir
 from refcheck.errors import CorruptTraceError, GoldenError, GoldenLockError, OutputPathError, UsageError
-from refcheck.trace.manifest import CASE_NAME_RE as CASE_NAME_RE  # the store's rule for case names
-from refcheck.trace.manifest import (
+from refcheck.goldens.manifest import CASE_NAME_RE as CASE_NAME_RE  # the store's rule for case names
+from refcheck.goldens.manifest import (
     MANIFEST_NAME,
     MAX_CASE,
     SHA256_RE,

@@ -1,18 +1,18 @@
-"""The sha256 manifest kept beside stored traces: ``MANIFEST.json`` in a directory.
+"""The sha256 manifest of a golden directory: ``MANIFEST.json`` beside its traces.
 
 Contract: the file is
 ``{"version": 1, "cases": {case: {"file", "sha256", "bytes", "provenance", "history": [...]}}}``
 where ``file`` is a plain file name inside the directory (no two cases share one), ``sha256`` the
 64-digit lowercase hex digest of its bytes, ``bytes`` their count, ``provenance`` a JSON subset of the trace's provenance
-(its keys are open: the one extension field; the gate's policy keys in it must have the shapes
-:func:`refcheck.gate_policy.policy_problem` checks), and ``history`` one entry
+(:func:`provenance_summary`; its keys are open: the one extension field; the gate's policy keys in it must have
+the shapes :func:`refcheck.goldens.policy.policy_problem` checks), and ``history`` one entry
 ``{"sha256_old", "sha256_new", "reason", "time", "provenance_old", "provenance_new"}`` per hash
 change, oldest first; an optional top-level ``"removed": [{"case", "reason", "time", "entry"}]``
 keeps the entries of removed cases (``refcheck golden remove``). Case names are plain case names
 (:data:`CASE_NAME_RE`). Any other key, at the top, in a case, a history or a removed entry, is
 refused: a later write would drop it. Traces of schema 1.1 carry their own checksums too
 (docs/trace-format.md); the manifest's sha256 also covers legacy 1.0 files. Writes go through
-:mod:`refcheck.trace.store` (locked, crash-safe transactions).
+:mod:`refcheck.goldens.store` (locked, crash-safe transactions).
 
 * :func:`load_manifest`: missing file -> empty manifest with ``allow_missing=True``, else
   :class:`~refcheck.errors.GoldenError`; a ``MANIFEST.json`` that is a directory, a golden directory
@@ -25,6 +25,8 @@ refused: a later write would drop it. Traces of schema 1.1 carry their own check
   (file missing, its message ending in "is missing"; a symbolic link; a directory; unreadable; hash
   mismatch), empty when all is well.
 * :meth:`Manifest.record` sets a case and appends a history entry when its hash changes.
+* :func:`golden_entry_for` finds the entry of a trace file in the manifest beside it (None when there is
+  none, or the manifest cannot be read).
 * :func:`shown` is how messages print a name read from a manifest or a directory: as is when
   printable, else escaped (``repr``), so a name never starts a line of its own.
 """
@@ -41,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from refcheck.atomic_file import atomic_write_bytes
-from refcheck.errors import CorruptTraceError, GoldenError, UsageError
-from refcheck.gate_policy import policy_problem
+from refcheck.errors import CorruptTraceError, GoldenError, RefcheckError, UsageError
+from refcheck.goldens.policy import policy_problem
 from refcheck.trace.schema import SchemaVersionError
 
 MANIFEST_NAME = "MANIFEST.json"
@@ -179,7 +181,7 @@ class Manifest:
 
     def save(self, directory: Path) -> Path:
         """Write ``directory/MANIFEST.json`` atomically (no lock, no transaction: the golden store,
-        :mod:`refcheck.trace.store`, is the writer for golden directories); returns its path."""
+        :mod:`refcheck.goldens.store`, is the writer for golden directories); returns its path."""
         path = Path(directory) / MANIFEST_NAME
         atomic_write_bytes(path, self.to_bytes())
         return path
@@ -357,3 +359,29 @@ def load_manifest(directory: Path, allow_missing: bool = False) -> Manifest:
             raise CorruptTraceError(f"cannot read {path}: {what} is a symbolic link loop") from None
         raise CorruptTraceError(f"cannot read {path}: {exc}") from None
     return parse_manifest(data, str(path))
+
+
+#: the provenance keys a manifest entry keeps (enough to review a replacement), with the gate's policy keys
+SUMMARY_KEYS = ("engine", "model", "model_sha256", "draft_sha256", "tokenizer_sha256", "dtype", "device", "budget",
+                "block_size", "max_new_tokens", "drafter", "prompt_set_sha256", "versions", "created", "case", "expect",
+                "allow_unsupported", "triaged", "triage_rules", "expect_first")
+
+
+def provenance_summary(prov: dict[str, Any]) -> dict[str, Any]:
+    """The part of a trace's provenance kept in its manifest entry (:data:`SUMMARY_KEYS`, in that order)."""
+    return {k: prov[k] for k in SUMMARY_KEYS if k in prov}
+
+
+def golden_entry_for(path: Path) -> tuple[str, ManifestEntry] | None:
+    """(case name, manifest entry) when ``path`` is a golden listed in the MANIFEST.json beside it, else None."""
+    path = Path(path)
+    if not (path.parent / MANIFEST_NAME).is_file():
+        return None
+    try:
+        manifest = load_manifest(path.parent)
+    except (RefcheckError, OSError):
+        return None  # a broken manifest beside a trace says nothing about this diff
+    for name, entry in manifest.cases.items():
+        if entry.file == path.name:
+            return name, entry
+    return None

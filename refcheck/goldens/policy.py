@@ -7,15 +7,16 @@ cannot record) and ``triaged`` (a list of the findings a person reviewed: ``{req
 category}``) — and refuses what it cannot honour (a value of another shape, a category that does not
 exist, the retired per-golden ``triage_rules``) with a :class:`~refcheck.errors.GoldenError` naming
 the entry. :func:`policy_problem` is the shape check alone, which the manifest loader applies to every
-entry (:mod:`refcheck.trace.manifest`). :meth:`GatePolicy.apply` turns a diff report
+entry (:mod:`refcheck.goldens.manifest`). :meth:`GatePolicy.apply` turns a diff report
 into the gate's: unsupported or skipped checks outside the allowance fail ("the gate is strict about
 skips"), reviewed findings become TRIAGED, an expected failure is marked. The entry's file format is
-the manifest's (:mod:`refcheck.trace.manifest`); ``golden add`` parses its command-line forms here.
+the manifest's (:mod:`refcheck.goldens.manifest`); ``golden add`` parses its command-line forms here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from refcheck.diff.findings import Finding, Report, Verdict, check_category
 from refcheck.errors import GoldenError, UsageError
@@ -43,7 +44,7 @@ def _brief(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def policy_problem(settings: dict, partial: bool = False) -> str | None:
+def policy_problem(settings: dict[str, Any], partial: bool = False) -> str | None:
     """What in a manifest entry's policy keys has the wrong shape, in words naming the key (``triaged[0] is
     1, expected ...``); None when every key present has its shape. A manifest's triaged findings name all
     of request_id, step, node and category; ``partial`` (a policy built in code) needs only the category."""
@@ -65,7 +66,7 @@ def policy_problem(settings: dict, partial: bool = False) -> str | None:
     return None
 
 
-def refuse_triage_rules(name: str, settings: dict) -> None:
+def refuse_triage_rules(name: str, settings: dict[str, Any]) -> None:
     """Per-golden triage rules are gone: every engine trace is judged by its dtype's calibrated verdict
     (refcheck/diff/tolerance.py); an entry that still names rules is refused, never half-applied."""
     if settings.get("triage_rules"):
@@ -77,12 +78,12 @@ def refuse_triage_rules(name: str, settings: dict) -> None:
 @dataclass(frozen=True, slots=True)
 class GatePolicy:
     expect: str = "pass"
-    expect_first: dict | None = None  # {request_id, step, node, layer}; node / layer None = any
+    expect_first: dict[str, Any] | None = None  # {request_id, step, node, layer}; node / layer None = any
     allow_unsupported: frozenset[str] = frozenset()
-    triaged: tuple[dict, ...] = field(default_factory=tuple)  # {request_id, step, node, category}
+    triaged: tuple[dict[str, Any], ...] = field(default_factory=tuple)  # {request_id, step, node, category}
 
     @classmethod
-    def of(cls, name: str, settings: dict) -> GatePolicy:
+    def of(cls, name: str, settings: dict[str, Any]) -> GatePolicy:
         """The policy in a manifest entry's settings; GoldenError naming the entry if it cannot be honoured."""
         refuse_triage_rules(name, settings)
         problem = policy_problem(settings, partial=True)
@@ -132,7 +133,7 @@ class GatePolicy:
         return rules
 
 
-def describe_expect(expect: str, first: dict | None) -> str:
+def describe_expect(expect: str, first: dict[str, Any] | None) -> str:
     """``expect fail:logits, first at code-1 step 0 node 6 layer 3: ...`` in words."""
     text = f"expect {expect}: a known-buggy engine's trace; the case passes only when refcheck finds " + (
         f"a {expect.split(':', 1)[1]} failure" if ":" in expect else "a failure")
@@ -143,7 +144,7 @@ def describe_expect(expect: str, first: dict | None) -> str:
     return text
 
 
-def parse_triage(keys: list[str]) -> list[dict]:
+def parse_triage(keys: list[str]) -> list[dict[str, Any]]:
     """'REQUEST:STEP:NODE:CATEGORY' (NODE '-' for a step-level finding) -> manifest entries."""
     out = []
     for key in keys:
@@ -157,11 +158,11 @@ def parse_triage(keys: list[str]) -> list[dict]:
     return out
 
 
-def triage_key(f: Finding) -> tuple:
+def triage_key(f: Finding) -> tuple[str | None, int | None, int | None, str]:
     return (f.request_id, f.step, f.node, f.category)
 
 
-def apply_triage(report: Report, triaged: list[dict]) -> list[Finding]:
+def apply_triage(report: Report, triaged: list[dict[str, Any]]) -> list[Finding]:
     """Failures listed in the manifest become TRIAGED (marked ``details["triaged_by"] = "manifest"``);
     any other failure still fails the case. Returns the findings it changed."""
     keys = {(t["request_id"], t["step"], t["node"], t["category"]) for t in triaged}
@@ -180,7 +181,7 @@ def apply_triage(report: Report, triaged: list[dict]) -> list[Finding]:
     return changed
 
 
-def parse_expect_first(key: str | None) -> dict | None:
+def parse_expect_first(key: str | None) -> dict[str, Any] | None:
     """'REQUEST:STEP:NODE:LAYER' (NODE / LAYER '-' for any) -> the manifest's ``expect_first``."""
     if not key:
         return None
