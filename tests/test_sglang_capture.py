@@ -24,7 +24,7 @@ from refcheck.reference_runner import EngineSpec, ReferenceRunner
 from refcheck.sglang_capture.assemble import assemble_trace, sibling_ranks
 from refcheck.sglang_capture.layout import links_from_parents
 from refcheck.sglang_capture.records import Capture, Recorder, read_capture
-from refcheck.sglang_capture.state import batch_state, request_state
+from refcheck.sglang_capture.state import MambaPools, batch_state, request_state
 from refcheck.sglang_capture.steps import StepCapture, chain_steps, prefill_records, summarise_nodes, tree_steps
 from refcheck.sglang_ddtree.sampling import RequestKeys, first_token, sample_tree
 from reference.sampling import Sampling, request_key
@@ -65,6 +65,15 @@ def _pools(target, states, seed=0):
                 sb[mslots[b]] = st.recurrent[layer].transpose(-1, -2)  # [HV, K, V] -> SGLang [HV, V, K]
             mamba[layer] = (cb, sb)
     return kv, mamba, req_to_token, mslots
+
+
+def _stacked(mamba, axis: int = -1) -> MambaPools | None:
+    """Per-layer (conv, ssm) pools -> SGLang's stacked pools (layers in order)."""
+    if not mamba:
+        return None
+    layers = sorted(mamba)
+    return MambaPools(layers, list(range(len(layers))), torch.stack([mamba[i][0] for i in layers]),
+                      torch.stack([mamba[i][1] for i in layers]), axis)
 
 
 def _shard(kv, mamba, rank: int, tp: int, groups):
@@ -163,8 +172,8 @@ def fake_sglang(runner, prompts, trees, layout: str, leaky: bool = False, steps:
         for b, r in enumerate(recs):
             slots = req_to_token[b + 1, r.committed_len: r.committed_len + len(r.accepted)]
             if tp == 1:
-                r.state = request_state(batch_state(kv, slots[None], mamba, torch.tensor([mslots[b]]), full=full), 0,
-                                        len(slots))
+                r.state = request_state(batch_state(kv, slots[None], _stacked(mamba), torch.tensor([mslots[b]]),
+                                                    full=full), 0, len(slots))
             roots[b] = r.bonus
             outputs[b] += r.emitted
         if tp == 1:
@@ -175,8 +184,8 @@ def fake_sglang(runner, prompts, trees, layout: str, leaky: bool = False, steps:
             for b, r in enumerate(recs):
                 copy = StepCapture.from_dict({**r.to_dict(), "state": {}, "meta": dict(r.meta)})
                 slots = req_to_token[b + 1, r.committed_len: r.committed_len + len(r.accepted)]
-                copy.state = request_state(batch_state(kv_r, slots[None], mamba_r, torch.tensor([mslots[b]]), full=full,
-                                                       shard=(rank, tp, groups)), 0, len(slots))
+                copy.state = request_state(batch_state(kv_r, slots[None], _stacked(mamba_r), torch.tensor([mslots[b]]),
+                                                       full=full, shard=(rank, tp, groups)), 0, len(slots))
                 copy.meta.update(tp_rank=rank, tp_size=tp, conv_groups=list(groups))
                 cap.steps.setdefault(rank, []).append(copy)
     results = {p.id: {"output_ids": outputs[b]} for b, p in enumerate(prompts)}
@@ -338,28 +347,34 @@ def test_duplicate_sibling_tokens_walk_like_sglang():
 
 def test_batch_state_layouts_and_sketches():
     """Each request's committed rows in refcheck's layouts (its KV rows from its slots, its conv / SSM slot), and
-    sketches equal to the reference layout's (the SSM's sketched in SGLang's order with permuted projection rows)."""
+    sketches equal to the reference layout's (the SSM's sketched in SGLang's order with permuted projection rows);
+    the stacked mamba pools gathered for every layer at once, or for the rows a rank records."""
     from refcheck.sketch import sketch_rows
 
     kb = torch.arange(8 * 2 * 3, dtype=torch.float32).reshape(8, 2, 3)
-    conv = torch.arange(4 * 6 * 3, dtype=torch.float32).reshape(4, 6, 3)  # [slots, C, K-1]
-    ssm = torch.randn(4, 2, 5, 3)  # [slots, HV, V, K]
-    batch = batch_state({1: (kb, kb + 1)}, torch.tensor([[6, 2, 0], [1, 5, 7]]), {0: (conv, ssm)},
-                        torch.tensor([3, 1]), full=True)
+    conv = torch.randn(2, 4, 6, 3)  # [L, slots, C, K-1]
+    ssm = torch.randn(2, 4, 2, 5, 3)  # [L, slots, HV, V, K]
+    pools = MambaPools([1, 4], [0, 1], conv, ssm)
+    batch = batch_state({2: (kb, kb + 1)}, torch.tensor([[6, 2, 0], [1, 5, 7]]), pools, torch.tensor([3, 1]), full=True)
     one = request_state(batch, 1, 2)
-    assert torch.equal(one["kv_k.1"][3], kb[[1, 5]].reshape(2, 6))
-    assert torch.equal(one["conv.0"][3], conv[1].T)
-    assert torch.equal(one["rec.0"][3], ssm[1].transpose(-1, -2).reshape(2, 15))
-    assert torch.allclose(one["rec.0"][2], sketch_rows(ssm[1].transpose(-1, -2).reshape(2, 15)), atol=1e-5)
-    assert torch.allclose(one["kv_v.1"][2], sketch_rows((kb + 1)[[1, 5]].reshape(2, 6)), atol=1e-5)
+    assert torch.equal(one["kv_k.2"][3], kb[[1, 5]].reshape(2, 6))
+    for i, layer in enumerate([1, 4]):
+        assert torch.equal(one[f"conv.{layer}"][3], conv[i, 1].T)
+        assert torch.equal(one[f"rec.{layer}"][3], ssm[i, 1].transpose(-1, -2).reshape(2, 15))
+        assert torch.allclose(one[f"rec.{layer}"][2], sketch_rows(ssm[i, 1].transpose(-1, -2).reshape(2, 15)), atol=1e-5)
+        assert torch.allclose(one[f"conv.{layer}"][2], sketch_rows(conv[i, 1].T), atol=1e-5)
+    assert torch.allclose(one["kv_v.2"][2], sketch_rows((kb + 1)[[1, 5]].reshape(2, 6)), atol=1e-5)
+    second = request_state(batch_state({}, torch.tensor([[0]]), MambaPools([4], [1], conv, ssm), torch.tensor([2]),
+                                       full=True), 0, 1)
+    assert set(second) == {"conv.4", "rec.4"} and torch.equal(second["conv.4"][3], conv[1, 2].T)
     for axis in (-1, 1):  # SGLang's axis of the window in one slot's [C, K-1] state (1: the same, counted forward)
-        again = batch_state({}, torch.tensor([[0]]), {0: (conv, ssm)}, torch.tensor([2]), axis, full=True)
-        assert torch.equal(again["conv.0"][3][0], conv[2].T)
-    window_first = conv.transpose(1, 2).contiguous()  # a pool keeping [K-1, C] per slot: conv_window_axis 0
-    again = batch_state({}, torch.tensor([[0]]), {0: (window_first, ssm)}, torch.tensor([2]), 0, full=True)
-    assert torch.equal(again["conv.0"][3][0], conv[2].T)
+        again = batch_state({}, torch.tensor([[0]]), MambaPools([1], [0], conv, ssm, axis), torch.tensor([2]), full=True)
+        assert torch.equal(request_state(again, 0, 1)["conv.1"][3], conv[0, 2].T)
+    window_first = conv.transpose(2, 3).contiguous()  # a pool keeping [K-1, C] per slot: conv_window_axis 0
+    again = batch_state({}, torch.tensor([[0]]), MambaPools([1], [0], window_first, ssm, 0), torch.tensor([2]), full=True)
+    assert torch.equal(request_state(again, 0, 1)["conv.1"][3], conv[0, 2].T)
     with pytest.raises(ValueError):
-        batch_state({}, torch.tensor([[0]]), {0: (conv, ssm)}, None)
+        batch_state({}, torch.tensor([[0]]), pools, None)
 
 
 def test_tensor_parallel_shards_combine_to_the_full_state(setup):
@@ -506,3 +521,19 @@ def test_records_lost_to_a_full_capture_queue_are_reported_not_failed(setup):
     rep = _replay(trace)
     assert not rep.failures and rep.exit_code == 0
     assert any(f.category == "engine" and "3 batch record(s)" in f.message for f in rep.findings)
+
+
+def test_a_sampled_capture_may_hold_no_step_of_a_request(setup):
+    """1 step in 64 over 4 steps: most requests have no recorded step; their outputs are judged by their first
+    token, and the trace passes only when its capture declares the sampling (else the output is missing steps)."""
+    from refcheck.sglang_capture.sample_rule import SampleRule
+
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts, trees, "tree")
+    trace = assemble_trace(prompts, rids, results, _sampled(cap, SampleRule(64, seed=1)), _prov(runner, prompts, 15)).trace
+    assert len({s.request_id for s in trace.steps}) < len(prompts)
+    undeclared = _replay(trace)
+    assert {f.category for f in undeclared.failures} == {"output"}
+    trace.provenance["capture"] = {"incomplete": [], "crash": None, "errors": [], "sample": {"every": 64, "seed": 1}}
+    rep = _replay(trace)
+    assert not rep.failures, [f.message for f in rep.failures]

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from refcheck.errors import EXIT_CORRUPT, CorruptTraceError
-from refcheck.golden import REPO_GOLDEN
+from refcheck.goldens import REPO_GOLDEN
+from refcheck.goldens.manifest import load_manifest
 from refcheck.trace import io as trace_io
 from refcheck.trace import schema as trace_schema
 from refcheck.trace.io import check_token_ids, read_trace, trace_bytes, trace_from_bytes, write_trace
-from refcheck.trace.manifest import load_manifest
 from refcheck.trace.schema import TraceValidationError
 
 from trace_helpers import assert_traces_equal, make_trace, rewrite, rewrite_legacy
@@ -178,7 +178,7 @@ def test_seal_script_proves_content_and_is_idempotent(cli, tmp_path: Path) -> No
     rewrite_legacy(REPO_GOLDEN / entry.file, tmp_path / "legacy.arrow",
                    meta_fn=lambda m: {**m, trace_schema.KEY_VERSION: b"1.0"})
     shutil.copy(tmp_path / "legacy.arrow", gdir / "hybrid-b1.arrow")
-    from refcheck.trace import store
+    from refcheck.goldens import store
 
     store.commit(gdir, [store.Write("hybrid-b1", (gdir / "hybrid-b1.arrow").read_bytes(), entry.provenance)])
     legacy = read_trace(gdir / "hybrid-b1.arrow")

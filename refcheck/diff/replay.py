@@ -66,7 +66,7 @@ from refcheck.diff.trace_verdicts import capture_findings, judge_distribution, j
 from refcheck.diff.triage import RoundingEnsemble, StepSpread
 from refcheck.profile import timed
 from refcheck.sketch import cosine, rel_l2, sketch_rows, state_rows
-from refcheck.trace.io import StepRow, Trace
+from refcheck.trace.io import StepRow, Trace, gaps_declared
 from reference.drafter import Drafter
 from reference.sampling import tempered_probs
 from reference.state import TargetState
@@ -125,6 +125,9 @@ class _Request(NodeChecks):
         self.evidence = evidence if evidence is not None else Evidence()
         self.leans = leans if leans is not None else Leans()  # the keyed draws' leans (the temperature check)
         self.hidden = False  # some draw of this request could not be replayed exactly
+        #: the trace's capture declares it holds some steps only (a sampled capture): the steps may end, or be
+        #: missing altogether, before the output does
+        self.some_steps = False
 
     @property
     def state(self) -> TargetState:
@@ -388,7 +391,7 @@ class _Request(NodeChecks):
                 self.fail("logprobs", -1, f"log-prob of the first token {output_lps[0]:.5g} vs reference {ref:.5g}")
         self.root = output[0] if output else None
         emitted_all, emitted_lps = output[:1], output_lps[:1]
-        start, last_step, gapped = len(self.rep.findings), -1, False
+        start, last_step, gapped = len(self.rep.findings), -1, self.some_steps
         try:
             for k, s in enumerate(steps):
                 if s.step != last_step + 1 and self.cross_gap(s, prompt, output):
@@ -596,6 +599,7 @@ def replay(trace: Trace, target: Target, drafter: Drafter, cal: Calibration, cas
         if missing:
             r.draft_missing = f": {missing}"
         r.max_new_tokens = trace.prov.max_new_tokens
+        r.some_steps = gaps_declared(trace.provenance)
         r.run(list(req.prompt_ids), list(req.output_ids), list(req.output_logprobs), trace.steps_of(req.request_id),
               req.first_uniform)
         account.steps += r.account.steps

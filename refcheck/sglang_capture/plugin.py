@@ -62,7 +62,7 @@ import torch
 from refcheck.sglang_capture import dflash_taps, layers, sampler_faults, versions
 from refcheck.sglang_capture.records import ENV_DIR, ENV_FULL, UNTRACED_RID_PREFIX, Recorder
 from refcheck.sglang_capture.sample_rule import ENV_SAMPLE, SampleRule, parse, rule_for
-from refcheck.sglang_capture.state import batch_state
+from refcheck.sglang_capture.state import MambaPools, batch_state
 from refcheck.sglang_capture.steps import node_logprobs, pick, summarise_nodes
 
 _registered = False
@@ -270,8 +270,8 @@ def _pools(scheduler: Any) -> tuple[Any, Any]:
     return runner.token_to_kv_pool, runner.req_to_token_pool
 
 
-def _pool_views(scheduler: Any) -> tuple[dict, dict, int, Any]:
-    """(kv buffers by layer, mamba (conv, ssm) by layer, conv window axis, req_to_token pool)."""
+def _pool_views(scheduler: Any) -> tuple[dict, MambaPools | None, Any]:
+    """(kv buffers by layer, the stacked mamba pools or None, req_to_token pool)."""
     kv_pool, rtp = _pools(scheduler)
     if hasattr(kv_pool, "full_attention_layer_id_mapping"):
         kv_layers = sorted(kv_pool.full_attention_layer_id_mapping)
@@ -279,18 +279,18 @@ def _pool_views(scheduler: Any) -> tuple[dict, dict, int, Any]:
         start = int(getattr(kv_pool, "start_layer", 0) or 0)
         kv_layers = list(range(start, start + int(kv_pool.layer_num)))
     kv = {layer: (kv_pool.get_key_buffer(layer), kv_pool.get_value_buffer(layer)) for layer in kv_layers}
-    mamba: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    axis = -1
+    mamba = None
     if hasattr(rtp, "mamba_map"):
         pool = rtp.mamba_pool
-        axis = int(getattr(pool, "conv_window_axis", -1))
-        mamba = {layer: (pool.mamba_cache.conv[0][i], pool.mamba_cache.temporal[i]) for layer, i in rtp.mamba_map.items()}
-    return kv, mamba, axis, rtp
+        order = sorted(rtp.mamba_map.items(), key=lambda item: item[1])  # (global layer id, row in the stack)
+        mamba = MambaPools([layer for layer, _ in order], [int(i) for _, i in order], pool.mamba_cache.conv[0],
+                           pool.mamba_cache.temporal, int(getattr(pool, "conv_window_axis", -1)))
+    return kv, mamba, rtp
 
 
 def _state(scheduler: Any, snap: _Batch, committed: torch.Tensor, width: int) -> dict[str, Any]:
     """The recorded requests' committed state after the step, sketched on the device (``state``, ``tp``)."""
-    kv, mamba, axis, rtp = _pool_views(scheduler)
+    kv, mamba, rtp = _pool_views(scheduler)
     table = rtp.req_to_token
     rows = snap.rows(snap.pool_rows).to(table.device).long()  # type: ignore[arg-type]
     cols = committed.to(table.device).long()[:, None] + torch.arange(width, device=table.device)  # [b, W]
@@ -301,7 +301,7 @@ def _state(scheduler: Any, snap: _Batch, committed: torch.Tensor, width: int) ->
     groups = tuple(groups) if groups else None
     shard = (tp_rank, tp_size, groups) if tp_size > 1 else None
     full = bool(os.environ.get(ENV_FULL))
-    out: dict[str, Any] = {"state": batch_state(kv, slots, mamba, mslots, axis, full, shard)}
+    out: dict[str, Any] = {"state": batch_state(kv, slots, mamba, mslots, full, shard)}
     if shard is not None:
         out["tp"] = {"tp_rank": tp_rank, "tp_size": tp_size, "conv_groups": list(groups) if groups else None}
     return out

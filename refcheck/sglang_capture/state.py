@@ -1,13 +1,16 @@
 """SGLang's KV and mamba pools -> the committed state of a batch's requests after a step, sketched on the device.
 
-Contract: :func:`batch_state` takes per-layer views of SGLang's pools (the caller resolves them: ``kv``
-maps a global layer id to that layer's K and V buffers ``[slots_total, H_kv, D]``; ``mamba`` maps a global
-layer id to its conv buffer ``[mamba_slots, conv_dim, K-1]`` (or ``[..., K-1, conv_dim]`` when
-``conv_window_axis``, SGLang's axis of the window in one slot's state, is 0) and SSM buffer ``[mamba_slots, HV, V, K]``), the token slots ``[b, W]`` of the KV
+Contract: :func:`batch_state` takes views of SGLang's pools (the caller resolves them: ``kv`` maps a global
+layer id to that layer's K and V buffers ``[slots_total, H_kv, D]``; ``mamba`` (:class:`MambaPools`) holds the
+stacked conv buffers ``[L, mamba_slots, conv_dim, K-1]`` (or ``[..., K-1, conv_dim]`` when
+``conv_window_axis``, SGLang's axis of the window in one slot's state, is 0) and SSM buffers ``[L,
+mamba_slots, HV, V, K]`` as SGLang keeps them, so every linear-attention layer is gathered and sketched in one
+operation each), the token slots ``[b, W]`` of the KV
 rows each request's step may have appended (W = the step's widest possible commit; the rows past a request's
 accepted count are sketched and dropped on the host) and the requests' mamba slots ``[b]``. Everything stays
-on the pools' device (gathers and one projection per state, no host copy). It returns name -> (layer, kind,
-sketch ``[b, R, r]`` float32, full rows ``[b, R, F]`` or None) with the names and row layouts of
+on the pools' device (gathers and projections, no host copy). KV entries are name -> (layer, kind, sketch
+``[b, R, r]`` float32, full rows ``[b, R, F]`` or None); the mamba part keeps the layers stacked, and
+:func:`request_state` turns both into one request's entries with the names and row layouts of
 :func:`refcheck.sketch.state_rows`: ``kv_k.L``/``kv_v.L`` ``[a, H_kv*D]``, ``conv.L`` ``[K-1, conv_dim]``,
 ``rec.L`` ``[HV, K*V]``. The recurrent state is sketched in SGLang's own ``[V, K]`` order with the
 projection's rows permuted to match (the same linear map as the reference layout's, without transposing
@@ -18,7 +21,9 @@ tensor parallelism (``shard``) a rank sketches its slice with the full tensor's 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -54,11 +59,24 @@ def _shard_projection(kind: str, local: int, rank: int, size: int, groups: tuple
     return projection(n_full, SKETCH_DIM, "cpu")[idx].to(device)
 
 
-def batch_state(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor,
-                mamba: dict[int, tuple[torch.Tensor, torch.Tensor]], mamba_slots: torch.Tensor | None,
-                conv_window_axis: int = -1, full: bool = False,
-                shard: tuple[int, int, tuple[int, ...] | None] | None = None) -> dict[str, Entry]:
-    """The module docstring's batch entries; ``shard`` = (tp rank, tp size, conv groups) under TP."""
+@dataclass(frozen=True)
+class MambaPools:
+    """SGLang's mamba pools as it keeps them, every linear-attention layer stacked: ``conv`` ``[L, slots, C, K-1]``
+    (or ``[L, slots, K-1, C]``), ``ssm`` ``[L, slots, HV, V, K]``; ``layers``: the global layer id of each of the
+    ``L`` rows recorded, ``rows``: their rows in the stack."""
+
+    layers: list[int]
+    rows: list[int]
+    conv: torch.Tensor
+    ssm: torch.Tensor
+    conv_window_axis: int = -1
+
+
+def batch_state(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor, mamba: MambaPools | None,
+                mamba_slots: torch.Tensor | None, full: bool = False,
+                shard: tuple[int, int, tuple[int, ...] | None] | None = None) -> dict[str, Any]:
+    """The module docstring's batch state: ``kv`` name -> entry, and ``mamba``, every linear-attention layer at
+    once (:func:`_mamba_state`); ``shard`` = (tp rank, tp size, conv groups) under TP."""
     out: dict[str, Entry] = {}
     b, w = slots.shape
     for layer, (k_buf, v_buf) in sorted(kv.items()):
@@ -66,28 +84,42 @@ def batch_state(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], slots: torch.T
         for kind, buf in (("kv_k", k_buf), ("kv_v", v_buf)):
             rows = buf[idx].reshape(b, w, -1)  # [b*W, H_kv, D] -> [b, W, H_kv*D]
             out[f"{kind}.{layer}"] = (layer, kind, _project(kind, rows, shard), rows if full else None)
-    if mamba and mamba_slots is None:
+    if mamba is None:
+        return {"kv": out, "mamba": None}
+    if mamba_slots is None:
         raise ValueError("a hybrid model's state needs the requests' mamba slots")
-    for layer, (conv_buf, ssm_buf) in sorted(mamba.items()):
-        ms = mamba_slots.long().to(conv_buf.device)  # type: ignore[union-attr]
-        conv = conv_buf[ms]  # [b, C, K-1] (or [b, K-1, C])
-        # the pool's axis counts in one slot's [conv_dim, K-1] state: -1 or 1 put the window last
-        conv = conv_to_reference(conv) if conv_window_axis in (-1, 1) else conv  # [b, K-1, C]
-        out[f"conv.{layer}"] = (layer, "conv", _project("conv", conv, shard), conv if full else None)
-        ssm = ssm_buf[ms]  # [b, HV, V, K]
-        hv, v, k = ssm.shape[1:]
-        sketch = ssm.reshape(b, hv, v * k).float() @ _ssm_projection(k, v, str(ssm.device))  # [b, HV, r]
-        rec = ssm_to_reference(ssm).reshape(b, hv, k * v) if full else None  # [b, HV, K, V] -> [b, HV, K*V]
-        out[f"rec.{layer}"] = (layer, "rec", sketch, rec)
-    return out
+    return {"kv": out, "mamba": _mamba_state(mamba, mamba_slots, full, shard)}
 
 
-def request_state(batch: dict[str, Entry], b: int, kv_rows: int) -> dict[str, Entry]:
-    """Request ``b``'s entries of a (host) batch: its first ``kv_rows`` KV rows, its conv and recurrent rows."""
+def _mamba_state(m: MambaPools, mamba_slots: torch.Tensor, full: bool,
+                 shard: tuple[int, int, tuple[int, ...] | None] | None) -> dict[str, Any]:
+    """Every recorded layer's conv and recurrent state of the requests in one gather and one projection each:
+    ``conv`` ``[L, b, K-1, r]``, ``rec`` ``[L, b, HV, r]`` (and their rows when ``full``)."""
+    ms = mamba_slots.long().to(m.conv.device)  # [b]
+    pick = None if m.rows == list(range(m.conv.shape[0])) else torch.tensor(m.rows)
+    conv = m.conv[:, ms] if pick is None else m.conv[pick.to(m.conv.device)][:, ms]  # [L, b, C, K-1] (or K-1, C)
+    # the pool's axis counts in one slot's [conv_dim, K-1] state: -1 or 1 put the window last
+    conv = conv_to_reference(conv) if m.conv_window_axis in (-1, 1) else conv  # [L, b, K-1, C]
+    ssm = m.ssm[:, ms] if pick is None else m.ssm[pick.to(m.ssm.device)][:, ms]  # [L, b, HV, V, K]
+    n, b, hv, v, k = ssm.shape
+    rec_sketch = ssm.reshape(n, b, hv, v * k).float() @ _ssm_projection(k, v, str(ssm.device))  # [L, b, HV, r]
+    rec = ssm_to_reference(ssm).reshape(n, b, hv, k * v) if full else None  # [L, b, HV, K, V] -> [L, b, HV, K*V]
+    return {"layers": list(m.layers), "conv": _project("conv", conv, shard), "rec": rec_sketch,
+            "conv_rows": conv if full else None, "rec_rows": rec}
+
+
+def request_state(batch: dict[str, Any], b: int, kv_rows: int) -> dict[str, Entry]:
+    """Request ``b``'s entries of a (host) batch state: its first ``kv_rows`` KV rows, its conv and recurrent rows,
+    one entry per layer and kind."""
     out: dict[str, Entry] = {}
-    for name, (layer, kind, sketch, rows) in batch.items():
-        cut = slice(0, kv_rows) if kind in ("kv_k", "kv_v") else slice(None)
-        out[name] = (layer, kind, sketch[b, cut].clone(), None if rows is None else rows[b, cut].clone())
+    for name, (layer, kind, sketch, rows) in batch["kv"].items():
+        out[name] = (layer, kind, sketch[b, :kv_rows].clone(), None if rows is None else rows[b, :kv_rows].clone())
+    m = batch.get("mamba")
+    if m:
+        for i, layer in enumerate(m["layers"]):
+            for kind in ("conv", "rec"):
+                rows = m[f"{kind}_rows"]
+                out[f"{kind}.{layer}"] = (layer, kind, m[kind][i, b].clone(), None if rows is None else rows[i, b].clone())
     return out
 
 
