@@ -98,7 +98,7 @@ def _open_zlab(engine, spec, session, full_state, options) -> Engine:
 
 
 def _open_sglang(engine, spec, session, full_state, options) -> Engine:
-    from refcheck.runners.sglang import SGLangRunner
+    from refcheck.sglang.runner import SGLangRunner
 
     algorithm = engine.split(":", 1)[1] if ":" in engine else "NONE"
     return SGLangRunner(spec, algorithm, full_state=full_state, **options)

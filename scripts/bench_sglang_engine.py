@@ -62,7 +62,7 @@ def _passes(engine: Any, job: dict, res: dict, result: Path) -> None:
 
 def run_child(job_path: str) -> int:
     """``--sglang-child JOB``: one engine, its passes, reported through JOB's result file at every stage."""
-    from refcheck.runners.sglang_child import summarise_error
+    from refcheck.sglang.child import summarise_error
 
     job = json.loads(Path(job_path).read_text())
     result = Path(job["result"])
@@ -142,7 +142,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def sglang_phase(budget: int, kw: dict, prompt: list[int], args: argparse.Namespace, work: Path,
                  limit_s: float) -> dict[str, Any]:
     """One engine for ``budget`` in a child process, killed after ``limit_s``; its result file, summarised."""
-    from refcheck.runners.sglang import log_error
+    from refcheck.sglang.runner import log_error
 
     job_path, result, times = work / f"sglang-b{budget}.job.json", work / f"sglang-b{budget}.result.json", \
         work / f"sglang-b{budget}.times.jsonl"

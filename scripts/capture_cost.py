@@ -74,7 +74,7 @@ def judge(trace: Any, name: str) -> dict[str, Any]:
 
 def run_cell(args: argparse.Namespace, algorithm: str, graphs: bool, load: str) -> dict[str, Any]:
     from refcheck.errors import RefcheckError
-    from refcheck.runners.sglang import SGLangRunner
+    from refcheck.sglang.runner import SGLangRunner
     from refcheck.trace.io import write_trace
 
     name = f"{algorithm.lower()}-{'graphs' if graphs else 'eager'}-{load}"
@@ -102,8 +102,8 @@ def run_cell(args: argparse.Namespace, algorithm: str, graphs: bool, load: str) 
 def sampled_trace(trace: Any, cdir: Path) -> Any:
     """The sampled pass's trace, from the records its marked rids left in the cell's capture directory."""
     from refcheck.prompts import Prompt
-    from refcheck.sglang_capture.assemble import assemble_trace
-    from refcheck.sglang_capture.records import read_capture
+    from refcheck.sglang.capture.assemble import assemble_trace
+    from refcheck.sglang.capture.records import read_capture
 
     job = json.loads((cdir / "job.json").read_text())
     if not job.get("sampled_rids") or not trace.prov.settings.get("sampled_match"):

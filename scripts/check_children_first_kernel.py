@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from refcheck.sglang_capture.layout import depths_from_parents, links_from_parents  # noqa: E402
+from refcheck.sglang.layout import depths_from_parents, links_from_parents  # noqa: E402
 from reference import children_first  # noqa: E402
 
 EDGE = 1e-5  # float32 running sums over <= 16 children differ from float64 by far less

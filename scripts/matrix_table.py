@@ -9,7 +9,7 @@ the latest run that *ran* it; a cell no run ran keeps the latest reason it could
 which run it came from (``from``). ``--rejudged DIR`` adds, per cell, the verdict of a later replay of its
 saved trace (``DIR/*CELL.json``: ``refcheck diff --against TRACE --mode replay --json`` output), e.g. under
 a verdict that changed since the GPU judged it. Writes OUT_DIR/matrix.json and OUT_DIR/matrix.md (the table
-of ``refcheck.matrix.markdown``, with the re-judged column appended where given).
+of ``refcheck.sglang.matrix.markdown``, with the re-judged column appended where given).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from refcheck.atomic_file import atomic_write_bytes  # noqa: E402
-from refcheck.matrix import ALGORITHMS, SETTINGS, markdown  # noqa: E402
+from refcheck.sglang.matrix import ALGORITHMS, SETTINGS, markdown  # noqa: E402
 
 
 def merge(runs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:

@@ -7,7 +7,7 @@
     # then, there (--kernels sglang) or anywhere (--kernels reference):
     scripts/sglang_gdn_probe.py /tmp/probe run.arrow [--kernels sglang|reference] [--json OUT.json]
 
-Per probed verify forward and request (refcheck/sglang_capture/gdn_probe_check.py): the engine's kernel
+Per probed verify forward and request (refcheck/sglang/capture/gdn_probe_check.py): the engine's kernel
 inputs and committed state against the reference's, the engine's core output against the reference's,
 and against the isolated replay of the engine's own inputs. Exit 0 when no node's core output is over
 --threshold from the reference, 1 when some are (the lines name them and say whether their inputs or
@@ -42,8 +42,8 @@ def main() -> int:
 
     from refcheck.diff.session import DiffSession, reference_spec_for
     from refcheck.errors import RefcheckError
-    from refcheck.sglang_capture.gdn_probe_check import check_probe, read_probes
-    from refcheck.sglang_capture.gdn_replay import ReferenceKernels, SGLangKernels
+    from refcheck.sglang.capture.gdn_probe_check import check_probe, read_probes
+    from refcheck.sglang.capture.gdn_replay import ReferenceKernels, SGLangKernels
     from refcheck.trace.io import read_trace
 
     checks = []

@@ -5,7 +5,7 @@
         [--layers 0,1] [--ref-dtype bfloat16] [--device cuda] [--kernels sglang|reference] [--json OUT.json]
 
 For each Gated DeltaNet layer asked for, the reference computes that layer's mixer inputs at the step
-(refcheck/sglang_capture/gdn_replay.py), SGLang's conv kernel and recurrent kernel run on them (each
+(refcheck/sglang/capture/gdn_replay.py), SGLang's conv kernel and recurrent kernel run on them (each
 on exact inputs), and every node's relative L2 distance from the reference's conv and core outputs is
 printed, worst first, with the nodes over --threshold named. ``--kernels reference`` runs the same
 harness with the PyTorch stand-ins (anywhere, no SGLang): every node must then be exact. Exit 0 when
@@ -37,7 +37,7 @@ def main() -> int:
 
     from refcheck.diff.session import DiffSession, reference_spec_for
     from refcheck.errors import RefcheckError
-    from refcheck.sglang_capture.gdn_replay import ReferenceKernels, SGLangKernels, gdn_inputs, replay
+    from refcheck.sglang.capture.gdn_replay import ReferenceKernels, SGLangKernels, gdn_inputs, replay
     from refcheck.trace.io import read_trace
 
     try:

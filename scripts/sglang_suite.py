@@ -32,7 +32,7 @@ CONFIGS = {
     "dflash": ["--sglang-algorithm", "DFLASH", "--budget", "15"],
     "ngram": ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "10"],
     "ngram-b1": ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "1"],
-    # refcheck's DDTree on SGLang (refcheck/sglang_ddtree): the four budgets, and the leaky chain layout
+    # refcheck's DDTree on SGLang (refcheck/sglang/ddtree): the four budgets, and the leaky chain layout
     **{f"ddtree-b{b}": ["--sglang-algorithm", "REFCHECK_DDTREE", "--budget", str(b)] for b in (15, 16, 32, 64)},
     "ddtree-b15-leaky": ["--sglang-algorithm", "REFCHECK_DDTREE_LEAKY_CHAIN", "--budget", "15"],
     # budget 64's open finding (code-1 step 13 node 32): full state tensors and per-layer sketches to place it
@@ -55,7 +55,7 @@ CONFIGS = {
         ("dflash", ["--sglang-algorithm", "DFLASH", "--budget", "15"]),
         ("ngram", ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "10"]),
         ("ddtree-b15", ["--sglang-algorithm", "REFCHECK_DDTREE", "--budget", "15"]))},
-    # faults injected into SGLang through refcheck's plugin (refcheck/sglang_ddtree/faults.py): must fail
+    # faults injected into SGLang through refcheck's plugin (refcheck/sglang/ddtree/faults.py): must fail
     **{f"ddtree-fault-{f.lower().replace('_', '-')}": ["--sglang-algorithm", f"REFCHECK_DDTREE_FAULT_{f}", "--budget", "15",
                                                          "--layer-sketches"]
        for f in ("MAMBA_FLAT_INDEX", "KV_MOVE_LAST", "FLAT_POSITIONS", "BONUS_NEIGHBOUR")},
@@ -76,7 +76,7 @@ CONFIGS = {
     "ngram-t07": ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "10", "--temperature", "0.7",
                   "--top-k", "20", "--top-p", "0.9", "--seed", "2"],
     # SGLang in float32 (the sharp check that tells bf16 numerics from engine bugs) is refused for the
-    # built-in Qwen3.5 pair on 0.5.17: its gemma_rmsnorm has no float32 kernel (refcheck/sglang_capture/versions.py)
+    # built-in Qwen3.5 pair on 0.5.17: its gemma_rmsnorm has no float32 kernel (refcheck/sglang/capture/versions.py)
     "dflash-fp32": ["--sglang-algorithm", "DFLASH", "--budget", "15", "--dtype", "float32"],
 }
 
@@ -115,7 +115,7 @@ def child(args: argparse.Namespace) -> None:
     """One SGLang run without capture: output tokens only (for the capture-does-not-change-tokens check)."""
     from refcheck.prompts import load_prompts
     from refcheck.reference_runner import EngineSpec
-    from refcheck.runners.sglang import SGLangRunner
+    from refcheck.sglang.runner import SGLangRunner
 
     spec = EngineSpec(pair=args.pair, dtype="bfloat16", device="cuda", budget=args.budget,
                       max_new_tokens=args.max_new_tokens)

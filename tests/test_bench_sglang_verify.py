@@ -14,7 +14,7 @@ import pytest
 from script_loader import load_script
 
 from refcheck.errors import UsageError
-from refcheck.runners.sglang import is_hybrid_target
+from refcheck.sglang.runner import is_hybrid_target
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_engine_kwargs_follow_the_options_and_refuse_trees_sglang_cannot_verify(
     assert kw["speculative_num_draft_tokens"] == 8 and kw["mem_fraction_static"] == 0.5
     assert kw["disable_overlap_schedule"] is True and kw["speculative_ngram_max_bfs_breadth"] == 4
     assert bench.engine_kwargs(tmp_path, 15)["disable_overlap_schedule"] is False  # SGLang's default
-    for bad in (0, 1024):  # at most 1024 tree tokens (refcheck.runners.sglang.MAX_TREE_TOKENS)
+    for bad in (0, 1024):  # at most 1024 tree tokens (refcheck.sglang.runner.MAX_TREE_TOKENS)
         with pytest.raises(UsageError, match="budget"):
             bench.engine_kwargs(tmp_path, bad)
 

@@ -11,10 +11,10 @@ import threading
 import pytest
 import torch
 
-from refcheck.sglang_capture import packing
-from refcheck.sglang_capture.records import Recorder, read_capture
-from refcheck.sglang_capture.sample_rule import CaptureSampleError, SampleRule, parse, rule_for, sampled_rid
-from refcheck.sglang_capture.shipper import Shipper, read_counts, wait_drained
+from refcheck.sglang.capture import packing
+from refcheck.sglang.capture.records import Recorder, read_capture
+from refcheck.sglang.capture.sample_rule import CaptureSampleError, SampleRule, parse, rule_for, sampled_rid
+from refcheck.sglang.capture.shipper import Shipper, read_counts, wait_drained
 
 
 def _stalled(tmp_path, depth: int):

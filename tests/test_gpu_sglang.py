@@ -13,7 +13,7 @@ from refcheck.diff.findings import Verdict
 from refcheck.diff.session import DiffSession
 from refcheck.prompts import load_prompts
 from refcheck.reference_runner import EngineSpec
-from refcheck.runners.sglang import SGLangRunner
+from refcheck.sglang.runner import SGLangRunner
 
 pytestmark = [pytest.mark.sglang, pytest.mark.gpu]
 

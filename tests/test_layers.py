@@ -3,13 +3,19 @@
 * ``reference/`` never imports ``refcheck``: the reference stands on its own;
 * the trace format (``refcheck.trace``), the diff (``refcheck.diff``) and the HTML report (``refcheck.report``)
   never import an engine runner
-  (``refcheck.runners``, ``refcheck.engines``, ``refcheck.sglang_*``): a diff judges a trace, whatever
+  (``refcheck.runners``, ``refcheck.engines``, ``refcheck.sglang``): a diff judges a trace, whatever
   recorded it; the trace format does not import the diff either;
 * the goldens (``refcheck.goldens``: cases, manifest, store, gate) stand on the trace format, the diff and
   the reference, never on an engine runner or the CLI; the trace format and the diff never import the
   goldens (a golden directory is one use of traces, not part of their format or their judgement);
-* the SGLang capture (``refcheck.sglang_capture``, loaded inside SGLang's own processes) never imports
-  a runner (``refcheck.runners``, which drives SGLang from outside);
+* the SGLang package (``refcheck.sglang``) by its parts: the shared modules (:data:`SGLANG_SHARED`: layouts, the
+  drafter's side, the environment names) import no other part; the capture (``refcheck.sglang.capture``, loaded
+  inside SGLang's own processes) and refcheck's DDTree algorithm (``refcheck.sglang.ddtree``) import the shared
+  modules and never each other, the plugin entry point, or the parts that drive SGLang from outside
+  (:data:`SGLANG_OUTSIDE`); only the plugin (``refcheck.sglang.plugin``) imports both, and nothing imports it
+  (SGLang loads it by its entry point); the runner, its engine process and its settings never import the matrix,
+  the sweep or the capture-effect judgement built on them. The package imports no CLI, no goldens, no other
+  runner, and of the diff only :data:`SGLANG_DIFF` (the capture: only ``diff.explain``, for the GDN replay);
 * no import cycles, lazy imports included.
 """
 
@@ -19,7 +25,14 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINE_SIDE = ("refcheck.runners", "refcheck.engines", "refcheck.sglang_capture", "refcheck.sglang_ddtree")
+ENGINE_SIDE = ("refcheck.runners", "refcheck.engines", "refcheck.sglang")
+SGLANG_SHARED = ("refcheck.sglang.env", "refcheck.sglang.layout", "refcheck.sglang.draft_side")
+SGLANG_INSIDE = ("refcheck.sglang.capture", "refcheck.sglang.ddtree")
+SGLANG_OUTSIDE = ("refcheck.sglang.runner", "refcheck.sglang.child", "refcheck.sglang.settings", "refcheck.sglang.matrix",
+                  "refcheck.sglang.sweep", "refcheck.sglang.capture_effect")
+SGLANG_ON_THE_RUNNER = ("refcheck.sglang.matrix", "refcheck.sglang.sweep", "refcheck.sglang.capture_effect")
+#: the diff's modules the SGLang package stands on (the matrix and the sweep judge cells; the GDN replay reads state)
+SGLANG_DIFF = ("refcheck.diff.explain", "refcheck.diff.place", "refcheck.diff.session", "refcheck.diff.tolerance")
 
 
 def _modules() -> dict[str, Path]:
@@ -89,10 +102,54 @@ def test_the_goldens_layer_is_checked():
     assert any(_under(e, ["refcheck.diff"]) for e in goldens)
 
 
-def test_the_capture_imports_no_runner():
-    bad = sorted((m, e) for m, es in GRAPH.items() if _under(m, ["refcheck.sglang_capture"])
-                 for e in es if _under(e, ["refcheck.runners", "refcheck.engines"]))
+def _edges(importers, imported) -> list[tuple[str, str]]:
+    return sorted((m, e) for m, es in GRAPH.items() if _under(m, importers) for e in es if _under(e, imported))
+
+
+def test_the_sglang_shared_modules_import_no_other_part():
+    assert not _edges(SGLANG_SHARED, ["refcheck.sglang"])
+
+
+def test_the_capture_and_the_algorithm_never_import_each_other():
+    assert not _edges(["refcheck.sglang.capture"], ["refcheck.sglang.ddtree"])
+    assert not _edges(["refcheck.sglang.ddtree"], ["refcheck.sglang.capture"])
+
+
+def test_code_inside_sglang_imports_no_plugin_and_nothing_that_drives_sglang():
+    bad = _edges(SGLANG_INSIDE, [*SGLANG_OUTSIDE, "refcheck.sglang.plugin", "refcheck.runners", "refcheck.engines"])
     assert not bad, bad
+
+
+def test_only_sglang_loads_the_plugin():
+    assert not _edges(["refcheck", "reference"], ["refcheck.sglang.plugin"])
+
+
+def test_the_runner_does_not_import_what_stands_on_it():
+    bad = _edges(["refcheck.sglang.runner", "refcheck.sglang.child", "refcheck.sglang.settings"], SGLANG_ON_THE_RUNNER)
+    assert not bad, bad
+
+
+def test_the_sglang_package_imports_no_cli_no_goldens_and_only_the_diff_s_public_modules():
+    bad = _edges(["refcheck.sglang"], ["refcheck.cli", "refcheck.goldens", "refcheck.runners", "refcheck.engines"])
+    assert not bad, bad
+    diff = {e for _, e in _edges(["refcheck.sglang"], ["refcheck.diff"])}
+    assert diff <= set(SGLANG_DIFF), diff - set(SGLANG_DIFF)
+    assert {e for _, e in _edges(SGLANG_INSIDE, ["refcheck.diff"])} <= {"refcheck.diff.explain"}
+
+
+def test_the_sglang_layers_are_checked():
+    """The modules the checks above name exist and import what the layering says (a rename would make them
+    vacuous), and the old homes of the SGLang code are gone (no shims)."""
+    for name in (*SGLANG_SHARED, *SGLANG_OUTSIDE, "refcheck.sglang.plugin", "refcheck.sglang.capture.hooks",
+                 "refcheck.sglang.ddtree.worker"):
+        assert name in MODULES, name
+    assert {"refcheck.sglang.capture.hooks", "refcheck.sglang.ddtree.algorithm"} <= GRAPH["refcheck.sglang.plugin"]
+    for part in SGLANG_INSIDE:
+        assert "refcheck.sglang.layout" in {e for _, e in _edges([part], SGLANG_SHARED)}, part
+    old = [m for m in MODULES if _under(m, ["refcheck.sglang_capture", "refcheck.sglang_ddtree", "refcheck.matrix",
+                                            "refcheck.sweep_sglang", "refcheck.capture_effect"])
+           or m.startswith("refcheck.runners.sglang")]
+    assert not old, old
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -10,10 +10,19 @@ import json
 import pytest
 
 from refcheck.errors import EXIT_USAGE, ModelError, UsageError
-from refcheck.matrix import MEMORY_RACE, SETTINGS, MatrixRun, cells, markdown, merge_twin, named_cells, run_matrix
 from refcheck.prompts import load_prompts
 from refcheck.prompts.workloads import WORKLOADS, needed_context, workload, write_workload
 from refcheck.reference_runner import EngineSpec, ReferenceRunner
+from refcheck.sglang.matrix import (
+    MEMORY_RACE,
+    SETTINGS,
+    MatrixRun,
+    cells,
+    markdown,
+    merge_twin,
+    named_cells,
+    run_matrix,
+)
 
 _BASE: dict[str, object] = {}  # one reference trace, decoded on the main thread (see FakeRunner.trace)
 
@@ -47,7 +56,7 @@ class FakeRunner:
 
 @pytest.fixture
 def run(tmp_path, monkeypatch):
-    import refcheck.matrix as m
+    import refcheck.sglang.matrix as m
 
     monkeypatch.setattr(m.time, "sleep", lambda s: None)
     FakeRunner.calls, FakeRunner.fail_start = [], {}
@@ -123,7 +132,7 @@ def test_workload_shapes():
 
 
 def test_every_setting_parses_and_names_a_workload():
-    from refcheck.runners.sglang_settings import parse_settings
+    from refcheck.sglang.settings import parse_settings
 
     for s in SETTINGS.values():
         parse_settings(s.serving)
@@ -140,7 +149,7 @@ def test_cli_lists_and_refuses(cli):
 def test_a_cut_short_run_resumes_where_it_stopped(run, tmp_path):
     """--resume: the cells an earlier run finished (ran, or refused for a reason of their own) are kept; cells it
     only did not reach run now; the twin it had finished is merged into its kept row."""
-    from refcheck.matrix import finished_rows, resumed
+    from refcheck.sglang.matrix import finished_rows, resumed
 
     todo = cells(["NONE", "DFLASH"], ["default", "radix"])
     rows: list[dict] = []
@@ -181,9 +190,9 @@ def test_untraced_differences_are_judged_at_the_references_near_ties(run):
     """Where an untraced pass leaves the captured one, the reference's log-prob margin between the two tokens
     decides: under the engine dtype's tie margin it is a near-tie a different batch may flip; the last token of
     the vocabulary's order is not, and is named as capture changing a token."""
-    from refcheck.capture_effect import judge_untraced, untraced_text
     from refcheck.diff.session import DiffSession, reference_spec_for
     from refcheck.diff.tolerance import calibration_for
+    from refcheck.sglang.capture_effect import judge_untraced, untraced_text
 
     trace = copy.deepcopy(_BASE["trace"])
     trace.provenance["dtype"] = "bfloat16"

@@ -165,7 +165,7 @@ def test_the_goldens_diff_notes_only_entries_with_rules():
 
 def test_golden_add_and_sglang_sweep_name_places_without_none():
     from refcheck.diff.place import where as place
-    from refcheck.sweep_sglang import _first
+    from refcheck.sglang.sweep import _first
 
     step_level = Finding(Verdict.FAIL, "tree", "code-1", 0, message="m")
     assert place(step_level) == "code-1 step 0 · tree"

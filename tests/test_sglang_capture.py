@@ -21,12 +21,12 @@ import torch
 from refcheck.diff.session import DiffSession
 from refcheck.prompts import load_prompts
 from refcheck.reference_runner import EngineSpec, ReferenceRunner
-from refcheck.sglang_capture.assemble import assemble_trace, sibling_ranks
-from refcheck.sglang_capture.layout import links_from_parents
-from refcheck.sglang_capture.records import Capture, Recorder, read_capture
-from refcheck.sglang_capture.state import MambaPools, batch_state, request_state
-from refcheck.sglang_capture.steps import StepCapture, chain_steps, prefill_records, summarise_nodes, tree_steps
-from refcheck.sglang_ddtree.sampling import RequestKeys, first_token, sample_tree
+from refcheck.sglang.capture.assemble import assemble_trace, sibling_ranks
+from refcheck.sglang.capture.records import Capture, Recorder, read_capture
+from refcheck.sglang.capture.state import MambaPools, batch_state, request_state
+from refcheck.sglang.capture.steps import StepCapture, chain_steps, prefill_records, summarise_nodes, tree_steps
+from refcheck.sglang.ddtree.sampling import RequestKeys, first_token, sample_tree
+from refcheck.sglang.layout import links_from_parents
 from reference.sampling import Sampling, request_key
 from reference.tree import Tree, TreeError
 
@@ -79,7 +79,7 @@ def _stacked(mamba, axis: int = -1) -> MambaPools | None:
 def _shard(kv, mamba, rank: int, tp: int, groups):
     """What tensor-parallel rank ``rank`` holds of the pools: KV heads and SSM value heads in contiguous
     blocks, conv channels [q_r, k_r, v_r]."""
-    from refcheck.sglang_capture.state import feature_index
+    from refcheck.sglang.capture.state import feature_index
 
     kv_r = {}
     for layer, (kb, vb) in kv.items():
@@ -156,7 +156,7 @@ def fake_sglang(runner, prompts, trees, layout: str, leaky: bool = False, steps:
             recs = chain_steps(torch.stack(tok_rows), summarise_nodes(logits, out_tokens.reshape(-1)), torch.tensor([len(a) for a in accs], dtype=torch.int32),
                                out_tokens, rid_list, committed)
         if layer_sketches:  # what the forward hooks record: each layer's output over the flat batch of nodes
-            from refcheck.sglang_capture import layers as layer_hooks
+            from refcheck.sglang.capture import layers as layer_hooks
 
             hook = layer_hooks.hook_factory({})
             for i in range(len(target.layers)):
@@ -435,7 +435,7 @@ def test_step_timings_come_from_the_scheduler_step_and_the_ddtree_drafting():
     spent drafting inside it (NaN for SGLang's own algorithms, which report no such phase)."""
     import math
 
-    from refcheck.sglang_capture.assemble import _step_row
+    from refcheck.sglang.capture.assemble import _step_row
 
     base = dict(rid="r", committed_len=5, tokens=[7, 8], parents=[-1, 0], depths=[0, 1], topk_ids=[[1], [2]],
                 topk_logprobs=[[-0.1], [-0.2]], argmax=[8, 9], accepted=[0, 1], bonus=9, emitted=[8, 9],
@@ -465,7 +465,7 @@ def test_one_step_past_the_output_is_expected_under_the_overlap_scheduler(setup)
 def _sampled(cap, rule):
     """The capture a sampled run makes of the same steps: each request's steps the rule takes, numbered as the
     plugin numbers them (the request's k-th step in the engine)."""
-    from refcheck.sglang_capture.records import Capture
+    from refcheck.sglang.capture.records import Capture
 
     out = Capture(steps={}, prefills=cap.prefills)
     for rank, steps in cap.steps.items():
@@ -483,7 +483,7 @@ def test_a_sampled_capture_is_judged_on_the_steps_it_holds(setup):
     """One step in two per request (seeded phases): the assembly numbers steps as the engine did and places each
     in the output by its committed length; the replay re-prefills across every gap and passes the correct engine,
     while the leaky engine's sampled trace still fails on the steps it holds."""
-    from refcheck.sglang_capture.sample_rule import SampleRule
+    from refcheck.sglang.capture.sample_rule import SampleRule
 
     runner, prompts, trees = setup
     rule = SampleRule(2, seed=3)
@@ -502,7 +502,7 @@ def test_a_sampled_capture_is_judged_on_the_steps_it_holds(setup):
 
 def test_a_sampled_step_off_its_output_is_an_alignment_failure(setup):
     """A step after a gap whose committed length does not lie where its root is in the output is not followed."""
-    from refcheck.sglang_capture.sample_rule import SampleRule
+    from refcheck.sglang.capture.sample_rule import SampleRule
 
     runner, prompts, trees = setup
     cap, results, rids = fake_sglang(runner, prompts[:1], trees, "tree")
@@ -526,7 +526,7 @@ def test_records_lost_to_a_full_capture_queue_are_reported_not_failed(setup):
 def test_a_sampled_capture_may_hold_no_step_of_a_request(setup):
     """1 step in 64 over 4 steps: most requests have no recorded step; their outputs are judged by their first
     token, and the trace passes only when its capture declares the sampling (else the output is missing steps)."""
-    from refcheck.sglang_capture.sample_rule import SampleRule
+    from refcheck.sglang.capture.sample_rule import SampleRule
 
     runner, prompts, trees = setup
     cap, results, rids = fake_sglang(runner, prompts, trees, "tree")

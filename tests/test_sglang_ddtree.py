@@ -13,10 +13,10 @@ from hypothesis import given, settings
 
 from refcheck.models import builtin_pair
 from refcheck.prompts import load_prompts
-from refcheck.sglang_ddtree.algorithm import check_server_args, ngram_like_spec_class
-from refcheck.sglang_ddtree.drafts import DrafterPool, TargetView, draft_tree, extend_context
-from refcheck.sglang_ddtree.hidden_states import hidden_states_ceiling_is_full
-from refcheck.sglang_ddtree.layout import TreeLayoutError, ancestor_mask, batch_layout
+from refcheck.sglang.ddtree.algorithm import check_server_args, ngram_like_spec_class
+from refcheck.sglang.ddtree.drafts import DrafterPool, TargetView, draft_tree, extend_context
+from refcheck.sglang.ddtree.hidden_states import hidden_states_ceiling_is_full
+from refcheck.sglang.ddtree.layout import TreeLayoutError, ancestor_mask, batch_layout
 from reference.decode import DDTreeDecoder, DecodeConfig
 from reference.drafter import DFlashDrafter
 
@@ -190,10 +190,10 @@ def test_spec_class_answers_like_ngram_where_the_registry_base_is_silent():
     assert "from_string" not in vars(cls)  # classmethods stay the enum's
 
 
-# -- faults injected into SGLang (refcheck/sglang_ddtree/faults.py) ---------------------------------------
+# -- faults injected into SGLang (refcheck/sglang/ddtree/faults.py) ---------------------------------------
 def test_fault_algorithm_names():
-    from refcheck.runners.sglang import DFLASH_DRAFTED
-    from refcheck.sglang_ddtree.faults import ALGORITHMS
+    from refcheck.sglang.ddtree.faults import ALGORITHMS
+    from refcheck.sglang.runner import DFLASH_DRAFTED
 
     assert ALGORITHMS == {"REFCHECK_DDTREE_FAULT_MAMBA_FLAT_INDEX": "mamba-flat-index",
                           "REFCHECK_DDTREE_FAULT_KV_MOVE_LAST": "kv-move-last",
@@ -209,7 +209,7 @@ def test_fault_algorithm_names():
 
 
 def test_fault_indices():
-    from refcheck.sglang_ddtree.faults import chain_accept_index, flat_positions, neighbour_bonus, skip_last_move
+    from refcheck.sglang.ddtree.faults import chain_accept_index, flat_positions, neighbour_bonus, skip_last_move
 
     n = 4
     # request 0 accepted nodes 0, 2, 3 (flat 0, 2, 3); request 1 only its root (flat 4)
@@ -232,8 +232,8 @@ def test_fault_indices():
 def test_sampler_faults_scale_the_temperature_the_keyed_sampler_draws_at():
     """temperature-high / -low hand the keyed sampler 1.1 x / 0.9 x the request's temperature (greedy requests
     and the other faults untouched); at a node whose uniform lies between the two CDF edges the draw moves."""
-    from refcheck.sglang_ddtree.faults import sampler_keys
-    from refcheck.sglang_ddtree.sampling import RequestKeys, sample_tree
+    from refcheck.sglang.ddtree.faults import sampler_keys
+    from refcheck.sglang.ddtree.sampling import RequestKeys, sample_tree
     from reference.sampling import Sampling
 
     keys = [RequestKeys(Sampling(temperature=0.8, top_p=0.9, seed=3), 7), None]
@@ -263,7 +263,7 @@ def test_fault_algorithms_register_with_their_worker(monkeypatch):
     import sys
     from types import ModuleType
 
-    import refcheck.sglang_ddtree.algorithm as alg
+    import refcheck.sglang.ddtree.algorithm as alg
 
     registered: dict[str, tuple] = {}
 
@@ -279,10 +279,10 @@ def test_fault_algorithms_register_with_their_worker(monkeypatch):
             "sglang.srt.speculative": ModuleType("sglang.srt.speculative"),
             "sglang.srt.speculative.spec_info": ModuleType("sglang.srt.speculative.spec_info"),
             "sglang.srt.speculative.spec_registry": ModuleType("sglang.srt.speculative.spec_registry"),
-            "refcheck.sglang_ddtree.worker": ModuleType("refcheck.sglang_ddtree.worker")}
+            "refcheck.sglang.ddtree.worker": ModuleType("refcheck.sglang.ddtree.worker")}
     mods["sglang.srt.speculative.spec_info"].SpeculativeAlgorithm = SpeculativeAlgorithm
     mods["sglang.srt.speculative.spec_registry"].CustomSpecAlgo = type("CustomSpecAlgo", (), {})
-    mods["refcheck.sglang_ddtree.worker"].DDTreeWorker = DDTreeWorker
+    mods["refcheck.sglang.ddtree.worker"].DDTreeWorker = DDTreeWorker
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setattr(alg, "_done", False)

@@ -1,4 +1,4 @@
-"""REFCHECK_DDTREE's worker (refcheck/sglang_ddtree/worker.py) driven on the CPU against stand-ins for
+"""REFCHECK_DDTREE's worker (refcheck/sglang/ddtree/worker.py) driven on the CPU against stand-ins for
 the SGLang modules it imports, backed by the reference.
 
 The stand-ins reproduce what the worker relies on in SGLang 0.5.17: NGRAM's preparation (drafts +
@@ -27,7 +27,7 @@ from refcheck.models import builtin_pair
 from refcheck.prompts import load_prompts
 from refcheck.selftest.faults import SequentialPositions, StateFromFlatIndex, _commit
 from refcheck.selftest.onset import fault_onset
-from refcheck.sglang_ddtree.algorithm import faulty_worker
+from refcheck.sglang.ddtree.algorithm import faulty_worker
 from reference.decode import DDTreeDecoder, DecodeConfig
 from reference.sampling import Sampling, request_key
 from reference.tree import Tree
@@ -65,7 +65,7 @@ class BaseSpecWorker:
 
 
 def _links(parents: list[int]) -> tuple[list[int], list[int]]:
-    from refcheck.sglang_capture.layout import links_from_parents
+    from refcheck.sglang.layout import links_from_parents
 
     return links_from_parents(parents)
 
@@ -215,10 +215,10 @@ def worker_module(monkeypatch):
     mods["sglang.srt.speculative"].ngram_worker = ng
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.delitem(sys.modules, "refcheck.sglang_ddtree.worker", raising=False)
-    module = importlib.import_module("refcheck.sglang_ddtree.worker")
+    monkeypatch.delitem(sys.modules, "refcheck.sglang.ddtree.worker", raising=False)
+    module = importlib.import_module("refcheck.sglang.ddtree.worker")
     yield module, engine_box
-    sys.modules.pop("refcheck.sglang_ddtree.worker", None)
+    sys.modules.pop("refcheck.sglang.ddtree.worker", None)
 
 
 def _params(max_new: int, sampling: Sampling | None, prompt_id: str) -> NS:
@@ -285,7 +285,7 @@ def test_worker_decodes_exactly_like_the_reference_decoder(worker_module, hybrid
 @pytest.mark.parametrize(("budget", "sampling"), [
     (15, Sampling(1.0, seed=7)), (15, Sampling(0.7, top_k=5, top_p=0.9, seed=3)), (32, Sampling(1.3, top_p=0.95, seed=11))])
 def test_sampled_worker_draws_exactly_what_the_reference_decoder_draws(worker_module, hybrid, budget, sampling):
-    """At T > 0 the worker's keyed sampler (refcheck/sglang_ddtree/sampling.py) gives the reference decoder's
+    """At T > 0 the worker's keyed sampler (refcheck/sglang/ddtree/sampling.py) gives the reference decoder's
     sampled run token for token: the first token, every tree (built from the draft at the temperature),
     every accepted path and bonus; the capture's draws and uniforms are the reference's."""
     module, box = worker_module
@@ -390,7 +390,7 @@ def test_greedy_is_temperature_zero_or_top_k_one(worker_module, temperature, top
     assert module.sampling.is_greedy(NS(temperature=temperature, top_k=top_k)) is greedy
 
 
-# -- faults injected into SGLang (refcheck/sglang_ddtree/faults.py) ---------------------------------------
+# -- faults injected into SGLang (refcheck/sglang/ddtree/faults.py) ---------------------------------------
 class KvMoveSkippedLast(DDTreeDecoder):
     """The reference twin of ``kv-move-last``: the last accepted node's committed KV row is flat node
     len(accepted)-1's (what the verify left in that slot); conv/recurrent state right."""
@@ -433,7 +433,7 @@ def test_the_capture_keeps_each_steps_drafter_side(worker_module, hybrid, monkey
     """With capture on, each decode step leaves the drafter's top-k per depth (in the tree builder's order, ranks up
     to the budget) and the positions and sketch of the context the step fed the drafter: the root and the accepted
     nodes, at the committed positions."""
-    from refcheck.sglang_capture.records import ENV_DIR
+    from refcheck.sglang.env import ENV_DIR
 
     monkeypatch.setenv(ENV_DIR, "/nonexistent")  # the worker only reads whether it is set
     module, box = worker_module

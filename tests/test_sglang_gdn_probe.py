@@ -1,4 +1,4 @@
-"""The GDN probe (refcheck/sglang_capture/gdn_probe.py) and its checker, on CPU: records written by the
+"""The GDN probe (refcheck/sglang/capture/gdn_probe.py) and its checker, on CPU: records written by the
 hook from a stand-in module hold what the kernels received; the checker finds each row's trace step,
 passes a faithful engine, blames the execution for a core output its own inputs do not give, and blames
 the inputs when they are off."""
@@ -13,9 +13,9 @@ import torch
 from refcheck.diff.session import DiffSession, reference_spec_for
 from refcheck.errors import UsageError
 from refcheck.goldens import REPO_GOLDEN
-from refcheck.sglang_capture import gdn_probe
-from refcheck.sglang_capture.gdn_probe_check import check_probe, match_step, read_probes
-from refcheck.sglang_capture.gdn_replay import ReferenceKernels, gdn_inputs, split_qkv, tree_links
+from refcheck.sglang.capture import gdn_probe
+from refcheck.sglang.capture.gdn_probe_check import check_probe, match_step, read_probes
+from refcheck.sglang.capture.gdn_replay import ReferenceKernels, gdn_inputs, split_qkv, tree_links
 from refcheck.trace.io import read_trace
 
 STEPS = (("code-1", 13), ("code-2", 3))

@@ -1,4 +1,4 @@
-"""The GDN kernel-replay harness (refcheck/sglang_capture/gdn_replay.py) on CPU, with PyTorch kernels:
+"""The GDN kernel-replay harness (refcheck/sglang/capture/gdn_replay.py) on CPU, with PyTorch kernels:
 its inputs are the reference layer's own, exact kernels replay clean, and kernels with a tree bug are
 caught at exactly the nodes the bug touches. SGLang's kernels themselves run only on a GPU
 (scripts/sglang_gdn_replay.py)."""
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from refcheck.diff.session import DiffSession, reference_spec_for
 from refcheck.errors import UsageError
 from refcheck.goldens import REPO_GOLDEN
-from refcheck.sglang_capture.gdn_replay import ReferenceKernels, gdn_inputs, parents_from_links, replay, tree_links
+from refcheck.sglang.capture.gdn_replay import ReferenceKernels, gdn_inputs, parents_from_links, replay, tree_links
 from refcheck.trace.io import read_trace
 
 

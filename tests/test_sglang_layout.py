@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from refcheck.sglang_capture.layout import (
+from refcheck.sglang.layout import (
     accepted_from_accept_index,
     conv_to_reference,
     depths_from_parents,

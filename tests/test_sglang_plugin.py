@@ -1,4 +1,4 @@
-"""The plugin's hook functions driven with stand-ins for SGLang's scheduler, batch and pools.
+"""The capture hooks (refcheck/sglang/capture/hooks.py) driven with stand-ins for SGLang's scheduler, batch and pools.
 
 No SGLang here: the stand-ins carry exactly the attributes the hooks read (the names are SGLang
 0.5.17's, see docs/sglang-capture.md). The hooks are called the way HookRegistry's AROUND wrappers
@@ -14,13 +14,13 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from refcheck.sglang_capture import plugin, records
-from refcheck.sglang_capture.drafts import context_side
+from refcheck.sglang.capture import hooks, records
+from refcheck.sglang.draft_side import context_side
 
 
 def read_capture(root):
-    """The capture directory once the plugin's writer thread has written every queued record."""
-    assert plugin.drain(10.0)
+    """The capture directory once the hooks' writer thread has written every queued record."""
+    assert hooks.drain(10.0)
     return records.read_capture(root)
 
 V, N, HKV, D, C, KM1, HV, DK, DV = 32, 4, 2, 3, 6, 3, 2, 4, 5
@@ -65,7 +65,7 @@ def _batch(mode: str, spec: bool, outputs: list[list[int]]):
 def _prefill(sched) -> torch.Tensor:
     """A prefill of two requests through run_batch; returns its logits [2, V]."""
     logits0 = torch.randn(2, V)
-    plugin._run_batch(lambda self, batch: NS(logits_output=NS(next_token_logits=logits0), next_token_ids=logits0.argmax(-1)),
+    hooks._run_batch(lambda self, batch: NS(logits_output=NS(next_token_logits=logits0), next_token_ids=logits0.argmax(-1)),
                       sched, _batch("extend", True, [[], []]))
     return logits0
 
@@ -79,9 +79,9 @@ def _tree() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 @pytest.fixture
 def capture_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(tmp_path))
-    monkeypatch.setattr(plugin, "_recorder", None)
-    monkeypatch.setattr(plugin, "_rule", None)
-    monkeypatch.setattr(plugin, "_steps_seen", {})
+    monkeypatch.setattr(hooks, "_recorder", None)
+    monkeypatch.setattr(hooks, "_rule", None)
+    monkeypatch.setattr(hooks, "_steps_seen", {})
     return tmp_path
 
 
@@ -102,10 +102,10 @@ def test_prefill_and_tree_step_are_recorded_with_committed_state(capture_dir):
         def sample(vi, bb, lo, grammar_mask=None):
             lo.next_token_logits.add_(100.0)  # SGLang adds penalties in place: the capture must not see them
             return predict, accept_lens, accept_index
-        plugin._eagle_sample(sample, verify_input, b, NS(next_token_logits=logits.clone()))
+        hooks._eagle_sample(sample, verify_input, b, NS(next_token_logits=logits.clone()))
         return NS(logits_output=None, next_token_ids=None)
 
-    plugin._run_batch(worker, sched, batch)
+    hooks._run_batch(worker, sched, batch)
     cap = read_capture(capture_dir)
     assert not cap.errors, cap.errors
     assert [p.token for p in cap.prefills[0]] == logits0.argmax(-1).tolist()
@@ -141,10 +141,10 @@ def test_keyed_sampler_step_records_draws_uniforms_and_first_uniforms(capture_di
            draws, uniforms)
 
     def worker(self, b):
-        plugin._eagle_sample(lambda *a: out, verify_input, b, NS(next_token_logits=torch.randn(2 * N, V)), None)
+        hooks._eagle_sample(lambda *a: out, verify_input, b, NS(next_token_logits=torch.randn(2 * N, V)), None)
         return NS(logits_output=None, next_token_ids=None)
 
-    plugin._run_batch(worker, sched, batch)
+    hooks._run_batch(worker, sched, batch)
     cap = read_capture(capture_dir)
     assert not cap.errors, cap.errors
     assert [math.isnan(p.uniform) for p in cap.prefills[0]] == [True, False] and cap.prefills[0][1].uniform == 0.25
@@ -170,15 +170,15 @@ def test_tree_sampler_coins_are_recorded_with_the_step(capture_dir):
         return None
 
     def sample(*a, **k):
-        plugin._verify_coins(kernel, uniform_samples=coins.clone(), uniform_samples_for_final_sampling=final,
+        hooks._verify_coins(kernel, uniform_samples=coins.clone(), uniform_samples_for_final_sampling=final,
                              threshold_single=1.0, threshold_acc=1.0)
         return out
 
     def worker(self, b):
-        plugin._eagle_sample(sample, verify_input, b, NS(next_token_logits=torch.randn(2 * N, V)), None)
+        hooks._eagle_sample(sample, verify_input, b, NS(next_token_logits=torch.randn(2 * N, V)), None)
         return NS(logits_output=None, next_token_ids=None)
 
-    plugin._run_batch(worker, sched, batch)
+    hooks._run_batch(worker, sched, batch)
     cap = read_capture(capture_dir)
     assert not cap.errors, cap.errors
     s0, s1 = cap.steps[0]
@@ -200,10 +200,10 @@ def test_prefill_logprobs_come_from_the_logits_before_the_sampler_overwrites_the
 
     def worker(self, b):
         lo = NS(next_token_logits=raw.clone())
-        ids = plugin._sample(sample, None, lo, NS(sampling_info=NS(is_all_greedy=False)))
+        ids = hooks._sample(sample, None, lo, NS(sampling_info=NS(is_all_greedy=False)))
         return NS(logits_output=lo, next_token_ids=ids)
 
-    plugin._run_batch(worker, sched, _batch("extend", True, [[], []]))
+    hooks._run_batch(worker, sched, _batch("extend", True, [[], []]))
     cap = read_capture(capture_dir)
     assert not cap.errors, cap.errors
     lp = torch.log_softmax(raw, -1)
@@ -248,11 +248,11 @@ def test_dflash_chain_step_and_target_only_step(capture_dir):
     def worker(self, b):
         res = NS(logits_output=NS(next_token_logits=logits), accept_lens=torch.tensor([2], dtype=torch.int32),
                  next_token_ids=torch.tensor([6, 19, 0, 0]), can_run_cuda_graph=True)  # the verify replayed a graph
-        return plugin._dflash_forward(lambda self_, bb: self_.step(res), w, b)
+        return hooks._dflash_forward(lambda self_, bb: self_.step(res), w, b)
 
-    plugin._run_batch(worker, sched, batch)
+    hooks._run_batch(worker, sched, batch)
     logits1 = torch.randn(1, V)
-    plugin._run_batch(lambda self, b: NS(logits_output=NS(next_token_logits=logits1), next_token_ids=logits1.argmax(-1)),
+    hooks._run_batch(lambda self, b: NS(logits_output=NS(next_token_logits=logits1), next_token_ids=logits1.argmax(-1)),
                       sched, _batch("decode", False, [[5, 6, 19]]))
     cap = read_capture(capture_dir)
     assert not cap.errors, cap.errors
@@ -273,7 +273,7 @@ def test_dflash_chain_step_and_target_only_step(capture_dir):
 @pytest.mark.parametrize("fault", ["context-positions-shifted", "context-skip-last", "context-layers-swapped",
                                    "draft-depth-shift"])
 def test_dflash_drafter_faults_act_and_the_capture_keeps_what_sglang_used(capture_dir, monkeypatch, fault):
-    from refcheck.sglang_capture import dflash_taps
+    from refcheck.sglang.capture import dflash_taps
 
     monkeypatch.setenv(dflash_taps.ENV_FAULT, fault)
     sched, *_ = _scheduler(topk=1)
@@ -288,7 +288,7 @@ def test_dflash_drafter_faults_act_and_the_capture_keeps_what_sglang_used(captur
         drafted["hidden"] = out.logits_output.hidden_states
         return self_.step(res)
 
-    plugin._run_batch(lambda self, b: plugin._dflash_forward(step, w, b), sched, _batch("decode", True, [[5]]))
+    hooks._run_batch(lambda self, b: hooks._dflash_forward(step, w, b), sched, _batch("decode", True, [[5]]))
     (chain,) = read_capture(capture_dir).steps[0]
     fed = w.fed
     if fault == "context-positions-shifted":
@@ -308,38 +308,38 @@ def test_hook_failures_are_recorded_not_raised(capture_dir):
     sched, *_ = _scheduler()
     sched.tp_worker = None  # the state lookup will fail
     logits1 = torch.randn(1, V)
-    res = plugin._run_batch(lambda self, b: NS(logits_output=NS(next_token_logits=logits1), next_token_ids=logits1.argmax(-1)),
+    res = hooks._run_batch(lambda self, b: NS(logits_output=NS(next_token_logits=logits1), next_token_ids=logits1.argmax(-1)),
                             sched, _batch("decode", False, [[5]]))
     assert res.next_token_ids is not None  # SGLang's result is returned untouched
     cap = read_capture(capture_dir)
     assert any("run_batch:after" in e for e in cap.errors)
     # a speculative batch whose verify was never seen is an error too
-    plugin._run_batch(lambda self, b: NS(logits_output=None, next_token_ids=None), _scheduler()[0], _batch("decode", True, [[5]]))
+    hooks._run_batch(lambda self, b: NS(logits_output=None, next_token_ids=None), _scheduler()[0], _batch("decode", True, [[5]]))
     assert any("no verify step was captured" in e for e in read_capture(capture_dir).errors)
 
 
 def test_untraced_timing_requests_pass_straight_through(capture_dir):
     """Requests under UNTRACED_RID_PREFIX (a sweep's warm timing repeats) are neither synchronised nor
     recorded: SGLang's result comes back untouched and the capture directory holds nothing for them."""
-    from refcheck.sglang_capture.records import UNTRACED_RID_PREFIX
+    from refcheck.sglang.env import UNTRACED_RID_PREFIX
 
     sched, *_ = _scheduler()
     batch = _batch("decode", True, [[5], [6]])
     for r in batch.reqs:
         r.rid = UNTRACED_RID_PREFIX + r.rid
     sentinel = NS(logits_output=None, next_token_ids=None)
-    assert plugin._run_batch(lambda self, b: sentinel, sched, batch) is sentinel
+    assert hooks._run_batch(lambda self, b: sentinel, sched, batch) is sentinel
     cap = read_capture(capture_dir)
     assert not cap.steps and not cap.errors and not cap.status  # a traced batch of this kind is an error (above)
     batch.reqs[0].rid = "r0"  # one traced request in the batch: the whole batch is captured
-    plugin._run_batch(lambda self, b: sentinel, sched, batch)
+    hooks._run_batch(lambda self, b: sentinel, sched, batch)
     assert any("no verify step was captured" in e for e in read_capture(capture_dir).errors)
 
 
 def test_tensor_parallel_rank_is_found_where_each_release_keeps_it():
     """0.5.17 keeps the rank on scheduler.ps (a ParallelState); reading only scheduler.tp_rank made every
     rank of a TP=2 engine record itself as rank 0 on the H200, and its state shards could not combine."""
-    from refcheck.sglang_capture.versions import tp_of
+    from refcheck.sglang.capture.versions import tp_of
 
     assert tp_of(NS(tp_rank=1, tp_size=2)) == (1, 2)  # older releases
     assert tp_of(NS(ps=NS(tp_rank=1, tp_size=2), server_args=NS(tp_size=2))) == (1, 2)  # 0.5.17
@@ -349,7 +349,7 @@ def test_tensor_parallel_rank_is_found_where_each_release_keeps_it():
 
 def test_two_schedulers_claiming_one_rank_are_a_capture_error(capture_dir):
     """Records of two processes under one tensor-parallel rank cannot be combined: read_capture says so."""
-    from refcheck.sglang_capture.records import Recorder
+    from refcheck.sglang.capture.records import Recorder
 
     for pid in (111, 222):
         rec = Recorder(capture_dir, 0)
@@ -370,21 +370,21 @@ def test_under_overlap_committed_lengths_and_roots_come_from_the_device(capture_
     verify_input = NS(draft_token=tokens, retrieve_next_token=nt, retrieve_next_sibling=ns, positions=None)
 
     def worker(self, b):
-        plugin._eagle_sample(lambda *a, **k: (torch.zeros(8, dtype=torch.long), torch.tensor([1, 1]),
+        hooks._eagle_sample(lambda *a, **k: (torch.zeros(8, dtype=torch.long), torch.tensor([1, 1]),
                                               torch.tensor([[0, -1, -1, -1], [4, -1, -1, -1]])),
                              verify_input, b, NS(next_token_logits=torch.randn(2 * N, V)))
         return NS(logits_output=None, next_token_ids=None)
 
-    plugin._run_batch(worker, sched, batch)
+    hooks._run_batch(worker, sched, batch)
     logits1 = torch.randn(1, V)
     fb = NS(forward_mode=Mode("decode"), input_ids=torch.tensor([42]), seq_lens=torch.tensor([11]),
             sampling_info=NS(is_all_greedy=True))
 
     def decode(self, b):
-        plugin._sample(lambda runner, lo, f: None, None, NS(next_token_logits=logits1), fb)
+        hooks._sample(lambda runner, lo, f: None, None, NS(next_token_logits=logits1), fb)
         return NS(logits_output=NS(next_token_logits=logits1), next_token_ids=logits1.argmax(-1))
 
-    plugin._run_batch(decode, sched, _batch("decode", False, [[5, 6]]))  # the list says root 6 at position 4
+    hooks._run_batch(decode, sched, _batch("decode", False, [[5, 6]]))  # the list says root 6 at position 4
     cap = read_capture(capture_dir)
     assert not cap.errors, cap.errors
     s0, s1, root = cap.steps[0]
@@ -397,8 +397,8 @@ def test_an_injected_sampler_fault_changes_the_kernel_inputs_not_the_record(capt
     """REFCHECK_SAMPLER_FAULT (refcheck's selftest only): the kernel gets the altered coins / probabilities, the
     capture keeps what SGLang made; an unknown name is refused by the runner before any engine starts."""
     from refcheck.errors import UsageError
-    from refcheck.runners.sglang import check_sampling
-    from refcheck.sglang_capture import sampler_faults
+    from refcheck.sglang.capture import sampler_faults
+    from refcheck.sglang.runner import check_sampling
     from reference.sampling import Sampling
 
     coins = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
@@ -408,13 +408,13 @@ def test_an_injected_sampler_fault_changes_the_kernel_inputs_not_the_record(capt
     def kernel(**kw):
         seen.update(kw)
 
-    plugin._batch = plugin._Batch("decode", True, ["r0"], [3], [7], [3], [3], [0], 4)
+    hooks._batch = hooks._Batch("decode", True, ["r0"], [3], [7], [3], [3], [0], 4)
     try:
         for name in sampler_faults.FAULTS:
             monkeypatch.setenv(sampler_faults.ENV_FAULT, name)
-            plugin._verify_coins(kernel, uniform_samples=coins, uniform_samples_for_final_sampling=torch.tensor([0.5]),
+            hooks._verify_coins(kernel, uniform_samples=coins, uniform_samples_for_final_sampling=torch.tensor([0.5]),
                                  target_probs=probs)
-            assert torch.equal(plugin._batch.coins[0], coins)  # recorded as SGLang made them
+            assert torch.equal(hooks._batch.coins[0], coins)  # recorded as SGLang made them
             if name == "coin-shared":
                 assert torch.equal(seen["uniform_samples"], torch.full((1, 4), 0.1))
             else:
@@ -422,15 +422,15 @@ def test_an_injected_sampler_fault_changes_the_kernel_inputs_not_the_record(capt
                 assert torch.allclose(seen["target_probs"][0, 0], want)
             assert torch.equal(coins, torch.tensor([[0.1, 0.2, 0.3, 0.4]]))  # the caller's tensors untouched
     finally:
-        plugin._batch = None
+        hooks._batch = None
     # a positional call is altered the same way (the kernel's parameter order)
     monkeypatch.setenv(sampler_faults.ENV_FAULT, "coin-shared")
-    plugin._batch = plugin._Batch("decode", True, ["r0"], [3], [7], [3], [3], [0], 4)
+    hooks._batch = hooks._Batch("decode", True, ["r0"], [3], [7], [3], [3], [0], 4)
     try:
-        plugin._verify_coins(kernel, *([None] * 7), coins, torch.tensor([0.5]), probs)
+        hooks._verify_coins(kernel, *([None] * 7), coins, torch.tensor([0.5]), probs)
         assert torch.equal(seen["uniform_samples"], torch.full((1, 4), 0.1)) and seen["target_probs"] is probs
     finally:
-        plugin._batch = None
+        hooks._batch = None
     t1 = Sampling(temperature=1.0)
     check_sampling("NGRAM", t1)
     with pytest.raises(UsageError, match="NGRAM at --temperature > 0 only"):
@@ -443,7 +443,7 @@ def test_an_injected_sampler_fault_changes_the_kernel_inputs_not_the_record(capt
 def test_a_sampled_capture_records_the_steps_its_rule_takes_and_leaves_other_batches_alone(capture_dir, monkeypatch):
     """REFCHECK_CAPTURE_SAMPLE=4:3: each request's steps are recorded one in four (its step number kept); a batch
     holding no recorded request runs its hooks straight through (no records, no device work)."""
-    from refcheck.sglang_capture.sample_rule import SampleRule
+    from refcheck.sglang.capture.sample_rule import SampleRule
 
     monkeypatch.setenv("REFCHECK_CAPTURE_SAMPLE", "4:3")
     rule = SampleRule(4, 3)  # r0 at step 1, r1 (alone in its batch) at step 2, nothing at steps 0 and 3
@@ -455,12 +455,12 @@ def test_a_sampled_capture_records_the_steps_its_rule_takes_and_leaves_other_bat
 
     def worker(self, b):
         vi = NS(draft_token=tokens, retrieve_next_token=nt, retrieve_next_sibling=ns, positions=None)
-        plugin._eagle_sample(lambda *a: calls.append(plugin._batch is not None) or out, vi, b,
+        hooks._eagle_sample(lambda *a: calls.append(hooks._batch is not None) or out, vi, b,
                              NS(next_token_logits=torch.randn(2 * N, V)), None)
         return NS(logits_output=None, next_token_ids=None)
 
     for k in range(4):
-        plugin._run_batch(worker, sched, _batch("decode", True, [[7] * (k + 1), [9] * (k + 1)]))
+        hooks._run_batch(worker, sched, _batch("decode", True, [[7] * (k + 1), [9] * (k + 1)]))
     cap = read_capture(capture_dir)
     assert not cap.errors, cap.errors
     want = [(rid, k) for k in range(4) for rid in ("r0", "r1") if rule.takes(rid, k)]
@@ -477,7 +477,7 @@ def test_a_prefill_whose_next_tokens_are_a_host_list_is_recorded(capture_dir):
     sched, *_ = _scheduler()
     logits = torch.randn(2, V)
     ids = logits.argmax(-1).tolist()
-    plugin._run_batch(lambda self, batch: NS(logits_output=NS(next_token_logits=logits), next_token_ids=ids), sched,
+    hooks._run_batch(lambda self, batch: NS(logits_output=NS(next_token_logits=logits), next_token_ids=ids), sched,
                       _batch("extend", True, [[], []]))
     cap = read_capture(capture_dir)
     assert not cap.errors, cap.errors

@@ -16,7 +16,10 @@ import pytest
 from refcheck.errors import EXIT_USAGE, UsageError
 from refcheck.models import builtin_pair
 from refcheck.reference_runner import EngineSpec
-from refcheck.runners.sglang import (
+from refcheck.sglang.capture import versions
+from refcheck.sglang.child import summarise_error
+from refcheck.sglang.runner import (
+    PLUGIN_ENTRY,
     EngineUnavailableError,
     SGLangRunner,
     draft_block_size,
@@ -24,8 +27,6 @@ from refcheck.runners.sglang import (
     install_entry_point,
     resolve_budget,
 )
-from refcheck.runners.sglang_child import summarise_error
-from refcheck.sglang_capture import versions
 
 
 def test_engine_kwargs_for_clean_diffs():
@@ -70,10 +71,19 @@ def test_entry_point_is_discoverable_and_inert_without_capture_dir(tmp_path, mon
     assert eps, "the plugin entry point is not visible to importlib.metadata"
     register = eps[0].load()
     register()  # no SGLang here: no model to patch, and no capture dir: no hooks
-    from refcheck.sglang_capture import plugin
+    from refcheck.sglang import plugin
+    from refcheck.sglang.capture import hooks
 
-    assert plugin._registered and not plugin._originals
+    assert plugin._registered and not hooks._originals
     assert str(tmp_path) in __import__("os").environ["PYTHONPATH"]
+
+
+def test_the_runner_declares_the_entry_point_pyproject_declares():
+    """SGLang's scheduler processes load the module the runner's dist-info names; an installed refcheck loads
+    pyproject.toml's: both are refcheck.sglang.plugin:register."""
+    assert PLUGIN_ENTRY == "refcheck = refcheck.sglang.plugin:register"
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert '[project.entry-points."sglang.srt.plugins"]\nrefcheck = "refcheck.sglang.plugin:register"' in pyproject
 
 
 def test_versions_resolve_targets_and_bindings():
@@ -222,7 +232,7 @@ def test_sglang_sweep_table_from_recorded_traces(tmp_path):
     from refcheck.goldens import REPO_GOLDEN
     from refcheck.goldens.manifest import load_manifest
     from refcheck.prompts import load_prompts
-    from refcheck.sweep_sglang import run_sglang_sweep
+    from refcheck.sglang.sweep import run_sglang_sweep
     from refcheck.trace.io import read_trace
 
     cases = load_manifest(REPO_GOLDEN).cases
@@ -265,7 +275,7 @@ def test_sglang_sweep_from_saved_traces_groups_by_algorithm_and_budget(tmp_path)
     from refcheck.errors import UsageError
     from refcheck.goldens import REPO_GOLDEN
     from refcheck.goldens.manifest import load_manifest
-    from refcheck.sweep_sglang import tabulate_traces
+    from refcheck.sglang.sweep import tabulate_traces
     from refcheck.trace.io import read_trace
 
     cases = load_manifest(REPO_GOLDEN).cases
@@ -363,7 +373,7 @@ def test_layer_sketches_under_cuda_graphs_are_refused_up_front():
 
 def test_sampled_request_params_carry_refcheck_keys_only_for_the_keyed_sampler():
     from refcheck.prompts import load_prompts
-    from refcheck.runners.sglang import check_sampling, request_sampling_params, sampling_rng
+    from refcheck.sglang.runner import check_sampling, request_sampling_params, sampling_rng
     from reference.sampling import Sampling, request_key
 
     p = load_prompts()[0]
@@ -392,7 +402,7 @@ def test_sglang_sweep_at_temperature_one(tmp_path, cli):
 
     from refcheck.prompts import load_prompts
     from refcheck.reference_runner import ReferenceRunner
-    from refcheck.sweep_sglang import run_sglang_sweep, sweep_row
+    from refcheck.sglang.sweep import run_sglang_sweep, sweep_row
     from refcheck.trace.io import Trace
     from reference.sampling import Sampling
 
@@ -430,7 +440,7 @@ def test_sglang_sweep_at_temperature_one(tmp_path, cli):
 
 
 def test_first_differences_name_the_request_position_and_both_tokens():
-    from refcheck.runners.sglang_child import first_differences
+    from refcheck.sglang.child import first_differences
 
     captured = [[1, 2, 3], [4, 5], [6, 7]]
     assert first_differences(captured, [[1, 2, 9], [4, 5], [6]]) == [[0, 2, 3, 9], [2, 1, 7, -1]]

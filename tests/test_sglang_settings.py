@@ -1,4 +1,4 @@
-"""Production settings of an SGLang run (refcheck/runners/sglang_settings.py) and what the runner, the
+"""Production settings of an SGLang run (refcheck/sglang/settings.py) and what the runner, the
 engine process and the capture do with them, without a GPU: parsing and its refusals, the engine
 arguments, the up-front refusals of settings SGLang or refcheck's algorithm cannot run, the context
 check, staggered arrivals through the engine process, and committed lengths taken from the device."""
@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from refcheck.errors import EXIT_USAGE, UsageError
 from refcheck.reference_runner import EngineSpec
-from refcheck.runners.sglang import SGLangRunner, check_context, engine_kwargs
-from refcheck.runners.sglang_settings import DEFAULT, PAGE_SIZES, ServingSettings, parse_settings
+from refcheck.sglang.runner import SGLangRunner, check_context, engine_kwargs
+from refcheck.sglang.settings import DEFAULT, PAGE_SIZES, ServingSettings, parse_settings
 
 
 def test_default_is_refchecks_safest_corner():
@@ -69,7 +69,7 @@ def test_settings_the_engine_cannot_run_are_refused_before_it_starts(algorithm, 
 def test_settings_the_engine_can_run_get_past_the_refusals(monkeypatch):
     import torch
 
-    from refcheck.runners.sglang import EngineUnavailableError
+    from refcheck.sglang.runner import EngineUnavailableError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for alg, budget, s, breadth in (("NGRAM", 11, "page=16", 1), ("DFLASH", 15, "overlap,page=64,graphs", 10),
@@ -139,7 +139,7 @@ def test_committed_lengths_come_from_the_device_where_the_batch_has_them():
     takes the forward batch's seq lens, and says how far the lists lagged."""
     import torch
 
-    from refcheck.sglang_capture.expand import _committed, _lags
+    from refcheck.sglang.capture.expand import _committed, _lags
 
     rec = {"committed_host": [10, 20], "t": {}}
     assert _committed(rec) == ([10, 20], {"committed_from": "requests"})
@@ -154,7 +154,7 @@ def test_the_hybrid_radix_cache_is_refused_where_sglang_would_run_something_else
     architecture -> page size 1 asserted and overlap silently off; an extra buffer -> state in ping-pong
     slots the capture does not read. Either way the run asked for is not the run captured: refused, saying
     which. Radix alone, or overlap / pages without radix, or an attention-only target, pass."""
-    from refcheck.runners.sglang_settings import radix_refusal
+    from refcheck.sglang.settings import radix_refusal
 
     assert "needs page size 1" in radix_refusal(parse_settings("radix,page=64"), "Qwen3_5ForCausalLM", True)
     assert "turns the overlap scheduler off" in radix_refusal(parse_settings("radix,overlap"), "Qwen3_5ForCausalLM", True)
@@ -166,7 +166,7 @@ def test_the_hybrid_radix_cache_is_refused_where_sglang_would_run_something_else
 def test_a_setting_sglang_changed_at_start_up_is_a_capture_error():
     """The plugin records how each scheduler actually serves; anything that differs from what was asked makes
     the trace's capture fail, by name (a release that does not say is not held against the run)."""
-    from refcheck.runners.sglang import settings_changed
+    from refcheck.sglang.runner import settings_changed
 
     asked = parse_settings("overlap,page=16")
     assert settings_changed(asked, {"tp_rank": 0, "serving": {"overlap": True, "page_size": 16, "radix_cache": False,

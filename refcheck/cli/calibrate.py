@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from refcheck.cli.app import err, main, quiet
+from refcheck.cli.groups import OutputOptions, option_group
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS, UsageError
+
+if TYPE_CHECKING:
+    from refcheck.calibrate import CorpusRun
 
 #: the files calibrate writes in --out (besides traces/RUN.arrow with --save-traces)
 OUT_FILES = ("calibration.json", "calibration.md")
@@ -47,76 +53,139 @@ def trace_names(paths: list[Path]) -> list[str]:
     names = [s if stems.count(s) == 1 else f"{Path(p).parent.name}/{s}" for p, s in zip(paths, stems)]
     return [n if names.count(n) == 1 else str(p) for p, n in zip(paths, names)]
 
+@dataclass(frozen=True)
+class CorpusOptions:
+    """The corpus calibrate runs: the engines' dtypes and device, the reference's device, the faults, the pairs
+    (built-in, or ``--model``/``--draft`` named ``--label``), the budgets and each run's size."""
+
+    dtypes: tuple[str, ...] = ()
+    device: str = "cuda"
+    ref_device: str | None = None
+    faults: tuple[str, ...] = ()
+    no_faults: bool = False
+    no_corpus: bool = False
+    pairs: tuple[str, ...] = ()
+    model_dir: Path | None = None
+    draft_dir: Path | None = None
+    label: str | None = None
+    budgets: tuple[str, ...] = ()
+    n_prompts: int = 3
+    max_new_tokens: int = 32
+
+
+@dataclass(frozen=True)
+class ExtraRows:
+    """Rows besides the corpus's: an earlier calibration.json's (``--rows``), traces recorded elsewhere (``--traces``)."""
+
+    row_files: tuple[Path, ...] = ()
+    traces: tuple[Path, ...] = ()
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """The calibration under test: cheap bounds and rule settings that replace the measured ones."""
+
+    bounds: str = ""
+    rule_text: str = ""
+
+    def parsed(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(bounds, rule settings) by name; a malformed item is a usage error naming its option."""
+        return _pairs(self.bounds, "--bounds"), _pairs(self.rule_text, "--rule")
+
+
 @main.command()
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True,
-              help="Directory for calibration.json, calibration.md and the traces.")
-@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["bfloat16", "float16", "float32"]),
-              help="Engine dtypes of the clean runs (default: bfloat16 and float16); faults run in the first.")
-@click.option("--device", default="cuda", show_default=True, help="The engines' device.")
-@click.option("--ref-device", default=None, help="The fp32 reference's device (default: --device).")
-@click.option("--fault", "faults", multiple=True,
-              help="Only these faults (default: every fault; sampling faults run sampled, docs/calibration.md).")
-@click.option("--no-faults", is_flag=True, help="Clean runs only.")
-@click.option("--no-corpus", is_flag=True, help="Run no corpus: only --traces and --rows.")
-@click.option("--rows", "row_files", multiple=True, type=click.Path(path_type=Path, exists=True, dir_okay=False),
-              help="Add the rows of an earlier calibration.json (a corpus run elsewhere or in parts).")
-@click.option("--pair", "pairs", multiple=True, type=click.Choice(["hybrid", "attention"]),
-              help="Built-in pairs of the clean runs (default: both).")
-@click.option("--model", "model_dir", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
-              help="Run the corpus on this hybrid target (with --draft) instead of the built-in pairs.")
-@click.option("--draft", "draft_dir", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
-              help="The DFlash draft of --model.")
-@click.option("--label", default=None, help="The --model pair's name in run names (default: the target's parent directory).")
-@click.option("--budget", "budgets", multiple=True, help="Budgets of the clean runs (default: 8, 15, 32, 64, chain).")
-@click.option("--prompts", "n_prompts", type=click.IntRange(1, 64), default=3, show_default=True,
-              help="Built-in prompts per run.")
-@click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=32, show_default=True)
-@click.option("--traces", "traces", multiple=True, type=click.Path(path_type=Path, exists=True, dir_okay=False),
-              help="Engine traces recorded elsewhere (SGLang captures) to add as rows (repeatable).")
-@click.option("--bounds", default="", help="Replace cheap bounds for this measurement, e.g. "
-              "'logprob_abs=0.5,tensor_rel_l2=0.1' (fields of refcheck.diff.tolerance.Tolerance).")
-@click.option("--rule", "rule_text", default="", help="Replace rule settings, e.g. 'factor=3,samples=16'.")
+@option_group(
+    "output", OutputOptions,
+    click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True,
+                 help="Directory for calibration.json, calibration.md and the traces."),
+    click.option("--save-traces", is_flag=True, help="Keep every run's trace under OUT/traces/."),
+    click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout."),
+)
+@option_group(
+    "corpus", CorpusOptions,
+    click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["bfloat16", "float16", "float32"]),
+                 help="Engine dtypes of the clean runs (default: bfloat16 and float16); faults run in the first."),
+    click.option("--device", default="cuda", show_default=True, help="The engines' device."),
+    click.option("--ref-device", default=None, help="The fp32 reference's device (default: --device)."),
+    click.option("--fault", "faults", multiple=True,
+                 help="Only these faults (default: every fault; sampling faults run sampled, docs/calibration.md)."),
+    click.option("--no-faults", is_flag=True, help="Clean runs only."),
+    click.option("--no-corpus", is_flag=True, help="Run no corpus: only --traces and --rows."),
+    click.option("--pair", "pairs", multiple=True, type=click.Choice(["hybrid", "attention"]),
+                 help="Built-in pairs of the clean runs (default: both)."),
+    click.option("--model", "model_dir", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+                 help="Run the corpus on this hybrid target (with --draft) instead of the built-in pairs."),
+    click.option("--draft", "draft_dir", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+                 help="The DFlash draft of --model."),
+    click.option("--label", default=None,
+                 help="The --model pair's name in run names (default: the target's parent directory)."),
+    click.option("--budget", "budgets", multiple=True, help="Budgets of the clean runs (default: 8, 15, 32, 64, chain)."),
+    click.option("--prompts", "n_prompts", type=click.IntRange(1, 64), default=3, show_default=True,
+                 help="Built-in prompts per run."),
+    click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=32, show_default=True),
+)
+@option_group(
+    "extra", ExtraRows,
+    click.option("--rows", "row_files", multiple=True, type=click.Path(path_type=Path, exists=True, dir_okay=False),
+                 help="Add the rows of an earlier calibration.json (a corpus run elsewhere or in parts)."),
+    click.option("--traces", "traces", multiple=True, type=click.Path(path_type=Path, exists=True, dir_okay=False),
+                 help="Engine traces recorded elsewhere (SGLang captures) to add as rows (repeatable)."),
+)
+@option_group(
+    "overrides", Overrides,
+    click.option("--bounds", default="", help="Replace cheap bounds for this measurement, e.g. "
+                 "'logprob_abs=0.5,tensor_rel_l2=0.1' (fields of refcheck.diff.tolerance.Tolerance)."),
+    click.option("--rule", "rule_text", default="", help="Replace rule settings, e.g. 'factor=3,samples=16'."),
+)
 @click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Corpus runs over N processes (on one GPU they share it).")
-@click.option("--save-traces", is_flag=True, help="Keep every run's trace under OUT/traces/.")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-def calibrate(out_dir, dtypes, device, ref_device, faults, no_faults, no_corpus, row_files, pairs, model_dir, draft_dir,
-              label, budgets, n_prompts, max_new_tokens, traces, bounds, rule_text, workers, save_traces, as_json):
+def calibrate(output: OutputOptions, corpus: CorpusOptions, extra: ExtraRows, overrides: Overrides,
+              workers: int) -> None:
     """Measure the verdict: clean engines must pass, every fault must fail where it first acts.
 
     Dtypes with no measured calibration are run with their candidate bounds (refcheck/diff/tolerance.py)."""
-    from refcheck.calibrate import calibration_under_test, default_corpus, row_of_trace, run_one
+    from refcheck.calibrate import calibration_under_test, row_of_trace, run_one
     from refcheck.outputs import check_output_dir
     from refcheck.parallel import run_parallel
 
-    check_label(label)
+    check_label(corpus.label)
+    out_dir = output.out
     check_output_dir(out_dir, "--out", OUT_FILES)  # before any model loads
     quiet()
-    dtypes = list(dtypes) or ["bfloat16", "float16"]
-    ref_device = ref_device or device
-    names = [] if no_faults else _fault_names(faults)
-    from refcheck.calibrate import CLEAN_BUDGETS
-    from refcheck.sweep import parse_budgets
-
-    blist = tuple(parse_budgets(",".join(budgets))) if budgets else CLEAN_BUDGETS
-    own = _own_pair(model_dir, draft_dir, pairs, label)
-    corpus = [] if no_corpus else default_corpus(dtypes, device, names, tuple(pairs) or ("hybrid", "attention"), blist,
-                                                 own)
-    if save_traces:
-        check_output_dir(out_dir, "--out", [f"traces/{run.name}.arrow" for run in corpus])
-    earlier = _earlier_rows(row_files)
-    over, rule = _pairs(bounds, "--bounds"), _pairs(rule_text, "--rule")
+    dtypes = list(corpus.dtypes) or ["bfloat16", "float16"]
+    ref_device = corpus.ref_device or corpus.device
+    runs = _corpus_runs(corpus, dtypes)
+    if output.save_traces:
+        check_output_dir(out_dir, "--out", [f"traces/{run.name}.arrow" for run in runs])
+    earlier = _earlier_rows(extra.row_files)
+    over, rule = overrides.parsed()
     for d in dtypes:  # a bad field or an unknown dtype: a usage error before any run
-        calibration_under_test(d, device, over, rule)
+        calibration_under_test(d, corpus.device, over, rule)
     out_dir.mkdir(parents=True, exist_ok=True)
-    err.print(f"calibrate: {len(corpus)} runs + {len(traces)} traces, {workers} process(es)", markup=False)
-    results = run_parallel(run_one, [(r, n_prompts, max_new_tokens, ref_device, over, rule) for r in corpus], workers)
+    traces = extra.traces
+    err.print(f"calibrate: {len(runs)} runs + {len(traces)} traces, {workers} process(es)", markup=False)
+    results = run_parallel(run_one, [(r, corpus.n_prompts, corpus.max_new_tokens, ref_device, over, rule) for r in runs],
+                           workers)
     rows = [row for row, _ in results]
-    if save_traces:
-        _save_traces(out_dir, corpus, [data for _, data in results])
+    if output.save_traces:
+        _save_traces(out_dir, runs, [data for _, data in results])
     rows += run_parallel(row_of_trace, [(str(p), name, ref_device, over, rule) for p, name in zip(traces, trace_names(traces))],
                          workers)
-    _finish(out_dir, rows + earlier, as_json)
+    _finish(out_dir, rows + earlier, output.as_json)
+
+
+def _corpus_runs(corpus: CorpusOptions, dtypes: list[str]) -> list[CorpusRun]:
+    """The corpus's runs (none with ``--no-corpus``); unknown faults or budgets, and a wrong ``--model`` pair, are
+    usage errors before any run."""
+    from refcheck.calibrate import CLEAN_BUDGETS, default_corpus
+    from refcheck.sweep import parse_budgets
+
+    names = [] if corpus.no_faults else _fault_names(corpus.faults)
+    blist = tuple(parse_budgets(",".join(corpus.budgets))) if corpus.budgets else CLEAN_BUDGETS
+    own = _own_pair(corpus.model_dir, corpus.draft_dir, corpus.pairs, corpus.label)
+    if corpus.no_corpus:
+        return []
+    return default_corpus(dtypes, corpus.device, names, corpus.pairs or ("hybrid", "attention"), blist, own)
 
 
 def check_label(label: str | None) -> None:

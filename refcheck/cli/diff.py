@@ -14,23 +14,27 @@ from __future__ import annotations
 
 import logging
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from refcheck.budget import budget_json, budget_label
 from refcheck.cli.app import err, main
-from refcheck.cli.notes import explain_target, headline, where
-from refcheck.cli.options import (
-    DeviceType,
-    given_options,
+from refcheck.cli.groups import (
+    JSON_OPTION,
+    ModelOptions,
+    OutputOptions,
+    ReferenceOptions,
+    SamplingOptions,
+    SGLangOptions,
     model_options,
-    sampling_from_options,
+    option_group,
     sampling_options,
-    spec_from_options,
-    unless_given,
 )
+from refcheck.cli.notes import explain_target, headline, where
+from refcheck.cli.options import DeviceType, given_options, unless_given
 from refcheck.cli.reports import finish, report_table, steps_table, write_html
 from refcheck.errors import GoldenError, UsageError
 from refcheck.prompts import load_prompts, prompt_set_hash
@@ -38,7 +42,10 @@ from refcheck.spec import DTYPE_NAMES
 
 if TYPE_CHECKING:
     from refcheck.diff.findings import Report
+    from refcheck.diff.session import DiffSession
+    from refcheck.spec import EngineSpec
     from refcheck.trace.rows import Trace
+    from reference.sampling import Sampling
 
 #: options of a live run (--engine) only: a recorded trace or a golden carries its own
 _LIVE_ONLY = ("draft_dir", "prompts_file", "max_new_tokens", "dtype", "device", "drafter", "stop_ids", "save_trace",
@@ -69,13 +76,14 @@ def refuse_unused_options(engine: str | None, against: tuple[Path, ...]) -> None
                              "--against, diff judges the golden traces, which carry their own settings (nothing was run)")
 
 
-def _engine_and_options(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype, device, mem_fraction=None,
-                        max_running=None, layer_sketches=False, serving=None, capture_sample=None):
+def _engine_and_options(engine: str, sglang: SGLangOptions, dtype: str,
+                        device: str) -> tuple[str, dict[str, Any], str, str]:
     """The engine name and its kind's options from the command line (only the options given), refused
     where the engine's kind does not take them; dtype and device default to the kind's (SGLang: bf16 on
     the GPU)."""
     from refcheck.engines import check_engine
 
+    algorithm = sglang.algorithm
     if algorithm:
         if not (engine == "sglang" or engine.startswith("sglang:")):
             raise UsageError("--sglang-algorithm needs --engine sglang")
@@ -83,26 +91,86 @@ def _engine_and_options(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype
             raise UsageError(f"--engine {engine} and --sglang-algorithm {algorithm} disagree")
         engine = f"sglang:{algorithm.upper()}"
     settings = None
-    if serving:
-        from refcheck.runners.sglang_settings import parse_settings
+    if sglang.serving:
+        from refcheck.sglang.settings import parse_settings
 
-        settings = parse_settings(serving)  # an unknown or malformed item: exit 2 before anything starts
-    if capture_sample:
-        from refcheck.sglang_capture.sample_rule import CaptureSampleError, parse
+        settings = parse_settings(sglang.serving)  # an unknown or malformed item: exit 2 before anything starts
+    if sglang.capture_sample:
+        from refcheck.sglang.capture.sample_rule import CaptureSampleError, parse
 
         try:
-            parse(capture_sample)  # out of range: exit 2 before anything starts
+            parse(sglang.capture_sample)  # out of range: exit 2 before anything starts
         except CaptureSampleError as exc:
             raise UsageError(f"--capture-sample: {exc}") from None
-    given = {"cuda_graphs": cuda_graphs or None, "tp": tp if tp > 1 else None, "mem_fraction": mem_fraction,
-             "max_running": max_running, "layer_sketches": layer_sketches or None, "settings": settings,
-             "capture_sample": capture_sample}
-    opts = {k: v for k, v in given.items() if v is not None}
+    opts = sglang.runner_options(settings)
     kind = check_engine(engine, opts)
     if "ngram_breadth" in kind.options:
-        opts["ngram_breadth"] = ngram_breadth
+        opts["ngram_breadth"] = sglang.ngram_breadth
     return (engine, opts, unless_given("dtype", dtype, kind.dtype or dtype),
             unless_given("device", device, kind.device or device))
+
+
+@dataclass(frozen=True)
+class LiveOptions:
+    """A live run's own options (``--engine``): where its trace goes, the processes it runs in, what it records."""
+
+    save_trace: Path | None = None
+    workers: int = 1
+    full_state: bool = False
+
+
+reference_options = option_group(
+    "ref", ReferenceOptions,
+    click.option("--ref-dtype", type=click.Choice(list(DTYPE_NAMES)), default="float32", show_default=True),
+    click.option("--ref-device", type=DeviceType(), default="cpu", show_default=True),
+    click.option("--ref-shards", type=click.IntRange(min=1), default=1, show_default=True,
+                 help="With --against and --mode replay: split the reference by layers over N processes (N GPUs with "
+                      "--ref-device cuda, NCCL; gloo on CPUs)."),
+)
+live_options = option_group(
+    "live", LiveOptions,
+    click.option("--save-trace", type=click.Path(path_type=Path), default=None, help="Write the live engine's trace here."),
+    click.option("--workers", "--gpus", "workers", type=click.IntRange(min=1), default=1, show_default=True,
+                 help="Processes to spread the prompts over (one per GPU: worker i uses cuda:i)."),
+    click.option("--full-state", is_flag=True, help="Record full KV/state tensors in the trace (not only sketches)."),
+)
+sglang_options = option_group(
+    "sglang", SGLangOptions.from_params,
+    click.option("--sglang-algorithm", default=None,
+                 help="With --engine sglang: NONE (target-only), DFLASH, NGRAM, REFCHECK_DDTREE (refcheck's DDTree on "
+                      "SGLang; REFCHECK_DDTREE_LEAKY_CHAIN is its leaky twin, REFCHECK_DDTREE_FAULT_* its fault-injected "
+                      "ones), or any algorithm your SGLang registers."),
+    click.option("--cuda-graphs", is_flag=True, help="With --engine sglang: run SGLang with CUDA graphs (off by default)."),
+    click.option("--ngram-breadth", type=click.IntRange(min=1), default=10, show_default=True,
+                 help="With --sglang-algorithm NGRAM: speculative_ngram_max_bfs_breadth."),
+    click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+                 help="With --engine sglang: tensor parallelism (state captured on every rank and combined)."),
+    click.option("--sglang-max-running", "max_running", type=click.IntRange(min=1), default=None,
+                 help="With --engine sglang: SGLang's max_running_requests (1: one request at a time)."),
+    click.option("--sglang-mem-fraction", "mem_fraction", type=float, default=None,
+                 help="With --engine sglang: SGLang's mem_fraction_static (default 0.3); lower it to run several engines "
+                      "on one GPU side by side."),
+    click.option("--sglang-settings", "serving", default=None, metavar="LIST",
+                 help="With --engine sglang: how SGLang serves, as in production: a comma list of graphs, overlap, radix, "
+                      "page=N, chunk=N (chunked prefill), running=N (max running requests), stagger=MS (requests arrive "
+                      "one every MS ms); default: refcheck's safest corner (all off, page 1, all requests at once)."),
+    click.option("--layer-sketches", is_flag=True,
+                 help="With --engine sglang: sketch every target layer's output (forward hooks) so a failing node gets "
+                      "layer bisection; slower."),
+    click.option("--capture-sample", "capture_sample", default=None, metavar="N[:SEED]",
+                 help="With --engine sglang: record one verify step in N of each request (phases seeded by SEED, default "
+                      "0; every prefill's first token always); the diff judges the steps recorded, re-prefilling the "
+                      "engine's output across the others."),
+)
+output_options = option_group(
+    "output", OutputOptions,
+    click.option("--steps", is_flag=True, help="Also print one row per verify step: tree size, τ, verdict, first finding."),
+    click.option("--html", "html", type=click.Path(path_type=Path), default=None,
+                 help="Also write every diffed case's report on one self-contained HTML page (refcheck report's, per case)."),
+    click.option("-v", "--verbose", is_flag=True,
+                 help="The report as a table, with what every count holds (default: one line per case and a summary)."),
+    JSON_OPTION,
+)
 
 
 @main.command()
@@ -111,51 +179,15 @@ def _engine_and_options(engine, algorithm, cuda_graphs, ngram_breadth, tp, dtype
 @click.option("--against", "against", type=click.Path(path_type=Path), multiple=True, help="Engine trace file(s) to diff.")
 @click.option("--mode", type=click.Choice(["replay", "free", "both"]), default="both", show_default=True)
 @click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None, help="Golden directory.")
-@click.option("--ref-dtype", type=click.Choice(list(DTYPE_NAMES)), default="float32", show_default=True)
-@click.option("--ref-device", type=DeviceType(), default="cpu", show_default=True)
-@click.option("--save-trace", type=click.Path(path_type=Path), default=None, help="Write the live engine's trace here.")
-@click.option("--workers", "--gpus", "workers", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Processes to spread the prompts over (one per GPU: worker i uses cuda:i).")
-@click.option("--full-state", is_flag=True, help="Record full KV/state tensors in the trace (not only sketches).")
-@click.option("--sglang-algorithm", default=None,
-              help="With --engine sglang: NONE (target-only), DFLASH, NGRAM, REFCHECK_DDTREE (refcheck's DDTree on "
-                   "SGLang; REFCHECK_DDTREE_LEAKY_CHAIN is its leaky twin, REFCHECK_DDTREE_FAULT_* its fault-injected "
-                   "ones), or any algorithm your SGLang registers.")
-@click.option("--cuda-graphs", is_flag=True, help="With --engine sglang: run SGLang with CUDA graphs (off by default).")
-@click.option("--ngram-breadth", type=click.IntRange(min=1), default=10, show_default=True,
-              help="With --sglang-algorithm NGRAM: speculative_ngram_max_bfs_breadth.")
-@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
-              help="With --engine sglang: tensor parallelism (state captured on every rank and combined).")
-@click.option("--sglang-max-running", "max_running", type=click.IntRange(min=1), default=None,
-              help="With --engine sglang: SGLang's max_running_requests (1: one request at a time).")
-@click.option("--sglang-mem-fraction", "mem_fraction", type=float, default=None,
-              help="With --engine sglang: SGLang's mem_fraction_static (default 0.3); lower it to run several engines "
-                   "on one GPU side by side.")
-@click.option("--sglang-settings", "serving", default=None, metavar="LIST",
-              help="With --engine sglang: how SGLang serves, as in production: a comma list of graphs, overlap, radix, "
-                   "page=N, chunk=N (chunked prefill), running=N (max running requests), stagger=MS (requests arrive "
-                   "one every MS ms); default: refcheck's safest corner (all off, page 1, all requests at once).")
-@click.option("--layer-sketches", is_flag=True,
-              help="With --engine sglang: sketch every target layer's output (forward hooks) so a failing node gets "
-                   "layer bisection; slower.")
-@click.option("--capture-sample", "capture_sample", default=None, metavar="N[:SEED]",
-              help="With --engine sglang: record one verify step in N of each request (phases seeded by SEED, default "
-                   "0; every prefill's first token always); the diff judges the steps recorded, re-prefilling the "
-                   "engine's output across the others.")
-@click.option("--steps", is_flag=True, help="Also print one row per verify step: tree size, τ, verdict, first finding.")
-@click.option("--html", "html", type=click.Path(path_type=Path), default=None,
-              help="Also write every diffed case's report on one self-contained HTML page (refcheck report's, per case).")
-@click.option("-v", "--verbose", is_flag=True,
-              help="The report as a table, with what every count holds (default: one line per case and a summary).")
-@click.option("--ref-shards", type=click.IntRange(min=1), default=1, show_default=True,
-              help="With --against and --mode replay: split the reference by layers over N processes (N GPUs with "
-                   "--ref-device cuda, NCCL; gloo on CPUs).")
+@reference_options
+@live_options
+@sglang_options
+@output_options
 @model_options
 @sampling_options
-def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, workers, full_state, sglang_algorithm,
-         cuda_graphs, ngram_breadth, tp, max_running, mem_fraction, serving, layer_sketches, capture_sample, steps, html,
-         verbose, ref_shards, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device,
-         drafter, stop_ids, as_json, temperature, top_k, top_p, sample_seed):
+def diff(engine: str | None, against: tuple[Path, ...], mode: str, golden_dir: Path | None, ref: ReferenceOptions,
+         live: LiveOptions, sglang: SGLangOptions, output: OutputOptions, model: ModelOptions,
+         sampling: SamplingOptions) -> None:
     """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
 
     With no --engine / --against: the golden engine traces in golden/ for this budget and pair."""
@@ -163,50 +195,47 @@ def diff(engine, against, mode, golden_dir, ref_dtype, ref_device, save_trace, w
     from refcheck.outputs import check_output_file
 
     refuse_unused_options(engine, against)
-    sampling = _live_sampling(engine, temperature, top_k, top_p, sample_seed)
-    check_output_file(save_trace, "--save-trace")  # before the run, not after it
-    if html is not None:
-        check_output_file(html, "--html")
+    drawn = _live_sampling(engine, sampling)
+    check_output_file(live.save_trace, "--save-trace")  # before the run, not after it
+    if output.html is not None:
+        check_output_file(output.html, "--html")
     session = DiffSession()
-    reports = []
-    traces = []  # the engine trace behind each report (for --steps)
+    reports: list[Report] = []
+    traces: list[Trace] = []  # the engine trace behind each report (for --steps)
     golden_notes: list[tuple[Path, bool]] = []  # goldens diffed: (file, whether their reviewed findings were applied)
-    if ref_shards > 1 and not against:
+    if ref.ref_shards > 1 and not against:
         raise UsageError("--ref-shards works with --against TRACE (record live engines with --save-trace first)")
     if engine:
         # an unknown engine, or an option it does not take: a usage error before any process starts
-        engine, engine_opts, dtype, device = _engine_and_options(engine, sglang_algorithm, cuda_graphs, ngram_breadth,
-                                                                 tp, dtype, device, mem_fraction, max_running,
-                                                                 layer_sketches, serving, capture_sample)
-        spec = spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids,
-                                 sampling)
-        report, trace = _live_engine(engine, engine_opts, spec, prompts_file, workers, mode, ref_dtype, ref_device,
-                                     full_state)
+        engine, engine_opts, dtype, device = _engine_and_options(engine, sglang, model.dtype, model.device)
+        spec = model.spec(drawn, dtype=dtype, device=device)
+        report, trace = _live_engine(engine, engine_opts, spec, model.prompts_file, live, mode, ref)
         reports.append(report)
         traces.append(trace)
     elif against:
-        _diff_files(against, session, mode, ref_shards, ref_dtype, ref_device, reports, traces, golden_notes)
+        _diff_files(against, session, mode, ref, reports, traces, golden_notes)
     else:
-        model = f"builtin:{pair}" if model_dir is None else str(model_dir)
-        _diff_goldens(golden_dir, budget, model, session, mode, ref_dtype, ref_device, reports, traces, golden_notes)
+        _diff_goldens(golden_dir, model.budget, model.model_label, session, mode, ref, reports, traces, golden_notes)
     # the budgets diffed: the traces' own (an --against trace of budget 64 is not "budget 15")
-    shown = sorted({budget_label(t.prov.budget) for t in traces}) or [budget_label(budget)]
-    report_table(reports, f"refcheck diff · budget {', '.join(shown)} · mode {mode}", verbose=verbose or steps)
-    if steps:
+    shown = sorted({budget_label(t.prov.budget) for t in traces}) or [budget_label(model.budget)]
+    report_table(reports, f"refcheck diff · budget {', '.join(shown)} · mode {mode}",
+                 verbose=output.verbose or output.steps)
+    if output.steps:
         for report, trace in zip(reports, traces):
             steps_table(report, trace)
     for path, applied in golden_notes:  # a golden diffed alone: the gate's rules for it, which this diff does not apply
-        if verbose or steps or not applied:
+        if output.verbose or output.steps or not applied:
             golden_note(path, applied)
+    save_trace = live.save_trace
     files = list(against) if against else ([save_trace] * len(reports) if save_trace else [])
     for report, path in zip(reports, files):
         explain_hint(report, path)
     sources = [str(p) for p in against] if against else (
         [str(save_trace or f"live engine {engine}")] if engine else [str(p) for p, _ in golden_notes])
-    late = _write_outputs(traces[0] if engine else None, save_trace, html, reports, traces, sources)
+    late = _write_outputs(traces[0] if engine else None, save_trace, output.html, reports, traces, sources)
     if late is not None:
-        report_json_and_raise(reports, as_json, late)
-    finish(reports, as_json)
+        report_json_and_raise(reports, output.as_json, late)
+    finish(reports, output.as_json)
 
 
 def _write_outputs(live_trace: Trace | None, save_trace: Path | None, html: Path | None, reports: list[Report],
@@ -228,10 +257,10 @@ def _write_outputs(live_trace: Trace | None, save_trace: Path | None, html: Path
     return late[0] if late else None
 
 
-def _live_sampling(engine: str | None, temperature, top_k, top_p, sample_seed):
+def _live_sampling(engine: str | None, options: SamplingOptions) -> Sampling | None:
     """The live run's sampling (None: greedy); out of range, without a live engine, or for an engine that records
     greedily only: a usage error (exit 2)."""
-    sampling = sampling_from_options(temperature, top_k, top_p, sample_seed)
+    sampling = options.sampling()
     if sampling is not None and not engine:
         raise UsageError("--temperature > 0 runs a live engine (--engine ...): a recorded trace carries its own "
                          "sampling parameters")
@@ -249,26 +278,29 @@ def diff_page(reports: list[Report], traces: list[Trace], sources: list[str]) ->
                         "refcheck diff --json")
 
 
-def _live_engine(engine, engine_opts, spec, prompts_file, workers, mode, ref_dtype, ref_device, full_state):
-    """Run the live engine over the prompts in ``workers`` processes: (the merged report, the merged trace)."""
+def _live_engine(engine: str, engine_opts: dict[str, Any], spec: EngineSpec, prompts_file: Path | None,
+                 live: LiveOptions, mode: str, ref: ReferenceOptions) -> tuple[Report, Trace]:
+    """Run the live engine over the prompts in ``live.workers`` processes: (the merged report, the merged trace)."""
     from refcheck.diff.tolerance import calibration_for
     from refcheck.parallel import engine_shard, merge_reports, merge_traces, run_parallel, split
     from refcheck.trace.io import trace_from_bytes
 
     prompts = load_prompts(prompts_file, spec.resolved_dirs()[0])
     calibration_for(spec.dtype, spec.device)  # no verdict for these numerics: say so before the engine runs
-    shards = split(prompts, workers)
+    shards = split(prompts, live.workers)
     err.print(f"running live engine {engine} on {len(prompts)} prompts in {len(shards)} process(es)", markup=False)
-    results = run_parallel(engine_shard, [(engine, spec, sh, mode, ref_dtype, ref_device, i, len(shards), full_state,
-                                           engine_opts) for i, sh in enumerate(shards)], len(shards))
+    results = run_parallel(engine_shard, [(engine, spec, sh, mode, ref.ref_dtype, ref.ref_device, i, len(shards),
+                                           live.full_state, engine_opts) for i, sh in enumerate(shards)], len(shards))
     trace = merge_traces([trace_from_bytes(b) for b, _ in results], [p.id for p in prompts], prompt_set_hash(prompts))
     return merge_reports([r for _, r in results], engine, mode), trace
 
 
-def _diff_files(against, session, mode, ref_shards, ref_dtype, ref_device, reports, traces, golden_notes) -> None:
+def _diff_files(against: tuple[Path, ...], session: DiffSession, mode: str, ref: ReferenceOptions,
+                reports: list[Report], traces: list[Trace], golden_notes: list[tuple[Path, bool]]) -> None:
     """Diff each ``--against`` trace file (appending to ``reports``, ``traces`` and ``golden_notes``)."""
     from refcheck.trace.io import read_trace
 
+    ref_shards, ref_dtype, ref_device = ref.ref_shards, ref.ref_dtype, ref.ref_device
     for path in against:
         err.print(f"diffing {path}" + (f" against the reference sharded over {ref_shards} processes" if ref_shards > 1
                                         else ""), markup=False)
@@ -283,8 +315,9 @@ def _diff_files(against, session, mode, ref_shards, ref_dtype, ref_device, repor
                                         ref_device=ref_device))
 
 
-def _diff_goldens(golden_dir, budget, model, session, mode, ref_dtype, ref_device, reports, traces,
-                  golden_notes) -> None:
+def _diff_goldens(golden_dir: Path | None, budget: int | None, model: str, session: DiffSession, mode: str,
+                  ref: ReferenceOptions, reports: list[Report], traces: list[Trace],
+                  golden_notes: list[tuple[Path, bool]]) -> None:
     """Judge the goldens of this budget and model as the gate does (appending to ``reports``, ``traces`` and
     ``golden_notes``); none: a :class:`GoldenError`."""
     from refcheck.goldens import default_golden_dir
@@ -305,7 +338,8 @@ def _diff_goldens(golden_dir, budget, model, session, mode, ref_dtype, ref_devic
         trace = read_trace(gdir / manifest.cases[name].file)
         logging.getLogger("refcheck.cli.diff").debug("diffing golden %s against the live reference", name)
         # the gate's own judgement of the golden (its manifest entry's rules included): diff and gate agree
-        reports.append(check_trace(name, trace, manifest.cases[name].provenance, session, mode, ref_dtype, ref_device))
+        reports.append(check_trace(name, trace, manifest.cases[name].provenance, session, mode, ref.ref_dtype,
+                                   ref.ref_device))
         golden_notes.append((gdir / manifest.cases[name].file, True))
         traces.append(trace)
 

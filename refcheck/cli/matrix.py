@@ -49,7 +49,9 @@ def matrix(algorithms, setting_names, cell_names, out_dir, pair, max_new_tokens,
     Exit 0 when every cell that ran passed, 1 when one failed (cells that could not run are listed with
     their reason and do not fail the run)."""
     from refcheck.atomic_file import atomic_write_bytes
-    from refcheck.matrix import (
+    from refcheck.outputs import check_output_dir
+    from refcheck.reference_runner import EngineSpec
+    from refcheck.sglang.matrix import (
         ALGORITHMS,
         NOT_RUNNABLE,
         SETTINGS,
@@ -59,8 +61,6 @@ def matrix(algorithms, setting_names, cell_names, out_dir, pair, max_new_tokens,
         markdown,
         named_cells,
     )
-    from refcheck.outputs import check_output_dir
-    from refcheck.reference_runner import EngineSpec
 
     if cell_names:
         todo = named_cells([c.strip() for c in cell_names.split(",") if c.strip()])
@@ -96,7 +96,7 @@ def matrix(algorithms, setting_names, cell_names, out_dir, pair, max_new_tokens,
 
 
 def _print_table(result: dict, n_cells: int) -> None:
-    from refcheck.matrix import overhead_text
+    from refcheck.sglang.matrix import overhead_text
 
     table = Table(title=f"refcheck matrix · SGLang · {result['model']} · {n_cells} cells · {result['wall_s']:.0f} s")
     for col in ("algorithm", "setting", "verdict", "first finding", "τ", "tok/s", "overhead", "capture off"):
@@ -115,7 +115,7 @@ def _print_table(result: dict, n_cells: int) -> None:
 def _run(run, todo: list, done: dict, out_dir: Path, parallel: int, stagger: float) -> dict:
     """The cells not finished before (``--resume``), each row written to ``matrix.partial.json`` as it finishes."""
     from refcheck.atomic_file import atomic_write_bytes
-    from refcheck.matrix import resumed, run_matrix
+    from refcheck.sglang.matrix import resumed, run_matrix
 
     out_dir.mkdir(parents=True, exist_ok=True)
     finished: list[dict] = list(done.values())  # a resumed run's partial file keeps the earlier cells too

@@ -11,7 +11,15 @@ from rich.table import Table
 
 from refcheck.budget import budget_json
 from refcheck.cli.app import err, main, progress_line
-from refcheck.cli.options import model_options, sampling_from_options, sampling_options, spec_from_options
+from refcheck.cli.groups import (
+    JSON_OPTION,
+    ModelOptions,
+    OutputOptions,
+    SamplingOptions,
+    model_options,
+    option_group,
+    sampling_options,
+)
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
 from refcheck.prompts import load_prompts, prompt_set_hash
 from refcheck.spec import EngineSpec
@@ -24,20 +32,19 @@ ENGINES = ("reference",)  # live engines; faults are "fault:<name>" (see `refche
 @click.option("--check-ar", is_flag=True, help="Compare every prompt's tokens with target-only greedy decoding "
               "(at --temperature > 0: target-only sampling with the same keys).")
 @model_options
+@option_group("output", OutputOptions, JSON_OPTION)
 @sampling_options
-def run(engine, check_ar, model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device, drafter, stop_ids, as_json,
-        temperature, top_k, top_p, sample_seed):
+def run(engine: str, check_ar: bool, model: ModelOptions, output: OutputOptions, sampling: SamplingOptions) -> None:
     """Decode prompts with an engine and report acceptance (and the AR check)."""
     from refcheck.reference_runner import ReferenceRunner
 
-    sampling = sampling_from_options(temperature, top_k, top_p, sample_seed)
-    spec = spec_from_options(model_dir, draft_dir, pair, budget, max_new_tokens, dtype, device, drafter, stop_ids, sampling)
-    prompts = load_prompts(prompts_file, spec.resolved_dirs()[0])
+    spec = model.spec(sampling.sampling())
+    prompts = load_prompts(model.prompts_file, spec.resolved_dirs()[0])
     runner = ReferenceRunner(spec)
     runs = runner.run(prompts, check_ar=check_ar, progress=progress_line)
     report = _run_report(engine, spec, prompts, runs)
     _print_run_table(report)
-    if as_json:
+    if output.as_json:
         click.echo(json.dumps(report, indent=2))
     failed = check_ar and any(r.ar_match is False for r in runs)
     sys.exit(EXIT_MISMATCH if failed else EXIT_PASS)

@@ -5,45 +5,63 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.table import Table
 
 from refcheck.cli.app import err, main, progress_line, quiet
-from refcheck.cli.options import (
-    DeviceType,
+from refcheck.cli.groups import (
+    JSON_OPTION,
+    ModelOptions,
+    OutputOptions,
+    ReferenceOptions,
+    SamplingOptions,
+    SGLangOptions,
     model_options,
-    sampling_from_options,
+    option_group,
     sampling_options,
-    spec_from_options,
-    unless_given,
 )
+from refcheck.cli.options import DeviceType, unless_given
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS, UsageError
 from refcheck.prompts import load_prompts
+
+if TYPE_CHECKING:  # reference.sampling imports torch: --help must not
+    from reference.sampling import Sampling
 
 
 @main.command()
 @click.option("--budgets", default="chain,1,4,8,15,16,32,64", show_default=True, help="Comma-separated budgets or 'chain'.")
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
               help="Timed repetitions. With --engine sglang: untraced runs on the warm engine after the captured one.")
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("sweep-out"), show_default=True,
-              help="Directory for sweep.json and the PNG plots.")
-@click.option("--no-plots", is_flag=True, help="Skip the PNG plots (no matplotlib needed).")
+@option_group(
+    "output", OutputOptions,
+    click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("sweep-out"), show_default=True,
+                 help="Directory for sweep.json and the PNG plots."),
+    click.option("--no-plots", is_flag=True, help="Skip the PNG plots (no matplotlib needed)."),
+    JSON_OPTION,
+)
 @click.option("--engine", type=click.Choice(["reference", "sglang"]), default="reference", show_default=True)
-@click.option("--sglang-algorithm", "sglang_algorithms", multiple=True,
-              help="With --engine sglang: algorithms to sweep (default: REFCHECK_DDTREE and REFCHECK_DDTREE_LEAKY_CHAIN).")
-@click.option("--ref-device", type=DeviceType(), default="cuda", show_default=True, help="With --engine sglang: the replay reference's device.")
+@option_group(
+    "ref", ReferenceOptions,
+    click.option("--ref-device", type=DeviceType(), default="cuda", show_default=True,
+                 help="With --engine sglang: the replay reference's device."),
+)
 @click.option("--from-traces", "from_traces", multiple=True, type=click.Path(path_type=Path),
               help="With --engine sglang: tabulate saved SGLang traces (repeatable) instead of running the engine; "
                    "rows are grouped by each trace's algorithm and budget.")
-@click.option("--sglang-mem-fraction", "mem_fraction", type=click.FloatRange(0.01, 0.95), default=None,
-              help="With --engine sglang: SGLang's mem_fraction_static per engine (default 0.3).")
-@click.option("--cuda-graphs", is_flag=True, help="With --engine sglang: run each engine with CUDA graphs.")
+@option_group(
+    "sglang", SGLangOptions.from_params,
+    click.option("--sglang-algorithm", "sglang_algorithms", multiple=True,
+                 help="With --engine sglang: algorithms to sweep (default: REFCHECK_DDTREE and REFCHECK_DDTREE_LEAKY_CHAIN)."),
+    click.option("--sglang-mem-fraction", "mem_fraction", type=click.FloatRange(0.01, 0.95), default=None,
+                 help="With --engine sglang: SGLang's mem_fraction_static per engine (default 0.3)."),
+    click.option("--cuda-graphs", is_flag=True, help="With --engine sglang: run each engine with CUDA graphs."),
+)
 @model_options
 @sampling_options
-def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_device, from_traces, mem_fraction, cuda_graphs,
-          model_dir, draft_dir, pair, prompts_file, budget, max_new_tokens, dtype, device, drafter, stop_ids, as_json,
-          temperature, top_k, top_p, sample_seed):
+def sweep(budgets: str, repeats: int, output: OutputOptions, engine: str, ref: ReferenceOptions,
+          from_traces: tuple[Path, ...], sglang: SGLangOptions, model: ModelOptions, sampling: SamplingOptions) -> None:
     """Acceptance and speed against node budget: τ, histograms, per-phase time, speedup over target-only.
 
     With --engine sglang: per SGLang algorithm and budget, τ, step time, tokens/s and the replay verdict."""
@@ -51,25 +69,23 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
     from refcheck.sweep import parse_budgets, run_sweep
 
     quiet()
-    sampling = sampling_from_options(temperature, top_k, top_p, sample_seed)  # out of range: exit 2
-    if sampling is not None and from_traces:
+    drawn = sampling.sampling()  # out of range: exit 2
+    if drawn is not None and from_traces:
         raise UsageError("--temperature with --from-traces: a recorded trace carries its own sampling parameters")
     blist = parse_budgets(budgets)
-    check_output_dir(out_dir, "--out", _out_files(engine, no_plots, blist, sglang_algorithms, bool(from_traces)))
+    out_dir, no_plots = output.out, output.no_plots
+    check_output_dir(out_dir, "--out", _out_files(engine, no_plots, blist, sglang.algorithms, bool(from_traces)))
     if from_traces and engine != "sglang":
         raise UsageError("--from-traces tabulates SGLang traces: add --engine sglang")
-    runner_options = {k: v for k, v in (("mem_fraction", mem_fraction), ("cuda_graphs", cuda_graphs or None))
-                      if v is not None}
+    runner_options = sglang.runner_options()
     if runner_options and engine != "sglang":
         raise UsageError(f"--{'sglang-mem-fraction' if 'mem_fraction' in runner_options else 'cuda-graphs'} "
                          "needs --engine sglang")
     if engine == "sglang":
-        _sweep_sglang(blist, repeats, out_dir, sglang_algorithms, ref_device, model_dir, draft_dir, pair, prompts_file,
-                      max_new_tokens, dtype, stop_ids, as_json, from_traces, sampling, runner_options)
+        _sweep_sglang(blist, repeats, output, sglang, ref, model, from_traces, drawn)
         return
-    spec = spec_from_options(model_dir, draft_dir, pair, blist[0], max_new_tokens, dtype, device, drafter, stop_ids,
-                             sampling)
-    prompts = load_prompts(prompts_file, spec.resolved_dirs()[0])
+    spec = model.spec(drawn, budget=blist[0])
+    prompts = load_prompts(model.prompts_file, spec.resolved_dirs()[0])
     if not no_plots:
         try:
             import matplotlib  # noqa: F401
@@ -77,9 +93,9 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
             raise UsageError("plotting backend missing: pip install matplotlib (or pass --no-plots)") from exc
     result = run_sweep(spec, prompts, blist, repeats, progress=progress_line)
     plots, late = _write_sweep(result, out_dir, no_plots)
-    at = f" · T={sampling.temperature:g} top-k {sampling.top_k} top-p {sampling.top_p:g}" if sampling else ""
-    table = Table(title=f"refcheck sweep · {result['model']} · {dtype} · {device} · {drafter} drafter · {repeats} repeat(s)"
-                  + at)
+    at = f" · T={drawn.temperature:g} top-k {drawn.top_k} top-p {drawn.top_p:g}" if drawn else ""
+    table = Table(title=f"refcheck sweep · {result['model']} · {model.dtype} · {model.device} · {model.drafter} drafter · "
+                  f"{repeats} repeat(s)" + at)
     for col in ("budget", "τ", "τ range (req.)", "steps", "draft ms", "tree ms", "verify ms", "commit ms", "tok/s", "speedup", "lossless"):
         table.add_column(col, justify="right")
     for r in result["budgets"]:
@@ -92,7 +108,7 @@ def sweep(budgets, repeats, out_dir, no_plots, engine, sglang_algorithms, ref_de
     err.print(table)
     err.print(f"target-only: {result['autoregressive_tokens_per_s']['median']:.1f} tok/s; wrote {out_dir / 'sweep.json'}"
               + "".join(f", {p}" for p in plots), markup=False)
-    if as_json:
+    if output.as_json:
         click.echo(json.dumps(result, indent=2))
     if late is not None:
         raise late
@@ -106,7 +122,7 @@ def _out_files(engine: str, no_plots: bool, budgets: list, algorithms: tuple[str
     """The files a sweep writes in --out: each must be a regular file or absent before it starts."""
     if engine != "sglang":
         return ["sweep.json", *(() if no_plots else PLOTS)]
-    from refcheck.sweep_sglang import DEFAULT_ALGORITHMS
+    from refcheck.sglang.sweep import DEFAULT_ALGORITHMS
 
     traces = [] if from_traces else [f"traces/{a}-b{b}.arrow" for a in (algorithms or DEFAULT_ALGORITHMS) for b in budgets]
     return ["sweep-sglang.json", *traces]
@@ -126,25 +142,28 @@ def _write_sweep(result: dict, out_dir: Path, no_plots: bool) -> tuple[list[Path
         return [], late_write_error(out_dir, exc, "the sweep results")
 
 
-def _sweep_sglang(blist, repeats, out_dir, algorithms, ref_device, model_dir, draft_dir, pair, prompts_file,
-                  max_new_tokens, dtype, stop_ids, as_json, from_traces=(), sampling=None, runner_options=None) -> None:
-    from refcheck.sweep_sglang import DEFAULT_ALGORITHMS, run_sglang_sweep, tabulate_traces
+def _sweep_sglang(blist: list[int | None], repeats: int, output: OutputOptions, sglang: SGLangOptions,
+                  ref: ReferenceOptions, model: ModelOptions, from_traces: tuple[Path, ...] = (),
+                  sampling: Sampling | None = None) -> None:
+    """The SGLang sweep (or the table of ``from_traces``): sweep-sglang.json in ``--out``, the table, exit 0."""
+    from refcheck.sglang.sweep import DEFAULT_ALGORITHMS, run_sglang_sweep, tabulate_traces
     from refcheck.trace.io import atomic_write_bytes, read_trace
 
+    out_dir = output.out
     if from_traces:
-        result = tabulate_traces([read_trace(p) for p in from_traces], ref_device=ref_device)
+        result = tabulate_traces([read_trace(p) for p in from_traces], ref_device=ref.ref_device)
         dtype = result["dtype"]
     else:
         if any(b is None or b < 1 for b in blist):
             raise UsageError("--engine sglang sweeps tree budgets >= 1 (chain mode is --sglang-algorithm DFLASH in diff)")
-        dtype = unless_given("dtype", dtype, "bfloat16")
+        dtype = unless_given("dtype", model.dtype, "bfloat16")
         # T > 0: REFCHECK_DDTREE samples with refcheck's keyed sampler (exact replay), NONE / NGRAM with SGLang's own
         # generator (the distributional test); DFLASH is refused by the runner
-        spec = spec_from_options(model_dir, draft_dir, pair, blist[0], max_new_tokens, dtype, "cuda", "dflash", stop_ids,
-                                 sampling)
-        result = run_sglang_sweep(spec, load_prompts(prompts_file, spec.resolved_dirs()[0]), blist, repeats, tuple(algorithms) or DEFAULT_ALGORITHMS,
-                                  ref_device=ref_device, save_dir=out_dir / "traces",
-                                  progress=progress_line, runner_options=runner_options)
+        spec = model.spec(sampling, budget=blist[0], dtype=dtype, device="cuda", drafter="dflash")
+        result = run_sglang_sweep(spec, load_prompts(model.prompts_file, spec.resolved_dirs()[0]), blist, repeats,
+                                  sglang.algorithms or DEFAULT_ALGORITHMS, ref_device=ref.ref_device,
+                                  save_dir=out_dir / "traces", progress=progress_line,
+                                  runner_options=sglang.runner_options())
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / "sweep-sglang.json", (json.dumps(result, indent=2) + "\n").encode())
     at = f" · T={result['temperature']:g}" if result.get("temperature") else ""
@@ -168,6 +187,6 @@ def _sweep_sglang(blist, repeats, out_dir, algorithms, ref_device, model_dir, dr
                       r["first_divergence"] or "-", r.get("first_state_failure") or "-")
     err.print(table)
     err.print(f"wrote {out_dir / 'sweep-sglang.json'}", markup=False)
-    if as_json:
+    if output.as_json:
         click.echo(json.dumps(result, indent=2))
     sys.exit(EXIT_PASS)

@@ -1,4 +1,5 @@
-"""Runners: the modules that drive one kind of engine each and record what its decoding did.
+"""Runners: the modules that drive one kind of engine each and record what its decoding did (z-lab's ``dflash``
+here; SGLang's runner is :mod:`refcheck.sglang.runner`, beside the rest of refcheck's SGLang code).
 
 Contract: a runner is built from an :class:`~refcheck.reference_runner.EngineSpec` (plus its kind's
 own options) and records a :class:`~refcheck.trace.io.Trace` of a prompt set. The engine table

@@ -1,6 +1,6 @@
 """The GDN probe's records, checked against the reference and against the kernels run in isolation.
 
-Contract: :func:`read_probes` loads the records :mod:`refcheck.sglang_capture.gdn_probe` wrote;
+Contract: :func:`read_probes` loads the records :mod:`refcheck.sglang.capture.gdn_probe` wrote;
 :func:`check_probe` takes one request row of one record, finds the trace step it belongs to (the same
 tree tokens; the committed length nearest the engine's), and answers three questions per node, each a
 relative L2 distance:
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from refcheck.errors import CorruptTraceError, UsageError
-from refcheck.sglang_capture.gdn_replay import GDNStepInputs, gdn_inputs, parents_from_links, split_qkv
+from refcheck.sglang.capture.gdn_replay import GDNStepInputs, gdn_inputs, parents_from_links, split_qkv
 from refcheck.sketch import rel_l2
 from refcheck.trace.io import Trace
 from reference.target import Target

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from refcheck.sglang_capture.layout import conv_to_reference, ssm_to_reference
+from refcheck.sglang.layout import conv_to_reference, ssm_to_reference
 from refcheck.sketch import SKETCH_DIM, projection
 
 #: name -> (layer, kind, sketch, full rows or None)
@@ -153,7 +153,7 @@ def feature_index(kind: str, local_features: int, tp_rank: int, tp_size: int,
 def combine_shards(shards: list[tuple[int, str, torch.Tensor, torch.Tensor | None]],
                    conv_groups: tuple[int, ...] | None = None) -> tuple[int, str, torch.Tensor, torch.Tensor | None]:
     """Ranks' entries (rank order) of one state -> the full entry."""
-    from refcheck.sglang_capture.layout import gather_conv_channels
+    from refcheck.sglang.layout import gather_conv_channels
 
     layer, kind = shards[0][0], shards[0][1]
     if kind == "rec":

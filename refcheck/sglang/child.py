@@ -1,6 +1,6 @@
-"""The SGLang engine process: ``python -m refcheck.runners.sglang_child JOB.json``.
+"""The SGLang engine process: ``python -m refcheck.sglang.child JOB.json``.
 
-Contract: runs one ``sglang.Engine`` for a job written by :class:`refcheck.runners.sglang.SGLangRunner`
+Contract: runs one ``sglang.Engine`` for a job written by :class:`refcheck.sglang.runner.SGLangRunner`
 (engine arguments, token ids, sampling parameters, rids) and reports through ``JOB.result.json``,
 rewritten atomically at each stage: ``started`` (engine up, ``start_s``), then ``done`` (output ids per
 request, ``generate_s``), or ``failed`` with the stage and a one-line summary of the error. With
@@ -9,10 +9,10 @@ rids (the capture plugin passes them through: no synchronisation, no records), a
 carries ``repeat_generate_s`` (their wall times: tokens/s without first-use kernel compilation or
 capture) and ``repeats_match`` (whether every repeat produced the captured output ids), and
 ``untraced_diffs`` where an untraced pass left the captured one (:func:`first_differences`). With
-``sampled_rids`` (rids marked for a sampled capture, :func:`refcheck.sglang_capture.sample_rule.sampled_rid`)
+``sampled_rids`` (rids marked for a sampled capture, :func:`refcheck.sglang.capture.sample_rule.sampled_rid`)
 those passes run after the captured one: ``sampled_generate_s``, ``sampled_match``. Before the untraced passes
 and before the engine stops, the child waits until the scheduler processes have written every capture record
-they queued (:func:`refcheck.sglang_capture.shipper.wait_drained`; ``capture_behind`` lists any that did not
+they queued (:func:`refcheck.sglang.capture.shipper.wait_drained`; ``capture_behind`` lists any that did not
 within a minute). With
 ``warmup_rids`` one untraced pass runs before the captured one (``warmup_generate_s``, ``warmup_match``), and
 with ``capture_warm_rids`` a captured pass whose records nobody reads (the capture's kernels load and its
@@ -98,8 +98,8 @@ def _passes(engine: Any, job: dict, passes: list[list[str]], outputs: list[list[
 
 def _drained() -> dict[str, int]:
     """Wait for the capture's writer threads (when this engine captures): {queue file: records not written}."""
-    from refcheck.sglang_capture.records import ENV_DIR
-    from refcheck.sglang_capture.shipper import wait_drained
+    from refcheck.sglang.capture.shipper import wait_drained
+    from refcheck.sglang.env import ENV_DIR
 
     root = os.environ.get(ENV_DIR)
     return wait_drained(Path(root)) if root else {}

@@ -1,7 +1,7 @@
 """Per-layer sketches of SGLang's target forwards, for layer bisection of a failing node.
 
 Contract: :func:`hook_factory` is what SGLang's ``forward_hooks`` server argument names
-(``refcheck.sglang_capture.layers:hook_factory``); the hook it returns sits on every decoder layer
+(``refcheck.sglang.capture.layers:hook_factory``); the hook it returns sits on every decoder layer
 (:data:`TARGET_PATTERNS`, SGLang's ``model.layers.<i>`` names) and sketches the layer's output (the
 residual stream after the layer: SGLang returns ``(hidden, residual)``, whose sum is it, computed at
 once because the next layer's fused add-norm rewrites ``residual`` in place) with refcheck's seeded
@@ -23,7 +23,7 @@ from refcheck.sketch import SKETCH_DIM, projection
 
 TARGET_PATTERNS = ["model.layers.[0-9]", "model.layers.[0-9][0-9]", "model.layers.[0-9][0-9][0-9]"]
 SPEC = {"name": "refcheck-layer-sketches", "target_modules": TARGET_PATTERNS,
-        "hook_factory": "refcheck.sglang_capture.layers:hook_factory", "config": {}}
+        "hook_factory": "refcheck.sglang.capture.layers:hook_factory", "config": {}}
 
 #: recent forwards: each a dict layer id -> [tokens, r] sketch
 FORWARDS: deque[dict[int, torch.Tensor]] = deque(maxlen=4)

@@ -3,7 +3,7 @@
 Contract: :data:`SETTINGS` names the production settings a cell runs under (one at a time, then
 together), each with the workload that exercises it (:mod:`refcheck.prompts.workloads`);
 :data:`ALGORITHMS` the speculative algorithms and their budgets. :func:`run_matrix` runs every
-(algorithm, setting) cell: one SGLang engine per cell (through :class:`~refcheck.runners.sglang.SGLangRunner`,
+(algorithm, setting) cell: one SGLang engine per cell (through :class:`~refcheck.sglang.runner.SGLangRunner`,
 or ``runner_factory`` in tests), one untraced warm-up pass, the captured pass, one untraced timing
 pass, then the replay diff against the reference. Cells run ``parallel`` at a time on one GPU
 (engine starts spaced by ``stagger_s``: SGLang sizes its pools from the memory free when it starts);
@@ -37,7 +37,7 @@ from refcheck.progress import Progress, tell
 from refcheck.prompts import Prompt
 from refcheck.prompts.workloads import needed_context, workload
 from refcheck.reference_runner import EngineSpec
-from refcheck.runners.sglang_settings import ServingSettings, parse_settings
+from refcheck.sglang.settings import ServingSettings, parse_settings
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +194,7 @@ class MatrixRun:
     def prompts_for(self, cell: Cell) -> tuple[list[Prompt], EngineSpec]:
         """The cell's workload and the spec it runs on: a workload longer than the target's context runs on a
         long-context copy of the pair (made once per run)."""
-        from refcheck.runners.sglang import target_context
+        from refcheck.sglang.runner import target_context
 
         prompts = list(self._once(f"workload:{cell.setting.workload}", lambda: workload(cell.setting.workload)))
         spec = dataclasses.replace(self.spec, budget=ALGORITHMS[cell.algorithm][0])
@@ -211,7 +211,7 @@ class MatrixRun:
 def _factory(run: MatrixRun) -> Callable:
     if run.runner_factory is not None:
         return run.runner_factory
-    from refcheck.runners.sglang import SGLangRunner
+    from refcheck.sglang.runner import SGLangRunner
 
     return SGLangRunner
 
@@ -285,9 +285,9 @@ _REFERENCE_LOCK = threading.Lock()  # cells run in threads; models are loaded (a
 
 def _judge_untraced(run: MatrixRun, trace, gate: threading.Semaphore) -> dict[str, Any] | None:
     """The untraced passes' differences from the captured one, held to the reference's near-ties
-    (:mod:`refcheck.capture_effect`), with this process's reference."""
-    from refcheck.capture_effect import judge_untraced
+    (:mod:`refcheck.sglang.capture_effect`), with this process's reference."""
     from refcheck.diff.session import DiffSession, reference_spec_for
+    from refcheck.sglang.capture_effect import judge_untraced
 
     with gate, _REFERENCE_LOCK:
         if run.session is None:
@@ -422,7 +422,7 @@ def overhead_text(r: dict[str, Any]) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     """The matrix as a Markdown table (one row per cell), then the reasons of cells not run."""
-    from refcheck.capture_effect import untraced_text
+    from refcheck.sglang.capture_effect import untraced_text
 
     head = ("| algorithm | setting | verdict | first finding | τ | warm tok/s | capture overhead | capture off: tokens "
             "| untraced passes | steps |\n|---|---|---|---|---|---|---|---|---|---|")

@@ -3,10 +3,10 @@
 Contract: :class:`SGLangRunner` starts SGLang from local model directories with settings fit for
 clean diffs (:func:`engine_kwargs`: token ids in and out, greedy, triton attention, overlap
 scheduling and radix cache off, page size 1, CUDA graphs off unless asked), makes refcheck's plugin
-discoverable by the spawned scheduler processes (an ``sglang.srt.plugins`` entry point in a
-throw-away ``.dist-info`` on ``sys.path``), points the plugin at a fresh capture directory, runs
-the prompt set in one batched ``generate`` and assembles the captured records into a trace
-(``refcheck.sglang_capture``).
+(:mod:`refcheck.sglang.plugin`) discoverable by the spawned scheduler processes (an ``sglang.srt.plugins``
+entry point in a throw-away ``.dist-info`` on ``sys.path``), points the plugin at a fresh capture directory,
+runs the prompt set in one batched ``generate`` and assembles the captured records into a trace
+(``refcheck.sglang.capture``).
 
 Algorithms: ``NONE`` (target-only; budget 0, root-only steps), ``DFLASH`` (chain verify of the
 drafter's block: the budget must be the draft's ``block_size - 1``), ``NGRAM`` (tree verify with no
@@ -46,12 +46,12 @@ from typing import Any
 from refcheck.errors import ModelError, UsageError
 from refcheck.prompts import Prompt
 from refcheck.reference_runner import EngineSpec
-from refcheck.runners.sglang_settings import DEFAULT as DEFAULT_SETTINGS
-from refcheck.runners.sglang_settings import ServingSettings, capture_refusal, radix_refusal
-from refcheck.sglang_capture import dflash_taps, sampler_faults
-from refcheck.sglang_capture.records import UNTRACED_RID_PREFIX
-from refcheck.sglang_ddtree.faults import ALGORITHMS as FAULT_ALGORITHMS
-from refcheck.sglang_ddtree.shadow import SHADOW_BUDGET_ENV, SHADOW_NAME
+from refcheck.sglang.capture import dflash_taps, sampler_faults
+from refcheck.sglang.ddtree.faults import ALGORITHMS as FAULT_ALGORITHMS
+from refcheck.sglang.ddtree.shadow import SHADOW_BUDGET_ENV, SHADOW_NAME
+from refcheck.sglang.env import ENV_DIR, ENV_FULL, UNTRACED_RID_PREFIX
+from refcheck.sglang.settings import DEFAULT as DEFAULT_SETTINGS
+from refcheck.sglang.settings import ServingSettings, capture_refusal, radix_refusal
 from refcheck.trace.io import Trace
 from reference.drafter import dflash_value
 from reference.sampling import Sampling, request_key
@@ -59,7 +59,7 @@ from reference.sampling import Sampling, request_key
 # algorithms whose drafts come from the DFlash draft checkpoint (refcheck's DDTree and its leaky and faulty twins)
 SHADOW = SHADOW_NAME
 DFLASH_DRAFTED = ("DFLASH", "REFCHECK_DDTREE", "REFCHECK_DDTREE_LEAKY_CHAIN", SHADOW, *FAULT_ALGORITHMS)
-PLUGIN_ENTRY = "refcheck = refcheck.sglang_capture.plugin:register"
+PLUGIN_ENTRY = "refcheck = refcheck.sglang.plugin:register"
 
 
 class EngineUnavailableError(UsageError):
@@ -287,7 +287,7 @@ def request_sampling_params(prompt: Prompt, spec: EngineSpec, algorithm: str) ->
         return out
     out.update(temperature=float(s.temperature), top_p=float(s.top_p), top_k=int(s.top_k) if s.top_k > 0 else -1)
     if keyed(algorithm):
-        from refcheck.sglang_ddtree.sampling import REQUEST_KEY, SEED_KEY
+        from refcheck.sglang.ddtree.sampling import REQUEST_KEY, SEED_KEY
 
         out["custom_params"] = {SEED_KEY: int(s.seed), REQUEST_KEY: request_key(prompt.id)}
     return out
@@ -295,7 +295,9 @@ def request_sampling_params(prompt: Prompt, spec: EngineSpec, algorithm: str) ->
 
 def install_entry_point(root: Path) -> Path:
     """A minimal distribution that declares refcheck's plugin entry point; its directory goes first
-    on ``sys.path`` (spawned schedulers inherit the parent's ``sys.path``) and ``PYTHONPATH``."""
+    on ``sys.path`` (spawned schedulers inherit the parent's ``sys.path``) and ``PYTHONPATH``. The distribution's
+    name stays fixed, so that a capture directory used again (a matrix cell resumed) has its entry point rewritten,
+    never a second one beside it."""
     info = Path(root) / "refcheck_sglang_capture-1.0.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: refcheck-sglang-capture\nVersion: 1.0\n")
@@ -333,7 +335,7 @@ def settings_changed(asked: ServingSettings, status: dict[str, Any]) -> list[str
 
 def _sample_rules(capture_sample: str | None, sampled_timing: str | None) -> tuple[Any, Any]:
     """The captured pass's rule and the sampled timing pass's (None: no such pass); a bad rule is a UsageError."""
-    from refcheck.sglang_capture.sample_rule import CaptureSampleError, parse
+    from refcheck.sglang.capture.sample_rule import CaptureSampleError, parse
 
     try:
         return parse(capture_sample), (parse(sampled_timing) if sampled_timing else None)
@@ -380,7 +382,7 @@ class SGLangRunner:
         self.budget = resolve_budget(self.algorithm, spec.budget, ddir, tdir)
         check_sampling(self.algorithm, spec.sampling)
         if spec.dtype == "float32":
-            from refcheck.sglang_capture.versions import float32_refusal, installed_version
+            from refcheck.sglang.capture.versions import float32_refusal, installed_version
 
             why = float32_refusal(installed_version(), str(text_cfg.get("model_type", "")))
             if why:
@@ -419,9 +421,9 @@ class SGLangRunner:
     def trace(self, prompts: list[Prompt]) -> Trace:
         from refcheck.prompts import prompt_set_hash
         from refcheck.provenance import build_provenance
-        from refcheck.sglang_capture.assemble import assemble_trace
-        from refcheck.sglang_capture.records import ENV_DIR, ENV_FULL, Capture, read_capture
-        from refcheck.sglang_capture.sample_rule import ENV_SAMPLE
+        from refcheck.sglang.capture.assemble import assemble_trace
+        from refcheck.sglang.capture.records import Capture, read_capture
+        from refcheck.sglang.capture.sample_rule import ENV_SAMPLE
         from refcheck.trace.io import write_trace
 
         tdir, ddir = self.spec.resolved_dirs()
@@ -480,7 +482,7 @@ class SGLangRunner:
 
     def _capture_provenance(self, cap: Any, asm: Any, crash: str | None) -> dict[str, Any]:
         """The trace's ``capture`` provenance: errors, problems, crash, stats, the schedulers' status, the rule."""
-        from refcheck.sglang_capture.versions import SUPPORTED
+        from refcheck.sglang.capture.versions import SUPPORTED
 
         seen = {str(st.get("sglang")) for st in cap.status} - set(SUPPORTED)
         if seen:  # not an error: the hook targets may still hold, but nobody has read this release
@@ -496,10 +498,10 @@ class SGLangRunner:
     def _add_forward_hooks(self, kw: dict[str, Any]) -> None:
         """SGLang ``forward_hooks``: per-layer sketches (layer bisection, slower) and the GDN probe (a diagnostic of
         the kernels' exact inputs and outputs per verify, when its directory is set)."""
-        from refcheck.sglang_capture import gdn_probe
+        from refcheck.sglang.capture import gdn_probe
 
         if self.layer_sketches:
-            from refcheck.sglang_capture.layers import SPEC
+            from refcheck.sglang.capture.layers import SPEC
 
             kw["forward_hooks"] = [SPEC]
         if os.environ.get(gdn_probe.ENV_DIR):
@@ -519,9 +521,9 @@ class SGLangRunner:
                         sampled_match=run.get("sampled_match"), capture_behind=run.get("capture_behind") or {},
                         **({"sampling": self.spec.sampling.to_json(), "rng": sampling_rng(self.algorithm)}
                            if self.spec.sampled and self.spec.sampling is not None else {}),
-                        # a fault injected into SGLang's tree sampler (refcheck/sglang_capture/sampler_faults.py)
+                        # a fault injected into SGLang's tree sampler (refcheck/sglang/capture/sampler_faults.py)
                         **({"sampler_fault": fault} if (fault := sampler_faults.active()) else {}),
-                        # a fault injected into SGLang's DFLASH drafter (refcheck/sglang_capture/dflash_taps.py)
+                        # a fault injected into SGLang's DFLASH drafter (refcheck/sglang/capture/dflash_taps.py)
                         **({"draft_fault": dfault} if (dfault := dflash_taps.active()) else {}),
                         draft_rule=draft_rule(self.algorithm), **({"shadow_budget": self.budget}
                                                                    if self.algorithm == SHADOW else {}),
@@ -530,7 +532,7 @@ class SGLangRunner:
 
     def _run_engine(self, cdir: Path, env: dict, kw: dict, prompts: list[Prompt], rids: dict[str, str]) -> dict:
         """SGLang in its own process (sglang_child); returns its last reported stage."""
-        from refcheck.sglang_capture.sample_rule import SampleRule, sampled_rid
+        from refcheck.sglang.capture.sample_rule import SampleRule, sampled_rid
 
         job, result, log = cdir / "job.json", cdir / "result.json", cdir / "engine.log"
         result.unlink(missing_ok=True)
@@ -547,7 +549,7 @@ class SGLangRunner:
             if self.sampled_timing is not None and self.capture else []}))
         with log.open("w") as f:
             # a session of its own: on a timeout the engine's schedulers go down with it
-            proc = subprocess.Popen([sys.executable, "-m", "refcheck.runners.sglang_child", str(job)], env=env,
+            proc = subprocess.Popen([sys.executable, "-m", "refcheck.sglang.child", str(job)], env=env,
                                     stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 rc: int | None = proc.wait(timeout=self.timeout_s)

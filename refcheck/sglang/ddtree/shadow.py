@@ -1,7 +1,7 @@
 """DDTree in shadow mode: the names its algorithm, worker and runner share (no SGLang import).
 
 Contract: ``REFCHECK_DDTREE_SHADOW`` drafts and builds the DDTree of :data:`SHADOW_BUDGET_ENV` nodes and records
-it, while SGLang verifies the chain of the block's top-1 drafts (:mod:`refcheck.sglang_ddtree.worker`).
+it, while SGLang verifies the chain of the block's top-1 drafts (:mod:`refcheck.sglang.ddtree.worker`).
 """
 
 SHADOW_NAME = "REFCHECK_DDTREE_SHADOW"

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from refcheck.sglang_capture.layout import depths_from_parents, parents_from_links
+from refcheck.sglang.layout import depths_from_parents, parents_from_links
 from reference.sampling import Sampling, inverse_cdf, node_uniforms, request_key, tempered_probs
 from reference.tree import Tree
 

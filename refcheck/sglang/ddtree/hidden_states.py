@@ -1,9 +1,9 @@
 """The hidden-state ceiling REFCHECK_DDTREE runs SGLang with (imports nothing from SGLang).
 
 Contract: :data:`HIDDEN_STATES_CEILING` is the ``return_hidden_states_mode`` the algorithm's server-args
-check sets (:mod:`refcheck.sglang_ddtree.algorithm`): SGLang captures the target's CUDA graphs at it, and
+check sets (:mod:`refcheck.sglang.ddtree.algorithm`): SGLang captures the target's CUDA graphs at it, and
 the verify needs every node's hidden states for the drafter. :func:`hidden_states_ceiling_is_full` is
-SGLang 0.5.17's own reading of the server arguments, which the worker (:mod:`refcheck.sglang_ddtree.worker`)
+SGLang 0.5.17's own reading of the server arguments, which the worker (:mod:`refcheck.sglang.ddtree.worker`)
 checks before it starts. Both modules import it from here (the algorithm also loads the worker).
 """
 

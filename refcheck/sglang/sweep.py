@@ -111,7 +111,7 @@ def run_sglang_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int]
     """One captured run per (algorithm, budget), diffed in replay (module docstring); ``runner_options`` go to
     each runner as they are (``mem_fraction``, ``cuda_graphs``)."""
     if runner_factory is None:
-        from refcheck.runners.sglang import SGLangRunner
+        from refcheck.sglang.runner import SGLangRunner
 
         runner_factory = SGLangRunner
     session = DiffSession()

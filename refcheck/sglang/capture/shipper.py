@@ -3,11 +3,11 @@ written by a background thread.
 
 Contract: :meth:`Shipper.ship` takes a record (a kind, plain host fields, and a nest of dicts / lists /
 tuples holding tensors) from inside a scheduler hook. Its CUDA tensors are laid end to end in one byte
-buffer on the device (one ``cat``, :mod:`refcheck.sglang_capture.packing`) and copied to pinned host memory
+buffer on the device (one ``cat``, :mod:`refcheck.sglang.capture.packing`) and copied to pinned host memory
 (PyTorch's caching host allocator) without blocking, on the current stream; one CUDA event is recorded
 after the copy and the record is queued. It never synchronises the device and never waits for the disk. A
 daemon thread takes records in order, waits for each record's event, and writes the header and the bytes
-through the :class:`~refcheck.sglang_capture.records.Recorder` (one atomic file per record: no pickling, so
+through the :class:`~refcheck.sglang.capture.records.Recorder` (one atomic file per record: no pickling, so
 the thread holds the interpreter lock only briefly). CPU tensors are copied at ship time (the engine may
 reuse their storage). A record's ``events`` field (two CUDA events recorded
 around the engine's step on its stream) becomes ``step_s``, their distance in seconds. The queue holds at most ``depth`` records: a record that
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from refcheck.sglang_capture import packing
+from refcheck.sglang.capture import packing
 
 QUEUE_DEPTH = 512
 _FMT = "<QQQ"  # queued, written, lost

@@ -1,12 +1,14 @@
 """The drafter's side of a captured step: its top-k per depth and the context the engine fed it.
 
-Contract: pure torch, no SGLang import. :func:`draft_side` turns a drafter's output for one request (logits or
+Contract: pure torch, no SGLang import; shared by the capture (DFLASH's taps,
+:mod:`refcheck.sglang.capture.dflash_taps`) and REFCHECK_DDTREE's worker (:mod:`refcheck.sglang.ddtree.worker`),
+which import it and not each other. :func:`draft_side` turns a drafter's output for one request (logits or
 log-probs ``[L, V]``, depths 1..L) into its top-k per depth (``k`` = :func:`topk_for`: enough ranks that the
 diff can rebuild a DDTree of the budget from the record alone); :func:`context_side` turns the target
 features the engine fed its drafter from one verify step (``[A, F]``: the root, then the accepted nodes, in
 path order) and their positions into their positions and feature sketch (:func:`refcheck.sketch.sketch_rows`).
 Both return plain dicts of lists and CPU tensors, ready for a capture record
-(:meth:`refcheck.sglang_capture.steps.StepCapture.attach_draft`).
+(:meth:`refcheck.sglang.capture.steps.StepCapture.attach_draft`).
 
 Inside the engine's step the drafter's scores are reduced on the device instead (:func:`draft_top`: the top
 ``k + DRAFT_MARGIN`` per depth and how many scores reach the k-th), and :func:`draft_side_of_top` orders them

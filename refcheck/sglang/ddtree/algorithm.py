@@ -32,16 +32,16 @@ import json
 import types
 from pathlib import Path
 
-from refcheck.sglang_ddtree.faults import ALGORITHMS as FAULT_ALGORITHMS
-from refcheck.sglang_ddtree.hidden_states import HIDDEN_STATES_CEILING
-from refcheck.sglang_ddtree.shadow import SHADOW_NAME
+from refcheck.sglang.ddtree.faults import ALGORITHMS as FAULT_ALGORITHMS
+from refcheck.sglang.ddtree.hidden_states import HIDDEN_STATES_CEILING
+from refcheck.sglang.ddtree.shadow import SHADOW_NAME
 
 NAME = "REFCHECK_DDTREE"
 #: the same worker with the hybrid backend in its chain layout (topk 1): the tree flattened through the
 #: recurrent layers, as the seeds' engine ran it; registered so refcheck can show it is caught
 LEAKY_NAME = "REFCHECK_DDTREE_LEAKY_CHAIN"
 #: the same worker with one engine fault injected into SGLang's tree verify, one algorithm per fault
-#: (``REFCHECK_DDTREE_FAULT_MAMBA_FLAT_INDEX`` ...; refcheck/sglang_ddtree/faults.py says what each does)
+#: (``REFCHECK_DDTREE_FAULT_MAMBA_FLAT_INDEX`` ...; refcheck/sglang/ddtree/faults.py says what each does)
 FAULT_NAMES: tuple[str, ...] = tuple(FAULT_ALGORITHMS)
 
 _done = False
@@ -119,7 +119,7 @@ def register_algorithm() -> bool:
 
     def factory_for(fault: str | None):
         def factory(server_args):
-            from refcheck.sglang_ddtree.worker import DDTreeWorker
+            from refcheck.sglang.ddtree.worker import DDTreeWorker
 
             if fault == "shadow":
                 return type("DDTreeWorker_shadow", (DDTreeWorker,), {"shadow": True, "__module__": DDTreeWorker.__module__})

@@ -20,7 +20,7 @@ start without it. The drafter and the tree builder stay eager (pure PyTorch, onc
 every tensor the worker keeps from a verify (the drafter's context rows) is copied out of the
 graph's output buffers within the step.
 
-``fault`` (a key of :mod:`refcheck.sglang_ddtree.faults`, set by the ``REFCHECK_DDTREE_FAULT_*``
+``fault`` (a key of :mod:`refcheck.sglang.ddtree.faults`, set by the ``REFCHECK_DDTREE_FAULT_*``
 algorithms; None = correct) feeds one of SGLang's steps a wrong index (the verify positions, the
 bonus, the mamba commit's or the KV move's accept index) or the drafter a wrong context or tree.
 
@@ -31,7 +31,7 @@ how DDTree is brought up on a hybrid target before its per-node state is trusted
 The drafter's side of each step, for refcheck's capture (only when ``REFCHECK_CAPTURE_DIR`` is set):
 :attr:`DDTreeWorker.last_sides` maps a request of the last decode step to its draft top-k per depth, the
 positions and feature sketch of the context fed to the drafter from the verify, and the shadow tree
-(:mod:`refcheck.sglang_capture.drafts`).
+(:mod:`refcheck.sglang.draft_side`).
 
 Every SGLang call goes through its module attribute (``eagle_utils.eagle_sample`` ...), so
 refcheck's capture hooks see this worker exactly as they see NGRAM's. Refusals (ValueError at
@@ -39,7 +39,7 @@ start-up, SGLang reports them): tensor parallelism > 1, a draft checkpoint that 
 budget deeper than the draft block allows to fill.
 
 Temperature > 0: a batch with sampled requests is verified by refcheck's keyed sampler
-(:mod:`refcheck.sglang_ddtree.sampling`, the reference decoder's rule with its Philox keys) instead
+(:mod:`refcheck.sglang.ddtree.sampling`, the reference decoder's rule with its Philox keys) instead
 of ``eagle_sample``; their trees are built from the drafter's log-probs at the request's
 temperature, and their first token after the prefill is the keyed draw too, so a sampled run replays
 exactly. :attr:`DDTreeWorker.last_first_uniforms` keeps the last prefill's uniforms for the capture.
@@ -63,14 +63,14 @@ from sglang.srt.speculative import ngram_worker as ngram
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
-from refcheck.sglang_capture.drafts import context_side, draft_side, topk_for
-from refcheck.sglang_capture.records import ENV_DIR
-from refcheck.sglang_ddtree import faults, sampling
-from refcheck.sglang_ddtree.drafts import DrafterPool, TargetView, draft_tree, extend_context
-from refcheck.sglang_ddtree.hidden_states import HIDDEN_STATES_CEILING, hidden_states_ceiling_is_full
-from refcheck.sglang_ddtree.layout import batch_layout
-from refcheck.sglang_ddtree.sampling import RequestKeys
-from refcheck.sglang_ddtree.shadow import SHADOW_BUDGET_ENV
+from refcheck.sglang.ddtree import faults, sampling
+from refcheck.sglang.ddtree.drafts import DrafterPool, TargetView, draft_tree, extend_context
+from refcheck.sglang.ddtree.hidden_states import HIDDEN_STATES_CEILING, hidden_states_ceiling_is_full
+from refcheck.sglang.ddtree.layout import batch_layout
+from refcheck.sglang.ddtree.sampling import RequestKeys
+from refcheck.sglang.ddtree.shadow import SHADOW_BUDGET_ENV
+from refcheck.sglang.draft_side import context_side, draft_side, topk_for
+from refcheck.sglang.env import ENV_DIR
 from reference.drafter import DFlashDrafter
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class _Contexts:
 
 
 class DDTreeWorker(ngram.NGRAMWorker):
-    #: an injected engine fault (refcheck/sglang_ddtree/faults.py), or None for the correct worker
+    #: an injected engine fault (refcheck/sglang/ddtree/faults.py), or None for the correct worker
     fault: str | None = None
     #: shadow mode: build the DDTree, verify the chain (module docstring)
     shadow: bool = False

@@ -47,7 +47,7 @@ import dataclasses
 
 import torch
 
-from refcheck.sglang_ddtree.sampling import RequestKeys
+from refcheck.sglang.ddtree.sampling import RequestKeys
 
 PREFIX = "REFCHECK_DDTREE_FAULT_"
 VERIFY_FAULTS = ("mamba-flat-index", "kv-move-last", "flat-positions", "bonus-neighbour")

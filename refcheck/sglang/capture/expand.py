@@ -1,17 +1,17 @@
 """Batch records, as the engine shipped them, -> per-request step and prefill records (host only, at read time).
 
 Contract: inside SGLang the plugin ships one record per verify call (or target-only decode, or prefill) for the
-requests of the batch it records, holding the batch's reduced tensors (:mod:`refcheck.sglang_capture.steps`'
+requests of the batch it records, holding the batch's reduced tensors (:mod:`refcheck.sglang.capture.steps`'
 node summary, the accept outputs, the committed state sketched on the device, layer sketches, the drafter's
 top ranks and context). :func:`expand_batch` and :func:`expand_prefill` turn such a record into the
-:class:`~refcheck.sglang_capture.steps.StepCapture` / ``PrefillCapture`` records the assembly reads, doing the
+:class:`~refcheck.sglang.capture.steps.StepCapture` / ``PrefillCapture`` records the assembly reads, doing the
 per-request, per-node Python work here, in refcheck's process, rather than in the engine's step.
 
 A batch record's fields: ``layout`` (tree / chain / root), ``rids``, ``origin`` (each request's row in SGLang's
 batch), ``steps`` (each request's step number in the engine, counted by the plugin), ``committed_host`` (the
 scheduler's committed lengths), ``meta``, ``sides`` (REFCHECK_DDTREE's drafter sides by rid, or None),
-``step_s``; tensors ``t`` (per layout, below), ``state`` (:func:`~refcheck.sglang_capture.state.batch_state`),
-``tp``, ``layers`` ``[layers, b*N, r]``, ``draft`` / ``context`` (:mod:`refcheck.sglang_capture.dflash_taps`).
+``step_s``; tensors ``t`` (per layout, below), ``state`` (:func:`~refcheck.sglang.capture.state.batch_state`),
+``tp``, ``layers`` ``[layers, b*N, r]``, ``draft`` / ``context`` (:mod:`refcheck.sglang.capture.dflash_taps`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from refcheck.sglang_capture.drafts import draft_side_of_top
-from refcheck.sglang_capture.state import request_state
-from refcheck.sglang_capture.steps import (
+from refcheck.sglang.capture.state import request_state
+from refcheck.sglang.capture.steps import (
     NodeSummary,
     PrefillCapture,
     StepCapture,
@@ -30,6 +29,7 @@ from refcheck.sglang_capture.steps import (
     root_steps,
     tree_steps,
 )
+from refcheck.sglang.draft_side import draft_side_of_top
 
 
 def _lags(requests: list[int], used: list[int]) -> int:

@@ -21,7 +21,7 @@ HOOK_TARGETS = {
     "eagle_sample": "sglang.srt.speculative.eagle_utils.eagle_sample",
     "dflash": "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2.forward_batch_generation",
     # REFCHECK_DDTREE's keyed sampler (temperature > 0), refcheck's own: the same tree records plus the draws
-    "ddtree_sample": "refcheck.sglang_ddtree.sampling.keyed_sample",
+    "ddtree_sample": "refcheck.sglang.ddtree.sampling.keyed_sample",
     # SGLang's sampler (prefill and target-only decode) overwrites the logits in place with softmax(logits / T)
     # when a batch samples: the capture keeps the raw logits from just before it
     "sample": "sglang.srt.model_executor.model_runner.ModelRunner.sample",

@@ -1,6 +1,6 @@
 """Whether capture changed an SGLang run's tokens: the untraced passes' differences, judged at near-ties.
 
-Contract: the engine process (:mod:`refcheck.runners.sglang_child`) records where each untraced pass
+Contract: the engine process (:mod:`refcheck.sglang.child`) records where each untraced pass
 (the warm-up before the captured one, the timing repeats after it) first leaves the captured pass's
 output, per request: ``settings.untraced_diffs`` = {pass: [[request index, output position, captured
 token, untraced token], ...]}. :func:`judge_untraced` holds each first difference against the fp32

@@ -5,7 +5,7 @@ While it is open, two instance-level wraps are in place (removed on exit):
 
 * the draft model runner's ``forward``: after the draft block's forward, the draft hidden states of depths
   1..B-1 go through the target's LM head (the engine's own head and dtype, as SGLang's greedy draft does) and
-  the batch's top ranks per depth are kept on the device (:func:`refcheck.sglang_capture.drafts.draft_top`,
+  the batch's top ranks per depth are kept on the device (:func:`refcheck.sglang.draft_side.draft_top`,
   :attr:`DFlashTaps.draft`); where SGLang's draft returns no hidden states, nothing is kept and
   :attr:`DFlashTaps.missing` says why;
 * ``_append_target_hidden_to_draft_kv_by_loc``: the target features the step feeds the drafter's KV, sketched
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from refcheck.sglang_capture.drafts import DRAFT_TOPK, draft_top
+from refcheck.sglang.draft_side import DRAFT_TOPK, draft_top
 from refcheck.sketch import SKETCH_DIM, projection
 
 ENV_FAULT = "REFCHECK_DRAFT_FAULT"

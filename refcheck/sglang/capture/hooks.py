@@ -1,9 +1,9 @@
-"""refcheck's SGLang plugin: the ``sglang.srt.plugins`` entry point and its capture hooks.
+"""The capture hooks refcheck's SGLang plugin installs in SGLang's processes.
 
-Contract: SGLang calls :func:`register` (no arguments) in its main process and again in every
-spawned scheduler process, before the scheduler is built. It always applies the model fixes of
-:func:`refcheck.sglang_capture.versions.patch_models` (DFLASH needs them whether or not anything
-is captured). Only when ``REFCHECK_CAPTURE_DIR`` is set does it register three AROUND hooks with
+Contract: the plugin's entry point (:func:`refcheck.sglang.plugin.register`) calls :func:`install` once per
+process, with what it patched (the model fixes of :func:`refcheck.sglang.capture.versions.patch_models`, the
+REFCHECK_DDTREE registration; reported in the status file). Only when ``REFCHECK_CAPTURE_DIR``
+(:data:`refcheck.sglang.env.ENV_DIR`) is set does :func:`install` register these AROUND hooks with
 SGLang's ``HookRegistry``:
 
 * ``Scheduler.run_batch``: snapshots each request (rid, committed length, root, pool row) before the
@@ -14,10 +14,10 @@ SGLang's ``HookRegistry``:
   tree, every node's log-probs (taken before SGLang adds penalties in place) and the accept outputs;
 * ``DFlashWorkerV2.forward_batch_generation`` (DFLASH chain verify): candidates, logits and
   accepted lengths of each decode step, and the drafter's side (its top-k per depth, the context fed to it:
-  :mod:`refcheck.sglang_capture.dflash_taps`, which also injects the opt-in ``REFCHECK_DRAFT_FAULT``);
+  :mod:`refcheck.sglang.capture.dflash_taps`, which also injects the opt-in ``REFCHECK_DRAFT_FAULT``);
 * REFCHECK_DDTREE's worker keeps its drafter's side of each decode step (``last_sides``), attached to the
   step's tree records after the batch;
-* ``refcheck.sglang_ddtree.sampling.keyed_sample`` (REFCHECK_DDTREE at temperature > 0, in place of
+* ``refcheck.sglang.ddtree.sampling.keyed_sample`` (REFCHECK_DDTREE at temperature > 0, in place of
   ``eagle_sample``): the same tree records plus every node's draw and uniform; the prefill's keyed
   first-token uniforms are read from the worker (``last_first_uniforms``);
 * ``sgl_kernel.tree_speculative_sampling_target_only`` (SGLang's tree sampler at temperature > 0,
@@ -29,12 +29,12 @@ SGLang's ``HookRegistry``:
 
 **Cost.** The hooks do on the device, in the engine's step and on its stream, only what must be done there:
 the verify logits reduced to each node's top-k, argmax and emitted log-prob, the committed state gathered
-and sketched (:func:`~refcheck.sglang_capture.state.batch_state`), the drafter's top ranks and context
+and sketched (:func:`~refcheck.sglang.capture.state.batch_state`), the drafter's top ranks and context
 sketched. Nothing synchronises the device or waits for the disk: each record's tensors are copied to
 pinned host memory asynchronously and written by a background thread
-(:mod:`refcheck.sglang_capture.shipper`); the per-request, per-node Python runs when refcheck reads the
-capture (:mod:`refcheck.sglang_capture.expand`). The step's time comes from two CUDA events around it. With
-``REFCHECK_CAPTURE_SAMPLE=N:SEED`` (:mod:`refcheck.sglang_capture.sample_rule`) only one step in N of each
+(:mod:`refcheck.sglang.capture.shipper`); the per-request, per-node Python runs when refcheck reads the
+capture (:mod:`refcheck.sglang.capture.expand`). The step's time comes from two CUDA events around it. With
+``REFCHECK_CAPTURE_SAMPLE=N:SEED`` (:mod:`refcheck.sglang.capture.sample_rule`) only one step in N of each
 request is recorded (the prefill's first token always); a batch with no recorded request runs as if no
 capture were loaded.
 
@@ -59,13 +59,13 @@ from typing import Any
 
 import torch
 
-from refcheck.sglang_capture import dflash_taps, layers, sampler_faults, versions
-from refcheck.sglang_capture.records import ENV_DIR, ENV_FULL, UNTRACED_RID_PREFIX, Recorder
-from refcheck.sglang_capture.sample_rule import ENV_SAMPLE, SampleRule, parse, rule_for
-from refcheck.sglang_capture.state import MambaPools, batch_state
-from refcheck.sglang_capture.steps import node_logprobs, pick, summarise_nodes
+from refcheck.sglang.capture import dflash_taps, layers, sampler_faults, versions
+from refcheck.sglang.capture.records import Recorder
+from refcheck.sglang.capture.sample_rule import ENV_SAMPLE, SampleRule, parse, rule_for
+from refcheck.sglang.capture.state import MambaPools, batch_state
+from refcheck.sglang.capture.steps import node_logprobs, pick, summarise_nodes
+from refcheck.sglang.env import ENV_DIR, ENV_FULL, UNTRACED_RID_PREFIX
 
-_registered = False
 _patched: list[str] = []
 _originals: dict[str, Any] = {}
 _recorder: Recorder | None = None
@@ -116,17 +116,10 @@ class _Batch:
 _batch: _Batch | None = None
 
 
-def register() -> None:
-    """The entry point (``[project.entry-points."sglang.srt.plugins"] refcheck``)."""
-    global _registered
-    if _registered:
-        return
-    _registered = True
-    _patched.extend(versions.patch_models())
-    from refcheck.sglang_ddtree.algorithm import register_algorithm
-
-    if register_algorithm():
-        _patched.append("speculative algorithm REFCHECK_DDTREE")
+def install(patched: list[str]) -> None:
+    """Keep what the plugin patched (for the status file) and, when ``REFCHECK_CAPTURE_DIR`` is set, register the
+    hooks (their targets: :data:`~refcheck.sglang.capture.versions.HOOK_TARGETS`)."""
+    _patched.extend(patched)
     if not os.environ.get(ENV_DIR):
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType

@@ -1,4 +1,5 @@
-"""Conversions between SGLang's speculative-decoding tensors and refcheck's layouts (pure functions).
+"""Conversions between SGLang's speculative-decoding tensors and refcheck's layouts (pure functions), shared by
+the capture (:mod:`refcheck.sglang.capture`) and REFCHECK_DDTREE (:mod:`refcheck.sglang.ddtree`).
 
 Contract (facts from SGLang 0.5.17 / 0.5.23 source, see docs/sglang-capture.md):
 

@@ -1,14 +1,14 @@
 """The capture directory: what the plugin writes inside SGLang's scheduler processes, read back in order.
 
 Contract: a :class:`Recorder` (one per scheduler process) writes each record as its own file
-``rank{tp}-pid{pid}/{seq:08d}.rec`` (:mod:`refcheck.sglang_capture.packing`: a JSON header and the tensors'
+``rank{tp}-pid{pid}/{seq:08d}.rec`` (:mod:`refcheck.sglang.capture.packing`: a JSON header and the tensors'
 bytes) through a temporary name and an atomic rename, so a crash loses at most the record being written and never
 leaves a half file under a final name. Batch records go through the process's
-:class:`~refcheck.sglang_capture.shipper.Shipper` (:meth:`Recorder.ship`: asynchronous host copies, written
+:class:`~refcheck.sglang.capture.shipper.Shipper` (:meth:`Recorder.ship`: asynchronous host copies, written
 by its thread, counted in ``queue-rank{tp}-pid{pid}.bin``); error records are written at once.
 ``status-rank{tp}-pid{pid}.json`` says which hooks are live. :func:`read_capture` returns every complete
 record of a directory, per rank, in write order, batch records expanded per request
-(:mod:`refcheck.sglang_capture.expand`); a file that cannot be read, records still queued when the engine
+(:mod:`refcheck.sglang.capture.expand`); a file that cannot be read, records still queued when the engine
 stopped, and records the queue could not take are reported (not skipped silently) in :attr:`Capture.errors`
 and :attr:`Capture.lost`.
 """
@@ -23,15 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from refcheck.atomic_file import atomic_write_bytes
-from refcheck.sglang_capture import packing
-from refcheck.sglang_capture.expand import expand_batch, expand_prefill
-from refcheck.sglang_capture.shipper import Shipper, counts_path, queue_files, read_counts
-from refcheck.sglang_capture.steps import PrefillCapture, StepCapture
-
-ENV_DIR = "REFCHECK_CAPTURE_DIR"
-ENV_FULL = "REFCHECK_CAPTURE_FULL"
-#: requests whose rid starts with this are not captured (timing repeats: no synchronisation, no records)
-UNTRACED_RID_PREFIX = "refcheck-untraced-"
+from refcheck.sglang.capture import packing
+from refcheck.sglang.capture.expand import expand_batch, expand_prefill
+from refcheck.sglang.capture.shipper import Shipper, counts_path, queue_files, read_counts
+from refcheck.sglang.capture.steps import PrefillCapture, StepCapture
 
 
 class Recorder:
@@ -51,7 +46,7 @@ class Recorder:
         atomic_write_bytes(self.dir / f"{seq:08d}.rec", data, durable=False)
 
     def ship(self, kind: str, fields: dict[str, Any], tensors: dict[str, Any]) -> None:
-        """Queue a batch record (its tensors may be on the device); see :mod:`refcheck.sglang_capture.shipper`."""
+        """Queue a batch record (its tensors may be on the device); see :mod:`refcheck.sglang.capture.shipper`."""
         self.shipper.ship(kind, fields, tensors)
 
     def error(self, where: str, message: str) -> None:

@@ -26,9 +26,9 @@ import math
 from dataclasses import dataclass, field
 
 from refcheck.prompts import Prompt
-from refcheck.sglang_capture.records import Capture
-from refcheck.sglang_capture.state import combine_shards
-from refcheck.sglang_capture.steps import StepCapture
+from refcheck.sglang.capture.records import Capture
+from refcheck.sglang.capture.state import combine_shards
+from refcheck.sglang.capture.steps import StepCapture
 from refcheck.trace.io import RequestRow, StateEntry, StepRow, Trace
 from reference.sampling import Sampling, request_key
 

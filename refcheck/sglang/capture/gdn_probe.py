@@ -17,7 +17,7 @@ on the CPU, in the engine's dtypes —
 
 The hook SGLang registers (a plain forward hook: it cannot see the keyword inputs) installs, on its
 first call, a keyword-aware pre-hook on the same module; the first forward (a prefill) is therefore
-not probed, which is fine since only verify forwards are. :mod:`refcheck.sglang_capture.gdn_probe_check`
+not probed, which is fine since only verify forwards are. :mod:`refcheck.sglang.capture.gdn_probe_check`
 compares the records with the reference. A diagnostic: it copies every probed forward to the host.
 """
 
@@ -43,7 +43,7 @@ def spec() -> dict[str, Any]:
     """The ``forward_hooks`` entry for the probed layers (SGLang's module names, Qwen3.5 layout)."""
     return {"name": "refcheck-gdn-probe",
             "target_modules": [f"model.layers.{i}.linear_attn.attn" for i in probe_layers()],
-            "hook_factory": "refcheck.sglang_capture.gdn_probe:hook_factory", "config": {}}
+            "hook_factory": "refcheck.sglang.capture.gdn_probe:hook_factory", "config": {}}
 
 
 _counter = itertools.count()

@@ -3,7 +3,7 @@
 Contract: the logits of a verify forward are reduced where they are, inside the engine's step, to a
 :class:`NodeSummary` (:func:`summarise_nodes`: per node row the top-k log-probs, the raw argmax and the
 log-prob of the token the row emits); the record ships that and the step's small tensors to the host
-(:mod:`refcheck.sglang_capture.shipper`). Each builder then takes those tensors of one verify step for a
+(:mod:`refcheck.sglang.capture.shipper`). Each builder then takes those tensors of one verify step for a
 whole batch (flat ``[bs*N]`` node tensors, ``[bs, N]`` tree links, the node summary, the accept outputs)
 plus, per request, its rid and committed length (tokens whose KV was in the cache before the step,
 i.e. the root's position), and returns one :class:`StepCapture` per request, in refcheck's
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from refcheck.sglang_capture.layout import accepted_from_accept_index, depths_from_parents, parents_from_links
+from refcheck.sglang.layout import accepted_from_accept_index, depths_from_parents, parents_from_links
 
 TOPK = 5
 
@@ -59,7 +59,7 @@ class StepCapture:
     uniforms: list[float] = field(default_factory=list)
     #: SGLang's tree sampler (NGRAM at T > 0): the coin of the bonus draw; NaN = not exposed
     residual_uniform: float = float("nan")
-    #: the drafter's side (refcheck.sglang_capture.drafts): its top-k per depth [L][k]; [] = not exposed
+    #: the drafter's side (refcheck.sglang.draft_side): its top-k per depth [L][k]; [] = not exposed
     draft_ids: list[list[int]] = field(default_factory=list)
     draft_logprobs: list[list[float]] = field(default_factory=list)
     #: positions and feature sketch [A, r] of the context the engine fed its drafter from this step
@@ -77,7 +77,7 @@ class StepCapture:
         return cls(**d)
 
     def attach_draft(self, side: dict[str, Any] | None) -> None:
-        """Set the drafter's side from a record of :mod:`refcheck.sglang_capture.drafts` (None: not exposed)."""
+        """Set the drafter's side from a record of :mod:`refcheck.sglang.draft_side` (None: not exposed)."""
         if not side:
             return
         self.draft_ids, self.draft_logprobs = side.get("ids", []), side.get("logprobs", [])
