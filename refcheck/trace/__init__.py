@@ -10,8 +10,9 @@ manifest and store) are :mod:`refcheck.goldens`.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from refcheck.lazy import lazy_exports
 
 # Names are loaded on first use (PEP 562): importing the package alone loads neither pyarrow nor torch.
 _EXPORTS = {
@@ -37,13 +38,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 if TYPE_CHECKING:  # the same names, eagerly, for type checkers
