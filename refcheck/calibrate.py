@@ -21,11 +21,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ddtree_reference.sampling import Sampling
 from refcheck.budget import budget_json, budget_tag
 from refcheck.diff.findings import Finding, Report, Verdict
 from refcheck.selftest.sampling_faults import CORPUS_SAMPLING, SAMPLING_FAULTS, SELFTEST_SAMPLING
 from refcheck.trace.io import StepRow, Trace
-from reference.sampling import Sampling
 
 CLEAN_BUDGETS = (8, 15, 32, 64, None)
 #: the sampled clean runs (tag, sampling), each at :data:`SAMPLED_BUDGET` with the DFlash drafter: the DDTree
@@ -208,11 +208,11 @@ def calibration_under_test(dtype: str, device: str, bounds: dict[str, float] | N
 def run_one(run: CorpusRun, n_prompts: int, max_new_tokens: int, ref_device: str, bounds: dict | None = None,
             rule: dict | None = None) -> tuple[dict, bytes]:
     """Record and diff one corpus run (a worker entry point); returns (row, trace bytes)."""
+    from ddtree_reference.decode import DDTreeDecoder
     from refcheck.diff.session import DiffSession
     from refcheck.engines import open_engine
     from refcheck.prompts import load_prompts
     from refcheck.trace.io import trace_bytes
-    from reference.decode import DDTreeDecoder
 
     t0 = time.perf_counter()
     prompts = load_prompts()[:n_prompts]

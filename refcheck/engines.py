@@ -82,7 +82,7 @@ def fault_decoder(name: str) -> type:
 
 
 def _open_reference(engine, spec, session, full_state, options) -> Engine:
-    from reference.decode import DDTreeDecoder
+    from ddtree_reference.decode import DDTreeDecoder
 
     return _DecoderEngine(engine, DDTreeDecoder, spec, session, full_state)
 

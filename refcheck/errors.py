@@ -13,7 +13,7 @@ with the code. Codes follow pytest's spirit:
      plain name, an output path or golden directory that cannot be written
      (:class:`OutputPathError`, checked before any work); sampling parameters
      out of range (temperature < 0, top-p outside (0, 1], top-k < 0:
-     ``reference.errors.SamplingError``); temperature > 0 for an engine that
+     ``ddtree_reference.errors.SamplingError``); temperature > 0 for an engine that
      cannot sample
 3    missing or stale golden trace; a golden directory locked by another
      writer past the wait (:class:`GoldenLockError`)
@@ -33,7 +33,7 @@ with the code. Codes follow pytest's spirit:
 
 from __future__ import annotations
 
-from reference.errors import (
+from ddtree_reference.errors import (
     BudgetError,
     CheckpointError,
     ModelMismatchError,

@@ -5,12 +5,12 @@ Contract:
 * :func:`check_device`: ``cpu``, ``cuda`` or ``cuda:N`` (and CUDA present for the latter two),
   else :class:`~refcheck.errors.UsageError` (exit 2).
 * :func:`check_safetensors`: every ``*.safetensors`` file of a checkpoint directory has a readable
-  header, else :class:`~reference.errors.CheckpointError` (exit 6) naming the file.
+  header, else :class:`~ddtree_reference.errors.CheckpointError` (exit 6) naming the file.
 * :func:`check_finite_weights`: no NaN or Inf in a loaded model's parameters and buffers, else
   :class:`~refcheck.errors.NonFiniteError` (exit 6) naming the model, the tensor and the count.
 * :func:`check_draft_for_target`: a DFlash draft's ``num_target_layers`` (top level or in
   ``dflash_config``) equals the target's layer count, its ``target_layer_ids`` lie inside it, and
-  its hidden and vocabulary sizes match, else :class:`~reference.errors.ModelMismatchError` (exit 6).
+  its hidden and vocabulary sizes match, else :class:`~ddtree_reference.errors.ModelMismatchError` (exit 6).
 * :func:`check_budget`: a node budget fits the target's context (``budget + 1`` tree nodes after at
   least one committed token) and the estimated memory of the tree (:func:`tree_memory_bytes`) fits
   the device's available memory, else :class:`~refcheck.errors.UsageError` (exit 2) with the
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
+from ddtree_reference.errors import CheckpointError, ModelMismatchError
 from refcheck.errors import NonFiniteError, UsageError
-from reference.errors import CheckpointError, ModelMismatchError
 
 MEMORY_FRACTION = 0.8  # of the available memory a tree may take
 

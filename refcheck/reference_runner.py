@@ -5,7 +5,7 @@ every comparison, and the engine table runs it as the ``reference`` and ``fault:
 
 Contract: :class:`EngineSpec` says what to run (model and draft directories, dtype, device,
 drafter kind, budget, token limits); :func:`load_pair` turns it into a
-:class:`~reference.target.Target` and a drafter, with refcheck's typed errors for bad input;
+:class:`~ddtree_reference.target.Target` and a drafter, with refcheck's typed errors for bad input;
 :class:`ReferenceRunner` decodes a prompt set and, with ``check_ar``, also the target-only greedy
 oracle for each prompt.
 """
@@ -18,6 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree_reference.decode import DDTreeDecoder, DecodeConfig, DecodeResult
+from ddtree_reference.drafter import DFlashDrafter, Drafter
+from ddtree_reference.oracle import GreedyMemo, greedy_decode, sample_decode
+from ddtree_reference.sampling import request_key
+from ddtree_reference.scripted import ScriptedDrafter
+from ddtree_reference.target import Target
+from ddtree_reference.tree import TreeError
 from refcheck import model_checks
 from refcheck.errors import NonFiniteError, UsageError
 from refcheck.progress import Progress, tell
@@ -26,13 +33,6 @@ from refcheck.provenance import build_provenance
 from refcheck.spec import DRAFTERS, DTYPE_NAMES, EngineSpec  # noqa: F401 - re-exported: runners take a spec
 from refcheck.trace.io import Trace
 from refcheck.trace.record import request_rows
-from reference.decode import DDTreeDecoder, DecodeConfig, DecodeResult
-from reference.drafter import DFlashDrafter, Drafter
-from reference.oracle import GreedyMemo, greedy_decode, sample_decode
-from reference.sampling import request_key
-from reference.scripted import ScriptedDrafter
-from reference.target import Target
-from reference.tree import TreeError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 assert tuple(DTYPES) == DTYPE_NAMES

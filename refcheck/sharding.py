@@ -1,4 +1,4 @@
-"""Diffs against a layer-sharded reference: one process per shard, SPMD (reference/sharded.py).
+"""Diffs against a layer-sharded reference: one process per shard, SPMD (ddtree_reference/sharded.py).
 
 Contract: :func:`sharded_diff` replays a trace against the reference split by layers over ``shards``
 processes (rank i on ``cuda:i`` with NCCL when the reference device is CUDA, gloo on CPUs), each
@@ -32,9 +32,9 @@ def _rank(rank: int, shards: int, port: int, data: bytes, case: str, ref_dtype: 
     import torch
     import torch.distributed as dist
 
+    from ddtree_reference.sharded import PipelineTarget
     from refcheck.diff.session import DiffSession, reference_spec_for
     from refcheck.parallel import thread_share
-    from reference.sharded import PipelineTarget
 
     cuda = ref_device.split(":")[0] == "cuda"
     device = f"cuda:{rank}" if cuda else "cpu"

@@ -6,7 +6,7 @@ Gaussian matrix that depends only on (F, SKETCH_DIM, SEED). It is linear, so
 error of the full tensors (Johnson–Lindenstrauss), and tolerances carry over. Sketches of the same
 tensor are bit-identical across runs on the same device; across devices they agree to rounding.
 
-Per-kind row layouts (reference layouts, see reference/state.py):
+Per-kind row layouts (reference layouts, see ddtree_reference/state.py):
 ``kv_k``/``kv_v``: the rows appended by the step, [Hkv, a, D] -> [a, Hkv*D];
 ``conv``: [K-1, C]; ``rec``: [HV, Dk, Dv] -> [HV, Dk*Dv]; layer outputs [layers, N, H] -> [layers, N, r].
 """
@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import torch
 
-from reference.state import TargetState
+from ddtree_reference.state import TargetState
 
 SKETCH_DIM = 16
 SEED = 20261130

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from refcheck.models import DEFAULT_PAIR, builtin_pair
 
-if TYPE_CHECKING:  # reference.sampling imports torch; a spec only carries the value
-    from reference.sampling import Sampling
+if TYPE_CHECKING:  # ddtree_reference.sampling imports torch; a spec only carries the value
+    from ddtree_reference.sampling import Sampling
 
 #: the dtypes a spec may name (``refcheck.reference_runner.DTYPES`` maps them to torch dtypes)
 DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16")

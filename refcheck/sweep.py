@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
+from ddtree_reference.decode import autoregressive_decode
+from ddtree_reference.sampling import request_key
 from refcheck.budget import budget_label, parse_budget
 from refcheck.errors import UsageError
 from refcheck.progress import Progress, tell
 from refcheck.prompts import Prompt
 from refcheck.reference_runner import EngineSpec, ReferenceRunner
-from reference.decode import autoregressive_decode
-from reference.sampling import request_key
 
 PHASES = ("draft", "tree", "verify", "commit")
 

@@ -33,9 +33,9 @@ def make_prompt(n: int, vocab: int, period: int = 48, seed: int = 0) -> list[int
 
 
 def _time_graph(timer: Any, fn: Any, reps: int, use_graphs: bool = True) -> dict[str, Any]:
-    """``fn`` captured as a CUDA graph (reference.graphs.capture; its eager stand-in off CUDA) and its
+    """``fn`` captured as a CUDA graph (ddtree_reference.graphs.capture; its eager stand-in off CUDA) and its
     replays timed; a failed capture is a result, not a crash."""
-    from reference.graphs import capture
+    from ddtree_reference.graphs import capture
 
     try:
         return span_stats(timer(capture(fn, use_graphs=use_graphs)[0], reps)) or {}
@@ -49,7 +49,7 @@ def _reference_setup(bench: Any, shape: str, device: str, prefix: int,
     floor figures."""
     import torch
 
-    from reference.tree import build_ddtree
+    from ddtree_reference.tree import build_ddtree
 
     dev = torch.device(device)
     t0 = time.time()

@@ -33,8 +33,8 @@ import time
 
 import torch
 
-from reference.graphs import capture
-from reference.tree import build_ddtree
+from ddtree_reference.graphs import capture
+from ddtree_reference.tree import build_ddtree
 
 SHAPES = {
     # Qwen3.6-27B: 64 layers (48 Gated DeltaNet + 16 gated full attention), hidden 5120, vocab 248320
@@ -51,7 +51,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 def build(shape: str, dtype: torch.dtype, device: str):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from reference.target import Target
+    from ddtree_reference.target import Target
 
     spec = dict(SHAPES[shape])
     n = spec["num_hidden_layers"]
@@ -69,7 +69,7 @@ def build(shape: str, dtype: torch.dtype, device: str):
 
 
 def random_drafter(target, layers: int = 2):
-    from reference.drafter import DFlashDrafter, default_target_layer_ids
+    from ddtree_reference.drafter import DFlashDrafter, default_target_layer_ids
 
     h = target.hidden_size
     n_t = len(target.layers)
@@ -108,13 +108,13 @@ class Timer:
 
 def fixed_shape_step(target, drafter, state, root: int, budget: int, timer, reps: int, use_graphs: bool) -> dict:
     """The end-to-end step over fixed-size caches: the draft from fixed-size context buffers
-    (reference/static_draft.py), the tree on the host, then verify + walk + commit + context extend
-    (reference/static.py); as two CUDA graphs with ``use_graphs``, else eagerly through the same
+    (ddtree_reference/static_draft.py), the tree on the host, then verify + walk + commit + context extend
+    (ddtree_reference/static.py); as two CUDA graphs with ``use_graphs``, else eagerly through the same
     code. First checks one run of each against the eager drafter, forward and walk; then times the
     draft, the verify and the whole step. Returns {"equal", "logit_err", "draft_err", "times"} or
     {"error"} (a failed capture is a benchmark result, not a crash)."""
-    from reference.static import StaticState, verify_walk_commit
-    from reference.static_draft import StaticDraftContext
+    from ddtree_reference.static import StaticState, verify_walk_commit
+    from ddtree_reference.static_draft import StaticDraftContext
 
     dev = target.device
     cap = tuple(drafter.target_layer_ids)

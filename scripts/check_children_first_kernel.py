@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""SGLang's tree sampler kernel against refcheck's restatement of its rule (reference/children_first.py).
+"""SGLang's tree sampler kernel against refcheck's restatement of its rule (ddtree_reference/children_first.py).
 
     python scripts/check_children_first_kernel.py [--batches 200] [--out result.json]
 
 Runs ``sgl_kernel.tree_speculative_sampling_target_only`` (the kernel NGRAM's verify calls at
 temperature > 0, thresholds 1) on random trees, target distributions and coins, and replays each
-request with :func:`reference.children_first.walk` on the same float32 probabilities (in float64).
+request with :func:`ddtree_reference.children_first.walk` on the same float32 probabilities (in float64).
 Prints how many requests agree on the accepted path and the bonus; a disagreement is listed with how
 far its coins lie from the rule's edge (``outside``): only edge cases within float32 rounding (the
 kernel sums in float32) may differ. Needs a CUDA GPU and sgl_kernel (the SGLang bundle). Exit 0 when
@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ddtree_reference import children_first  # noqa: E402
 from refcheck.sglang.layout import depths_from_parents, links_from_parents  # noqa: E402
-from reference import children_first  # noqa: E402
 
 EDGE = 1e-5  # float32 running sums over <= 16 children differ from float64 by far less
 

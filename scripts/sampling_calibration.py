@@ -29,6 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ddtree_reference.decode import DDTreeDecoder  # noqa: E402
+from ddtree_reference.sampling import Sampling  # noqa: E402
 from refcheck.diff.distribution import COMPONENTS, Evidence, judge  # noqa: E402
 from refcheck.diff.replay import replay  # noqa: E402
 from refcheck.diff.session import DiffSession  # noqa: E402
@@ -36,8 +38,6 @@ from refcheck.diff.tolerance import calibration_for  # noqa: E402
 from refcheck.prompts import Prompt, load_prompts  # noqa: E402
 from refcheck.reference_runner import EngineSpec  # noqa: E402
 from refcheck.selftest.sampling_faults import SAMPLING_FAULTS, SELFTEST_SAMPLING, hide_randomness  # noqa: E402
-from reference.decode import DDTreeDecoder  # noqa: E402
-from reference.sampling import Sampling  # noqa: E402
 
 
 def clean_runs(seeds: int, n_prompts: int, tokens: int) -> dict:

@@ -16,12 +16,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ddtree_reference.decode import DDTreeDecoder, DecodeConfig  # noqa: E402
+from ddtree_reference.oracle import sample_decode  # noqa: E402
+from ddtree_reference.sampling import Sampling  # noqa: E402
+from ddtree_reference.scripted import ScriptedDrafter  # noqa: E402
+from ddtree_reference.target import Target  # noqa: E402
 from refcheck.models import builtin_pair  # noqa: E402
-from reference.decode import DDTreeDecoder, DecodeConfig  # noqa: E402
-from reference.oracle import sample_decode  # noqa: E402
-from reference.sampling import Sampling  # noqa: E402
-from reference.scripted import ScriptedDrafter  # noqa: E402
-from reference.target import Target  # noqa: E402
 
 PROMPT = [17, 3, 99, 250, 41, 8, 8, 120]
 SETTINGS = [(0.6, 0, 1.0), (1.0, 5, 0.9), (1.7, 0, 0.9), (1.0, 0, 1.0)]  # (T, top-k, top-p)

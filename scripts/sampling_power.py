@@ -33,8 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ddtree_reference.sampling import inverse_cdf, tempered_probs  # noqa: E402
 from refcheck.diff.distribution import ALPHA, Evidence, judge, n_required, pit_values  # noqa: E402
-from reference.sampling import inverse_cdf, tempered_probs  # noqa: E402
 
 T, TOP_P, WALK, REQUEST = 0.7, 0.9, 3, 64
 SIZES = (50, 100, 200, 500, 1000, 2000, 5000)

@@ -38,10 +38,10 @@ def run_sglang(model: Path, out: Path, max_new: int) -> None:
 def compare(path: Path, device: str) -> None:
     import torch
 
+    from ddtree_reference.compat import full_forward_logits
+    from ddtree_reference.oracle import greedy_decode
+    from ddtree_reference.target import Target
     from refcheck.prompts import load_prompts
-    from reference.compat import full_forward_logits
-    from reference.oracle import greedy_decode
-    from reference.target import Target
 
     data = json.loads(path.read_text())
     prompts = {p.id: list(p.prompt_ids) for p in load_prompts()}

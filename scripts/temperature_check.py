@@ -32,6 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ddtree_reference.decode import DDTreeDecoder  # noqa: E402
+from ddtree_reference.sampling import Sampling  # noqa: E402
 from refcheck.diff.replay import replay  # noqa: E402
 from refcheck.diff.session import DiffSession  # noqa: E402
 from refcheck.diff.temperature import Leans  # noqa: E402
@@ -40,8 +42,6 @@ from refcheck.parallel import run_parallel  # noqa: E402
 from refcheck.prompts import Prompt, load_prompts  # noqa: E402
 from refcheck.reference_runner import EngineSpec  # noqa: E402
 from refcheck.selftest.sampling_faults import SAMPLING_FAULTS  # noqa: E402
-from reference.decode import DDTreeDecoder  # noqa: E402
-from reference.sampling import Sampling  # noqa: E402
 
 SAMPLINGS = {"t1": (1.0, 0, 1.0), "t07-p09": (0.7, 0, 0.9), "t15-k20": (1.5, 20, 1.0), "t05": (0.5, 0, 1.0)}
 

@@ -52,9 +52,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def hybrid():
+    from ddtree_reference.drafter import DFlashDrafter
+    from ddtree_reference.target import Target
     from refcheck.models import builtin_pair
-    from reference.drafter import DFlashDrafter
-    from reference.target import Target
 
     tdir, ddir = builtin_pair("hybrid")
     target = Target.load(tdir)
@@ -63,9 +63,9 @@ def hybrid():
 
 @pytest.fixture(scope="session")
 def attention():
+    from ddtree_reference.drafter import DFlashDrafter
+    from ddtree_reference.target import Target
     from refcheck.models import builtin_pair
-    from reference.drafter import DFlashDrafter
-    from reference.target import Target
 
     tdir, ddir = builtin_pair("attention")
     target = Target.load(tdir)

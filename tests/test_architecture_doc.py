@@ -1,6 +1,6 @@
 """docs/architecture.md cannot go stale: every path it names exists, and every package of refcheck/ is in it.
 
-Paths are the words of the page that start with ``refcheck/``, ``reference/``, ``scripts/``, ``tests/``,
+Paths are the words of the page that start with ``refcheck/``, ``ddtree_reference/``, ``scripts/``, ``tests/``,
 ``docs/`` or ``golden/`` (trailing punctuation and a ``: name`` suffix dropped); a package is a directory under
 ``refcheck/`` with an ``__init__.py``.
 """

@@ -8,12 +8,12 @@ import json
 
 import pytest
 
+from ddtree_reference.decode import DDTreeDecoder
 from refcheck.calibrate import CorpusRun, default_corpus, detectability, first_change, markdown, run_one, summarize
 from refcheck.diff.session import DiffSession
 from refcheck.prompts import load_prompts
 from refcheck.reference_runner import EngineSpec
 from refcheck.selftest.faults import FAULTS
-from reference.decode import DDTreeDecoder
 
 
 def _run(kind: str, engine: str, dtype: str = "bfloat16", budget: int | None = 15, drafter: str = "scripted") -> dict:

@@ -11,6 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ddtree_reference import children_first
+from ddtree_reference.sampling import Sampling, tempered_probs
 from refcheck.diff.session import DiffSession
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
 from refcheck.prompts import load_prompts
@@ -22,8 +24,6 @@ from refcheck.selftest.children_first import (
 )
 from refcheck.selftest.sampling_faults import SELFTEST_SAMPLING
 from refcheck.trace.io import trace_bytes, trace_from_bytes
-from reference import children_first
-from reference.sampling import Sampling, tempered_probs
 
 pytestmark = pytest.mark.xdist_group("children_first")
 

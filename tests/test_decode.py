@@ -6,10 +6,10 @@ import copy
 
 import pytest
 
-from reference.decode import DDTreeDecoder, DecodeConfig
-from reference.errors import BudgetError, PromptError
-from reference.oracle import GreedyMemo, greedy_decode
-from reference.scripted import ScriptedDrafter
+from ddtree_reference.decode import DDTreeDecoder, DecodeConfig
+from ddtree_reference.errors import BudgetError, PromptError
+from ddtree_reference.oracle import GreedyMemo, greedy_decode
+from ddtree_reference.scripted import ScriptedDrafter
 
 # --dist loadgroup: one xdist worker runs the whole module, so
 # its module fixture (the greedy continuations) is computed once.

@@ -9,8 +9,8 @@ import torch
 
 dflash_model = pytest.importorskip("dflash.model")
 
+from ddtree_reference.decode import DDTreeDecoder, DecodeConfig  # noqa: E402
 from refcheck.models import builtin_pair  # noqa: E402
-from reference.decode import DDTreeDecoder, DecodeConfig  # noqa: E402
 
 PROMPT = [17, 3, 99, 250, 41, 8, 8, 120, 77, 5, 301, 64]
 

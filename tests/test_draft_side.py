@@ -11,12 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ddtree_reference.tree import build_chain, build_ddtree
 from refcheck.diff.acceptance import Account, StepAccount, cause_of, merge_json
 from refcheck.diff.drafted_tree import TIE_MARGIN, compare, rebuild
 from refcheck.diff.session import DiffSession
 from refcheck.prompts import load_prompts
 from refcheck.reference_runner import EngineSpec
-from reference.tree import build_chain, build_ddtree
 
 pytestmark = pytest.mark.xdist_group("draft_side")
 

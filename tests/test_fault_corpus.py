@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ddtree_reference.decode import DDTreeDecoder, DecodeConfig
 from refcheck.diff.session import DiffSession
 from refcheck.engines import check_engine, fault_decoder
 from refcheck.errors import UsageError
@@ -28,7 +29,6 @@ from refcheck.selftest.faults import (
     first_sibling_parents,
 )
 from refcheck.selftest.onset import fault_onset
-from reference.decode import DDTreeDecoder, DecodeConfig
 
 # --dist loadgroup: one xdist worker runs the whole module, so
 # its module fixture (the clean run and every fault's) is computed once.

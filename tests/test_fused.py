@@ -1,4 +1,4 @@
-"""reference/fused.py: one GEMM per group of projections, the weights held once, the eager path untouched."""
+"""ddtree_reference/fused.py: one GEMM per group of projections, the weights held once, the eager path untouched."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from reference.fused import ATTENTION, GATED_DELTANET, MLP, fuse_block, fuse_layer, project
+from ddtree_reference.fused import ATTENTION, GATED_DELTANET, MLP, fuse_block, fuse_layer, project
 
 
 def _model(hybrid):
@@ -60,7 +60,7 @@ def test_a_group_with_a_bias_or_a_missing_member_is_not_fused():
 
 
 def test_a_target_sharing_the_model_computes_bit_for_bit_what_it_did_after_another_fuses(hybrid):
-    from reference.target import Target
+    from ddtree_reference.target import Target
 
     eager_model = _model(hybrid)
     plain = Target(eager_model)
@@ -78,9 +78,9 @@ def test_a_target_sharing_the_model_computes_bit_for_bit_what_it_did_after_anoth
 def test_releasing_another_ranks_layers_drops_their_fused_weights(hybrid):
     """A layer-sharded target that moves other ranks' layers to the meta device drops their fused weights too
     (the modules' weights are views of them: kept, they would hold the layer's memory), and keeps its own."""
-    from reference.fused import UNFUSED
-    from reference.sharded import PipelineTarget
-    from reference.target import Target
+    from ddtree_reference.fused import UNFUSED
+    from ddtree_reference.sharded import PipelineTarget
+    from ddtree_reference.target import Target
 
     target = Target(_model(hybrid))
     target.fusions = [fuse_layer(layer) for layer in target.layers]

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddtree_reference.oracle import GreedyMemo, greedy_decode
+from ddtree_reference.scripted import ScriptedDrafter
 from refcheck.diff.session import DiffSession
 from refcheck.goldens import GOLDEN_CASES, REPO_GOLDEN, GoldenCase
 from refcheck.goldens.cache import ReportCache, package_roots, report_from_json, source_digest
@@ -19,8 +21,6 @@ from refcheck.goldens.regen import regenerate
 from refcheck.goldens.schedule import estimated_cost, gate_jobs
 from refcheck.parallel import run_queue
 from refcheck.profile import Profile, case_rows, count, phase, phase_rows, timed
-from reference.oracle import GreedyMemo, greedy_decode
-from reference.scripted import ScriptedDrafter
 
 
 def test_profile_phases_are_exclusive_and_nest():
@@ -132,9 +132,9 @@ def tiny_golden(tmp_path, monkeypatch) -> Path:
 
 def test_source_digest_covers_every_file_of_the_packages(tmp_path):
     roots = package_roots()
-    assert [r.name for r in roots] == ["refcheck", "reference"]
+    assert [r.name for r in roots] == ["refcheck", "ddtree_reference"]
     assert any(p.name == "target.py" for p in roots[1].iterdir())  # the reference's code, not a copy
-    copy = tmp_path / "reference"
+    copy = tmp_path / "ddtree_reference"
     shutil.copytree(roots[1], copy, ignore=shutil.ignore_patterns("__pycache__"))
     before = source_digest((roots[0], copy))
     assert before == source_digest(roots)
@@ -162,7 +162,7 @@ def test_report_cache_hits_and_a_changed_reference_misses(tmp_path, tiny_golden)
     assert p2.counts["cache_hits"] == 1 and p2.forwards == 0 and second == first
     assert json.loads(json.dumps(report_from_json(first).to_json())) == first
 
-    copy = tmp_path / "reference"
+    copy = tmp_path / "ddtree_reference"
     shutil.copytree(package_roots()[1], copy, ignore=shutil.ignore_patterns("__pycache__"))
     (copy / "decode.py").write_text((copy / "decode.py").read_text() + "\n# a change\n")
     changed = ReportCache(cache_dir, (package_roots()[0], copy))

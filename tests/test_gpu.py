@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ddtree_reference.decode import DDTreeDecoder, DecodeConfig
+from ddtree_reference.drafter import DFlashDrafter
+from ddtree_reference.oracle import greedy_decode, path_logits
+from ddtree_reference.scripted import ScriptedDrafter
+from ddtree_reference.target import Target
+from ddtree_reference.tree import build_ddtree
 from refcheck.models import builtin_pair
-from reference.decode import DDTreeDecoder, DecodeConfig
-from reference.drafter import DFlashDrafter
-from reference.oracle import greedy_decode, path_logits
-from reference.scripted import ScriptedDrafter
-from reference.target import Target
-from reference.tree import build_ddtree
 
 pytestmark = pytest.mark.gpu
 PROMPT = [17, 3, 99, 250, 41, 8, 8, 120, 77, 5, 301, 64]
@@ -84,7 +84,7 @@ def test_cuda_bf16_decode_is_lossless_against_bf16_greedy_or_near_tie(pair):
     if res.output_ids != ref:
         i = next(k for k, (a, b) in enumerate(zip(res.output_ids, ref)) if a != b)
         t32 = Target.load(tdir, dtype=torch.float32, device="cuda")
-        from reference.compat import full_forward_logits
+        from ddtree_reference.compat import full_forward_logits
 
         logits = full_forward_logits(t32.model, torch.tensor(PROMPT + ref[:i], device="cuda"))[-1]
         top2 = torch.log_softmax(logits, -1).topk(2).values
@@ -93,7 +93,7 @@ def test_cuda_bf16_decode_is_lossless_against_bf16_greedy_or_near_tie(pair):
 
 def test_ddtree_builder_on_cuda_equals_cpu():
     """The builder selects the top-k on the log-probs' device: same tree from a CUDA tensor as from CPU."""
-    from reference.tree import build_ddtree
+    from ddtree_reference.tree import build_ddtree
 
     g = torch.Generator().manual_seed(3)
     for vocab, ties in ((248320, False), (4096, True)):
@@ -115,9 +115,9 @@ def test_graphed_fixed_shape_step_decodes_like_the_eager_decoder(pair, budget, c
     replayed step after step, each step's tree copied into the graph's inputs: the same trees,
     accepted paths, bonus tokens and output as the eager decoder on the same GPU in fp32 — also
     with the target's layers through torch.compile (Target.compile) inside the graphs."""
-    from reference.graphs import capture
-    from reference.static import StaticState, verify_walk_commit
-    from reference.static_draft import StaticDraftContext
+    from ddtree_reference.graphs import capture
+    from ddtree_reference.static import StaticState, verify_walk_commit
+    from ddtree_reference.static_draft import StaticDraftContext
 
     tdir, ddir = builtin_pair(pair)
     target = Target.load(tdir, dtype=torch.float32, device="cuda")

@@ -17,9 +17,9 @@ pytestmark = pytest.mark.gpu
 
 
 def _load_cuda(device: str):
+    from ddtree_reference.drafter import DFlashDrafter
+    from ddtree_reference.target import Target
     from refcheck.models import builtin_pair
-    from reference.drafter import DFlashDrafter
-    from reference.target import Target
 
     tdir, ddir = builtin_pair("hybrid")
     target = Target.load(tdir, device=device)
@@ -29,7 +29,7 @@ def _load_cuda(device: str):
 def _rank_main(rank: int, world: int, port: int, prompt: list[int], out_dir: str) -> None:
     import torch.distributed as dist
 
-    from reference.sharded import PipelineTarget
+    from ddtree_reference.sharded import PipelineTarget
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off on the lent machines
     torch.cuda.set_device(rank)

@@ -1,6 +1,6 @@
 """The house rules, read from the source: functions fit on a screen, and nothing narrates history.
 
-* No function in ``reference/``, ``refcheck/`` or ``scripts/`` is longer than :data:`MAX_LINES` lines, except
+* No function in ``ddtree_reference/``, ``refcheck/`` or ``scripts/`` is longer than :data:`MAX_LINES` lines, except
   those in :data:`LONG` at most at their listed length (each is a loop or a table whose parts read
   best together, or a script's ``main``); a new long function, or a listed one that grows, fails.
 * Code, docstrings and the manual (``README.md``, ``docs/`` outside ``docs/results/``) say what is: phrases
@@ -27,7 +27,7 @@ NARRATION = re.compile(r"\b(this|last|earlier|previous|next) session\b|\bfirst H
 
 def function_lengths() -> dict[str, int]:
     out = {}
-    for top in ("reference", "refcheck", "scripts"):
+    for top in ("ddtree_reference", "refcheck", "scripts"):
         for path in sorted((ROOT / top).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -44,7 +44,7 @@ def test_functions_fit_on_a_screen():
 
 
 def narrating_lines() -> list[str]:
-    files = [*(ROOT / "reference").rglob("*.py"), *(ROOT / "refcheck").rglob("*.py"), *(ROOT / "scripts").rglob("*"),
+    files = [*(ROOT / "ddtree_reference").rglob("*.py"), *(ROOT / "refcheck").rglob("*.py"), *(ROOT / "scripts").rglob("*"),
              ROOT / "README.md", *(p for p in (ROOT / "docs").rglob("*.md") if "results" not in p.parts)]
     out = []
     for path in files:

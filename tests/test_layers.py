@@ -1,6 +1,6 @@
 """The layers, read from the source (every import statement, module level or inside a function):
 
-* ``reference/`` never imports ``refcheck``: the reference stands on its own;
+* ``ddtree_reference/`` never imports ``refcheck``: the reference stands on its own;
 * the trace format (``refcheck.trace``), the diff (``refcheck.diff``) and the HTML report (``refcheck.report``)
   never import an engine runner
   (``refcheck.runners``, ``refcheck.engines``, ``refcheck.sglang``): a diff judges a trace, whatever
@@ -37,7 +37,7 @@ SGLANG_DIFF = ("refcheck.diff.explain", "refcheck.diff.place", "refcheck.diff.se
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for top in ("refcheck", "reference"):
+    for top in ("refcheck", "ddtree_reference"):
         for p in (ROOT / top).rglob("*.py"):
             name = ".".join(p.relative_to(ROOT).with_suffix("").parts)
             out[name.removesuffix(".__init__")] = p
@@ -66,7 +66,7 @@ def _under(name: str, prefixes) -> bool:
 
 
 def test_reference_never_imports_refcheck():
-    bad = sorted((m, e) for m, es in GRAPH.items() if _under(m, ["reference"]) for e in es if _under(e, ["refcheck"]))
+    bad = sorted((m, e) for m, es in GRAPH.items() if _under(m, ["ddtree_reference"]) for e in es if _under(e, ["refcheck"]))
     assert not bad, bad
 
 
@@ -121,7 +121,7 @@ def test_code_inside_sglang_imports_no_plugin_and_nothing_that_drives_sglang():
 
 
 def test_only_sglang_loads_the_plugin():
-    assert not _edges(["refcheck", "reference"], ["refcheck.sglang.plugin"])
+    assert not _edges(["refcheck", "ddtree_reference"], ["refcheck.sglang.plugin"])
 
 
 def test_the_runner_does_not_import_what_stands_on_it():

@@ -179,7 +179,7 @@ def _untraced(trace, target, k: int, rank: int) -> list[int]:
     """[request 0, position k, captured token, the reference's rank-th choice there]."""
     import torch
 
-    from reference.compat import full_forward_logits
+    from ddtree_reference.compat import full_forward_logits
 
     req = trace.requests[0]
     logits = full_forward_logits(target.model, torch.tensor(list(req.prompt_ids) + list(req.output_ids[:k])))[-1]

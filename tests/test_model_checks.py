@@ -26,8 +26,8 @@ def test_budget_refused_by_memory_with_the_numbers() -> None:
 
 
 def test_non_finite_logprobs_mid_decode_name_the_prompt(cli, tmp_path, monkeypatch) -> None:
-    from reference.decode import DDTreeDecoder
-    from reference.tree import TreeError
+    from ddtree_reference.decode import DDTreeDecoder
+    from ddtree_reference.tree import TreeError
 
     def nan_generate(self, prompt_ids):
         raise TreeError("draft_logprobs contains NaN")

@@ -1,4 +1,4 @@
-"""The oracles' guess (reference/oracle.py): one forward of prompt + an engine's output settles every
+"""The oracles' guess (ddtree_reference/oracle.py): one forward of prompt + an engine's output settles every
 prefix of it that the forward decides by more than the guess margins, and the result is the plain
 loop's, token for token (and margin for margin at the first difference), whatever the guess; the
 margins hold because the rows of a longer forward differ from a prefix's own forward by rounding only,
@@ -11,9 +11,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reference.compat import full_forward_logits
-from reference.oracle import GUESS_CDF_MARGIN, GUESS_MARGIN, GUESS_SAFETY, GreedyMemo, greedy_decode, sample_decode
-from reference.sampling import Sampling
+from ddtree_reference.compat import full_forward_logits
+from ddtree_reference.oracle import (
+    GUESS_CDF_MARGIN,
+    GUESS_MARGIN,
+    GUESS_SAFETY,
+    GreedyMemo,
+    greedy_decode,
+    sample_decode,
+)
+from ddtree_reference.sampling import Sampling
 
 PROMPT = [3, 17, 42, 8, 99, 5, 61]
 
@@ -35,7 +42,7 @@ def test_a_longer_forward_moves_a_prefix_row_far_less_than_the_guess_margin(pair
 def test_a_guess_whose_forward_drifts_settles_nothing(hybrid, greedy_hybrid, monkeypatch):
     """Where the long forward's rows differ from the prefixes' own by more than the margins allow (a model or
     device that rounds coarsely), the guess is not used: the loop runs every prefix, and is right."""
-    import reference.oracle as oracle
+    import ddtree_reference.oracle as oracle
 
     target, _ = hybrid
     real = oracle._guess_rows
@@ -101,7 +108,7 @@ def test_a_second_guess_settles_what_follows_where_the_first_errs(hybrid, greedy
     """Guesses in order (the engine's output, then the reference's own run): where the first leaves the
     oracle, the second settles the rest in its own forward instead of the loop's one per token; a guess that
     does not continue what is settled is skipped; the result is the loop's either way."""
-    import reference.oracle as oracle
+    import ddtree_reference.oracle as oracle
 
     target, _ = hybrid
     calls = {"n": 0}

@@ -41,7 +41,7 @@ def _owning_package(path: Path) -> tuple[str, str]:
 
 
 def _data_files() -> list[Path]:
-    return sorted(p for top in ("refcheck", "reference") for p in (ROOT / top).rglob("*")
+    return sorted(p for top in ("refcheck", "ddtree_reference") for p in (ROOT / top).rglob("*")
                   if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts)
 
 
@@ -83,7 +83,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out of the repository); no build isolation, so nothing is downloaded."""
     tmp = tmp_path_factory.mktemp("wheel")
     wheels, src = tmp / "wheels", tmp / "src"
-    for part in ("refcheck", "reference"):
+    for part in ("refcheck", "ddtree_reference"):
         shutil.copytree(ROOT / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
@@ -151,7 +151,7 @@ def test_refcheck_gate_passes_from_a_fresh_venv(wheel: Path, tmp_path: Path) -> 
     # wheel goes into the venv beside it and is the one imported (the venv's site-packages come first)
     _run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index",
           "--ignore-installed", "-q", str(wheel)], cwd=tmp_path, env=_clean_env())
-    where = _run([str(py), "-c", "import refcheck, reference; print(refcheck.__file__); print(reference.__file__)"],
+    where = _run([str(py), "-c", "import refcheck, ddtree_reference; print(refcheck.__file__); print(ddtree_reference.__file__)"],
                  cwd=tmp_path, env=_clean_env()).stdout.split()
     assert all(w.startswith(str(venv_site)) for w in where), where
     goldens = tmp_path / "golden"
@@ -176,4 +176,4 @@ def test_the_version_has_one_source_and_the_packages_their_type_marker() -> None
     assert "version" not in cfg["project"] and cfg["project"]["dynamic"] == ["version"]
     assert cfg["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "refcheck.__version__"}
     assert refcheck.__version__.count(".") == 2
-    assert (ROOT / "refcheck" / "py.typed").is_file() and (ROOT / "reference" / "py.typed").is_file()
+    assert (ROOT / "refcheck" / "py.typed").is_file() and (ROOT / "ddtree_reference" / "py.typed").is_file()

@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from ddtree_reference.drafter import DFlashDrafter
+from ddtree_reference.errors import CheckpointError, CheckpointTensorsError
+from ddtree_reference.target import Target
 from refcheck.errors import EXIT_MODEL, EXIT_PASS, exit_code_for
 from refcheck.models import builtin_pair
-from reference.drafter import DFlashDrafter
-from reference.errors import CheckpointError, CheckpointTensorsError
-from reference.target import Target
 
 Weights = dict[str, torch.Tensor]
 DOWN = "model.layers.3.mlp.down_proj.weight"  # a target tensor (a Gated DeltaNet layer's MLP)

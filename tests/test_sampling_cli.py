@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from ddtree_reference.sampling import Sampling
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS, EXIT_USAGE
 from refcheck.prompts import Prompt
 from refcheck.reference_runner import EngineSpec, ReferenceRunner
 from refcheck.trace.io import write_trace
-from reference.sampling import Sampling
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from ddtree_reference.sampling import inverse_cdf, keyed_uniforms, tempered_probs
 from refcheck.diff.distribution import Evidence, judge, n_required, pit_value
 from refcheck.diff.session import DiffSession
 from refcheck.errors import EXIT_MISMATCH, EXIT_NOTHING, EXIT_PASS
@@ -17,7 +18,6 @@ from refcheck.reference_runner import EngineSpec
 from refcheck.selftest.faults import find_fault
 from refcheck.selftest.sampling_faults import SAMPLING_FAULTS, SELFTEST_SAMPLING, hide_randomness
 from refcheck.trace.io import trace_bytes, trace_from_bytes
-from reference.sampling import inverse_cdf, keyed_uniforms, tempered_probs
 
 # --dist loadgroup: one xdist worker runs the whole module, so
 # its module fixtures (the sampled clean run and its session) are computed once.
@@ -188,8 +188,8 @@ def test_a_uniform_shared_along_walks_shows_in_the_id_order_serial_test():
 
 # -- in the engine's own dtype: draws judged against the node's rounding spread ------------------------------
 def test_support_gap_is_how_far_the_logits_must_move():
+    from ddtree_reference.sampling import Sampling as S
     from refcheck.diff.sampling import support_gap
-    from reference.sampling import Sampling as S
 
     logp = torch.log_softmax(torch.tensor([4.0, 3.0, 2.0, 1.0, -5.0]), -1)
     assert support_gap(logp, 0, S(1.0, top_k=2)) == 0.0

@@ -11,10 +11,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reference.decode import DDTreeDecoder, DecodeConfig
-from reference.errors import SamplingError
-from reference.oracle import GreedyMemo, sample_decode
-from reference.sampling import (
+from ddtree_reference.decode import DDTreeDecoder, DecodeConfig
+from ddtree_reference.errors import SamplingError
+from ddtree_reference.oracle import GreedyMemo, sample_decode
+from ddtree_reference.sampling import (
     Sampling,
     boundary_margin,
     inverse_cdf,
@@ -23,7 +23,7 @@ from reference.sampling import (
     philox4x32,
     tempered_probs,
 )
-from reference.scripted import ScriptedDrafter
+from ddtree_reference.scripted import ScriptedDrafter
 
 PROMPT = [17, 3, 99, 250, 41, 8, 8, 120]
 NEAR = 1e-6  # a draw this close to a CDF edge may flip under the tree-vs-plain forward's round-off

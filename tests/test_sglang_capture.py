@@ -18,6 +18,8 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
+from ddtree_reference.sampling import Sampling, request_key
+from ddtree_reference.tree import Tree, TreeError
 from refcheck.diff.session import DiffSession
 from refcheck.prompts import load_prompts
 from refcheck.reference_runner import EngineSpec, ReferenceRunner
@@ -27,8 +29,6 @@ from refcheck.sglang.capture.state import MambaPools, batch_state, request_state
 from refcheck.sglang.capture.steps import StepCapture, chain_steps, prefill_records, summarise_nodes, tree_steps
 from refcheck.sglang.ddtree.sampling import RequestKeys, first_token, sample_tree
 from refcheck.sglang.layout import links_from_parents
-from reference.sampling import Sampling, request_key
-from reference.tree import Tree, TreeError
 
 # --dist loadgroup: one xdist worker runs the whole module, so
 # its module fixture (the reference run the captures are cut from) is computed once.

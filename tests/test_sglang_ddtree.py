@@ -11,14 +11,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 
+from ddtree_reference.decode import DDTreeDecoder, DecodeConfig
+from ddtree_reference.drafter import DFlashDrafter
 from refcheck.models import builtin_pair
 from refcheck.prompts import load_prompts
 from refcheck.sglang.ddtree.algorithm import check_server_args, ngram_like_spec_class
 from refcheck.sglang.ddtree.drafts import DrafterPool, TargetView, draft_tree, extend_context
 from refcheck.sglang.ddtree.hidden_states import hidden_states_ceiling_is_full
 from refcheck.sglang.ddtree.layout import TreeLayoutError, ancestor_mask, batch_layout
-from reference.decode import DDTreeDecoder, DecodeConfig
-from reference.drafter import DFlashDrafter
 
 from strategies import rooted_parents  # tests/strategies.py
 
@@ -232,9 +232,9 @@ def test_fault_indices():
 def test_sampler_faults_scale_the_temperature_the_keyed_sampler_draws_at():
     """temperature-high / -low hand the keyed sampler 1.1 x / 0.9 x the request's temperature (greedy requests
     and the other faults untouched); at a node whose uniform lies between the two CDF edges the draw moves."""
+    from ddtree_reference.sampling import Sampling
     from refcheck.sglang.ddtree.faults import sampler_keys
     from refcheck.sglang.ddtree.sampling import RequestKeys, sample_tree
-    from reference.sampling import Sampling
 
     keys = [RequestKeys(Sampling(temperature=0.8, top_p=0.9, seed=3), 7), None]
     assert sampler_keys(keys, None) is keys and sampler_keys(keys, "kv-move-last") is keys

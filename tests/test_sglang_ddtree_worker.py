@@ -23,14 +23,14 @@ import numpy as np
 import pytest
 import torch
 
+from ddtree_reference.decode import DDTreeDecoder, DecodeConfig
+from ddtree_reference.sampling import Sampling, request_key
+from ddtree_reference.tree import Tree
 from refcheck.models import builtin_pair
 from refcheck.prompts import load_prompts
 from refcheck.selftest.faults import SequentialPositions, StateFromFlatIndex, _commit
 from refcheck.selftest.onset import fault_onset
 from refcheck.sglang.ddtree.algorithm import faulty_worker
-from reference.decode import DDTreeDecoder, DecodeConfig
-from reference.sampling import Sampling, request_key
-from reference.tree import Tree
 
 
 class CaptureHiddenMode(enum.IntEnum):
@@ -231,7 +231,7 @@ def _params(max_new: int, sampling: Sampling | None, prompt_id: str) -> NS:
 
 def _run(module, engine_box, target, prompts, budget: int, max_new: int, fault: str | None = None,
          sampling: Sampling | None = None):
-    from reference.drafter import DFlashDrafter
+    from ddtree_reference.drafter import DFlashDrafter
 
     _, ddir = builtin_pair("hybrid")
     capture = DFlashDrafter.load(ddir, target).target_layer_ids
@@ -335,7 +335,7 @@ def test_first_token_uniforms_are_kept_for_the_capture(worker_module, hybrid):
     prompts = load_prompts()[:2]
     s = Sampling(1.0, seed=5)
     _, _, worker = _run(module, box, target, prompts, 15, 1, sampling=s)
-    from reference.sampling import node_uniforms
+    from ddtree_reference.sampling import node_uniforms
 
     want = {f"r{i}": float(node_uniforms(s, request_key(p.id), -1, [len(p.prompt_ids)])[0]) for i, p in enumerate(prompts)}
     assert worker.last_first_uniforms == want

@@ -42,7 +42,7 @@ def test_tree_links_round_trip_and_follow_index_order(draws):
 def test_the_inputs_are_the_reference_layer_s_own(b64):
     """The harness's core output, through the layer's gated norm and out-projection, is the reference
     mixer's output; and exact kernels replay every node clean."""
-    from reference.layers import TreePlan, deltanet_tree
+    from ddtree_reference.layers import TreePlan, deltanet_tree
 
     trace, target = b64
     (inp,) = gdn_inputs(trace, "code-1", 13, target, [0])
@@ -50,7 +50,7 @@ def test_the_inputs_are_the_reference_layer_s_own(b64):
     gdn = target.layers[0].linear_attn
     s = [x for x in trace.steps_of("code-1") if x.step == 13][0]
     x = target.layers[0].input_layernorm(target.body.embed_tokens(torch.tensor(s.tree_tokens)))
-    from reference.layers import gdn_projections
+    from ddtree_reference.layers import gdn_projections
 
     hv, dv = inp.core.shape[1], inp.core.shape[2]
     with torch.no_grad():

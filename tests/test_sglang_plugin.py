@@ -396,10 +396,10 @@ def test_under_overlap_committed_lengths_and_roots_come_from_the_device(capture_
 def test_an_injected_sampler_fault_changes_the_kernel_inputs_not_the_record(capture_dir, monkeypatch):
     """REFCHECK_SAMPLER_FAULT (refcheck's selftest only): the kernel gets the altered coins / probabilities, the
     capture keeps what SGLang made; an unknown name is refused by the runner before any engine starts."""
+    from ddtree_reference.sampling import Sampling
     from refcheck.errors import UsageError
     from refcheck.sglang.capture import sampler_faults
     from refcheck.sglang.runner import check_sampling
-    from reference.sampling import Sampling
 
     coins = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
     probs = torch.tensor([[[0.5, 0.3, 0.2]] * 4])

@@ -372,9 +372,9 @@ def test_layer_sketches_under_cuda_graphs_are_refused_up_front():
 
 
 def test_sampled_request_params_carry_refcheck_keys_only_for_the_keyed_sampler():
+    from ddtree_reference.sampling import Sampling, request_key
     from refcheck.prompts import load_prompts
     from refcheck.sglang.runner import check_sampling, request_sampling_params, sampling_rng
-    from reference.sampling import Sampling, request_key
 
     p = load_prompts()[0]
     greedy = EngineSpec(pair="hybrid", budget=15, max_new_tokens=8)
@@ -400,11 +400,11 @@ def test_sglang_sweep_at_temperature_one(tmp_path, cli):
     sampled replay's verdict, and SGLang-generator repeats are not held to the captured tokens."""
     import copy
 
+    from ddtree_reference.sampling import Sampling
     from refcheck.prompts import load_prompts
     from refcheck.reference_runner import ReferenceRunner
     from refcheck.sglang.sweep import run_sglang_sweep, sweep_row
     from refcheck.trace.io import Trace
-    from reference.sampling import Sampling
 
     s = Sampling(temperature=1.0, seed=1)
     # a short sampled run of the reference plays the engine (keyed draws, replayed exactly)

@@ -1,4 +1,4 @@
-"""The layer-sharded reference (reference/sharded.py) over 2 and 3 CPU processes with gloo.
+"""The layer-sharded reference (ddtree_reference/sharded.py) over 2 and 3 CPU processes with gloo.
 
 Each rank runs the whole DDTree decoder SPMD over its PipelineTarget; rank results are compared with
 a one-process decode: outputs, per-step trees and acceptance, node log-probs (bit-identical: the
@@ -13,21 +13,21 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from ddtree_reference.sharded import split_layers
 from refcheck.sharding import free_port
-from reference.sharded import split_layers
 
 
 def _decode(target, drafter, prompt, budget, max_new):
-    from reference.decode import DDTreeDecoder, DecodeConfig
+    from ddtree_reference.decode import DDTreeDecoder, DecodeConfig
 
     cfg = DecodeConfig(budget=budget, max_new_tokens=max_new, keep_states=True, keep_layers=True)
     return DDTreeDecoder(target, drafter, cfg).generate(prompt)
 
 
 def _load(pair: str = "hybrid"):
+    from ddtree_reference.drafter import DFlashDrafter
+    from ddtree_reference.target import Target
     from refcheck.models import builtin_pair
-    from reference.drafter import DFlashDrafter
-    from reference.target import Target
 
     torch.set_num_threads(1)
     tdir, ddir = builtin_pair(pair)
@@ -50,7 +50,7 @@ def _summary(res, layers: range | None = None) -> dict:
 def _rank_main(rank: int, world: int, port: int, prompt: list[int], budget, max_new: int, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from reference.sharded import PipelineTarget
+    from ddtree_reference.sharded import PipelineTarget
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:

@@ -1,4 +1,4 @@
-"""The fixed-shape reference step (reference/static.py) against the eager one: same trees, same
+"""The fixed-shape reference step (ddtree_reference/static.py) against the eager one: same trees, same
 accepted paths, same bonus, same logits and same committed state, step after step, on both built-in
 targets; and the device walk against Tree.walk_greedy on random trees (hypothesis)."""
 
@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ddtree_reference.decode import DDTreeDecoder, DecodeConfig
+from ddtree_reference.errors import PromptError
+from ddtree_reference.static import StaticState, device_walk, verify_walk_commit
+from ddtree_reference.tree import Tree, build_ddtree
+from ddtree_reference.treechunk import ancestor_matrix
 from refcheck.prompts import load_prompts
-from reference.decode import DDTreeDecoder, DecodeConfig
-from reference.errors import PromptError
-from reference.static import StaticState, device_walk, verify_walk_commit
-from reference.tree import Tree, build_ddtree
-from reference.treechunk import ancestor_matrix
 
 from strategies import rooted_parents  # tests/strategies.py
 
@@ -126,7 +126,7 @@ def test_whole_fixed_shape_step_with_the_static_drafter_decodes_like_the_decoder
     """Draft from fixed-size context buffers, tree on the host, verify + walk + commit + context
     extend on the device: the same trees, accepted paths, bonus tokens and output as the eager
     decoder, step after step (full draft blocks: max_new_tokens stays far away)."""
-    from reference.static_draft import StaticDraftContext
+    from ddtree_reference.static_draft import StaticDraftContext
 
     target, drafter = pair
     prompt = list(load_prompts()[3].prompt_ids)
@@ -177,7 +177,7 @@ def test_the_fixed_shape_step_reads_nothing_back_to_the_host(hybrid, monkeypatch
     """What a CUDA graph forbids, checked on CPU: no tensor is turned into a Python value (item,
     bool, int, float, tolist, or indexing by a 0-dim tensor, which reads it in C++) while the draft,
     the verify, the walk, the commit or the extend run."""
-    from reference.static_draft import StaticDraftContext
+    from ddtree_reference.static_draft import StaticDraftContext
 
     target, drafter = hybrid
     prompt = torch.tensor(list(load_prompts()[5].prompt_ids))

@@ -14,10 +14,10 @@ import shutil
 import pytest
 import torch
 
-from reference.compat import hf_cache_state
-from reference.oracle import path_logits
-from reference.scripted import ScriptedDrafter
-from reference.tree import build_ddtree
+from ddtree_reference.compat import hf_cache_state
+from ddtree_reference.oracle import path_logits
+from ddtree_reference.scripted import ScriptedDrafter
+from ddtree_reference.tree import build_ddtree
 
 TOL = 1e-5  # fp32 CPU, relative to the tensor's scale: rounding only (chunked vs recurrent delta rule)
 
@@ -30,7 +30,7 @@ def _close(got: torch.Tensor, ref: torch.Tensor) -> bool:
 def _tiny_qwen3_next():
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    from reference.target import Target
+    from ddtree_reference.target import Target
 
     cfg = Qwen3NextConfig(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
@@ -72,7 +72,7 @@ def test_prefill_equals_transformers_forward(which, length, rel, request):
     target = _tiny_qwen3_next() if which == "qwen3_next" else request.getfixturevalue(which)[0]
     ids = torch.arange(3, 3 + length) % target.vocab_size
     _, fwd = target.prefill(ids)
-    from reference.compat import full_forward_logits
+    from ddtree_reference.compat import full_forward_logits
 
     ref = full_forward_logits(target.model, ids)
     assert float((fwd.logits - ref).abs().max()) <= rel * max(1.0, float(ref.abs().max()))
@@ -117,7 +117,7 @@ def test_leaky_is_harmless_without_recurrent_layers(attention):
 @pytest.mark.parametrize("method", ["chunk", "levels"])
 @pytest.mark.parametrize("which", ["hybrid", "attention"])
 def test_commit_equals_plain_prefill_of_committed_tokens(which, method, request, monkeypatch):
-    from reference.decode import DDTreeDecoder, DecodeConfig
+    from ddtree_reference.decode import DDTreeDecoder, DecodeConfig
 
     target, _ = request.getfixturevalue(which)
     monkeypatch.setattr(target, "gdn_method", method)
@@ -146,7 +146,7 @@ def test_qwen3_6_style_composite_checkpoint_loads(tmp_path):
     under model.language_model): the reference loads the text model from them."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    from reference.target import Target
+    from ddtree_reference.target import Target
 
     text = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -168,7 +168,7 @@ def test_qwen3_6_style_composite_checkpoint_loads(tmp_path):
 def test_compiled_target_equals_eager_on_decoy_trees(pair):
     """Target.compile (Inductor, for speed at scale) computes the eager reference's math: exact
     and leaky verify of a decoy tree, and the commit built from it, agree to float rounding."""
-    from reference.target import Target
+    from ddtree_reference.target import Target
 
     eager = pair[0]
     compiled = Target(copy.deepcopy(eager.model))  # its own model: compile re-points the weights it fuses

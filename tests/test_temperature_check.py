@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ddtree_reference.sampling import inverse_cdf, keyed_uniforms, tempered_probs
 from refcheck.diff.temperature import (
     ALPHA,
     SLACK,
@@ -21,7 +22,6 @@ from refcheck.diff.temperature import (
     lean_p_value,
     node_leans,
 )
-from reference.sampling import inverse_cdf, keyed_uniforms, tempered_probs
 
 
 def _edge(logp: torch.Tensor, T: float, k: int, p: float, upto: int) -> float:
@@ -150,10 +150,10 @@ def session():
 
 
 def _bf16_trace(session, pair: str, engine: str, prompts: int, tokens: int):
+    from ddtree_reference.decode import DDTreeDecoder
     from refcheck.prompts import load_prompts
     from refcheck.reference_runner import EngineSpec
     from refcheck.selftest.sampling_faults import CORPUS_SAMPLING, SAMPLING_FAULTS
-    from reference.decode import DDTreeDecoder
 
     sampling = CORPUS_SAMPLING["temperature-1.1x"]  # T = 1.0, top-k and top-p off
     spec = EngineSpec(pair=pair, drafter="dflash", budget=15, max_new_tokens=tokens, sampling=sampling, dtype="bfloat16")

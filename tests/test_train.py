@@ -9,12 +9,12 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+from ddtree_reference.drafter import DFlashDrafter
+from ddtree_reference.target import Target
 from refcheck.models import MODELS_DIR, builtin_pair
 from refcheck.models.corpus import KINDS, corpus_sha256, generate_corpus
 from refcheck.models.train import TrainConfig, context_features, draft_block_logits, train_pair
 from refcheck.prompts import load_prompts
-from reference.drafter import DFlashDrafter
-from reference.target import Target
 
 
 def test_corpus_is_deterministic_and_has_three_kinds():

@@ -1,4 +1,4 @@
-"""Tests for reference/tree.py: DDTree best-first construction, chain drafts,
+"""Tests for ddtree_reference/tree.py: DDTree best-first construction, chain drafts,
 tree invariants, greedy acceptance walk, and input validation."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference.tree import Tree, TreeError, build_chain, build_ddtree
+from ddtree_reference.tree import Tree, TreeError, build_chain, build_ddtree
 
 SETTINGS = settings(max_examples=200, deadline=None)
 
@@ -489,7 +489,7 @@ def test_tree_methods_reject_bad_arguments() -> None:
 def test_large_vocab_top_k_equals_the_full_stable_sort(depths, vocab, k, ties, seed, masked):
     """The top-k prefilter used for large vocabularies keeps the full sort's entries and tie order,
     also when most of a row is masked to -inf (then the k-th value itself can be a -inf tie)."""
-    from reference.tree import _sorted_rows
+    from ddtree_reference.tree import _sorted_rows
 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(depths, vocab, generator=g)

@@ -1,4 +1,4 @@
-"""Tests for reference/treechunk.py: the one-chunk (UT/WY) tree gated delta rule against the
+"""Tests for ddtree_reference/treechunk.py: the one-chunk (UT/WY) tree gated delta rule against the
 level-by-level recurrence, against transformers' chain chunk kernel, the tree mask's effect,
 the tree algebra helpers and input validation."""
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference.treechunk import (
+from ddtree_reference.treechunk import (
     TreeChunk,
     ancestor_matrix,
     gated_delta_tree_chunk,

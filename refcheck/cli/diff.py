@@ -41,11 +41,11 @@ from refcheck.prompts import load_prompts, prompt_set_hash
 from refcheck.spec import DTYPE_NAMES
 
 if TYPE_CHECKING:
+    from ddtree_reference.sampling import Sampling
     from refcheck.diff.findings import Report
     from refcheck.diff.session import DiffSession
     from refcheck.spec import EngineSpec
     from refcheck.trace.rows import Trace
-    from reference.sampling import Sampling
 
 #: options of a live run (--engine) only: a recorded trace or a golden carries its own
 _LIVE_ONLY = ("draft_dir", "prompts_file", "max_new_tokens", "dtype", "device", "drafter", "stop_ids", "save_trace",

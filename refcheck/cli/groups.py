@@ -28,8 +28,8 @@ from refcheck.cli.options import BudgetType, DeviceType, parse_ids
 from refcheck.models import BUILTIN_PAIRS, DEFAULT_PAIR
 from refcheck.spec import DRAFTERS, DTYPE_NAMES, EngineSpec
 
-if TYPE_CHECKING:  # reference.sampling imports torch: --help must not
-    from reference.sampling import Sampling
+if TYPE_CHECKING:  # ddtree_reference.sampling imports torch: --help must not
+    from ddtree_reference.sampling import Sampling
 
 G = TypeVar("G")
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -119,7 +119,7 @@ class SamplingOptions:
 
     def sampling(self) -> Sampling | None:
         """The sampling parameters, or None for greedy; out-of-range values are a SamplingError (exit 2)."""
-        from reference.sampling import Sampling
+        from ddtree_reference.sampling import Sampling
 
         s = Sampling(self.temperature, self.top_k, self.top_p, self.sample_seed)
         return None if s.greedy else s

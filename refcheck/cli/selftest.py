@@ -22,9 +22,9 @@ from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
 @click.option("--json", "as_json", is_flag=True)
 def selftest(faults, temperature, top_p, as_json):
     """Inject every known engine bug class into the reference and check that the diff catches each."""
+    from ddtree_reference.sampling import Sampling
     from refcheck.selftest.run import selftest as run_selftest
     from refcheck.selftest.sampling_faults import SELFTEST_SAMPLING
-    from reference.sampling import Sampling
 
     quiet()
     sampling = Sampling(temperature, 0, top_p, SELFTEST_SAMPLING.seed)  # out of range: exit 2

@@ -26,8 +26,8 @@ from refcheck.cli.options import DeviceType, unless_given
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS, UsageError
 from refcheck.prompts import load_prompts
 
-if TYPE_CHECKING:  # reference.sampling imports torch: --help must not
-    from reference.sampling import Sampling
+if TYPE_CHECKING:  # ddtree_reference.sampling imports torch: --help must not
+    from ddtree_reference.sampling import Sampling
 
 
 @main.command()

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from reference.sampling import DOMAIN_PIT, keyed_uniforms
+from ddtree_reference.sampling import DOMAIN_PIT, keyed_uniforms
 
 PIT_SEED = 0x70_17_5EED  # fixed: the test's own randomisation, independent of any engine's seed
 ALPHA = 1e-3
@@ -58,8 +58,8 @@ def n_required(alpha: float = ALPHA, power: float = POWER, effect: float = EFFEC
 def pit_values(probs: torch.Tensor, tokens: torch.Tensor, w: torch.Tensor, order: str = "desc") -> torch.Tensor:
     """Randomized PIT of ``tokens`` ``[n]`` under ``probs`` ``[n, V]`` with randomisation ``w`` ``[n]``:
     ``[n]`` float64. ``order``: "desc" = descending probability (ties: lower id first); "id" = token-id
-    order, the order inverse-CDF samplers draw in (reference.sampling.inverse_cdf)."""
-    p = probs.to(torch.float64)  # the PIT is exact only with float64 sums (see reference.sampling)
+    order, the order inverse-CDF samplers draw in (ddtree_reference.sampling.inverse_cdf)."""
+    p = probs.to(torch.float64)  # the PIT is exact only with float64 sums (see ddtree_reference.sampling)
     pt = p.gather(1, tokens[:, None])  # [n, 1]
     ids = torch.arange(p.shape[1])[None, :]  # [1, V]
     if order == "id":

@@ -22,6 +22,9 @@ from typing import Any, Protocol
 
 import torch
 
+from ddtree_reference.state import TargetState
+from ddtree_reference.target import Target
+from ddtree_reference.tree import Tree, build_chain, build_ddtree
 from refcheck.diff.acceptance import DraftRule
 from refcheck.diff.drafted_tree import compare, rebuild
 from refcheck.diff.findings import Finding, Report, Verdict
@@ -30,9 +33,6 @@ from refcheck.diff.tolerance import Tolerance
 from refcheck.profile import phase
 from refcheck.sketch import cosine, rel_l2, sketch_rows
 from refcheck.trace.rows import StepRow
-from reference.state import TargetState
-from reference.target import Target
-from reference.tree import Tree, build_chain, build_ddtree
 
 
 class ReplayedRequest(Protocol):

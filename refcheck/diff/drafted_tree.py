@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reference.tree import Tree, build_chain, build_ddtree
+from ddtree_reference.tree import Tree, build_chain, build_ddtree
 
 #: path-score margin (nats) under which two paths tie: float32 rounding of a sum of up to 64 log-probs
 TIE_MARGIN = 1e-4

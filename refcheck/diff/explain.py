@@ -28,14 +28,14 @@ from typing import Any
 
 import torch
 
+from ddtree_reference.compat import full_forward_logits
+from ddtree_reference.state import TargetState
+from ddtree_reference.target import Target
+from ddtree_reference.treechunk import ancestor_matrix
 from refcheck.diff.tolerance import calibration_for, engine_numerics, tolerance_of
 from refcheck.diff.triage import UNIT_ROUNDOFF, RoundingEnsemble, Rule, StepInputs, topk_spread
 from refcheck.errors import UsageError
 from refcheck.trace.rows import RequestRow, StepRow, Trace
-from reference.compat import full_forward_logits
-from reference.state import TargetState
-from reference.target import Target
-from reference.treechunk import ancestor_matrix
 
 
 @dataclass(slots=True)

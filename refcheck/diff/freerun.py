@@ -9,7 +9,7 @@ of the reference itself) any per-step τ difference fails; otherwise the τ stat
 only (acceptance is not correctness).
 
 A sampled request (temperature > 0) is held against target-only *sampling* with the engine's own
-keys (:func:`reference.oracle.sample_decode`) when its uniforms are refcheck's position-keyed
+keys (:func:`ddtree_reference.oracle.sample_decode`) when its uniforms are refcheck's position-keyed
 ones; a first difference at a draw within ``cdf_tol`` of a CDF edge is a benign tie. With the
 engine's own generator there is no token-level oracle: "unsupported" here, and the distributional
 test of replay judges it.
@@ -21,11 +21,11 @@ import statistics
 
 import torch
 
+from ddtree_reference.compat import full_forward_logits
+from ddtree_reference.decode import DecodeResult
 from refcheck.diff.findings import Finding, Report, Verdict
 from refcheck.diff.tolerance import Tolerance
 from refcheck.trace.rows import RequestRow, Trace
-from reference.compat import full_forward_logits
-from reference.decode import DecodeResult
 
 
 def _first_diff(a: list[int], b: list[int]) -> int | None:

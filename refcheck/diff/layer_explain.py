@@ -31,15 +31,15 @@ from typing import Any
 
 import torch
 
+from ddtree_reference.layers import TreePlan, conv_window_rows
+from ddtree_reference.state import TargetState
+from ddtree_reference.target import Target
+from ddtree_reference.treechunk import ancestor_matrix
 from refcheck.diff.explain import committed_state, find_step, visibility_variants
 from refcheck.diff.tolerance import tolerance_of
 from refcheck.errors import UsageError
 from refcheck.sketch import layer_sketch, rel_l2, rel_l2_rows, sketch_rows
 from refcheck.trace.io import Trace
-from reference.layers import TreePlan, conv_window_rows
-from reference.state import TargetState
-from reference.target import Target
-from reference.treechunk import ancestor_matrix
 
 TOKEN_CHUNK = 1024  # candidate tokens per layer-0 pass (a 248k vocabulary runs in ~240 passes)
 

@@ -19,6 +19,9 @@ from typing import Any
 
 import torch
 
+from ddtree_reference.state import TargetState
+from ddtree_reference.target import Target
+from ddtree_reference.tree import Tree
 from refcheck.diff.findings import Finding, Verdict
 from refcheck.diff.rounding_guard import RoundingGuard
 from refcheck.diff.tolerance import CALIBRATIONS, Tolerance
@@ -26,9 +29,6 @@ from refcheck.diff.triage import StepSpread
 from refcheck.profile import timed
 from refcheck.sketch import layer_sketch, rel_l2
 from refcheck.trace.io import StepRow
-from reference.state import TargetState
-from reference.target import Target
-from reference.tree import Tree
 
 #: under the fp32 reference's own precision nothing is judged (its bounds against transformers, CPU)
 FLOOR = CALIBRATIONS[("float32", "cpu")].tolerance

@@ -48,6 +48,11 @@ from collections.abc import Callable
 
 import torch
 
+from ddtree_reference.drafter import Drafter
+from ddtree_reference.sampling import tempered_probs
+from ddtree_reference.state import TargetState
+from ddtree_reference.target import Target
+from ddtree_reference.tree import Tree, TreeError
 from refcheck.diff.acceptance import Account, DraftRule, StepAccount, cause_of
 from refcheck.diff.distribution import Evidence
 from refcheck.diff.draft_checks import check_context, check_drafted_tree, reference_tau, shadow_tau
@@ -67,11 +72,6 @@ from refcheck.diff.triage import RoundingEnsemble, StepSpread
 from refcheck.profile import timed
 from refcheck.sketch import cosine, rel_l2, sketch_rows, state_rows
 from refcheck.trace.io import StepRow, Trace, gaps_declared
-from reference.drafter import Drafter
-from reference.sampling import tempered_probs
-from reference.state import TargetState
-from reference.target import Target
-from reference.tree import Tree, TreeError
 
 STATE_CATEGORY = {"kv_k": "kv", "kv_v": "kv", "conv": "conv", "rec": "recurrent"}
 

@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
+from ddtree_reference.state import TargetState
+from ddtree_reference.tree import Tree
 from refcheck.diff.findings import Finding, Report, Verdict
 from refcheck.diff.triage import RoundingEnsemble, Rule, StepInputs, StepSamples, StepSpread
 from refcheck.profile import timed
 from refcheck.sketch import rel_l2, sketch_rows, state_rows
 from refcheck.trace.io import StateEntry, StepRow
-from reference.state import TargetState
-from reference.tree import Tree
 
 MAX_RATIOS = 4000  # judged deviations kept per report for `refcheck calibrate`
 

@@ -3,7 +3,7 @@
 Contract: :class:`SampledRequest` reads a request row's sampling columns (schema 1.2);
 :func:`replay_sampled_step` takes the reference's sampling distribution at every node of the
 engine's tree at the engine's prefix (``probs`` ``[N, V]`` float64, from
-:func:`reference.sampling.tempered_probs` of the replay's logits) and the engine's recorded draws
+:func:`ddtree_reference.sampling.tempered_probs` of the replay's logits) and the engine's recorded draws
 and/or uniforms, and returns findings:
 
 * ``sampling``: a recorded uniform that is not the keyed generator's (when the trace says the
@@ -27,7 +27,7 @@ listed in :attr:`StepReplay.rounding` (the replay reports it as consistent with 
 if the request is otherwise right) instead of failing.
 
 An engine with the children-first rule (rng ``engine-children-first``: SGLang's target-only tree sampler,
-:mod:`reference.children_first`) exposes a uniform per node and the step's residual uniform instead of
+:mod:`ddtree_reference.children_first`) exposes a uniform per node and the step's residual uniform instead of
 draws: at each node of its accepted path the token that came out (the next accepted node's, or the bonus
 at the last) must be what the rule gives with those uniforms under the reference's distribution, within
 ``cdf_tol`` (a benign tie) or the rounding judge, else ``accepted_path`` (a child) or ``bonus`` fails there.
@@ -47,14 +47,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from ddtree_reference import children_first
+from ddtree_reference.sampling import Sampling, boundary_margin, inverse_cdf, node_uniforms, tempered_probs
+from ddtree_reference.tree import Tree
 from refcheck.diff.findings import Finding, Verdict
 from refcheck.trace.io import RequestRow, StepRow
-from reference import children_first
-from reference.sampling import Sampling, boundary_margin, inverse_cdf, node_uniforms, tempered_probs
-from reference.tree import Tree
 
 RECOMPUTABLE = {"refcheck-philox-position": "position", "refcheck-philox-node": "node"}
-CHILDREN_FIRST = "engine-children-first"  # the rng kind of an engine with reference.children_first's rule
+CHILDREN_FIRST = "engine-children-first"  # the rng kind of an engine with ddtree_reference.children_first's rule
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from ddtree_reference.decode import DecodeResult
+from ddtree_reference.oracle import GreedyMemo, sample_decode
+from ddtree_reference.scripted import ScriptedDrafter
 from refcheck.diff.findings import Report
 from refcheck.diff.freerun import free_run
 from refcheck.diff.replay import replay
@@ -28,9 +31,6 @@ from refcheck.reference_runner import ReferenceRunner
 from refcheck.spec import EngineSpec
 from refcheck.trace.io import check_token_ids
 from refcheck.trace.rows import RequestRow, Trace
-from reference.decode import DecodeResult
-from reference.oracle import GreedyMemo, sample_decode
-from reference.scripted import ScriptedDrafter
 
 MODES = ("replay", "free", "both")
 
@@ -72,7 +72,7 @@ def check_token_limit(trace: Trace, context: int, source: str) -> None:
 class DiffSession:
     """Loaded reference runners and the work several diffs share, computed once per session:
 
-    * the target's greedy continuations (:class:`reference.oracle.GreedyMemo`, one per model and
+    * the target's greedy continuations (:class:`ddtree_reference.oracle.GreedyMemo`, one per model and
       numerics): the free run's target-only oracle and the scripted drafter's "true" drafts (the
       stand-in drafter of engine traces without one) are the same plain forwards of the same greedy
       prefixes, so each distinct sequence is run once, whichever case or runner asks;
@@ -110,7 +110,7 @@ class DiffSession:
                guesses: Sequence[Sequence[int]] = ()) -> list[int]:
         """The target-only greedy continuation of ``prompt``: ``n`` tokens (fewer after a stop token);
         ``guesses`` (the engine's output, the reference's own run) are settled in one forward each where they hold
-        (``reference.oracle``)."""
+        (``ddtree_reference.oracle``)."""
         memo = self.memo(runner)
         before = memo.forwards
         with phase("greedy_oracle"):

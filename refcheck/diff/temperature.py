@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
+from ddtree_reference.sampling import inverse_cdf
 from refcheck.trace.io import Trace
-from reference.sampling import inverse_cdf
 
 ALPHA = 1e-3
 #: how far from 1/2 a correct engine's chance of a higher-leaning step may lie (a lean of up to 60 / 40)

@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from reference.state import TargetState
-from reference.target import PREFILL_CHUNK, Target
+from ddtree_reference.state import TargetState
+from ddtree_reference.target import PREFILL_CHUNK, Target
 
 #: unit roundoff (half the machine epsilon) of the engine dtypes refcheck diffs
 UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 2.0 ** -24}
@@ -105,7 +105,7 @@ def noise_stream(seed: int, sample: int, part: int) -> torch.Generator:
 def rounding_noise(modules: list[torch.nn.Module], unit_roundoff: float, source: torch.Generator | NoiseSource,
                    residual: Sequence[Any] = ()) -> Iterator[NoiseSource]:
     """Every ``nn.Linear`` input and output inside ``modules``, and the residual stream of every object in
-    ``residual`` (a :class:`~reference.target.Target` or DFlash drafter: its ``residual_rounding``
+    ``residual`` (a :class:`~ddtree_reference.target.Target` or DFlash drafter: its ``residual_rounding``
     hook, after each add), is multiplied by ``1 + u*U(-1, 1)`` while active, the uniforms drawn from
     ``source`` (a CPU generator, or a :class:`NoiseSource` whose generator the caller swaps)."""
     src = source if isinstance(source, NoiseSource) else NoiseSource(source)

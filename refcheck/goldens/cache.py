@@ -46,8 +46,8 @@ _log = logging.getLogger(__name__)
 
 def package_roots() -> tuple[Path, ...]:
     """The directories of the imported ``refcheck`` and ``reference`` packages."""
+    import ddtree_reference as reference
     import refcheck
-    import reference
 
     return (Path(refcheck.__file__).resolve().parent, Path(reference.__file__).resolve().parent)
 

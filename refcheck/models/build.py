@@ -187,7 +187,7 @@ def build_target(name: str, seed: int) -> torch.nn.Module:
 
 def _draft_dict(target_layers: int, w: dict, shape: dict) -> dict:
     """A DFlash draft config over widths ``w`` (widths()); ``shape`` overrides its layer count and heads."""
-    from reference.drafter import default_target_layer_ids
+    from ddtree_reference.drafter import default_target_layer_ids
 
     layers = shape.get("num_hidden_layers", DRAFT_LAYERS)
     return dict(

@@ -6,7 +6,7 @@ DFlash drafter the DFlash way on them: a block ``[anchor, MASK × (B−1)]`` at 
 ``a .. a+B−1`` attends non-causally to itself and to the context ``hidden_norm(fc(target hidden
 states after target_layer_ids))`` at positions ``< a``, and predicts the target's continuation
 ``a+1 .. a+B−1`` with depth-decaying weights. :func:`draft_block_logits` is that batched forward; it
-must equal :class:`reference.drafter.DFlashDrafter` at inference (tests/test_train.py checks it).
+must equal :class:`ddtree_reference.drafter.DFlashDrafter` at inference (tests/test_train.py checks it).
 Checkpoints are written in the layouts the reference, z-lab's ``dflash`` and SGLang load.
 """
 

@@ -1,7 +1,7 @@
 """A children-first engine in the reference decoder, and the faults such an engine can have.
 
 Contract: :class:`ChildrenFirstEngine` decodes like SGLang's target-only tree sampler
-(:mod:`reference.children_first`): every node has its own uniform (the "coins"), the walk tries a
+(:mod:`ddtree_reference.children_first`): every node has its own uniform (the "coins"), the walk tries a
 node's children in sibling order against the running sum of their target probabilities, and the bonus
 is drawn with the step's residual uniform from the target with the rejected children removed. Its
 random numbers are refcheck's Philox under counter words of their own (:data:`DOMAIN_COIN`,
@@ -24,15 +24,15 @@ from dataclasses import replace
 
 import torch
 
+from ddtree_reference import children_first
+from ddtree_reference.decode import DDTreeDecoder
+from ddtree_reference.sampling import Sampling, inverse_cdf, keyed_uniforms, tempered_probs
+from ddtree_reference.tree import Tree
 from refcheck.diff.sampling import CHILDREN_FIRST
 from refcheck.selftest.sampling_faults import SELFTEST_SAMPLING
 from refcheck.trace.io import Trace
-from reference import children_first
-from reference.decode import DDTreeDecoder
-from reference.sampling import Sampling, inverse_cdf, keyed_uniforms, tempered_probs
-from reference.tree import Tree
 
-#: the counters' last word for this engine's numbers (reference.sampling uses 1-3)
+#: the counters' last word for this engine's numbers (ddtree_reference.sampling uses 1-3)
 DOMAIN_COIN, DOMAIN_RESIDUAL = 4, 5
 #: flat sampling, under which second and later children carry mass: the running-sum fault acts within 2 built-in
 #: prompts x 24 tokens on the hybrid pair (measured: at T = 0.7 / top-p 0.9 it did not, at T = 1.5 it does); the

@@ -1,6 +1,6 @@
 """Deliberately broken variants of the reference decoder, one per known engine bug class.
 
-Contract: each fault is a :class:`~reference.decode.DDTreeDecoder` subclass that overrides exactly
+Contract: each fault is a :class:`~ddtree_reference.decode.DDTreeDecoder` subclass that overrides exactly
 one of the decoder's engine steps (verify, walk, bonus, commit, draft context, what is reported)
 the way a real engine got it wrong, and changes nothing else; real bug reports exist for the first
 nine classes (DESIGN §5), the others are the calibration corpus of issue 16. ``FAULTS`` maps a
@@ -22,11 +22,11 @@ import math
 
 import torch
 
+from ddtree_reference.decode import DDTreeDecoder
+from ddtree_reference.state import TargetState, TreeForward
+from ddtree_reference.tree import Tree
 from refcheck.errors import UsageError
 from refcheck.selftest.sampling_faults import SAMPLING_FAULTS
-from reference.decode import DDTreeDecoder
-from reference.state import TargetState, TreeForward
-from reference.tree import Tree
 
 
 def _commit(state: TargetState, fwd: TreeForward, kv_nodes: list[int], state_node: int, conv_node: int) -> TargetState:

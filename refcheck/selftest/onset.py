@@ -1,6 +1,6 @@
 """Where an injected fault first changes anything: the clean and the faulty decode, step by step.
 
-Contract: :func:`fault_onset` compares two :class:`~reference.decode.DecodeResult` s of the same
+Contract: :func:`fault_onset` compares two :class:`~ddtree_reference.decode.DecodeResult` s of the same
 prompt (decoded with ``keep_states=True``: the clean decoder and a fault of
 :mod:`refcheck.selftest.faults`, same target, drafter and dtype) and returns the first step at
 which anything the engine reports or commits differs, what differs there (named by the diff's
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reference.decode import DecodeResult, StepRecord
+from ddtree_reference.decode import DecodeResult, StepRecord
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ddtree_reference.decode import DDTreeDecoder
+from ddtree_reference.sampling import Sampling
 from refcheck.diff.findings import Verdict
 from refcheck.diff.session import DiffSession
 from refcheck.progress import Progress, tell
@@ -27,8 +29,6 @@ from refcheck.prompts import Prompt, load_prompts
 from refcheck.reference_runner import EngineSpec
 from refcheck.selftest.faults import FAULTS, fault
 from refcheck.selftest.sampling_faults import SAMPLING_FAULTS, hide_randomness
-from reference.decode import DDTreeDecoder
-from reference.sampling import Sampling
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """Faults at temperature > 0: sampled variants of the reference decoder that break losslessness.
 
-Contract: each class overrides exactly one sampling step of :class:`~reference.decode.DDTreeDecoder`
+Contract: each class overrides exactly one sampling step of :class:`~ddtree_reference.decode.DDTreeDecoder`
 (the distribution, the uniforms, the draw, the walk or the bonus) the way a real engine got it
 wrong; at temperature 0 none of them changes anything (the greedy path never calls these steps), so
 they are tested under :data:`SELFTEST_SAMPLING` (T = 0.7, top-p 0.9: temperature applied twice and
@@ -23,10 +23,10 @@ from dataclasses import replace
 
 import torch
 
+from ddtree_reference.decode import DDTreeDecoder
+from ddtree_reference.sampling import Sampling, inverse_cdf, tempered_probs
+from ddtree_reference.tree import Tree
 from refcheck.trace.io import Trace
-from reference.decode import DDTreeDecoder
-from reference.sampling import Sampling, inverse_cdf, tempered_probs
-from reference.tree import Tree
 
 SELFTEST_SAMPLING = Sampling(temperature=0.7, top_k=0, top_p=0.9, seed=20)
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
+from ddtree_reference.compat import full_forward_logits
+from ddtree_reference.target import Target
 from refcheck.diff.tolerance import calibration_for, engine_numerics
-from reference.compat import full_forward_logits
-from reference.target import Target
 
 
 def judge_untraced(trace: Any, target: Target) -> dict[str, Any] | None:

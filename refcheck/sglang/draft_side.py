@@ -39,7 +39,7 @@ def draft_side(scores: torch.Tensor, k: int, logits: bool = True) -> dict[str, A
     depth. Log-softmax in float32: the engine's logits may be bf16, and bf16 log-probs would be coarser than the
     engine's own choice of tokens."""
     lp = torch.log_softmax(scores.float(), dim=-1) if logits else scores.float()  # [L, V]
-    # the tree builder's order (reference.tree): log-prob descending, equal values in ascending token id; torch.topk
+    # the tree builder's order (ddtree_reference.tree): log-prob descending, equal values in ascending token id; torch.topk
     # breaks ties its own way, and a tie at the k-th rank would record another token than the one the tree used
     vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)
     k = min(k, lp.shape[-1])

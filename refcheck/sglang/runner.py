@@ -43,6 +43,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ddtree_reference.drafter import dflash_value
+from ddtree_reference.sampling import Sampling, request_key
 from refcheck.errors import ModelError, UsageError
 from refcheck.prompts import Prompt
 from refcheck.reference_runner import EngineSpec
@@ -53,8 +55,6 @@ from refcheck.sglang.env import ENV_DIR, ENV_FULL, UNTRACED_RID_PREFIX
 from refcheck.sglang.settings import DEFAULT as DEFAULT_SETTINGS
 from refcheck.sglang.settings import ServingSettings, capture_refusal, radix_refusal
 from refcheck.trace.io import Trace
-from reference.drafter import dflash_value
-from reference.sampling import Sampling, request_key
 
 # algorithms whose drafts come from the DFlash draft checkpoint (refcheck's DDTree and its leaky and faulty twins)
 SHADOW = SHADOW_NAME

@@ -1,6 +1,6 @@
 """Turning the reference decoder's per-step records into trace rows.
 
-Contract: :func:`request_rows` converts one :class:`~reference.decode.DecodeResult` (decoded with
+Contract: :func:`request_rows` converts one :class:`~ddtree_reference.decode.DecodeResult` (decoded with
 ``keep_states=True``, and ``keep_layers=True`` for layer sketches) into a ``RequestRow`` and its
 ``StepRow`` s. State summaries are sketches (``refcheck.sketch``) of what each step committed; full
 tensors are added only when asked (``full_state``). A sampled decode (``sampling`` with T > 0) also
@@ -13,10 +13,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ddtree_reference.decode import DecodeResult, StepRecord
+from ddtree_reference.sampling import Sampling
 from refcheck.sketch import layer_sketch, sketch_rows, state_rows
 from refcheck.trace.io import RequestRow, StateEntry, StepRow
-from reference.decode import DecodeResult, StepRecord
-from reference.sampling import Sampling
 
 DRAFT_TOPK = 8
 

@@ -118,7 +118,7 @@ REQUESTS_SCHEMA = pa.schema(_fields_of(RequestRow))  # one row per request
 #: or by (step, node) (each node's draw the inverse CDF of its uniform, token-id order); "engine": the engine's
 #: own generator (uniforms usable for replay, not recomputable); "engine-children-first": the engine's own
 #: generator, each node's uniform tried against its children first and the step's residual uniform drawing the
-#: bonus (:mod:`reference.children_first`, SGLang's target-only tree sampler)
+#: bonus (:mod:`ddtree_reference.children_first`, SGLang's target-only tree sampler)
 RNG_KINDS = ("", "refcheck-philox-position", "refcheck-philox-node", "engine", "engine-children-first")
 
 

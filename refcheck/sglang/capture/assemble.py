@@ -25,12 +25,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ddtree_reference.sampling import Sampling, request_key
 from refcheck.prompts import Prompt
 from refcheck.sglang.capture.records import Capture
 from refcheck.sglang.capture.state import combine_shards
 from refcheck.sglang.capture.steps import StepCapture
 from refcheck.trace.io import RequestRow, StateEntry, StepRow, Trace
-from reference.sampling import Sampling, request_key
 
 
 @dataclass

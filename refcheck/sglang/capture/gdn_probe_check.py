@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
+from ddtree_reference.target import Target
 from refcheck.errors import CorruptTraceError, UsageError
 from refcheck.sglang.capture.gdn_replay import GDNStepInputs, gdn_inputs, parents_from_links, split_qkv
 from refcheck.sketch import rel_l2
 from refcheck.trace.io import Trace
-from reference.target import Target
 
 
 def read_probes(directory: Path) -> list[dict]:

@@ -33,13 +33,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ddtree_reference.layers import conv_window_rows, gdn_projections, l2norm
+from ddtree_reference.target import Target
+from ddtree_reference.treechunk import gated_delta_tree_chunk
 from refcheck.diff.explain import committed_state, find_step
 from refcheck.errors import UsageError
 from refcheck.sketch import rel_l2
 from refcheck.trace.io import Trace
-from reference.layers import conv_window_rows, gdn_projections, l2norm
-from reference.target import Target
-from reference.treechunk import gated_delta_tree_chunk
 
 
 @dataclass(slots=True)

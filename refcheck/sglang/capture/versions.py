@@ -26,7 +26,7 @@ HOOK_TARGETS = {
     # when a batch samples: the capture keeps the raw logits from just before it
     "sample": "sglang.srt.model_executor.model_runner.ModelRunner.sample",
     # SGLang's tree sampler at temperature > 0 (eagle_sample imports it from sgl_kernel when it runs): the
-    # capture keeps its coins, so NGRAM's walk can be replayed exactly (reference/children_first.py)
+    # capture keeps its coins, so NGRAM's walk can be replayed exactly (ddtree_reference/children_first.py)
     "verify_coins": "sgl_kernel.tree_speculative_sampling_target_only",
 }
 

@@ -1,6 +1,6 @@
 """The DFlash drafter inside SGLang: refcheck's drafter over SGLang's embedding and LM head.
 
-Contract: :class:`TargetView` gives :class:`~reference.drafter.DFlashDrafter` the few target
+Contract: :class:`TargetView` gives :class:`~ddtree_reference.drafter.DFlashDrafter` the few target
 attributes it reads (hidden and vocabulary sizes, layer count, device, dtype, the token embedding
 and the LM head) from SGLang's loaded target model, without a second copy of the weights
 (tensor parallelism 1: the embedding and head must be whole). :class:`DrafterPool` keeps one drafter
@@ -72,7 +72,7 @@ def draft_tree(pool: DrafterPool, rid: str, root: int, start: int, budget: int |
     generate, so its last block is shorter. ``temperature`` (a sampled request): the tree is built from the draft
     at that temperature, as the reference builds it. ``depth_shift`` (an injected fault): depth d's tokens are
     taken from the draft's row for depth d + 1 (the last depth keeps its own)."""
-    from reference.tree import build_chain, build_ddtree
+    from ddtree_reference.tree import build_chain, build_ddtree
 
     with pool.context(rid) as drafter:
         logp = drafter.propose(root, start, depth).cpu()  # [L, V] float32

@@ -6,9 +6,9 @@ statistically. REFCHECK_DDTREE instead samples exactly as refcheck's reference d
 (docs/sampling.md), so that its runs replay *exactly*:
 
 * every node draws one token from the target's tempered distribution at its prefix
-  (:func:`reference.sampling.tempered_probs`: ``logits / T``, top-k, top-p, in float64), by the
+  (:func:`ddtree_reference.sampling.tempered_probs`: ``logits / T``, top-k, top-p, in float64), by the
   inverse CDF of a Philox uniform keyed by (seed, request word, position the draw produces)
-  (:func:`reference.sampling.node_uniforms`, keying ``"position"``);
+  (:func:`ddtree_reference.sampling.node_uniforms`, keying ``"position"``);
 * the walk starts at the root and moves to the child whose token equals the node's draw while one
   exists; the bonus is the draw at the last accepted node; the first token after the prefill is the
   draw at position ``len(prompt)`` (:func:`first_token`).
@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
+from ddtree_reference.sampling import Sampling, inverse_cdf, node_uniforms, request_key, tempered_probs
+from ddtree_reference.tree import Tree
 from refcheck.sglang.layout import depths_from_parents, parents_from_links
-from reference.sampling import Sampling, inverse_cdf, node_uniforms, request_key, tempered_probs
-from reference.tree import Tree
 
 #: SGLang's "top-k off" (sampling_params.TOP_K_ALL); -1 is what clients send
 _TOP_K_OFF = (-1, 1 << 30)

@@ -63,6 +63,7 @@ from sglang.srt.speculative import ngram_worker as ngram
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
+from ddtree_reference.drafter import DFlashDrafter
 from refcheck.sglang.ddtree import faults, sampling
 from refcheck.sglang.ddtree.drafts import DrafterPool, TargetView, draft_tree, extend_context
 from refcheck.sglang.ddtree.hidden_states import HIDDEN_STATES_CEILING, hidden_states_ceiling_is_full
@@ -71,7 +72,6 @@ from refcheck.sglang.ddtree.sampling import RequestKeys
 from refcheck.sglang.ddtree.shadow import SHADOW_BUDGET_ENV
 from refcheck.sglang.draft_side import context_side, draft_side, topk_for
 from refcheck.sglang.env import ENV_DIR
-from reference.drafter import DFlashDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class DDTreeWorker(ngram.NGRAMWorker):
 
     def _shadow_tree(self, root: int, logp: torch.Tensor, temperature: float | None) -> tuple[list[int], list[int]]:
         """The DDTree of the shadow budget from the draft (at the request's temperature when sampled)."""
-        from reference.tree import build_ddtree
+        from ddtree_reference.tree import build_ddtree
 
         lp = torch.log_softmax(logp / temperature, dim=-1) if temperature is not None else logp
         tree = build_ddtree(root, lp, int(self.shadow_budget or 15))

@@ -4,7 +4,7 @@ Contract
 ========
 
 Inputs (all for ``n`` tree nodes, already projected, convolved, l2-normalised and, for ``q``,
-scaled by ``1 / sqrt(Dk)``, exactly as in :func:`reference.layers.deltanet_tree`):
+scaled by ``1 / sqrt(Dk)``, exactly as in :func:`ddtree_reference.layers.deltanet_tree`):
 
 * ``q, k``: ``[n, HV, Dk]``; ``v``: ``[n, HV, Dv]``; ``g`` (log decay, ``<= 0``), ``beta``:
   ``[n, HV]``; ``initial_state`` ``S0``: ``[HV, Dk, Dv]`` (the committed prefix's state). All
@@ -37,7 +37,7 @@ overflow. Per-node states are produced lazily by :meth:`TreeChunk.state` /
 :meth:`TreeChunk.states`.
 
 :func:`gated_delta_tree_levels` is the slow exact oracle: the recurrence above evaluated depth
-level by depth level (the same math as ``reference.layers.deltanet_tree``'s loop).
+level by depth level (the same math as ``ddtree_reference.layers.deltanet_tree``'s loop).
 
 Results are in the inputs' dtype and on their device. Bad shapes, dtypes or parents raise
 :class:`ValueError`.

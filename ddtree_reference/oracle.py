@@ -36,9 +36,9 @@ from collections.abc import Sequence
 
 import torch
 
-from reference.compat import full_forward_logits
-from reference.errors import SamplingError
-from reference.sampling import Sampling, boundary_margin, inverse_cdf, node_uniforms, tempered_probs
+from ddtree_reference.compat import full_forward_logits
+from ddtree_reference.errors import SamplingError
+from ddtree_reference.sampling import Sampling, boundary_margin, inverse_cdf, node_uniforms, tempered_probs
 
 #: a guessed prefix's greedy token is taken from the long forward only above this top-two logit margin
 GUESS_MARGIN = 1e-2

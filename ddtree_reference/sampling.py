@@ -5,7 +5,7 @@ Contract
 
 * :class:`Sampling` holds the parameters (temperature T, top-k, top-p, seed, keying) and checks
   them: T < 0, top-p outside (0, 1], top-k < 0 or a keying other than :data:`KEYINGS` are a
-  :class:`~reference.errors.SamplingError`. ``T == 0`` is greedy (:attr:`Sampling.greedy`): the
+  :class:`~ddtree_reference.errors.SamplingError`. ``T == 0`` is greedy (:attr:`Sampling.greedy`): the
   decoder then takes its greedy path, unchanged.
 * :func:`tempered_probs` is *the* target distribution a lossless sampler must draw from, for logits
   ``[..., V]``: ``z = logits / T`` in float64; top-k keeps the k largest ``z`` (ties: lower token id
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from reference.errors import SamplingError
+from ddtree_reference.errors import SamplingError
 
 __all__ = [
     "DOMAIN_NODE",

@@ -20,7 +20,7 @@ modules, so a target that does not pass the fused weights computes what it did.
 
 The fused GEMM computes the same products; its outputs may differ from the separate GEMMs' by float
 rounding (the BLAS library may split the reduction differently for a wider matrix). Fusion is
-therefore part of :meth:`reference.target.Target.compile`'s fast path, never of the eager
+therefore part of :meth:`ddtree_reference.target.Target.compile`'s fast path, never of the eager
 reference. A group whose members differ in dtype, device or input width, or have a bias, is not
 fused (its entry is None). Fuse after the model is on its device.
 """

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from reference.fused import ATTENTION, GATED_DELTANET, project
-from reference.treechunk import ancestor_matrix, gated_delta_tree_chunk
+from ddtree_reference.fused import ATTENTION, GATED_DELTANET, project
+from ddtree_reference.treechunk import ancestor_matrix, gated_delta_tree_chunk
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -74,7 +74,7 @@ def attention_tree(
     x: [n, H] (already input-layernormed); cos/sin: [n, R]; past_*: [Hkv, P, D];
     visible: [n, n] bool, visible[i, j] = node j is an ancestor-or-self of node i;
     prefix_valid: [P] bool, which past slots hold committed tokens (fixed-size caches,
-    reference/static.py); None = all of them. fused: q | k | v's fused weight (reference/fused.py).
+    ddtree_reference/static.py); None = all of them. fused: q | k | v's fused weight (ddtree_reference/fused.py).
     Handles Qwen3 (plain) and Qwen3.5 / Qwen3-Next (output gate packed into q_proj).
     """
     n = x.shape[0]
@@ -141,7 +141,7 @@ def gdn_projections(gdn: torch.nn.Module, x: torch.Tensor,
     """Input projections of one Gated DeltaNet layer for n tokens.
 
     Returns mixed_qkv [n, C], z [n, HV, Dv], b [n, HV], a [n, HV] in the model dtype.
-    Qwen3.5 has separate projections (one GEMM with their ``fused`` weight, reference/fused.py);
+    Qwen3.5 has separate projections (one GEMM with their ``fused`` weight, ddtree_reference/fused.py);
     Qwen3-Next packs them per key-head group.
     """
     n = x.shape[0]
@@ -242,8 +242,8 @@ def deltanet_tree(
     conv_state: [K-1, C] committed conv inputs; recurrent_state: [HV, Dk, Dv] float32.
     method: "levels" (recurrence depth level by depth level, all per-node states materialised) or
     "chunk" (the whole tree as one ancestor-masked chunk of the chunked delta rule,
-    reference/treechunk.py; per-node states rebuilt on demand). Both are exact. fused: the input
-    projections' fused weight (reference/fused.py).
+    ddtree_reference/treechunk.py; per-node states rebuilt on demand). Both are exact. fused: the input
+    projections' fused weight (ddtree_reference/fused.py).
     """
     mixed, z, b, a = gdn_projections(gdn, x, fused)
     plan = plan or TreePlan.build(parents, leaky)

@@ -3,7 +3,7 @@
 Contract: :class:`StaticState` holds the committed target state in buffers of fixed size. Attention
 KV is ``[Hkv, capacity, D]`` per layer, with the committed length as a device scalar (positions at
 or past it are masked out of attention). The Gated DeltaNet conv and recurrent state have the same
-layout as in :class:`~reference.state.TargetState`.
+layout as in :class:`~ddtree_reference.state.TargetState`.
 
 :func:`verify_walk_commit` reads one tree from device tensors of a fixed node count (budget + 1)
 and, without reading anything back to the host, does four things:
@@ -14,7 +14,7 @@ and, without reading anything back to the host, does four things:
 - returns the step's outputs as device tensors.
 
 One captured graph therefore serves every step whose tree has that node count; the caller copies
-each new tree into the graph's input tensors. With a :class:`~reference.static_draft.StaticDraftContext`
+each new tree into the graph's input tensors. With a :class:`~ddtree_reference.static_draft.StaticDraftContext`
 the same call also extends the drafter's context with the accepted nodes, so a whole decode step is
 two graphs (draft; verify + walk + commit + extend) around the host-side tree builder.
 
@@ -34,12 +34,12 @@ from dataclasses import dataclass
 
 import torch
 
-from reference.errors import PromptError
-from reference.layers import LazyStates
-from reference.state import TargetState, TreeForward
-from reference.static_draft import StaticDraftContext
-from reference.target import Target
-from reference.treechunk import unchecked
+from ddtree_reference.errors import PromptError
+from ddtree_reference.layers import LazyStates
+from ddtree_reference.state import TargetState, TreeForward
+from ddtree_reference.static_draft import StaticDraftContext
+from ddtree_reference.target import Target
+from ddtree_reference.treechunk import unchecked
 
 
 class StaticState:

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from reference.drafter import DFlashDrafter
-from reference.errors import PromptError
+from ddtree_reference.drafter import DFlashDrafter
+from ddtree_reference.errors import PromptError
 
 
 class StaticDraftContext:

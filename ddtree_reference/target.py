@@ -3,11 +3,11 @@
 Contract: :class:`Target` wraps a transformers causal LM of type ``qwen3`` (attention only),
 ``qwen3_5`` / ``qwen3_5_text`` (hybrid: Gated DeltaNet + full attention, the Qwen3.5 / Qwen3.6
 architecture) or ``qwen3_next``. It calls the model's own modules (embeddings, norms, MLPs, the
-attention and Gated DeltaNet weights) through :mod:`reference.layers`, never the model's forward,
+attention and Gated DeltaNet weights) through :mod:`ddtree_reference.layers`, never the model's forward,
 so the reference owns the tree semantics and the state layout while the weights and numerics stay
 the library's. ``Target.load`` is strict: a checkpoint that lacks a tensor of the model, holds one it has
 no place for, or one of the wrong shape or a non-floating-point dtype is refused by name
-(:class:`~reference.errors.CheckpointTensorsError`, reference/checkpoint.py), never run with random
+(:class:`~ddtree_reference.errors.CheckpointTensorsError`, ddtree_reference/checkpoint.py), never run with random
 weights. ``forward`` evaluates n nodes below a committed :class:`TargetState`; a prefill is
 a chain, a verify is a draft tree. Node positions are ``state.length + depth`` (siblings share a
 position). ``commit`` never re-runs the model.
@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
-from reference.checkpoint import read_tensor_index, transformers_files, transformers_report
-from reference.compat import rope_position_ids
-from reference.errors import CheckpointError, PromptError, UnsupportedModelError
-from reference.fused import MLP, UNFUSED, LayerFusion, fuse_layer, project
-from reference.layers import TreePlan, attention_tree, conv_window_rows, deltanet_tree
-from reference.state import TargetState, TreeForward
-from reference.treechunk import ancestor_matrix, checks_enabled, unchecked
+from ddtree_reference.checkpoint import read_tensor_index, transformers_files, transformers_report
+from ddtree_reference.compat import rope_position_ids
+from ddtree_reference.errors import CheckpointError, PromptError, UnsupportedModelError
+from ddtree_reference.fused import MLP, UNFUSED, LayerFusion, fuse_layer, project
+from ddtree_reference.layers import TreePlan, attention_tree, conv_window_rows, deltanet_tree
+from ddtree_reference.state import TargetState, TreeForward
+from ddtree_reference.treechunk import ancestor_matrix, checks_enabled, unchecked
 
 SUPPORTED_MODEL_TYPES = frozenset({"qwen3", "qwen3_5", "qwen3_5_text", "qwen3_next"})
 PREFILL_CHUNK = 64  # prompt tokens per prefill forward
@@ -110,7 +110,7 @@ class Target:
         Strict: every parameter and persistent buffer of the model comes from the checkpoint with
         its shape, and the checkpoint holds nothing the model has no place for (tensors the model's
         class skips on purpose, e.g. a vision tower, excepted), else CheckpointTensorsError naming
-        the tensors (reference/checkpoint.py)."""
+        the tensors (ddtree_reference/checkpoint.py)."""
         path = Path(path)
         cfg = read_config(path)
         if cfg["model_type"] not in SUPPORTED_MODEL_TYPES:
@@ -137,7 +137,7 @@ class Target:
         Two changes, both equal to the eager reference up to float rounding, never bit for bit:
 
         * every layer's projections that read one input become one GEMM (``in_proj_qkv | z | b | a``,
-          ``q | k | v``, ``gate | up``: :func:`reference.fused.fuse_layer`; the weights stay held once).
+          ``q | k | v``, ``gate | up``: :func:`ddtree_reference.fused.fuse_layer`; the weights stay held once).
           This applies to every later forward of this target, eager ones included (the model's modules
           are re-pointed at the fused rows but compute what they did: another target sharing the model
           is unaffected);
@@ -292,12 +292,12 @@ class Target:
         run = self._layer_fn if self.compiled and not checks_enabled() else decoder_layer
         if self.is_linear(i):
             mixer_state: tuple = (state.conv[i], state.recurrent[i])
-        else:  # fixed-size caches (reference/static.py) mask their unused slots
+        else:  # fixed-size caches (ddtree_reference/static.py) mask their unused slots
             mixer_state = (state.keys[i], state.values[i], getattr(state, "prefix_valid", None))
         return run(self.layers[i], self.is_linear(i), h, mixer_state, plan, visible, cos, sin, leaky,
                    self.gdn_method, self.residual_rounding, self.fusions[i])
 
-    # -- the stages a layer-sharded target (reference/sharded.py) replaces ------------------------------------
+    # -- the stages a layer-sharded target (ddtree_reference/sharded.py) replaces ------------------------------------
     def _stage_input(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.body.embed_tokens(tokens)  # [n, H]
 
@@ -344,7 +344,7 @@ def decoder_layer(layer: torch.nn.Module, linear: bool, h: torch.Tensor, mixer_s
     attention, ``mixer_state`` = (past keys, past values [Hkv, P, D], valid past slots [P] or None).
     ``rounding`` (None: exact) is applied to the residual stream after each add (refcheck's rounding
     ensemble emulates an engine that stores the residual stream in its own dtype). ``fusion``: the
-    layer's fused projection weights (reference/fused.py). Tensors and plain values only, so that one
+    layer's fused projection weights (ddtree_reference/fused.py). Tensors and plain values only, so that one
     compiled graph serves every layer of a kind (:meth:`Target.compile`).
     """
     x = layer.input_layernorm(h)
@@ -363,7 +363,7 @@ def decoder_layer(layer: torch.nn.Module, linear: bool, h: torch.Tensor, mixer_s
 
 
 def mlp_forward(mlp: torch.nn.Module, x: torch.Tensor, fused: torch.Tensor | None = None) -> torch.Tensor:
-    """Dense or MoE MLP on [n, H]. A dense MLP with its gate | up ``fused`` weight (reference/fused.py)
+    """Dense or MoE MLP on [n, H]. A dense MLP with its gate | up ``fused`` weight (ddtree_reference/fused.py)
     runs them as one GEMM; otherwise the module's own forward (MoE blocks expect a batch axis and may
     return router logits)."""
     if fused is not None:

@@ -1,12 +1,12 @@
 """The reference target split by layers over the ranks of a torch.distributed process group.
 
-Contract: :class:`PipelineTarget` wraps a loaded :class:`~reference.target.Target` on every rank of
+Contract: :class:`PipelineTarget` wraps a loaded :class:`~ddtree_reference.target.Target` on every rank of
 an initialised process group (gloo on CPUs, NCCL on GPUs). Rank r owns a contiguous block of layers
 (:func:`split_layers`) and keeps only their KV / conv / recurrent state (other layers' entries are
 None); the hidden states of a forward travel rank to rank (point-to-point), the last rank computes
 the logits, and every rank receives the logits and the drafter's captured layer outputs (broadcast).
 Everything above the target (drafter, tree builder, walk, commit bookkeeping) runs identically on
-every rank, SPMD, so a :class:`~reference.decode.DDTreeDecoder` over a PipelineTarget behaves like
+every rank, SPMD, so a :class:`~ddtree_reference.decode.DDTreeDecoder` over a PipelineTarget behaves like
 one over the whole model: the same per-layer operations run on the same inputs, so fp32 results are
 bit-identical to one process on the same device type.
 
@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from reference.fused import UNFUSED
-from reference.state import TargetState
-from reference.target import Target
+from ddtree_reference.fused import UNFUSED
+from ddtree_reference.state import TargetState
+from ddtree_reference.target import Target
 
 
 def split_layers(n_layers: int, world: int) -> list[range]:

@@ -21,7 +21,7 @@ class CheckpointError(ReferenceInputError):
 
 class CheckpointTensorsError(CheckpointError):
     """A checkpoint's tensors do not match its model: missing, unexpected, of the wrong shape or of a
-    non-floating-point dtype (reference/checkpoint.py); the lists name them, the message the first few."""
+    non-floating-point dtype (ddtree_reference/checkpoint.py); the lists name them, the message the first few."""
 
     def __init__(self, message: str, missing: Sequence[str] = (), unexpected: Sequence[str] = (),
                  wrong_shape: Sequence[str] = (), wrong_dtype: Sequence[str] = ()) -> None:

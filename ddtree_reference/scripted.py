@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from reference.oracle import GreedyMemo, greedy_decode
+from ddtree_reference.oracle import GreedyMemo, greedy_decode
 
 
 class ScriptedDrafter:
@@ -38,7 +38,7 @@ class ScriptedDrafter:
     ) -> None:
         self.model = model
         #: where the true continuation comes from: ``greedy_decode`` on ``model``, or a memo of it
-        #: (:class:`reference.oracle.GreedyMemo` on the same weights; same tokens, fewer forwards)
+        #: (:class:`ddtree_reference.oracle.GreedyMemo` on the same weights; same tokens, fewer forwards)
         self.oracle = oracle
         self.vocab_size = vocab_size
         self.mask_token_id = mask_token_id

@@ -15,12 +15,12 @@ Conventions (these are what traces and diffs compare):
   z-lab's ``dflash_generate``, so per-step numbers are comparable with it;
 * tokens equal to the drafter's ``mask_token_id`` are ordinary output tokens and are kept.
 
-Sampling (``DecodeConfig.sampling`` with temperature T > 0, :mod:`reference.sampling`): every
+Sampling (``DecodeConfig.sampling`` with temperature T > 0, :mod:`ddtree_reference.sampling`): every
 node draws one token from the target's tempered (top-k, top-p) distribution with its keyed
 uniform; the walk follows the child whose token equals the node's draw; the bonus is the draw at
 the last accepted node; the first token after the prefill is a draw too. The tree is built from
 the drafter's log-probs tempered by the same T (losslessness does not depend on the draft). With
-the default "position" keying the output equals :func:`reference.oracle.sample_decode` token for
+the default "position" keying the output equals :func:`ddtree_reference.oracle.sample_decode` token for
 token. ``sampling=None`` or T = 0 is the greedy decoder, unchanged.
 """
 
@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reference.drafter import Drafter
-from reference.errors import BudgetError, PromptError
-from reference.sampling import Sampling, inverse_cdf, node_uniforms, tempered_probs
-from reference.state import TargetState, TreeForward
-from reference.target import Target
-from reference.tree import Tree, build_chain, build_ddtree
+from ddtree_reference.drafter import Drafter
+from ddtree_reference.errors import BudgetError, PromptError
+from ddtree_reference.sampling import Sampling, inverse_cdf, node_uniforms, tempered_probs
+from ddtree_reference.state import TargetState, TreeForward
+from ddtree_reference.target import Target
+from ddtree_reference.tree import Tree, build_chain, build_ddtree
 
 
 @dataclass(slots=True)
@@ -332,7 +332,7 @@ def autoregressive_decode(target: Target, prompt_ids: list[int], max_new_tokens:
     with ``sampling`` (T > 0) each token drawn with the decoder's keyed uniform for its position.
 
     The speed baseline of sweeps (same implementation, so the ratio measures speculation alone);
-    correctness oracles use :func:`reference.oracle.greedy_decode` / ``sample_decode`` instead.
+    correctness oracles use :func:`ddtree_reference.oracle.greedy_decode` / ``sample_decode`` instead.
     """
     dev = target.device
     sampled = sampling is not None and not sampling.greedy

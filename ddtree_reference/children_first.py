@@ -7,7 +7,7 @@ This is the rule SGLang's ``tree_speculative_sampling_target_only`` kernel imple
 EAGLE-family trees at temperature > 0, with its accept thresholds at their default 1), restated
 here so that a trace of the engine's own random numbers can be replayed exactly:
 
-* At a node with sampling distribution ``q`` (:func:`reference.sampling.tempered_probs` of its
+* At a node with sampling distribution ``q`` (:func:`ddtree_reference.sampling.tempered_probs` of its
   logits) and its own uniform ``u``, the node's children are tried in sibling order (increasing node
   index: SGLang's ``reconstruct_indices_from_tree_mask`` links each child to the next one with a
   higher index) with a running sum ``S_j = q[c_1] + ... + q[c_j]``; the first child with ``u <= S_j``
@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from reference.sampling import boundary_margin, inverse_cdf
+from ddtree_reference.sampling import boundary_margin, inverse_cdf
 
 __all__ = ["bonus", "draw", "outside", "residual", "walk"]
 

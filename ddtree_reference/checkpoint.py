@@ -15,8 +15,8 @@ after building the model, compares the two into a :class:`TensorReport`:
   values (it would be cast to float silently); floating-point dtypes are all accepted, the loader
   casts them to the dtype asked for.
 
-:meth:`TensorReport.raise_if_bad` raises :class:`~reference.errors.CheckpointTensorsError` (a
-:class:`~reference.errors.CheckpointError`: refcheck exits 6) naming the first few tensors of each
+:meth:`TensorReport.raise_if_bad` raises :class:`~ddtree_reference.errors.CheckpointTensorsError` (a
+:class:`~ddtree_reference.errors.CheckpointError`: refcheck exits 6) naming the first few tensors of each
 kind and their count. :func:`transformers_report` builds the report of a transformers
 ``from_pretrained(..., output_loading_info=True, ignore_mismatched_sizes=True)`` (transformers maps
 checkpoint names to the model's, e.g. ``model.language_model.*`` of a composite checkpoint);
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from reference.errors import CheckpointError, CheckpointTensorsError
+from ddtree_reference.errors import CheckpointError, CheckpointTensorsError
 
 SHOWN = 5  # tensor names shown per kind in an error message
 

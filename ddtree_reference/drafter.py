@@ -12,7 +12,7 @@ rejected nodes.
 ``layers.N.self_attn.{q,k,v,o}_proj``, ``q_norm``, ``k_norm``, ``mlp.*``, ``fc``,
 ``hidden_norm``, ``norm`` (optionally under ``model.``). Token embeddings and LM head are the target's
 (a checkpoint's own are ignored). Loading is strict: a tensor missing, unexpected, of the wrong shape
-or not floating point is refused by name (reference/checkpoint.py). The input block is
+or not floating point is refused by name (ddtree_reference/checkpoint.py). The input block is
 ``[b, MASK × (L)]``; the context (``hidden_norm(fc(target hidden))``) gives extra keys/values to
 every layer, kept in a per-request cache; the block's own keys/values never persist. Attention
 inside the block is non-causal.
@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from reference.checkpoint import TensorInfo, read_tensor_index, state_report
-from reference.errors import CheckpointError, ModelMismatchError
-from reference.layers import apply_rope, repeat_heads
-from reference.target import Target
+from ddtree_reference.checkpoint import TensorInfo, read_tensor_index, state_report
+from ddtree_reference.errors import CheckpointError, ModelMismatchError
+from ddtree_reference.layers import apply_rope, repeat_heads
+from ddtree_reference.target import Target
 
 
 class Drafter(Protocol):
@@ -73,7 +73,7 @@ def _draft_name(name: str) -> str | None:
 
 def read_draft_weights(path: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors of draft checkpoint ``path`` under the drafter's names, after checking them against
-    ``state`` (every tensor present, none unexpected, shapes equal, floating point: reference/checkpoint.py)."""
+    ``state`` (every tensor present, none unexpected, shapes equal, floating point: ddtree_reference/checkpoint.py)."""
     index: dict[str, TensorInfo] = {}
     for name, info in read_tensor_index(path, "draft").items():
         new = _draft_name(name)
@@ -226,7 +226,7 @@ class DFlashDrafter(nn.Module):
         """Final-norm hidden states [bs, H] of the block ``ids`` ([bs]) at ``positions`` ([bs]),
         attending (non-causally) to the whole block and to each layer's context keys/values
         ([Hkv, P, D] each, or None for none); ``context_valid`` [P] bool marks the context slots that
-        hold tokens (fixed-size caches, reference/static_draft.py), None = all."""
+        hold tokens (fixed-size caches, ddtree_reference/static_draft.py), None = all."""
         bs = ids.shape[0]
         h = F.embedding(ids, self.target.body.embed_tokens.weight) * self.embed_scale  # [bs, H]
         cos, sin = self._rope(positions, h)
