@@ -34,10 +34,14 @@ def projection(features: int, dim: int = SKETCH_DIM, device: str = "cpu") -> tor
     return _projection(features, dim, SEED, device)
 
 
+def sketch_on_device(x: torch.Tensor, dim: int = SKETCH_DIM) -> torch.Tensor:
+    """[..., F] -> [..., dim] float32 where ``x`` is (upcast first: bf16 accumulation would swamp the signal)."""
+    return x.float() @ _projection(x.shape[-1], dim, SEED, str(x.device))
+
+
 def sketch_rows(x: torch.Tensor, dim: int = SKETCH_DIM) -> torch.Tensor:
-    """[rows, F] -> [rows, dim] float32 (upcast first: bf16 accumulation would swamp the signal)."""
-    proj = _projection(x.shape[-1], dim, SEED, str(x.device))
-    return (x.float() @ proj).cpu()
+    """[rows, F] -> [rows, dim] float32 on the CPU."""
+    return sketch_on_device(x, dim).cpu()
 
 
 def state_rows(state: TargetState, new_from: int) -> dict[str, tuple[int, str, torch.Tensor]]:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from refcheck.sglang.draft_side import DRAFT_TOPK, draft_top
-from refcheck.sketch import SKETCH_DIM, projection
+from refcheck.sketch import sketch_on_device
 
 ENV_FAULT = "REFCHECK_DRAFT_FAULT"
 FAULTS = ("context-positions-shifted", "context-skip-last", "context-layers-swapped", "draft-depth-shift")
@@ -83,8 +83,7 @@ def _swap_first_layers(hidden: torch.Tensor, n_layers: int) -> torch.Tensor:
 def _context(target_hidden: torch.Tensor, positions: torch.Tensor, commit_lens: torch.Tensor, bs: int) -> dict:
     """The drafter's context of a decode step, on the device: feature sketch [bs, B, r], positions [bs, B], lens."""
     rows = target_hidden.view(bs, -1, target_hidden.shape[-1])  # [bs*B, F] -> [bs, B, F]
-    # float32 for the projection: bf16 accumulation would swamp the signal
-    sketch = rows.float() @ projection(rows.shape[-1], SKETCH_DIM, str(rows.device))  # [bs, B, r]
+    sketch = sketch_on_device(rows)  # [bs, B, r]
     return {"sketch": sketch, "positions": positions.view(bs, -1).clone(), "lens": commit_lens.clone()}  # [bs*B] -> [bs, B]
 
 

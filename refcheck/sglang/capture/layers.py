@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from refcheck.sketch import SKETCH_DIM, projection
+from refcheck.sketch import sketch_on_device
 
 TARGET_PATTERNS = ["model.layers.[0-9]", "model.layers.[0-9][0-9]", "model.layers.[0-9][0-9][0-9]"]
 SPEC = {"name": "refcheck-layer-sketches", "target_modules": TARGET_PATTERNS,
@@ -44,8 +44,7 @@ def hook_factory(config: dict) -> Any:
             return
         with torch.no_grad():
             out = layer_output(output)  # [tokens, H]
-            # float32 for the projection: bf16 accumulation would swamp the signal
-            sketch = out.float() @ projection(out.shape[-1], SKETCH_DIM, str(out.device))  # [tokens, r]
+            sketch = sketch_on_device(out)  # [tokens, r]
         if layer == 0 or not FORWARDS or layer in FORWARDS[-1]:
             FORWARDS.append({})
         FORWARDS[-1][int(layer)] = sketch
