@@ -1,7 +1,7 @@
 """A replayed step's drafter side: the tree its drafts give, the context it fed its drafter, and its τ beside the
 reference's.
 
-Contract: three functions over one replayed request (:class:`refcheck.diff.replay` 's ``_Request``, read through
+Contract: three functions over one replayed request (:class:`refcheck.diff.request_replay.RequestReplay`, read through
 the few attributes :class:`ReplayedRequest` names), each called once per step by the replay:
 
 * :func:`check_drafted_tree` (category ``tree``): the tree the engine verified (and, in shadow mode, the tree its

@@ -1,7 +1,7 @@
 """The node checks of a replayed step: every node's argmax and top-k log-probs against the reference's,
 and the layer bisection of a node that fails.
 
-Contract: :class:`NodeChecks` is the part of a request's replay (:mod:`refcheck.diff.replay`) that judges
+Contract: :class:`NodeChecks` is the part of a request's replay (:mod:`refcheck.diff.request_replay`) that judges
 a step's nodes, given the reference's log-probs ``logp`` [N, V] at the engine's tree. An argmax flip is a
 benign tie under the tolerance's tie margin, a flip rounding at the engine's dtype explains (the walk then
 follows the engine), or a failure; top-k log-probs over the cheap bound are held to the rounding ensemble

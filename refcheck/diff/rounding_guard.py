@@ -1,7 +1,7 @@
 """The rounding judgement of one replayed request: the ensemble of a step, run at most once, and what
 its spreads decide.
 
-Contract: :class:`RoundingGuard` is the part of a request's replay (:mod:`refcheck.diff.replay`) that
+Contract: :class:`RoundingGuard` is the part of a request's replay (:mod:`refcheck.diff.request_replay`) that
 holds deviations against the rounding ensemble (:mod:`refcheck.diff.triage`): :meth:`step_ensemble` sets
 up a step's ensemble (node log-probs at the engine's top-k ids and both argmaxes, the draft, the committed
 state), run on first use; :meth:`judged` is a deviation over its bound held to the rule's factor x its
