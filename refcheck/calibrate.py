@@ -209,15 +209,16 @@ def run_one(run: CorpusRun, n_prompts: int, max_new_tokens: int, ref_device: str
             rule: dict | None = None) -> tuple[dict, bytes]:
     """Record and diff one corpus run (a worker entry point); returns (row, trace bytes)."""
     from ddtree_reference.decode import DDTreeDecoder
-    from refcheck.diff.session import DiffSession
+    from refcheck.diff.judge import judge
     from refcheck.engines import open_engine
+    from refcheck.pool import ReferencePool
     from refcheck.prompts import load_prompts
     from refcheck.trace.io import trace_bytes
 
     t0 = time.perf_counter()
     prompts = load_prompts()[:n_prompts]
-    session = DiffSession()
-    runner = session.runner(run.spec(max_new_tokens))
+    pool = ReferencePool()
+    runner = pool.runner(run.spec(max_new_tokens))
     clean, results = runner.trace(prompts, record_layers=True)
     change = None
     if run.kind != "clean":
@@ -225,13 +226,13 @@ def run_one(run: CorpusRun, n_prompts: int, max_new_tokens: int, ref_device: str
             first = results[prompts[0].id].output_ids  # scripted drafter never reads it; DFlash's does)
             runner.drafter.mask_token_id = first[min(3, len(first) - 1)]
             clean, _ = runner.trace(prompts, cls=DDTreeDecoder, record_layers=True)
-        trace = open_engine(run.engine, run.spec(max_new_tokens), session).trace(prompts)
+        trace = open_engine(run.engine, run.spec(max_new_tokens), pool).trace(prompts)
         change = first_change(clean, trace)
     else:
         trace = clean
     t1 = time.perf_counter()
     cal = calibration_under_test(run.dtype, run.device, bounds, rule)
-    report = session.diff(trace, run.name, mode="both", ref_dtype="float32", ref_device=ref_device, calibration=cal)
+    report = judge(trace, pool, run.name, mode="both", ref_dtype="float32", ref_device=ref_device, calibration=cal)
     row = {**asdict(run), **report_row(report, run.kind, change), "engine_s": round(t1 - t0, 2),
            "diff_s": round(time.perf_counter() - t1, 2), "calibration": cal.to_json()}
     return row, trace_bytes(trace)
@@ -242,8 +243,9 @@ def row_of_trace(path: str, name: str, ref_device: str, bounds: dict | None = No
     it takes the path): faulty when its engine is one of refcheck's deliberately broken layouts (LEAKY /
     FAULT in the algorithm name) or ran with a fault injected into SGLang's drafter or sampler (its provenance's
     ``draft_fault`` / ``sampler_fault``)."""
-    from refcheck.diff.session import DiffSession
+    from refcheck.diff.judge import judge
     from refcheck.diff.tolerance import engine_numerics
+    from refcheck.pool import ReferencePool
     from refcheck.trace.io import read_trace
 
     trace = read_trace(path)
@@ -258,7 +260,8 @@ def row_of_trace(path: str, name: str, ref_device: str, bounds: dict | None = No
     dtype, device = engine_numerics(trace.provenance)
     cal = calibration_under_test(dtype, device, bounds, rule)
     t0 = time.perf_counter()
-    report = DiffSession().diff(trace, name, mode="both", ref_dtype="float32", ref_device=ref_device, calibration=cal)
+    report = judge(trace, ReferencePool(), name, mode="both", ref_dtype="float32", ref_device=ref_device,
+                   calibration=cal)
     row = {"name": name, "kind": kind, "engine": f"sglang:{alg}", "pair": settings.get("pair", "?"),
            "drafter": prov.drafter, "budget": budget_json(prov.budget), "dtype": dtype,
            "device": device, "cuda_graphs": not settings.get("disable_cuda_graph", True),

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from refcheck.errors import UsageError
 
 if TYPE_CHECKING:
-    from refcheck.diff.session import DiffSession
+    from refcheck.pool import ReferencePool
     from refcheck.prompts import Prompt
-    from refcheck.reference_runner import EngineSpec
+    from refcheck.spec import EngineSpec
     from refcheck.trace.io import Trace
 
 
@@ -48,7 +48,7 @@ class EngineKind:
     options: frozenset[str]  # engine options it takes (beyond the spec shared by all)
     dtype: str | None  # the dtype it runs in when --dtype is not given (None: the spec's default)
     device: str | None  # likewise for the device
-    opener: Callable[[str, EngineSpec, DiffSession | None, bool, dict[str, Any]], Engine]
+    opener: Callable[[str, EngineSpec, ReferencePool | None, bool, dict[str, Any]], Engine]
     samples: bool = False  # records runs at temperature > 0 (its draws in the trace)
 
     def matches(self, engine: str) -> bool:
@@ -58,12 +58,12 @@ class EngineKind:
 class _DecoderEngine:
     """The reference runner driving one decoder class (the reference's own, or a fault's)."""
 
-    def __init__(self, name: str, cls: type, spec: EngineSpec, session: DiffSession | None, full_state: bool) -> None:
+    def __init__(self, name: str, cls: type, spec: EngineSpec, pool: ReferencePool | None, full_state: bool) -> None:
         from refcheck.reference_runner import ReferenceRunner
 
         self.name, self.cls, self.full_state = name, cls, full_state
-        # the session's cached runner: its models (and its memo of greedy continuations) shared with the diff
-        self.runner = session.runner(spec) if session is not None else ReferenceRunner(spec)
+        # the pool's runner: its models (and its memo of greedy continuations) shared with the judge
+        self.runner = pool.runner(spec) if pool is not None else ReferenceRunner(spec)
 
     def trace(self, prompts: list[Prompt]) -> Trace:
         trace, _ = self.runner.trace(prompts, cls=self.cls, engine=self.name, record_layers=True,
@@ -81,23 +81,27 @@ def fault_decoder(name: str) -> type:
     return found[0]
 
 
-def _open_reference(engine, spec, session, full_state, options) -> Engine:
+def _open_reference(engine: str, spec: EngineSpec, pool: ReferencePool | None, full_state: bool,
+                    options: dict[str, Any]) -> Engine:
     from ddtree_reference.decode import DDTreeDecoder
 
-    return _DecoderEngine(engine, DDTreeDecoder, spec, session, full_state)
+    return _DecoderEngine(engine, DDTreeDecoder, spec, pool, full_state)
 
 
-def _open_fault(engine, spec, session, full_state, options) -> Engine:
-    return _DecoderEngine(engine, fault_decoder(engine.split(":", 1)[1]), spec, session, full_state)
+def _open_fault(engine: str, spec: EngineSpec, pool: ReferencePool | None, full_state: bool,
+                options: dict[str, Any]) -> Engine:
+    return _DecoderEngine(engine, fault_decoder(engine.split(":", 1)[1]), spec, pool, full_state)
 
 
-def _open_zlab(engine, spec, session, full_state, options) -> Engine:
+def _open_zlab(engine: str, spec: EngineSpec, pool: ReferencePool | None, full_state: bool,
+               options: dict[str, Any]) -> Engine:
     from refcheck.runners.zlab import ZlabRunner
 
     return ZlabRunner(spec)
 
 
-def _open_sglang(engine, spec, session, full_state, options) -> Engine:
+def _open_sglang(engine: str, spec: EngineSpec, pool: ReferencePool | None, full_state: bool,
+                 options: dict[str, Any]) -> Engine:
     from refcheck.sglang.runner import SGLangRunner
 
     algorithm = engine.split(":", 1)[1] if ":" in engine else "NONE"
@@ -148,10 +152,10 @@ def check_engine(engine: str, options: dict[str, Any] | None = None) -> EngineKi
     return kind
 
 
-def open_engine(engine: str, spec: EngineSpec, session: DiffSession | None = None, full_state: bool = False,
+def open_engine(engine: str, spec: EngineSpec, pool: ReferencePool | None = None, full_state: bool = False,
                 options: dict[str, Any] | None = None) -> Engine:
-    """An engine ready to trace prompts. ``session``: a diff session whose cached reference runner the
-    reference and fault engines share (None: their own); ``full_state``: whole KV / state tensors in
-    the trace, not only sketches; ``options``: the kind's own (e.g. SGLang's ``cuda_graphs``)."""
+    """An engine ready to trace prompts. ``pool``: a reference pool whose loaded runner the reference and
+    fault engines share with the judge (None: a runner of their own); ``full_state``: whole KV / state tensors
+    in the trace, not only sketches; ``options``: the kind's own (e.g. SGLang's ``cuda_graphs``)."""
     kind = check_engine(engine, options)
-    return kind.opener(engine, spec, session, full_state, dict(options or {}))
+    return kind.opener(engine, spec, pool, full_state, dict(options or {}))

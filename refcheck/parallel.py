@@ -8,8 +8,8 @@ therefore gives the same trace and the same findings as a one-process run (tests
 Workers are spawned processes (CUDA-safe); worker ``i`` uses ``cuda:i`` when the device is CUDA, so
 ``--workers N`` on an N-GPU host is one process per GPU. :func:`run_queue` runs jobs from one queue,
 longest first, on this process and ``N - 1`` workers that stay up between jobs (the gate's cases:
-:func:`refcheck.goldens.gate.gate_shard`, each worker keeping its :class:`DiffSession` and so its models and
-shared work). Nothing here knows goldens: the gate hands its jobs in.
+:func:`refcheck.goldens.gate.gate_shard`, each worker keeping its :class:`~refcheck.pool.ReferencePool` and so its
+models and shared work). Nothing here knows goldens: the gate hands its jobs in.
 
 Workers end with this process (:func:`worker_pool`): they stay in its process group (a signal to the
 group reaches them), ignore SIGINT (a terminal's Ctrl-C reaches the whole group; this process decides)
@@ -33,11 +33,14 @@ from contextlib import contextmanager
 from multiprocessing.connection import wait as wait_ready
 from multiprocessing.process import BaseProcess
 from types import FrameType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from refcheck.diff.findings import Report
 from refcheck.errors import UsageError
 from refcheck.trace.io import Trace
+
+if TYPE_CHECKING:
+    from refcheck.pool import ReferencePool
 
 T = TypeVar("T")
 _VOLATILE = ("created", "device", "prompt_set_sha256")  # provenance keys that differ between shards
@@ -269,24 +272,27 @@ def engine_shard(engine: str, spec, prompts, mode: str, ref_dtype: str, ref_devi
 
     import torch
 
-    from refcheck.diff.session import DiffSession
+    from refcheck.diff.judge import judge
+    from refcheck.pool import ReferencePool
     from refcheck.trace.io import trace_bytes
 
     threads = worker_setup(workers)
     try:
         spec = dataclasses.replace(spec, device=shard_device(spec.device, index))
-        session = DiffSession()
-        trace = live_trace(engine, spec, prompts, session, full_state, engine_opts)
-        report = session.diff(trace, engine, mode, strict_acceptance=engine == "reference", ref_dtype=ref_dtype,
-                              ref_device=shard_device(ref_device, index))
+        reference = ReferencePool()
+        trace = live_trace(engine, spec, prompts, reference, full_state, engine_opts)
+        report = judge(trace, reference, engine, mode, strict_acceptance=engine == "reference", ref_dtype=ref_dtype,
+                       ref_device=shard_device(ref_device, index))
         return trace_bytes(trace), report
     finally:
         torch.set_num_threads(threads)  # run inline (one worker), the caller keeps its own thread count
 
 
-def live_trace(engine: str, spec, prompts, session, full_state: bool = False, engine_opts: dict | None = None) -> Trace:
+def live_trace(engine: str, spec, prompts, reference: ReferencePool | None, full_state: bool = False,
+               engine_opts: dict | None = None) -> Trace:
     """Record a live engine's trace (:mod:`refcheck.engines`: the reference, an injected fault, z-lab's
-    dflash or SGLang); ``engine_opts``: the engine kind's own options (SGLang's ``cuda_graphs``, ...)."""
+    dflash or SGLang), the reference and fault engines on ``reference``'s runner (None: a runner of their own);
+    ``engine_opts``: the engine kind's own options (SGLang's ``cuda_graphs``, ...)."""
     from refcheck.engines import open_engine
 
-    return open_engine(engine, spec, session, full_state, engine_opts).trace(prompts)
+    return open_engine(engine, spec, reference, full_state, engine_opts).trace(prompts)

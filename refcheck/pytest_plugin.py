@@ -18,7 +18,7 @@ Contract:
   GoldenError); the item passes when ``refcheck gate`` would pass that case (an expected failure caught
   included). Items hold only the directory and the case name, so pytest-xdist workers collect and run
   them on their own.
-* One :class:`refcheck.diff.session.DiffSession` per process (:func:`shared_session`, built on first
+* One :class:`refcheck.pool.ReferencePool` per process (:func:`shared_pool`, built on first
   use; under pytest-xdist with the worker's share of the cores as torch threads): the models load once
   per test session and per xdist worker, and the fixture and the gate items share it.
 """
@@ -34,27 +34,27 @@ import pytest
 
 if TYPE_CHECKING:
     from refcheck.diff.findings import Report
-    from refcheck.diff.session import DiffSession
+    from refcheck.pool import ReferencePool
     from refcheck.trace.io import Trace
 
 GATE_MARKER = "refcheck_gate"
 
-_SESSION: DiffSession | None = None
+_POOL: ReferencePool | None = None
 
 
-def shared_session() -> DiffSession:
-    """This process's DiffSession, built on first use (module docstring)."""
-    global _SESSION
-    if _SESSION is None:
-        from refcheck.diff.session import DiffSession
+def shared_pool() -> ReferencePool:
+    """This process's reference pool, built on first use (module docstring)."""
+    global _POOL
+    if _POOL is None:
+        from refcheck.pool import ReferencePool
 
         workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
         if workers.isdigit():
             from refcheck.parallel import worker_setup
 
             worker_setup(int(workers))
-        _SESSION = DiffSession()
-    return _SESSION
+        _POOL = ReferencePool()
+    return _POOL
 
 
 def passes(report: Report) -> bool:
@@ -112,17 +112,19 @@ def _trace_and_path(trace_or_path: Trace | str | os.PathLike[str]) -> tuple[Trac
 class RefcheckFixture:
     """What the ``refcheck`` fixture gives a test (module docstring)."""
 
-    def __init__(self, session: DiffSession | None = None) -> None:
-        self._session = session
+    def __init__(self, pool: ReferencePool | None = None) -> None:
+        self._pool = pool
 
     @property
-    def session(self) -> DiffSession:
-        return self._session or shared_session()
+    def pool(self) -> ReferencePool:
+        return self._pool or shared_pool()
 
     def _diff(self, trace_or_path: Trace | str | os.PathLike[str], mode: str, ref_dtype: str,
               ref_device: str) -> tuple[Report, str]:
+        from refcheck.diff.judge import judge
+
         trace, path = _trace_and_path(trace_or_path)
-        return self.session.diff(trace, Path(path).stem, mode, ref_dtype=ref_dtype, ref_device=ref_device), path
+        return judge(trace, self.pool, Path(path).stem, mode, ref_dtype=ref_dtype, ref_device=ref_device), path
 
     def diff(self, trace_or_path: Trace | str | os.PathLike[str], *, mode: str = "both",
              ref_dtype: str = "float32", ref_device: str = "cpu") -> Report:
@@ -166,7 +168,7 @@ class GoldenCaseItem(pytest.Item):
 
         golden_dir = self.path.parent
         entry = _verified_entry(golden_dir, self.name)
-        report = gate_case(self.name, entry, golden_dir, shared_session())
+        report = gate_case(self.name, entry, golden_dir, shared_pool())
         if not passes(report):
             raise GateCaseFailure(failure_message(report, str(golden_dir / entry.file)))
 

@@ -33,8 +33,9 @@ def _rank(rank: int, shards: int, port: int, data: bytes, case: str, ref_dtype: 
     import torch.distributed as dist
 
     from ddtree_reference.sharded import PipelineTarget
-    from refcheck.diff.session import DiffSession, reference_spec_for
+    from refcheck.diff.judge import judge
     from refcheck.parallel import thread_share
+    from refcheck.pool import ReferencePool, reference_spec_for
 
     cuda = ref_device.split(":")[0] == "cuda"
     device = f"cuda:{rank}" if cuda else "cpu"
@@ -47,11 +48,11 @@ def _rank(rank: int, shards: int, port: int, data: bytes, case: str, ref_dtype: 
                             world_size=shards)
     try:
         trace = trace_from_bytes(data, source)
-        session = DiffSession()
-        runner = session.runner(reference_spec_for(trace, ref_dtype, device))
+        pool = ReferencePool()
+        runner = pool.runner(reference_spec_for(trace, ref_dtype, device))
         runner.target = PipelineTarget(runner.target)
         runner.target.release_foreign_layers()
-        report = session.diff(trace, case, mode="replay", ref_dtype=ref_dtype, ref_device=device)
+        report = judge(trace, pool, case, mode="replay", ref_dtype=ref_dtype, ref_device=device)
         Path(out).with_suffix(f".{rank}.pkl").write_bytes(pickle.dumps(report))
     except Exception as exc:
         if exit_code_for(exc) is not None:  # the parent raises it as itself
@@ -68,8 +69,8 @@ def sharded_diff(trace: Trace, case: str, mode: str, shards: int, ref_dtype: str
     if mode != "replay":
         raise UsageError("--ref-shards shards the replay only (the free-run oracle is transformers' whole-model "
                          "forward): pass --mode replay")
-    from refcheck.diff.session import reference_spec_for
     from refcheck.diff.tolerance import calibration_for, engine_numerics
+    from refcheck.pool import reference_spec_for
 
     reference_spec_for(trace, ref_dtype, ref_device)  # a malformed provenance: its error here, not in every rank
     numerics = engine_numerics(trace.provenance)

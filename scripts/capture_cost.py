@@ -61,11 +61,12 @@ def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff
 def judge(trace: Any, name: str) -> dict[str, Any]:
     import torch
 
-    from refcheck.diff.session import DiffSession
+    from refcheck.diff.judge import judge as judge_trace
+    from refcheck.pool import ReferencePool
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.perf_counter()
-    rep = DiffSession().diff(trace, name, "replay", ref_device=device)
+    rep = judge_trace(trace, ReferencePool(), name, "replay", ref_device=device)
     wall = time.perf_counter() - t0
     return {"verdict": rep.verdict, "fail_categories": sorted({f.category for f in rep.failures}),
             "first_failures": [f"{f.category} {f.request_id} step {f.step}: {f.message[:160]}" for f in rep.failures[:4]],

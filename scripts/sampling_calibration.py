@@ -33,21 +33,21 @@ from ddtree_reference.decode import DDTreeDecoder  # noqa: E402
 from ddtree_reference.sampling import Sampling  # noqa: E402
 from refcheck.diff.distribution import COMPONENTS, Evidence, judge  # noqa: E402
 from refcheck.diff.replay import replay  # noqa: E402
-from refcheck.diff.session import DiffSession  # noqa: E402
 from refcheck.diff.tolerance import calibration_for  # noqa: E402
+from refcheck.pool import ReferencePool  # noqa: E402
 from refcheck.prompts import Prompt, load_prompts  # noqa: E402
 from refcheck.reference_runner import EngineSpec  # noqa: E402
 from refcheck.selftest.sampling_faults import SAMPLING_FAULTS, SELFTEST_SAMPLING, hide_randomness  # noqa: E402
 
 
 def clean_runs(seeds: int, n_prompts: int, tokens: int) -> dict:
-    session = DiffSession()
+    pool = ReferencePool()
     prompts = load_prompts()[:n_prompts]
     cal = calibration_for("float32", "cpu")
     rows = []
     for seed in range(seeds):
         spec = EngineSpec(pair="hybrid", budget=15, max_new_tokens=tokens, sampling=Sampling(1.0, 0, 1.0, 1000 + seed))
-        runner = session.runner(spec)
+        runner = pool.runner(spec)
         trace, _ = runner.trace(prompts)
         rep = replay(trace, runner.target, runner.drafter, cal, f"seed{seed}")
         d = rep.stats["distribution"]
@@ -67,12 +67,12 @@ def clean_runs(seeds: int, n_prompts: int, tokens: int) -> dict:
 
 
 def fault_runs(n_requests: int, tokens: int, names: list[str]) -> dict:
-    session = DiffSession()
+    pool = ReferencePool()
     base = load_prompts()
     prompts = [Prompt(f"{base[i % len(base)].id}-{i}", base[i % len(base)].prompt_ids, base[i % len(base)].kind)
                for i in range(n_requests)]
     spec = EngineSpec(pair="hybrid", budget=15, max_new_tokens=tokens, sampling=SELFTEST_SAMPLING)
-    runner = session.runner(spec)
+    runner = pool.runner(spec)
     cal = calibration_for("float32", "cpu")
     out = {}
     for name in ["clean", *names]:

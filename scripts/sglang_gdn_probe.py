@@ -40,8 +40,8 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    from refcheck.diff.session import DiffSession, reference_spec_for
     from refcheck.errors import RefcheckError
+    from refcheck.pool import ReferencePool, reference_spec_for
     from refcheck.sglang.capture.gdn_probe_check import check_probe, read_probes
     from refcheck.sglang.capture.gdn_replay import ReferenceKernels, SGLangKernels
     from refcheck.trace.io import read_trace
@@ -49,7 +49,7 @@ def main() -> int:
     checks = []
     try:
         trace = read_trace(args.trace)
-        target = DiffSession().runner(reference_spec_for(trace, args.ref_dtype, args.device)).target
+        target = ReferencePool().runner(reference_spec_for(trace, args.ref_dtype, args.device)).target
         kernels = SGLangKernels() if args.kernels == "sglang" else ReferenceKernels()
         for rec in read_probes(args.probe_dir):
             for r in range(len(rec["seq_lens"])):

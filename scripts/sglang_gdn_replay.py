@@ -35,14 +35,14 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    from refcheck.diff.session import DiffSession, reference_spec_for
     from refcheck.errors import RefcheckError
+    from refcheck.pool import ReferencePool, reference_spec_for
     from refcheck.sglang.capture.gdn_replay import ReferenceKernels, SGLangKernels, gdn_inputs, replay
     from refcheck.trace.io import read_trace
 
     try:
         trace = read_trace(args.trace)
-        target = DiffSession().runner(reference_spec_for(trace, args.ref_dtype, args.device)).target
+        target = ReferencePool().runner(reference_spec_for(trace, args.ref_dtype, args.device)).target
         layers = ([i for i in range(len(target.layers)) if target.is_linear(i)] if args.layers == "all"
                   else [int(x) for x in args.layers.split(",")])
         kernels = SGLangKernels() if args.kernels == "sglang" else ReferenceKernels()

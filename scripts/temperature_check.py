@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddtree_reference.decode import DDTreeDecoder  # noqa: E402
 from ddtree_reference.sampling import Sampling  # noqa: E402
 from refcheck.diff.replay import replay  # noqa: E402
-from refcheck.diff.session import DiffSession  # noqa: E402
 from refcheck.diff.temperature import Leans  # noqa: E402
 from refcheck.diff.tolerance import calibration_for  # noqa: E402
 from refcheck.parallel import run_parallel  # noqa: E402
+from refcheck.pool import ReferencePool  # noqa: E402
 from refcheck.prompts import Prompt, load_prompts  # noqa: E402
 from refcheck.reference_runner import EngineSpec  # noqa: E402
 from refcheck.selftest.sampling_faults import SAMPLING_FAULTS  # noqa: E402
@@ -60,13 +60,13 @@ def run(row: dict) -> dict:
     T, k, p = SAMPLINGS[row["sampling"]]
     spec = EngineSpec(pair=row["pair"], drafter=row["drafter"], budget=row["budget"], max_new_tokens=row["tokens"],
                       sampling=Sampling(T, k, p, row["seed"]), dtype=row["dtype"])
-    session = DiffSession()
-    runner = session.runner(spec)
+    pool = ReferencePool()
+    runner = pool.runner(spec)
     prompts = prompts_for(row["prompts"])
     cls = DDTreeDecoder if row["engine"] == "clean" else SAMPLING_FAULTS[row["engine"]][0]
     trace, _ = runner.trace(prompts, cls=cls, engine=row["engine"])
-    ref = session.runner(EngineSpec(pair=row["pair"], drafter=row["drafter"], budget=row["budget"],
-                                    max_new_tokens=row["tokens"], sampling=spec.sampling))
+    ref = pool.runner(EngineSpec(pair=row["pair"], drafter=row["drafter"], budget=row["budget"],
+                                 max_new_tokens=row["tokens"], sampling=spec.sampling))
     leans = Leans()
     cal = calibration_for("float32" if row.get("check_only") else row["dtype"], "cpu")
     rep = replay(trace, ref.target, ref.drafter, cal, row["engine"],

@@ -8,7 +8,10 @@ diff must catch.
 
 from __future__ import annotations
 
+from typing import Any
+
 from refcheck.engines import Engine
+from refcheck.pool import ReferencePool
 from refcheck.reference_runner import EngineSpec, ReferenceRunner
 
 
@@ -24,5 +27,6 @@ class StubEngine:
         return trace
 
 
-def open_stub(engine: str, spec: EngineSpec, session, full_state: bool, options: dict) -> Engine:
+def open_stub(engine: str, spec: EngineSpec, pool: ReferencePool | None, full_state: bool,
+              options: dict[str, Any]) -> Engine:
     return StubEngine(engine, spec, engine.endswith(":drop"))

@@ -10,7 +10,7 @@ import pytest
 
 from ddtree_reference.decode import DDTreeDecoder
 from refcheck.calibrate import CorpusRun, default_corpus, detectability, first_change, markdown, run_one, summarize
-from refcheck.diff.session import DiffSession
+from refcheck.pool import ReferencePool
 from refcheck.prompts import load_prompts
 from refcheck.reference_runner import EngineSpec
 from refcheck.selftest.faults import FAULTS
@@ -37,8 +37,8 @@ def test_faults_in_bf16_are_caught_where_they_first_act_with_nothing_triaged(fau
 
 
 def test_first_change_finds_the_first_differing_step_and_node():
-    session = DiffSession()
-    runner = session.runner(EngineSpec(pair="hybrid", drafter="scripted", budget=15, max_new_tokens=16))
+    pool = ReferencePool()
+    runner = pool.runner(EngineSpec(pair="hybrid", drafter="scripted", budget=15, max_new_tokens=16))
     prompts = load_prompts()[:2]
     clean, _ = runner.trace(prompts, cls=DDTreeDecoder)
     again, _ = runner.trace(prompts, cls=DDTreeDecoder)
@@ -51,8 +51,8 @@ def test_first_change_finds_the_first_differing_step_and_node():
 def test_first_change_of_a_sampling_fault_is_the_first_draw_it_moves():
     from refcheck.selftest.sampling_faults import SAMPLING_FAULTS, SELFTEST_SAMPLING
 
-    session = DiffSession()
-    runner = session.runner(EngineSpec(pair="hybrid", budget=8, max_new_tokens=12, sampling=SELFTEST_SAMPLING))
+    pool = ReferencePool()
+    runner = pool.runner(EngineSpec(pair="hybrid", budget=8, max_new_tokens=12, sampling=SELFTEST_SAMPLING))
     prompts = load_prompts()[:1]
     clean, _ = runner.trace(prompts)
     assert first_change(clean, runner.trace(prompts)[0]) is None

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 from ddtree_reference import children_first
 from ddtree_reference.sampling import Sampling, tempered_probs
-from refcheck.diff.session import DiffSession
+from refcheck.diff.judge import judge
 from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
+from refcheck.pool import ReferencePool
 from refcheck.prompts import load_prompts
 from refcheck.reference_runner import EngineSpec
 from refcheck.selftest.children_first import (
@@ -109,16 +110,16 @@ def test_a_child_just_outside_the_cut_is_judged_by_its_support_gap() -> None:
 
 # ------------------------------------------------------------------------------------- the replay
 @pytest.fixture(scope="module")
-def session():
-    # the engine stand-in gets runners of its own: a diff session sets its shared runner's spec to each trace's
+def reference():
+    # the engine stand-in gets runners of its own: the judge sets its pool's shared runner's spec to each trace's
     # (whose seed an engine with its own generator does not know), which must not change the engine's numbers
-    engines = DiffSession()
+    engines = ReferencePool()
 
     def engine(sampling: Sampling):
         return engines.runner(EngineSpec(pair="hybrid", drafter="scripted", budget=8, max_new_tokens=MAX_NEW,
                                          sampling=sampling))
 
-    return DiffSession(), engine, load_prompts()[:2]
+    return ReferencePool(), engine, load_prompts()[:2]
 
 
 def _trace(engine, prompts, cls, name, sampling=SELFTEST_SAMPLING):
@@ -129,49 +130,49 @@ def _trace(engine, prompts, cls, name, sampling=SELFTEST_SAMPLING):
 
 
 @pytest.fixture(scope="module")
-def clean(session):
-    _, engine, prompts = session
+def clean(reference):
+    _, engine, prompts = reference
     return _trace(engine, prompts, ChildrenFirstEngine, "children-first")
 
 
-def test_a_clean_children_first_run_is_replayed_exactly_and_passes(session, clean) -> None:
-    s, _, _ = session
+def test_a_clean_children_first_run_is_replayed_exactly_and_passes(reference, clean) -> None:
+    s, _, _ = reference
     assert {r.rng for r in clean.requests} == {"engine-children-first"}
     assert all(not st_.node_draws and len(st_.node_uniforms) == len(st_.tree_tokens) and 0 <= st_.residual_uniform < 1
                for st_ in clean.steps)
     assert sum(len(st_.accepted) > 1 for st_ in clean.steps) >= 3  # drafts were accepted: the walk was exercised
-    rep = s.diff(clean, "clean", mode="both")
+    rep = judge(clean, s, "clean", mode="both")
     assert not rep.failures, [f.message for f in rep.failures][:5]
     assert rep.exit_code == EXIT_PASS
     assert rep.checks["sampling"] >= len(clean.steps)
     # SGLang's capture cannot expose the first token's uniform: then that token is judged statistically, and
     # 24 tokens are too few for the distributional test's power (inconclusive, not a pass)
     hidden_first = replace(clean, requests=[replace(r, first_uniform=math.nan) for r in clean.requests])
-    rep = s.diff(hidden_first, "hidden-first", mode="both")
+    rep = judge(hidden_first, s, "hidden-first", mode="both")
     assert not rep.failures and rep.inconclusive
 
 
-def test_a_moved_coin_is_found_at_its_node(session, clean) -> None:
-    s, _, _ = session
+def test_a_moved_coin_is_found_at_its_node(reference, clean) -> None:
+    s, _, _ = reference
     k, st_ = next((i, x) for i, x in enumerate(clean.steps) if len(x.accepted) > 1)
     root_coins = list(st_.node_uniforms)
     root_coins[0] = 1.0 - 1e-12  # past every child's running sum: the rule now stops at the root
     steps = list(clean.steps)
     steps[k] = replace(st_, node_uniforms=root_coins)
     bad = replace(clean, steps=steps)
-    rep = s.diff(bad, "moved", mode="replay")
+    rep = judge(bad, s, "moved", mode="replay")
     f = rep.first_divergence()[st_.request_id]
     assert (f.category, f.step, f.node) == ("accepted_path", st_.step, 0), f.message
 
 
 @pytest.mark.parametrize("name", sorted(CHILDREN_FIRST_FAULTS))
-def test_children_first_fault_caught_where_it_first_acts(session, clean, name) -> None:
-    s, engine, prompts = session
+def test_children_first_fault_caught_where_it_first_acts(reference, clean, name) -> None:
+    s, engine, prompts = reference
     cls, expected, sampling = CHILDREN_FIRST_FAULTS[name]
     if sampling != SELFTEST_SAMPLING:
         clean = _trace(engine, prompts, ChildrenFirstEngine, "children-first", sampling)
     trace = _trace(engine, prompts, cls, f"fault:{name}", sampling)
-    rep = s.diff(trace, name, mode="replay")
+    rep = judge(trace, s, name, mode="replay")
     assert rep.exit_code == EXIT_MISMATCH
     by_id = {(x.request_id, x.step): x for x in clean.steps}
     onsets = [a for a in trace.steps if (b := by_id.get((a.request_id, a.step))) is None

@@ -9,9 +9,10 @@ import math
 import pytest
 
 from refcheck.diff.findings import Verdict
+from refcheck.diff.judge import judge
 from refcheck.diff.replay import replay
-from refcheck.diff.session import DiffSession
 from refcheck.diff.tolerance import Calibration, NoCalibration, tolerance_for
+from refcheck.pool import ReferencePool
 from refcheck.prompts import load_prompts
 from refcheck.reference_runner import EngineSpec
 from refcheck.selftest.faults import FAULTS
@@ -23,20 +24,20 @@ pytestmark = pytest.mark.xdist_group("diff")
 
 
 @pytest.fixture(scope="module")
-def session():
-    return DiffSession()
+def pool():
+    return ReferencePool()
 
 
 @pytest.fixture(scope="module")
-def clean(session):
-    runner = session.runner(EngineSpec(pair="hybrid", drafter="scripted", budget=15, max_new_tokens=20))
+def clean(pool):
+    runner = pool.runner(EngineSpec(pair="hybrid", drafter="scripted", budget=15, max_new_tokens=20))
     trace, _ = runner.trace(load_prompts()[:2], record_layers=True)
     return runner, trace
 
 
-def test_clean_reference_has_no_findings(session, clean):
+def test_clean_reference_has_no_findings(pool, clean):
     _, trace = clean
-    rep = session.diff(trace, "clean", mode="both", strict_acceptance=True)
+    rep = judge(trace, pool, "clean", mode="both", strict_acceptance=True)
     assert rep.findings == []
     assert rep.exit_code == 0
     for cat in ("logits", "accepted_path", "kv", "conv", "recurrent", "draft", "logprobs", "ar_tokens"):
@@ -95,27 +96,27 @@ def test_near_tie_triage(clean):
     assert fails and fails[0].node == node and "not a near-tie" in fails[0].message
 
 
-def test_nan_in_engine_logprobs_is_a_failure(session, clean):
+def test_nan_in_engine_logprobs_is_a_failure(pool, clean):
     _, trace = clean
     s = trace.steps[0]
     bad = [[math.nan] * len(row) for row in s.topk_logprobs]
     t2 = dataclasses.replace(trace, steps=[dataclasses.replace(s, topk_logprobs=bad), *trace.steps[1:]])
-    rep = session.diff(t2, "nan", mode="replay")
+    rep = judge(t2, pool, "nan", mode="replay")
     assert any(f.category == "logits" and f.step == 0 for f in rep.failures)
 
 
-def test_unmatched_state_is_a_failure(session, clean):
+def test_unmatched_state_is_a_failure(pool, clean):
     _, trace = clean
     s = trace.steps[0]
     t2 = dataclasses.replace(trace, steps=[dataclasses.replace(s, state=s.state[1:]), *trace.steps[1:]])
-    rep = session.diff(t2, "unmatched", mode="replay")
+    rep = judge(t2, pool, "unmatched", mode="replay")
     assert any(f.category == "unmatched" for f in rep.failures)
 
 
-def test_engine_without_state_is_unsupported_not_pass(session, clean):
+def test_engine_without_state_is_unsupported_not_pass(pool, clean):
     _, trace = clean
     t2 = dataclasses.replace(trace, steps=[dataclasses.replace(s, state=[]) for s in trace.steps])
-    rep = session.diff(t2, "nostate", mode="replay")
+    rep = judge(t2, pool, "nostate", mode="replay")
     assert rep.counts["unsupported"] >= 3 and not rep.failures
 
 
@@ -127,17 +128,17 @@ def test_tolerance_rules():
         tolerance_for("float64", "cuda")
 
 
-def test_full_state_traces_are_compared_in_full(session):
-    runner = session.runner(EngineSpec(pair="hybrid", drafter="scripted", budget=15, max_new_tokens=12))
+def test_full_state_traces_are_compared_in_full(pool):
+    runner = pool.runner(EngineSpec(pair="hybrid", drafter="scripted", budget=15, max_new_tokens=12))
     trace, _ = runner.trace(load_prompts()[:1], full_state=True)
     assert all(e.full is not None for s in trace.steps for e in s.state)
-    assert session.diff(trace, "full", mode="replay").failures == []
+    assert judge(trace, pool, "full", mode="replay").failures == []
     s = trace.steps[0]
     e = next(e for e in s.state if e.kind == "rec")
     bad = dataclasses.replace(e, full=e.full * 1.01)  # a 1 % error: invisible in a sketch? not in full
     t2 = dataclasses.replace(trace, steps=[dataclasses.replace(s, state=[bad if x is e else x for x in s.state]),
                                            *trace.steps[1:]])
-    fails = session.diff(t2, "full-bad", mode="replay").failures
+    fails = judge(t2, pool, "full-bad", mode="replay").failures
     assert fails and fails[0].category == "recurrent" and fails[0].step == 0
 
 
@@ -153,7 +154,7 @@ def test_drafterless_engines_are_not_given_a_reference_ddtree_run():
     rid = full.requests[0].request_id
     trace = Trace(full.provenance, full.requests[:1], [s for s in full.steps if s.request_id == rid])
     assert trace.prov.drafter == "none"
-    session = DiffSession()
-    rep = session.diff(trace, "none", mode="free")
+    pool = ReferencePool()
+    rep = judge(trace, pool, "none", mode="free")
     assert rep.failures == [] and rep.stats["mean_tau_engine"] == 1.0 and rep.stats["mean_tau_reference"] is None
-    assert not session._decodes and rep.checks["ar_tokens"] > 0 and "acceptance" not in rep.checks
+    assert not pool._decodes and rep.checks["ar_tokens"] > 0 and "acceptance" not in rep.checks

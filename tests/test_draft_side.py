@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from ddtree_reference.tree import build_chain, build_ddtree
 from refcheck.diff.acceptance import Account, StepAccount, cause_of, merge_json
 from refcheck.diff.drafted_tree import TIE_MARGIN, compare, rebuild
-from refcheck.diff.session import DiffSession
+from refcheck.diff.judge import judge
+from refcheck.pool import ReferencePool
 from refcheck.prompts import load_prompts
 from refcheck.reference_runner import EngineSpec
 
@@ -83,14 +84,14 @@ def test_causes_and_the_account_line():
 
 
 @pytest.fixture(scope="module")
-def session():
-    return DiffSession()
+def pool():
+    return ReferencePool()
 
 
 @pytest.fixture(scope="module")
-def clean(session):
+def clean(pool):
     """The reference (DFlash drafter) as an engine, budget 6, with each step's drafter feed recorded."""
-    runner = session.runner(EngineSpec(pair="hybrid", drafter="dflash", budget=6, max_new_tokens=16))
+    runner = pool.runner(EngineSpec(pair="hybrid", drafter="dflash", budget=6, max_new_tokens=16))
     trace, _ = runner.trace(load_prompts()[:2])
     for s in trace.steps:
         s.draft_context_positions = [s.committed_len + s.tree_depths[a] for a in s.accepted]
@@ -101,30 +102,30 @@ def _categories(rep, verdict="fail"):
     return {f.category for f in rep.findings if f.verdict.value == verdict}
 
 
-def test_a_clean_engine_passes_the_drafter_side_and_its_tau_is_the_references(session, clean):
-    rep = session.diff(clean, "clean", mode="replay")
+def test_a_clean_engine_passes_the_drafter_side_and_its_tau_is_the_references(pool, clean):
+    rep = judge(clean, pool, "clean", mode="replay")
     assert rep.findings == []
     assert rep.checks["tree"] >= 2 * len(clean.steps) and rep.checks["draft"] > 0
     acc = rep.stats["acceptance_account"]
     assert acc["rule"] == "ddtree" and acc["steps"] == len(clean.steps) and acc["delta"] == 0 and acc["by_cause"] == {}
 
 
-def test_a_drafter_fed_shifted_positions_fails_in_draft(session, clean):
+def test_a_drafter_fed_shifted_positions_fails_in_draft(pool, clean):
     bad = copy.deepcopy(clean)
     for s in bad.steps:
         s.draft_context_positions = [p + 1 for p in s.draft_context_positions]
-    rep = session.diff(bad, "shifted", mode="replay")
+    rep = judge(bad, pool, "shifted", mode="replay")
     assert _categories(rep) == {"draft"}
     assert min(f.step for f in rep.failures) == 0
 
 
-def test_a_tree_that_is_not_its_drafts_tree_fails_in_tree_with_tau_accounted(session, clean):
+def test_a_tree_that_is_not_its_drafts_tree_fails_in_tree_with_tau_accounted(pool, clean):
     """An engine whose tree builder pops fewer nodes than its budget: its trees are not what its own drafts
     give (tree), and the account names the tree for every step it lost acceptance."""
-    runner = session.runner(EngineSpec(pair="hybrid", drafter="dflash", budget=2, max_new_tokens=16))
+    runner = pool.runner(EngineSpec(pair="hybrid", drafter="dflash", budget=2, max_new_tokens=16))
     small, _ = runner.trace(load_prompts()[:2])
     small.provenance = {**small.provenance, "budget": 6}
-    rep = session.diff(small, "small-trees", mode="replay")
+    rep = judge(small, pool, "small-trees", mode="replay")
     assert "tree" in _categories(rep)
     first = min((f for f in rep.failures), key=lambda f: (f.request_id, f.step))
     assert first.category == "tree" and first.step == 0
@@ -133,17 +134,17 @@ def test_a_tree_that_is_not_its_drafts_tree_fails_in_tree_with_tau_accounted(ses
     assert set(acc["by_cause"]) == {"tree"}
 
 
-def test_unrecorded_drafts_are_counted_not_judged(session, clean):
+def test_unrecorded_drafts_are_counted_not_judged(pool, clean):
     bare = copy.deepcopy(clean)
     for s in bare.steps:
         s.draft_topk_ids, s.draft_topk_logprobs = [], []
-    rep = session.diff(bare, "bare", mode="replay")
+    rep = judge(bare, pool, "bare", mode="replay")
     assert _categories(rep) == set()
     acc = rep.stats["acceptance_account"]
     assert acc["steps"] == 0 and acc["unrecorded_steps"] == len(bare.steps)
 
 
-def test_output_past_max_new_tokens_or_a_stop_token_fails_whatever_the_steps_say(session, clean):
+def test_output_past_max_new_tokens_or_a_stop_token_fails_whatever_the_steps_say(pool, clean):
     """The output bounds are judged on the engine's output itself (here its steps agree with it)."""
     long = copy.deepcopy(clean)
     req = long.requests[0]
@@ -153,26 +154,26 @@ def test_output_past_max_new_tokens_or_a_stop_token_fails_whatever_the_steps_say
     req.output_logprobs = []
     last.emitted = list(last.emitted) + extra
     last.emitted_logprobs = list(last.emitted_logprobs) + [float("nan")] * 2
-    rep = session.diff(long, "long", mode="replay")
+    rep = judge(long, pool, "long", mode="replay")
     msgs = [f.message for f in rep.failures if f.category == "output"]
     assert any("max_new_tokens is 16" in m for m in msgs), msgs
     stopped = copy.deepcopy(clean)
     stop = stopped.requests[1].output_ids[3]
     stopped.provenance = {**stopped.provenance, "engine": {**stopped.provenance["engine"], "settings": {
         **stopped.provenance["engine"]["settings"], "stop_token_ids": [stop]}}}
-    rep = session.diff(stopped, "stopped", mode="replay")
+    rep = judge(stopped, pool, "stopped", mode="replay")
     assert any("after stop token" in f.message for f in rep.failures if f.category == "output")
 
 
-def test_a_nan_in_a_state_sketch_or_the_drafter_feed_fails(session, clean):
+def test_a_nan_in_a_state_sketch_or_the_drafter_feed_fails(pool, clean):
     bad = copy.deepcopy(clean)
     entry = next(e for e in bad.steps[0].state if e.kind == "rec")
     entry.sketch = entry.sketch.clone()
     entry.sketch[0, 0] = float("nan")
-    rep = session.diff(bad, "nan-state", mode="replay")
+    rep = judge(bad, pool, "nan-state", mode="replay")
     assert any(f.category == "recurrent" and "non-finite" in f.message for f in rep.failures)
     fed = copy.deepcopy(clean)
     s = fed.steps[0]
     s.draft_context_sketch = torch.full((len(s.accepted), 16), float("nan"))
-    rep = session.diff(fed, "nan-feed", mode="replay")
+    rep = judge(fed, pool, "nan-feed", mode="replay")
     assert any(f.category == "draft" and "non-finite" in f.message for f in rep.failures)

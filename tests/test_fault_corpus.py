@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from ddtree_reference.decode import DDTreeDecoder, DecodeConfig
-from refcheck.diff.session import DiffSession
+from refcheck.diff.judge import judge
 from refcheck.engines import check_engine, fault_decoder
 from refcheck.errors import UsageError
+from refcheck.pool import ReferencePool
 from refcheck.prompts import load_prompts
 from refcheck.reference_runner import EngineSpec
 from refcheck.selftest.faults import (
@@ -42,28 +43,28 @@ STATE = ("kv", "conv", "recurrent")
 
 @pytest.fixture(scope="module")
 def corpus():
-    session = DiffSession()
-    runner = session.runner(EngineSpec(pair="hybrid", drafter="scripted", budget=15, max_new_tokens=12))
+    pool = ReferencePool()
+    runner = pool.runner(EngineSpec(pair="hybrid", drafter="scripted", budget=15, max_new_tokens=12))
     prompts = load_prompts()[:1]
     trace, results = runner.trace(prompts, record_layers=True)
-    return session, runner, prompts, trace, results[prompts[0].id]
+    return pool, runner, prompts, trace, results[prompts[0].id]
 
 
 def test_clean_run_has_zero_findings(corpus):
-    session, _, _, trace, _ = corpus
-    rep = session.diff(trace, "clean", mode="replay", strict_acceptance=True)
+    pool, _, _, trace, _ = corpus
+    rep = judge(trace, pool, "clean", mode="replay", strict_acceptance=True)
     assert rep.findings == [] and rep.exit_code == 0
 
 
 @pytest.mark.parametrize("name", CORPUS)
 def test_fault_is_caught_where_it_first_acts(corpus, name):
-    session, runner, prompts, _, clean = corpus
+    pool, runner, prompts, _, clean = corpus
     cls, expected = FAULTS[name]
     trace, results = runner.trace(prompts, cls=cls, engine=f"fault:{name}", record_layers=True)
     onset = fault_onset(clean, results[prompts[0].id])
     assert onset is not None, f"{name} changed nothing"
     assert expected in onset.what, (name, onset)  # the fault changes the quantity its category compares
-    rep = session.diff(trace, name, mode="replay", strict_acceptance=True)
+    rep = judge(trace, pool, name, mode="replay", strict_acceptance=True)
     first = next(iter(rep.first_divergence().values()))
     assert (first.step, first.category) == (onset.step, expected), (first.to_json(), onset)
     if expected == "logits":
@@ -157,9 +158,9 @@ def test_graded_faults_perturb_by_exactly_eps(corpus, kind):
 
 
 def test_a_large_graded_fault_is_caught_at_its_first_step(corpus):
-    session, runner, prompts, _, _ = corpus
+    pool, runner, prompts, _, _ = corpus
     trace, _ = runner.trace(prompts, cls=fault("rec-scale:0.1")[0], engine="fault:rec-scale:0.1")
-    first = next(iter(session.diff(trace, "rec", mode="replay").first_divergence().values()))
+    first = next(iter(judge(trace, pool, "rec", mode="replay").first_divergence().values()))
     assert (first.step, first.category, first.layer) == (0, "recurrent", 0)
 
 

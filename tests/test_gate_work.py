@@ -12,7 +12,6 @@ import torch
 
 from ddtree_reference.oracle import GreedyMemo, greedy_decode
 from ddtree_reference.scripted import ScriptedDrafter
-from refcheck.diff.session import DiffSession
 from refcheck.goldens import GOLDEN_CASES, REPO_GOLDEN, GoldenCase
 from refcheck.goldens.cache import ReportCache, package_roots, report_from_json, source_digest
 from refcheck.goldens.gate import cached_gate_case, gate
@@ -20,6 +19,7 @@ from refcheck.goldens.manifest import load_manifest
 from refcheck.goldens.regen import regenerate
 from refcheck.goldens.schedule import estimated_cost, gate_jobs
 from refcheck.parallel import run_queue
+from refcheck.pool import ReferencePool
 from refcheck.profile import Profile, case_rows, count, phase, phase_rows, timed
 
 
@@ -126,7 +126,7 @@ def tiny_golden(tmp_path, monkeypatch) -> Path:
     """A golden dir with one small reference case, written by the real regen workflow."""
     gdir = tmp_path / "golden"
     monkeypatch.setitem(GOLDEN_CASES, "tiny", GoldenCase("tiny", "attention", 4, max_new_tokens=5))
-    regenerate(gdir, ["tiny"], "test", True, DiffSession())
+    regenerate(gdir, ["tiny"], "test", True, ReferencePool())
     return gdir
 
 
@@ -152,7 +152,7 @@ def test_report_cache_hits_and_a_changed_reference_misses(tmp_path, tiny_golden)
 
     def run() -> tuple[dict, Profile]:
         profiles: dict[str, Profile] = {}
-        reps = gate(gdir, DiffSession(), profiles=profiles, cache_dir=cache_dir)
+        reps = gate(gdir, ReferencePool(), profiles=profiles, cache_dir=cache_dir)
         return json.loads(json.dumps(reps[0].to_json(), default=str)), profiles[case]
 
     first, p1 = run()
@@ -169,6 +169,6 @@ def test_report_cache_hits_and_a_changed_reference_misses(tmp_path, tiny_golden)
     entry = load_manifest(gdir).cases[case]
     assert changed.get(entry) is None
     with Profile().active() as p3:
-        third = cached_gate_case(case, entry, gdir, DiffSession(), changed)
+        third = cached_gate_case(case, entry, gdir, ReferencePool(), changed)
     assert p3.counts["cache_hits"] == 0 and p3.counts["steps_replayed"] == p1.counts["steps_replayed"]
     assert third.to_json()["counts"] == first["counts"] and len(list(cache_dir.iterdir())) == 2

@@ -10,36 +10,36 @@ from pathlib import Path
 
 import pytest
 
-from refcheck.diff.session import DiffSession
 from refcheck.errors import EXIT_CORRUPT, EXIT_GOLDEN, EXIT_MISMATCH, EXIT_NOTHING, EXIT_PASS, EXIT_USAGE, GoldenError
 from refcheck.goldens import GOLDEN_CASES, REPO_GOLDEN, GoldenCase
 from refcheck.goldens.manifest import load_manifest, sha256_file
 from refcheck.goldens.regen import regenerate
+from refcheck.pool import ReferencePool
 from refcheck.trace.io import RequestRow, Trace, read_trace, write_trace
 
 
-def _use_session(mp: pytest.MonkeyPatch, session) -> None:
-    """Every command run in-process hands out ``session`` where it would make a new DiffSession."""
-    mp.setattr("refcheck.diff.session.DiffSession", lambda: session)
-    mp.setattr("refcheck.goldens.edits.DiffSession", lambda: session)
-    mp.setattr("refcheck.goldens.gate.DiffSession", lambda: session)
+def _use_pool(mp: pytest.MonkeyPatch, pool) -> None:
+    """Every command run in-process hands out ``pool`` where it would make a new ReferencePool."""
+    mp.setattr("refcheck.pool.ReferencePool", lambda: pool)
+    mp.setattr("refcheck.goldens.edits.ReferencePool", lambda: pool)
+    mp.setattr("refcheck.goldens.gate.ReferencePool", lambda: pool)
 
 
 @pytest.fixture(scope="module")
-def gate_session():
-    """The DiffSession of the repository gate below, for the tests of the same group that diff the
-    repository's goldens again (see ``golden_session``)."""
-    from refcheck.diff.session import DiffSession
+def gate_pool():
+    """The ReferencePool of the repository gate below, for the tests of the same group that diff the
+    repository's goldens again (see ``golden_pool``)."""
+    from refcheck.pool import ReferencePool
 
-    return DiffSession()
+    return ReferencePool()
 
 
 @pytest.fixture(scope="module")
-def repo_gate(gate_session) -> tuple[int, dict]:
+def repo_gate(gate_pool) -> tuple[int, dict]:
     """One ``refcheck gate --json --profile --workers 1`` over the repository's goldens: (exit code,
     JSON). The suite's most expensive run, made once for the tests that read its verdicts and its
     work counts (they share an xdist group, so one worker runs them); one process, so the counts do
-    not depend on how many cores the machine has. It runs on a fresh session (its work counts are
+    not depend on how many cores the machine has. It runs on a fresh pool (its work counts are
     the gate's own), which the group's later tests then share."""
     import contextlib
     import io
@@ -49,20 +49,20 @@ def repo_gate(gate_session) -> tuple[int, dict]:
 
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exc:
-        _use_session(mp, gate_session)
+        _use_pool(mp, gate_pool)
         mp.setattr(sys, "argv", ["refcheck", "gate", "--json", "--profile", "--workers", "1"])
         entry()
     return int(exc.value.code or 0), json.loads(out.getvalue())
 
 
 @pytest.fixture
-def golden_session(repo_gate, gate_session, monkeypatch):
-    """The repository gate's session, warm, for a test that diffs goldens again (in-process commands
+def golden_pool(repo_gate, gate_pool, monkeypatch):
+    """The repository gate's pool, warm, for a test that diffs goldens again (in-process commands
     included): its models, the target's greedy continuations and the reference's own runs are shared,
-    as the gate shares them between cases (DiffSession: the same results as computed afresh); replay,
+    as the gate shares them between cases (ReferencePool: the same results as computed afresh); replay,
     the rounding ensemble and the verdict are each diff's own."""
-    _use_session(monkeypatch, gate_session)
-    return gate_session
+    _use_pool(monkeypatch, gate_pool)
+    return gate_pool
 
 
 @pytest.mark.xdist_group("repository_gate")
@@ -170,7 +170,7 @@ def test_gate_work_stays_within_its_budget(repo_gate):
 
 
 @pytest.mark.xdist_group("repository_gate")
-def test_diff_budget_15_against_goldens(cli, monkeypatch, golden_session):
+def test_diff_budget_15_against_goldens(cli, monkeypatch, golden_pool):
     code, out, err = cli("diff", "--budget", "15", "--json")
     assert code == EXIT_PASS, err
     cases = {r["case"] for r in json.loads(out)["reports"]}
@@ -264,7 +264,7 @@ def test_interrupted_regen_keeps_the_old_golden(cli, monkeypatch, small_golden):
 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(KeyboardInterrupt):
-        regenerate(gdir, ["tiny"], "r", True, DiffSession())
+        regenerate(gdir, ["tiny"], "r", True, ReferencePool())
     assert (gdir / "tiny.arrow").read_bytes() == before
     assert (gdir / "MANIFEST.json").read_bytes() == manifest_before
     assert sorted(p.name for p in gdir.iterdir()) == ["MANIFEST.json", "tiny.arrow"]
@@ -366,7 +366,7 @@ def test_triaged_findings_pass_the_gate_and_others_still_fail(tmp_path):
 
 
 @pytest.mark.xdist_group("repository_gate")
-def test_diff_steps_table_shows_each_replayed_step(cli, golden_session):
+def test_diff_steps_table_shows_each_replayed_step(cli, golden_pool):
     path = REPO_GOLDEN / load_manifest(REPO_GOLDEN).cases["sglang-hybrid-dflash-b15"].file
     code, _, err = cli("diff", "--against", str(path), "--mode", "replay", "--steps")
     assert code == 0  # the calibrated verdict, with no manifest rule: the once-reviewed nodes are judged rounding
@@ -376,7 +376,7 @@ def test_diff_steps_table_shows_each_replayed_step(cli, golden_session):
 
 
 @pytest.mark.xdist_group("repository_gate")
-def test_an_expected_failure_must_first_show_where_the_manifest_says(golden_session):
+def test_an_expected_failure_must_first_show_where_the_manifest_says(golden_pool):
     """A fault golden's ``expect_first``: the gate passes it only while its first failure stays at that
     request, step, node and layer; moved, the case fails ("expected failure NOT caught")."""
     from refcheck.goldens.judge import check_trace
@@ -386,10 +386,10 @@ def test_an_expected_failure_must_first_show_where_the_manifest_says(golden_sess
     trace = read_trace(REPO_GOLDEN / entry.file)
     settings = entry.provenance
     assert settings["expect_first"] == parse_expect_first("code-1:0:6:3")
-    session = golden_session
-    assert check_trace("f", trace, settings, session).verdict == "expected failure caught"
+    pool = golden_pool
+    assert check_trace("f", trace, settings, pool).verdict == "expected failure caught"
     moved = {**settings, "expect_first": parse_expect_first("code-1:0:7:-")}
-    rep = check_trace("f", trace, moved, session)
+    rep = check_trace("f", trace, moved, pool)
     assert rep.verdict == "expected failure NOT caught" and rep.exit_code == EXIT_MISMATCH
     assert parse_expect_first("a:b:2:-:-") == {"request_id": "a:b", "step": 2, "node": None, "layer": None}
     with pytest.raises(Exception, match="REQUEST:STEP:NODE:LAYER"):
@@ -402,7 +402,7 @@ def test_regen_explains_how_engine_goldens_are_replaced(cli):
 
 
 @pytest.mark.xdist_group("repository_gate")
-def test_golden_add_refuses_a_trace_that_would_fail_the_gate(cli, tmp_path, golden_session):
+def test_golden_add_refuses_a_trace_that_would_fail_the_gate(cli, tmp_path, golden_pool):
     """`golden add` puts the trace through the gate first: an SGLang trace with unreviewed findings and
     unrecorded categories is refused (nothing written); with its findings triaged it lands and passes."""
     from refcheck.errors import EXIT_GOLDEN
@@ -422,7 +422,7 @@ def test_golden_add_refuses_a_trace_that_would_fail_the_gate(cli, tmp_path, gold
 
 
 @pytest.mark.xdist_group("repository_gate")
-def test_diff_on_the_goldens_judges_them_as_the_gate_does(cli, tmp_path, golden_session):
+def test_diff_on_the_goldens_judges_them_as_the_gate_does(cli, tmp_path, golden_pool):
     """One judgement of a golden: `refcheck diff --budget 15` applies the manifest entry's rules as the gate
     does. With its allowance for the engine's unrecorded draft top-k taken away, the DDTree golden fails in
     both (the gate is strict about skips; diff once passed it)."""

@@ -351,8 +351,8 @@ class _Runner:
         return trace, None
 
 
-class _Session:
-    """Stands in for DiffSession: every case decodes a small synthetic trace; counts the decodes."""
+class _Pool:
+    """Stands in for ReferencePool: every case decodes a small synthetic trace; counts the decodes."""
 
     decodes = 0
 
@@ -384,7 +384,7 @@ def _before_commit(monkeypatch: pytest.MonkeyPatch, action) -> None:
 def test_regen_of_a_case_removed_meanwhile_refuses(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gdir = tmp_path / "g"
     _with_case(gdir)
-    monkeypatch.setattr("refcheck.diff.session.DiffSession", _Session)
+    monkeypatch.setattr("refcheck.pool.ReferencePool", _Pool)
     codes = []
     _before_commit(monkeypatch, lambda: codes.append(cli("golden", "remove", CASE_B1, "--reason", "retired",
                                                          "--golden", str(gdir))[0]))
@@ -410,14 +410,14 @@ def test_regen_of_a_case_changed_meanwhile_refuses(tmp_path: Path, monkeypatch: 
         _initial(gdir)
     _before_commit(monkeypatch, lambda: store.commit(gdir, [store.Write(CASE_B1, NEW_D, {"seed": 11}, "other")]))
     with pytest.raises(GoldenError, match=f"'{CASE_B1}' was {meanwhile} by another writer"):
-        regen.regenerate(gdir, [CASE_B1], "r", True, _Session())  # type: ignore[arg-type]
+        regen.regenerate(gdir, [CASE_B1], "r", True, _Pool())  # type: ignore[arg-type]
     assert load_manifest(gdir).cases[CASE_B1].sha256 == sha256_bytes(NEW_D)
 
 
 def test_regen_of_an_unchanged_store_lands(tmp_path: Path) -> None:
     gdir = tmp_path / "g"
     _with_case(gdir)
-    regen.regenerate(gdir, [CASE_B1], "r", True, _Session())  # type: ignore[arg-type]
+    regen.regenerate(gdir, [CASE_B1], "r", True, _Pool())  # type: ignore[arg-type]
     entry = verify(gdir).cases[CASE_B1]
     assert entry.history[-1].sha256_old == sha256_bytes(OLD["a"]) and entry.history[-1].reason == "r"
 
@@ -473,40 +473,40 @@ def test_a_change_larger_than_the_free_space_is_refused_before_staging(tmp_path:
 
 # ------------------------------------------------------------------ golden regen: checked first
 def _regen(cli, gdir: Path, *extra: str) -> tuple[int, str]:
-    _Session.decodes = 0
+    _Pool.decodes = 0
     code, _, err = cli("golden", "regen", "--case", CASE_B1, "--golden", str(gdir), *extra)
     assert "Traceback" not in err and err.count("refcheck: error:") == 1, err
     return code, err
 
 
 @pytest.fixture
-def fake_session(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("refcheck.diff.session.DiffSession", _Session)
+def fake_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("refcheck.pool.ReferencePool", _Pool)
 
 
 @pytest.mark.parametrize("accept", [(), ("--accept", "--reason", "r")])
 def test_regen_into_a_full_directory_is_refused_before_decoding(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                fake_session: None, accept: tuple[str, ...]) -> None:
+                                                                fake_pool: None, accept: tuple[str, ...]) -> None:
     gdir = tmp_path / "g"
     _with_case(gdir)
     monkeypatch.setattr(store, "free_bytes", lambda p: 4096)
     code, err = _regen(cli, gdir, *accept)
-    assert code == EXIT_USAGE and "its file system is full (4096 bytes free" in err and _Session.decodes == 0
+    assert code == EXIT_USAGE and "its file system is full (4096 bytes free" in err and _Pool.decodes == 0
 
 
 @pytest.mark.parametrize("accept", [(), ("--accept", "--reason", "r")])
 def test_regen_into_a_read_only_directory_is_refused_before_decoding(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                     fake_session: None, accept: tuple[str, ...]) -> None:
+                                                                     fake_pool: None, accept: tuple[str, ...]) -> None:
     gdir = tmp_path / "g"
     _with_case(gdir)
     real = os.access
     monkeypatch.setattr(os, "access", lambda p, mode, **k: False if Path(p) == gdir and mode & os.W_OK else real(p, mode, **k))
     code, err = _regen(cli, gdir, *accept)
-    assert code == EXIT_USAGE and "is not writable" in err and _Session.decodes == 0
+    assert code == EXIT_USAGE and "is not writable" in err and _Pool.decodes == 0
 
 
 def test_regen_on_a_late_full_disk_fails_cleanly(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                 fake_session: None) -> None:
+                                                 fake_pool: None) -> None:
     gdir = tmp_path / "g"
     _with_case(gdir)
     before = _listing(gdir)
@@ -521,10 +521,10 @@ def test_regen_on_a_late_full_disk_fails_cleanly(cli, tmp_path: Path, monkeypatc
 
 
 def test_regen_refuses_a_case_named_twice_before_decoding(tmp_path: Path) -> None:
-    _Session.decodes = 0
+    _Pool.decodes = 0
     with pytest.raises(UsageError, match=f"--case {CASE_B1} is given more than once"):
-        regen.regenerate(tmp_path / "g", [CASE_B1, "hybrid-b1", CASE_B1], "r", True, _Session())  # type: ignore[arg-type]
-    assert _Session.decodes == 0 and not (tmp_path / "g").exists()
+        regen.regenerate(tmp_path / "g", [CASE_B1, "hybrid-b1", CASE_B1], "r", True, _Pool())  # type: ignore[arg-type]
+    assert _Pool.decodes == 0 and not (tmp_path / "g").exists()
 
 
 # ------------------------------------------------------------- manifest shapes, escaped names

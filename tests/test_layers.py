@@ -5,6 +5,10 @@
   never import an engine runner
   (``refcheck.runners``, ``refcheck.engines``, ``refcheck.sglang``): a diff judges a trace, whatever
   recorded it; the trace format does not import the diff either;
+* the diff judges with the reference pool it is handed: no module of ``refcheck.diff`` imports the pool
+  (``refcheck.pool``) or the reference runner (``refcheck.reference_runner``) at run time (a type-only import
+  under ``if TYPE_CHECKING:`` may name them); the pool imports of the diff only :data:`POOL_DIFF` (the reading of a
+  request's sampling columns, which the reference's spec is built from);
 * the goldens (``refcheck.goldens``: cases, manifest, store, gate) stand on the trace format, the diff and
   the reference, never on an engine runner or the CLI; the trace format and the diff never import the
   goldens (a golden directory is one use of traces, not part of their format or their judgement);
@@ -32,7 +36,11 @@ SGLANG_OUTSIDE = ("refcheck.sglang.runner", "refcheck.sglang.child", "refcheck.s
                   "refcheck.sglang.sweep", "refcheck.sglang.capture_effect")
 SGLANG_ON_THE_RUNNER = ("refcheck.sglang.matrix", "refcheck.sglang.sweep", "refcheck.sglang.capture_effect")
 #: the diff's modules the SGLang package stands on (the matrix and the sweep judge cells; the GDN replay reads state)
-SGLANG_DIFF = ("refcheck.diff.explain", "refcheck.diff.place", "refcheck.diff.session", "refcheck.diff.tolerance")
+SGLANG_DIFF = ("refcheck.diff.explain", "refcheck.diff.judge", "refcheck.diff.place", "refcheck.diff.tolerance")
+#: what loads and runs the reference for others, which the diff only receives
+REFERENCE_SIDE = ("refcheck.pool", "refcheck.reference_runner")
+#: the diff's modules the reference pool stands on (a request's sampling columns, read for the reference's spec)
+POOL_DIFF = ("refcheck.diff.sampling",)
 
 
 def _modules() -> dict[str, Path]:
@@ -47,10 +55,11 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports(path: Path) -> set[str]:
-    """Every project module ``path`` names in an import (``from a import b`` names a and, if a module, a.b)."""
+def _named(nodes: list[ast.AST]) -> set[str]:
+    """The project modules the import statements among ``nodes`` name (``from a import b`` names a and, if a
+    module, a.b)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in nodes:
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -58,7 +67,37 @@ def _imports(path: Path) -> set[str]:
     return {m for m in found if m in MODULES}
 
 
+def _imports(path: Path) -> set[str]:
+    """Every project module ``path`` names in an import, type-only imports included."""
+    return _named(list(ast.walk(ast.parse(path.read_text()))))
+
+
+def _type_checking(node: ast.AST) -> bool:
+    """``node`` is an ``if TYPE_CHECKING:`` (or ``if typing.TYPE_CHECKING:``) block."""
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """The project modules ``path`` imports when it runs: every import statement, lazy ones included, except
+    those in the body of an ``if TYPE_CHECKING:`` block (its ``else`` runs)."""
+    nodes: list[ast.AST] = []
+    todo: list[ast.AST] = [ast.parse(path.read_text())]
+    while todo:
+        node = todo.pop()
+        nodes.append(node)
+        if _type_checking(node):
+            assert isinstance(node, ast.If)
+            todo.extend(node.orelse)
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+    return _named(nodes)
+
+
 GRAPH = {name: _imports(path) for name, path in MODULES.items()}
+RUNTIME = {name: _runtime_imports(path) for name, path in MODULES.items()}
 
 
 def _under(name: str, prefixes) -> bool:
@@ -80,6 +119,37 @@ def test_the_trace_format_does_not_import_the_diff():
     bad = sorted((m, e) for m, es in GRAPH.items() if _under(m, ["refcheck.trace"]) for e in es
                  if _under(e, ["refcheck.diff"]))
     assert not bad, bad
+
+
+def test_the_diff_imports_no_reference_side_at_run_time():
+    bad = sorted((m, e) for m, es in RUNTIME.items() if _under(m, ["refcheck.diff"]) for e in es
+                 if _under(e, REFERENCE_SIDE))
+    assert not bad, bad
+
+
+def test_the_pool_imports_of_the_diff_only_what_reads_sampling_columns():
+    diff = {e for _, e in _edges(["refcheck.pool"], ["refcheck.diff"])}
+    assert diff <= set(POOL_DIFF), diff - set(POOL_DIFF)
+
+
+def test_the_reference_pool_layer_is_checked():
+    """The modules the two checks above name exist, the judge names the pool for its types only (the
+    run-time graph leaves that out, the full graph keeps it: a broken reading of ``TYPE_CHECKING`` would make the
+    check vacuous or refuse too much), and no module of the diff holds the pool's work (``refcheck.diff.session``
+    does not exist)."""
+    assert {"refcheck.pool", "refcheck.reference_runner", "refcheck.diff.judge"} <= set(MODULES)
+    assert "refcheck.pool" in GRAPH["refcheck.diff.judge"] and "refcheck.pool" not in RUNTIME["refcheck.diff.judge"]
+    assert "refcheck.reference_runner" in RUNTIME["refcheck.pool"]
+    assert "refcheck.diff.session" not in MODULES
+
+
+def test_the_runtime_reading_skips_only_type_checking_blocks(tmp_path: Path):
+    src = tmp_path / "m.py"
+    src.write_text("from typing import TYPE_CHECKING\nimport typing\nif TYPE_CHECKING:\n    import refcheck.pool\n"
+                   "else:\n    import refcheck.spec\nif typing.TYPE_CHECKING:\n    import refcheck.errors\n"
+                   "def f():\n    import refcheck.reference_runner\n")
+    assert _runtime_imports(src) == {"refcheck.spec", "refcheck.reference_runner"}
+    assert _imports(src) == {"refcheck.pool", "refcheck.spec", "refcheck.errors", "refcheck.reference_runner"}
 
 
 def test_the_goldens_import_no_runner_and_no_cli():

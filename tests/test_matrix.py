@@ -190,13 +190,13 @@ def test_untraced_differences_are_judged_at_the_references_near_ties(run):
     """Where an untraced pass leaves the captured one, the reference's log-prob margin between the two tokens
     decides: under the engine dtype's tie margin it is a near-tie a different batch may flip; the last token of
     the vocabulary's order is not, and is named as capture changing a token."""
-    from refcheck.diff.session import DiffSession, reference_spec_for
     from refcheck.diff.tolerance import calibration_for
+    from refcheck.pool import ReferencePool, reference_spec_for
     from refcheck.sglang.capture_effect import judge_untraced, untraced_text
 
     trace = copy.deepcopy(_BASE["trace"])
     trace.provenance["dtype"] = "bfloat16"
-    target = DiffSession().runner(reference_spec_for(trace)).target
+    target = ReferencePool().runner(reference_spec_for(trace)).target
     tie = calibration_for("bfloat16", "cuda").tolerance.tie_margin
     second = _untraced(trace, target, 2, 1)
     worst = _untraced(trace, target, 3, target.vocab_size - 1)

@@ -5,7 +5,7 @@ intact, with a corrupt trace, a missing trace and an expectation the trace does 
 
 The inner sessions load exactly the plugins they use (``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1``, then ``-p
 refcheck.pytest_plugin`` and ``-p xdist.plugin``), whether or not this environment's refcheck install
-registers the ``pytest11`` entry point. The plugin is imported here so that its DiffSession (the loaded
+registers the ``pytest11`` entry point. The plugin is imported here so that its ReferencePool (the loaded
 models) outlives each inner session."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A trace's provenance is checked when it is read as typed values (refcheck/provenance.py; Trace.prov names the
-trace's file) and against the target when the trace is diffed (refcheck/diff/session.py: check_token_limit): a
+trace's file) and against the target when the trace is diffed (refcheck/pool.py: check_token_limit): a
 value out of range is a corrupt trace (exit 4) whose message names the file, never a crash or a usage error."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from bad_input_kit import golden_file
 
-from refcheck.diff.session import check_token_limit
 from refcheck.errors import CorruptTraceError
+from refcheck.pool import check_token_limit
 from refcheck.provenance import Provenance, ProvenanceError
 from refcheck.trace import schema as trace_schema
 from refcheck.trace.io import read_trace

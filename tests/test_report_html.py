@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 
 from refcheck.diff.findings import Report
-from refcheck.diff.session import DiffSession
+from refcheck.diff.judge import judge
+from refcheck.pool import ReferencePool
 from refcheck.report import TokenText, render_page
 from refcheck.trace.io import read_trace
 from refcheck.trace.rows import Trace
@@ -95,12 +96,12 @@ class Rendered:
 
 
 @pytest.fixture(scope="module")
-def session() -> DiffSession:
-    return DiffSession()
+def pool() -> ReferencePool:
+    return ReferencePool()
 
 
 @pytest.fixture(scope="module")
-def pages(session) -> Callable[[str], Rendered]:
+def pages(pool) -> Callable[[str], Rendered]:
     """pages(name): the golden's diff and page, made once per module."""
     done: dict[str, Rendered] = {}
 
@@ -108,7 +109,7 @@ def pages(session) -> Callable[[str], Rendered]:
         if name not in done:
             path = ROOT / "golden" / GOLDENS[name]
             trace = read_trace(path)
-            report = session.diff(trace, path.stem, "replay")
+            report = judge(trace, pool, path.stem, "replay")
             html = render_page(report, trace, TokenText.for_trace(trace.provenance))
             page = Page()
             page.feed(html)
@@ -205,7 +206,7 @@ def test_a_page_of_many_findings_caps_its_trees_and_its_list(pages, monkeypatch)
 
 
 def test_the_command_writes_the_page_and_exits_with_the_verdict(rendered, cli, tmp_path, monkeypatch):
-    monkeypatch.setattr(DiffSession, "diff", lambda *a, **k: rendered.report)
+    monkeypatch.setattr("refcheck.diff.judge.judge", lambda *a, **k: rendered.report)
     out = tmp_path / "r.html"
     code, _, err = cli("report", str(ROOT / "golden" / GOLDENS[rendered.name]), "-o", str(out))
     assert code == rendered.report.exit_code == (1 if rendered.name == "fail" else 0), err
@@ -228,7 +229,7 @@ def test_an_output_in_a_missing_directory_is_exit_2_before_any_diff(cli, tmp_pat
     def no_work(*args, **kwargs):
         raise AssertionError("the diff ran")
 
-    monkeypatch.setattr(DiffSession, "diff", no_work)
+    monkeypatch.setattr("refcheck.diff.judge.judge", no_work)
     monkeypatch.setattr("refcheck.trace.io.read_trace", no_work)
     code, _, err = cli("report", str(ROOT / "golden" / GOLDENS["pass"]), "-o", str(tmp_path / "missing" / "x.html"))
     assert code == 2
@@ -337,7 +338,7 @@ def stub_verdicts(monkeypatch, pages) -> list[Rendered]:
     """The gate's and the diff's verdicts are the fixture's reports (the failing golden's plain diff: it fails)."""
     by_case = {pages(n).report.case: pages(n).report for n in ON_PAGE}
     monkeypatch.setattr("refcheck.goldens.judge.check_trace", lambda name, *a, **k: by_case[name])
-    monkeypatch.setattr(DiffSession, "diff", lambda self, trace, case, *a, **k: by_case[case])
+    monkeypatch.setattr("refcheck.diff.judge.judge", lambda trace, pool, case, *a, **k: by_case[case])
     return [pages(n) for n in ON_PAGE]
 
 
@@ -423,7 +424,7 @@ def test_an_html_path_in_a_missing_directory_is_exit_2_before_any_diff(command, 
 
     for target in ("refcheck.goldens.verify.verify", "refcheck.goldens.judge.check_trace", "refcheck.trace.io.read_trace"):
         monkeypatch.setattr(target, no_work)
-    monkeypatch.setattr(DiffSession, "diff", no_work)
+    monkeypatch.setattr("refcheck.diff.judge.judge", no_work)
     missing = str(tmp_path / "missing" / "x.html")
     args = ([str(gate_dir), "--html", missing] if command == "gate"
             else ["--against", str(gate_dir / GOLDENS["pass"]), "--html", missing])

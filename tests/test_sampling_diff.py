@@ -11,8 +11,9 @@ import torch
 
 from ddtree_reference.sampling import inverse_cdf, keyed_uniforms, tempered_probs
 from refcheck.diff.distribution import Evidence, judge, n_required, pit_value
-from refcheck.diff.session import DiffSession
+from refcheck.diff.judge import judge as judge_trace
 from refcheck.errors import EXIT_MISMATCH, EXIT_NOTHING, EXIT_PASS
+from refcheck.pool import ReferencePool
 from refcheck.prompts import load_prompts
 from refcheck.reference_runner import EngineSpec
 from refcheck.selftest.faults import find_fault
@@ -20,76 +21,76 @@ from refcheck.selftest.sampling_faults import SAMPLING_FAULTS, SELFTEST_SAMPLING
 from refcheck.trace.io import trace_bytes, trace_from_bytes
 
 # --dist loadgroup: one xdist worker runs the whole module, so
-# its module fixtures (the sampled clean run and its session) are computed once.
+# its module fixtures (the sampled clean run and its reference pool) are computed once.
 pytestmark = pytest.mark.xdist_group("sampling_diff")
 
 MAX_NEW = 12
 
 
 @pytest.fixture(scope="module")
-def session():
-    s = DiffSession()
+def reference():
+    s = ReferencePool()
     spec = EngineSpec(pair="hybrid", drafter="scripted", budget=8, max_new_tokens=MAX_NEW, sampling=SELFTEST_SAMPLING)
     return s, s.runner(spec), load_prompts()[:1]
 
 
 @pytest.fixture(scope="module")
-def clean(session):
-    s, runner, prompts = session
+def clean(reference):
+    s, runner, prompts = reference
     trace, _ = runner.trace(prompts)
     return trace_from_bytes(trace_bytes(trace))  # through the file format (schema 1.2)
 
 
-def test_clean_sampled_trace_records_and_passes(session, clean):
-    s, _, _ = session
+def test_clean_sampled_trace_records_and_passes(reference, clean):
+    s, _, _ = reference
     req = clean.requests[0]
     assert req.temperature == 0.7 and req.top_p == 0.9 and req.rng == "refcheck-philox-position"
     assert 0 <= req.first_uniform < 1 and req.rng_request >= 0
     assert all(len(st_.node_draws) == len(st_.tree_tokens) == len(st_.node_uniforms) for st_ in clean.steps)
-    rep = s.diff(clean, "clean", mode="both", strict_acceptance=True)
+    rep = judge_trace(clean, s, "clean", mode="both", strict_acceptance=True)
     assert not rep.failures, [f.message for f in rep.failures]
     assert rep.checks["sampling"] >= len(clean.steps) and rep.checks["ar_tokens"] == 1
     assert rep.stats["distribution"]["n_tokens"] == len(req.output_ids)
     assert rep.exit_code == EXIT_PASS  # exact replay covers every draw: a small sample is not inconclusive
 
 
-def test_hidden_randomness_small_sample_is_inconclusive(session, clean):
-    s, _, _ = session
-    rep = s.diff(hide_randomness(clean), "hidden", mode="both")
+def test_hidden_randomness_small_sample_is_inconclusive(reference, clean):
+    s, _, _ = reference
+    rep = judge_trace(hide_randomness(clean), s, "hidden", mode="both")
     assert not rep.failures
     assert rep.inconclusive and rep.exit_code == EXIT_NOTHING and rep.verdict == "inconclusive"
     assert any(f.verdict.value == "unsupported" and f.category == "ar_tokens" for f in rep.findings)
 
 
-def test_a_changed_draw_and_bonus_are_found_at_their_node(session, clean):
-    s, _, _ = session
+def test_a_changed_draw_and_bonus_are_found_at_their_node(reference, clean):
+    s, _, _ = reference
     k = next(i for i, st_ in enumerate(clean.steps) if len(st_.tree_tokens) > 2)
     st_ = clean.steps[k]
     node = len(st_.tree_tokens) - 1
     draws = list(st_.node_draws)
     draws[node] = (draws[node] + 1) % 512
     bad = replace(clean, steps=[replace(x, node_draws=draws) if x is st_ else x for x in clean.steps])
-    rep = s.diff(bad, "draw", mode="replay")
+    rep = judge_trace(bad, s, "draw", mode="replay")
     f = rep.first_divergence()[st_.request_id]
     assert (f.category, f.step, f.node) in {("sampling", st_.step, node)}
     last = clean.steps[-1]
     bonus = replace(clean, steps=[replace(x, node_draws=[(d + 1) % 512 if i == x.accepted[-1] else d
                                                          for i, d in enumerate(x.node_draws)]) if x is last else x
                                   for x in clean.steps])
-    rep = s.diff(bonus, "bonus", mode="replay")
+    rep = judge_trace(bonus, s, "bonus", mode="replay")
     assert {(f.category, f.step) for f in rep.failures} >= {("bonus", last.step)}
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLING_FAULTS))
-def test_sampling_fault_caught_where_it_first_acts(session, name):
-    s, runner, prompts = session
+def test_sampling_fault_caught_where_it_first_acts(reference, name):
+    s, runner, prompts = reference
     cls, expected = find_fault(name)
     # the clean twin traced here, next to the faulty run: both in this process's numerics as they are now
     # (another test in the same worker may have changed torch's thread count, and with it the last bits of
     # a reduction: a uniform near a CDF edge then draws another token, and the onset would move)
     clean, _ = runner.trace(prompts)
     trace, _ = runner.trace(prompts, cls=cls, engine=f"fault:{name}")
-    rep = s.diff(trace, name, mode="replay")
+    rep = judge_trace(trace, s, name, mode="replay")
     assert rep.exit_code == EXIT_MISMATCH
     # the first step where the fault's trace departs from the clean one is where it must be caught
     onset = next((a.step for a, b in zip(trace.steps, clean.steps)
@@ -204,7 +205,7 @@ def test_support_gap_is_how_far_the_logits_must_move():
 @pytest.fixture(scope="module")
 def bf16_sampled():
     """The reference run as a bf16 engine at T = 0.7 with top-k 8 and top-p 0.9 (both cuts in play)."""
-    s = DiffSession()
+    s = ReferencePool()
     sampling = replace(SELFTEST_SAMPLING, top_k=8)
     spec = EngineSpec(pair="hybrid", budget=8, max_new_tokens=MAX_NEW, sampling=sampling, dtype="bfloat16")
     trace, _ = s.runner(spec).trace(load_prompts()[:2])
@@ -213,7 +214,7 @@ def bf16_sampled():
 
 def test_a_correct_bf16_sampling_engine_passes_by_default(bf16_sampled):
     s, trace = bf16_sampled
-    rep = s.diff(trace, "bf16-sampled", mode="replay")
+    rep = judge_trace(trace, s, "bf16-sampled", mode="replay")
     assert not rep.failures, [f.message for f in rep.failures]
     assert rep.checks["sampling"] >= len(trace.steps)
     # the bf16 draws differ from the fp32 reference's somewhere beyond the fp32 floor: held to rounding, not failed
@@ -230,7 +231,7 @@ def test_a_bf16_draw_far_outside_rounding_fails_where_it_is(bf16_sampled):
     draws = list(st_.node_draws)
     draws[node] = (st_.topk_ids[node][worst] + 257) % 512  # almost surely outside top-8 / top-p 0.9
     bad = replace(trace, steps=[replace(x, node_draws=draws) if x is st_ else x for x in trace.steps])
-    rep = s.diff(bad, "bf16-bad-draw", mode="replay")
+    rep = judge_trace(bad, s, "bf16-bad-draw", mode="replay")
     found = [f for f in rep.failures if f.request_id == st_.request_id and f.step == st_.step]
     assert ("sampling", node) in {(f.category, f.node) for f in found}
     assert not any(f.category == "sampling" and f.verdict.value == "triaged" and f.request_id == st_.request_id

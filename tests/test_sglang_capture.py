@@ -20,7 +20,8 @@ import torch
 
 from ddtree_reference.sampling import Sampling, request_key
 from ddtree_reference.tree import Tree, TreeError
-from refcheck.diff.session import DiffSession
+from refcheck.diff.judge import judge
+from refcheck.pool import ReferencePool
 from refcheck.prompts import load_prompts
 from refcheck.reference_runner import EngineSpec, ReferenceRunner
 from refcheck.sglang.capture.assemble import assemble_trace, sibling_ranks
@@ -211,7 +212,7 @@ def _prov(runner, prompts, budget):
 
 
 def _replay(trace):
-    return DiffSession().diff(trace, "fake-sglang", mode="replay")
+    return judge(trace, ReferencePool(), "fake-sglang", mode="replay")
 
 
 def test_tree_capture_of_a_correct_engine_passes(setup):
@@ -244,7 +245,7 @@ def test_sampled_tree_capture_of_the_keyed_sampler_replays_exactly(setup):
     assert all(r.temperature == 1.0 and r.rng_request == request_key(r.request_id) and 0 <= r.first_uniform < 1
                for r in trace.requests)
     assert all(len(st.node_draws) == len(st.tree_tokens) == len(st.node_uniforms) for st in trace.steps)
-    rep = DiffSession().diff(trace, "fake-sglang-sampled", mode="replay")  # (the fake stops after 4 steps: no free run)
+    rep = judge(trace, ReferencePool(), "fake-sglang-sampled", mode="replay")  # (the fake stops after 4 steps: no free run)
     assert not rep.failures, [f.message for f in rep.failures]
     assert rep.checks["sampling"] >= len(trace.steps)
     assert any(st.accept_length > 1 for st in trace.steps), "nothing accepted: the walk is not exercised"
@@ -253,7 +254,7 @@ def test_sampled_tree_capture_of_the_keyed_sampler_replays_exactly(setup):
     bad_u = list(st.node_uniforms)
     bad_u[node] = (bad_u[node] + 0.5) % 1.0
     bad = replace(trace, steps=[replace(x, node_uniforms=bad_u) if x is st else x for x in trace.steps])
-    rep = DiffSession().diff(bad, "moved-uniform", mode="replay")
+    rep = judge(bad, ReferencePool(), "moved-uniform", mode="replay")
     assert ("sampling", st.step, node) in {(f.category, f.step, f.node) for f in rep.failures if f.request_id == st.request_id}
 
 

@@ -10,9 +10,9 @@ import types
 import pytest
 import torch
 
-from refcheck.diff.session import DiffSession, reference_spec_for
 from refcheck.errors import UsageError
 from refcheck.goldens import REPO_GOLDEN
+from refcheck.pool import ReferencePool, reference_spec_for
 from refcheck.sglang.capture import gdn_probe
 from refcheck.sglang.capture.gdn_probe_check import check_probe, match_step, read_probes
 from refcheck.sglang.capture.gdn_replay import ReferenceKernels, gdn_inputs, split_qkv, tree_links
@@ -24,7 +24,7 @@ STEPS = (("code-1", 13), ("code-2", 3))
 @pytest.fixture(scope="module")
 def b64():
     trace = read_trace(REPO_GOLDEN / "sglang-hybrid-ddtree-b64.arrow")
-    return trace, DiffSession().runner(reference_spec_for(trace)).target
+    return trace, ReferencePool().runner(reference_spec_for(trace)).target
 
 
 def _record(trace, target, edit=None) -> dict:

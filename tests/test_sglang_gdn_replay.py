@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refcheck.diff.session import DiffSession, reference_spec_for
 from refcheck.errors import UsageError
 from refcheck.goldens import REPO_GOLDEN
+from refcheck.pool import ReferencePool, reference_spec_for
 from refcheck.sglang.capture.gdn_replay import ReferenceKernels, gdn_inputs, parents_from_links, replay, tree_links
 from refcheck.trace.io import read_trace
 
@@ -20,7 +20,7 @@ from refcheck.trace.io import read_trace
 @pytest.fixture(scope="module")
 def b64():
     trace = read_trace(REPO_GOLDEN / "sglang-hybrid-ddtree-b64.arrow")
-    return trace, DiffSession().runner(reference_spec_for(trace)).target
+    return trace, ReferencePool().runner(reference_spec_for(trace)).target
 
 
 @settings(max_examples=60, deadline=None)

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from refcheck.diff.session import DiffSession
+from refcheck.diff.judge import judge
 from refcheck.errors import EXIT_MISMATCH, EXIT_NOTHING, EXIT_PASS, EXIT_USAGE
 from refcheck.goldens import REPO_GOLDEN
+from refcheck.pool import ReferencePool
 from refcheck.prompts import load_prompts
 from refcheck.reference_runner import EngineSpec
 from refcheck.trace.io import read_trace, write_trace
@@ -78,14 +79,14 @@ def zlab():
 
 def test_zlab_agrees_with_reference_on_attention_target(zlab):
     trace = zlab(EngineSpec(pair="attention", budget=None, max_new_tokens=24)).trace(load_prompts()[:3])
-    rep = DiffSession().diff(trace, "zlab-attention", mode="both", strict_acceptance=True)
+    rep = judge(trace, ReferencePool(), "zlab-attention", mode="both", strict_acceptance=True)
     assert rep.failures == [] and rep.stats["mean_tau_engine"] == rep.stats["mean_tau_reference"]
     assert rep.counts["unsupported"] > 0  # z-lab exposes no KV/state: counted, not passed
 
 
 def test_zlab_is_flagged_on_hybrid_target(zlab):
     trace = zlab(EngineSpec(pair="hybrid", budget=None, max_new_tokens=32)).trace(load_prompts())
-    rep = DiffSession().diff(trace, "zlab-hybrid", mode="both")
+    rep = judge(trace, ReferencePool(), "zlab-hybrid", mode="both")
     first = rep.first_divergence()
     assert first, "the Cache.crop recurrent-state bug must be caught"
     assert {f.category for f in first.values()} <= {"logits", "draft", "bonus", "accepted_path"}

@@ -143,13 +143,13 @@ def test_the_running_test_names_the_step_and_the_tokens_it_first_fails_at():
 
 # -- end to end: the reference run as a bf16 engine, diffed with default options ------------------------------
 @pytest.fixture(scope="module")
-def session():
-    from refcheck.diff.session import DiffSession
+def pool():
+    from refcheck.pool import ReferencePool
 
-    return DiffSession()
+    return ReferencePool()
 
 
-def _bf16_trace(session, pair: str, engine: str, prompts: int, tokens: int):
+def _bf16_trace(pool, pair: str, engine: str, prompts: int, tokens: int):
     from ddtree_reference.decode import DDTreeDecoder
     from refcheck.prompts import load_prompts
     from refcheck.reference_runner import EngineSpec
@@ -158,19 +158,21 @@ def _bf16_trace(session, pair: str, engine: str, prompts: int, tokens: int):
     sampling = CORPUS_SAMPLING["temperature-1.1x"]  # T = 1.0, top-k and top-p off
     spec = EngineSpec(pair=pair, drafter="dflash", budget=15, max_new_tokens=tokens, sampling=sampling, dtype="bfloat16")
     cls = DDTreeDecoder if engine == "reference" else SAMPLING_FAULTS[engine][0]
-    trace, _ = session.runner(spec).trace(load_prompts()[:prompts], cls=cls, engine=engine)
+    trace, _ = pool.runner(spec).trace(load_prompts()[:prompts], cls=cls, engine=engine)
     return trace
 
 
 @pytest.mark.xdist_group("temperature_e2e")  # one worker loads the models once for the three end-to-end tests
 @pytest.mark.parametrize(("pair", "fault", "side"), [("attention", "temperature-1.1x", "higher"),
                                                       ("hybrid", "temperature-0.9x", "lower")])
-def test_a_bf16_engine_at_a_temperature_ten_percent_off_fails_by_default(session, pair, fault, side):
+def test_a_bf16_engine_at_a_temperature_ten_percent_off_fails_by_default(pool, pair, fault, side):
     """Every draw the fault moves is within bf16 rounding at its node; the check over the trace is not, within
     300 emitted tokens (here 2 prompts x 40), and no deviation of the trace stays triaged."""
-    trace = _bf16_trace(session, pair, fault, 2, 40)
+    trace = _bf16_trace(pool, pair, fault, 2, 40)
     assert sum(len(r.output_ids) for r in trace.requests) <= 300
-    rep = session.diff(trace, fault, mode="replay")
+    from refcheck.diff.judge import judge
+
+    rep = judge(trace, pool, fault, mode="replay")
     outright = [f for f in rep.failures if "not_triaged" not in f.details]
     assert [f.category for f in outright] == ["temperature"], [f.message for f in outright][:3]
     t = rep.stats["temperature"]
@@ -182,9 +184,11 @@ def test_a_bf16_engine_at_a_temperature_ten_percent_off_fails_by_default(session
 
 
 @pytest.mark.xdist_group("temperature_e2e")
-def test_a_correct_bf16_engine_passes_the_temperature_check(session):
-    trace = _bf16_trace(session, "hybrid", "reference", 2, 32)
-    rep = session.diff(trace, "clean", mode="replay")
+def test_a_correct_bf16_engine_passes_the_temperature_check(pool):
+    from refcheck.diff.judge import judge
+
+    trace = _bf16_trace(pool, "hybrid", "reference", 2, 32)
+    rep = judge(trace, pool, "clean", mode="replay")
     assert not rep.failures, [f.message for f in rep.failures][:3]
     t = rep.stats["temperature"]
     assert t["verdict"] == "pass" and t["higher"] + t["lower"] > 5 and rep.checks["temperature"] == 1, t

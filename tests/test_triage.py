@@ -13,16 +13,17 @@ import pytest
 import torch
 
 from refcheck.diff.findings import Verdict
-from refcheck.diff.session import DiffSession, reference_spec_for
+from refcheck.diff.judge import judge
 from refcheck.diff.tolerance import CALIBRATIONS, NoCalibration, calibration_for
 from refcheck.diff.triage import UNIT_ROUNDOFF, RoundingEnsemble, Rule, StepInputs, StepSpread, rounding_noise
 from refcheck.errors import GoldenError
 from refcheck.goldens import REPO_GOLDEN
 from refcheck.goldens.judge import check_trace
+from refcheck.pool import ReferencePool, reference_spec_for
 from refcheck.trace.io import Trace, read_trace
 
 # --dist loadgroup: one xdist worker runs the whole module, so
-# its module fixtures (the budget-64 golden's replay and its session) are computed once.
+# its module fixtures (the budget-64 golden's replay and its reference pool) are computed once.
 pytestmark = pytest.mark.xdist_group("triage")
 
 B64 = REPO_GOLDEN / "sglang-hybrid-ddtree-b64.arrow"
@@ -40,13 +41,13 @@ def b64():
 
 
 @pytest.fixture(scope="module")
-def session():
-    return DiffSession()
+def pool():
+    return ReferencePool()
 
 
 @pytest.fixture(scope="module")
-def target(b64, session):
-    return session.runner(reference_spec_for(b64)).target
+def target(b64, pool):
+    return pool.runner(reference_spec_for(b64)).target
 
 
 def test_noise_rounds_every_linear_input_and_output_and_the_residual_stream(target):
@@ -110,8 +111,8 @@ def test_every_calibration_is_explicit_and_an_uncovered_dtype_names_the_command(
         calibration_for("int8", "cpu")
 
 
-def _diff(session, trace):
-    return session.diff(trace, "t", mode="replay")
+def _diff(pool, trace):
+    return judge(trace, pool, "t", mode="replay")
 
 
 def _where(findings):
@@ -119,8 +120,8 @@ def _where(findings):
 
 
 @pytest.fixture(scope="module")
-def clean(b64, session):
-    return _diff(session, b64)
+def clean(b64, pool):
+    return _diff(pool, b64)
 
 
 def test_the_budget_64_findings_are_judged_rounding_by_default_with_their_evidence(clean):
@@ -142,36 +143,36 @@ def _step(trace, rid, step):
     return [x for x in trace.steps if x.request_id == rid and x.step == step][0]
 
 
-def test_the_same_deviation_at_a_well_conditioned_node_still_fails(b64, session):
+def test_the_same_deviation_at_a_well_conditioned_node_still_fails(b64, pool):
     """Move node 32's deviation (6.4 nats) to node 1 of the same step, which noise barely moves."""
     bad = copy.deepcopy(b64)
     s = _step(bad, "code-1", 13)
     s.topk_logprobs[1] = [v - 6.0 for v in s.topk_logprobs[1]]
-    rep = _diff(session, bad)
+    rep = _diff(pool, bad)
     assert ("code-1", 13, 1) in _where(rep.failures)
 
 
-def test_a_rounding_consistent_node_is_not_triaged_at_a_step_that_fails_elsewhere(b64, session):
+def test_a_rounding_consistent_node_is_not_triaged_at_a_step_that_fails_elsewhere(b64, pool):
     """Node 32 is judged consistent with rounding before the step's committed state is checked; the
     state then fails outright, so node 32 is reported failed too, with the reason."""
     bad = copy.deepcopy(b64)
     s = _step(bad, "code-1", 13)
     rec = next(e for e in s.state if e.kind == "rec")
     rec.sketch = rec.sketch * 3.0
-    rep = _diff(session, bad)
+    rep = _diff(pool, bad)
     n32 = [f for f in rep.findings if (f.request_id, f.step, f.node) == ("code-1", 13, 32)]
     assert n32 and all(f.verdict == Verdict.FAIL and f.details["not_triaged"] == "this step" for f in n32)
     assert "not triaged" in n32[0].message
     assert ("code-1", 13, rec.layer, "recurrent") in {(f.request_id, f.step, f.layer, f.category) for f in rep.failures}
 
 
-def test_nothing_is_triaged_in_a_request_after_it_failed(b64, session, clean):
+def test_nothing_is_triaged_in_a_request_after_it_failed(b64, pool, clean):
     """After code-1 fails at step 2, its later over-bound deviations are failures (no ensemble is run for
     them); the first finding stays where the request first fails; other requests keep their verdicts."""
     bad = copy.deepcopy(b64)
     s = _step(bad, "code-1", 2)
     s.topk_logprobs[1] = [v - 6.0 for v in s.topk_logprobs[1]]  # code-1 fails at step 2
-    rep = _diff(session, bad)
+    rep = _diff(pool, bad)
     assert not [f for f in rep.findings if f.request_id == "code-1" and f.step > 2 and f.verdict == Verdict.TRIAGED]
     assert ("code-1", 13, 32) in _where(rep.failures)  # judged rounding when the request was clean, failed now
     others = [f for f in rep.findings if f.request_id != "code-1" and f.verdict == Verdict.TRIAGED]
@@ -182,7 +183,7 @@ def test_nothing_is_triaged_in_a_request_after_it_failed(b64, session, clean):
     assert rep.stats["ensemble_steps"] < clean.stats["ensemble_steps"]  # nothing judged after the failure
 
 
-def test_a_request_that_fails_later_keeps_no_triaged_node(b64, session, clean):
+def test_a_request_that_fails_later_keeps_no_triaged_node(b64, pool, clean):
     """code-1's nodes judged rounding at steps 4 and 13 are no longer triaged once code-1 fails outright at
     step 15: rounding is presumed only in a request that is otherwise right. They are failures with the
     reason, ranked after the outright failure (the first divergence stays at step 15); the step counts
@@ -190,7 +191,7 @@ def test_a_request_that_fails_later_keeps_no_triaged_node(b64, session, clean):
     bad = copy.deepcopy(b64)
     s = _step(bad, "code-1", 15)
     s.topk_logprobs[1] = [v - 6.0 for v in s.topk_logprobs[1]]
-    rep = _diff(session, bad)
+    rep = _diff(pool, bad)
     mine = [f for f in rep.findings if f.request_id == "code-1"]
     assert not [f for f in mine if f.verdict == Verdict.TRIAGED]
     earlier = [f for f in mine if (f.step, f.node) in ((4, 16), (13, 32))]
@@ -212,7 +213,7 @@ def _anchored(steps: int):
     return replace(cal, rule=replace(cal.rule, anchor_steps=steps))
 
 
-def test_an_anchor_step_judges_what_the_cheap_bound_lets_through(b64, session):
+def test_an_anchor_step_judges_what_the_cheap_bound_lets_through(b64, pool):
     """At the request's anchor step every node and state entry is held to rounding: a 0.5-nat shift of a
     well-conditioned node and a 5% scaling of a recurrent state pass the cheap bounds (1.5 nats, rel L2
     0.25) and fail at the anchor step, at that node and layer; without anchors both pass."""
@@ -221,9 +222,9 @@ def test_an_anchor_step_judges_what_the_cheap_bound_lets_through(b64, session):
     s.topk_logprobs[1] = [v - 0.5 for v in s.topk_logprobs[1]]
     rec = next(e for e in s.state if e.kind == "rec")
     rec.sketch = rec.sketch * 1.05
-    plain = session.diff(bad, "t", mode="replay", calibration=_anchored(0))
+    plain = judge(bad, pool, "t", mode="replay", calibration=_anchored(0))
     assert not [f for f in plain.failures if f.request_id == "code-1" and f.step == 0]
-    rep = session.diff(bad, "t", mode="replay", calibration=_anchored(1))
+    rep = judge(bad, pool, "t", mode="replay", calibration=_anchored(1))
     got = [f for f in rep.failures if f.request_id == "code-1" and f.step == 0]
     assert ("logits", 1) in {(f.category, f.node) for f in got} and all(f.details.get("anchor") for f in got)
     node = next(f for f in got if f.category == "logits")
@@ -233,17 +234,17 @@ def test_an_anchor_step_judges_what_the_cheap_bound_lets_through(b64, session):
     only = copy.deepcopy(b64)
     r2 = next(e for e in _step(only, "code-1", 0).state if e.kind == "rec")
     r2.sketch = r2.sketch * 1.05
-    rep = session.diff(only, "t", mode="replay", calibration=_anchored(1))
+    rep = judge(only, pool, "t", mode="replay", calibration=_anchored(1))
     first = rep.first_divergence()["code-1"]
     assert (first.step, first.category, first.layer) == (0, "recurrent", rec.layer) and first.details["anchor"]
-    clean = session.diff(b64, "t", mode="replay", calibration=_anchored(1))
+    clean = judge(b64, pool, "t", mode="replay", calibration=_anchored(1))
     assert not clean.failures  # the clean golden passes with its anchors judged
 
 
-def test_per_golden_triage_rules_are_refused(b64, session):
+def test_per_golden_triage_rules_are_refused(b64, pool):
     with pytest.raises(GoldenError, match="remove 'triage_rules'"):
         check_trace("x", b64, {"expect": "pass", "allow_unsupported": ["draft"], "triage_rules": ["ill-conditioned"]},
-                    session)
+                    pool)
 
 
 def test_manual_triage_moves_only_the_steps_it_changed():
@@ -281,8 +282,7 @@ def test_judged_escalates_only_what_the_first_runs_do_not_cover():
     from refcheck.diff.findings import Report
     from refcheck.diff.rounding_guard import RoundingGuard
 
-    g = RoundingGuard()
-    g.rep, g.rid, g.rule, g.ensemble, g.pending, g.failed_at, g.since = Report("c", "replay"), "r", Rule(samples=8, factor=3.0, escalate=32), None, [], None, 0
+    g = RoundingGuard(Report("c", "replay"), "r", Rule(samples=8, factor=3.0, escalate=32), None)
     calls = {"all": 0}
 
     def spread_all() -> StepSpread:
@@ -298,6 +298,30 @@ def test_judged_escalates_only_what_the_first_runs_do_not_cover():
     assert g.rep.stats["escalated_judgements"] == 2
     g.spread_all = None  # a rule without escalation judges on the first runs only
     assert g.judged(5.0, at) is None
+
+
+def test_a_rounding_consistent_deviation_is_triaged_only_in_a_request_that_does_not_fail():
+    """The guard holds a step's rounding-consistent deviations until the step settles: triaged where nothing fails
+    at that step or earlier; a failure later in the request withdraws them (failures, "not triaged")."""
+    from refcheck.diff.findings import Finding, Report
+    from refcheck.diff.rounding_guard import RoundingGuard
+
+    rep = Report("c", "replay")
+    g = RoundingGuard(rep, "r", Rule(samples=8, factor=3.0), None)
+    start = g.open_step()
+    g.consistent("logits", 0, "within rounding", {})
+    assert not rep.findings  # held until the step settles
+    g.settle(0)
+    assert [f.verdict for f in rep.findings] == [Verdict.TRIAGED] and rep.findings[0].details["rule"] == "rounding"
+    rep.stats["steps"] = {"pass": 0, "benign_tie": 0, "triaged": 1, "fail": 0}
+    g.open_step()
+    rep.add(Finding(Verdict.FAIL, "kv", "r", 1, message="off"))
+    g.consistent("logits", 1, "within rounding", {})
+    g.settle(1)
+    assert g.failed_at == 1 and rep.findings[-1].verdict == Verdict.FAIL and "not triaged" in rep.findings[-1].message
+    g.withdraw(start)
+    assert all(f.verdict == Verdict.FAIL for f in rep.findings) and rep.findings[0].details["not_triaged"] == "step 1"
+    assert rep.stats["steps"] == {"pass": 0, "benign_tie": 0, "triaged": 0, "fail": 1}
 
 
 def test_the_bf16_and_fp16_rules_escalate():

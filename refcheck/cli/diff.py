@@ -43,7 +43,7 @@ from refcheck.spec import DTYPE_NAMES
 if TYPE_CHECKING:
     from ddtree_reference.sampling import Sampling
     from refcheck.diff.findings import Report
-    from refcheck.diff.session import DiffSession
+    from refcheck.pool import ReferencePool
     from refcheck.spec import EngineSpec
     from refcheck.trace.rows import Trace
 
@@ -191,15 +191,15 @@ def diff(engine: str | None, against: tuple[Path, ...], mode: str, golden_dir: P
     """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
 
     With no --engine / --against: the golden engine traces in golden/ for this budget and pair."""
-    from refcheck.diff.session import DiffSession
     from refcheck.outputs import check_output_file
+    from refcheck.pool import ReferencePool
 
     refuse_unused_options(engine, against)
     drawn = _live_sampling(engine, sampling)
     check_output_file(live.save_trace, "--save-trace")  # before the run, not after it
     if output.html is not None:
         check_output_file(output.html, "--html")
-    session = DiffSession()
+    pool = ReferencePool()
     reports: list[Report] = []
     traces: list[Trace] = []  # the engine trace behind each report (for --steps)
     golden_notes: list[tuple[Path, bool]] = []  # goldens diffed: (file, whether their reviewed findings were applied)
@@ -213,9 +213,9 @@ def diff(engine: str | None, against: tuple[Path, ...], mode: str, golden_dir: P
         reports.append(report)
         traces.append(trace)
     elif against:
-        _diff_files(against, session, mode, ref, reports, traces, golden_notes)
+        _diff_files(against, pool, mode, ref, reports, traces, golden_notes)
     else:
-        _diff_goldens(golden_dir, model.budget, model.model_label, session, mode, ref, reports, traces, golden_notes)
+        _diff_goldens(golden_dir, model.budget, model.model_label, pool, mode, ref, reports, traces, golden_notes)
     # the budgets diffed: the traces' own (an --against trace of budget 64 is not "budget 15")
     shown = sorted({budget_label(t.prov.budget) for t in traces}) or [budget_label(model.budget)]
     report_table(reports, f"refcheck diff · budget {', '.join(shown)} · mode {mode}",
@@ -295,9 +295,10 @@ def _live_engine(engine: str, engine_opts: dict[str, Any], spec: EngineSpec, pro
     return merge_reports([r for _, r in results], engine, mode), trace
 
 
-def _diff_files(against: tuple[Path, ...], session: DiffSession, mode: str, ref: ReferenceOptions,
+def _diff_files(against: tuple[Path, ...], pool: ReferencePool, mode: str, ref: ReferenceOptions,
                 reports: list[Report], traces: list[Trace], golden_notes: list[tuple[Path, bool]]) -> None:
     """Diff each ``--against`` trace file (appending to ``reports``, ``traces`` and ``golden_notes``)."""
+    from refcheck.diff.judge import judge
     from refcheck.trace.io import read_trace
 
     ref_shards, ref_dtype, ref_device = ref.ref_shards, ref.ref_dtype, ref.ref_device
@@ -311,11 +312,10 @@ def _diff_files(against: tuple[Path, ...], session: DiffSession, mode: str, ref:
 
             reports.append(sharded_diff(traces[-1], Path(path).stem, mode, ref_shards, ref_dtype, ref_device))
         else:
-            reports.append(session.diff(traces[-1], Path(path).stem, mode, ref_dtype=ref_dtype,
-                                        ref_device=ref_device))
+            reports.append(judge(traces[-1], pool, Path(path).stem, mode, ref_dtype=ref_dtype, ref_device=ref_device))
 
 
-def _diff_goldens(golden_dir: Path | None, budget: int | None, model: str, session: DiffSession, mode: str,
+def _diff_goldens(golden_dir: Path | None, budget: int | None, model: str, pool: ReferencePool, mode: str,
                   ref: ReferenceOptions, reports: list[Report], traces: list[Trace],
                   golden_notes: list[tuple[Path, bool]]) -> None:
     """Judge the goldens of this budget and model as the gate does (appending to ``reports``, ``traces`` and
@@ -338,7 +338,7 @@ def _diff_goldens(golden_dir: Path | None, budget: int | None, model: str, sessi
         trace = read_trace(gdir / manifest.cases[name].file)
         logging.getLogger("refcheck.cli.diff").debug("diffing golden %s against the live reference", name)
         # the gate's own judgement of the golden (its manifest entry's rules included): diff and gate agree
-        reports.append(check_trace(name, trace, manifest.cases[name].provenance, session, mode, ref.ref_dtype,
+        reports.append(check_trace(name, trace, manifest.cases[name].provenance, pool, mode, ref.ref_dtype,
                                    ref.ref_device))
         golden_notes.append((gdir / manifest.cases[name].file, True))
         traces.append(trace)

@@ -33,12 +33,12 @@ def explain(trace_path, request_id, step, node, ref_dtype, ref_device, top, at_l
     reproduce what the engine computed there; the flattened-tree leak shows as the previous node in
     flat order."""
     from refcheck.diff.explain import explain_node
-    from refcheck.diff.session import DiffSession, reference_spec_for
+    from refcheck.pool import ReferencePool, reference_spec_for
     from refcheck.trace.io import read_trace
 
     quiet()
     trace = read_trace(trace_path)
-    target = DiffSession().runner(reference_spec_for(trace, ref_dtype, ref_device)).target
+    target = ReferencePool().runner(reference_spec_for(trace, ref_dtype, ref_device)).target
     if at_layer is not None:
         _explain_layer(trace, request_id, step, node, target, None if at_layer < 0 else at_layer, top, as_json)
     ex = explain_node(trace, request_id, step, node, target)

@@ -46,12 +46,12 @@ def gate(golden_dir, cases, workers, profile, cache_dir, verbose, html, as_json)
     """CI gate: verify, then diff every golden case against the live reference (strict about skips)."""
     import time
 
-    from refcheck.diff.session import DiffSession
     from refcheck.goldens import default_golden_dir
     from refcheck.goldens.gate import gate as run_gate
     from refcheck.goldens.verify import verify
     from refcheck.log import progress_bar
     from refcheck.outputs import check_output_file
+    from refcheck.pool import ReferencePool
 
     if html is not None:
         check_output_file(html, "--html")  # before any case runs
@@ -61,7 +61,7 @@ def gate(golden_dir, cases, workers, profile, cache_dir, verbose, html, as_json)
     gdir = golden_dir or default_golden_dir()
     manifest = verify(gdir)  # the hashes checked once, before any case runs
     with progress_bar(err, len(cases) or len(manifest.cases), "gate") as progress:
-        reports = run_gate(gdir, DiffSession(), list(cases) or None, progress=progress, workers=workers,
+        reports = run_gate(gdir, ReferencePool(), list(cases) or None, progress=progress, workers=workers,
                            profiles=profiles, cache_dir=cache_dir, manifest=manifest)
     report_table(reports, "refcheck gate", verbose=verbose)
     wall = time.perf_counter() - t0
@@ -112,12 +112,12 @@ def golden() -> None:
 @click.option("--json", "as_json", is_flag=True)
 def golden_regen(cases, reason, accept, golden_dir, as_json):
     """Re-run the reference for the golden cases and show what changed; --accept replaces them."""
-    from refcheck.diff.session import DiffSession
     from refcheck.goldens import default_golden_dir
     from refcheck.goldens.regen import regenerate
+    from refcheck.pool import ReferencePool
 
     quiet()
-    reviews = regenerate(golden_dir or default_golden_dir(), list(cases) or None, reason, accept, DiffSession(),
+    reviews = regenerate(golden_dir or default_golden_dir(), list(cases) or None, reason, accept, ReferencePool(),
                          progress=progress_line)
     table = Table(title="golden regen review" + ("" if accept else " (pending: nothing replaced)"))
     for col in ("case", "status", "τ old → new", "first divergences", "library versions", "numbers", "provenance changes"):

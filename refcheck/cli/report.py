@@ -29,8 +29,9 @@ from refcheck.spec import DTYPE_NAMES
 def report(trace_path: Path, output: Path | None, mode: str, ref_dtype: str, ref_device: str) -> None:
     """Diff a recorded trace and write a self-contained HTML report (summary, step strips, trees, findings)."""
     from refcheck.cli.reports import finish, report_table, write_html
-    from refcheck.diff.session import DiffSession
+    from refcheck.diff.judge import judge
     from refcheck.outputs import check_output_file
+    from refcheck.pool import ReferencePool
     from refcheck.report import TokenText, render_page
     from refcheck.trace.io import read_trace
 
@@ -38,7 +39,7 @@ def report(trace_path: Path, output: Path | None, mode: str, ref_dtype: str, ref
     check_output_file(output, "-o")  # before the diff, not after it
     trace = read_trace(trace_path)
     err.print(f"diffing {trace_path}", markup=False)
-    result = DiffSession().diff(trace, Path(trace_path).stem, mode, ref_dtype=ref_dtype, ref_device=ref_device)
+    result = judge(trace, ReferencePool(), Path(trace_path).stem, mode, ref_dtype=ref_dtype, ref_device=ref_device)
     report_table([result], f"refcheck report · mode {mode}", verbose=False)  # the page holds the rest
     page = render_page(result, trace, TokenText.for_trace(trace.provenance))
     finish([result], False, error=write_html(output, page))

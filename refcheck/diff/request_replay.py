@@ -1,15 +1,21 @@
 """One request's replay: the reference follows the engine's committed path step by step (:class:`RequestReplay`).
 
 Contract: :class:`RequestReplay` is what :func:`refcheck.diff.replay.replay` runs per request (the checks, the
-calibrated verdict and the acceptance account are described there); its node checks live in
-:mod:`refcheck.diff.node_checks`, its rounding judgement in :mod:`refcheck.diff.rounding_guard`, its drafter
-checks in :mod:`refcheck.diff.draft_checks`.
+calibrated verdict and the acceptance account are described there). It holds the reference state along the
+engine's committed path and the step's drafter-side state, and owns three parts, built once per request and
+holding no reference back to it: :attr:`RequestReplay.findings` (:mod:`refcheck.diff.request_findings`: the
+request's failures, token flips and running maxima), :attr:`RequestReplay.guard` (:mod:`refcheck.diff.rounding_guard`:
+the rounding ensemble, the step's spreads and what they decide) and :attr:`RequestReplay.nodes`
+(:mod:`refcheck.diff.node_checks`: argmax, top-k log-probs and layer bisection of a step's nodes). The draft,
+state, emitted-token, output and sampled checks are the request's own; its drafter checks are in
+:mod:`refcheck.diff.draft_checks`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -22,7 +28,9 @@ from refcheck.diff.acceptance import Account, DraftRule, StepAccount, cause_of
 from refcheck.diff.distribution import Evidence
 from refcheck.diff.draft_checks import check_context, check_drafted_tree, reference_tau, shadow_tau
 from refcheck.diff.findings import Finding, Report, Verdict, worst_verdict
-from refcheck.diff.node_checks import FLOOR, NodeChecks, _abs_dev, _topk_at
+from refcheck.diff.node_checks import NodeChecks, abs_dev, topk_at
+from refcheck.diff.request_findings import RequestFindings
+from refcheck.diff.rounding_guard import FLOOR, RoundingGuard
 from refcheck.diff.sampling import (
     CHILDREN_FIRST,
     SampledRequest,
@@ -48,13 +56,13 @@ def _state_at(name: str) -> Callable[[StepSpread], float | None]:
     return lambda sp: (sp.state or {}).get(name)
 
 
-class RequestReplay(NodeChecks):
+class RequestReplay:
     """Replay of one request: the reference state follows the engine's committed path."""
 
     def __init__(self, rep: Report, target: Target, drafter: Drafter, cal: Calibration, rid: str, stop: frozenset[int],
                  check_draft: bool = True, structural_trees: bool = False, ensemble: RoundingEnsemble | None = None,
                  sampled: SampledRequest | None = None, evidence: Evidence | None = None, rule: DraftRule | None = None,
-                 leans: Leans | None = None):
+                 leans: Leans | None = None) -> None:
         self.rep, self.target, self.drafter, self.tol, self.rid, self.stop = rep, target, drafter, cal.tolerance, rid, stop
         #: the engine's drafting rule and its acceptance account (None: no rule to hold its trees and τ to)
         self.draft_rule = rule if rule is not None else DraftRule("other", None, 0)
@@ -68,23 +76,14 @@ class RequestReplay(NodeChecks):
         self.max_new_tokens: int | None = None  # the run's cap on each request's output (None: unknown)
         self.draft_missing = ""  # why the engine's capture could not record its drafter (": reason"), if it said
         self.shadow: int | None = None  # τ of this step's shadow tree under the reference's verify
-        self.rule = cal.rule
         self.check_draft_enabled = check_draft
         self.structural_trees = structural_trees  # engine trees (SGLang NGRAM, ...) need not follow DDTree's rules
-        self.ensemble = ensemble  # set when the calibration has a rule
         self.capture = tuple(drafter.target_layer_ids)
         self._state: TargetState | None = None  # set by the first prefill, before any check reads it
         self.root: int | None = None
-        #: this step's deviations consistent with rounding, settled at the step's end
-        self.pending: list[Finding] = []
-        #: this step's nodes whose log-probs are consistent with rounding -> their spread
-        self.ill_conditioned: dict[int, float] = {}
-        self.spread: Callable[[], StepSpread] | None = None  # this step's ensemble, run at most once
-        self.spread_all: Callable[[], StepSpread] | None = None  # ... with the rule's escalation runs (on first need)
-        self.escalated = False  # the last judged deviation was held to the escalated ensemble
-        self.failed_at: int | None = None  # the first step of this request with a failure
-        self.last_spread: float | None = None  # the spread the last judged deviation was held against
-        self.since = 0  # index of this step's first finding in the report
+        self.findings = RequestFindings(rep, rid, cal.tolerance.tie_margin)
+        self.guard = RoundingGuard(rep, rid, cal.rule, ensemble)
+        self.nodes = NodeChecks(self.findings, self.guard, cal.tolerance, target)
         self.sampled = sampled  # the request's sampling (None: greedy)
         self.evidence = evidence if evidence is not None else Evidence()
         self.leans = leans if leans is not None else Leans()  # the keyed draws' leans (the temperature check)
@@ -107,6 +106,10 @@ class RequestReplay(NodeChecks):
     def sampling(self) -> SampledRequest:
         assert self.sampled is not None, "a sampled check on a greedy request"
         return self.sampled
+
+    def fail(self, category: str, step: int | None, message: str, **kw: Any) -> None:
+        """A failure of this request (:meth:`RequestFindings.fail`)."""
+        self.findings.fail(category, step, message, **kw)
 
     # -- state handling ---------------------------------------------------------------------
     @timed("replay.prefill")
@@ -140,21 +143,21 @@ class RequestReplay(NodeChecks):
         if ref is None:
             self.fail("draft", s.step, f"engine drafted {len(s.draft_topk_ids)} depths, more than the drafter's block")
             return
-        dev = _abs_dev(torch.tensor(s.draft_topk_logprobs, dtype=torch.float32), ref).amax(dim=1)  # [L]
-        self.track_max("max_draft_logprob_abs", float(dev.max()))
+        dev = abs_dev(torch.tensor(s.draft_topk_logprobs, dtype=torch.float32), ref).amax(dim=1)  # [L]
+        self.findings.track_max("max_draft_logprob_abs", float(dev.max()))
         self.draft_dev = float(dev.max())
         over = torch.nonzero(dev > self.tol.draft_logprob_abs).flatten().tolist()
         if not over:
             return
         depth = over[0] + 1
-        spread = [self.judged(float(dev[d]), _draft_at(d)) for d in over]
+        spread = [self.guard.judged(float(dev[d]), _draft_at(d)) for d in over]
         details = {"max_abs": float(dev.max()), "depth": depth}
         held = [v for v in spread if v is not None]
         if len(held) == len(spread):
-            self.consistent("draft", s.step, f"draft log-probs off by up to {float(dev.max()):.4g} (first over "
-                            f"{self.tol.draft_logprob_abs:g} at depth {depth}), within {self.factor:g}x of what "
-                            f"rounding at the engine's dtype moves them (up to {max(held):.4g})",
-                            {**details, "spread": max(held)})
+            self.guard.consistent("draft", s.step, f"draft log-probs off by up to {float(dev.max()):.4g} (first over "
+                                  f"{self.tol.draft_logprob_abs:g} at depth {depth}), within {self.guard.factor:g}x of "
+                                  f"what rounding at the engine's dtype moves them (up to {max(held):.4g})",
+                                  {**details, "spread": max(held)})
             return
         bad = [d for d, v in zip(over, spread) if v is None]
         self.fail("draft", s.step, f"draft log-probs differ from the reference drafter's by {float(dev.max()):.4g} "
@@ -204,27 +207,30 @@ class RequestReplay(NodeChecks):
                 self.fail(cat, s.step, f"{name}: the engine's state holds non-finite values (NaN or Inf)", layer=layer)
                 continue
             err, cos = rel_l2(got, want), cosine(got, want)
-            self.track_max(f"max_rel_l2_{cat}", err)
+            self.findings.track_max(f"max_rel_l2_{cat}", err)
             if err > self.tol.tensor_rel_l2 or cos < self.tol.tensor_min_cos:
                 layer_type = "linear_attention" if self.target.is_linear(layer) else "attention"
-                spread = self.judged(err, _state_at(name))
+                spread = self.guard.judged(err, _state_at(name))
                 if spread is not None:
-                    self.consistent(cat, s.step, f"{name}: rel L2 {err:.3g}, cosine {cos:.6f}, within {self.factor:g}x "
-                                    f"of what rounding at the engine's dtype moves it ({spread:.3g})",
-                                    {"rel_l2": err, "cosine": cos, "spread": spread}, layer=layer, layer_type=layer_type)
+                    self.guard.consistent(cat, s.step, f"{name}: rel L2 {err:.3g}, cosine {cos:.6f}, within "
+                                          f"{self.guard.factor:g}x of what rounding at the engine's dtype moves it "
+                                          f"({spread:.3g})", {"rel_l2": err, "cosine": cos, "spread": spread},
+                                          layer=layer, layer_type=layer_type)
                     continue
                 self.fail(cat, s.step, f"{name}: rel L2 {err:.3g}, cosine {cos:.6f} (tolerance {self.tol.tensor_rel_l2:g} / "
                           f"{self.tol.tensor_min_cos:g})", layer=layer, layer_type=layer_type,
-                          details={"rel_l2": err, "cosine": cos, "spread": self.last_spread})
+                          details={"rel_l2": err, "cosine": cos, "spread": self.guard.last_spread})
                 continue
-            spread = self.beyond_rounding(s.step, err, FLOOR.tensor_rel_l2, _state_at(name))
+            spread = self.guard.beyond_rounding(s.step, err, FLOOR.tensor_rel_l2, _state_at(name))
             if spread is not None:
-                self.fail(cat, s.step, f"{name}: rel L2 {err:.3g}, more than {self.factor:g}x what rounding at the "
+                self.fail(cat, s.step, f"{name}: rel L2 {err:.3g}, more than {self.guard.factor:g}x what rounding at the "
                           f"engine's dtype moves it ({spread:.3g}; judged in full at the request's anchor steps)",
                           layer=layer, layer_type="linear_attention" if self.target.is_linear(layer) else "attention",
                           details={"rel_l2": err, "cosine": cos, "spread": spread, "anchor": True})
 
-    def check_emitted(self, s: StepRow, tree: Tree, logp: torch.Tensor, last: bool) -> None:
+    def check_emitted(self, s: StepRow, tree: Tree, logp: torch.Tensor, last: bool, ill: dict[int, float]) -> None:
+        """The step's emitted tokens are its accepted path and bonus (cut at a stop token), with the reference's
+        log-probs (``ill``: the step's nodes whose log-probs rounding explains -> their spread)."""
         expected = [int(tree.tokens[i]) for i in s.accepted[1:]] + [s.bonus]
         for j, tok in enumerate(expected):
             if tok in self.stop:
@@ -240,15 +246,15 @@ class RequestReplay(NodeChecks):
         if len(s.emitted_logprobs) != len(s.emitted):
             self.fail("logprobs", s.step, f"{len(s.emitted_logprobs)} log-probs for {len(s.emitted)} emitted tokens")
             return
+        rule = self.guard.rule
         for j, (tok, lp) in enumerate(zip(s.emitted, s.emitted_logprobs)):
             ref = float(logp[s.accepted[j], tok])
             node = s.accepted[j]
-            if math.isfinite(lp) and abs(lp - ref) > self.tol.logprob_abs and node in self.ill_conditioned \
-                    and self.rule is not None and self.rule.covers(abs(lp - ref), self.ill_conditioned[node]):
-                self.consistent("logprobs", s.step, f"log-prob of emitted token {j} ({tok}) {lp:.5g} vs reference {ref:.5g} "
-                                f"at a node whose log-probs rounding moves by up to {self.ill_conditioned[node]:.4g}",
-                                {"index": j, "engine": lp, "reference": ref, "spread": self.ill_conditioned[node]},
-                                node=node)
+            if math.isfinite(lp) and abs(lp - ref) > self.tol.logprob_abs and node in ill \
+                    and rule is not None and rule.covers(abs(lp - ref), ill[node]):
+                self.guard.consistent("logprobs", s.step, f"log-prob of emitted token {j} ({tok}) {lp:.5g} vs reference "
+                                      f"{ref:.5g} at a node whose log-probs rounding moves by up to {ill[node]:.4g}",
+                                      {"index": j, "engine": lp, "reference": ref, "spread": ill[node]}, node=node)
                 continue
             if not math.isfinite(lp) or abs(lp - ref) > self.tol.logprob_abs:
                 what = "missing (NaN)" if math.isnan(lp) else f"{lp:.5g} vs reference {ref:.5g}"
@@ -265,7 +271,7 @@ class RequestReplay(NodeChecks):
     def cdf_tol(self, calibrated: bool = False) -> float:
         """How far a draw may sit outside its CDF interval as a benign tie: the dtype's cheap log-prob bound, or,
         where the calibration's rounding rule judges the step (``calibrated``), the fp32 floor."""
-        bound = FLOOR.logprob_abs if calibrated and self.rule is not None else self.tol.logprob_abs
+        bound = FLOOR.logprob_abs if calibrated and self.guard.rule is not None else self.tol.logprob_abs
         return cdf_tolerance(bound, self.sampling.sampling.temperature)
 
     def check_sampled_step(self, s: StepRow, tree: Tree, logp: torch.Tensor) -> None:
@@ -273,16 +279,16 @@ class RequestReplay(NodeChecks):
         a draw beyond the fp32 floor is held to the node's rounding spread (sampling.py's module docstring)."""
         probs = self.probs(logp)  # [N, V]
         self.rep.check("sampling")
-        judge = None if self.rule is None else \
-            (lambda node, dev: self.judged(dev, _topk_at(node)))
+        judge = None if self.guard.rule is None else \
+            (lambda node, dev: self.guard.judged(dev, topk_at(node)))
         res = replay_sampled_step(self.rid, s, tree, probs, self.sampling, self.cdf_tol(calibrated=True), judge,
                                   logp.cpu())
         for f in res.findings:
             self.rep.add(f)
         for node, (what, dev, spread) in sorted(res.rounding.items()):
-            self.consistent("sampling", s.step, f"{what} at node {node}: the logits would move by {dev:.4g}, within "
-                            f"{self.factor:g}x of what rounding at the engine's dtype moves them ({spread:.4g})",
-                            {"deviation": dev, "spread": spread}, node=node)
+            self.guard.consistent("sampling", s.step, f"{what} at node {node}: the logits would move by {dev:.4g}, "
+                                  f"within {self.guard.factor:g}x of what rounding at the engine's dtype moves them "
+                                  f"({spread:.4g})", {"deviation": dev, "spread": spread}, node=node)
         self.hidden |= not res.exact
         n = tree.num_nodes
         path = [a for a in s.accepted if 0 <= a < n]
@@ -347,7 +353,7 @@ class RequestReplay(NodeChecks):
             if exact and 0 <= output[0] < probs0.shape[1]:
                 self.leans.add(self.rid, -1, node_leans(logp0.cpu()[None], probs0, [first_uniform], [output[0]]))
         elif output and int(logp0.argmax()) != output[0]:
-            self.token_flip("output", -1, None, logp0.cpu(), output[0], position=P)
+            self.findings.token_flip("output", -1, None, logp0.cpu(), output[0], position=P)
         if output and output_lps:
             self.rep.check("logprobs")
             ref = float(logp0[output[0]])
@@ -361,11 +367,11 @@ class RequestReplay(NodeChecks):
                 if s.step != last_step + 1 and self.cross_gap(s, prompt, output):
                     emitted_all, gapped = output[: s.committed_len - P + 1], True
                 last_step = s.step
-                since = self.since = len(self.rep.findings)
+                since = self.guard.open_step()
                 self.pending_tau = self.shadow = self.tree_margin = None
                 self.draft_dev = 0.0
                 usable = self.replay_step(s, last=k == len(steps) - 1, prompt=prompt, output=output)
-                self.settle(since, s.step)
+                self.guard.settle(s.step)
                 self.account_step(s, since)
                 self.step_verdict(since)
                 if not usable:
@@ -373,7 +379,7 @@ class RequestReplay(NodeChecks):
                 emitted_all += s.emitted
                 emitted_lps += s.emitted_logprobs
         finally:
-            self.withdraw(start)
+            self.guard.withdraw(start)
         self.check_output(output, output_lps, emitted_all, emitted_lps, P, gapped)
 
     def cross_gap(self, s: StepRow, prompt: list[int], output: list[int]) -> bool:
@@ -473,6 +479,20 @@ class RequestReplay(NodeChecks):
             return False
         return True
 
+    def engine_tree(self, s: StepRow) -> Tree | None:
+        """The tree the engine verified at step ``s``, checked against the tree rules (structural ones only for
+        engines whose trees need not follow DDTree's); None, with a failure, when it is malformed."""
+        self.rep.check("tree")
+        try:
+            n = len(s.tree_tokens)
+            tree = Tree(torch.tensor(s.tree_tokens), torch.tensor(s.tree_parents), torch.tensor(s.tree_depths),
+                        torch.tensor(s.tree_ranks), torch.zeros(n))
+            tree.validate(structural_only=self.structural_trees)
+        except (TreeError, RuntimeError, ValueError) as exc:
+            self.fail("tree", s.step, f"malformed tree: {exc}")
+            return None
+        return tree
+
     @timed("replay.verify", counter="steps_replayed")
     def replay_step(self, s: StepRow, last: bool, prompt: list[int], output: list[int]) -> bool:
         """Re-verify one engine step and follow its commit; False when the step cannot be followed."""
@@ -485,15 +505,10 @@ class RequestReplay(NodeChecks):
             if not 0 <= done < len(output):
                 return False
             self.prefill(prompt + output[:done])
-        self.rep.check("tree")
-        try:
-            n = len(s.tree_tokens)
-            tree = Tree(torch.tensor(s.tree_tokens), torch.tensor(s.tree_parents), torch.tensor(s.tree_depths),
-                        torch.tensor(s.tree_ranks), torch.zeros(n))
-            tree.validate(structural_only=self.structural_trees)
-        except (TreeError, RuntimeError, ValueError) as exc:
-            self.fail("tree", s.step, f"malformed tree: {exc}")
+        tree = self.engine_tree(s)
+        if tree is None:
             return False
+        n = tree.num_nodes
         want_layers = self.check_layer_sketch(s)
         fwd = self.target.forward(self.state, tree.tokens, tree.parents, tree.depths, capture=self.capture,
                                   keep_layer_outputs=want_layers)
@@ -504,11 +519,11 @@ class RequestReplay(NodeChecks):
         valid_path = bool(s.accepted) and s.accepted[0] == 0 and all(0 <= a < n for a in s.accepted) \
             and s.accepted == tree.path(s.accepted[-1])
         new_state = self.state.commit(fwd, s.accepted) if valid_path else None
-        self.step_ensemble(s, tree, logp, prompt + output[: s.committed_len - P], draft_ref, new_state, prev)
+        self.guard.step_ensemble(s, tree, logp, prompt + output[: s.committed_len - P], draft_ref, new_state, prev)
         self.check_draft(s, draft_ref)
         check_drafted_tree(self, s)
         check_context(self, s, tree, fwd.context, prev)
-        walk = self.check_nodes(s, tree, logp, fwd.layer_outputs)
+        walk, ill = self.nodes.check(s, tree, logp, fwd.layer_outputs, prev)
         if self.sampled is not None:
             self.check_sampled_step(s, tree, logp)
         ref_acc = tree.walk_greedy(walk) if self.sampled is None else list(s.accepted)
@@ -527,8 +542,8 @@ class RequestReplay(NodeChecks):
             return False
         self.rep.check("bonus")
         if self.sampled is None and s.bonus != int(walk[s.accepted[-1]]):
-            self.token_flip("bonus", s.step, s.accepted[-1], logp[s.accepted[-1]].cpu(), s.bonus)
-        self.check_emitted(s, tree, logp, last=last)
+            self.findings.token_flip("bonus", s.step, s.accepted[-1], logp[s.accepted[-1]].cpu(), s.bonus)
+        self.check_emitted(s, tree, logp, last, ill)
         self.check_state(s, new_state, prev)
         acc = torch.tensor(s.accepted, device=self.target.device)
         self.drafter.extend(fwd.context[acc], prev + tree.depths.to(acc.device)[acc], tree.tokens.to(acc.device)[acc])

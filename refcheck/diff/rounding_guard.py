@@ -2,14 +2,19 @@
 its spreads decide.
 
 Contract: :class:`RoundingGuard` is the part of a request's replay (:mod:`refcheck.diff.request_replay`) that
-holds deviations against the rounding ensemble (:mod:`refcheck.diff.triage`): :meth:`step_ensemble` sets
-up a step's ensemble (node log-probs at the engine's top-k ids and both argmaxes, the draft, the committed
-state), run on first use; :meth:`judged` is a deviation over its bound held to the rule's factor x its
-spread; :meth:`beyond_rounding` is one *under* its bound at an anchor step; :meth:`consistent` records a
-deviation rounding explains, which :meth:`settle` reports as triaged only if nothing fails at its step or
-earlier, and :meth:`withdraw` turns into a failure once the request fails later (:func:`withdraw_trace`: once a
-check over the whole trace fails). Every judged deviation's
-ratio to its spread is kept in the report's ``rounding_ratios`` (the calibration's raw data).
+holds deviations against the rounding ensemble (:mod:`refcheck.diff.triage`). It holds the calibration's rule and
+the ensemble, the step's spreads, the step's rounding-consistent deviations until the step settles, and the
+request's first failing step; it reads the report's findings and writes its stats and findings, and holds nothing
+else of the request. Per step: :meth:`RoundingGuard.open_step` marks the step's first finding;
+:meth:`RoundingGuard.step_ensemble` sets up the step's ensemble (node log-probs at the engine's top-k ids and both
+argmaxes, the draft, the committed state), run on first use; :meth:`RoundingGuard.judged` is a deviation over its
+bound held to the rule's factor x its spread; :meth:`RoundingGuard.beyond_rounding` is one *under* its bound at an
+anchor step; :meth:`RoundingGuard.consistent` records a deviation rounding explains, which
+:meth:`RoundingGuard.settle` reports as triaged only if nothing fails at its step or earlier, and
+:meth:`RoundingGuard.withdraw` turns into a failure once the request fails later (:func:`withdraw_trace`: once a
+check over the whole trace fails). Every judged deviation's ratio to its spread is kept in the report's
+``rounding_ratios`` (the calibration's raw data). :data:`FLOOR` is the fp32 reference's own precision: the
+anchor judgement holds nothing under it.
 """
 
 from __future__ import annotations
@@ -23,12 +28,15 @@ import torch
 from ddtree_reference.state import TargetState
 from ddtree_reference.tree import Tree
 from refcheck.diff.findings import Finding, Report, Verdict
+from refcheck.diff.tolerance import CALIBRATIONS
 from refcheck.diff.triage import RoundingEnsemble, Rule, StepInputs, StepSamples, StepSpread
 from refcheck.profile import timed
 from refcheck.sketch import rel_l2, sketch_rows, state_rows
 from refcheck.trace.io import StateEntry, StepRow
 
 MAX_RATIOS = 4000  # judged deviations kept per report for `refcheck calibrate`
+#: under the fp32 reference's own precision nothing is judged (its bounds against transformers, CPU)
+FLOOR = CALIBRATIONS[("float32", "cpu")].tolerance
 
 
 def _as_compared(entry: StateEntry, rows: torch.Tensor) -> torch.Tensor:
@@ -59,19 +67,36 @@ def withdraw_trace(rep: Report, where: str) -> int:
 
 
 class RoundingGuard:
-    """A request's rounding judgement (mixed into the replay's request; its attributes are set there)."""
+    """A request's rounding judgement: the rule and ensemble it judges with, this step's spreads, and the
+    deviations rounding explains until their step settles."""
 
-    rep: Report
-    rid: str
-    rule: Rule | None
-    ensemble: RoundingEnsemble | None
-    pending: list[Finding]  # this step's deviations consistent with rounding, settled at the step's end
-    spread: Callable[[], StepSpread] | None  # this step's ensemble, run at most once
-    spread_all: Callable[[], StepSpread] | None  # ... with the rule's escalation runs added (on first need)
-    failed_at: int | None  # the first step of this request with a failure
-    last_spread: float | None  # the spread the last judged deviation was held against
-    escalated: bool  # ... and whether that spread is the escalated ensemble's
-    since: int  # index of this step's first finding in the report
+    def __init__(self, rep: Report, rid: str, rule: Rule | None, ensemble: RoundingEnsemble | None) -> None:
+        self.rep, self.rid = rep, rid
+        self.rule = rule  # the calibration's rule (None: the bounds are final, nothing is judged)
+        self.ensemble = ensemble  # set when the calibration has a rule
+        #: this step's deviations consistent with rounding, settled at the step's end
+        self.pending: list[Finding] = []
+        self.spread: Callable[[], StepSpread] | None = None  # this step's ensemble, run at most once
+        self.spread_all: Callable[[], StepSpread] | None = None  # ... with the rule's escalation runs (on first need)
+        self.failed_at: int | None = None  # the first step of this request with a failure
+        self.last_spread: float | None = None  # the spread the last judged deviation was held against
+        self.escalated = False  # ... and whether that spread is the escalated ensemble's
+        self.since = 0  # index of this step's first finding in the report
+
+    @property
+    def factor(self) -> float:
+        """The calibration's factor over the rounding spread (only worded where a rule judged)."""
+        return self.rule.factor if self.rule is not None else float("nan")
+
+    def open_step(self) -> int:
+        """A step begins: its findings start at the report's next one (the index returned)."""
+        self.since = len(self.rep.findings)
+        return self.since
+
+    def step_spread(self) -> StepSpread:
+        """This step's ensemble spread (only once a judgement has run it)."""
+        assert self.spread is not None, "no rounding ensemble at this step"
+        return self.spread()
 
     def consistent(self, category: str, step: int, message: str, details: dict[str, Any], **kw: Any) -> None:
         """A deviation over its bound that rounding at the engine's dtype explains: triaged or failed at
@@ -117,17 +142,17 @@ class RoundingGuard:
         """Has this request failed, earlier or at this step so far?"""
         return self.failed_at is not None or any(f.verdict == Verdict.FAIL for f in self.rep.findings[self.since:])
 
-    def settle(self, since: int, step: int) -> None:
-        """Report the step's rounding-consistent deviations: triaged only if nothing else failed at this
-        step or earlier in the request."""
-        failed_here = any(f.verdict == Verdict.FAIL for f in self.rep.findings[since:])
+    def settle(self, step: int) -> None:
+        """Report the step's rounding-consistent deviations (the step opened at :meth:`open_step`): triaged only if
+        nothing else failed at this step or earlier in the request."""
+        failed_here = any(f.verdict == Verdict.FAIL for f in self.rep.findings[self.since:])
         if self.pending and (failed_here or self.failed_at is not None):
             where = f"step {self.failed_at}" if self.failed_at is not None else "this step"
             for f in self.pending:
                 _not_triaged(f, where)
         self.rep.findings.extend(self.pending)
         self.pending = []
-        if self.failed_at is None and any(f.verdict == Verdict.FAIL for f in self.rep.findings[since:]):
+        if self.failed_at is None and any(f.verdict == Verdict.FAIL for f in self.rep.findings[self.since:]):
             self.failed_at = step
 
     def withdraw(self, start: int) -> None:

@@ -18,13 +18,13 @@ from typing import Any
 
 from refcheck.diff.findings import check_category
 from refcheck.diff.place import where
-from refcheck.diff.session import DiffSession
 from refcheck.errors import GoldenError, UsageError
 from refcheck.goldens import store
 from refcheck.goldens.cases import GOLDEN_CASES
 from refcheck.goldens.judge import check_trace
 from refcheck.goldens.manifest import Manifest, load_manifest, provenance_summary
 from refcheck.goldens.policy import parse_expect_first, parse_triage
+from refcheck.pool import ReferencePool
 from refcheck.trace.io import read_trace, trace_from_bytes
 
 
@@ -62,7 +62,7 @@ def _read_bytes(trace_path: Path) -> bytes:
 
 
 def add_trace(golden_dir: Path, trace_path: Path, case: str, expect: str, allow_unsupported: list[str],
-              reason: str, triage: list[str] | None = None, session: DiffSession | None = None,
+              reason: str, triage: list[str] | None = None, pool: ReferencePool | None = None,
               expect_first: str | None = None) -> Path:
     """Store an engine trace as a golden case (atomic; an existing case is replaced only with history).
     ``triage``: findings a person reviewed (REQUEST:STEP:NODE:CATEGORY), reported as TRIAGED by the gate.
@@ -79,7 +79,7 @@ def add_trace(golden_dir: Path, trace_path: Path, case: str, expect: str, allow_
     trace = trace_from_bytes(data, str(trace_path))
     summary = {**provenance_summary(trace.provenance), "expect": expect, "allow_unsupported": allow_unsupported,
                "triaged": triaged, **({"expect_first": first} if first else {})}
-    report = check_trace(case, trace, summary, session or DiffSession())
+    report = check_trace(case, trace, summary, pool or ReferencePool())
     if report.verdict not in ("pass", "expected failure caught"):
         fails = [f for f in report.failures][:3]
         raise GoldenError(

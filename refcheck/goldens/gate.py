@@ -6,7 +6,7 @@ and judges each case with :func:`refcheck.goldens.judge.gate_case`, returning th
 ``cases`` (default: every case by name). With ``workers`` > 1 the cases go to that many processes
 (None: one per usable core; this process is one of them) as the jobs of
 :func:`refcheck.goldens.schedule.gate_jobs`, each worker (:func:`gate_shard`) keeping its
-:class:`~refcheck.diff.session.DiffSession` from job to job. ``profiles`` receives each case's
+:class:`~refcheck.pool.ReferencePool` from job to job. ``profiles`` receives each case's
 :class:`~refcheck.profile.Profile`; ``cache_dir`` reuses reports whose key is unchanged
 (:mod:`refcheck.goldens.cache`). None of these changes a verdict.
 """
@@ -17,44 +17,44 @@ from pathlib import Path
 from typing import Any
 
 from refcheck.diff.findings import Report
-from refcheck.diff.session import DiffSession
 from refcheck.errors import GoldenError
 from refcheck.goldens.cache import ReportCache
 from refcheck.goldens.judge import gate_case
 from refcheck.goldens.manifest import Manifest, ManifestEntry, load_manifest
 from refcheck.goldens.schedule import gate_jobs
 from refcheck.goldens.verify import verify
+from refcheck.pool import ReferencePool
 from refcheck.profile import Profile, count, phase
 from refcheck.progress import Progress, tell
 
 
-def cached_gate_case(name: str, entry: ManifestEntry, golden_dir: Path, session: DiffSession,
+def cached_gate_case(name: str, entry: ManifestEntry, golden_dir: Path, pool: ReferencePool,
                      cache: ReportCache | None = None) -> Report:
     """:func:`gate_case` through ``cache`` (a :class:`refcheck.goldens.cache.ReportCache`, or None)."""
     if cache is None:
-        return gate_case(name, entry, golden_dir, session)
+        return gate_case(name, entry, golden_dir, pool)
     with phase("cache"):
         report = cache.get(entry)
     if report is not None:
         count("cache_hits")
         return report
-    report = gate_case(name, entry, golden_dir, session)
+    report = gate_case(name, entry, golden_dir, pool)
     with phase("cache"):
         cache.put(entry, report)
     return report
 
 
-def profiled_gate_case(name: str, entry: ManifestEntry, golden_dir: Path, session: DiffSession,
+def profiled_gate_case(name: str, entry: ManifestEntry, golden_dir: Path, pool: ReferencePool,
                        profiles: dict[str, Profile] | None, cache: ReportCache | None = None) -> Report:
     """:func:`cached_gate_case`, under a fresh profile stored in ``profiles[name]`` when ``profiles`` is given."""
     if profiles is None:
-        return cached_gate_case(name, entry, golden_dir, session, cache)
+        return cached_gate_case(name, entry, golden_dir, pool, cache)
     prof = profiles[name] = Profile()
     with prof.active(), phase("gate.other"):
-        return cached_gate_case(name, entry, golden_dir, session, cache)
+        return cached_gate_case(name, entry, golden_dir, pool, cache)
 
 
-def _gate_in_workers(manifest: Manifest, names: list[str], golden_dir: Path, session: DiffSession,
+def _gate_in_workers(manifest: Manifest, names: list[str], golden_dir: Path, pool: ReferencePool,
                      progress: Progress | None, workers: int, profiles: dict[str, Profile] | None,
                      cache_dir: Path | None) -> list[Report]:
     """:func:`gate` over ``workers`` processes: one queue of :func:`gate_shard` jobs, this process one of them."""
@@ -68,7 +68,7 @@ def _gate_in_workers(manifest: Manifest, names: list[str], golden_dir: Path, ses
             tell(progress, f"gate: {name}")
 
     def inline(job: list[str], gdir: str, n: int, profile: bool, cache: str | None) -> tuple[list[Report], dict[str, Any]]:
-        return gate_shard(job, gdir, n, profile, cache, session=session)
+        return gate_shard(job, gdir, n, profile, cache, pool=pool)
 
     done = run_queue(gate_shard, jobs, workers, inline=inline, on_result=finished)
     by_name = {r.case: r for rs, _ in done for r in rs}
@@ -77,7 +77,7 @@ def _gate_in_workers(manifest: Manifest, names: list[str], golden_dir: Path, ses
     return [by_name[n] for n in names]
 
 
-def gate(golden_dir: Path, session: DiffSession, cases: list[str] | None = None, progress: Progress | None = None,
+def gate(golden_dir: Path, pool: ReferencePool, cases: list[str] | None = None, progress: Progress | None = None,
          workers: int | None = 1, profiles: dict[str, Profile] | None = None, cache_dir: Path | None = None,
          manifest: Manifest | None = None) -> list[Report]:
     """Verify the goldens' hashes, then each case's verdict (:func:`refcheck.goldens.judge.check_trace`), in the
@@ -96,36 +96,36 @@ def gate(golden_dir: Path, session: DiffSession, cases: list[str] | None = None,
         raise GoldenError(f"no golden trace for case(s) {unknown} in {golden_dir}")
     workers = usable_cpus() if workers is None else workers
     if workers > 1 and len(names) > 1:
-        return _gate_in_workers(manifest, names, golden_dir, session, progress, workers, profiles, cache_dir)
+        return _gate_in_workers(manifest, names, golden_dir, pool, progress, workers, profiles, cache_dir)
     cache = ReportCache(Path(cache_dir)) if cache_dir else None
     reports = []
     for name in names:
         tell(progress, f"gate: {name}")
-        reports.append(profiled_gate_case(name, manifest.cases[name], golden_dir, session, profiles, cache))
+        reports.append(profiled_gate_case(name, manifest.cases[name], golden_dir, pool, profiles, cache))
     return reports
 
 
-_SESSION: DiffSession | None = None  # a gate worker's DiffSession, kept from job to job (its models and shared work)
+_POOL: ReferencePool | None = None  # a gate worker's reference pool, kept from job to job (its models and shared work)
 
 
 def gate_shard(names: list[str], golden_dir: str, workers: int, profile: bool = False,
-               cache_dir: str | None = None, session: DiffSession | None = None) -> tuple[list[Report], dict[str, Any]]:
+               cache_dir: str | None = None, pool: ReferencePool | None = None) -> tuple[list[Report], dict[str, Any]]:
     """Gate some golden cases in this process (torch threads: its share of the cores, restored
-    after), with ``session`` or this process's own: (reports, case -> profile as JSON; empty unless
+    after), with ``pool`` or this process's own: (reports, case -> profile as JSON; empty unless
     ``profile``)."""
     import torch
 
     from refcheck.parallel import worker_setup
 
-    global _SESSION
-    if session is None:
-        session = _SESSION = _SESSION or DiffSession()
+    global _POOL
+    if pool is None:
+        pool = _POOL = _POOL or ReferencePool()
     threads = worker_setup(workers)
     try:
         manifest = load_manifest(Path(golden_dir))
         profiles: dict[str, Profile] | None = {} if profile else None
         cache = ReportCache(Path(cache_dir)) if cache_dir else None
-        reports = [profiled_gate_case(n, manifest.cases[n], Path(golden_dir), session, profiles, cache) for n in names]
+        reports = [profiled_gate_case(n, manifest.cases[n], Path(golden_dir), pool, profiles, cache) for n in names]
         return reports, {n: p.to_json() for n, p in (profiles or {}).items()}
     finally:
         torch.set_num_threads(threads)

@@ -16,23 +16,24 @@ from pathlib import Path
 from typing import Any
 
 from refcheck.diff.findings import Report
-from refcheck.diff.session import DiffSession, reference_spec_for
+from refcheck.diff.judge import judge
 from refcheck.errors import GoldenError
 from refcheck.goldens.cases import GOLDEN_CASES
 from refcheck.goldens.manifest import ManifestEntry
 from refcheck.goldens.policy import GatePolicy, describe_expect
+from refcheck.pool import ReferencePool, reference_spec_for
 from refcheck.profile import phase
 from refcheck.prompts import load_prompts
 from refcheck.provenance import dir_sha256, stale_reasons
 from refcheck.trace.io import Trace, read_trace
 
 
-def live_provenance_reasons(trace: Trace, session: DiffSession) -> list[str]:
+def live_provenance_reasons(trace: Trace, pool: ReferencePool) -> list[str]:
     """Why a stored trace does not match the current models and prompts it names (empty = fresh)."""
     prov = trace.prov
     case = GOLDEN_CASES.get(prov.case or "")
     if prov.is_reference and case is not None:
-        live = session.runner(case.spec()).provenance(load_prompts())
+        live = pool.runner(case.spec()).provenance(load_prompts())
         return stale_reasons(trace.provenance, live)
     reasons: list[str] = []
     tdir, ddir = reference_spec_for(trace).resolved_dirs()
@@ -51,27 +52,27 @@ def _stale_message(name: str, stale: list[str]) -> str:
     return f"stale golden {name}: " + "; ".join(stale) + how
 
 
-def check_trace(name: str, trace: Trace, settings: dict[str, Any], session: DiffSession, mode: str = "both",
+def check_trace(name: str, trace: Trace, settings: dict[str, Any], pool: ReferencePool, mode: str = "both",
                 ref_dtype: str = "float32", ref_device: str = "cpu") -> Report:
     """The gate's verdict on one engine trace under a golden entry's settings (``expect``,
     ``allow_unsupported``, ``triaged``): a GoldenError if the trace's models or prompts have changed
     since it was recorded, else the diff with unrecorded categories failed and reviewed findings triaged.
     The one judgement of a golden: the gate and ``refcheck diff`` (on the goldens) both call it."""
     with phase("stale_check"):
-        stale = live_provenance_reasons(trace, session)
+        stale = live_provenance_reasons(trace, pool)
     if stale:
         raise GoldenError(_stale_message(name, stale))
     policy = GatePolicy.of(name, settings)
-    report = session.diff(trace, name, mode=mode, strict_acceptance=trace.prov.is_reference, ref_dtype=ref_dtype,
-                          ref_device=ref_device)
+    report = judge(trace, pool, name, mode=mode, strict_acceptance=trace.prov.is_reference, ref_dtype=ref_dtype,
+                   ref_device=ref_device)
     return policy.apply(report)
 
 
-def gate_case(name: str, entry: ManifestEntry, golden_dir: Path, session: DiffSession) -> Report:
+def gate_case(name: str, entry: ManifestEntry, golden_dir: Path, pool: ReferencePool) -> Report:
     """:func:`check_trace` of the golden file of ``entry`` in ``golden_dir`` under its settings."""
     with phase("load_trace"):
         trace = read_trace(Path(golden_dir) / entry.file)
-    return check_trace(name, trace, entry.provenance, session)
+    return check_trace(name, trace, entry.provenance, pool)
 
 
 def entry_rules(entry: ManifestEntry) -> list[str]:

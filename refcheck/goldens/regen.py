@@ -14,8 +14,8 @@ removed while it decoded is refused (:class:`~refcheck.errors.GoldenError`, noth
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from refcheck.diff.session import DiffSession
 from refcheck.errors import CorruptTraceError, UsageError
 from refcheck.goldens import store
 from refcheck.goldens.cases import GOLDEN_CASES
@@ -24,6 +24,9 @@ from refcheck.goldens.review import Review, review
 from refcheck.progress import Progress, tell
 from refcheck.prompts import load_prompts
 from refcheck.trace.io import Trace, atomic_write_bytes, read_trace, trace_bytes
+
+if TYPE_CHECKING:
+    from refcheck.pool import ReferencePool
 
 PENDING_SUFFIX = store.PENDING_SUFFIX
 
@@ -76,7 +79,7 @@ def regenerate(
     case_names: list[str] | None,
     reason: str | None,
     accept: bool,
-    session: DiffSession,
+    pool: ReferencePool,
     progress: Progress | None = None,
 ) -> list[Review]:
     """Re-run the reference for each case and review it against the stored golden (module docstring).
@@ -92,7 +95,7 @@ def regenerate(
     writes: list[store.Write] = []
     for name in names:
         tell(progress, f"regen: {name}")
-        trace, _ = session.runner(GOLDEN_CASES[name].spec()).trace(prompts)
+        trace, _ = pool.runner(GOLDEN_CASES[name].spec()).trace(prompts)
         trace.provenance["case"] = name
         data = trace_bytes(trace)
         path = golden_dir / f"{name}.arrow"

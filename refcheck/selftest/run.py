@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from ddtree_reference.decode import DDTreeDecoder
 from ddtree_reference.sampling import Sampling
 from refcheck.diff.findings import Verdict
-from refcheck.diff.session import DiffSession
+from refcheck.diff.judge import judge
+from refcheck.pool import ReferencePool
 from refcheck.progress import Progress, tell
 from refcheck.prompts import Prompt, load_prompts
 from refcheck.reference_runner import EngineSpec
@@ -62,10 +63,10 @@ def selftest(faults: list[str] | None = None, prompts: list[Prompt] | None = Non
     names = list(SAMPLING_FAULTS if sampled else FAULTS) if faults is None else list(faults)
     chosen = {name: fault(name) for name in names}  # unknown names fail before anything runs
     prompts = prompts or load_prompts()[:3]
-    session = DiffSession()
+    pool = ReferencePool()
     spec = EngineSpec(pair="hybrid", drafter="scripted", budget=budget, max_new_tokens=max_new_tokens,
                       sampling=sampling if sampled else None)
-    runner = session.runner(spec)
+    runner = pool.runner(spec)
     clean_trace, results = runner.trace(prompts, record_layers=True)
     first = results[prompts[0].id].output_ids
     runner.drafter.mask_token_id = first[min(3, len(first) - 1)]
@@ -74,7 +75,7 @@ def selftest(faults: list[str] | None = None, prompts: list[Prompt] | None = Non
         tell(progress, f"selftest: {name}")
         cls, expected = (DDTreeDecoder, "-") if name == "clean" else chosen[name]
         trace, _ = runner.trace(prompts, cls=cls, engine=name if name == "clean" else f"fault:{name}", record_layers=True)
-        report = session.diff(trace, name, mode="both", strict_acceptance=True)
+        report = judge(trace, pool, name, mode="both", strict_acceptance=True)
         fd = report.first_divergence()
         per_request = [f for rid, f in fd.items() if rid is not None]  # before trace-level verdicts (distribution)
         first = (per_request or list(fd.values()))[0].to_json() if fd else None
@@ -86,7 +87,7 @@ def selftest(faults: list[str] | None = None, prompts: list[Prompt] | None = Non
         found = expected in (first_step_cats or set(cats))  # caught where it first shows
         hidden = None
         if sampled:
-            d = session.diff(hide_randomness(trace), name, mode="replay").stats.get("distribution", {})
+            d = judge(hide_randomness(trace), pool, name, mode="replay").stats.get("distribution", {})
             hidden = {k: d.get(k) for k in ("verdict", "p_value", "n_tokens", "n_required", "impossible")}
         rows.append(SelftestRow(name, expected, bool(failures), found, first, cats, non_pass, hidden))
     return rows

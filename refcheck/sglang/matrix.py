@@ -29,7 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from refcheck.diff.place import earliest, where
 from refcheck.errors import ModelError, RefcheckError, UsageError
@@ -38,6 +38,9 @@ from refcheck.prompts import Prompt
 from refcheck.prompts.workloads import needed_context, workload
 from refcheck.reference_runner import EngineSpec
 from refcheck.sglang.settings import ServingSettings, parse_settings
+
+if TYPE_CHECKING:
+    from refcheck.pool import ReferencePool
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +183,7 @@ class MatrixRun:
     #: this many at once; 0: in this process, one at a time (tests, and machines without spare cores)
     diff_processes: int = 4
     twin: str | None = "DFLASH"  # per setting, this algorithm also runs once with capture off (tokens and timing)
-    session: Any = field(default=None, repr=False)  # the in-process diffs' DiffSession (models shared across cells)
+    pool: ReferencePool | None = field(default=None, repr=False)  # the in-process diffs' reference, shared by cells
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _made: dict[str, Any] = field(default_factory=dict, repr=False)  # workloads and the long-context pair, made once
 
@@ -244,11 +247,12 @@ def _diff(run: MatrixRun, cell: Cell, trace, path: Path, gate: threading.Semapho
     """The replay verdict as ``Report.to_json()``: in a ``refcheck diff --against`` process, or in this one."""
     with gate:
         if run.diff_processes <= 0:
-            from refcheck.diff.session import DiffSession
+            from refcheck.diff.judge import judge
+            from refcheck.pool import ReferencePool
 
-            if run.session is None:
-                run.session = DiffSession()
-            report = run.session.diff(trace, cell.name, mode="replay", ref_dtype=run.ref_dtype, ref_device=run.ref_device)
+            if run.pool is None:
+                run.pool = ReferencePool()
+            report = judge(trace, run.pool, cell.name, mode="replay", ref_dtype=run.ref_dtype, ref_device=run.ref_device)
             return report.to_json()
         cmd = [sys.executable, "-m", "refcheck", "diff", "--against", str(path), "--mode", "replay", "--ref-dtype",
                run.ref_dtype, "--ref-device", run.ref_device, "--json"]
@@ -286,13 +290,13 @@ _REFERENCE_LOCK = threading.Lock()  # cells run in threads; models are loaded (a
 def _judge_untraced(run: MatrixRun, trace, gate: threading.Semaphore) -> dict[str, Any] | None:
     """The untraced passes' differences from the captured one, held to the reference's near-ties
     (:mod:`refcheck.sglang.capture_effect`), with this process's reference."""
-    from refcheck.diff.session import DiffSession, reference_spec_for
+    from refcheck.pool import ReferencePool, reference_spec_for
     from refcheck.sglang.capture_effect import judge_untraced
 
     with gate, _REFERENCE_LOCK:
-        if run.session is None:
-            run.session = DiffSession()
-        return judge_untraced(trace, run.session.runner(reference_spec_for(trace, run.ref_dtype, run.ref_device)).target)
+        if run.pool is None:
+            run.pool = ReferencePool()
+        return judge_untraced(trace, run.pool.runner(reference_spec_for(trace, run.ref_dtype, run.ref_device)).target)
 
 
 def run_twin(run: MatrixRun, cell: Cell, before_engine: Callable[[], None] | None = None) -> dict:

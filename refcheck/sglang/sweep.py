@@ -26,8 +26,9 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
+from refcheck.diff.judge import judge
 from refcheck.diff.place import earliest, where
-from refcheck.diff.session import DiffSession
+from refcheck.pool import ReferencePool
 from refcheck.progress import Progress, tell
 from refcheck.prompts import Prompt
 from refcheck.reference_runner import EngineSpec
@@ -114,7 +115,7 @@ def run_sglang_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int]
         from refcheck.sglang.runner import SGLangRunner
 
         runner_factory = SGLangRunner
-    session = DiffSession()
+    pool = ReferencePool()
     rows = []
     for alg in algorithms:
         for budget in budgets:
@@ -124,8 +125,7 @@ def run_sglang_sweep(spec: EngineSpec, prompts: list[Prompt], budgets: list[int]
             if save_dir is not None:  # every capture kept: a failing row can be reviewed later, on CPU
                 save_dir.mkdir(parents=True, exist_ok=True)
                 write_trace(trace, save_dir / f"{alg}-b{budget}.arrow")
-            report = session.diff(trace, f"{alg}-b{budget}", mode="replay", ref_dtype=ref_dtype,
-                                  ref_device=ref_device)
+            report = judge(trace, pool, f"{alg}-b{budget}", mode="replay", ref_dtype=ref_dtype, ref_device=ref_device)
             rows.append(sweep_row(alg, budget, [trace], report))
     return {"model": spec.model_label, "dtype": spec.dtype, "repeats": repeats, "prompts": len(prompts),
             "max_new_tokens": spec.max_new_tokens, "rows": rows,
@@ -149,10 +149,10 @@ def tabulate_traces(traces: list, ref_device: str = "cpu", ref_dtype: str = "flo
         if settings.get("speculative_ngram_max_bfs_breadth") is not None:  # NGRAM's layout is its breadth
             alg += f" breadth {settings['speculative_ngram_max_bfs_breadth']}"
         groups.setdefault((alg, prov.budget or 0), []).append(trace)
-    session = DiffSession()
+    pool = ReferencePool()
     rows = []
     for (alg, budget), group in sorted(groups.items()):
-        report = session.diff(group[0], f"{alg}-b{budget}", mode="replay", ref_dtype=ref_dtype, ref_device=ref_device)
+        report = judge(group[0], pool, f"{alg}-b{budget}", mode="replay", ref_dtype=ref_dtype, ref_device=ref_device)
         rows.append(sweep_row(alg, budget, group, report))
     first = traces[0].provenance if traces else {}
     return {"model": str(first.get("model", "?")),

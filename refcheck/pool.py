@@ -1,14 +1,27 @@
-"""Diffing one engine trace against the reference: picks the reference set-up from the trace's
-provenance, runs replay and/or free-run, and merges the reports.
+"""The reference pool: the reference models loaded once, and the reference's work that engines and judges share.
 
-Contract: :func:`reference_spec_for` derives the reference's :class:`EngineSpec` from a trace's
-provenance (model, drafter kind, budget, token limits; the reference's own dtype/device are the
-caller's choice, fp32 CPU by default); a trace whose token limit its target's context cannot hold
-(a prompt plus ``max_new_tokens`` beyond it: no run of that model recorded it) is a
-:class:`~refcheck.errors.CorruptTraceError` naming the file (:func:`check_token_limit`).
-:class:`DiffSession` keeps loaded reference runners, the target's greedy continuations and the
-reference's own runs, so a gate over many cases loads each model once and does work the cases share
-once (same results as computing it per case).
+Contract: :class:`ReferencePool` is the one place that loads and runs the reference for others. It holds
+
+* the loaded :class:`~refcheck.reference_runner.ReferenceRunner` of each model, numerics, drafter and seed
+  (:meth:`ReferencePool.runner`: one load per key, whatever the budget or limits of the spec asking);
+* the target's greedy continuations (:class:`ddtree_reference.oracle.GreedyMemo`, one per model and numerics): the
+  free run's target-only oracle and the scripted drafter's "true" drafts (the stand-in drafter of engine traces
+  without one) are the same plain forwards of the same greedy prefixes, so each distinct sequence is run once,
+  whichever case or runner asks;
+* the reference's own DDTree run of a prompt (per complete :class:`~refcheck.spec.EngineSpec` and prompt), which
+  the free run of every trace recorded with the same settings compares against;
+* the target-only sampling oracle of a sampled request (:meth:`ReferencePool.sampled_oracle`).
+
+Everything it returns equals what a fresh runner would compute: sharing a pool over many cases loads each model
+once and does shared work once, and changes no result. :func:`reference_spec_for` derives the reference's
+:class:`~refcheck.spec.EngineSpec` from a trace's provenance (model, drafter kind, budget, token limits; the
+reference's own dtype and device are the caller's choice, fp32 CPU by default). :meth:`ReferencePool.runner_for`
+is the runner a trace is judged against, after the trace's input checks: a token id outside the target's
+vocabulary (:func:`refcheck.trace.io.check_token_ids`) or a token limit its target's context cannot hold (a prompt
+plus ``max_new_tokens`` beyond it: no run of that model recorded it; :func:`check_token_limit`) is a corrupt
+trace naming the file. The profile sees the loads (phase ``load_models``, count ``runner_loads``, every forward of
+a loaded target), the oracles (phase ``greedy_oracle``, count ``greedy_forwards``) and the reference's own runs
+(phase ``free.reference_decode``, count ``reference_decodes``).
 """
 
 from __future__ import annotations
@@ -19,11 +32,7 @@ from pathlib import Path
 from ddtree_reference.decode import DecodeResult
 from ddtree_reference.oracle import GreedyMemo, sample_decode
 from ddtree_reference.scripted import ScriptedDrafter
-from refcheck.diff.findings import Report
-from refcheck.diff.freerun import free_run
-from refcheck.diff.replay import replay
-from refcheck.diff.sampling import SampledRequest, cdf_tolerance
-from refcheck.diff.tolerance import Calibration, calibration_for, engine_numerics
+from refcheck.diff.sampling import SampledRequest
 from refcheck.errors import CorruptTraceError, UsageError
 from refcheck.models import BUILTIN_PAIRS
 from refcheck.profile import count, phase, watch_forwards
@@ -32,10 +41,10 @@ from refcheck.spec import EngineSpec
 from refcheck.trace.io import check_token_ids
 from refcheck.trace.rows import RequestRow, Trace
 
-MODES = ("replay", "free", "both")
-
 
 def reference_spec_for(trace: Trace, dtype: str = "float32", device: str = "cpu") -> EngineSpec:
+    """The reference's spec for judging ``trace``: its model, drafter, budget, limits, seed and sampling, in
+    ``dtype`` on ``device``; a :class:`UsageError` for a built-in model pair refcheck does not have."""
     prov = trace.prov
     model = prov.model
     # An engine without a drafter (target-only decoding, budget 0) is replayed with root-only trees;
@@ -69,33 +78,41 @@ def check_token_limit(trace: Trace, context: int, source: str) -> None:
                                 f"target's context of {context} positions (no run of this model could record it)")
 
 
-class DiffSession:
-    """Loaded reference runners and the work several diffs share, computed once per session:
-
-    * the target's greedy continuations (:class:`ddtree_reference.oracle.GreedyMemo`, one per model and
-      numerics): the free run's target-only oracle and the scripted drafter's "true" drafts (the
-      stand-in drafter of engine traces without one) are the same plain forwards of the same greedy
-      prefixes, so each distinct sequence is run once, whichever case or runner asks;
-    * the reference's own DDTree run of a prompt (per complete :class:`EngineSpec` and prompt), which
-      the free run of every trace recorded with the same settings compares against.
-    """
+class ReferencePool:
+    """Loaded reference runners and the reference's work shared by the engines and judges that use the pool
+    (module docstring)."""
 
     def __init__(self) -> None:
         self._runners: dict[tuple[object, ...], ReferenceRunner] = {}
         self._memos: dict[tuple[object, ...], GreedyMemo] = {}
         self._decodes: dict[tuple[object, ...], DecodeResult] = {}
 
+    def load(self, spec: EngineSpec) -> ReferenceRunner:
+        """A freshly loaded runner of ``spec``'s models (:meth:`runner` calls it once per key)."""
+        return ReferenceRunner(spec)
+
     def runner(self, spec: EngineSpec) -> ReferenceRunner:
+        """The pool's runner of ``spec``'s models, numerics, drafter and seed, loaded on first use; its ``spec`` is
+        set to ``spec`` (budget and limits may differ between callers; the models do not)."""
         key = (spec.model_label, str(spec.draft_dir), spec.dtype, spec.device, spec.drafter, spec.seed)
         if key not in self._runners:
             with phase("load_models"):
-                runner = self._runners[key] = ReferenceRunner(spec)
+                runner = self._runners[key] = self.load(spec)
             count("runner_loads")
             watch_forwards(runner.target.model)
             if isinstance(runner.drafter, ScriptedDrafter):
                 runner.drafter.oracle = self.memo(runner)
         runner = self._runners[key]
-        runner.spec = spec  # budget / limits may differ between cases; the models do not
+        runner.spec = spec
+        return runner
+
+    def runner_for(self, trace: Trace, case: str, dtype: str = "float32", device: str = "cpu") -> ReferenceRunner:
+        """The runner ``trace`` is judged against (:func:`reference_spec_for` in ``dtype`` on ``device``), after its
+        input checks: every token id within the target's vocabulary, every prompt plus the token limit within its
+        context (errors name ``case``, the limit's the trace's file when it has one)."""
+        runner = self.runner(reference_spec_for(trace, dtype, device))
+        check_token_ids(trace, runner.target.vocab_size, case)
+        check_token_limit(trace, runner.target.max_positions, trace.source or case)
         return runner
 
     def memo(self, runner: ReferenceRunner) -> GreedyMemo:
@@ -112,10 +129,10 @@ class DiffSession:
         ``guesses`` (the engine's output, the reference's own run) are settled in one forward each where they hold
         (``ddtree_reference.oracle``)."""
         memo = self.memo(runner)
-        before = memo.forwards
+        start = memo.forwards
         with phase("greedy_oracle"):
             out = memo.decode(prompt, n, runner.spec.stop_token_ids, guesses=guesses)
-        count("greedy_forwards", memo.forwards - before)
+        count("greedy_forwards", memo.forwards - start)
         return out
 
     def sampled_oracle(self, runner: ReferenceRunner, req: RequestRow, guesses: list[list[int]] | None = None
@@ -146,53 +163,3 @@ class DiffSession:
                                       else decoder.generate(list(prompt)))
             count("reference_decodes")
         return self._decodes[key]
-
-    def diff(self, trace: Trace, case: str, mode: str = "both", strict_acceptance: bool = False,
-             ref_dtype: str = "float32", ref_device: str = "cpu", calibration: Calibration | None = None) -> Report:
-        """Diff ``trace`` against the reference, judged by the calibration of the engine's numerics
-        (``calibration`` overrides it: ``refcheck calibrate`` measuring candidate bounds)."""
-        if mode not in MODES:
-            raise UsageError(f"unknown diff mode {mode!r} (choose from {', '.join(MODES)})")
-        spec = reference_spec_for(trace, ref_dtype, ref_device)
-        runner = self.runner(spec)
-        check_token_ids(trace, runner.target.vocab_size, case)  # an id beyond the target's vocabulary: a corrupt trace
-        check_token_limit(trace, runner.target.max_positions, trace.source or case)
-        eng_dtype, eng_device = engine_numerics(trace.provenance)
-        cal = calibration or calibration_for(eng_dtype, eng_device)
-        tol = cal.tolerance
-        same_numerics = eng_dtype == ref_dtype and eng_device.split(":")[0] == ref_device.split(":")[0]
-        strict_acceptance = strict_acceptance and same_numerics
-        # The scripted drafter proposes the target's own greedy continuation: its drafts depend on the
-        # target's dtype, so they are only comparable at equal numerics.
-        check_draft = same_numerics or spec.drafter != "scripted"
-        report = Report(case=case, mode=mode)
-        if mode in ("replay", "both"):
-            with phase("replay.other"):
-                report.merge(replay(trace, runner.target, runner.drafter, cal, case, spec.stop_token_ids, check_draft,
-                                    eng_dtype))
-        if mode in ("free", "both"):
-            # An engine without a drafter (target-only, NGRAM) runs no DDTree: the reference's own run (its drafter
-            # the scripted stand-in) has no acceptance to set beside the engine's, and at T > 0 that stand-in costs a
-            # greedy continuation at every sampled prefix (61 s of the gate's NGRAM T = 1 golden). Only a strict
-            # comparison of acceptance needs it.
-            ref_runs = None if trace.prov.drafter == "none" and not strict_acceptance else {
-                r.request_id: self.reference_decode(runner, list(r.prompt_ids), max(r.rng_request, 0))
-                for r in trace.requests}
-            greedy, margins = {}, {}
-            for r in trace.requests:
-                # the oracle's guesses: the engine's output, then the reference's own (lossless) run where there is
-                # one, which settles what follows a rounding choice of the engine's (the result is the oracle's)
-                guesses = [list(r.output_ids)] + ([list(ref_runs[r.request_id].output_ids)] if ref_runs else [])
-                if r.sampled:
-                    got = self.sampled_oracle(runner, r, guesses)
-                    greedy[r.request_id] = None if got is None else got[0]
-                    margins[r.request_id] = None if got is None else got[1]
-                else:
-                    greedy[r.request_id] = self.greedy(runner, list(r.prompt_ids), spec.max_new_tokens, guesses=guesses)
-            cdf_tol = (cdf_tolerance(tol.logprob_abs, spec.sampling.temperature)
-                       if spec.sampled and spec.sampling is not None else 0.0)
-            with phase("free.check"):
-                fr = free_run(trace, runner.target.model, greedy, tol, ref_runs, strict_acceptance, case, margins, cdf_tol)
-            report.merge(fr)
-            report.stats.update(fr.stats)
-        return report
