@@ -2,7 +2,7 @@
 command with real options (parsed by the CLI itself, placeholders filled with real files), the cheap ones
 run as written and end with the exit code the README gives them, and the page stays within ~200 lines.
 The first command (``refcheck diff --budget 15``) runs in tests/test_golden_cli.py; the SGLang ones run on
-the GPU machine (tests/test_gpu_sglang.py)."""
+the GPU machine (tests/test_gpu_sglang_*.py, scripts/gpu_tests.sh)."""
 
 from __future__ import annotations
 

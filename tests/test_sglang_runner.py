@@ -1,7 +1,7 @@
 """The SGLang runner's CPU-testable parts: engine arguments, budgets, plugin discovery, refusals.
 
 The capture path itself is tested against a reference-built fake SGLang in test_sglang_capture.py;
-the live engine runs on the GPU machine only (tests marked ``sglang`` in test_gpu_sglang.py).
+the live engine runs on the GPU machine only (tests marked ``sglang`` in tests/test_gpu_sglang_*.py).
 """
 
 from __future__ import annotations

@@ -533,6 +533,7 @@ class SGLangRunner:
     def _run_engine(self, cdir: Path, env: dict, kw: dict, prompts: list[Prompt], rids: dict[str, str]) -> dict:
         """SGLang in its own process (sglang_child); returns its last reported stage."""
         from refcheck.sglang.capture.sample_rule import SampleRule, sampled_rid
+        from refcheck.sglang.start_lock import start_serialized
 
         job, result, log = cdir / "job.json", cdir / "result.json", cdir / "engine.log"
         result.unlink(missing_ok=True)
@@ -549,8 +550,9 @@ class SGLangRunner:
             if self.sampled_timing is not None and self.capture else []}))
         with log.open("w") as f:
             # a session of its own: on a timeout the engine's schedulers go down with it
-            proc = subprocess.Popen([sys.executable, "-m", "refcheck.sglang.child", str(job)], env=env,
-                                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = start_serialized(lambda: subprocess.Popen([sys.executable, "-m", "refcheck.sglang.child", str(job)],
+                                                             env=env, stdout=f, stderr=subprocess.STDOUT,
+                                                             start_new_session=True), result, self.timeout_s)
             try:
                 rc: int | None = proc.wait(timeout=self.timeout_s)
             except subprocess.TimeoutExpired:
