@@ -67,8 +67,7 @@ def _free(trace: Trace, pool: ReferencePool, runner: ReferenceRunner, tol: Toler
     spec = runner.spec
     # An engine without a drafter (target-only, NGRAM) runs no DDTree: the reference's own run (its drafter
     # the scripted stand-in) has no acceptance to set beside the engine's, and at T > 0 that stand-in costs a
-    # greedy continuation at every sampled prefix (61 s of the gate's NGRAM T = 1 golden). Only a strict
-    # comparison of acceptance needs it.
+    # greedy continuation at every sampled prefix. Only a strict comparison of acceptance needs it.
     ref_runs = None if trace.prov.drafter == "none" and not strict_acceptance else {
         r.request_id: pool.reference_decode(runner, list(r.prompt_ids), max(r.rng_request, 0))
         for r in trace.requests}
