@@ -147,7 +147,7 @@ class ReferenceRunner:
             with _non_finite_named(prompt.id):
                 result = self.generate(self.decoder(max_new, cls, record=True, record_layers=record_layers), prompt)
             req, rows = request_rows(prompt.id, prompt.kind, result, full_state,
-                                     self.spec.sampling if self.spec.sampled else None)
+                                     self.spec.sampling if self.spec.sampled else None, self.spec.dtype)
             requests.append(req)
             steps += rows
             results[prompt.id] = result

@@ -4,6 +4,7 @@ Usage (on a GPU machine with SGLang; through the bundle: ``scripts/sglang_bundle
 
     python scripts/capture_cost.py --out OUT [--algorithms NONE,DFLASH,NGRAM,REFCHECK_DDTREE] [--graphs off,on]
         [--workloads one,mixed] [--sample 16] [--repeats 2] [--mem-fraction 0.3] [--diff]
+        [--cells ALG:on|off:one|mixed,...] [--deadline SECONDS]
 
 Per cell (algorithm x CUDA graphs x workload) one SGLang engine runs, in order: an untraced warm-up pass, the
 captured pass (every step recorded), a sampled pass (1 step in ``--sample`` per request, rids marked for it),
@@ -12,7 +13,9 @@ sampled passes' wall times over the median untraced pass's, and every pass's tok
 captured pass's. Trace bytes per verify step are the written Arrow trace's size over its steps. ``--diff``
 also judges each captured trace (replay, the GPU reference when one is visible; steps per second) and the
 sampled pass's trace, assembled from the same capture directory (its verdict beside the full one's).
-Writes ``OUT/capture_cost.json`` (rows, as they finish) and ``OUT/capture_cost.md`` (the table). Workloads:
+``--cells`` names the cells to run, in order, instead of the product of the three lists; ``--deadline``
+starts no cell once that many seconds have passed since the script began (for a device call's time limit),
+listing the cells left in the JSON's last row. Writes ``OUT/capture_cost.json`` (rows, as they finish) and ``OUT/capture_cost.md`` (the table). Workloads:
 ``one`` (the first built-in prompt), ``mixed`` (refcheck's 32 mixed requests, all at once).
 """
 
@@ -138,6 +141,20 @@ def markdown(rows: list[dict[str, Any]], sample: int) -> str:
     return head + body
 
 
+def cells(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
+    """The (algorithm, CUDA graphs, workload) cells to run, in order; ValueError names a malformed one."""
+    if args.cells is None:
+        return [(a, g == "on", w) for a in args.algorithms.split(",") for g in args.graphs.split(",")
+                for w in args.workloads.split(",")]
+    out = []
+    for cell in args.cells.split(","):
+        parts = cell.split(":")
+        if len(parts) != 3 or parts[1] not in ("on", "off") or parts[2] not in ("one", "mixed"):
+            raise ValueError(f"cell {cell!r} is not ALGORITHM:on|off:one|mixed")
+        out.append((parts[0], parts[1] == "on", parts[2]))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -151,15 +168,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=15)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--diff", action="store_true")
+    ap.add_argument("--cells", default=None, help="ALG:on|off:one|mixed,... (default: every combination)")
+    ap.add_argument("--deadline", type=float, default=None, help="seconds after which no cell starts")
     args = ap.parse_args(argv)
+    try:
+        todo = cells(args)
+    except ValueError as exc:
+        print(f"capture_cost: {exc}", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
-    for algorithm in args.algorithms.split(","):
-        for graphs in (g == "on" for g in args.graphs.split(",")):
-            for load in args.workloads.split(","):
-                rows.append(run_cell(args, algorithm, graphs, load))
-                (args.out / "capture_cost.json").write_text(json.dumps(rows, indent=1, default=str))
-                print(markdown(rows[-1:], args.sample).splitlines()[-1], flush=True)
+    for i, (algorithm, graphs, load) in enumerate(todo):
+        if args.deadline is not None and time.monotonic() - t0 > args.deadline:
+            left = [f"{a}:{'on' if g else 'off'}:{w}" for a, g, w in todo[i:]]
+            print(f"capture_cost: deadline reached, cells not run: {','.join(left)}", flush=True)
+            break
+        rows.append(run_cell(args, algorithm, graphs, load))
+        (args.out / "capture_cost.json").write_text(json.dumps(rows, indent=1, default=str))
+        print(markdown(rows[-1:], args.sample).splitlines()[-1], flush=True)
     (args.out / "capture_cost.md").write_text(markdown(rows, args.sample))
     print(markdown(rows, args.sample))
     return 0

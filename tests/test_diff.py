@@ -142,6 +142,34 @@ def test_full_state_traces_are_compared_in_full(pool):
     assert fails and fails[0].category == "recurrent" and fails[0].step == 0
 
 
+def test_row_sketch_and_state_sketch_traces_judge_alike(pool):
+    """A trace holding one sketch per state row (as older captures do) and one holding state sketches pass
+    alike, and both fail a 30 % error in one recurrent head at its step."""
+    from refcheck.sketch import sketch_rows, state_sketch
+
+    runner = pool.runner(EngineSpec(pair="hybrid", drafter="scripted", budget=15, max_new_tokens=12))
+    trace, _ = runner.trace(load_prompts()[:1], full_state=True)
+
+    def form(sketch_of, bad_step: int | None = None):
+        steps = []
+        for s in trace.steps:
+            state = []
+            for e in s.state:
+                rows = e.full.clone()
+                if s.step == bad_step and e.kind == "rec" and e.layer == min(x.layer for x in s.state if x.kind == "rec"):
+                    rows[0] *= 1.3
+                state.append(dataclasses.replace(e, sketch=sketch_of(rows), full=None))
+            steps.append(dataclasses.replace(s, state=state))
+        return dataclasses.replace(trace, steps=steps)
+
+    for sketch_of in (sketch_rows, state_sketch):
+        clean_rep = judge(form(sketch_of), pool, "form", mode="replay")
+        assert clean_rep.failures == [] and clean_rep.checks["recurrent"] > 0
+        fails = judge(form(sketch_of, bad_step=1), pool, "form-bad", mode="replay").failures
+        assert fails and fails[0].category == "recurrent" and fails[0].step == 1, sketch_of.__name__
+    assert trace.steps[1].state[0].sketch.shape[0] == 1  # the reference records state sketches
+
+
 def test_drafterless_engines_are_not_given_a_reference_ddtree_run():
     """An engine trace without a drafter (SGLang's NONE / NGRAM) runs no DDTree: its free run checks the tokens
     against target-only decoding and reports the engine's τ alone (no reference DDTree run, whose scripted

@@ -348,9 +348,10 @@ def test_duplicate_sibling_tokens_walk_like_sglang():
 
 def test_batch_state_layouts_and_sketches():
     """Each request's committed rows in refcheck's layouts (its KV rows from its slots, its conv / SSM slot), and
-    sketches equal to the reference layout's (the SSM's sketched in SGLang's order with permuted projection rows);
+    state sketches equal to the reference layout's (the SSM's sketched in SGLang's order with each head's
+    projection rows permuted; KV summed over the accepted rows only);
     the stacked mamba pools gathered for every layer at once, or for the rows a rank records."""
-    from refcheck.sketch import sketch_rows
+    from refcheck.sketch import state_sketch
 
     kb = torch.arange(8 * 2 * 3, dtype=torch.float32).reshape(8, 2, 3)
     conv = torch.randn(2, 4, 6, 3)  # [L, slots, C, K-1]
@@ -362,9 +363,10 @@ def test_batch_state_layouts_and_sketches():
     for i, layer in enumerate([1, 4]):
         assert torch.equal(one[f"conv.{layer}"][3], conv[i, 1].T)
         assert torch.equal(one[f"rec.{layer}"][3], ssm[i, 1].transpose(-1, -2).reshape(2, 15))
-        assert torch.allclose(one[f"rec.{layer}"][2], sketch_rows(ssm[i, 1].transpose(-1, -2).reshape(2, 15)), atol=1e-5)
-        assert torch.allclose(one[f"conv.{layer}"][2], sketch_rows(conv[i, 1].T), atol=1e-5)
-    assert torch.allclose(one["kv_v.2"][2], sketch_rows((kb + 1)[[1, 5]].reshape(2, 6)), atol=1e-5)
+        assert torch.allclose(one[f"rec.{layer}"][2], state_sketch(ssm[i, 1].transpose(-1, -2).reshape(2, 15)), atol=1e-5)
+        assert torch.allclose(one[f"conv.{layer}"][2], state_sketch(conv[i, 1].T), atol=1e-5)
+    assert torch.allclose(one["kv_v.2"][2], state_sketch((kb + 1)[[1, 5]].reshape(2, 6)), atol=1e-5)
+    assert not torch.allclose(request_state(batch, 1, 3)["kv_v.2"][2], one["kv_v.2"][2], atol=1e-3)  # row 7 counts
     second = request_state(batch_state({}, torch.tensor([[0]]), MambaPools([4], [1], conv, ssm), torch.tensor([2]),
                                        full=True), 0, 1)
     assert set(second) == {"conv.4", "rec.4"} and torch.equal(second["conv.4"][3], conv[1, 2].T)

@@ -42,7 +42,7 @@ from refcheck.diff.temperature import Leans, node_leans
 from refcheck.diff.tolerance import Calibration
 from refcheck.diff.triage import RoundingEnsemble, StepSpread
 from refcheck.profile import timed
-from refcheck.sketch import cosine, rel_l2, sketch_rows, state_rows
+from refcheck.sketch import as_recorded, cosine, rel_l2, state_rows
 from refcheck.trace.io import StepRow
 
 STATE_CATEGORY = {"kv_k": "kv", "kv_v": "kv", "conv": "conv", "rec": "recurrent"}
@@ -199,7 +199,7 @@ class RequestReplay:
             cat = STATE_CATEGORY.get(kind, "unmatched")
             self.rep.check(cat)
             e = eng[name]
-            got, want = (e.full.float(), rows.float().cpu()) if e.full is not None else (e.sketch.float(), sketch_rows(rows))
+            got, want = (e.sketch if e.full is None else e.full).float(), as_recorded(rows, e.sketch, e.full)  # float: bf16 storage
             if got.shape != want.shape:
                 self.fail(cat, s.step, f"{name}: shape {tuple(got.shape)} vs reference {tuple(want.shape)}", layer=layer)
                 continue

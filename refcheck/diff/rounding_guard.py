@@ -31,17 +31,12 @@ from refcheck.diff.findings import Finding, Report, Verdict
 from refcheck.diff.tolerance import CALIBRATIONS
 from refcheck.diff.triage import RoundingEnsemble, Rule, StepInputs, StepSamples, StepSpread
 from refcheck.profile import timed
-from refcheck.sketch import rel_l2, sketch_rows, state_rows
-from refcheck.trace.io import StateEntry, StepRow
+from refcheck.sketch import as_recorded, rel_l2, state_rows
+from refcheck.trace.io import StepRow
 
 MAX_RATIOS = 4000  # judged deviations kept per report for `refcheck calibrate`
 #: under the fp32 reference's own precision nothing is judged (its bounds against transformers, CPU)
 FLOOR = CALIBRATIONS[("float32", "cpu")].tolerance
-
-
-def _as_compared(entry: StateEntry, rows: torch.Tensor) -> torch.Tensor:
-    """Reference state rows in the form the engine recorded them: full rows, or their sketch."""
-    return rows.float().cpu() if entry.full is not None else sketch_rows(rows)
 
 
 def _not_triaged(f: Finding, where: str, whole: str = "the request") -> None:
@@ -187,14 +182,14 @@ class RoundingGuard:
         cols = torch.cat([ids, ref_arg[:, None], eng_arg[:, None]], dim=1)  # [N, k+2]
         draft_ids = torch.tensor(s.draft_topk_ids, dtype=torch.long) if draft_ref is not None else None
         entries = {e.name: e for e in s.state}
-        ref_rows = {name: _as_compared(entries[name], rows)
+        ref_rows = {name: as_recorded(rows, entries[name].sketch, entries[name].full)
                     for name, (_, _, rows) in (state_rows(new_state, prev).items() if new_state is not None else ())
                     if name in entries}
 
         def state_error(state: TargetState, length: int) -> dict[str, float]:
             got = state_rows(state, length)
-            return {name: rel_l2(_as_compared(entries[name], got[name][2]), ref) for name, ref in ref_rows.items()
-                    if name in got}
+            return {name: rel_l2(as_recorded(got[name][2], entries[name].sketch, entries[name].full), ref)
+                    for name, ref in ref_rows.items() if name in got}
 
         inputs = StepInputs(committed, tree.tokens, tree.parents, tree.depths, list(s.accepted), cols, draft_ids,
                             state_error if ref_rows else None)

@@ -2,8 +2,9 @@
 
 Contract: :func:`request_rows` converts one :class:`~ddtree_reference.decode.DecodeResult` (decoded with
 ``keep_states=True``, and ``keep_layers=True`` for layer sketches) into a ``RequestRow`` and its
-``StepRow`` s. State summaries are sketches (``refcheck.sketch``) of what each step committed; full
-tensors are added only when asked (``full_state``). A sampled decode (``sampling`` with T > 0) also
+``StepRow`` s. State summaries are state sketches (:func:`refcheck.sketch.state_sketch`, one ``[1, r]`` row
+per layer and kind, stored as :func:`refcheck.sketch.stored_sketch` says for the engine's ``dtype``) of what
+each step committed; full tensors are added only when asked (``full_state``). A sampled decode (``sampling`` with T > 0) also
 records its parameters and keying on the request row and every node's draw and uniform on the step
 rows (schema 1.2).
 """
@@ -15,17 +16,18 @@ from typing import Any
 
 from ddtree_reference.decode import DecodeResult, StepRecord
 from ddtree_reference.sampling import Sampling
-from refcheck.sketch import layer_sketch, sketch_rows, state_rows
+from refcheck.sketch import layer_sketch, state_rows, state_sketch, stored_sketch
 from refcheck.trace.io import RequestRow, StateEntry, StepRow
 
 DRAFT_TOPK = 8
 
 
-def step_row(request_id: str, rec: StepRecord, full_state: bool = False) -> StepRow:
+def step_row(request_id: str, rec: StepRecord, full_state: bool = False, dtype: str = "float32") -> StepRow:
     state: list[StateEntry] = []
     if rec.state is not None:
         for name, (layer, kind, rows) in state_rows(rec.state, rec.committed_len).items():
-            state.append(StateEntry(name, layer, kind, sketch_rows(rows), rows.cpu().clone() if full_state else None))
+            sketch = stored_sketch(state_sketch(rows).cpu(), dtype)
+            state.append(StateEntry(name, layer, kind, sketch, rows.cpu().clone() if full_state else None))
     draft_ids: list[list[int]] = []
     draft_lps: list[list[float]] = []
     if rec.draft_logprobs is not None:
@@ -68,7 +70,8 @@ def sampling_columns(sampling: Sampling | None, result: DecodeResult) -> dict[st
 
 
 def request_rows(request_id: str, kind: str, result: DecodeResult, full_state: bool = False,
-                 sampling: Sampling | None = None) -> tuple[RequestRow, list[StepRow]]:
+                 sampling: Sampling | None = None, dtype: str = "float32") -> tuple[RequestRow, list[StepRow]]:
+    """One decode's request row and step rows (``dtype``: the engine's, for the state sketches' storage)."""
     req = RequestRow(request_id, kind, list(result.prompt_ids), list(result.output_ids), list(result.output_logprobs),
                      **sampling_columns(sampling, result))
-    return req, [step_row(request_id, s, full_state) for s in result.steps]
+    return req, [step_row(request_id, s, full_state, dtype) for s in result.steps]

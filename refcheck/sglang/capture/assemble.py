@@ -30,6 +30,7 @@ from refcheck.prompts import Prompt
 from refcheck.sglang.capture.records import Capture
 from refcheck.sglang.capture.state import combine_shards
 from refcheck.sglang.capture.steps import StepCapture
+from refcheck.sketch import stored_sketch
 from refcheck.trace.io import RequestRow, StateEntry, StepRow, Trace
 
 
@@ -56,8 +57,10 @@ def sibling_ranks(parents: list[int], tokens: list[int], depths: list[int]) -> l
     return ranks
 
 
-def _step_row(prompt_id: str, k: int, s: StepCapture, keep: int) -> StepRow:
-    state = [StateEntry(name, layer, kind, sketch, full) for name, (layer, kind, sketch, full) in sorted(s.state.items())]
+def _step_row(prompt_id: str, k: int, s: StepCapture, keep: int, dtype: str = "float32") -> StepRow:
+    """One recorded step as a trace row (``dtype``: the engine's, for the state sketches' storage)."""
+    state = [StateEntry(name, layer, kind, stored_sketch(sketch, dtype), full)
+             for name, (layer, kind, sketch, full) in sorted(s.state.items())]
     return StepRow(
         request_id=prompt_id, step=k, committed_len=s.committed_len, tree_tokens=list(s.tokens),
         tree_parents=list(s.parents), tree_depths=list(s.depths), tree_ranks=sibling_ranks(s.parents, s.tokens, s.depths),
@@ -196,7 +199,7 @@ def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[st
             keep = min(len(s.emitted), len(output) - filled)
             out.problems += _step_problems(f"{p.id} step {index}", s, recs[k - 1] if k and follows else None,
                                            output[filled:filled + keep])
-            out.trace.steps.append(_step_row(p.id, index, s, keep))
+            out.trace.steps.append(_step_row(p.id, index, s, keep, str(provenance.get("dtype", "float32"))))
             kept.append(s)
             if lps:
                 lps.extend(s.emitted_logprobs[:keep])

@@ -5,18 +5,19 @@ layer id to that layer's K and V buffers ``[slots_total, H_kv, D]``; ``mamba`` (
 stacked conv buffers ``[L, mamba_slots, conv_dim, K-1]`` (or ``[..., K-1, conv_dim]`` when
 ``conv_window_axis``, SGLang's axis of the window in one slot's state, is 0) and SSM buffers ``[L,
 mamba_slots, HV, V, K]`` as SGLang keeps them, so every linear-attention layer is gathered and sketched in one
-operation each), the token slots ``[b, W]`` of the KV
-rows each request's step may have appended (W = the step's widest possible commit; the rows past a request's
-accepted count are sketched and dropped on the host) and the requests' mamba slots ``[b]``. Everything stays
-on the pools' device (gathers and projections, no host copy). KV entries are name -> (layer, kind, sketch
-``[b, R, r]`` float32, full rows ``[b, R, F]`` or None); the mamba part keeps the layers stacked, and
-:func:`request_state` turns both into one request's entries with the names and row layouts of
-:func:`refcheck.sketch.state_rows`: ``kv_k.L``/``kv_v.L`` ``[a, H_kv*D]``, ``conv.L`` ``[K-1, conv_dim]``,
-``rec.L`` ``[HV, K*V]``. The recurrent state is sketched in SGLang's own ``[V, K]`` order with the
-projection's rows permuted to match (the same linear map as the reference layout's, without transposing
-the state). :func:`request_state` cuts one request's entries (its accepted KV rows) on the host. Under
-tensor parallelism (``shard``) a rank sketches its slice with the full tensor's projection rows, and
-:func:`combine_shards` adds (feature-split KV and conv) or stacks (row-split SSM) the ranks' sketches.
+operation each), the token slots ``[b, W]`` of the KV rows each request's step may have appended (W = the
+step's widest possible commit) and the requests' mamba slots ``[b]``. Everything stays on the pools' device
+(gathers and projections, no host copy). Every entry is sketched as :func:`refcheck.sketch.state_sketch`
+does it, each row by its own projection: KV entries are name -> (layer, kind, row sketches ``[b, W, r]``
+float32, full rows ``[b, W, F]`` or None), summed on the host over the request's accepted rows (the rows past
+them dropped); the mamba part keeps the layers stacked with the rows already summed, ``conv`` and ``rec``
+``[L, b, r]``. :func:`request_state` turns both into one request's entries, sketches ``[1, r]``, with the
+names and row layouts of :func:`refcheck.sketch.state_rows`: ``kv_k.L``/``kv_v.L`` ``[a, H_kv*D]``,
+``conv.L`` ``[K-1, conv_dim]``, ``rec.L`` ``[HV, K*V]``. The recurrent state is sketched in SGLang's own
+``[V, K]`` order with each head's projection rows permuted to match (the same linear map as the reference
+layout's, without transposing the state). Under tensor parallelism (``shard``) a rank sketches its slice
+with the full tensor's projections of the features and heads it holds, and :func:`combine_shards` adds the
+ranks' sketches (and joins their full rows).
 """
 
 from __future__ import annotations
@@ -28,35 +29,37 @@ from typing import Any
 import torch
 
 from refcheck.sglang.layout import conv_to_reference, ssm_to_reference
-from refcheck.sketch import SKETCH_DIM, projection
+from refcheck.sketch import SKETCH_DIM, row_projections
 
 #: name -> (layer, kind, sketch, full rows or None)
 Entry = tuple[int, str, torch.Tensor, "torch.Tensor | None"]
 
 
+@lru_cache(maxsize=64)
+def _ssm_projection(heads: int, k: int, v: int, device: str) -> torch.Tensor:
+    """Each head's projection of its ``[K*V]`` reference row, reordered for SGLang's ``[V*K]`` rows."""
+    p = row_projections(k * v, heads, SKETCH_DIM, "cpu")  # [HV, K*V, r]
+    return p.view(heads, k, v, -1).transpose(1, 2).reshape(heads, v * k, -1).to(device)  # [HV, K, V, r] -> [HV, V*K, r]
+
+
+#: (tp rank, tp size, conv groups) of a rank's shard under tensor parallelism
+Shard = tuple[int, int, "tuple[int, ...] | None"]
+
+
+def _projections(kind: str, rows: int, local: int, shard: Shard | None, device: str) -> torch.Tensor:
+    """Row ``w``'s projection for ``w < rows`` of one kind's ``local``-wide rows, [rows, F_local, r]: the full
+    tensor's projection rows of the features a rank holds under TP (built once per device)."""
+    if shard is None:
+        return row_projections(local, rows, SKETCH_DIM, device)
+    return _shard_projections(kind, rows, local, *shard, device)
+
+
 @lru_cache(maxsize=256)
-def _ssm_projection(k: int, v: int, device: str) -> torch.Tensor:
-    """The reference layout's projection of ``[K*V]`` rows, its rows reordered for SGLang's ``[V*K]`` rows."""
-    p = projection(k * v, SKETCH_DIM, device)  # [K*V, r]
-    return p.view(k, v, -1).transpose(0, 1).reshape(v * k, -1).contiguous()  # [K, V, r] -> [V*K, r]
-
-
-def _project(kind: str, x: torch.Tensor, shard: tuple[int, int, tuple[int, ...] | None] | None) -> torch.Tensor:
-    """[..., F] rows of one state kind -> [..., r] float32 (upcast: bf16 accumulation would swamp the signal)."""
-    if shard is None or kind == "rec":
-        proj = projection(x.shape[-1], SKETCH_DIM, str(x.device))
-    else:
-        proj = _shard_projection(kind, x.shape[-1], *shard, str(x.device))
-    return x.float() @ proj
-
-
-@lru_cache(maxsize=256)
-def _shard_projection(kind: str, local: int, rank: int, size: int, groups: tuple[int, ...] | None,
-                      device: str) -> torch.Tensor:
-    """The full tensor's projection rows of the features a rank holds, [F_local, r] (built once per device)."""
+def _shard_projections(kind: str, rows: int, local: int, rank: int, size: int, groups: tuple[int, ...] | None,
+                       device: str) -> torch.Tensor:
     idx = feature_index(kind, local, rank, size, groups)
     n_full = local * size if kind != "conv" else sum(groups or ())
-    return projection(n_full, SKETCH_DIM, "cpu")[idx].to(device)
+    return row_projections(n_full, rows, SKETCH_DIM, "cpu")[:, idx].to(device)  # [rows, F_local, r]
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,7 @@ class MambaPools:
 
 
 def batch_state(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor, mamba: MambaPools | None,
-                mamba_slots: torch.Tensor | None, full: bool = False,
-                shard: tuple[int, int, tuple[int, ...] | None] | None = None) -> dict[str, Any]:
+                mamba_slots: torch.Tensor | None, full: bool = False, shard: Shard | None = None) -> dict[str, Any]:
     """The module docstring's batch state: ``kv`` name -> entry, and ``mamba``, every linear-attention layer at
     once (:func:`_mamba_state`); ``shard`` = (tp rank, tp size, conv groups) under TP."""
     out: dict[str, Entry] = {}
@@ -83,7 +85,9 @@ def batch_state(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], slots: torch.T
         idx = slots.reshape(-1).long().to(k_buf.device)  # [b*W]
         for kind, buf in (("kv_k", k_buf), ("kv_v", v_buf)):
             rows = buf[idx].reshape(b, w, -1)  # [b*W, H_kv, D] -> [b, W, H_kv*D]
-            out[f"{kind}.{layer}"] = (layer, kind, _project(kind, rows, shard), rows if full else None)
+            proj = _projections(kind, w, rows.shape[-1], shard, str(rows.device))  # [W, F, r]
+            # float32: bf16 accumulation would swamp the signal
+            out[f"{kind}.{layer}"] = (layer, kind, torch.einsum("bwf,wfr->bwr", rows.float(), proj), rows if full else None)
     if mamba is None:
         return {"kv": out, "mamba": None}
     if mamba_slots is None:
@@ -91,10 +95,9 @@ def batch_state(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], slots: torch.T
     return {"kv": out, "mamba": _mamba_state(mamba, mamba_slots, full, shard)}
 
 
-def _mamba_state(m: MambaPools, mamba_slots: torch.Tensor, full: bool,
-                 shard: tuple[int, int, tuple[int, ...] | None] | None) -> dict[str, Any]:
+def _mamba_state(m: MambaPools, mamba_slots: torch.Tensor, full: bool, shard: Shard | None) -> dict[str, Any]:
     """Every recorded layer's conv and recurrent state of the requests in one gather and one projection each:
-    ``conv`` ``[L, b, K-1, r]``, ``rec`` ``[L, b, HV, r]`` (and their rows when ``full``)."""
+    ``conv`` and ``rec`` ``[L, b, r]`` (and their rows when ``full``)."""
     ms = mamba_slots.long().to(m.conv.device)  # [b]
     pick = None if m.rows == list(range(m.conv.shape[0])) else torch.tensor(m.rows)
     conv = m.conv[:, ms] if pick is None else m.conv[pick.to(m.conv.device)][:, ms]  # [L, b, C, K-1] (or K-1, C)
@@ -102,32 +105,37 @@ def _mamba_state(m: MambaPools, mamba_slots: torch.Tensor, full: bool,
     conv = conv_to_reference(conv) if m.conv_window_axis in (-1, 1) else conv  # [L, b, K-1, C]
     ssm = m.ssm[:, ms] if pick is None else m.ssm[pick.to(m.ssm.device)][:, ms]  # [L, b, HV, V, K]
     n, b, hv, v, k = ssm.shape
-    rec_sketch = ssm.reshape(n, b, hv, v * k).float() @ _ssm_projection(k, v, str(ssm.device))  # [L, b, HV, r]
+    first = shard[0] * hv if shard is not None else 0  # a rank's heads are the full tensor's [rank*HV, (rank+1)*HV)
+    rec_proj = _ssm_projection(first + hv, k, v, str(ssm.device))[first:]  # [HV, V*K, r]
+    # float32: bf16 accumulation would swamp the signal
+    rec_sketch = torch.einsum("lbhx,hxr->lbr", ssm.reshape(n, b, hv, v * k).float(), rec_proj)  # [L, b, r]
+    conv_proj = _projections("conv", conv.shape[2], conv.shape[3], shard, str(conv.device))  # [K-1, C, r]
+    conv_sketch = torch.einsum("lbkc,kcr->lbr", conv.float(), conv_proj)  # [L, b, r]
     rec = ssm_to_reference(ssm).reshape(n, b, hv, k * v) if full else None  # [L, b, HV, K, V] -> [L, b, HV, K*V]
-    return {"layers": list(m.layers), "conv": _project("conv", conv, shard), "rec": rec_sketch,
+    return {"layers": list(m.layers), "conv": conv_sketch, "rec": rec_sketch,
             "conv_rows": conv if full else None, "rec_rows": rec}
 
 
 def request_state(batch: dict[str, Any], b: int, kv_rows: int) -> dict[str, Entry]:
-    """Request ``b``'s entries of a (host) batch state: its first ``kv_rows`` KV rows, its conv and recurrent rows,
-    one entry per layer and kind."""
+    """Request ``b``'s entries of a (host) batch state, one per layer and kind with a ``[1, r]`` sketch: its first
+    ``kv_rows`` KV rows' sketches summed, its conv and recurrent sketches."""
     out: dict[str, Entry] = {}
     for name, (layer, kind, sketch, rows) in batch["kv"].items():
-        out[name] = (layer, kind, sketch[b, :kv_rows].clone(), None if rows is None else rows[b, :kv_rows].clone())
+        out[name] = (layer, kind, sketch[b, :kv_rows].sum(0, keepdim=True), None if rows is None else rows[b, :kv_rows].clone())
     m = batch.get("mamba")
     if m:
         for i, layer in enumerate(m["layers"]):
             for kind in ("conv", "rec"):
                 rows = m[f"{kind}_rows"]
-                out[f"{kind}.{layer}"] = (layer, kind, m[kind][i, b].clone(), None if rows is None else rows[i, b].clone())
+                out[f"{kind}.{layer}"] = (layer, kind, m[kind][i, b][None].clone(), None if rows is None else rows[i, b].clone())
     return out
 
 
 # -- tensor parallelism ----------------------------------------------------------------------------------
 # With TP, each rank holds a slice of every state: KV heads (contiguous blocks), SSM value heads (rows),
 # conv channels ([q_r, k_r, v_r] of the full [q, k, v]). Sketches are linear, so a rank can sketch its
-# slice with the *full* tensor's projection rows for the features it holds; the full sketch is then the
-# sum of the ranks' partial sketches (features split) or their concatenation (rows split).
+# slice with the *full* tensor's projections of the features and rows it holds; the full sketch is then
+# the sum of the ranks' partial sketches.
 
 def feature_index(kind: str, local_features: int, tp_rank: int, tp_size: int,
                   conv_groups: tuple[int, ...] | None = None) -> torch.Tensor | None:
@@ -156,11 +164,10 @@ def combine_shards(shards: list[tuple[int, str, torch.Tensor, torch.Tensor | Non
     from refcheck.sglang.layout import gather_conv_channels
 
     layer, kind = shards[0][0], shards[0][1]
+    sketch = torch.stack([s[2] for s in shards]).sum(0)
     if kind == "rec":
-        sketch = torch.cat([s[2] for s in shards], dim=0)
         full = torch.cat([s[3] for s in shards], dim=0) if shards[0][3] is not None else None
     else:
-        sketch = torch.stack([s[2] for s in shards]).sum(0)
         full = None
         if shards[0][3] is not None:
             parts = [s[3] for s in shards]

@@ -1,0 +1,36 @@
+"""scripts/capture_cost.py's CPU parts: which cells it runs, in what order, and the deadline's record."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tests.script_loader import load_script
+
+cc = load_script("capture_cost")
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = {"algorithms": "NONE,DFLASH", "graphs": "off,on", "workloads": "one,mixed", "cells": None}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_cells_default_to_every_combination_and_follow_an_explicit_list_in_order():
+    assert cc.cells(_args())[:3] == [("NONE", False, "one"), ("NONE", False, "mixed"), ("NONE", True, "one")]
+    assert len(cc.cells(_args())) == 8
+    got = cc.cells(_args(cells="NGRAM:on:mixed,DFLASH:off:one"))
+    assert got == [("NGRAM", True, "mixed"), ("DFLASH", False, "one")]
+    for bad in ("NGRAM:yes:mixed", "NGRAM:on", "NGRAM:on:many"):
+        with pytest.raises(ValueError, match="ALGORITHM:on|off:one|mixed"):
+            cc.cells(_args(cells=bad))
+
+
+def test_a_malformed_cell_is_exit_2_and_a_passed_deadline_runs_nothing(tmp_path, capsys, monkeypatch):
+    assert cc.main(["--out", str(tmp_path / "a"), "--cells", "X:on"]) == 2
+    assert "is not ALGORITHM" in capsys.readouterr().err
+    monkeypatch.setattr(cc, "run_cell", lambda *a: pytest.fail("a cell ran past the deadline"))
+    assert cc.main(["--out", str(tmp_path / "b"), "--cells", "NGRAM:on:mixed", "--deadline", "-1"]) == 0
+    assert "cells not run: NGRAM:on:mixed" in capsys.readouterr().out
+    assert not (tmp_path / "b" / "capture_cost.json").exists()
+    assert (tmp_path / "b" / "capture_cost.md").read_text().count("\n") == 2  # the table's head, no row
