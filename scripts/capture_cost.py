@@ -58,7 +58,8 @@ def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff
             "bytes_per_step": path.stat().st_size / steps if steps else None,
             "capture_errors": (cap.get("errors") or [])[:3], "capture_behind": st.get("capture_behind") or {},
             "lost_batches": (cap.get("stats") or {}).get("lost_batches", 0),
-            "capture_host_ms_per_batch": (cap.get("stats") or {}).get("capture_host_ms_per_batch"), **(diff or {})}
+            "capture_host_ms_per_batch": (cap.get("stats") or {}).get("capture_host_ms_per_batch"),
+            "drain_s": st.get("drain_s"), **(diff or {})}
 
 
 def judge(trace: Any, name: str) -> dict[str, Any]:

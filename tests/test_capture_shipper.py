@@ -54,15 +54,13 @@ def test_the_reader_reports_records_still_queued_and_records_lost(tmp_path):
     assert any("unreadable capture queue counts" in e for e in read_capture(tmp_path).errors)
 
 
-def test_the_sampling_rule_records_one_step_in_n_per_request_at_seeded_phases():
+def test_the_sampling_rule_records_one_batch_in_n_at_a_seeded_phase():
     rule = SampleRule(16, seed=7)
-    rids = [f"req-{i}" for i in range(64)]
-    for rid in rids:
-        assert sum(rule.takes(rid, k) for k in range(160)) == 10
-    phases = {rule.phase(r) for r in rids}
-    assert len(phases) > 8  # the batch's recorded steps spread over batches
-    assert [SampleRule(16, seed=8).phase(r) for r in rids[:8]] != [rule.phase(r) for r in rids[:8]]
-    assert SampleRule().full and all(SampleRule().takes("x", k) for k in range(5))
+    assert sum(rule.takes(g) for g in range(160)) == 10
+    first = (16 - rule.phase) % 16
+    assert [g for g in range(32) if rule.takes(g)] == [first, first + 16]
+    assert len({SampleRule(16, seed=s).phase for s in range(40)}) > 8  # seeds choose different phases
+    assert SampleRule().full and all(SampleRule().takes(g) for g in range(5))
     assert parse("16:7") == rule and parse("4") == SampleRule(4, 0) and parse(None) == SampleRule()
     marked = sampled_rid(SampleRule(4, 2), "refcheck-1-0-p")
     assert rule_for(marked, rule) == SampleRule(4, 2) and rule_for("refcheck-1-0-p", rule) is rule

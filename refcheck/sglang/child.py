@@ -10,10 +10,11 @@ carries ``repeat_generate_s`` (their wall times: tokens/s without first-use kern
 capture) and ``repeats_match`` (whether every repeat produced the captured output ids), and
 ``untraced_diffs`` where an untraced pass left the captured one (:func:`first_differences`). With
 ``sampled_rids`` (rids marked for a sampled capture, :func:`refcheck.sglang.capture.sample_rule.sampled_rid`)
-those passes run after the captured one: ``sampled_generate_s``, ``sampled_match``. Before the untraced passes
-and before the engine stops, the child waits until the scheduler processes have written every capture record
-they queued (:func:`refcheck.sglang.capture.shipper.wait_drained`; ``capture_behind`` lists any that did not
-within a minute). With
+those passes run after the captured one: ``sampled_generate_s``, ``sampled_match``. After the captured pass
+(so no later pass is timed while its records are written; ``drain_s``: how long the writers still needed),
+after the sampled passes and before the engine stops, the child waits until the scheduler processes have
+written every capture record they queued (:func:`refcheck.sglang.capture.shipper.wait_drained`;
+``capture_behind`` lists any that did not within a minute). With
 ``warmup_rids`` one untraced pass runs before the captured one (``warmup_generate_s``, ``warmup_match``), and
 with ``capture_warm_rids`` a captured pass whose records nobody reads (the capture's kernels load and its
 buffers grow before the timed passes; the child waits for its records to be written);
@@ -138,8 +139,10 @@ def main(job_path: str) -> int:
         if warm:
             warm["warmup_match"] = warm_out == outputs
             diffs["warmup"] = first_differences(outputs, warm_out)
+        t2 = time.time()
+        behind = _drained()  # the captured pass's records written before the next pass is timed
+        drain_s = time.time() - t2
         sampled_s, sampled_match = _passes(engine, job, job.get("sampled_rids") or [], outputs)
-        behind = _drained()
         repeat_s, match = [], True
         for k, rids in enumerate(job.get("timing_rids") or []):
             t2 = time.time()
@@ -147,7 +150,8 @@ def main(job_path: str) -> int:
             repeat_s.append(time.time() - t2)
             match = match and again == outputs
             diffs[f"repeat{k}"] = first_differences(outputs, again)
-        _write(result, {"stage": "done", "start_s": start_s, "generate_s": generate_s, "sglang": version,
+        _write(result, {"stage": "done", "start_s": start_s, "generate_s": generate_s, "drain_s": drain_s,
+                        "sglang": version,
                         "outputs": outputs, "repeat_generate_s": repeat_s, "repeats_match": match, **warm,
                         "sampled_generate_s": sampled_s, "sampled_match": sampled_match if sampled_s else None,
                         "capture_behind": behind,

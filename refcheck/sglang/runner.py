@@ -511,13 +511,14 @@ class SGLangRunner:
         """The provenance's engine settings: SGLang's arguments (paths left out) and how the run went."""
         settings = {k: v for k, v in kw.items() if k not in ("model_path", "speculative_draft_model_path")}
         settings.update(algorithm=self.algorithm, pair=self.spec.pair, stop_token_ids=sorted(self.spec.stop_token_ids),
-                        engine_start_s=round(run.get("start_s") or 0.0, 2), generate_s=round(run.get("generate_s") or 0.0, 2),
-                        repeat_generate_s=[round(t, 3) for t in run.get("repeat_generate_s") or []],
+                        engine_start_s=round(run.get("start_s") or 0.0, 2),
+                        generate_s=round(run.get("generate_s") or 0.0, 4), drain_s=run.get("drain_s"),
+                        repeat_generate_s=[round(t, 4) for t in run.get("repeat_generate_s") or []],
                         repeats_match=run.get("repeats_match"), tree_rules="structural",
                         serving=self.settings.to_json(), serving_label=self.settings.label(),
                         warmup_generate_s=run.get("warmup_generate_s"), warmup_match=run.get("warmup_match"),
                         untraced_diffs=run.get("untraced_diffs") or {},
-                        sampled_generate_s=[round(t, 3) for t in run.get("sampled_generate_s") or []],
+                        sampled_generate_s=[round(t, 4) for t in run.get("sampled_generate_s") or []],
                         sampled_match=run.get("sampled_match"), capture_behind=run.get("capture_behind") or {},
                         **({"sampling": self.spec.sampling.to_json(), "rng": sampling_rng(self.algorithm)}
                            if self.spec.sampled and self.spec.sampling is not None else {}),

@@ -34,9 +34,9 @@ sketched. Nothing synchronises the device or waits for the disk: each record's t
 pinned host memory asynchronously and written by a background thread
 (:mod:`refcheck.sglang.capture.shipper`); the per-request, per-node Python runs when refcheck reads the
 capture (:mod:`refcheck.sglang.capture.expand`). The step's time comes from two CUDA events around it. With
-``REFCHECK_CAPTURE_SAMPLE=N:SEED`` (:mod:`refcheck.sglang.capture.sample_rule`) only one step in N of each
-request is recorded (the prefill's first token always); a batch with no recorded request runs as if no
-capture were loaded.
+``REFCHECK_CAPTURE_SAMPLE=N:SEED`` (:mod:`refcheck.sglang.capture.sample_rule`) only one decode batch in N is
+recorded, all its requests (the prefill's first token always); a batch with no recorded request runs as if
+no capture were loaded.
 
 Capture never changes what SGLang computes (the exceptions are opt-in, for refcheck's own selftest:
 ``REFCHECK_SAMPLER_FAULT`` injects a fault into the tree sampler, ``sampler_faults.py``, and
@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from refcheck.sglang.capture import dflash_taps, layers, sampler_faults, versions
+from refcheck.sglang.capture import dflash_taps, layers, profiling, sampler_faults, versions
 from refcheck.sglang.capture.records import Recorder
 from refcheck.sglang.capture.sample_rule import ENV_SAMPLE, SampleRule, parse, rule_for
 from refcheck.sglang.capture.state import MambaPools, batch_state
@@ -71,6 +71,7 @@ _originals: dict[str, Any] = {}
 _recorder: Recorder | None = None
 _rule: SampleRule | None = None
 _steps_seen: dict[str, int] = {}  # rid -> decode / verify steps this process has run for it
+_batches_seen = 0  # decode batches holding a traced request this process has run (the sampling rule's clock)
 
 
 @dataclass
@@ -215,11 +216,13 @@ def _choose(snap: _Batch, device: Any) -> None:
         return
     if snap.mode != "decode":
         return
-    rule = _sample_rule()
+    global _batches_seen
+    rule, g = _sample_rule(), _batches_seen
+    _batches_seen += 1
     for b, rid in enumerate(snap.rids):
         k = _steps_seen.get(rid, 0)
         _steps_seen[rid] = k + 1
-        if rule_for(rid, rule).takes(rid, k):
+        if rule_for(rid, rule).takes(g):
             snap.take.append(b)
             snap.steps.append(k)
     if snap.take and len(snap.take) < len(snap.rids):
@@ -341,11 +344,14 @@ def _ship_decode(scheduler: Any, snap: _Batch, result: Any) -> None:
         return
     for part in parts:
         width = part.pop("width")
-        tensors = {"t": part.pop("t"), **_state(scheduler, snap, part["committed"], width),
+        with profiling.section("state"):
+            state = _state(scheduler, snap, part["committed"], width)
+        tensors = {"t": part.pop("t"), **state,
                    "layers": _layers(scheduler, snap, width), "draft": part.pop("draft", None),
                    "context": part.pop("context", None)}
         tensors["t"]["committed"] = part.pop("committed")
-        _rec(scheduler).ship("batch", _fields(scheduler, snap, part, result), tensors)
+        with profiling.section("ship"):
+            _rec(scheduler).ship("batch", _fields(scheduler, snap, part, result), tensors)
 
 
 def _root_part(snap: _Batch, result: Any) -> dict[str, Any] | None:
@@ -415,9 +421,11 @@ def _run_batch(original, self, batch, *args, **kwargs):
     global _batch
     if _untraced(batch):
         return original(self, batch, *args, **kwargs)
-    _rec(self)
+    rec = _rec(self)
+    _guard("run_batch:profile", profiling.tick, rec.dir.parent, rec.tp_rank)
     t0 = time.perf_counter()
-    snap = _guard("run_batch:snapshot", _snapshot, self, batch)
+    with profiling.section("snapshot"):
+        snap = _guard("run_batch:snapshot", _snapshot, self, batch)
     if snap is not None:
         snap.host_s += time.perf_counter() - t0
     if snap is None or (snap.mode != "extend" and not snap.take):  # nothing recorded at this step
@@ -425,13 +433,15 @@ def _run_batch(original, self, batch, *args, **kwargs):
     _batch = snap
     start = _event(self)
     try:
-        result = original(self, batch, *args, **kwargs)
+        with profiling.section("step"):
+            result = original(self, batch, *args, **kwargs)
     finally:
         _batch = None
     end = _event(self)
     if start is not None and end is not None:
         snap.events = (start, end)
-    _guard("run_batch:after", _after, self, snap, result)
+    with profiling.section("after"):
+        _guard("run_batch:after", _after, self, snap, result)
     return result
 
 
@@ -459,12 +469,14 @@ def _eagle_sample(original, *args, **kwargs):
     pre = None
     if snap is not None:
         t0 = time.perf_counter()
-        pre = _guard("eagle_sample:before", _tree_inputs, snap, args, kwargs)
+        with profiling.section("verify.before"):
+            pre = _guard("eagle_sample:before", _tree_inputs, snap, args, kwargs)
         snap.host_s += time.perf_counter() - t0
     result = original(*args, **kwargs)
     if snap is not None and pre is not None:
         t0 = time.perf_counter()
-        part = _guard("eagle_sample:after", _tree_part, snap, pre, result)
+        with profiling.section("verify.after"):
+            part = _guard("eagle_sample:after", _tree_part, snap, pre, result)
         if part:
             snap.pending.append(part)
         snap.host_s += time.perf_counter() - t0
@@ -550,7 +562,8 @@ def _dflash_forward(original, self, batch, *args, **kwargs):
         result = original(self, batch, *args, **kwargs)
     if snap is not None and decode:
         t0 = time.perf_counter()
-        part = _guard("dflash:after", _chain_part, self, snap, result, taps)
+        with profiling.section("dflash.after"):
+            part = _guard("dflash:after", _chain_part, self, snap, result, taps)
         if part:
             snap.pending.append(part)
         snap.host_s += time.perf_counter() - t0

@@ -1,15 +1,17 @@
-"""Which verify steps a sampled capture records: one step in ``every`` per request, at a seeded phase.
+"""Which verify steps a sampled capture records: one decode batch in ``every``, at a seeded phase.
 
-Contract: :class:`SampleRule` (``every`` >= 1, ``seed`` >= 0) takes step ``k`` of request ``rid`` (its k-th
-decode or verify step, counted from 0 in the scheduler process) when ``(k + phase(rid)) % every == 0``, where
-``phase(rid)`` = the first 8 bytes of BLAKE2b of ``f"{seed}:{rid}"``, little-endian, modulo ``every``: each request is recorded once every ``every`` steps, and the
-phases spread the recorded steps of a batch's requests over different batches, so no batch carries all of
-them. ``every == 1`` records every step (full capture). The rule travels to SGLang's scheduler processes as
+Contract: :class:`SampleRule` (``every`` >= 1, ``seed`` >= 0) takes a scheduler process's ``g``-th decode
+batch (counted from 0 over the batches that hold a traced request) when ``(g + phase) % every == 0``, where
+``phase`` = the first 8 bytes of BLAKE2b of ``f"{seed}:batch"``, little-endian, modulo ``every``; every request
+of a taken batch is recorded at that step (its step number, the request's k-th decode or verify step in the
+process, kept), so each request is recorded at about one step in ``every`` and a batch not taken runs as if no
+capture were loaded: the capture's cost per recorded batch is paid once per ``every`` batches. ``every == 1``
+records every step (full capture). The rule travels to SGLang's scheduler processes as
 ``REFCHECK_CAPTURE_SAMPLE=every:seed`` and is written into the trace's capture provenance, so the diff and a
-reader know which steps exist by design. :func:`parse` refuses anything else with :class:`CaptureSampleError`.
-A request whose rid starts with ``refcheck-sample-N-SEED-`` (:func:`sampled_rid`) follows that rule instead of
-the process's (:func:`rule_for`): refcheck's runner uses it to time a sampled pass on the same warm engine as
-the full and the untraced ones.
+reader know that steps are missing by design (which ones the trace's step numbers say). :func:`parse` refuses
+anything else with :class:`CaptureSampleError`. A request whose rid starts with ``refcheck-sample-N-SEED-``
+(:func:`sampled_rid`) follows that rule instead of the process's (:func:`rule_for`): refcheck's runner uses it
+to time a sampled pass on the same warm engine as the full and the untraced ones.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ class CaptureSampleError(ValueError):
     """A capture sampling rule outside its range."""
 
 
-@lru_cache(maxsize=65536)
-def _phase(seed: int, rid: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{seed}:{rid}".encode(), digest_size=8).digest(), "little")
+@lru_cache(maxsize=4096)
+def _phase(seed: int) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{seed}:batch".encode(), digest_size=8).digest(), "little")
 
 
 @dataclass(frozen=True)
@@ -47,11 +49,13 @@ class SampleRule:
     def full(self) -> bool:
         return self.every == 1
 
-    def phase(self, rid: str) -> int:
-        return _phase(self.seed, rid) % self.every
+    @property
+    def phase(self) -> int:
+        return _phase(self.seed) % self.every
 
-    def takes(self, rid: str, step: int) -> bool:
-        return (step + self.phase(rid)) % self.every == 0
+    def takes(self, batch: int) -> bool:
+        """Whether the process's ``batch``-th decode batch (holding traced requests) is recorded."""
+        return (batch + self.phase) % self.every == 0
 
     def to_env(self) -> str:
         return f"{self.every}:{self.seed}"

@@ -86,8 +86,9 @@ def batch_state(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], slots: torch.T
         for kind, buf in (("kv_k", k_buf), ("kv_v", v_buf)):
             rows = buf[idx].reshape(b, w, -1)  # [b*W, H_kv, D] -> [b, W, H_kv*D]
             proj = _projections(kind, w, rows.shape[-1], shard, str(rows.device))  # [W, F, r]
-            # float32: bf16 accumulation would swamp the signal
-            out[f"{kind}.{layer}"] = (layer, kind, torch.einsum("bwf,wfr->bwr", rows.float(), proj), rows if full else None)
+            # float32: bf16 accumulation would swamp the signal; [W, b, F] @ [W, F, r] -> [W, b, r] -> [b, W, r]
+            sketch = torch.bmm(rows.float().transpose(0, 1), proj).transpose(0, 1)
+            out[f"{kind}.{layer}"] = (layer, kind, sketch, rows if full else None)
     if mamba is None:
         return {"kv": out, "mamba": None}
     if mamba_slots is None:
@@ -107,10 +108,11 @@ def _mamba_state(m: MambaPools, mamba_slots: torch.Tensor, full: bool, shard: Sh
     n, b, hv, v, k = ssm.shape
     first = shard[0] * hv if shard is not None else 0  # a rank's heads are the full tensor's [rank*HV, (rank+1)*HV)
     rec_proj = _ssm_projection(first + hv, k, v, str(ssm.device))[first:]  # [HV, V*K, r]
-    # float32: bf16 accumulation would swamp the signal
-    rec_sketch = torch.einsum("lbhx,hxr->lbr", ssm.reshape(n, b, hv, v * k).float(), rec_proj)  # [L, b, r]
+    # float32: bf16 accumulation would swamp the signal; one product over heads and features at once
+    rec_sketch = (ssm.reshape(n * b, hv * v * k).float() @ rec_proj.reshape(hv * v * k, -1)).view(n, b, -1)  # [L, b, r]
     conv_proj = _projections("conv", conv.shape[2], conv.shape[3], shard, str(conv.device))  # [K-1, C, r]
-    conv_sketch = torch.einsum("lbkc,kcr->lbr", conv.float(), conv_proj)  # [L, b, r]
+    km1, c = conv.shape[2], conv.shape[3]
+    conv_sketch = (conv.reshape(n * b, km1 * c).float() @ conv_proj.reshape(km1 * c, -1)).view(n, b, -1)  # [L, b, r]
     rec = ssm_to_reference(ssm).reshape(n, b, hv, k * v) if full else None  # [L, b, HV, K, V] -> [L, b, HV, K*V]
     return {"layers": list(m.layers), "conv": conv_sketch, "rec": rec_sketch,
             "conv_rows": conv if full else None, "rec_rows": rec}

@@ -1,0 +1,94 @@
+"""An opt-in torch-profiler window over a scheduler process's traced batches: where the capture's cost goes.
+
+Contract: with ``REFCHECK_CAPTURE_PROFILE=FIRST:COUNT`` (:data:`ENV_PROFILE`) in the engine's environment,
+:func:`tick` (called by the ``run_batch`` hook at every traced batch) starts :mod:`torch.profiler` (CPU and
+CUDA activities, every thread) at the FIRST-th traced batch of the process (0-based) and stops it after COUNT
+more, writing ``profile-rank{r}-pid{pid}.txt`` into the capture directory: the window's wall time and
+batches, then the operator table sorted by device time and by CPU time, in which :func:`section` labels the
+hooks' own parts (``refcheck.*``) beside SGLang's. Without the variable, :func:`tick` returns at once and
+:func:`section` is a null context: the capture runs as if this module were absent. A malformed value is
+reported once as a capture error by the caller (:class:`ValueError`), and the capture runs unprofiled.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+ENV_PROFILE = "REFCHECK_CAPTURE_PROFILE"
+
+
+def window(value: str | None) -> tuple[int, int] | None:
+    """``FIRST:COUNT`` -> (first, count); None for no profiling; ValueError for a malformed value."""
+    if not value:
+        return None
+    try:
+        first, count = (int(x) for x in value.split(":"))
+    except ValueError:
+        raise ValueError(f"{ENV_PROFILE}={value!r}: expected FIRST:COUNT (two integers)") from None
+    if first < 0 or count < 1:
+        raise ValueError(f"{ENV_PROFILE}={value!r}: FIRST must be >= 0 and COUNT >= 1")
+    return first, count
+
+
+class _State:
+    def __init__(self) -> None:
+        self.window: tuple[int, int] | None = None
+        self.read = False
+        self.batches = 0
+        self.prof: Any = None
+        self.t0 = 0.0
+
+
+_state = _State()
+
+
+def _window() -> tuple[int, int] | None:
+    if not _state.read:
+        _state.read = True
+        _state.window = window(os.environ.get(ENV_PROFILE))
+    return _state.window
+
+
+def tick(out_dir: Path, tp_rank: int) -> None:
+    """One traced batch begins: start or stop the window (module docstring)."""
+    win = _window()
+    if win is None:
+        return
+    first, count = win
+    k = _state.batches
+    _state.batches += 1
+    if k == first:
+        import torch
+        import torch.profiler as tp
+
+        acts = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        _state.prof = tp.profile(activities=acts)
+        _state.prof.__enter__()
+        _state.t0 = time.perf_counter()
+    elif k == first + count and _state.prof is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the window's device work is in its wall time
+        wall = time.perf_counter() - _state.t0
+        _state.prof.__exit__(None, None, None)
+        avg = _state.prof.key_averages()
+        text = (f"profiled window: traced batches {first}..{first + count - 1}, {wall:.4f} s wall "
+                f"({1000 * wall / count:.3f} ms per batch)\n\n## by device time\n"
+                + avg.table(sort_by="self_device_time_total", row_limit=45)
+                + "\n\n## by CPU time\n" + avg.table(sort_by="cpu_time_total", row_limit=60))
+        (Path(out_dir) / f"profile-rank{tp_rank}-pid{os.getpid()}.txt").write_text(text)
+        _state.prof = None
+
+
+def section(name: str) -> AbstractContextManager[Any]:
+    """A labelled part of the hooks in the profiler's table while a window is open, else nothing."""
+    if _state.prof is None:
+        return nullcontext()
+    import torch.profiler as tp
+
+    return tp.record_function(f"refcheck.{name}")
