@@ -97,6 +97,19 @@ def _passes(engine: Any, job: dict, passes: list[list[str]], outputs: list[list[
     return times, match
 
 
+def _repeats(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[str, Any]) -> tuple[list[float], bool]:
+    """The untraced timing passes: (wall times, whether each gave ``outputs``); where one did not, its first
+    differences go into ``diffs`` as ``repeatK``."""
+    times, match = [], True
+    for k, rids in enumerate(job.get("timing_rids") or []):
+        t0 = time.time()
+        again = _outputs(generate(engine, job, rids))
+        times.append(time.time() - t0)
+        match = match and again == outputs
+        diffs[f"repeat{k}"] = first_differences(outputs, again)
+    return times, match
+
+
 def _drained() -> dict[str, int]:
     """Wait for the capture's writer threads (when this engine captures): {queue file: records not written}."""
     from refcheck.sglang.capture.shipper import wait_drained
@@ -143,16 +156,9 @@ def main(job_path: str) -> int:
         behind = _drained()  # the captured pass's records written before the next pass is timed
         drain_s = time.time() - t2
         sampled_s, sampled_match = _passes(engine, job, job.get("sampled_rids") or [], outputs)
-        repeat_s, match = [], True
-        for k, rids in enumerate(job.get("timing_rids") or []):
-            t2 = time.time()
-            again = _outputs(generate(engine, job, rids))
-            repeat_s.append(time.time() - t2)
-            match = match and again == outputs
-            diffs[f"repeat{k}"] = first_differences(outputs, again)
+        repeat_s, match = _repeats(engine, job, outputs, diffs)
         _write(result, {"stage": "done", "start_s": start_s, "generate_s": generate_s, "drain_s": drain_s,
-                        "sglang": version,
-                        "outputs": outputs, "repeat_generate_s": repeat_s, "repeats_match": match, **warm,
+                        "sglang": version, "outputs": outputs, "repeat_generate_s": repeat_s, "repeats_match": match, **warm,
                         "sampled_generate_s": sampled_s, "sampled_match": sampled_match if sampled_s else None,
                         "capture_behind": behind,
                         "untraced_diffs": {name: d for name, d in diffs.items() if d},
