@@ -67,10 +67,11 @@ def state_sketch(x: torch.Tensor, dim: int = SKETCH_DIM, seed: int = SEED) -> to
 
 
 def stored_sketch(sketch: torch.Tensor, engine_dtype: str) -> torch.Tensor:
-    """A state sketch as a trace stores it: float32 for float32 engines; bfloat16 for coarser ones (half the
-    bytes; its 2**-9 relative rounding is under 1/20 of their tensor bounds, 0.25 and 0.05, and bfloat16 keeps
-    float32's range where float16 could overflow on large KV)."""
-    return sketch if engine_dtype == "float32" else sketch.to(torch.bfloat16)
+    """A state sketch as a trace stores it: bfloat16 for bfloat16 engines (half the bytes; its rounding is one
+    rounding at the engine's own unit roundoff, where the state it summarises carries many, and bfloat16 keeps
+    float32's range), float32 for every other (a float16 engine's state deviates by less than bfloat16's
+    rounding of the sketch would, and float16 could overflow on large KV)."""
+    return sketch.to(torch.bfloat16) if engine_dtype == "bfloat16" else sketch
 
 
 def as_recorded(rows: torch.Tensor, recorded: torch.Tensor, full: torch.Tensor | None = None) -> torch.Tensor:

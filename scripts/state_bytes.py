@@ -47,7 +47,7 @@ def deepened(trace: Trace, layers: int, attention_every: int, heads: int, conv_r
     def entry(name: str, layer: int, kind: str, rows: int) -> object:
         if rows_form:
             sketch = torch.randn(rows, SKETCH_DIM, generator=gen)
-        else:  # the recorded dtype: bfloat16 for bf16 / fp16 engines
+        else:  # the recorded dtype: bfloat16 for bfloat16 engines
             sketch = torch.randn(1, SKETCH_DIM, generator=gen).mul(30).to(dtype)
         return dataclasses.replace(template, name=name, layer=layer, kind=kind, sketch=sketch, full=None)
 
