@@ -125,7 +125,7 @@ CASES: list[Bad] = [
     Bad("diff-engine-golden", "option", lambda w: [*LIVE, "--golden", str(golden_dir(w))], EXIT_USAGE,
         "--golden picks the goldens to diff; with --engine the live run is diffed"),
     Bad("diff-capture-sample-zero", "option", lambda w: ["diff", "--engine", "sglang", "--capture-sample", "0"],
-        EXIT_USAGE, r"--capture-sample: capture sampling takes 1 step in N for N in 1\.\.1000000, got 0"),
+        EXIT_USAGE, r"--capture-sample: capture sampling takes 1 batch in N for N in 1\.\.1000000, got 0"),
     Bad("diff-capture-sample-text", "option", lambda w: ["diff", "--engine", "sglang", "--capture-sample", "16:x"],
         EXIT_USAGE, r"--capture-sample: capture sampling is 'N' or 'N:SEED' with integers, got '16:x'"),
     Bad("diff-capture-sample-reference", "option", lambda w: [*LIVE, "--capture-sample", "4"], EXIT_USAGE,

@@ -371,7 +371,7 @@ class SGLangRunner:
         if timing_repeats < 0:
             raise UsageError(f"timing repeats must be >= 0, got {timing_repeats}")
         self.timing_repeats = timing_repeats  # warm, untraced generates after the captured one (sweep tok/s)
-        # the captured pass records 1 step in N per request (full: every step); the timing pass, with its own rule
+        # the captured pass records 1 decode batch in N (full: every one); the timing pass, with its own rule
         self.sample, self.sampled_timing = _sample_rules(capture_sample, sampled_timing)
         tdir, ddir = spec.resolved_dirs()
         cfg = _config(tdir)  # the refusals below ask the target's config, read once

@@ -41,7 +41,7 @@ class SampleRule:
 
     def __post_init__(self) -> None:
         if not 1 <= self.every <= MAX_EVERY:
-            raise CaptureSampleError(f"capture sampling takes 1 step in N for N in 1..{MAX_EVERY}, got {self.every}")
+            raise CaptureSampleError(f"capture sampling takes 1 batch in N for N in 1..{MAX_EVERY}, got {self.every}")
         if self.seed < 0:
             raise CaptureSampleError(f"capture sampling seed must be >= 0, got {self.seed}")
 
