@@ -176,13 +176,25 @@ class RequestReplay:
             return None
         return ref[: ids.shape[0]].float().cpu().gather(1, ids)
 
+    @staticmethod
+    def compared_state(s: StepRow, ref_state: dict[str, tuple[int, str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The reference's committed entries that the engine recorded too, in the engine's form (rows or a
+        sketch; :func:`refcheck.sketch.as_recorded`), by name: computed once a step, for the state checks and the
+        rounding ensemble."""
+        eng = {e.name: e for e in s.state}
+        return {name: as_recorded(rows, eng[name].sketch, eng[name].full)
+                for name, (_, _, rows) in ref_state.items() if name in eng}
+
     @timed("replay.state")
-    def check_state(self, s: StepRow, new_state: TargetState, new_from: int) -> None:
+    def check_state(self, s: StepRow, ref_state: dict[str, tuple[int, str, torch.Tensor]],
+                    compared: dict[str, torch.Tensor]) -> None:
+        """The engine's committed state entries against the reference's (``ref_state``: by name, its layer, kind
+        and rows; ``compared``: :meth:`compared_state`)."""
         if not s.state:
             for cat in ("kv", "conv", "recurrent"):
                 self.rep.add(Finding(Verdict.UNSUPPORTED, cat, self.rid, s.step, message="engine recorded no state"))
             return
-        ref = state_rows(new_state, new_from)
+        ref = ref_state
         eng = {e.name: e for e in s.state}
         local = getattr(self.target, "local_layers", None)
         if local is not None:  # a layer-sharded reference: each rank checks the layers it holds
@@ -195,11 +207,11 @@ class RequestReplay:
                 side = "reference" if name not in ref else "engine"
                 self.fail("unmatched", s.step, f"state {name!r} missing in the {side} (no rule compares it)")
                 continue
-            layer, kind, rows = ref[name]
+            layer, kind, _ = ref[name]
             cat = STATE_CATEGORY.get(kind, "unmatched")
             self.rep.check(cat)
             e = eng[name]
-            got, want = (e.sketch if e.full is None else e.full).float(), as_recorded(rows, e.sketch, e.full)  # float: bf16 storage
+            got, want = (e.sketch if e.full is None else e.full).float(), compared[name]  # float: bf16 storage
             if got.shape != want.shape:
                 self.fail(cat, s.step, f"{name}: shape {tuple(got.shape)} vs reference {tuple(want.shape)}", layer=layer)
                 continue
@@ -519,7 +531,9 @@ class RequestReplay:
         valid_path = bool(s.accepted) and s.accepted[0] == 0 and all(0 <= a < n for a in s.accepted) \
             and s.accepted == tree.path(s.accepted[-1])
         new_state = self.state.commit(fwd, s.accepted) if valid_path else None
-        self.guard.step_ensemble(s, tree, logp, prompt + output[: s.committed_len - P], draft_ref, new_state, prev)
+        ref_state = state_rows(new_state, prev) if new_state is not None else {}
+        compared = self.compared_state(s, ref_state)
+        self.guard.step_ensemble(s, tree, logp, prompt + output[: s.committed_len - P], draft_ref, compared)
         self.check_draft(s, draft_ref)
         check_drafted_tree(self, s)
         check_context(self, s, tree, fwd.context, prev)
@@ -544,7 +558,7 @@ class RequestReplay:
         if self.sampled is None and s.bonus != int(walk[s.accepted[-1]]):
             self.findings.token_flip("bonus", s.step, s.accepted[-1], logp[s.accepted[-1]].cpu(), s.bonus)
         self.check_emitted(s, tree, logp, last, ill)
-        self.check_state(s, new_state, prev)
+        self.check_state(s, ref_state, compared)
         acc = torch.tensor(s.accepted, device=self.target.device)
         self.drafter.extend(fwd.context[acc], prev + tree.depths.to(acc.device)[acc], tree.tokens.to(acc.device)[acc])
         self.state = new_state

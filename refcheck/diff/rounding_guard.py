@@ -168,9 +168,10 @@ class RoundingGuard:
             steps["fail"] = steps.get("fail", 0) + moved
 
     def step_ensemble(self, s: StepRow, tree: Tree, logp: torch.Tensor, committed: list[int],
-                      draft_ref: torch.Tensor | None, new_state: TargetState | None, prev: int) -> None:
+                      draft_ref: torch.Tensor | None, ref_state: dict[str, torch.Tensor]) -> None:
         """Set up this step's rounding ensemble (run on first use): node log-probs at the engine's
-        top-k ids and both argmaxes, the draft at the engine's draft ids, the committed state."""
+        top-k ids and both argmaxes, the draft at the engine's draft ids, the committed state (``ref_state``:
+        the reference's committed entries in the form the engine recorded them, by name)."""
         self.spread = self.spread_all = None
         if self.ensemble is None:
             return
@@ -182,17 +183,14 @@ class RoundingGuard:
         cols = torch.cat([ids, ref_arg[:, None], eng_arg[:, None]], dim=1)  # [N, k+2]
         draft_ids = torch.tensor(s.draft_topk_ids, dtype=torch.long) if draft_ref is not None else None
         entries = {e.name: e for e in s.state}
-        ref_rows = {name: as_recorded(rows, entries[name].sketch, entries[name].full)
-                    for name, (_, _, rows) in (state_rows(new_state, prev).items() if new_state is not None else ())
-                    if name in entries}
 
         def state_error(state: TargetState, length: int) -> dict[str, float]:
             got = state_rows(state, length)
             return {name: rel_l2(as_recorded(got[name][2], entries[name].sketch, entries[name].full), ref)
-                    for name, ref in ref_rows.items() if name in got}
+                    for name, ref in ref_state.items() if name in got}
 
         inputs = StepInputs(committed, tree.tokens, tree.parents, tree.depths, list(s.accepted), cols, draft_ids,
-                            state_error if ref_rows else None)
+                            state_error if ref_state else None)
         node_ref = logp.cpu().gather(1, cols)  # [N, k+2]
 
         ensemble, rule = self.ensemble, self.ensemble.rule
