@@ -22,6 +22,7 @@ listing the cells left in the JSON's last row. Writes ``OUT/capture_cost.json`` 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -62,15 +63,22 @@ def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff
             "drain_s": st.get("drain_s"), **(diff or {})}
 
 
+@functools.cache
+def _pool() -> Any:
+    """One reference pool for every trace the script judges (the pair is loaded once, not per trace)."""
+    from refcheck.pool import ReferencePool
+
+    return ReferencePool()
+
+
 def judge(trace: Any, name: str) -> dict[str, Any]:
     import torch
 
     from refcheck.diff.judge import judge as judge_trace
-    from refcheck.pool import ReferencePool
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.perf_counter()
-    rep = judge_trace(trace, ReferencePool(), name, "replay", ref_device=device)
+    rep = judge_trace(trace, _pool(), name, "replay", ref_device=device)
     wall = time.perf_counter() - t0
     return {"verdict": rep.verdict, "fail_categories": sorted({f.category for f in rep.failures}),
             "first_failures": [f"{f.category} {f.request_id} step {f.step}: {f.message[:160]}" for f in rep.failures[:4]],

@@ -11,7 +11,7 @@ layer (every ``--attention-every``-th, as Qwen3.5 / 3.6 lay them out) and ``conv
 linear-attention layer, filled with seeded random values in the form an engine records: ``[1, 16]`` in the
 trace's own sketch dtype, or ``[rows, 16]`` float32 (``rec`` one row per value head, ``conv`` ``--conv-rows``,
 KV one per accepted node). Prints one JSON object: the trace's bytes per step as written, without state, and
-at the given depth in both forms (Arrow + zstd, as ``write_trace`` writes it).
+at the given depth in both forms (Arrow + zstd, as ``write_trace`` writes it: ``trace_bytes``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -28,14 +27,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from refcheck.sketch import SKETCH_DIM  # noqa: E402
-from refcheck.trace.io import StepRow, Trace, read_trace, write_trace  # noqa: E402
+from refcheck.trace.io import StepRow, Trace, read_trace, trace_bytes  # noqa: E402
 
 
 def _bytes_per_step(trace: Trace) -> float:
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "t.arrow"
-        write_trace(trace, path)
-        return path.stat().st_size / max(1, len(trace.steps))
+    return len(trace_bytes(trace)) / max(1, len(trace.steps))  # the bytes write_trace would write
 
 
 def deepened(trace: Trace, layers: int, attention_every: int, heads: int, conv_rows: int, rows_form: bool) -> Trace:
