@@ -146,6 +146,9 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = Qwen3RMSNorm(h, eps=eps)
         self.norm = Qwen3RMSNorm(h, eps=eps)
+        # Float32 in every model dtype (:meth:`load` casts the rest): the angle at position p is p x inv_freq, so an
+        # inv_freq rounded to bf16 (relative error up to 2^-8) turns it by up to p x 2^-8 x inv_freq, radians at a few
+        # hundred tokens; engines keep the frequencies in float32 and round only the cos/sin values.
         self.rotary_emb = Qwen3RotaryEmbedding(qcfg)
         self.reset()
 
@@ -176,7 +179,11 @@ class DFlashDrafter(nn.Module):
         if bad:
             raise ModelMismatchError(f"draft target_layer_ids {bad} outside the target's {len(target.layers)} layers")
         model.load_state_dict(read_draft_weights(path, model.checkpoint_state()), strict=False)
-        return model.to(device=target.device, dtype=target.dtype).eval()
+        model.to(device=target.device)
+        for child in model.children():  # the target's dtype, the rotary tables aside
+            if child is not model.rotary_emb:
+                child.to(dtype=target.dtype)
+        return model.eval()
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """The parameters and persistent buffers a draft checkpoint provides (all but the rotary tables,
