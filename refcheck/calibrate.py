@@ -17,13 +17,15 @@ clean runs, and the largest clean deviation per quantity. :func:`markdown` rende
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from ddtree_reference.sampling import Sampling
 from refcheck.budget import budget_json, budget_tag
 from refcheck.diff.findings import Finding, Report, Verdict
+from refcheck.prompts import Prompt, load_prompts
+from refcheck.selftest.faults import LONG_CONTEXT_FAULTS
 from refcheck.selftest.sampling_faults import CORPUS_SAMPLING, SAMPLING_FAULTS, SELFTEST_SAMPLING
 from refcheck.trace.io import StepRow, Trace
 
@@ -33,6 +35,10 @@ CLEAN_BUDGETS = (8, 15, 32, 64, None)
 CLEAN_SAMPLINGS: tuple[tuple[str, Sampling], ...] = (("t1", Sampling(1.0, seed=SELFTEST_SAMPLING.seed)),
                                                      ("t07-p09", SELFTEST_SAMPLING))
 SAMPLED_BUDGET = 15
+#: the long-context prompts: the ``mixed`` workload's requests of 600 and 438 prompt tokens, on which every
+#: dtype's clean run (DFlash, budget :data:`SAMPLED_BUDGET`) and each long-context fault run; drifts that grow
+#: with the position (the drafter's rotary frequencies in bf16) show there and not on the built-in prompts
+LONG_PROMPTS = ("mixed-02", "mixed-04")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +54,7 @@ class CorpusRun:
     model_dir: str | None = None  # a pair given by its directories (``pair`` is then its label)
     draft_dir: str | None = None
     sampling: Sampling | None = None  # a sampled run (keyed uniforms, every draw recorded); None: greedy
+    long: bool = False  # on :data:`LONG_PROMPTS` instead of the built-in prompts
 
     def spec(self, max_new_tokens: int):
         from pathlib import Path
@@ -64,8 +71,9 @@ def default_corpus(dtypes: list[str], device: str, faults: list[str], pairs: tup
                    own: tuple[str, str, str] | None = None) -> list[CorpusRun]:
     """Clean: every dtype x pair x budget with the DFlash drafter, the scripted drafter's deep paths on
     the hybrid pair at budgets 15 and 64, and every dtype x pair sampled at each of :data:`CLEAN_SAMPLINGS`
-    (DFlash, budget :data:`SAMPLED_BUDGET`). Faulty: every fault in the first dtype (hybrid, scripted, budget
-    15; a sampling fault sampled, with DFlash). ``own`` = (label, target dir, draft dir): the same corpus on
+    (DFlash, budget :data:`SAMPLED_BUDGET`), and every dtype on :data:`LONG_PROMPTS` (hybrid, DFlash, budget
+    :data:`SAMPLED_BUDGET`). Faulty: every fault in the first dtype (hybrid, scripted, budget 15; a sampling fault
+    sampled, with DFlash; a long-context fault on :data:`LONG_PROMPTS`). ``own`` = (label, target dir, draft dir): the same corpus on
     that one pair instead (a hybrid target)."""
     dirs = dict(model_dir=own[1], draft_dir=own[2]) if own else {}
     pairs, hybrid = ((own[0],), own[0]) if own else (pairs, "hybrid")
@@ -76,11 +84,26 @@ def default_corpus(dtypes: list[str], device: str, faults: list[str], pairs: tup
     runs += [CorpusRun(f"clean-{d}-{p}-dflash-{budget_tag(SAMPLED_BUDGET)}-{tag}", "clean", "reference", p, "dflash",
                        SAMPLED_BUDGET, d, device, **dirs, sampling=sp)
              for d in dtypes for p in pairs for tag, sp in CLEAN_SAMPLINGS]
+    runs += [CorpusRun(f"clean-{d}-{hybrid}-dflash-{budget_tag(SAMPLED_BUDGET)}-long", "clean", "reference", hybrid,
+                       "dflash", SAMPLED_BUDGET, d, device, **dirs, long=True) for d in dtypes]
     runs += [CorpusRun(f"fault-{f}-{dtypes[0]}" + (f"-{hybrid}" if own else ""), "graded" if ":" in f else "fault",
                        f"fault:{f}", hybrid, _fault_drafter(f), 15, dtypes[0], device, **dirs,
-                       sampling=CORPUS_SAMPLING.get(f, SELFTEST_SAMPLING) if f in SAMPLING_FAULTS else None)
+                       sampling=CORPUS_SAMPLING.get(f, SELFTEST_SAMPLING) if f in SAMPLING_FAULTS else None,
+                       long=f in LONG_CONTEXT_FAULTS)
              for f in faults]
     return runs
+
+
+def corpus_prompts(run: CorpusRun, n_prompts: int) -> list[Prompt]:
+    """The prompts ``run`` decodes: :data:`LONG_PROMPTS` for a long-context run, else the first ``n_prompts`` built-in;
+    every one to the run's token limit (a trace records one limit for all its requests, and the free run's greedy
+    oracle decodes to it)."""
+    if not run.long:
+        return load_prompts()[:n_prompts]
+    from refcheck.prompts.workloads import workload
+
+    by_id = {p.id: p for p in workload("mixed")}
+    return [replace(by_id[i], max_new_tokens=None) for i in LONG_PROMPTS]
 
 
 def _fault_drafter(name: str) -> str:
@@ -212,11 +235,10 @@ def run_one(run: CorpusRun, n_prompts: int, max_new_tokens: int, ref_device: str
     from refcheck.diff.judge import judge
     from refcheck.engines import open_engine
     from refcheck.pool import ReferencePool
-    from refcheck.prompts import load_prompts
     from refcheck.trace.io import trace_bytes
 
     t0 = time.perf_counter()
-    prompts = load_prompts()[:n_prompts]
+    prompts = corpus_prompts(run, n_prompts)
     pool = ReferencePool()
     runner = pool.runner(run.spec(max_new_tokens))
     clean, results = runner.trace(prompts, record_layers=True)

@@ -9,7 +9,16 @@ import json
 import pytest
 
 from ddtree_reference.decode import DDTreeDecoder
-from refcheck.calibrate import CorpusRun, default_corpus, detectability, first_change, markdown, run_one, summarize
+from refcheck.calibrate import (
+    CorpusRun,
+    corpus_prompts,
+    default_corpus,
+    detectability,
+    first_change,
+    markdown,
+    run_one,
+    summarize,
+)
 from refcheck.pool import ReferencePool
 from refcheck.prompts import load_prompts
 from refcheck.reference_runner import EngineSpec
@@ -64,7 +73,7 @@ def test_first_change_of_a_sampling_fault_is_the_first_draw_it_moves():
 def test_the_default_corpus_covers_dtypes_budgets_pairs_and_every_fault():
     runs = default_corpus(["bfloat16", "float16"], "cuda", ["sibling-leak", "rec-scale:0.01", "temperature-1.1x"])
     clean = [r for r in runs if r.kind == "clean"]
-    assert len(clean) == 2 * 2 * 5 + 2 * 2 + 2 * 2 * 2 and {r.dtype for r in clean} == {"bfloat16", "float16"}
+    assert len(clean) == 2 * 2 * 5 + 2 * 2 + 2 * 2 * 2 + 2 and {r.dtype for r in clean} == {"bfloat16", "float16"}
     assert {r.budget for r in clean} == {8, 15, 32, 64, None}
     sampled = [r for r in clean if r.sampling is not None]  # each dtype x pair at T = 1 and at T = 0.7 / top-p 0.9
     assert sorted((r.sampling.temperature, r.sampling.top_p) for r in sampled) == [(0.7, 0.9)] * 4 + [(1.0, 1.0)] * 4
@@ -75,6 +84,18 @@ def test_the_default_corpus_covers_dtypes_budgets_pairs_and_every_fault():
     temp = runs[-1]  # a sampling fault runs sampled (T = 1.0: a temperature 10 % off), with the DFlash drafter
     assert temp.sampling is not None and temp.sampling.temperature == 1.0 and temp.drafter == "dflash"
     assert runs[-3].sampling is None
+
+
+def test_the_long_context_runs_decode_the_long_prompts_to_the_runs_limit():
+    """Each dtype's clean run and each long-context fault run on LONG_PROMPTS (DFlash: the fault is the drafter's)."""
+    runs = default_corpus(["bfloat16", "float16"], "cpu", ["sibling-leak", "draft-rope-bf16"])
+    long = [r for r in runs if r.long]
+    assert [(r.name, r.drafter, r.budget) for r in long] == [
+        ("clean-bfloat16-hybrid-dflash-b15-long", "dflash", 15), ("clean-float16-hybrid-dflash-b15-long", "dflash", 15),
+        ("fault-draft-rope-bf16-bfloat16", "dflash", 15)]
+    prompts = corpus_prompts(long[0], n_prompts=3)
+    assert [(p.id, len(p.prompt_ids), p.max_new_tokens) for p in prompts] == [("mixed-02", 600, None), ("mixed-04", 438, None)]
+    assert len(corpus_prompts(runs[0], n_prompts=3)) == 3 and not runs[0].long
 
 
 def _row(name, kind, verdict, triaged=0, located=None, ratios=(), engine="reference"):
@@ -102,7 +123,7 @@ def test_summary_counts_follow_the_rows():
 
 def test_the_command_writes_the_table_and_exits_by_its_claims(tmp_path, cli):
     code, out, err = cli("calibrate", "--out", str(tmp_path), "--dtype", "bfloat16", "--device", "cpu", "--pair", "hybrid",
-                         "--budget", "15", "--fault", "sibling-leak", "--prompts", "1", "--max-new-tokens", "12", "--json")
+                         "--budget", "15", "--fault", "sibling-leak", "--prompts", "1", "--max-new-tokens", "12", "--no-long", "--json")
     assert code == 0, err
     summary = json.loads(out)
     # clean: DFlash b15, scripted b15 and b64, and sampled (DFlash b15) at T = 1 and at T = 0.7 / top-p 0.9
@@ -123,7 +144,8 @@ def test_the_corpus_on_a_pair_given_by_its_directories(tmp_path):
     assert {r.pair for r in runs} == {"wide"} and {(r.model_dir, r.draft_dir) for r in runs} == {("/m/t", "/m/d")}
     assert [r.name for r in runs] == ["clean-bfloat16-wide-dflash-b15", "clean-bfloat16-wide-scripted-b15",
                                       "clean-bfloat16-wide-scripted-b64", "clean-bfloat16-wide-dflash-b15-t1",
-                                      "clean-bfloat16-wide-dflash-b15-t07-p09", "fault-sibling-leak-bfloat16-wide"]
+                                      "clean-bfloat16-wide-dflash-b15-t07-p09", "clean-bfloat16-wide-dflash-b15-long",
+                                      "fault-sibling-leak-bfloat16-wide"]
     spec = runs[0].spec(8)
     assert str(spec.model_dir) == "/m/t" and str(spec.draft_dir) == "/m/d" and spec.model_label == "/m/t"
 
@@ -134,7 +156,7 @@ def test_the_command_runs_the_corpus_on_a_given_pair_and_refuses_half_of_one(tmp
     tdir, ddir = builtin_pair("hybrid")
     code, out, err = cli("calibrate", "--out", str(tmp_path), "--dtype", "bfloat16", "--device", "cpu", "--model",
                          str(tdir), "--draft", str(ddir), "--label", "mine", "--budget", "15", "--fault", "sibling-leak",
-                         "--prompts", "1", "--max-new-tokens", "10", "--no-faults", "--json")
+                         "--prompts", "1", "--max-new-tokens", "10", "--no-faults", "--no-long", "--json")
     assert code == 0, err
     rows = json.loads((tmp_path / "calibration.json").read_text())["rows"]
     assert [r["name"] for r in rows] == ["clean-bfloat16-mine-dflash-b15", "clean-bfloat16-mine-scripted-b15",
@@ -157,3 +179,16 @@ def test_traces_of_one_configuration_from_two_runs_keep_a_row_each():
     paths = [Path("a/call1/dflash.arrow"), Path("b/call5/dflash.arrow"), Path("b/call5/none.arrow"),
              Path("x/s/ngram.arrow"), Path("y/s/ngram.arrow")]
     assert trace_names(paths) == ["call1/dflash", "call5/dflash", "none", "x/s/ngram.arrow", "y/s/ngram.arrow"]
+
+
+def test_a_trace_of_prompts_with_their_own_limits_records_the_largest_as_its_cap():
+    """Provenance ``max_new_tokens`` is the run's cap on every request: a prompt's own limit over the spec's default
+    (else the judge would fail a request that emitted its own limit's tokens)."""
+    from refcheck.prompts import Prompt, token_cap
+
+    short = [Prompt("a", (1, 2, 3), "t", 12), Prompt("b", (4, 5), "t")]
+    assert token_cap(short, 8) == 12 and token_cap(short[1:], 8) == 8 and token_cap([], 8) == 8
+    runner = ReferencePool().runner(EngineSpec(pair="hybrid", budget=15, max_new_tokens=4, dtype="float32", device="cpu"))
+    trace, _ = runner.trace([Prompt("own", tuple(load_prompts()[0].prompt_ids), "t", 10), load_prompts()[1]])
+    assert trace.prov.max_new_tokens == 10
+    assert [len(r.output_ids) for r in trace.requests] == [10, 4]

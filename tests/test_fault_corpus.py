@@ -22,6 +22,7 @@ from refcheck.selftest.faults import (
     EPSILONS,
     FAULTS,
     GRADED,
+    LONG_CONTEXT_FAULTS,
     ConvNoise,
     RecScale,
     fault,
@@ -125,7 +126,7 @@ def test_graded_names_resolve_to_one_class_per_eps():
     cls, cat = fault("conv-noise:0.03")
     assert issubclass(cls, ConvNoise) and cls.eps == 0.03 and cat == "conv"
     assert fault("rec-scale:0.1")[0].eps == 0.1 and issubclass(fault("rec-scale:0.1")[0], RecScale)
-    assert len(fault_names()) == len(FAULTS) + len(GRADED) * len(EPSILONS)
+    assert len(fault_names()) == len(FAULTS) + len(LONG_CONTEXT_FAULTS) + len(GRADED) * len(EPSILONS)
     for bad in ("rec-scale", "rec-scale:", "rec-scale:x", "rec-scale:0", "rec-scale:-0.1", "rec-scale:2",
                 "rec-scale:nan", "nope:0.1", "nope"):
         assert find_fault(bad) is None, bad

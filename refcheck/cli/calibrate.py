@@ -64,6 +64,7 @@ class CorpusOptions:
     faults: tuple[str, ...] = ()
     no_faults: bool = False
     no_corpus: bool = False
+    no_long: bool = False
     pairs: tuple[str, ...] = ()
     model_dir: Path | None = None
     draft_dir: Path | None = None
@@ -111,6 +112,9 @@ class Overrides:
                  help="Only these faults (default: every fault; sampling faults run sampled, docs/calibration.md)."),
     click.option("--no-faults", is_flag=True, help="Clean runs only."),
     click.option("--no-corpus", is_flag=True, help="Run no corpus: only --traces and --rows."),
+    click.option("--no-long", is_flag=True,
+                 help="Leave out the long-context runs (each dtype's clean run and the long-context faults on "
+                      "two prompts of 600 and 438 tokens)."),
     click.option("--pair", "pairs", multiple=True, type=click.Choice(["hybrid", "attention"]),
                  help="Built-in pairs of the clean runs (default: both)."),
     click.option("--model", "model_dir", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
@@ -185,7 +189,8 @@ def _corpus_runs(corpus: CorpusOptions, dtypes: list[str]) -> list[CorpusRun]:
     own = _own_pair(corpus.model_dir, corpus.draft_dir, corpus.pairs, corpus.label)
     if corpus.no_corpus:
         return []
-    return default_corpus(dtypes, corpus.device, names, corpus.pairs or ("hybrid", "attention"), blist, own)
+    runs = default_corpus(dtypes, corpus.device, names, corpus.pairs or ("hybrid", "attention"), blist, own)
+    return [r for r in runs if not r.long] if corpus.no_long else runs
 
 
 def check_label(label: str | None) -> None:

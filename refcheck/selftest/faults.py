@@ -8,11 +8,17 @@ discrete fault's name to (class, the diff category that must catch it first: the
 report's first divergence at the step where the fault first changes anything). The clean decoder
 is the control.
 
+**Long-context faults** (``LONG_CONTEXT_FAULTS``, the same form) grow with the position and show only on
+contexts of a few hundred tokens: ``draft-rope-bf16`` (the drafter's rotary frequencies rounded to bf16, as an
+engine that casts its rotary buffers with its weights has them) changes how the drafter is set up for a request,
+not one engine step. The
+calibration corpus runs them on its long prompts; the selftest's short prompts would not show them.
+
 **Graded faults** (``GRADED``) measure the detection threshold: their name is ``KIND:EPS`` with
 ``EPS`` a float in (0, 1] (``rec-scale:0.01``, ``conv-noise:1e-3``; the canonical spelling is
 ``f"{kind}:{eps:g}"``), and ``EPSILONS`` is the calibration grid. :func:`fault` resolves any
 name (discrete or graded) and raises a :class:`~refcheck.errors.UsageError` listing the names;
-:func:`fault_names` lists the discrete faults and the graded ones on the grid.
+:func:`fault_names` lists the discrete faults, the long-context ones and the graded ones on the grid.
 """
 
 from __future__ import annotations
@@ -208,6 +214,22 @@ class DraftContextNoRoot(DDTreeDecoder):
         return accepted[1:]
 
 
+# -- long-context faults ---------------------------------------------------------------------------
+class DraftRopeRounded(DDTreeDecoder):
+    """The drafter's rotary frequencies rounded to bfloat16 (an engine that casts its rotary buffers with its
+    weights): the angle at position p turns by up to p x 2^-8 x inv_freq, so the drafts drift as the context grows
+    and show only on long contexts (a few hundred tokens on the built-in pair)."""
+
+    def generate(self, prompt_ids: list[int], request: int = 0):
+        rotary = self.drafter.rotary_emb
+        exact = rotary.inv_freq
+        rotary.inv_freq = exact.to(torch.bfloat16).to(exact.dtype)  # rounded to bf16, applied in its own dtype
+        try:
+            return super().generate(prompt_ids, request)
+        finally:
+            rotary.inv_freq = exact
+
+
 # -- graded faults ---------------------------------------------------------------------------------
 class RecScale(DDTreeDecoder):
     """Commits every Gated DeltaNet recurrent state scaled by (1 + eps): relative L2 error exactly eps."""
@@ -282,6 +304,12 @@ FAULTS: dict[str, tuple[type[DDTreeDecoder], str]] = {
     "draft-context-no-root": (DraftContextNoRoot, "draft"),
 }
 
+#: faults that show only on long contexts (the calibration corpus runs them on :data:`refcheck.calibrate.LONG_PROMPTS`):
+#: name -> (decoder class, diff category expected to catch it first)
+LONG_CONTEXT_FAULTS: dict[str, tuple[type[DDTreeDecoder], str]] = {
+    "draft-rope-bf16": (DraftRopeRounded, "draft"),
+}
+
 #: graded fault kind -> (base class with an ``eps`` attribute, diff category it perturbs)
 GRADED: dict[str, tuple[type[DDTreeDecoder], str]] = {
     "rec-scale": (RecScale, "recurrent"),
@@ -298,14 +326,16 @@ def graded_name(kind: str, eps: float) -> str:
 
 
 def fault_names() -> list[str]:
-    """Every discrete fault, then every graded kind on the ``EPSILONS`` grid."""
-    return [*FAULTS, *(graded_name(kind, eps) for kind in GRADED for eps in EPSILONS)]
+    """Every discrete fault, the long-context ones, then every graded kind on the ``EPSILONS`` grid."""
+    return [*FAULTS, *LONG_CONTEXT_FAULTS, *(graded_name(kind, eps) for kind in GRADED for eps in EPSILONS)]
 
 
 def find_fault(name: str) -> tuple[type[DDTreeDecoder], str] | None:
     """(decoder class, expected category) of a discrete, sampling or graded fault name; None when unknown."""
     if name in FAULTS:
         return FAULTS[name]
+    if name in LONG_CONTEXT_FAULTS:
+        return LONG_CONTEXT_FAULTS[name]
     if name in SAMPLING_FAULTS:
         return SAMPLING_FAULTS[name]
     kind, sep, value = name.partition(":")
