@@ -83,30 +83,27 @@ def generate(engine: Any, job: dict, rids: list[str]) -> list[dict]:
     return engine.loop.run_until_complete(every())
 
 
-def _passes(engine: Any, job: dict, passes: list[list[str]], outputs: list[list[int]]) -> tuple[list[float], bool]:
-    """Run each pass (a list of rids) over the job's requests, then wait for the capture's writers: (wall times,
-    whether every pass gave ``outputs``). A captured warm-up passes ``outputs`` = [] (its records are not read)."""
+def _timed(engine: Any, job: dict, passes: list[list[str]], outputs: list[list[int]],
+           diffs: dict[str, Any] | None = None) -> tuple[list[float], bool]:
+    """Run each pass (a list of rids) over the job's requests: (wall times, whether every pass gave ``outputs``);
+    with ``diffs``, pass K's first differences from ``outputs`` go there as ``repeatK``."""
     times, match = [], True
-    for rids in passes:
+    for k, rids in enumerate(passes):
         t0 = time.time()
         again = _outputs(generate(engine, job, rids))
         times.append(time.time() - t0)
         match = match and again == outputs
-    if passes:
-        _drained()
+        if diffs is not None:
+            diffs[f"repeat{k}"] = first_differences(outputs, again)
     return times, match
 
 
-def _repeats(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[str, Any]) -> tuple[list[float], bool]:
-    """The untraced timing passes: (wall times, whether each gave ``outputs``); where one did not, its first
-    differences go into ``diffs`` as ``repeatK``."""
-    times, match = [], True
-    for k, rids in enumerate(job.get("timing_rids") or []):
-        t0 = time.time()
-        again = _outputs(generate(engine, job, rids))
-        times.append(time.time() - t0)
-        match = match and again == outputs
-        diffs[f"repeat{k}"] = first_differences(outputs, again)
+def _passes(engine: Any, job: dict, passes: list[list[str]], outputs: list[list[int]]) -> tuple[list[float], bool]:
+    """:func:`_timed`, then wait for the capture's writers. A captured warm-up passes ``outputs`` = [] (its records
+    are not read)."""
+    times, match = _timed(engine, job, passes, outputs)
+    if passes:
+        _drained()
     return times, match
 
 
@@ -156,7 +153,7 @@ def main(job_path: str) -> int:
         behind = _drained()  # the captured pass's records written before the next pass is timed
         drain_s = time.time() - t2
         sampled_s, sampled_match = _passes(engine, job, job.get("sampled_rids") or [], outputs)
-        repeat_s, match = _repeats(engine, job, outputs, diffs)
+        repeat_s, match = _timed(engine, job, job.get("timing_rids") or [], outputs, diffs)  # untraced
         _write(result, {"stage": "done", "start_s": start_s, "generate_s": generate_s, "drain_s": drain_s,
                         "sglang": version, "outputs": outputs, "repeat_generate_s": repeat_s, "repeats_match": match, **warm,
                         "sampled_generate_s": sampled_s, "sampled_match": sampled_match if sampled_s else None,
