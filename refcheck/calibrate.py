@@ -17,7 +17,7 @@ clean runs, and the largest clean deviation per quantity. :func:`markdown` rende
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -35,7 +35,7 @@ CLEAN_BUDGETS = (8, 15, 32, 64, None)
 CLEAN_SAMPLINGS: tuple[tuple[str, Sampling], ...] = (("t1", Sampling(1.0, seed=SELFTEST_SAMPLING.seed)),
                                                      ("t07-p09", SELFTEST_SAMPLING))
 SAMPLED_BUDGET = 15
-#: the long-context prompts: the ``mixed`` workload's requests of 600 and 438 prompt tokens, on which every
+#: the long-context prompts: the ``mixed`` workload's requests of 600 + 64 and 438 + 48 tokens, on which every
 #: dtype's clean run (DFlash, budget :data:`SAMPLED_BUDGET`) and each long-context fault run; drifts that grow
 #: with the position (the drafter's rotary frequencies in bf16) show there and not on the built-in prompts
 LONG_PROMPTS = ("mixed-02", "mixed-04")
@@ -54,7 +54,7 @@ class CorpusRun:
     model_dir: str | None = None  # a pair given by its directories (``pair`` is then its label)
     draft_dir: str | None = None
     sampling: Sampling | None = None  # a sampled run (keyed uniforms, every draw recorded); None: greedy
-    long: bool = False  # on :data:`LONG_PROMPTS` instead of the built-in prompts
+    long: bool = False  # on :data:`LONG_PROMPTS` (their own token limits) instead of the built-in prompts
 
     def spec(self, max_new_tokens: int):
         from pathlib import Path
@@ -95,15 +95,14 @@ def default_corpus(dtypes: list[str], device: str, faults: list[str], pairs: tup
 
 
 def corpus_prompts(run: CorpusRun, n_prompts: int) -> list[Prompt]:
-    """The prompts ``run`` decodes: :data:`LONG_PROMPTS` for a long-context run, else the first ``n_prompts`` built-in;
-    every one to the run's token limit (a trace records one limit for all its requests, and the free run's greedy
-    oracle decodes to it)."""
+    """The prompts ``run`` decodes: :data:`LONG_PROMPTS` (each with its own token limit) for a long-context run, else
+    the first ``n_prompts`` built-in."""
     if not run.long:
         return load_prompts()[:n_prompts]
     from refcheck.prompts.workloads import workload
 
     by_id = {p.id: p for p in workload("mixed")}
-    return [replace(by_id[i], max_new_tokens=None) for i in LONG_PROMPTS]
+    return [by_id[i] for i in LONG_PROMPTS]
 
 
 def _fault_drafter(name: str) -> str:

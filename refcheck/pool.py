@@ -68,12 +68,13 @@ def reference_spec_for(trace: Trace, dtype: str = "float32", device: str = "cpu"
 
 
 def check_token_limit(trace: Trace, context: int, source: str) -> None:
-    """Every request's prompt plus the trace's ``max_new_tokens`` fits the target's ``context`` (positions);
-    else a :class:`CorruptTraceError` naming ``source`` and the longest prompt."""
-    limit = trace.prov.max_new_tokens
-    longest = max(trace.requests, key=lambda r: len(r.prompt_ids), default=None)
-    if longest is not None and len(longest.prompt_ids) + limit > context:
-        raise CorruptTraceError(f"{source}: provenance max_new_tokens {limit}: request {longest.request_id!r} has a "
+    """Every request's prompt plus its token limit (its own, else the trace's ``max_new_tokens``) fits the target's
+    ``context`` (positions); else a :class:`CorruptTraceError` naming ``source`` and the longest request."""
+    run = trace.prov.max_new_tokens
+    longest = max(trace.requests, key=lambda r: len(r.prompt_ids) + r.token_limit(run), default=None)
+    if longest is not None and len(longest.prompt_ids) + (limit := longest.token_limit(run)) > context:
+        what = "its max_new_tokens" if longest.max_new_tokens >= 0 else "provenance max_new_tokens"
+        raise CorruptTraceError(f"{source}: {what} {limit}: request {longest.request_id!r} has a "
                                 f"prompt of {len(longest.prompt_ids)} tokens, and prompt + new tokens exceed the "
                                 f"target's context of {context} positions (no run of this model could record it)")
 
@@ -145,20 +146,22 @@ class ReferencePool:
             return None
         spec = runner.spec
         with phase("greedy_oracle"):
-            return sample_decode(runner.target.model, list(req.prompt_ids), spec.max_new_tokens, sr.sampling,
+            return sample_decode(runner.target.model, list(req.prompt_ids), req.token_limit(spec.max_new_tokens), sr.sampling,
                                  sr.rng_request, spec.stop_token_ids, guesses=guesses or [list(req.output_ids)])
 
-    def reference_decode(self, runner: ReferenceRunner, prompt: list[int], request: int = 0) -> DecodeResult:
-        """The reference's own DDTree run of ``prompt`` under ``runner.spec`` (computed once per spec);
-        ``request`` keys its sampling (unused when greedy)."""
+    def reference_decode(self, runner: ReferenceRunner, prompt: list[int], request: int = 0,
+                         max_new_tokens: int | None = None) -> DecodeResult:
+        """The reference's own DDTree run of ``prompt`` under ``runner.spec`` (computed once per spec), to
+        ``max_new_tokens`` (default: the spec's); ``request`` keys its sampling (unused when greedy)."""
         spec = runner.spec
+        limit = spec.max_new_tokens if max_new_tokens is None else max_new_tokens
         key: tuple[object, ...] = (spec.model_label, str(spec.draft_dir), spec.dtype, spec.device, spec.drafter,
-                                   spec.seed, spec.budget, spec.max_new_tokens, spec.stop_token_ids, tuple(prompt))
+                                   spec.seed, spec.budget, limit, spec.stop_token_ids, tuple(prompt))
         if spec.sampled:
             key += (spec.sampling, request)
         if key not in self._decodes:
             with phase("free.reference_decode"):
-                decoder = runner.decoder(spec.max_new_tokens)
+                decoder = runner.decoder(limit)
                 self._decodes[key] = (decoder.generate(list(prompt), request=request) if spec.sampled
                                       else decoder.generate(list(prompt)))
             count("reference_decodes")

@@ -28,7 +28,7 @@ from ddtree_reference.tree import TreeError
 from refcheck import model_checks
 from refcheck.errors import NonFiniteError, UsageError
 from refcheck.progress import Progress, tell
-from refcheck.prompts import Prompt, prompt_set_hash, token_cap
+from refcheck.prompts import Prompt, prompt_set_hash
 from refcheck.provenance import build_provenance
 from refcheck.spec import DRAFTERS, DTYPE_NAMES, EngineSpec  # noqa: F401 - re-exported: runners take a spec
 from refcheck.trace.io import Trace
@@ -134,8 +134,7 @@ class ReferenceRunner:
                       **({"sampling": self.spec.sampling.to_json()} if self.spec.sampled else {}), **(settings or {})},
             model_dir=tdir, draft_dir=ddir if self.spec.drafter == "dflash" else None, dtype=self.spec.dtype,
             device=self.spec.device, budget=self.spec.budget, block_size=self.drafter.block_size,
-            max_new_tokens=token_cap(prompts, self.spec.max_new_tokens), drafter=self.spec.drafter,
-            prompt_set_sha256=prompt_set_hash(prompts),
+            max_new_tokens=self.spec.max_new_tokens, drafter=self.spec.drafter, prompt_set_sha256=prompt_set_hash(prompts),
             model_label=self.spec.model_label,
         )
 
@@ -148,7 +147,8 @@ class ReferenceRunner:
             with _non_finite_named(prompt.id):
                 result = self.generate(self.decoder(max_new, cls, record=True, record_layers=record_layers), prompt)
             req, rows = request_rows(prompt.id, prompt.kind, result, full_state,
-                                     self.spec.sampling if self.spec.sampled else None, self.spec.dtype)
+                                     self.spec.sampling if self.spec.sampled else None, self.spec.dtype,
+                                     prompt.max_new_tokens)
             requests.append(req)
             steps += rows
             results[prompt.id] = result

@@ -86,7 +86,7 @@ def test_the_default_corpus_covers_dtypes_budgets_pairs_and_every_fault():
     assert runs[-3].sampling is None
 
 
-def test_the_long_context_runs_decode_the_long_prompts_to_the_runs_limit():
+def test_the_long_context_runs_decode_the_long_prompts_with_their_own_limits():
     """Each dtype's clean run and each long-context fault run on LONG_PROMPTS (DFlash: the fault is the drafter's)."""
     runs = default_corpus(["bfloat16", "float16"], "cpu", ["sibling-leak", "draft-rope-bf16"])
     long = [r for r in runs if r.long]
@@ -94,7 +94,7 @@ def test_the_long_context_runs_decode_the_long_prompts_to_the_runs_limit():
         ("clean-bfloat16-hybrid-dflash-b15-long", "dflash", 15), ("clean-float16-hybrid-dflash-b15-long", "dflash", 15),
         ("fault-draft-rope-bf16-bfloat16", "dflash", 15)]
     prompts = corpus_prompts(long[0], n_prompts=3)
-    assert [(p.id, len(p.prompt_ids), p.max_new_tokens) for p in prompts] == [("mixed-02", 600, None), ("mixed-04", 438, None)]
+    assert [(p.id, len(p.prompt_ids), p.max_new_tokens) for p in prompts] == [("mixed-02", 600, 64), ("mixed-04", 438, 48)]
     assert len(corpus_prompts(runs[0], n_prompts=3)) == 3 and not runs[0].long
 
 
@@ -180,15 +180,3 @@ def test_traces_of_one_configuration_from_two_runs_keep_a_row_each():
              Path("x/s/ngram.arrow"), Path("y/s/ngram.arrow")]
     assert trace_names(paths) == ["call1/dflash", "call5/dflash", "none", "x/s/ngram.arrow", "y/s/ngram.arrow"]
 
-
-def test_a_trace_of_prompts_with_their_own_limits_records_the_largest_as_its_cap():
-    """Provenance ``max_new_tokens`` is the run's cap on every request: a prompt's own limit over the spec's default
-    (else the judge would fail a request that emitted its own limit's tokens)."""
-    from refcheck.prompts import Prompt, token_cap
-
-    short = [Prompt("a", (1, 2, 3), "t", 12), Prompt("b", (4, 5), "t")]
-    assert token_cap(short, 8) == 12 and token_cap(short[1:], 8) == 8 and token_cap([], 8) == 8
-    runner = ReferencePool().runner(EngineSpec(pair="hybrid", budget=15, max_new_tokens=4, dtype="float32", device="cpu"))
-    trace, _ = runner.trace([Prompt("own", tuple(load_prompts()[0].prompt_ids), "t", 10), load_prompts()[1]])
-    assert trace.prov.max_new_tokens == 10
-    assert [len(r.output_ids) for r in trace.requests] == [10, 4]

@@ -186,3 +186,26 @@ def test_drafterless_engines_are_not_given_a_reference_ddtree_run():
     rep = judge(trace, pool, "none", mode="free")
     assert rep.failures == [] and rep.stats["mean_tau_engine"] == 1.0 and rep.stats["mean_tau_reference"] is None
     assert not pool._decodes and rep.checks["ar_tokens"] > 0 and "acceptance" not in rep.checks
+
+
+def test_a_request_with_its_own_token_limit_is_judged_to_it(tmp_path):
+    """A prompt with its own ``max_new_tokens`` above the run's: its request row records it (schema 1.5), and the
+    replay's output check and the free run's greedy oracle hold the request to it, not to the run's limit; an output
+    longer than its own limit still fails."""
+    from refcheck.prompts import Prompt
+    from refcheck.trace.io import read_trace, write_trace
+
+    pool = ReferencePool()
+    runner = pool.runner(EngineSpec(pair="hybrid", budget=15, max_new_tokens=4, dtype="float32", device="cpu"))
+    trace, _ = runner.trace([Prompt("own", tuple(load_prompts()[0].prompt_ids), "t", 10), load_prompts()[1]])
+    assert trace.prov.max_new_tokens == 4 and [r.max_new_tokens for r in trace.requests] == [10, -1]
+    assert [len(r.output_ids) for r in trace.requests] == [10, 4]
+    write_trace(trace, tmp_path / "t.arrow")
+    back = read_trace(tmp_path / "t.arrow")
+    assert [r.max_new_tokens for r in back.requests] == [10, -1]
+    rep = judge(back, pool, "own-limits", mode="both")
+    assert rep.verdict == "pass", [f.message for f in rep.failures]
+    back.requests[0].max_new_tokens = 6
+    rep = judge(back, pool, "own-limits", mode="replay")
+    assert [(f.category, f.request_id) for f in rep.failures] == [("output", "own")]
+    assert "emitted 10 tokens; max_new_tokens is 6" in rep.failures[0].message

@@ -79,13 +79,17 @@ def test_the_frozen_schema_digest() -> None:
     nullability, order or name is a format change: bump SCHEMA_VERSION and add a migration), and each
     earlier version's schema is the current one without the columns added since."""
     assert _digest(schema.STEPS_SCHEMA, schema.REQUESTS_SCHEMA) == FROZEN_SCHEMA_SHA256[schema.SCHEMA_VERSION]
+    steps_15, reqs_15 = schema.added_in(rows.StepRow, (1, 5)), schema.added_in(rows.RequestRow, (1, 5))
+    assert steps_15 == () and reqs_15 == ("max_new_tokens",)
+    requests_14 = _without(schema.REQUESTS_SCHEMA, reqs_15)
+    assert _digest(schema.STEPS_SCHEMA, requests_14) == FROZEN_SCHEMA_SHA256["1.4"]
     steps_14, reqs_14 = schema.added_in(rows.StepRow, (1, 4)), schema.added_in(rows.RequestRow, (1, 4))
     assert steps_14 == ("draft_context_positions", "draft_context_sketch", "shadow_tree_tokens",
                         "shadow_tree_parents") and reqs_14 == ()
     steps_13, reqs_13 = schema.added_in(rows.StepRow, (1, 3)), schema.added_in(rows.RequestRow, (1, 3))
     assert steps_13 == ("residual_uniform",) and reqs_13 == ()
-    assert _digest(_without(schema.STEPS_SCHEMA, steps_14), schema.REQUESTS_SCHEMA) == FROZEN_SCHEMA_SHA256["1.3"]
-    assert _digest(_without(schema.STEPS_SCHEMA, steps_14 + steps_13), schema.REQUESTS_SCHEMA) == \
+    assert _digest(_without(schema.STEPS_SCHEMA, steps_14), requests_14) == FROZEN_SCHEMA_SHA256["1.3"]
+    assert _digest(_without(schema.STEPS_SCHEMA, steps_14 + steps_13), requests_14) == \
         FROZEN_SCHEMA_SHA256["1.2"]
 
 
@@ -93,6 +97,7 @@ FROZEN_SCHEMA_SHA256 = {
     "1.2": "51fb4dcacac40e48d7c14a3e8ccca0b54c62a1224a1753a53a8fff82da1341bb",
     "1.3": "8a9ba2a9059009709c98eba62e7f035181bc0880099cbc42260cd99a9a05ff50",
     "1.4": "cb91865b342bf793f2f4404549418bf14a589973bd626dc8e8c3c8010e13bb1f",
+    "1.5": "4061671807ac7e613d722e6e2b0a9bc32056f82aca6ac8d97de391bf765c3e70",
 }
 
 

@@ -44,7 +44,7 @@ from trace_helpers import (  # noqa: E402
 def test_round_trip_realistic(trace_file: tuple[Trace, Path]) -> None:
     trace, path = trace_file
     back = read_trace(path)
-    assert back.schema_version == SCHEMA_VERSION == "1.4" and back.checksummed
+    assert back.schema_version == SCHEMA_VERSION == "1.5" and back.checksummed
     assert_traces_equal(trace, back)
     # bf16 bit-exact, explicitly
     s0, b0 = trace.steps[0], back.steps[0]
@@ -258,6 +258,8 @@ def test_invalid_trace_is_not_written(trace_file: tuple[Trace, Path]) -> None:
         (lambda t: setattr(t.steps[0], "emitted", None), "wrongly typed"),
         (lambda t: setattr(t, "provenance", {"x": float("nan")}), "provenance"),
         (lambda t: setattr(t, "provenance", {1: "int key"}), "provenance"),
+        (lambda t: setattr(t.requests[0], "max_new_tokens", 0), "max_new_tokens 0"),
+        (lambda t: setattr(t.requests[0], "max_new_tokens", -2), "max_new_tokens -2"),
     ],
 )
 def test_write_validation(mutate, match: str) -> None:

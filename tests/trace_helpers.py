@@ -18,6 +18,7 @@ from refcheck.trace import (
 )
 from refcheck.trace import io as trace_io
 from refcheck.trace import schema as trace_schema
+from refcheck.trace.rows import defaults
 
 TIMINGS = {"draft": 0.001, "tree": 0.0002, "verify": 0.01, "commit": 0.0005}
 
@@ -182,7 +183,7 @@ def rewrite_legacy(src: Path, dst: Path, table_fn=lambda t: t, meta_fn=lambda m:
 def requests_blob(rows: list[dict]) -> bytes:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, trace_schema.REQUESTS_SCHEMA) as w:
-        rows = [{**trace_schema.SAMPLING_DEFAULTS, **r} for r in rows]  # 1.2 columns: greedy unless given
+        rows = [{**defaults(RequestRow), **r} for r in rows]  # the columns since 1.2: their defaults unless given
         w.write_table(pa.Table.from_pylist(rows, schema=trace_schema.REQUESTS_SCHEMA))
     return sink.getvalue().to_pybytes()
 

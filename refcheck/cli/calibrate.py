@@ -114,7 +114,7 @@ class Overrides:
     click.option("--no-corpus", is_flag=True, help="Run no corpus: only --traces and --rows."),
     click.option("--no-long", is_flag=True,
                  help="Leave out the long-context runs (each dtype's clean run and the long-context faults on "
-                      "two prompts of 600 and 438 tokens)."),
+                      "two prompts of 600 + 64 and 438 + 48 tokens)."),
     click.option("--pair", "pairs", multiple=True, type=click.Choice(["hybrid", "attention"]),
                  help="Built-in pairs of the clean runs (default: both)."),
     click.option("--model", "model_dir", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,

@@ -69,7 +69,8 @@ def _free(trace: Trace, pool: ReferencePool, runner: ReferenceRunner, tol: Toler
     # the scripted stand-in) has no acceptance to set beside the engine's, and at T > 0 that stand-in costs a
     # greedy continuation at every sampled prefix. Only a strict comparison of acceptance needs it.
     ref_runs = None if trace.prov.drafter == "none" and not strict_acceptance else {
-        r.request_id: pool.reference_decode(runner, list(r.prompt_ids), max(r.rng_request, 0))
+        r.request_id: pool.reference_decode(runner, list(r.prompt_ids), max(r.rng_request, 0),
+                                            r.token_limit(spec.max_new_tokens))
         for r in trace.requests}
     greedy: dict[str, list[int] | None] = {}
     margins: dict[str, list[float] | None] = {}
@@ -82,7 +83,8 @@ def _free(trace: Trace, pool: ReferencePool, runner: ReferenceRunner, tol: Toler
             greedy[r.request_id] = None if got is None else got[0]
             margins[r.request_id] = None if got is None else got[1]
         else:
-            greedy[r.request_id] = pool.greedy(runner, list(r.prompt_ids), spec.max_new_tokens, guesses=guesses)
+            greedy[r.request_id] = pool.greedy(runner, list(r.prompt_ids), r.token_limit(spec.max_new_tokens),
+                                               guesses=guesses)
     cdf_tol = (cdf_tolerance(tol.logprob_abs, spec.sampling.temperature)
                if spec.sampled and spec.sampling is not None else 0.0)
     with phase("free.check"):

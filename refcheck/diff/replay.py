@@ -84,7 +84,7 @@ def replay(trace: Trace, target: Target, drafter: Drafter, cal: Calibration, cas
                      sampled, evidence, rule, leans)
         if missing:
             r.draft_missing = f": {missing}"
-        r.max_new_tokens = trace.prov.max_new_tokens
+        r.max_new_tokens = req.token_limit(trace.prov.max_new_tokens)
         r.some_steps = gaps_declared(trace.provenance)
         r.run(list(req.prompt_ids), list(req.output_ids), list(req.output_logprobs), trace.steps_of(req.request_id),
               req.first_uniform)

@@ -40,12 +40,6 @@ class Prompt:
     max_new_tokens: int | None = None
 
 
-def token_cap(prompts: list[Prompt], default: int) -> int:
-    """The most tokens any of ``prompts`` may generate (each its own limit, else ``default``): a run's cap on every
-    request's output, as its trace's provenance records it."""
-    return max((p.max_new_tokens or default for p in prompts), default=default)
-
-
 def load_prompts(path: str | Path | None = None, tokenizer_dir: str | Path | None = None) -> list[Prompt]:
     """The prompts of ``path`` (default: the built-in set). ``tokenizer_dir``: the target's
     checkpoint directory, whose tokenizer turns ``prompt`` / ``messages`` lines into ids."""

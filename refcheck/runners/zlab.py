@@ -131,6 +131,7 @@ class ZlabRunner:
                 ))
                 out_lps += lps
                 done += n_out
-            requests.append(RequestRow(p.id, p.kind, prompt, out, out_lps))
+            requests.append(RequestRow(p.id, p.kind, prompt, out, out_lps,
+                                       max_new_tokens=-1 if p.max_new_tokens is None else p.max_new_tokens))
         prov = self.ref.provenance(prompts, engine="zlab", settings={"dflash": getattr(self.dm, "__version__", "0.1.0")})
         return Trace(provenance=prov, requests=requests, steps=steps)

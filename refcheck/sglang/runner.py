@@ -419,7 +419,7 @@ class SGLangRunner:
         return None
 
     def trace(self, prompts: list[Prompt]) -> Trace:
-        from refcheck.prompts import prompt_set_hash, token_cap
+        from refcheck.prompts import prompt_set_hash
         from refcheck.provenance import build_provenance
         from refcheck.sglang.capture.assemble import assemble_trace
         from refcheck.sglang.capture.records import Capture, read_capture
@@ -462,7 +462,7 @@ class SGLangRunner:
         prov = build_provenance(
             engine="sglang", engine_version=str(run.get("sglang", "unknown")), settings=settings,
             model_dir=tdir, draft_dir=ddir if self.algorithm in DFLASH_DRAFTED else None, dtype=self.spec.dtype,
-            device="cuda", budget=self.budget, max_new_tokens=token_cap(prompts, self.spec.max_new_tokens),
+            device="cuda", budget=self.budget, max_new_tokens=self.spec.max_new_tokens,
             block_size=(draft_block_size(ddir) or self.budget + 1) if self.algorithm in DFLASH_DRAFTED else self.budget + 1,
             drafter="dflash" if self.algorithm in DFLASH_DRAFTED else "none", prompt_set_sha256=prompt_set_hash(prompts),
             model_label=self.spec.model_label)

@@ -231,6 +231,8 @@ def _validate_sampling(r: RequestRow, source: str) -> None:
     u = r.first_uniform
     if u == u and not 0 <= u < 1:
         _fail(source, where, f"first_uniform {u} outside [0, 1)")
+    if r.max_new_tokens == 0 or r.max_new_tokens < -1:
+        _fail(source, where, f"max_new_tokens {r.max_new_tokens} is neither a limit >= 1 nor -1 (the run's)")
 
 
 def _validate_trace(trace: Trace, source: str) -> None:

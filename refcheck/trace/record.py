@@ -70,8 +70,10 @@ def sampling_columns(sampling: Sampling | None, result: DecodeResult) -> dict[st
 
 
 def request_rows(request_id: str, kind: str, result: DecodeResult, full_state: bool = False,
-                 sampling: Sampling | None = None, dtype: str = "float32") -> tuple[RequestRow, list[StepRow]]:
-    """One decode's request row and step rows (``dtype``: the engine's, for the state sketches' storage)."""
+                 sampling: Sampling | None = None, dtype: str = "float32",
+                 max_new_tokens: int | None = None) -> tuple[RequestRow, list[StepRow]]:
+    """One decode's request row and step rows (``dtype``: the engine's, for the state sketches' storage;
+    ``max_new_tokens``: the request's own token limit, None where it ran to the run's)."""
     req = RequestRow(request_id, kind, list(result.prompt_ids), list(result.output_ids), list(result.output_logprobs),
-                     **sampling_columns(sampling, result))
+                     **sampling_columns(sampling, result), max_new_tokens=-1 if max_new_tokens is None else max_new_tokens)
     return req, [step_row(request_id, s, full_state, dtype) for s in result.steps]

@@ -22,7 +22,7 @@ import torch
 
 from refcheck.provenance import Provenance, ProvenanceError
 
-SCHEMA_VERSION = "1.4"  # 1.1 checksum keys, 1.2 sampling columns, 1.3 residual_uniform, 1.4 the drafter's side (docs/trace-format.md)
+SCHEMA_VERSION = "1.5"  # 1.1 checksum keys, 1.2 sampling columns, 1.3 residual_uniform, 1.4 the drafter's side, 1.5 each request's token limit (docs/trace-format.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +44,7 @@ TENSOR, TENSOR_OR_NONE = Column("tensor"), Column("tensor", nullable=True)
 SAMPLING = (1, 2)  # the version that added the sampling columns
 RESIDUAL = (1, 3)  # the version that added the residual uniform
 DRAFT = (1, 4)  # the version that added what the drafter consumed and the shadow tree
+LIMIT = (1, 5)  # the version that added each request's token limit
 
 
 @dataclass(slots=True, eq=False)
@@ -119,6 +120,13 @@ class RequestRow:
     rng_request: Annotated[int, Column("int64", since=SAMPLING)] = -1
     #: uniform of the draw after the prefill; NaN = not exposed
     first_uniform: Annotated[float, Column("float64", since=SAMPLING)] = float("nan")
+    #: 1.5: the most tokens the request could generate, where it had its own limit; -1 = the run's (the provenance's
+    #: ``max_new_tokens``)
+    max_new_tokens: Annotated[int, Column("int32", since=LIMIT)] = -1
+
+    def token_limit(self, run_limit: int) -> int:
+        """The request's own token limit, else the run's."""
+        return self.max_new_tokens if self.max_new_tokens >= 0 else run_limit
 
     @property
     def sampled(self) -> bool:

@@ -192,6 +192,7 @@ _MIGRATIONS: dict[tuple[int, int], Migration] = {
     (1, 1): Migration(to=(1, 2), upgrade=_add_columns((1, 2))),  # the sampling columns, greedy defaults
     (1, 2): Migration(to=(1, 3), upgrade=_add_columns((1, 3))),  # residual_uniform, NaN (not exposed)
     (1, 3): Migration(to=(1, 4), upgrade=_add_columns((1, 4))),  # the drafter's side, not exposed
+    (1, 4): Migration(to=(1, 5), upgrade=_add_columns((1, 5))),  # each request's token limit: the run's (-1)
 }
 
 

@@ -129,7 +129,8 @@ def merge_ranks(capture: Capture, problems: list[str]) -> list[StepCapture]:
 
 def _request_row(p: Prompt, output: list[int], lps: list[float], first_uniform: float, sampling: Sampling | None,
                  rng: str) -> RequestRow:
-    row = RequestRow(p.id, p.kind, list(p.prompt_ids), output, lps)
+    row = RequestRow(p.id, p.kind, list(p.prompt_ids), output, lps,
+                     max_new_tokens=-1 if p.max_new_tokens is None else p.max_new_tokens)
     if sampling is not None and not sampling.greedy:
         row.temperature, row.top_k, row.top_p, row.rng = sampling.temperature, sampling.top_k, sampling.top_p, rng
         if rng.startswith("refcheck-philox"):  # refcheck's keys: recomputable by the diff
