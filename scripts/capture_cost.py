@@ -60,6 +60,11 @@ def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff
             "capture_errors": (cap.get("errors") or [])[:3], "capture_behind": st.get("capture_behind") or {},
             "lost_batches": (cap.get("stats") or {}).get("lost_batches", 0),
             "capture_host_ms_per_batch": (cap.get("stats") or {}).get("capture_host_ms_per_batch"),
+            # the captured pass's own books (one-off costs of earlier passes left out), and the untraced passes'
+            "ledger": {**((st.get("pass_costs") or {}).get("captured") or (cap.get("stats") or {}).get("capture_cost")
+                          or {}),
+                       "plain_ms_per_batch": ((st.get("pass_costs") or {}).get("untraced") or {}).get("plain_ms_per_batch")},
+            "pass_costs": st.get("pass_costs") or {},
             "drain_s": st.get("drain_s"), **(diff or {})}
 
 
@@ -135,14 +140,24 @@ def _fmt(v: Any, spec: str = ".2f") -> str:
     return "—" if v is None else format(v, spec) if isinstance(v, float) else str(v)
 
 
+def _ledger(cost: dict[str, Any]) -> str:
+    """The engine's own books: a plain decode batch's ms, a recorded one's and the hooks' share of it."""
+    parts = cost.get("parts_ms_per_batch") or {}
+    split = ", ".join(f"{k} {_fmt(v)}" for k, v in parts.items() if v)
+    return (f"{_fmt(cost.get('plain_ms_per_batch'))} / {_fmt(cost.get('recorded_ms_per_batch'))} "
+            f"({_fmt(cost.get('hooks_ms_per_batch'))}{': ' + split if split else ''})")
+
+
 def markdown(rows: list[dict[str, Any]], sample: int) -> str:
-    head = (f"| algorithm | graphs | workload | steps | untraced s | full capture | 1 in {sample} | bytes/step | "
-            "tokens same | verdict (full / sampled) | diff steps/s |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    head = (f"| algorithm | graphs | workload | steps | untraced s | full capture | 1 in {sample} | "
+            "batch ms plain / recorded (hooks) | writer ms/record | bytes/step | "
+            "tokens same | verdict (full / sampled) | diff steps/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
         f"| {r['algorithm']} | {'on' if r['graphs'] else 'off'} | {r['workload']} | "
-        + (f"error: {r['error'][:120]} | | | | | | | |\n" if "error" in r else
+        + (f"error: {r['error'][:120]} | | | | | | | | | |\n" if "error" in r else
            f"{r['steps']} | {_fmt(r['untraced_s'], '.3f')} | {_fmt(r['overhead_full'])}× | "
-           f"{_fmt(r['overhead_sampled'])}× | {_fmt(r['bytes_per_step'], '.0f')} | "
+           f"{_fmt(r['overhead_sampled'])}× | {_ledger(r.get('ledger') or {})} | "
+           f"{_fmt((r.get('ledger') or {}).get('writer_ms_per_record'))} | {_fmt(r['bytes_per_step'], '.0f')} | "
            f"{r['tokens_same_untraced']}/{r['tokens_same_sampled']} | {r.get('verdict', '—')} / "
            f"{r.get('sampled_verdict', '—')} ({r.get('sampled_steps', '—')} steps) | "
            f"{_fmt(r.get('diff_steps_per_s'), '.1f')} |\n")

@@ -14,7 +14,7 @@ import torch
 from refcheck.sglang.capture import packing
 from refcheck.sglang.capture.records import Recorder, read_capture
 from refcheck.sglang.capture.sample_rule import CaptureSampleError, SampleRule, parse, rule_for, sampled_rid
-from refcheck.sglang.capture.shipper import Shipper, read_counts, wait_drained
+from refcheck.sglang.capture.shipper import FIELDS, Shipper, ledger_summary, read_counts, read_fields, wait_drained
 
 
 def _stalled(tmp_path, depth: int):
@@ -47,7 +47,7 @@ def test_a_full_queue_loses_and_counts_the_record_without_blocking(tmp_path):
 def test_the_reader_reports_records_still_queued_and_records_lost(tmp_path):
     rec = Recorder(tmp_path)
     queue_file = rec.shipper.counts.path
-    queue_file.write_bytes((3).to_bytes(8, "little") + (1).to_bytes(8, "little") + (2).to_bytes(8, "little"))
+    queue_file.write_bytes(b"".join(n.to_bytes(8, "little") for n in (3, 1, 2) + (0,) * (len(FIELDS) - 3)))
     cap = read_capture(tmp_path)
     assert cap.lost == 2 and any("2 of 3 captured batches were still queued" in e for e in cap.errors)
     queue_file.write_bytes(b"short")
@@ -93,3 +93,58 @@ def test_a_record_round_trips_through_its_packed_bytes():
         packing.decode(data[:-3])
     with pytest.raises(ValueError):
         packing.decode(b"PK\x03\x04 a zip")
+
+
+def test_the_writer_and_the_hooks_book_their_cost_in_the_ledger(tmp_path):
+    """The writer's CPU per record and the hooks' batch times land in the counters file; the summary gives
+    milliseconds per batch and per record, and None where nothing was counted."""
+    shipper = Shipper(lambda kind, data: sum(range(20000)), lambda where, msg: None, tmp_path / "queue-rank0-pid1.bin")
+    for n in range(3):
+        shipper.ship("batch", {"n": n}, {"t": torch.arange(4)})
+    assert shipper.drain(10.0)
+    shipper.counts.add(plain_batches=2, plain_ns=6_000_000, recorded_batches=1, recorded_ns=5_000_000,
+                       hooks_ns=1_500_000)
+    fields = read_fields(tmp_path / "queue-rank0-pid1.bin")
+    assert (fields["queued"], fields["written"], fields["lost"]) == (3, 3, 0) and fields["writer_ns"] > 0
+    cost = ledger_summary(fields, fields["written"])
+    assert cost["plain_ms_per_batch"] == 3.0 and cost["recorded_ms_per_batch"] == 5.0
+    assert cost["hooks_ms_per_batch"] == 1.5 and 0 < cost["writer_ms_per_record"] == round(fields["writer_ns"] / 3e6, 4)
+    assert ledger_summary(dict.fromkeys(FIELDS, 0), 0)["recorded_ms_per_batch"] is None
+
+
+def test_off_cuda_a_graph_cache_runs_the_computation_as_it_is():
+    """Off CUDA the capture's graph cache (refcheck/sglang/capture/graphs.py) captures nothing: each call is
+    the computation itself, with the call's own inputs (its replay on the GPU: tests/test_gpu.py)."""
+    from refcheck.sglang.capture.graphs import GraphCache
+
+    cache = GraphCache(lambda key, exc: pytest.fail(f"no capture off CUDA ({exc})"))
+    for n in (1, 2, 3):
+        x = torch.arange(n)
+        assert torch.equal(cache.run(("k", 1), lambda t: t * 2 + 1, x), x * 2 + 1)
+    assert len(cache) == 0
+
+
+def test_each_pass_gets_what_it_booked_in_the_ledger(tmp_path, monkeypatch):
+    """The engine process marks the ledger between passes (refcheck/sglang/child.py): each pass's summary is
+    the difference of two marks summed over the scheduler processes, so a one-off cost of an earlier pass (a
+    graph's capture, a kernel's first load) is not spread over the timed one."""
+    from refcheck.sglang import child
+    from refcheck.sglang.capture.shipper import Counters
+
+    monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(tmp_path))
+    ranks = [Counters(tmp_path / f"queue-rank{r}-pid{r + 1}.bin") for r in range(2)]
+    for c in ranks:
+        c.add(recorded_batches=5, recorded_ns=500_000_000, hooks_ns=400_000_000)  # a warm-up with one-off costs
+    marks = [("start", child._ledger())]
+    for c in ranks:
+        c.add(recorded_batches=10, recorded_ns=40_000_000, hooks_ns=10_000_000, state_ns=5_000_000, written=10,
+              writer_ns=3_000_000)
+    marks.append(("captured", child._ledger()))
+    ranks[0].add(plain_batches=4, plain_ns=12_000_000)
+    marks.append(("untraced", child._ledger()))
+    costs = child._pass_costs(marks)
+    assert costs["captured"]["recorded_ms_per_batch"] == 4.0 and costs["captured"]["hooks_ms_per_batch"] == 1.0
+    assert costs["captured"]["parts_ms_per_batch"]["state"] == 0.5 and costs["captured"]["writer_ms_per_record"] == 0.3
+    assert costs["untraced"]["plain_ms_per_batch"] == 3.0 and costs["untraced"]["recorded_ms_per_batch"] is None
+    monkeypatch.delenv("REFCHECK_CAPTURE_DIR")
+    assert child._pass_costs([("start", child._ledger())]) == {}

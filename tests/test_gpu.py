@@ -167,3 +167,43 @@ def test_graphed_fixed_shape_step_decodes_like_the_eager_decoder(pair, budget, c
         assert out.path[:n].tolist() == rec.accepted and int(out.bonus) == rec.bonus, k
         out_ids += tree.tokens[out.path[1:n].cpu()].tolist() + [int(out.bonus)]
     assert out_ids == ref.output_ids[: len(out_ids)]
+
+
+def test_the_capture_state_sketch_replayed_as_a_cuda_graph_equals_the_eager_sketch():
+    """refcheck/sglang/capture/graphs.py over the committed-state sketch (refcheck/sglang/capture/state.py) of
+    stand-in pools on the GPU: every replay, for two batch shapes and changing inputs, is bitwise the eager
+    computation; one graph per key; a computation that cannot be captured (it reads the device from the host)
+    runs eagerly with its failure reported once."""
+    from refcheck.sglang.capture.graphs import GraphCache
+    from refcheck.sglang.capture.state import MambaPools, batch_state
+
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    kv = {3: (torch.randn(256, 2, 8, device=dev, generator=gen, dtype=torch.bfloat16),
+              torch.randn(256, 2, 8, device=dev, generator=gen, dtype=torch.bfloat16))}
+    mamba = MambaPools([0, 1], [0, 1], torch.randn(2, 9, 12, 3, device=dev, generator=gen, dtype=torch.bfloat16),
+                       torch.randn(2, 9, 2, 5, 4, device=dev, generator=gen, dtype=torch.float32))
+    table = torch.randperm(4 * 64, device=dev).reshape(4, 64).int()  # req_to_token: 4 requests' token slots
+    to_mamba = torch.tensor([3, 1, 7, 5], device=dev)
+
+    def sketch(rows, lens):
+        slots = table[rows[:, None], lens[:, None] + torch.arange(4, device=dev)]  # [b, 4]
+        return batch_state(kv, slots, mamba, to_mamba[rows])
+
+    def flat(state):
+        return torch.cat([e[2].reshape(-1) for e in state["kv"].values()]
+                         + [state["mamba"]["conv"].reshape(-1), state["mamba"]["rec"].reshape(-1)])
+
+    errors = []
+    cache = GraphCache(lambda key, exc: errors.append((key, exc)))
+    for step in range(6):
+        b = 2 if step % 2 else 3
+        rows, lens = torch.randperm(4, device=dev)[:b], torch.randint(0, 60, (b,), device=dev)
+        got = flat(cache.run(("state", b), sketch, rows, lens))
+        assert torch.equal(got, flat(sketch(rows, lens))), step
+    assert len(cache) == 2 and not errors
+    syncing = lambda rows, lens: rows * int(lens.sum())  # noqa: E731 - a host read: not capturable
+    rows, lens = torch.arange(2, device=dev), torch.ones(2, device=dev, dtype=torch.long)
+    assert torch.equal(cache.run("sync", syncing, rows, lens), rows * 2)
+    assert torch.equal(cache.run("sync", syncing, rows, lens * 3), rows * 6)  # eager from then on
+    assert len(errors) == 1 and errors[0][0] == "sync"

@@ -485,3 +485,39 @@ def test_a_prefill_whose_next_tokens_are_a_host_list_is_recorded(capture_dir):
     assert not cap.errors, cap.errors
     assert [p.token for p in cap.prefills[0]] == ids
     assert cap.prefills[0][1].logprob == pytest.approx(float(torch.log_softmax(logits[1], -1).max()), abs=1e-6)
+
+
+def test_a_batch_the_sampling_rule_passes_over_reads_nothing_but_its_rids_and_is_booked_plain(capture_dir, monkeypatch):
+    """Under 1 batch in 2, a target-only decode batch that is not taken runs as SGLang has it: its requests'
+    token lists and pool rows are never read (the stand-in raises if they are), and its wall time goes to the
+    ledger's plain side; a taken batch is recorded and booked with its hooks' share."""
+    from refcheck.sglang.capture.sample_rule import SampleRule
+
+    monkeypatch.setattr(hooks, "_rule", SampleRule(2, seed=0))
+    sched, *_ = _scheduler()
+    _prefill(sched)  # the recorder exists from here on
+
+    class Untouchable:
+        def __getattr__(self, name):
+            raise AssertionError(f"a batch the rule passes over read {name}")
+
+    def step(self, b):
+        logits = torch.randn(2, V)
+        return NS(logits_output=NS(next_token_logits=logits), next_token_ids=logits.argmax(-1))
+
+    for g in range(4):
+        batch = _batch("decode", False, [[5], [6]])
+        if not SampleRule(2, seed=0).takes(g):
+            batch.req_pool_indices = Untouchable()
+            batch.reqs = [NS(rid=r.rid) for r in batch.reqs]  # no token lists
+        hooks._run_batch(step, sched, batch)
+    cap = read_capture(capture_dir)
+    assert not cap.errors, cap.errors
+    assert sorted({s.meta["step_index"] for ss in cap.steps.values() for s in ss}) == [k for k in range(4)
+                                                                                   if SampleRule(2, 0).takes(k)]
+    cost = cap.cost
+    assert cost["plain_batches"] == 2 and cost["recorded_batches"] == 2, cost
+    assert 0 < cost["hooks_ms_per_batch"] <= cost["recorded_ms_per_batch"] and cost["plain_ms_per_batch"] > 0
+    parts = cost["parts_ms_per_batch"]
+    assert parts["state"] > 0 and parts["ship"] > 0 and parts["snapshot"] > 0 and not parts["taps"], parts
+    assert sum(parts.values()) <= cost["hooks_ms_per_batch"] + 1e-3

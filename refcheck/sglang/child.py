@@ -14,7 +14,9 @@ those passes run after the captured one: ``sampled_generate_s``, ``sampled_match
 (so no later pass is timed while its records are written; ``drain_s``: how long the writers still needed),
 after the sampled passes and before the engine stops, the child waits until the scheduler processes have
 written every capture record they queued (:func:`refcheck.sglang.capture.shipper.wait_drained`;
-``capture_behind`` lists any that did not within a minute). With
+``capture_behind`` lists any that did not within a minute); ``pass_costs`` holds what the captured, sampled and
+untraced passes each booked in the capture's cost ledger (per decode batch: ``run_batch``'s wall time and the
+hooks' share, by part). With
 ``warmup_rids`` one untraced pass runs before the captured one (``warmup_generate_s``, ``warmup_match``), and
 with ``capture_warm_rids`` a captured pass whose records nobody reads (the capture's kernels load and its
 buffers grow before the timed passes; the child waits for its records to be written);
@@ -116,6 +118,26 @@ def _drained() -> dict[str, int]:
     return wait_drained(Path(root)) if root else {}
 
 
+def _ledger() -> dict[str, int]:
+    """The capture's cost ledger so far, summed over the scheduler processes (empty when this engine does not
+    capture)."""
+    from refcheck.sglang.capture.shipper import read_ledgers
+    from refcheck.sglang.env import ENV_DIR
+
+    root = os.environ.get(ENV_DIR)
+    return read_ledgers(Path(root)) if root else {}
+
+
+def _pass_costs(marks: list[tuple[str, dict[str, int]]]) -> dict[str, Any]:
+    """What each pass booked in the cost ledger (:func:`~refcheck.sglang.capture.shipper.ledger_between` of
+    consecutive marks, each taken once the pass's records were written), by the name of the mark that ends it."""
+    from refcheck.sglang.capture.shipper import ledger_between
+
+    if not marks or not marks[0][1]:
+        return {}
+    return {name: ledger_between(prev, cur) for (_, prev), (name, cur) in zip(marks, marks[1:])}
+
+
 def main(job_path: str) -> int:
     job = json.loads(Path(job_path).read_text())
     result = Path(job["result"])
@@ -141,6 +163,7 @@ def main(job_path: str) -> int:
             warm_out = _outputs(generate(engine, job, job["warmup_rids"]))
             warm = {"warmup_generate_s": time.time() - t0}
         _passes(engine, job, [job["capture_warm_rids"]] if job.get("capture_warm_rids") else [], [])
+        marks = [("start", _ledger())]
         t1 = time.time()
         out = generate(engine, job, job["rids"])
         generate_s = time.time() - t1
@@ -152,12 +175,15 @@ def main(job_path: str) -> int:
         t2 = time.time()
         behind = _drained()  # the captured pass's records written before the next pass is timed
         drain_s = time.time() - t2
+        marks.append(("captured", _ledger()))
         sampled_s, sampled_match = _passes(engine, job, job.get("sampled_rids") or [], outputs)
+        marks.append(("sampled", _ledger()))
         repeat_s, match = _timed(engine, job, job.get("timing_rids") or [], outputs, diffs)  # untraced
+        marks.append(("untraced", _ledger()))
         _write(result, {"stage": "done", "start_s": start_s, "generate_s": generate_s, "drain_s": drain_s,
                         "sglang": version, "outputs": outputs, "repeat_generate_s": repeat_s, "repeats_match": match, **warm,
                         "sampled_generate_s": sampled_s, "sampled_match": sampled_match if sampled_s else None,
-                        "capture_behind": behind,
+                        "capture_behind": behind, "pass_costs": _pass_costs(marks),
                         "untraced_diffs": {name: d for name, d in diffs.items() if d},
                         "meta": [{k: v for k, v in r.get("meta_info", {}).items() if isinstance(v, (int, float, str))}
                                  for r in out]})

@@ -491,6 +491,8 @@ class SGLangRunner:
         errors = list(cap.errors) + self._hook_errors(cap)
         if cap.lost:
             asm.stats["lost_batches"] = cap.lost
+        if cap.cost:
+            asm.stats["capture_cost"] = cap.cost
         return {"enabled": self.capture, "errors": errors[:50], "problems": asm.problems[:50],
                 "incomplete": asm.incomplete, "crash": crash, "stats": asm.stats, "status": cap.status[:8],
                 "sample": self.sample.to_json()}
@@ -520,6 +522,7 @@ class SGLangRunner:
                         untraced_diffs=run.get("untraced_diffs") or {},
                         sampled_generate_s=[round(t, 4) for t in run.get("sampled_generate_s") or []],
                         sampled_match=run.get("sampled_match"), capture_behind=run.get("capture_behind") or {},
+                        pass_costs=run.get("pass_costs") or {},
                         **({"sampling": self.spec.sampling.to_json(), "rng": sampling_rng(self.algorithm)}
                            if self.spec.sampled and self.spec.sampling is not None else {}),
                         # a fault injected into SGLang's tree sampler (refcheck/sglang/capture/sampler_faults.py)

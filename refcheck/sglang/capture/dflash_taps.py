@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from refcheck.sglang.capture.graphs import GraphCache
 from refcheck.sglang.draft_side import DRAFT_TOPK, draft_top
 from refcheck.sketch import sketch_on_device
 
@@ -62,6 +64,7 @@ class DFlashTaps:
     #: the drafter's context: sketch [bs, B, r], positions [bs, B], lens [bs] (rows fed per request), on the device
     context: dict[str, torch.Tensor] | None = None
     missing: str | None = None  # why no draft top-k was kept
+    host_s: float = 0.0  # the taps' own time on the scheduler's thread (inside the engine's step)
 
 
 def _head_weight(worker: Any) -> torch.Tensor:
@@ -87,10 +90,53 @@ def _context(target_hidden: torch.Tensor, positions: torch.Tensor, commit_lens: 
     return {"sketch": sketch, "positions": positions.view(bs, -1).clone(), "lens": commit_lens.clone()}  # [bs*B] -> [bs, B]
 
 
+def _draft(hidden: torch.Tensor, head: torch.Tensor, bs: int, block: int) -> dict[str, torch.Tensor]:
+    """The draft block's hidden states [bs*B, H] through the target's head [V, H] (its dtype, as the engine's greedy
+    draft): the top ranks of depths 1..B-1 (:func:`draft_top`)."""
+    hs = hidden.view(bs, block, -1)[:, 1:, :]  # [bs*B, H] -> [bs, B-1, H]: depths 1..B-1
+    return draft_top(torch.matmul(hs.to(head.dtype), head.T), DRAFT_TOPK)  # [bs, B-1, V] logits -> top ranks
+
+
+def _run(graphs: GraphCache | None, key: tuple, fn: Callable[..., Any], *inputs: torch.Tensor) -> Any:
+    """``fn(*inputs)``, replayed from a CUDA graph when the caller keeps them (the device work of a decode step's
+    taps is one launch)."""
+    return fn(*inputs) if graphs is None else graphs.run(key, fn, *inputs)
+
+
+def _shapes(*ts: torch.Tensor) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for t in ts)
+
+
+def _shift_depths(worker: Any, out: Any, hidden: torch.Tensor | None, bs: int, block: int) -> None:
+    """``draft-depth-shift``: depth d proposes depth d - 1's greedy token (the graphed draft's sampled tokens, else
+    the eager draft's hidden states, shifted in place)."""
+    sampler = getattr(worker, "_draft_sampler", None)
+    if sampler is not None and getattr(out, "can_run_graph", False):
+        tokens = sampler.out[: bs * (block - 1)].view(bs, block - 1)  # [bs*(B-1)] -> [bs, B-1]
+        tokens[:, 1:] = tokens[:, :-1].clone()
+    elif hidden is not None:
+        hv = hidden.view(bs, block, -1)  # [bs*B, H] -> [bs, B, H]
+        hv[:, 2:] = hv[:, 1:-1].clone()
+
+
+def _fed(fault: str | None, target_hidden: torch.Tensor, positions: torch.Tensor, commit_lens: torch.Tensor | None,
+         n_ids: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What the drafter's KV is fed under a context fault (as it is without one)."""
+    if fault == "context-positions-shifted":
+        positions = positions + 1
+    elif fault == "context-skip-last" and commit_lens is not None:
+        commit_lens = (commit_lens - 1).clamp(min=0)
+    elif fault == "context-layers-swapped":
+        target_hidden = _swap_first_layers(target_hidden, n_ids)
+    return target_hidden, positions, commit_lens
+
+
 @contextlib.contextmanager
-def dflash_taps(worker: Any, bs: int, record: bool, fault: str | None) -> Iterator[DFlashTaps]:
+def dflash_taps(worker: Any, bs: int, record: bool, fault: str | None,
+                graphs: GraphCache | None = None) -> Iterator[DFlashTaps]:
     """Open the taps (module docstring) for one ``forward_batch_generation`` of a batch of ``bs`` requests;
-    ``record``: keep what the drafter produced and consumed (a traced decode step)."""
+    ``record``: keep what the drafter produced and consumed (a traced decode step); ``graphs``: replay the taps'
+    device work from CUDA graphs kept there (:mod:`refcheck.sglang.capture.graphs`)."""
     taps = DFlashTaps()
     try:
         runner = worker.draft_model_runner
@@ -110,32 +156,25 @@ def dflash_taps(worker: Any, bs: int, record: bool, fault: str | None) -> Iterat
         out = forward(*args, **kwargs)
         hidden = getattr(getattr(out, "logits_output", None), "hidden_states", None)
         if record and hidden is not None:
-            hs = hidden.view(bs, block, -1)[:, 1:, :]  # [bs, B-1, H]: depths 1..B-1
+            t0 = time.perf_counter()
             w = _head_weight(worker)
-            logits = torch.matmul(hs.to(w.dtype), w.T)  # [bs, B-1, V] in the head's dtype, as the engine's draft
-            taps.draft = draft_top(logits, DRAFT_TOPK)
+            taps.draft = _run(graphs, ("draft", bs, block, w.data_ptr(), _shapes(hidden)),
+                              lambda h: _draft(h, w, bs, block), hidden)
+            taps.host_s += time.perf_counter() - t0
         elif record:
             taps.missing = "SGLang's DFLASH draft forward returned no hidden states"
         if fault == "draft-depth-shift":
-            sampler = getattr(worker, "_draft_sampler", None)
-            if sampler is not None and getattr(out, "can_run_graph", False):
-                tokens = sampler.out[: bs * (block - 1)].view(bs, block - 1)
-                tokens[:, 1:] = tokens[:, :-1].clone()
-            elif hidden is not None:
-                hv = hidden.view(bs, block, -1)
-                hv[:, 2:] = hv[:, 1:-1].clone()
+            _shift_depths(worker, out, hidden, bs, block)
         return out
 
     def feed(*, target_hidden: torch.Tensor, cache_loc: torch.Tensor, positions: torch.Tensor,
              cache_loc_2d: torch.Tensor | None = None, commit_lens: torch.Tensor | None = None) -> Any:
-        if fault == "context-positions-shifted":
-            positions = positions + 1
-        elif fault == "context-skip-last" and commit_lens is not None:
-            commit_lens = (commit_lens - 1).clamp(min=0)
-        elif fault == "context-layers-swapped":
-            target_hidden = _swap_first_layers(target_hidden, n_ids)
+        target_hidden, positions, commit_lens = _fed(fault, target_hidden, positions, commit_lens, n_ids)
         if record and commit_lens is not None:
-            taps.context = _context(target_hidden, positions, commit_lens, bs)
+            t0 = time.perf_counter()
+            taps.context = _run(graphs, ("context", bs, _shapes(target_hidden, positions, commit_lens)),
+                                lambda th, pos, lens: _context(th, pos, lens, bs), target_hidden, positions, commit_lens)
+            taps.host_s += time.perf_counter() - t0
         return append(target_hidden=target_hidden, cache_loc=cache_loc, positions=positions, cache_loc_2d=cache_loc_2d,
                       commit_lens=commit_lens)
 

@@ -51,7 +51,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,11 +60,12 @@ from typing import Any
 import torch
 
 from refcheck.sglang.capture import dflash_taps, layers, profiling, sampler_faults, versions
+from refcheck.sglang.capture.graphs import GraphCache
 from refcheck.sglang.capture.records import Recorder
 from refcheck.sglang.capture.sample_rule import ENV_SAMPLE, SampleRule, parse, rule_for
 from refcheck.sglang.capture.state import MambaPools, batch_state
 from refcheck.sglang.capture.steps import node_logprobs, pick, summarise_nodes
-from refcheck.sglang.env import ENV_DIR, ENV_FULL, UNTRACED_RID_PREFIX
+from refcheck.sglang.env import ENV_DIR, ENV_FULL, ENV_GRAPHS, UNTRACED_RID_PREFIX
 
 _patched: list[str] = []
 _originals: dict[str, Any] = {}
@@ -81,18 +82,20 @@ class _Batch:
     mode: str  # "extend", "decode" or "other"
     speculative: bool
     rids: list[str]
-    committed: list[int]  # decode: tokens with KV before the step (the root's position), per the scheduler
-    roots: list[int]
-    prompt_lens: list[int]
-    fill_lens: list[int]
-    pool_rows: torch.Tensor | None  # [bs] the requests' rows of req_to_token, on the device
-    topk: int | None
+    # the rest is read only for a batch that records (:func:`_snapshot`)
+    committed: list[int] = field(default_factory=list)  # decode: tokens with KV before the step (the root's position)
+    roots: list[int] = field(default_factory=list)
+    prompt_lens: list[int] = field(default_factory=list)
+    fill_lens: list[int] = field(default_factory=list)
+    pool_rows: torch.Tensor | None = None  # [bs] the requests' rows of req_to_token, on the device
+    topk: int | None = None
     take: list[int] = field(default_factory=list)  # batch rows recorded at this step
     steps: list[int] = field(default_factory=list)  # their step numbers
     index: torch.Tensor | None = None  # ``take`` on the device (None: every row)
     pending: list[dict[str, Any]] = field(default_factory=list)  # the verify calls' records, tensors on the device
     events: tuple[Any, Any] | None = None  # CUDA events around the scheduler's step
     host_s: float = 0.0  # the hooks' own time on the scheduler's thread at this step (what capture costs it)
+    parts: dict[str, float] = field(default_factory=dict)  # ... by part (the ledger's PARTS), in seconds
     after_t0: float = 0.0  # when recording the finished batch began
     raw_logits: torch.Tensor | None = None  # [bs, V] before a sampling batch's sampler overwrote them
     #: the tree sampler's coins [bs, N], bonus coins [bs] and (threshold_single, threshold_acc) of this batch's verify
@@ -115,6 +118,18 @@ class _Batch:
 
 
 _batch: _Batch | None = None
+
+
+@contextmanager
+def _part(snap: _Batch, name: str, label: str | None = None) -> Iterator[None]:
+    """One part of the hooks' work at this step: its wall time into ``snap.parts[name]`` (the cost ledger's
+    ``{name}_ns``), and labelled ``refcheck.{label or name}`` in an open profiler window."""
+    t0 = time.perf_counter()
+    try:
+        with profiling.section(label or name):
+            yield
+    finally:
+        snap.parts[name] = snap.parts.get(name, 0.0) + time.perf_counter() - t0
 
 
 def install(patched: list[str]) -> None:
@@ -230,20 +245,22 @@ def _choose(snap: _Batch, device: Any) -> None:
 
 
 def _snapshot(scheduler: Any, batch: Any) -> _Batch:
+    """The batch before it runs: which requests it records (:func:`_choose`) and, only when it records any,
+    what the records need of it (a decode batch the sampling rule passes over costs its rids and step counts)."""
     fm = batch.forward_mode
     mode = "extend" if fm.is_extend() else "decode" if fm.is_decode() else "other"
     reqs = list(batch.reqs)
     rows = batch.req_pool_indices
-    snap = _Batch(
-        mode=mode, speculative=not batch.spec_algorithm.is_none(), rids=[r.rid for r in reqs],
-        committed=[len(r.origin_input_ids) + len(r.output_ids) - 1 for r in reqs],
-        roots=[int(r.output_ids[-1]) if r.output_ids else -1 for r in reqs],
-        prompt_lens=[len(r.origin_input_ids) for r in reqs],
-        fill_lens=[len(getattr(r, "fill_ids", None) or r.origin_input_ids) for r in reqs],
-        pool_rows=rows.detach().clone() if isinstance(rows, torch.Tensor) else None,
-        topk=versions.server_topk(scheduler),
-    )
+    snap = _Batch(mode=mode, speculative=not batch.spec_algorithm.is_none(), rids=[r.rid for r in reqs])
     _choose(snap, rows.device if isinstance(rows, torch.Tensor) else "cpu")
+    if mode != "extend" and not snap.take:
+        return snap
+    snap.committed = [len(r.origin_input_ids) + len(r.output_ids) - 1 for r in reqs]
+    snap.roots = [int(r.output_ids[-1]) if r.output_ids else -1 for r in reqs]
+    snap.prompt_lens = [len(r.origin_input_ids) for r in reqs]
+    snap.fill_lens = [len(getattr(r, "fill_ids", None) or r.origin_input_ids) for r in reqs]
+    snap.pool_rows = rows.detach().clone() if isinstance(rows, torch.Tensor) else None
+    snap.topk = versions.server_topk(scheduler)
     return snap
 
 
@@ -284,20 +301,52 @@ def _pool_views(scheduler: Any) -> tuple[dict, MambaPools | None, Any]:
     return kv, mamba, rtp
 
 
+def _graph_error(what: str) -> Callable[[Any, Exception], None]:
+    def report(key: Any, exc: Exception) -> None:
+        _rec().error(f"{what}:graph", f"the {what} of shape {key} runs eagerly: it could not be captured as a CUDA "
+                                      f"graph ({type(exc).__name__}: {exc})")
+
+    return report
+
+
+#: the hooks' device work replayed as CUDA graphs, one per shape (:mod:`refcheck.sglang.capture.graphs`): the
+#: committed-state sketch; the verify step's node reductions; the DFLASH drafter's taps
+_STATE_GRAPHS = GraphCache(_graph_error("state sketch"))
+_VERIFY_GRAPHS = GraphCache(_graph_error("verify reduction"))
+_TAP_GRAPHS = GraphCache(_graph_error("drafter taps"))
+
+
+def _graphs(cache: GraphCache) -> GraphCache | None:
+    """``cache``, unless ``REFCHECK_CAPTURE_GRAPHS=off`` asks for eager device work."""
+    return None if os.environ.get(ENV_GRAPHS, "").lower() in ("off", "0", "no") else cache
+
+
 def _state(scheduler: Any, snap: _Batch, committed: torch.Tensor, width: int) -> dict[str, Any]:
-    """The recorded requests' committed state after the step, sketched on the device (``state``, ``tp``)."""
+    """The recorded requests' committed state after the step, sketched on the device (``state``, ``tp``): one
+    graph replay per batch on CUDA (eagerly for the full rows of ``REFCHECK_CAPTURE_FULL``, or with
+    ``REFCHECK_CAPTURE_GRAPHS=off``)."""
     kv, mamba, rtp = _pool_views(scheduler)
     table = rtp.req_to_token
-    rows = snap.rows(snap.pool_rows).to(table.device).long()  # type: ignore[arg-type]
-    cols = committed.to(table.device).long()[:, None] + torch.arange(width, device=table.device)  # [b, W]
-    slots = table[rows[:, None], cols.clamp(max=table.shape[1] - 1)]  # [b, W]: rows past the commit are dropped later
-    mslots = rtp.req_index_to_mamba_index_mapping[rows] if mamba else None
     tp_rank, tp_size = versions.tp_of(scheduler)
     groups = getattr(getattr(rtp, "mamba_pool", None), "conv_shard_groups", None)
     groups = tuple(groups) if groups else None
     shard = (tp_rank, tp_size, groups) if tp_size > 1 else None
     full = bool(os.environ.get(ENV_FULL))
-    out: dict[str, Any] = {"state": batch_state(kv, slots, mamba, mslots, full, shard)}
+
+    def sketch(rows: torch.Tensor, lens: torch.Tensor) -> dict[str, Any]:
+        cols = lens[:, None] + torch.arange(width, device=table.device)  # [b, W]
+        slots = table[rows[:, None], cols.clamp(max=table.shape[1] - 1)]  # [b, W]: rows past the commit dropped later
+        mslots = rtp.req_index_to_mamba_index_mapping[rows] if mamba else None
+        return batch_state(kv, slots, mamba, mslots, full, shard)
+
+    rows = snap.rows(snap.pool_rows).to(table.device).long()  # type: ignore[arg-type]
+    lens = committed.to(table.device).long()
+    # the graph reads the pools at the addresses it was captured with: they are part of its key
+    pools = (table.data_ptr(), *(k.data_ptr() for k, _ in kv.values()), mamba.ssm.data_ptr() if mamba else 0)
+    key = (int(rows.shape[0]), width, shard, pools)
+    graphs = None if full else _graphs(_STATE_GRAPHS)
+    state = sketch(rows, lens) if graphs is None else graphs.run(key, sketch, rows, lens)
+    out: dict[str, Any] = {"state": state}
     if shard is not None:
         out["tp"] = {"tp_rank": tp_rank, "tp_size": tp_size, "conv_groups": list(groups) if groups else None}
     return out
@@ -344,13 +393,13 @@ def _ship_decode(scheduler: Any, snap: _Batch, result: Any) -> None:
         return
     for part in parts:
         width = part.pop("width")
-        with profiling.section("state"):
+        with _part(snap, "state"):
             state = _state(scheduler, snap, part["committed"], width)
         tensors = {"t": part.pop("t"), **state,
                    "layers": _layers(scheduler, snap, width), "draft": part.pop("draft", None),
                    "context": part.pop("context", None)}
         tensors["t"]["committed"] = part.pop("committed")
-        with profiling.section("ship"):
+        with _part(snap, "ship"):
             _rec(scheduler).ship("batch", _fields(scheduler, snap, part, result), tensors)
 
 
@@ -417,19 +466,29 @@ def _event(scheduler: Any) -> Any:
     return ev
 
 
+def _plain(original, self, batch, t0: float, *args, **kwargs):
+    """A batch that records nothing, run as SGLang has it; once the process has a recorder (a traced batch came
+    first: untraced requests alone leave nothing in the capture directory), a decode batch's wall time from
+    ``t0``, the hook's entry, goes to the cost ledger's ``plain`` side."""
+    result = original(self, batch, *args, **kwargs)
+    if _recorder is not None and _guard("run_batch:mode", lambda: bool(batch.forward_mode.is_decode())):
+        _recorder.shipper.counts.add(plain_batches=1, plain_ns=int(1e9 * (time.perf_counter() - t0)))
+    return result
+
+
 def _run_batch(original, self, batch, *args, **kwargs):
     global _batch
+    t0 = time.perf_counter()
     if _untraced(batch):
-        return original(self, batch, *args, **kwargs)
+        return _plain(original, self, batch, t0, *args, **kwargs)
     rec = _rec(self)
     _guard("run_batch:profile", profiling.tick, rec.dir.parent, rec.tp_rank)
-    t0 = time.perf_counter()
     with profiling.section("snapshot"):
         snap = _guard("run_batch:snapshot", _snapshot, self, batch)
-    if snap is not None:
-        snap.host_s += time.perf_counter() - t0
     if snap is None or (snap.mode != "extend" and not snap.take):  # nothing recorded at this step
-        return original(self, batch, *args, **kwargs)
+        return _plain(original, self, batch, t0, *args, **kwargs)
+    snap.host_s += time.perf_counter() - t0
+    snap.parts["snapshot"] = time.perf_counter() - t0
     _batch = snap
     start = _event(self)
     try:
@@ -442,6 +501,11 @@ def _run_batch(original, self, batch, *args, **kwargs):
         snap.events = (start, end)
     with profiling.section("after"):
         _guard("run_batch:after", _after, self, snap, result)
+    if snap.mode == "decode":
+        t1 = time.perf_counter()
+        rec.shipper.counts.add(recorded_batches=1, recorded_ns=int(1e9 * (t1 - t0)),
+                               hooks_ns=int(1e9 * (snap.host_s + t1 - snap.after_t0)),
+                               **{f"{k}_ns": int(1e9 * v) for k, v in snap.parts.items()})
     return result
 
 
@@ -469,13 +533,13 @@ def _eagle_sample(original, *args, **kwargs):
     pre = None
     if snap is not None:
         t0 = time.perf_counter()
-        with profiling.section("verify.before"):
+        with _part(snap, "verify", "verify.before"):
             pre = _guard("eagle_sample:before", _tree_inputs, snap, args, kwargs)
         snap.host_s += time.perf_counter() - t0
     result = original(*args, **kwargs)
     if snap is not None and pre is not None:
         t0 = time.perf_counter()
-        with profiling.section("verify.after"):
+        with _part(snap, "verify", "verify.after"):
             part = _guard("eagle_sample:after", _tree_part, snap, pre, result)
         if part:
             snap.pending.append(part)
@@ -558,15 +622,16 @@ def _dflash_forward(original, self, batch, *args, **kwargs):
                                                            or batch.forward_mode.is_idle())))
     if snap is None and fault is None:
         return original(self, batch, *args, **kwargs)
-    with dflash_taps.dflash_taps(self, len(batch.reqs), snap is not None and decode, fault) as taps:
+    with dflash_taps.dflash_taps(self, len(batch.reqs), snap is not None and decode, fault, _graphs(_TAP_GRAPHS)) as taps:
         result = original(self, batch, *args, **kwargs)
     if snap is not None and decode:
         t0 = time.perf_counter()
-        with profiling.section("dflash.after"):
+        with _part(snap, "verify", "dflash.after"):
             part = _guard("dflash:after", _chain_part, self, snap, result, taps)
         if part:
             snap.pending.append(part)
-        snap.host_s += time.perf_counter() - t0
+        snap.host_s += time.perf_counter() - t0 + taps.host_s
+        snap.parts["taps"] = snap.parts.get("taps", 0.0) + taps.host_s
     return result
 
 
@@ -578,11 +643,16 @@ def _chain_part(worker: Any, snap: _Batch, result: Any, taps: dflash_taps.DFlash
     cand = worker._draft_block_tokens_buf[:bs]  # [bs, B]: column 0 the root, then the drafts
     block = int(cand.shape[1])
     outs = snap.rows(_on(result.next_token_ids, logits.device).reshape(bs, -1))  # [b, B]
-    nodes = summarise_nodes(snap.rows(logits.detach(), block), outs.reshape(-1))
+    rows = snap.rows(logits.detach(), block)  # [b*B, V]
+    flat = outs.reshape(-1)  # [b, B] -> [b*B]
+    graphs = _graphs(_VERIFY_GRAPHS)
+    key = ("chain", len(snap.pending), tuple(rows.shape), rows.dtype, tuple(flat.shape), flat.dtype)
+    nodes = (summarise_nodes(rows, flat).tensors() if graphs is None
+             else graphs.run(key, lambda lg, o: summarise_nodes(lg, o).tensors(), rows, flat))
     new_lens = getattr(result, "new_seq_lens", None)
     committed = (snap.rows(new_lens) - snap.rows(result.accept_lens) if isinstance(new_lens, torch.Tensor)
                  else _host_lens(snap, logits.device))  # after the step minus what it appended
-    t = {"cand": snap.rows(cand).clone(), "nodes": nodes.tensors(), "accept_lens": _opt(snap, result.accept_lens),
+    t = {"cand": snap.rows(cand).clone(), "nodes": nodes, "accept_lens": _opt(snap, result.accept_lens),
          "out_tokens": outs.clone()}
     draft = {k: (v if v.dim() == 0 else snap.rows(v)) for k, v in taps.draft.items()} if taps.draft else None
     context = {k: snap.rows(v) for k, v in taps.context.items()} if taps.context else None

@@ -70,7 +70,8 @@ def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The tensors' bytes, one after the other, as one ``uint8`` tensor on their device."""
     if not tensors:
         return torch.empty(0, dtype=torch.uint8)
-    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]  # [n] -> [n * itemsize] bytes
+    # [n] -> [n * itemsize] bytes (a record's tensors carry no autograd history; most are contiguous already)
+    parts = [(t if t.is_contiguous() else t.contiguous()).view(-1).view(torch.uint8) for t in tensors]
     return torch.cat(parts)
 
 

@@ -25,7 +25,7 @@ from typing import Any
 from refcheck.atomic_file import atomic_write_bytes
 from refcheck.sglang.capture import packing
 from refcheck.sglang.capture.expand import expand_batch, expand_prefill
-from refcheck.sglang.capture.shipper import Shipper, counts_path, queue_files, read_counts
+from refcheck.sglang.capture.shipper import Shipper, counts_path, ledger_summary, queue_files, read_fields
 from refcheck.sglang.capture.steps import PrefillCapture, StepCapture
 
 
@@ -63,6 +63,8 @@ class Capture:
     errors: list[str] = field(default_factory=list)  # hook errors and unreadable files
     status: list[dict[str, Any]] = field(default_factory=list)
     lost: int = 0  # batch records the engine's capture queue could not take (it was full)
+    #: what the capture cost the engine, over every process (:func:`~refcheck.sglang.capture.shipper.ledger_summary`)
+    cost: dict[str, Any] = field(default_factory=dict)
 
 
 def read_capture(root: Path) -> Capture:
@@ -102,14 +104,20 @@ def read_capture(root: Path) -> Capture:
 
 def _read_queues(root: Path, cap: Capture) -> None:
     """Records queued but never written (the engine stopped first) are errors; records lost to a full queue are
-    counted."""
+    counted; the processes' cost ledgers are summed into :attr:`Capture.cost`."""
+    ledger: dict[str, int] = {}
     for f in queue_files(root):
         try:
-            queued, written, lost = read_counts(f)
+            fields = read_fields(f)
         except (OSError, ValueError) as exc:
             cap.errors.append(f"{f.name}: unreadable capture queue counts ({exc})")
             continue
+        for k, v in fields.items():
+            ledger[k] = ledger.get(k, 0) + v
+        queued, written, lost = fields["queued"], fields["written"], fields["lost"]
         if written < queued:
             cap.errors.append(f"{f.name}: {queued - written} of {queued} captured batches were still queued when the "
                               "engine stopped (not written)")
         cap.lost += lost
+    if ledger:
+        cap.cost = ledger_summary(ledger, ledger["written"])

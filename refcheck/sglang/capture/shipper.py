@@ -13,10 +13,14 @@ reuse their storage). A record's ``events`` field (two CUDA events recorded
 around the engine's step on its stream) becomes ``step_s``, their distance in seconds. The queue holds at most ``depth`` records: a record that
 finds it full is not queued but counted as lost, never blocking the engine and never silently missing.
 
-Counts live in a 24-byte memory-mapped file ``queue-rank{r}-pid{pid}.bin`` (little-endian u64: records
-queued, records written, records lost), updated by plain memory writes, so the engine's parent can wait
-until every queued record is on disk (:func:`wait_drained`) before it stops SGLang, and the reader can
-report lost records (:func:`read_counts`).
+Counts live in a memory-mapped file ``queue-rank{r}-pid{pid}.bin`` of :data:`FIELDS` (little-endian u64 each),
+updated by plain memory writes, so the engine's parent can wait until every queued record is on disk
+(:func:`wait_drained`) before it stops SGLang, and the reader can report lost records (:func:`read_counts`).
+Beside the queue's three counts the file holds the capture's cost ledger (:func:`read_fields`, :func:`ledger_summary`): the writer
+thread's CPU time on the records it wrote (its wait for a record's copy left out), and the scheduler's
+``run_batch`` wall time over decode batches that ran as if no capture were loaded (``plain``) and over
+recorded ones (``recorded``: the whole batch, the hooks' own time within it, and that time by part,
+:data:`PARTS`), in nanoseconds; the hooks add to it with :meth:`Counters.add`.
 """
 
 from __future__ import annotations
@@ -38,7 +42,13 @@ import torch
 from refcheck.sglang.capture import packing
 
 QUEUE_DEPTH = 512
-_FMT = "<QQQ"  # queued, written, lost
+#: the counters file's fields, in order: the queue's counts, then the cost ledger (times in nanoseconds)
+FIELDS = ("queued", "written", "lost", "writer_ns", "plain_batches", "plain_ns", "recorded_batches", "recorded_ns",
+          "hooks_ns", "snapshot_ns", "verify_ns", "taps_ns", "state_ns", "ship_ns")
+#: the parts of the hooks' time the ledger books (``{part}_ns``): the batch's snapshot, the verify hooks' reductions,
+#: the DFLASH drafter's taps, the committed state's sketch, and packing and queuing the record
+PARTS = ("snapshot", "verify", "taps", "state", "ship")
+_FMT = "<" + "Q" * len(FIELDS)
 _SIZE = struct.calcsize(_FMT)
 
 
@@ -61,7 +71,8 @@ def _timed(fields: dict[str, Any]) -> dict[str, Any]:
 
 
 class Counters:
-    """The queue's three counts, in a file the parent process can read while the engine runs."""
+    """The queue's counts and the cost ledger (:data:`FIELDS`), in a file the parent process can read while the
+    engine runs."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -69,19 +80,74 @@ class Counters:
             f.write(b"\0" * _SIZE)
         self._file = open(path, "r+b")  # noqa: SIM115 - held for the process's life, as the mapping is
         self._map = mmap.mmap(self._file.fileno(), _SIZE)
-        self.queued = self.written = self.lost = 0
+        self.values = dict.fromkeys(FIELDS, 0)
+        self._lock = threading.Lock()  # the engine's thread (queue, ledger) and the writer's (written) both add
 
-    def bump(self, field: str) -> None:
-        setattr(self, field, getattr(self, field) + 1)
-        struct.pack_into(_FMT, self._map, 0, self.queued, self.written, self.lost)
+    @property
+    def queued(self) -> int:
+        return self.values["queued"]
+
+    @property
+    def written(self) -> int:
+        return self.values["written"]
+
+    @property
+    def lost(self) -> int:
+        return self.values["lost"]
+
+    def add(self, **amounts: int) -> None:
+        """Add to the named fields and publish them (one memory write)."""
+        with self._lock:
+            for name, amount in amounts.items():
+                self.values[name] += int(amount)
+            struct.pack_into(_FMT, self._map, 0, *self.values.values())
+
+
+def read_fields(path: Path) -> dict[str, int]:
+    """Every field of one scheduler process's counters file (:data:`FIELDS`)."""
+    data = Path(path).read_bytes()
+    if len(data) != _SIZE:
+        raise ValueError(f"{path.name}: {len(data)} bytes, a capture queue file holds {_SIZE}")
+    return dict(zip(FIELDS, struct.unpack(_FMT, data)))
 
 
 def read_counts(path: Path) -> tuple[int, int, int]:
     """(queued, written, lost) of one scheduler process's capture queue."""
-    data = Path(path).read_bytes()
-    if len(data) != _SIZE:
-        raise ValueError(f"{path.name}: {len(data)} bytes, a capture queue file holds {_SIZE}")
-    return struct.unpack(_FMT, data)
+    v = read_fields(path)
+    return v["queued"], v["written"], v["lost"]
+
+
+def read_ledgers(root: Path) -> dict[str, int]:
+    """Every field of :data:`FIELDS` summed over the capture directory's scheduler processes (a file that cannot be
+    read counts nothing: the record reader reports it)."""
+    total = dict.fromkeys(FIELDS, 0)
+    for f in queue_files(root):
+        try:
+            fields = read_fields(f)
+        except (OSError, ValueError):
+            continue
+        for k, v in fields.items():
+            total[k] += v
+    return total
+
+
+def ledger_between(before: dict[str, int], after: dict[str, int]) -> dict[str, float | int | None]:
+    """:func:`ledger_summary` of what was booked between two :func:`read_ledgers` (one pass of requests)."""
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in FIELDS}
+    return ledger_summary(delta, delta["written"])
+
+
+def ledger_summary(ledger: dict[str, int], written: int) -> dict[str, float | int | None]:
+    """A ledger (summed over processes) in milliseconds per batch: a plain decode batch's ``run_batch``, a
+    recorded one's and the hooks' share of it, and the writer's CPU per record (``written`` records)."""
+    def per(ns: str, n: int) -> float | None:
+        return round(ledger.get(ns, 0) / 1e6 / n, 4) if n else None
+
+    plain, recorded = ledger.get("plain_batches", 0), ledger.get("recorded_batches", 0)
+    return {"plain_batches": plain, "plain_ms_per_batch": per("plain_ns", plain), "recorded_batches": recorded,
+            "recorded_ms_per_batch": per("recorded_ns", recorded), "hooks_ms_per_batch": per("hooks_ns", recorded),
+            "writer_ms_per_record": per("writer_ns", written),
+            "parts_ms_per_batch": {p: per(f"{p}_ns", recorded) for p in PARTS}}
 
 
 def queue_files(root: Path) -> list[Path]:
@@ -134,9 +200,9 @@ class Shipper:
             try:
                 self._queue.put_nowait(item)
             except queue.Full:
-                self.counts.bump("lost")
+                self.counts.add(lost=1)
                 return False
-            self.counts.bump("queued")
+            self.counts.add(queued=1)
         return True
 
     def drain(self, timeout_s: float = 60.0) -> bool:
@@ -151,17 +217,19 @@ class Shipper:
             item = self._queue.get()
             if item is None:
                 return
+            cpu0 = None
             try:
                 if item.event is not None:
                     item.event.synchronize()  # the record's copy has landed in host memory (the lock is released)
+                cpu0 = time.thread_time_ns()
                 data = packing.encode(_timed(item.skeleton), item.entries, item.device_bytes.numpy().tobytes(),
                                       item.host_bytes.numpy().tobytes())
                 self._write(item.kind, data)
             except Exception as exc:  # a record that cannot be written is reported, the rest carry on
                 self._error(f"writer:{item.kind}", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
             finally:
-                with self._lock:
-                    self.counts.bump("written")
+                spent = time.thread_time_ns() - cpu0 if cpu0 is not None else 0
+                self.counts.add(written=1, writer_ns=spent)
 
 
 def counts_path(root: Path, tp_rank: int) -> Path:

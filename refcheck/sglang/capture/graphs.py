@@ -1,0 +1,77 @@
+"""A capture computation replayed as one CUDA graph per input shape: the launches of a recorded batch's device
+work cost the scheduler's thread one graph launch.
+
+Contract: :class:`GraphCache` maps a key (the shapes and settings a computation depends on) to a captured
+:class:`torch.cuda.CUDAGraph` of ``fn(*inputs)``, where ``fn`` takes device tensors and returns a nest (dicts,
+lists, tuples) of device tensors and plain values, reads nothing else that changes between calls but
+fixed-address buffers (SGLang's pools and refcheck's cached projections) and never synchronises with the
+host. :meth:`GraphCache.run` copies the inputs into the graph's static inputs and replays it on the current
+stream (every input on the GPU; otherwise it runs eagerly); the returned nest is the graph's static outputs, valid until the next replay of that key, so a caller
+copies them on the same stream before the next call (the shipper's packing does). The first call of a key runs
+``fn`` once eagerly on a side stream (its lazy caches and allocations), then captures it there with
+``thread_local`` capture mode (other threads' CUDA calls are not disturbed), without
+:func:`torch.cuda.graph`'s device-wide synchronise, garbage collection and cache emptying. Off CUDA, or for a
+key whose capture failed (the failure is handed to ``on_error`` once and the key runs eagerly from then on),
+:meth:`GraphCache.run` is ``fn(*inputs)``. A replay computes what the eager call computes, kernel for kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+
+class _Captured:
+    def __init__(self, fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...]) -> None:
+        self.inputs = tuple(t.clone() for t in inputs)  # the graph's static inputs
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            fn(*self.inputs)  # warm-up: lazy projections and the allocator's blocks exist before capture
+            self.graph = torch.cuda.CUDAGraph()
+            self.graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self.outputs = fn(*self.inputs)
+            finally:
+                self.graph.capture_end()
+        current.wait_stream(side)
+
+    def __call__(self, inputs: tuple[torch.Tensor, ...]) -> Any:
+        for static, t in zip(self.inputs, inputs):
+            static.copy_(t, non_blocking=True)
+        self.graph.replay()
+        return self.outputs
+
+
+class GraphCache:
+    """Captured graphs of one computation by key (module docstring)."""
+
+    def __init__(self, on_error: Callable[[Hashable, Exception], None] | None = None, limit: int = 64) -> None:
+        self._graphs: dict[Hashable, _Captured] = {}
+        self._eager: set[Hashable] = set()  # keys whose capture failed, or past ``limit`` graphs
+        self._on_error = on_error
+        self.limit = limit
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, key: Hashable, fn: Callable[..., Any], *inputs: torch.Tensor) -> Any:
+        """``fn(*inputs)``, replayed from the key's graph where it can be (module docstring)."""
+        if not inputs or any(t.device.type != "cuda" for t in inputs) or key in self._eager:
+            return fn(*inputs)
+        captured = self._graphs.get(key)
+        if captured is None:
+            if len(self._graphs) >= self.limit:
+                self._eager.add(key)
+                return fn(*inputs)
+            try:
+                captured = self._graphs[key] = _Captured(fn, inputs)
+            except Exception as exc:  # a computation that cannot be captured runs eagerly; the engine carries on
+                self._eager.add(key)
+                if self._on_error is not None:
+                    self._on_error(key, exc)
+                return fn(*inputs)
+        return captured(inputs)
