@@ -35,22 +35,30 @@ def gate_pool():
 
 
 @pytest.fixture(scope="module")
-def repo_gate(gate_pool) -> tuple[int, dict]:
-    """One ``refcheck gate --json --profile --workers 1`` over the repository's goldens: (exit code,
-    JSON). The suite's most expensive run, made once for the tests that read its verdicts and its
-    work counts (they share an xdist group, so one worker runs them); one process, so the counts do
-    not depend on how many cores the machine has. It runs on a fresh pool (its work counts are
-    the gate's own), which the group's later tests then share."""
+def gate_cache(tmp_path_factory) -> Path:
+    """The report cache the repository gate below fills (empty before it runs: every case is judged)."""
+    return tmp_path_factory.mktemp("gate-cache")
+
+
+@pytest.fixture(scope="module")
+def repo_gate(gate_pool, gate_cache) -> tuple[int, dict]:
+    """One ``refcheck gate --json --profile --workers 1 --cache-dir EMPTY`` over the repository's goldens:
+    (exit code, JSON). The suite's most expensive run, made once for the tests that read its verdicts and
+    its work counts (they share an xdist group, so one worker runs them); one process, so the counts do
+    not depend on how many cores the machine has. It runs on a fresh pool and an empty cache (its work
+    counts are the gate's own), which the group's later tests then share."""
     import contextlib
     import io
     import sys
 
     from refcheck.cli import entry
 
+    assert not any(gate_cache.iterdir())
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exc:
         _use_pool(mp, gate_pool)
-        mp.setattr(sys, "argv", ["refcheck", "gate", "--json", "--profile", "--workers", "1"])
+        mp.setattr(sys, "argv", ["refcheck", "gate", "--json", "--profile", "--workers", "1", "--cache-dir",
+                                 str(gate_cache)])
         entry()
     return int(exc.value.code or 0), json.loads(out.getvalue())
 
@@ -170,9 +178,20 @@ def test_gate_work_stays_within_its_budget(repo_gate):
 
 
 @pytest.mark.xdist_group("repository_gate")
-def test_diff_budget_15_against_goldens(cli, monkeypatch, golden_pool):
-    code, out, err = cli("diff", "--budget", "15", "--json")
+def test_diff_budget_15_against_goldens(cli, monkeypatch, golden_pool, gate_cache, repo_gate):
+    """The README's command, judged through the gate's report cache (``REFCHECK_GATE_CACHE``): the gate above
+    judged these goldens with the same key (golden bytes, entry, code, environment), so the diff's reports
+    are the gate's, each case read and none judged again; the verdict lines are the diff's own."""
+    from refcheck.profile import Profile
+
+    monkeypatch.setenv("REFCHECK_GATE_CACHE", str(gate_cache))
+    judged = Profile()
+    with judged.active():
+        code, out, err = cli("diff", "--budget", "15", "--json")
     assert code == EXIT_PASS, err
+    assert not judged.counts.get("steps_replayed"), judged.counts  # every report came from the gate's cache
+    gated = {r["case"]: r for r in repo_gate[1]["reports"]}
+    assert all(r == gated[r["case"]] for r in json.loads(out)["reports"])
     cases = {r["case"] for r in json.loads(out)["reports"]}
     assert cases == {"hybrid-b15", "hybrid-b15-scripted", "hybrid-b15-t1", "sglang-hybrid-dflash-b15",
                      "sglang-hybrid-dflash-tp2", "sglang-hybrid-ddtree-b15", "sglang-hybrid-ddtree-b15-t1"}

@@ -223,7 +223,7 @@ def test_engine_crash_mid_run_keeps_a_partial_trace_and_is_reported(fake_sglang)
 def test_engine_hang_times_out(fake_sglang):
     from refcheck.prompts import load_prompts
 
-    trace = fake_sglang("hang", timeout_s=20).trace(load_prompts()[:1])
+    trace = fake_sglang("hang", timeout_s=5).trace(load_prompts()[:1])
     assert "timed out" in trace.provenance["capture"]["crash"]
 
 

@@ -319,7 +319,9 @@ def _diff_goldens(golden_dir: Path | None, budget: int | None, model: str, pool:
                   ref: ReferenceOptions, reports: list[Report], traces: list[Trace],
                   golden_notes: list[tuple[Path, bool]]) -> None:
     """Judge the goldens of this budget and model as the gate does (appending to ``reports``, ``traces`` and
-    ``golden_notes``); none: a :class:`GoldenError`."""
+    ``golden_notes``); none: a :class:`GoldenError`. With the gate's reference options (mode both, the default
+    reference) a case goes through the gate's report cache when ``REFCHECK_GATE_CACHE`` names one: the same
+    key, so a report the gate stored is this diff's, and the other way round."""
     from refcheck.goldens import default_golden_dir
     from refcheck.goldens.judge import check_trace
     from refcheck.goldens.verify import verify
@@ -334,14 +336,30 @@ def _diff_goldens(golden_dir: Path | None, budget: int | None, model: str, pool:
     if not names:
         raise GoldenError(f"no golden trace for budget {want_budget} on {model} in {gdir} "
                           "(create them: refcheck golden regen --accept --reason ...)")
+    cache = _gate_cache() if mode == "both" and ref == ReferenceOptions() else None
     for name in names:
-        trace = read_trace(gdir / manifest.cases[name].file)
-        logging.getLogger("refcheck.cli.diff").debug("diffing golden %s against the live reference", name)
-        # the gate's own judgement of the golden (its manifest entry's rules included): diff and gate agree
-        reports.append(check_trace(name, trace, manifest.cases[name].provenance, pool, mode, ref.ref_dtype,
-                                   ref.ref_device))
+        entry = manifest.cases[name]
+        trace = read_trace(gdir / entry.file)
+        report = cache.get(entry) if cache is not None else None
+        if report is None:
+            logging.getLogger("refcheck.cli.diff").debug("diffing golden %s against the live reference", name)
+            # the gate's own judgement of the golden (its manifest entry's rules included): diff and gate agree
+            report = check_trace(name, trace, entry.provenance, pool, mode, ref.ref_dtype, ref.ref_device)
+            if cache is not None:
+                cache.put(entry, report)
+        reports.append(report)
         golden_notes.append((gdir / manifest.cases[name].file, True))
         traces.append(trace)
+
+
+def _gate_cache():
+    """The gate's report cache named by ``REFCHECK_GATE_CACHE`` (``refcheck gate --cache-dir``'s variable), or None."""
+    import os
+
+    from refcheck.goldens.cache import ReportCache
+
+    directory = os.environ.get("REFCHECK_GATE_CACHE")
+    return ReportCache(Path(directory)) if directory else None
 
 
 def _can_sample(engine: str) -> bool:
