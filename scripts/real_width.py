@@ -12,7 +12,8 @@ as JSON. ``--tiny`` builds the same layout at a test scale (hidden 64, vocab 100
 At 8 layers the target is 5.6 B parameters (11.2 GB bf16), the drafter 1.7 B (3.5 GB); the reference holds
 both in fp32 (29 GB) once SGLang has exited.
 
-``run`` diffs SGLang against the reference for each algorithm through ``scripts/sglang_suite.py``'s
+``run`` (``--tp 2``: SGLang over two GPUs, the suite's ``-tp2`` configurations) diffs SGLang against the reference
+for each algorithm through ``scripts/sglang_suite.py``'s
 ``run_config`` (one ``python -m refcheck diff --engine sglang --model DIR/target --draft DIR/draft ...
 --ref-device cuda --ref-dtype float32 --mode both --save-trace`` process, then a bf16 ``--mode replay`` of the
 saved trace): REFCHECK_DDTREE at budget 15 (config ``ddtree-b15``), NGRAM at budget 11 and BFS breadth 10
@@ -45,7 +46,9 @@ if str(HERE) not in sys.path:  # the suite beside this script (scripts/ is not a
     sys.path.insert(0, str(HERE))
 
 #: algorithm -> the scripts/sglang_suite.py configuration that runs it
-ALGORITHMS = {"REFCHECK_DDTREE": "ddtree-b15", "NGRAM": "ngram", "DFLASH": "dflash"}
+ALGORITHMS = {"REFCHECK_DDTREE": "ddtree-b15", "NGRAM": "ngram", "DFLASH": "dflash",
+              # an injected SGLang fault (refcheck/sglang/ddtree/faults.py): the verdict must fail it at its onset
+              "REFCHECK_DDTREE_FAULT_MAMBA_FLAT_INDEX": "ddtree-fault-mamba-flat-index"}
 
 
 def suite() -> ModuleType:
@@ -121,7 +124,7 @@ def pair_info(pair_dir: Path) -> dict:
 
 def run_one(algorithm: str, args: argparse.Namespace, module: ModuleType) -> dict:
     """One algorithm through the suite's run_config, plus the trace's size and the diff's rate."""
-    name = ALGORITHMS[algorithm]
+    name = ALGORITHMS[algorithm] + (f"-tp{args.tp}" if args.tp > 1 else "")
     ns = argparse.Namespace(model=str(args.pair_dir / "target"), draft=str(args.pair_dir / "draft"), pair="hybrid",
                             max_new_tokens=args.max_new_tokens, mem_fraction=args.mem_fraction, timeout=args.timeout,
                             parallel=1, no_bf16_replay=args.no_bf16_replay)
@@ -167,9 +170,11 @@ def main(argv: list[str] | None = None) -> None:
     r = sub.add_parser("run", help="Diff SGLang against the reference on a built pair, per algorithm.")
     r.add_argument("--pair-dir", type=Path, required=True)
     r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    r.add_argument("--algorithms", default="REFCHECK_DDTREE,NGRAM,DFLASH")
     r.add_argument("--max-new-tokens", type=int, default=32)
     r.add_argument("--mem-fraction", type=float, default=0.45, help="SGLang's mem_fraction_static.")
+    r.add_argument("--tp", type=int, choices=(1, 2), default=1,
+                   help="SGLang's tensor parallelism (2: the suite's -tp2 configurations, on two GPUs).")
     r.add_argument("--timeout", type=float, default=540.0, help="Per diff process, seconds.")
     r.add_argument("--no-bf16-replay", action="store_true", help="Skip the bf16 replay of each trace.")
     args = ap.parse_args(argv)

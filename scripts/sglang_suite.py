@@ -42,7 +42,8 @@ CONFIGS = {
         ("none", ["--sglang-algorithm", "NONE"]),
         ("dflash", ["--sglang-algorithm", "DFLASH", "--budget", "15"]),
         ("ngram", ["--sglang-algorithm", "NGRAM", "--budget", "11", "--ngram-breadth", "10"]),
-        ("ddtree-b15", ["--sglang-algorithm", "REFCHECK_DDTREE", "--budget", "15"]))},
+        ("ddtree-b15", ["--sglang-algorithm", "REFCHECK_DDTREE", "--budget", "15"]),
+        ("ddtree-fault-mamba-flat-index", ["--sglang-algorithm", "REFCHECK_DDTREE_FAULT_MAMBA_FLAT_INDEX", "--budget", "15"]))},
     # the calibration corpus (refcheck calibrate --traces): budget 8, CUDA graphs on, one request at a time
     "ddtree-b8": ["--sglang-algorithm", "REFCHECK_DDTREE", "--budget", "8"],
     **{f"{name}-graphs": [*args, "--cuda-graphs"] for name, args in (

@@ -264,3 +264,9 @@ def test_script_run_summarises_traces(tiny_pair, tmp_path, monkeypatch):
     assert summary["pair"]["target"]["vocab_size"] == 1000 and summary["pair"]["draft_layers"] == 2
     script.main(["run", "--pair-dir", str(tiny_pair), "--out", str(out), "--algorithms", "REFCHECK_DDTREE"])
     assert set(json.loads((out / "summary.json").read_text())) == {"pair", "NGRAM", "DFLASH", "REFCHECK_DDTREE"}
+    calls.clear()  # at tensor parallelism 2: the suite's -tp2 configurations, each of which exists
+    script.main(["run", "--pair-dir", str(tiny_pair), "--out", str(out), "--algorithms", "REFCHECK_DDTREE,NGRAM,DFLASH",
+                 "--tp", "2"])
+    assert [c[0] for c in calls] == ["ddtree-b15-tp2", "ngram-tp2", "dflash-tp2"]
+    configs = _load_script("sglang_suite").CONFIGS
+    assert all(configs[name][-2:] == ["--tp", "2"] for name, *_ in calls)

@@ -17,7 +17,7 @@ from refcheck.errors import EXIT_MISMATCH, EXIT_PASS
 @main.command()
 @click.option("--algorithms", default="NONE,DFLASH,NGRAM,REFCHECK_DDTREE", show_default=True,
               help="Comma list of SGLang algorithms (budgets: DFLASH 15, NGRAM 11 breadth 10, REFCHECK_DDTREE 15).")
-@click.option("--settings", "setting_names", default="default,graphs,overlap,radix,prefix,page16,page64,mixed32,long,together,together-radix,tp2",
+@click.option("--settings", "setting_names", default="default,graphs,overlap,radix,prefix,page16,page64,mixed32,long,together,together-radix,tp2,tp2-graphs",
               show_default=True, help="Comma list of production settings (--list shows what each one is).")
 @click.option("--cells", "cell_names", default=None,
               help="Exactly these cells instead of --algorithms x --settings: a comma list of ALGORITHM-setting "

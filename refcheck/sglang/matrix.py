@@ -68,6 +68,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("together-radix", "graphs,radix,stagger=25", "shared-prefix",
             "graphs and the radix cache at once, prefixes shared (a hybrid's radix cache runs at page 1, no overlap)"),
     Setting("tp2", "", "builtin", "tensor parallelism 2", gpus=2),
+    Setting("tp2-graphs", "graphs", "builtin", "tensor parallelism 2 with CUDA graphs", gpus=2),
 )}
 
 #: algorithm -> (budget, extra runner options)
