@@ -11,6 +11,10 @@ import os
 # contention a tiny forward then took ~1 ms instead of ~12 us. Set before torch is imported.
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ[_var] = "1"
+# The suite starts hundreds of Python processes (the CLI, workers, shards, engines' stand-ins): each compiles
+# refcheck's modules from source unless their bytecode is cached, ~0.3 s of CPU apiece. The cache goes where
+# Python keeps it (__pycache__/, ignored by git), whatever PYTHONDONTWRITEBYTECODE the shell set.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -82,9 +82,15 @@ def sampled_rid(rule: SampleRule, rid: str) -> str:
 
 
 def rule_for(rid: str, default: SampleRule) -> SampleRule:
-    """The rule a request's steps are recorded by: its rid's mark (:func:`sampled_rid`), else ``default``."""
+    """The rule a request's steps are recorded by: its rid's mark (:func:`sampled_rid`), else ``default`` (a marked
+    rid is parsed once: the hooks ask at every decode batch for every request in it)."""
     if not rid.startswith(SAMPLED_RID_PREFIX):
         return default
+    return _marked_rule(rid, default)
+
+
+@lru_cache(maxsize=65536)
+def _marked_rule(rid: str, default: SampleRule) -> SampleRule:
     parts = rid[len(SAMPLED_RID_PREFIX):].split("-", 2)
     if len(parts) < 3:
         return default
