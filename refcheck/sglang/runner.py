@@ -419,11 +419,8 @@ class SGLangRunner:
         return None
 
     def trace(self, prompts: list[Prompt]) -> Trace:
-        from refcheck.prompts import prompt_set_hash
-        from refcheck.provenance import build_provenance
         from refcheck.sglang.capture.assemble import assemble_trace
         from refcheck.sglang.capture.records import Capture, read_capture
-        from refcheck.sglang.capture.sample_rule import ENV_SAMPLE
         from refcheck.trace.io import write_trace
 
         tdir, ddir = self.spec.resolved_dirs()
@@ -434,18 +431,7 @@ class SGLangRunner:
         records = cdir / "records"
         if records.exists():  # an earlier run's records (a matrix cell resumed): never read as this run's
             shutil.rmtree(records)
-        env = dict(os.environ)
-        env.pop(ENV_DIR, None)
-        env.pop(ENV_FULL, None)
-        env.pop(ENV_SAMPLE, None)
-        if self.capture:
-            env[ENV_DIR] = str(records)
-            if not self.sample.full:
-                env[ENV_SAMPLE] = self.sample.to_env()
-        if self.full_state:
-            env[ENV_FULL] = "1"
-        if self.algorithm == SHADOW:
-            env[SHADOW_BUDGET_ENV] = str(self.budget)
+        env = self._engine_env(records)
         kw = engine_kwargs(self.spec, str(tdir), self.algorithm, mem_fraction_static=self.mem_fraction, budget=self.budget,
                            draft_path=str(ddir) if ddir else None, ngram_breadth=self.ngram_breadth, tp=self.tp,
                            settings=self.settings)
@@ -458,27 +444,56 @@ class SGLangRunner:
         results = {p.id: {"output_ids": o} for p, o in zip(prompts, run.get("outputs") or [])}
         crash = None if run.get("stage") == "done" else (run.get("error") or "the engine process died mid-run")
         cap = read_capture(records) if self.capture else Capture()
-        settings = self._settings(kw, run, ddir)
-        prov = build_provenance(
-            engine="sglang", engine_version=str(run.get("sglang", "unknown")), settings=settings,
-            model_dir=tdir, draft_dir=ddir if self.algorithm in DFLASH_DRAFTED else None, dtype=self.spec.dtype,
-            device="cuda", budget=self.budget, max_new_tokens=self.spec.max_new_tokens,
-            block_size=(draft_block_size(ddir) or self.budget + 1) if self.algorithm in DFLASH_DRAFTED else self.budget + 1,
-            drafter="dflash" if self.algorithm in DFLASH_DRAFTED else "none", prompt_set_sha256=prompt_set_hash(prompts),
-            model_label=self.spec.model_label)
+        prov = self._provenance(prompts, kw, run, tdir, ddir)
         asm = assemble_trace(prompts, rids, results, cap, prov, self.spec.sampling if self.spec.sampled else None,
                              sampling_rng(self.algorithm), overlap=self.settings.overlap)
         prov["capture"] = self._capture_provenance(cap, asm, crash)
-        if asm.stats.get("draft_not_captured") or (self.algorithm in DFLASH_DRAFTED and not asm.stats.get("draft_steps")
-                                                     and asm.stats.get("steps")):
-            logging.getLogger("refcheck.progress").warning(
-                "%s: the drafter inside SGLang was not captured (%s); its draft checks are reported unsupported",
-                self.algorithm, asm.stats.get("draft_not_captured") or "no step carried its drafter's side")
+        self._warn_if_drafter_missing(asm)
         self.last_assembly = asm
         if crash or asm.incomplete:
             write_trace(asm.trace, cdir / "partial.arrow")
             prov["capture"]["partial_trace"] = str(cdir / "partial.arrow")
         return asm.trace
+
+    def _engine_env(self, records: Path) -> dict[str, str]:
+        """The engine process's environment: this one's, with the capture's variables set for this run only."""
+        from refcheck.sglang.capture.sample_rule import ENV_SAMPLE
+
+        env = dict(os.environ)
+        for name in (ENV_DIR, ENV_FULL, ENV_SAMPLE):
+            env.pop(name, None)
+        if self.capture:
+            env[ENV_DIR] = str(records)
+            if not self.sample.full:
+                env[ENV_SAMPLE] = self.sample.to_env()
+        if self.full_state:
+            env[ENV_FULL] = "1"
+        if self.algorithm == SHADOW:
+            env[SHADOW_BUDGET_ENV] = str(self.budget)
+        return env
+
+    def _provenance(self, prompts: list[Prompt], kw: dict[str, Any], run: dict[str, Any], tdir: Path,
+                    ddir: Path | None) -> dict[str, Any]:
+        """The trace's provenance before the capture's part (models, settings, budget, block size, prompt set)."""
+        from refcheck.prompts import prompt_set_hash
+        from refcheck.provenance import build_provenance
+
+        drafted = self.algorithm in DFLASH_DRAFTED
+        return build_provenance(
+            engine="sglang", engine_version=str(run.get("sglang", "unknown")), settings=self._settings(kw, run, ddir),
+            model_dir=tdir, draft_dir=ddir if drafted else None, dtype=self.spec.dtype,
+            device="cuda", budget=self.budget, max_new_tokens=self.spec.max_new_tokens,
+            block_size=(draft_block_size(ddir) or self.budget + 1) if drafted else self.budget + 1,
+            drafter="dflash" if drafted else "none", prompt_set_sha256=prompt_set_hash(prompts),
+            model_label=self.spec.model_label)
+
+    def _warn_if_drafter_missing(self, asm: Any) -> None:
+        """A DFLASH-drafted run whose drafter side was not captured: its draft checks will be unsupported."""
+        if asm.stats.get("draft_not_captured") or (self.algorithm in DFLASH_DRAFTED and not asm.stats.get("draft_steps")
+                                                     and asm.stats.get("steps")):
+            logging.getLogger("refcheck.progress").warning(
+                "%s: the drafter inside SGLang was not captured (%s); its draft checks are reported unsupported",
+                self.algorithm, asm.stats.get("draft_not_captured") or "no step carried its drafter's side")
 
     def _capture_provenance(self, cap: Any, asm: Any, crash: str | None) -> dict[str, Any]:
         """The trace's ``capture`` provenance: errors, problems, crash, stats, the schedulers' status, the rule."""

@@ -138,9 +138,10 @@ def _request_row(p: Prompt, output: list[int], lps: list[float], first_uniform: 
     return row
 
 
-def _stats(kept: list[StepCapture], n_steps: int, n_branching: int, n_accepted: int, past_end: int) -> dict:
-    return {"steps": n_steps, "branching_steps": n_branching, "steps_past_output_dropped": past_end,
-            "tau": n_accepted / n_steps if n_steps else None,
+def _stats(kept: list[StepCapture], past_end: int) -> dict:
+    n_steps, n_accepted = len(kept), sum(len(s.accepted) for s in kept)
+    return {"steps": n_steps, "branching_steps": sum(bool(s.meta.get("branching")) for s in kept),
+            "steps_past_output_dropped": past_end, "tau": n_accepted / n_steps if n_steps else None,
             # steps whose target forward replayed one of SGLang's CUDA graphs (the rest ran eagerly)
             "cuda_graph_steps": sum(bool(c.meta.get("cuda_graph")) for c in kept),
             # how far the scheduler's request lists lagged the device (the overlap scheduler: 1 step's tokens)
@@ -159,6 +160,32 @@ def _per_batch_ms(kept: list[StepCapture]) -> float | None:
     return round(1000 * sum(h for _, h in batches) / len(batches), 4) if batches else None
 
 
+def _request_steps(out: Assembly, kept: list[StepCapture], p: Prompt, recs: list[StepCapture], output: list[int],
+                   lps: list[float], overlap: bool, dtype: str) -> tuple[list[float], int]:
+    """One request's captured steps into ``out.trace.steps`` (their records into ``kept``), each checked against the
+    output it emits: (the output's log-probs, [] where the records do not cover it; steps dropped past its end)."""
+    filled = 1 if output else 0
+    for k, s in enumerate(recs):
+        index = int(s.meta.get("step_index", k))
+        follows = k == 0 and index == 0 or k > 0 and index == int(recs[k - 1].meta.get("step_index", k - 1)) + 1
+        if not follows:  # steps the capture did not record (sampled, or lost) lie before this one
+            filled, lps = s.committed_len - len(p.prompt_ids) + 1, []
+        if filled >= len(output):
+            if not (overlap and len(recs) - k == 1):
+                out.problems.append(f"{p.id}: {len(recs) - k} captured step(s) past the end of the output dropped")
+            return (lps if len(lps) == len(output) else []), len(recs) - k
+        keep = min(len(s.emitted), len(output) - filled)
+        out.problems += _step_problems(f"{p.id} step {index}", s, recs[k - 1] if k and follows else None,
+                                       output[filled:filled + keep])
+        out.trace.steps.append(_step_row(p.id, index, s, keep, dtype))
+        kept.append(s)
+        if lps:
+            lps.extend(s.emitted_logprobs[:keep])
+        filled += keep
+    # the records do not cover the whole output: no per-token log-probs rather than a misaligned list
+    return (lps if len(lps) == len(output) else []), 0
+
+
 def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[str, dict], capture: Capture,
                    provenance: dict, sampling: Sampling | None = None, rng: str = "engine",
                    overlap: bool = False) -> Assembly:
@@ -172,7 +199,7 @@ def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[st
         steps_by_rid.setdefault(s.rid, []).append(s)
     first_rank = min(capture.prefills) if capture.prefills else 0
     prefill = {p.rid: p for p in capture.prefills.get(first_rank, [])}  # the last chunk of a chunked prefill wins
-    n_steps = n_branching = n_accepted = past_end = 0
+    past_end = 0
     kept: list[StepCapture] = []  # the records behind out.trace.steps, in the same order
     for p in prompts:
         rid = rids[p.id]
@@ -186,33 +213,11 @@ def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[st
         if first is not None and output and first.token != output[0]:
             out.problems.append(f"{p.id}: prefill record token {first.token} but output starts with {output[0]}")
         lps = [first.logprob] if first is not None and output else []
-        filled = 1 if output else 0
-        for k, s in enumerate(recs):
-            index = int(s.meta.get("step_index", k))
-            follows = k == 0 and index == 0 or k > 0 and index == int(recs[k - 1].meta.get("step_index", k - 1)) + 1
-            if not follows:  # steps the capture did not record (sampled, or lost) lie before this one
-                filled, lps = s.committed_len - len(p.prompt_ids) + 1, []
-            if filled >= len(output):
-                past_end += len(recs) - k
-                if not (overlap and len(recs) - k == 1):
-                    out.problems.append(f"{p.id}: {len(recs) - k} captured step(s) past the end of the output dropped")
-                break
-            keep = min(len(s.emitted), len(output) - filled)
-            out.problems += _step_problems(f"{p.id} step {index}", s, recs[k - 1] if k and follows else None,
-                                           output[filled:filled + keep])
-            out.trace.steps.append(_step_row(p.id, index, s, keep, str(provenance.get("dtype", "float32"))))
-            kept.append(s)
-            if lps:
-                lps.extend(s.emitted_logprobs[:keep])
-            filled += keep
-            n_steps += 1
-            n_branching += bool(s.meta.get("branching"))
-            n_accepted += len(s.accepted)
-        if lps and len(lps) != len(output):
-            lps = []  # the records do not cover the whole output: no per-token log-probs rather than a misaligned list
+        lps, dropped = _request_steps(out, kept, p, recs, output, lps, overlap, str(provenance.get("dtype", "float32")))
+        past_end += dropped
         out.trace.requests.append(_request_row(p, output, lps, first.uniform if first is not None else math.nan,
                                                sampling, rng))
-    out.stats = _stats(kept, n_steps, n_branching, n_accepted, past_end)
+    out.stats = _stats(kept, past_end)
     # branching trees verified while the engine ran its recurrent layers as a chain (topk <= 1): the leak's
     # configuration, visible without any numerics
     chain = [(row.request_id, row.step) for row, cap in zip(out.trace.steps, kept)
