@@ -521,3 +521,32 @@ def test_a_batch_the_sampling_rule_passes_over_reads_nothing_but_its_rids_and_is
     parts = cost["parts_ms_per_batch"]
     assert parts["state"] > 0 and parts["ship"] > 0 and parts["snapshot"] > 0 and not parts["taps"], parts
     assert sum(parts.values()) <= cost["hooks_ms_per_batch"] + 1e-3
+
+
+def test_a_state_graph_serves_every_batch_size_up_to_its_bucket():
+    """The state sketch of b requests comes from the graph of the next power of two (refcheck/sglang/capture/
+    hooks.py: bucket), the first request repeated to fill it: each request's sketches are those of the sketch of
+    the b requests alone (off CUDA the graph cache runs the padded computation as it is)."""
+    from refcheck.sglang.capture.graphs import GraphCache
+    from refcheck.sglang.capture.state import MambaPools, batch_state
+
+    assert [hooks.bucket(b) for b in (1, 2, 3, 4, 5, 17, 32, 33)] == [1, 2, 4, 4, 8, 32, 32, 64]
+    sched, kb, conv, temporal = _scheduler()
+    kv = {2: (kb, kb.flip(0))}
+    mamba = MambaPools([0], [0], conv[0], temporal)
+    table = sched.tp_worker.model_runner.req_to_token_pool.req_to_token
+    to_mamba = torch.tensor([0, 4, 2])
+
+    def sketch(rows, lens):
+        slots = table[rows[:, None], lens[:, None] + torch.arange(3)]  # [b, 3]
+        return batch_state(kv, slots, mamba, to_mamba[rows])
+
+    cache = GraphCache()
+    for rows in ([2, 0, 1], [1], [0, 2], [2, 1, 0, 1, 2]):
+        r, lens = torch.tensor(rows), torch.tensor([4, 7, 1, 3, 9][: len(rows)])
+        got, want = hooks._bucketed(cache, ("k",), sketch, r, lens), sketch(r, lens)
+        for name, entry in want["kv"].items():
+            assert got["kv"][name][2].shape == entry[2].shape and torch.allclose(got["kv"][name][2], entry[2], atol=1e-6)
+        for kind in ("conv", "rec"):
+            assert got["mamba"][kind].shape == want["mamba"][kind].shape
+            assert torch.allclose(got["mamba"][kind], want["mamba"][kind], atol=1e-6)

@@ -321,10 +321,37 @@ def _graphs(cache: GraphCache) -> GraphCache | None:
     return None if os.environ.get(ENV_GRAPHS, "").lower() in ("off", "0", "no") else cache
 
 
+def bucket(b: int) -> int:
+    """The batch size a state graph is captured for: the next power of two (a serving engine's batch size changes
+    from step to step; one graph per size would be captured at every new one)."""
+    return 1 << max(b - 1, 0).bit_length()
+
+
+def _bucketed(graphs: GraphCache, key: tuple, sketch: Callable[[torch.Tensor, torch.Tensor], dict[str, Any]],
+              rows: torch.Tensor, lens: torch.Tensor) -> dict[str, Any]:
+    """:func:`~refcheck.sglang.capture.state.batch_state` of ``b`` requests from the graph of :func:`bucket` (b)
+    rows: the first request's row repeated to fill it, its sketches dropped from the result (each request's
+    sketch reads only its own slots)."""
+    b = int(rows.shape[0])
+    pad = bucket(b) - b
+    if pad:
+        rows = torch.cat([rows, rows[:1].expand(pad)])  # [b] -> [B]
+        lens = torch.cat([lens, lens[:1].expand(pad)])
+    state = graphs.run((bucket(b), *key), sketch, rows, lens)
+    if not pad:
+        return state
+    kv = {name: (layer, kind, sk[:b], None if full is None else full[:b]) for name, (layer, kind, sk, full) in
+          state["kv"].items()}  # [B, W, ...] -> [b, W, ...]
+    mamba = state["mamba"]
+    if mamba is not None:  # [L, B, ...] -> [L, b, ...]
+        mamba = {k: (v[:, :b] if isinstance(v, torch.Tensor) else v) for k, v in mamba.items()}
+    return {"kv": kv, "mamba": mamba}
+
+
 def _state(scheduler: Any, snap: _Batch, committed: torch.Tensor, width: int) -> dict[str, Any]:
     """The recorded requests' committed state after the step, sketched on the device (``state``, ``tp``): one
-    graph replay per batch on CUDA (eagerly for the full rows of ``REFCHECK_CAPTURE_FULL``, or with
-    ``REFCHECK_CAPTURE_GRAPHS=off``)."""
+    graph replay per batch on CUDA, from the graph of the batch's :func:`bucket` (eagerly for the full rows of
+    ``REFCHECK_CAPTURE_FULL``, or with ``REFCHECK_CAPTURE_GRAPHS=off``)."""
     kv, mamba, rtp = _pool_views(scheduler)
     table = rtp.req_to_token
     tp_rank, tp_size = versions.tp_of(scheduler)
@@ -343,9 +370,8 @@ def _state(scheduler: Any, snap: _Batch, committed: torch.Tensor, width: int) ->
     lens = committed.to(table.device).long()
     # the graph reads the pools at the addresses it was captured with: they are part of its key
     pools = (table.data_ptr(), *(k.data_ptr() for k, _ in kv.values()), mamba.ssm.data_ptr() if mamba else 0)
-    key = (int(rows.shape[0]), width, shard, pools)
     graphs = None if full else _graphs(_STATE_GRAPHS)
-    state = sketch(rows, lens) if graphs is None else graphs.run(key, sketch, rows, lens)
+    state = sketch(rows, lens) if graphs is None else _bucketed(graphs, (width, shard, pools), sketch, rows, lens)
     out: dict[str, Any] = {"state": state}
     if shard is not None:
         out["tp"] = {"tp_rank": tp_rank, "tp_size": tp_size, "conv_groups": list(groups) if groups else None}
