@@ -2,7 +2,9 @@
 
 Contract: :func:`atomic_write_bytes` leaves either the old file or the whole new one at the path,
 whatever instant the process dies (temp file in the same directory, fsync, ``os.replace``,
-directory fsync); :func:`fsync_dir` makes a directory's renames durable. It replaces only a regular
+directory fsync); :func:`fsync_dir` makes a directory's renames durable; :func:`atomic_create` writes a
+file that is not there yet from several buffers, whole or not at all for readers, at the cost of one
+exclusive create, the writes and a rename (the SGLang capture's per-step records, inside a running engine). It replaces only a regular
 file: a directory, device (``/dev/null``), FIFO or socket at the path (a symbolic link followed) is a
 :class:`NotRegularFileError` and stays as it is. Used by traces, the golden store and manifest, the
 SGLang capture's records and the child-process status files.
@@ -14,6 +16,7 @@ import errno
 import os
 import stat
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -84,3 +87,29 @@ def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> int:
     if durable:
         fsync_dir(directory)
     return len(data)
+
+
+def atomic_create(path: Path, parts: Sequence[bytes | memoryview]) -> int:
+    """Write ``parts`` one after the other as the new file ``path`` (which is not there yet): into ``path`` +
+    ``.tmp``, created exclusively (the process's umask applied by the kernel), then renamed into place. A reader
+    sees the whole file or none; a power cut may lose it (no fsync). The temp name already there is a
+    :class:`FileExistsError`, and on any exception the temp file is removed. Returns the bytes written."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        try:
+            written = 0
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while view:
+                    n = os.write(fd, view)
+                    written += n
+                    view = view[n:]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return written

@@ -22,7 +22,7 @@ def _stalled(tmp_path, depth: int):
 
     def write(kind, data):
         gate.wait(10.0)
-        written.append((kind, packing.decode(data)))
+        written.append((kind, packing.decode(b"".join(data))))
 
     return Shipper(write, lambda where, msg: None, tmp_path / "queue-rank0-pid1.bin", depth=depth), gate, written
 
@@ -148,3 +148,29 @@ def test_each_pass_gets_what_it_booked_in_the_ledger(tmp_path, monkeypatch):
     assert costs["untraced"]["plain_ms_per_batch"] == 3.0 and costs["untraced"]["recorded_ms_per_batch"] is None
     monkeypatch.delenv("REFCHECK_CAPTURE_DIR")
     assert child._pass_costs([("start", child._ledger())]) == {}
+
+
+def test_a_record_file_is_created_whole_from_its_buffers_or_not_at_all(tmp_path, monkeypatch):
+    """refcheck/atomic_file.py's atomic_create (the capture's record files): the buffers end to end under the final
+    name, nothing under a temp name after; an existing temp name is refused; a write that fails leaves neither."""
+    import os
+
+    from refcheck.atomic_file import atomic_create
+
+    data = torch.arange(6, dtype=torch.uint8)
+    parts = packing.encode_parts({"a": 1}, [], data.numpy().data, b"xyz")
+    assert atomic_create(tmp_path / "00000000.rec", parts) == sum(len(bytes(p)) for p in parts)
+    assert (tmp_path / "00000000.rec").read_bytes() == packing.encode({"a": 1}, [], data.numpy().tobytes(), b"xyz")
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["00000000.rec"]
+    (tmp_path / "00000001.rec.tmp").write_bytes(b"")
+    with pytest.raises(FileExistsError):
+        atomic_create(tmp_path / "00000001.rec", [b"x"])
+    (tmp_path / "00000001.rec.tmp").unlink()
+
+    def full(fd, view):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError, match="No space"):
+        atomic_create(tmp_path / "00000002.rec", [b"x"])
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["00000000.rec"]

@@ -6,7 +6,7 @@ CUDA ones first); :func:`flatten`
 turns tensors of one device into one ``uint8`` buffer (a single ``cat`` where they live, so a record leaves the
 device in one copy) with each tensor's dtype, shape and byte range. :func:`encode` writes ``MAGIC``, the
 header's length (u64, little-endian), the header (JSON: the record's skeleton and its tensor table) and the
-bytes; :func:`decode` reads it back, every tensor a copy of its bytes (tuples come back as lists). A file
+bytes (:func:`encode_parts`: the same as buffers, the tensors' bytes not copied); :func:`decode` reads it back, every tensor a copy of its bytes (tuples come back as lists). A file
 that is not such a record raises ``ValueError``.
 """
 
@@ -75,10 +75,16 @@ def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def encode(skeleton: Any, entries: list[dict[str, Any]], *data: bytes) -> bytes:
-    """The record's file contents (``data``: the tensors' bytes, in the table's order)."""
+def encode_parts(skeleton: Any, entries: list[dict[str, Any]], *data: bytes | memoryview) -> list[bytes | memoryview]:
+    """The record's file contents as buffers to write one after the other (``data``: the tensors' bytes, in the
+    table's order, not copied)."""
     header = json.dumps({"record": skeleton, "tensors": entries}).encode()
-    return b"".join([MAGIC, struct.pack("<Q", len(header)), header, *data])
+    return [MAGIC + struct.pack("<Q", len(header)) + header, *data]
+
+
+def encode(skeleton: Any, entries: list[dict[str, Any]], *data: bytes | memoryview) -> bytes:
+    """:func:`encode_parts` as one ``bytes``."""
+    return b"".join(encode_parts(skeleton, entries, *data))
 
 
 def decode(raw: bytes) -> Any:

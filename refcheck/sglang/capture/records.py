@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from refcheck.atomic_file import atomic_write_bytes
+from refcheck.atomic_file import atomic_create, atomic_write_bytes
 from refcheck.sglang.capture import packing
 from refcheck.sglang.capture.expand import expand_batch, expand_prefill
 from refcheck.sglang.capture.shipper import Shipper, counts_path, ledger_summary, queue_files, read_fields
@@ -38,12 +38,14 @@ class Recorder:
         self._lock = threading.Lock()  # the engine's thread (errors) and the shipper's (records) both write
         self.shipper = Shipper(self.write, self.error, counts_path(root, tp_rank))
 
-    def write(self, kind: str, data: bytes) -> None:
-        """One encoded record (``kind`` names it in errors), as the next file of this process."""
+    def write(self, kind: str, data: bytes | list[bytes | memoryview]) -> None:
+        """One encoded record (``kind`` names it in errors; whole, or as :func:`~refcheck.sglang.capture.packing.
+        encode_parts`' buffers), as the next file of this process."""
         with self._lock:
             seq, self.seq = self.seq, self.seq + 1
-        # not fsynced: a record lost to a power cut is re-made by re-running; readers never see half of one
-        atomic_write_bytes(self.dir / f"{seq:08d}.rec", data, durable=False)
+        # a new name each time, not fsynced: a record lost to a power cut is re-made by re-running; readers never
+        # see half of one (``*.rec.tmp`` until it is whole)
+        atomic_create(self.dir / f"{seq:08d}.rec", data if isinstance(data, list) else [data])
 
     def ship(self, kind: str, fields: dict[str, Any], tensors: dict[str, Any]) -> None:
         """Queue a batch record (its tensors may be on the device); see :mod:`refcheck.sglang.capture.shipper`."""

@@ -176,7 +176,7 @@ def wait_drained(root: Path, timeout_s: float = 60.0, poll_s: float = 0.01) -> d
 class Shipper:
     """The queue and writer thread of one scheduler process (module docstring)."""
 
-    def __init__(self, write: Callable[[str, bytes], None], error: Callable[[str, str], None],
+    def __init__(self, write: Callable[[str, Any], None], error: Callable[[str, str], None],
                  counts_path: Path, depth: int = QUEUE_DEPTH) -> None:
         self._write, self._error = write, error
         self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=depth)
@@ -222,8 +222,8 @@ class Shipper:
                 if item.event is not None:
                     item.event.synchronize()  # the record's copy has landed in host memory (the lock is released)
                 cpu0 = time.thread_time_ns()
-                data = packing.encode(_timed(item.skeleton), item.entries, item.device_bytes.numpy().tobytes(),
-                                      item.host_bytes.numpy().tobytes())
+                data = packing.encode_parts(_timed(item.skeleton), item.entries, item.device_bytes.numpy().data,
+                                            item.host_bytes.numpy().data)
                 self._write(item.kind, data)
             except Exception as exc:  # a record that cannot be written is reported, the rest carry on
                 self._error(f"writer:{item.kind}", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
