@@ -41,19 +41,25 @@ def split(nest: Any) -> tuple[Any, list[torch.Tensor]]:
 
 def pack(nest: Any) -> tuple[Any, list[torch.Tensor]]:
     """:func:`split`, with the CUDA tensors numbered first (they leave the device as one buffer, the CPU ones follow
-    it in the file)."""
-    skeleton, tensors = split(nest)
-    order = sorted(range(len(tensors)), key=lambda i: not tensors[i].is_cuda)  # stable: device ones first
-    where = {old: new for new, old in enumerate(order)}
+    it in the file), each group in the nest's order; one walk of the nest."""
+    device: list[tuple[dict[str, int], torch.Tensor]] = []
+    host: list[tuple[dict[str, int], torch.Tensor]] = []
 
-    def renumber(obj: Any) -> Any:
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            slot = {_KEY: 0}
+            (device if obj.is_cuda else host).append((slot, obj))
+            return slot
         if isinstance(obj, dict):
-            return {_KEY: where[obj[_KEY]]} if set(obj) == {_KEY} else {k: renumber(v) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [renumber(v) for v in obj]
+            return {str(k): walk(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [walk(v) for v in obj]
         return obj
 
-    return renumber(skeleton), [tensors[i] for i in order]
+    skeleton = walk(nest)
+    for i, (slot, _) in enumerate(device + host):
+        slot[_KEY] = i
+    return skeleton, [t for _, t in device + host]
 
 
 def table(tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
