@@ -20,6 +20,7 @@ import torch
 
 MAGIC = b"RCAP1\n"
 _KEY = "__tensor__"
+_PLAIN = {int, float, str, bool, type(None)}
 
 
 def split(nest: Any) -> tuple[Any, list[torch.Tensor]]:
@@ -53,7 +54,8 @@ def pack(nest: Any) -> tuple[Any, list[torch.Tensor]]:
         if isinstance(obj, dict):
             return {str(k): walk(v) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
-            return [walk(v) for v in obj]
+            # a record's longest lists (rids, steps, lengths per request) are plain values: copied, not walked
+            return list(obj) if all(type(v) in _PLAIN for v in obj) else [walk(v) for v in obj]
         return obj
 
     skeleton = walk(nest)
