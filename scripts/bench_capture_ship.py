@@ -1,0 +1,104 @@
+"""What shipping a capture record costs the engine's process, on the CPU: a benchmark of the capture's way out.
+
+Usage::
+
+    python scripts/bench_capture_ship.py [--records 400] [--rounds 3] [--vs OTHER_REPO_ROOT]
+
+Builds ``--records`` batch records shaped like a DFLASH step of 32 requests at block 16 (the verify summary, the
+committed state of 2 attention and 4 linear-attention layers, the drafter's top ranks and context, the per-request
+host lists) and ships them through a :class:`refcheck.sglang.capture.records.Recorder` into a temporary directory:
+``ship ms/record`` is the loop's wall time per record (what the scheduler's thread pays: packing, flattening,
+queueing, with the writer thread running beside it), ``cpu ms/record`` the process's CPU time per record until
+every record is written (shipping and the writer together). The tensors are on the CPU, so the device-side copy is
+not in it; on the GPU the same parts are the cost ledger's ``ship`` and ``writer_ms_per_record``
+(``docs/results/capture-cost-h200.md``). With ``--vs`` each round runs this checkout's refcheck and the other
+one's, in turn, in fresh processes, and prints the ratios (this / other) of the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _record(bs: int = 32, block: int = 16, vocab: int = 512, k: int = 5) -> tuple[dict, dict]:
+    import torch
+
+    n = bs * block
+    t = {"cand": torch.randint(0, vocab, (bs, block)), "accept_lens": torch.randint(1, block, (bs,)),
+         "nodes": {"topk_ids": torch.randint(0, vocab, (n, k)), "topk_logprobs": torch.randn(n, k),
+                   "argmax": torch.randint(0, vocab, (n,)), "picked": torch.randn(n)},
+         "out_tokens": torch.randint(0, vocab, (bs, block)), "committed": torch.arange(bs)}
+    kv = {f"{kind}.{layer}": (layer, kind, torch.randn(bs, block, 16), None) for layer in (3, 7) for kind in ("kv_k", "kv_v")}
+    mamba = {"layers": [0, 1, 2, 4], "conv": torch.randn(4, bs, 16), "rec": torch.randn(4, bs, 16), "conv_rows": None,
+             "rec_rows": None}
+    draft = {"ids": torch.randint(0, vocab, (bs, block - 1, 13)), "logprobs": torch.randn(bs, block - 1, 13),
+             "reach": torch.ones(bs, block - 1), "k": torch.tensor(k)}
+    context = {"sketch": torch.randn(bs, block, 16), "positions": torch.arange(n).view(bs, block), "lens": torch.ones(bs)}
+    fields = {"layout": "chain", "rids": [f"refcheck-1-{i}-mixed-{i:02d}" for i in range(bs)], "origin": list(range(bs)),
+              "steps": [7] * bs, "committed_host": list(range(100, 100 + bs)), "roots_host": list(range(bs)),
+              "meta": {"server_topk": 1, "batch_size": bs, "layout_in_engine": "chain", "cuda_graph": True},
+              "sides": None, "events": None}
+    return fields, {"t": t, "state": {"kv": kv, "mamba": mamba}, "layers": None, "draft": draft, "context": context}
+
+
+def measure(records: int) -> dict[str, float]:
+    """Ship ``records`` records through a Recorder (module docstring): ms per record."""
+    import torch
+
+    from refcheck.sglang.capture.records import Recorder
+
+    torch.set_num_threads(1)  # the CPU stand-ins' copies on one thread: OpenMP's spinning would be counted as cost
+    rec = Recorder(Path(tempfile.mkdtemp(prefix="refcheck-ship-")))
+    batch = [_record() for _ in range(records)]
+    c0, t0 = time.process_time(), time.perf_counter()
+    for fields, tensors in batch:
+        rec.ship("batch", fields, tensors)
+    ship = time.perf_counter() - t0
+    if not rec.shipper.drain(120.0):
+        raise RuntimeError("the writer did not write every record within 120 s")
+    return {"ship_ms": 1000 * ship / records, "cpu_ms": 1000 * (time.process_time() - c0) / records}
+
+
+def _child(root: Path, records: int) -> dict[str, float]:
+    code = (f"import sys, json; sys.path.insert(0, {str(root)!r}); sys.path.insert(1, {str(ROOT / 'scripts')!r}); "
+            f"import bench_capture_ship as b; print(json.dumps(b.measure({records})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--records", type=int, default=400)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--vs", type=Path, default=None, help="Another checkout's root: its refcheck, run in turn.")
+    args = ap.parse_args(argv)
+    if args.records < 1 or args.rounds < 1:
+        ap.error("--records and --rounds must be >= 1")
+    if args.vs is not None and not (args.vs / "refcheck" / "sglang" / "capture" / "records.py").is_file():
+        ap.error(f"--vs {args.vs}: not a checkout of refcheck with the SGLang capture")
+    trees = [("this", ROOT)] + ([("other", args.vs.resolve())] if args.vs is not None else [])
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
+    for _ in range(args.rounds):
+        for name, root in trees:
+            runs[name].append(_child(root, args.records))
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in ("ship_ms", "cpu_ms")} for name, rs in runs.items()}
+    for name, m in med.items():
+        print(f"{name}: ship {m['ship_ms']:.3f} ms/record, cpu {m['cpu_ms']:.3f} ms/record "
+              f"(median of {args.rounds} x {args.records} records)")
+    if "other" in med:
+        print(f"this / other: ship {med['this']['ship_ms'] / med['other']['ship_ms']:.2f}, "
+              f"cpu {med['this']['cpu_ms'] / med['other']['cpu_ms']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

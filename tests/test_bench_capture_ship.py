@@ -1,0 +1,32 @@
+"""scripts/bench_capture_ship.py: it ships and writes every record it times, and refuses a --vs that is no checkout."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_capture_ship.py"
+
+
+def test_measure_times_records_that_were_all_written(tmp_path, monkeypatch):
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_capture_ship as bench
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    monkeypatch.setattr(bench.tempfile, "mkdtemp", lambda prefix="": str(tmp_path))
+    got = bench.measure(5)
+    assert got["ship_ms"] > 0 and got["cpu_ms"] > 0
+    from refcheck.sglang.capture.records import read_capture
+
+    cap = read_capture(tmp_path)
+    assert not cap.errors and cap.lost == 0 and len(cap.steps[0]) == 5 * 32  # every record, every request
+
+
+@pytest.mark.parametrize("args", [["--vs", "/nonexistent"], ["--records", "0"]])
+def test_bad_arguments_are_refused_before_anything_runs(args):
+    out = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "error:" in out.stderr
