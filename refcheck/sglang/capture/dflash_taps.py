@@ -98,8 +98,8 @@ def _draft(hidden: torch.Tensor, head: torch.Tensor, bs: int, block: int) -> dic
 
 
 def _run(graphs: GraphCache | None, key: tuple, fn: Callable[..., Any], *inputs: torch.Tensor) -> Any:
-    """``fn(*inputs)``, replayed from a CUDA graph when the caller keeps them (the device work of a decode step's
-    taps is one launch)."""
+    """``fn(*inputs)``, replayed from a CUDA graph of ``graphs`` when given (each tap's device work is one
+    launch)."""
     return fn(*inputs) if graphs is None else graphs.run(key, fn, *inputs)
 
 
@@ -133,10 +133,12 @@ def _fed(fault: str | None, target_hidden: torch.Tensor, positions: torch.Tensor
 
 @contextlib.contextmanager
 def dflash_taps(worker: Any, bs: int, record: bool, fault: str | None,
-                graphs: GraphCache | None = None) -> Iterator[DFlashTaps]:
+                graphs: tuple[GraphCache, GraphCache] | None = None) -> Iterator[DFlashTaps]:
     """Open the taps (module docstring) for one ``forward_batch_generation`` of a batch of ``bs`` requests;
-    ``record``: keep what the drafter produced and consumed (a traced decode step); ``graphs``: replay the taps'
-    device work from CUDA graphs kept there (:mod:`refcheck.sglang.capture.graphs`)."""
+    ``record``: keep what the drafter produced and consumed (a traced decode step); ``graphs``: replay the draft's
+    and the context's device work from CUDA graphs kept in these two caches (:mod:`refcheck.sglang.capture.graphs`:
+    one cache each, as both are replayed in one step)."""
+    draft_graphs, context_graphs = graphs if graphs is not None else (None, None)
     taps = DFlashTaps()
     try:
         runner = worker.draft_model_runner
@@ -158,7 +160,7 @@ def dflash_taps(worker: Any, bs: int, record: bool, fault: str | None,
         if record and hidden is not None:
             t0 = time.perf_counter()
             w = _head_weight(worker)
-            taps.draft = _run(graphs, ("draft", bs, block, w.data_ptr(), _shapes(hidden)),
+            taps.draft = _run(draft_graphs, ("draft", bs, block, w.data_ptr(), _shapes(hidden)),
                               lambda h: _draft(h, w, bs, block), hidden)
             taps.host_s += time.perf_counter() - t0
         elif record:
@@ -172,7 +174,7 @@ def dflash_taps(worker: Any, bs: int, record: bool, fault: str | None,
         target_hidden, positions, commit_lens = _fed(fault, target_hidden, positions, commit_lens, n_ids)
         if record and commit_lens is not None:
             t0 = time.perf_counter()
-            taps.context = _run(graphs, ("context", bs, _shapes(target_hidden, positions, commit_lens)),
+            taps.context = _run(context_graphs, ("context", bs, _shapes(target_hidden, positions, commit_lens)),
                                 lambda th, pos, lens: _context(th, pos, lens, bs), target_hidden, positions, commit_lens)
             taps.host_s += time.perf_counter() - t0
         return append(target_hidden=target_hidden, cache_loc=cache_loc, positions=positions, cache_loc_2d=cache_loc_2d,

@@ -6,8 +6,11 @@ Contract: :class:`GraphCache` maps a key (the shapes and settings a computation 
 lists, tuples) of device tensors and plain values, reads nothing else that changes between calls but
 fixed-address buffers (SGLang's pools and refcheck's cached projections) and never synchronises with the
 host. :meth:`GraphCache.run` copies the inputs into the graph's static inputs and replays it on the current
-stream (every input on the GPU; otherwise it runs eagerly); the returned nest is the graph's static outputs, valid until the next replay of that key, so a caller
-copies them on the same stream before the next call (the shipper's packing does). The first call of a key runs
+stream (every input on the GPU; otherwise it runs eagerly); the returned nest is the graph's static outputs. The
+graphs of one cache share one memory pool (a computation's intermediates, as large as a batch's logits, are held
+once per cache, not once per shape), so a replay may overwrite the outputs of any graph of the same cache: a
+caller replays at most one graph of a cache between copying its outputs out on the same stream (the shipper's
+packing does, once per batch). The first call of a key runs
 ``fn`` once eagerly on a side stream (its lazy caches and allocations), then captures it there with
 ``thread_local`` capture mode (other threads' CUDA calls are not disturbed), without
 :func:`torch.cuda.graph`'s device-wide synchronise, garbage collection and cache emptying. Off CUDA, or for a
@@ -24,7 +27,7 @@ import torch
 
 
 class _Captured:
-    def __init__(self, fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...]) -> None:
+    def __init__(self, fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...], pool: Any) -> None:
         self.inputs = tuple(t.clone() for t in inputs)  # the graph's static inputs
         current = torch.cuda.current_stream()
         side = torch.cuda.Stream()
@@ -32,7 +35,7 @@ class _Captured:
         with torch.cuda.stream(side):
             fn(*self.inputs)  # warm-up: lazy projections and the allocator's blocks exist before capture
             self.graph = torch.cuda.CUDAGraph()
-            self.graph.capture_begin(capture_error_mode="thread_local")
+            self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 self.outputs = fn(*self.inputs)
             finally:
@@ -54,6 +57,7 @@ class GraphCache:
         self._eager: set[Hashable] = set()  # keys whose capture failed, or past ``limit`` graphs
         self._on_error = on_error
         self.limit = limit
+        self._pool: Any = None  # the memory pool every graph of this cache is captured into
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -68,7 +72,9 @@ class GraphCache:
                 self._eager.add(key)
                 return fn(*inputs)
             try:
-                captured = self._graphs[key] = _Captured(fn, inputs)
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                captured = self._graphs[key] = _Captured(fn, inputs, self._pool)
             except Exception as exc:  # a computation that cannot be captured runs eagerly; the engine carries on
                 self._eager.add(key)
                 if self._on_error is not None:

@@ -310,14 +310,16 @@ def _graph_error(what: str) -> Callable[[Any, Exception], None]:
 
 
 #: the hooks' device work replayed as CUDA graphs, one per shape (:mod:`refcheck.sglang.capture.graphs`): the
-#: committed-state sketch; the verify step's node reductions; the DFLASH drafter's taps
+#: committed-state sketch; the verify step's node reductions; the DFLASH drafter's taps (its draft, its context).
+#: A cache's graphs share their memory, so each cache replays at most one graph per batch, whose outputs the
+#: batch's record copies out before the next batch
 _STATE_GRAPHS = GraphCache(_graph_error("state sketch"))
 _VERIFY_GRAPHS = GraphCache(_graph_error("verify reduction"))
-_TAP_GRAPHS = GraphCache(_graph_error("drafter taps"))
+_TAP_GRAPHS = (GraphCache(_graph_error("drafter's draft")), GraphCache(_graph_error("drafter's context")))
 
 
-def _graphs(cache: GraphCache) -> GraphCache | None:
-    """``cache``, unless ``REFCHECK_CAPTURE_GRAPHS=off`` asks for eager device work."""
+def _graphs(cache: Any) -> Any:
+    """``cache``, unless ``REFCHECK_CAPTURE_GRAPHS=off`` asks for eager device work (None)."""
     return None if os.environ.get(ENV_GRAPHS, "").lower() in ("off", "0", "no") else cache
 
 
@@ -671,8 +673,8 @@ def _chain_part(worker: Any, snap: _Batch, result: Any, taps: dflash_taps.DFlash
     outs = snap.rows(_on(result.next_token_ids, logits.device).reshape(bs, -1))  # [b, B]
     rows = snap.rows(logits.detach(), block)  # [b*B, V]
     flat = outs.reshape(-1)  # [b, B] -> [b*B]
-    graphs = _graphs(_VERIFY_GRAPHS)
-    key = ("chain", len(snap.pending), tuple(rows.shape), rows.dtype, tuple(flat.shape), flat.dtype)
+    graphs = _graphs(_VERIFY_GRAPHS) if not snap.pending else None  # one replay of the cache per batch
+    key = ("chain", tuple(rows.shape), rows.dtype, tuple(flat.shape), flat.dtype)
     nodes = (summarise_nodes(rows, flat).tensors() if graphs is None
              else graphs.run(key, lambda lg, o: summarise_nodes(lg, o).tensors(), rows, flat))
     new_lens = getattr(result, "new_seq_lens", None)
