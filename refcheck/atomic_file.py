@@ -49,13 +49,25 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def process_umask() -> int:
+    """The process's umask, read where the kernel reports it (Linux: ``/proc/self/status``) without changing it;
+    elsewhere set and restored at once (another thread creating a file in that instant would get mode 0666)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 def _new_file_mode(path: Path) -> int:
     try:
         return path.stat().st_mode & 0o777  # replacing a file: keep its permissions
     except OSError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
+        return 0o666 & ~process_umask()
 
 
 def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> int:

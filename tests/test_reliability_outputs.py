@@ -141,3 +141,23 @@ def test_a_gate_cache_that_cannot_be_opened_is_refused_and_a_late_write_is_a_war
         cache.put(entry, Report(case="c", mode="both"))
     assert any("No space left on device" in r.getMessage() and "verdict is unaffected" in r.getMessage()
                for r in caplog.records)
+
+
+def test_a_new_file_gets_the_umask_without_the_umask_being_changed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """refcheck/atomic_file.py reads the process's umask where the kernel reports it: another thread of the
+    process (the SGLang engine's, beside the capture's writer) never sees it set to 0 for an instant."""
+    import os
+    import sys
+
+    from refcheck import atomic_file
+
+    old = os.umask(0o027)
+    try:
+        if sys.platform.startswith("linux"):
+            monkeypatch.setattr(os, "umask", lambda mask: pytest.fail("the umask was changed to be read"))
+        assert atomic_file.process_umask() == 0o027
+        atomic_file.atomic_write_bytes(tmp_path / "new.bin", b"x")
+        assert (tmp_path / "new.bin").stat().st_mode & 0o777 == 0o640
+    finally:
+        monkeypatch.undo()
+        os.umask(old)
