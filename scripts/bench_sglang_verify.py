@@ -114,7 +114,7 @@ def engine_kwargs(model_dir: Path, budget: int, mem_fraction: float = 0.65, over
     triton attention and linear attention, radix cache off, page size 1, NGRAM with ``budget + 1``
     draft tokens), with dummy weights, decode graphs for batch size 1 only and prefill graphs off."""
     from refcheck.errors import UsageError
-    from refcheck.sglang.runner import MAX_TREE_TOKENS
+    from refcheck.sglang.pair import MAX_TREE_TOKENS
     from refcheck.sglang.runner import engine_kwargs as refcheck_engine_kwargs
     from refcheck.spec import EngineSpec
 

@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINE_SIDE = ("refcheck.runners", "refcheck.engines", "refcheck.sglang")
 SGLANG_SHARED = ("refcheck.sglang.env", "refcheck.sglang.layout", "refcheck.sglang.draft_side")
 SGLANG_INSIDE = ("refcheck.sglang.capture", "refcheck.sglang.ddtree")
-SGLANG_OUTSIDE = ("refcheck.sglang.runner", "refcheck.sglang.child", "refcheck.sglang.settings", "refcheck.sglang.matrix",
+SGLANG_OUTSIDE = ("refcheck.sglang.runner", "refcheck.sglang.pair", "refcheck.sglang.requests", "refcheck.sglang.child",
+                  "refcheck.sglang.settings", "refcheck.sglang.matrix",
                   "refcheck.sglang.sweep", "refcheck.sglang.capture_effect")
 SGLANG_ON_THE_RUNNER = ("refcheck.sglang.matrix", "refcheck.sglang.sweep", "refcheck.sglang.capture_effect")
 #: the diff's modules the SGLang package stands on (the matrix and the sweep judge cells; the GDN replay reads state)

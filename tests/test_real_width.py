@@ -28,7 +28,7 @@ from refcheck.models.build import (
     real_configs,
     widths,
 )
-from refcheck.sglang.runner import check_ddtree_pair, resolve_budget
+from refcheck.sglang.pair import check_ddtree_pair, resolve_budget
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from refcheck.errors import EXIT_USAGE, UsageError
 from refcheck.reference_runner import EngineSpec
-from refcheck.sglang.runner import SGLangRunner, check_context, engine_kwargs
+from refcheck.sglang.pair import check_context
+from refcheck.sglang.runner import SGLangRunner, engine_kwargs
 from refcheck.sglang.settings import DEFAULT, PAGE_SIZES, ServingSettings, parse_settings
 
 

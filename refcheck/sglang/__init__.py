@@ -15,7 +15,9 @@ Inside SGLang's processes (loaded through the ``sglang.srt.plugins`` entry point
   drafter's side of a step as a record holds it) and ``env`` (the capture directory's environment names).
 
 Driving SGLang from outside: ``runner`` (:class:`~refcheck.sglang.runner.SGLangRunner`, the ``sglang`` engine
-of :mod:`refcheck.engines`), ``child`` (the engine process it starts), ``settings`` (how SGLang serves), and on
+of :mod:`refcheck.engines`), ``pair`` (the checkpoints it hands SGLang, and the refusals they call for),
+``requests`` (a request's sampling params and the sampled runs' refusals), ``child`` (the engine process it
+starts), ``settings`` (how SGLang serves), and on
 top of the runner ``matrix`` (``refcheck matrix``), ``sweep`` (``refcheck sweep --engine sglang``) and
 ``capture_effect`` (the matrix's capture-off twins judged).
 

@@ -198,7 +198,7 @@ class MatrixRun:
     def prompts_for(self, cell: Cell) -> tuple[list[Prompt], EngineSpec]:
         """The cell's workload and the spec it runs on: a workload longer than the target's context runs on a
         long-context copy of the pair (made once per run)."""
-        from refcheck.sglang.runner import target_context
+        from refcheck.sglang.pair import target_context
 
         prompts = list(self._once(f"workload:{cell.setting.workload}", lambda: workload(cell.setting.workload)))
         spec = dataclasses.replace(self.spec, budget=ALGORITHMS[cell.algorithm][0])

@@ -43,115 +43,32 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ddtree_reference.drafter import dflash_value
-from ddtree_reference.sampling import Sampling, request_key
 from refcheck.errors import ModelError, UsageError
 from refcheck.prompts import Prompt
 from refcheck.reference_runner import EngineSpec
 from refcheck.sglang.capture import dflash_taps, sampler_faults
-from refcheck.sglang.ddtree.faults import ALGORITHMS as FAULT_ALGORITHMS
-from refcheck.sglang.ddtree.shadow import SHADOW_BUDGET_ENV, SHADOW_NAME
+from refcheck.sglang.ddtree.shadow import SHADOW_BUDGET_ENV
 from refcheck.sglang.env import ENV_DIR, ENV_FULL, UNTRACED_RID_PREFIX
+from refcheck.sglang.pair import (
+    DFLASH_DRAFTED,
+    SHADOW,
+    check_context,
+    checkpoint_config,
+    draft_block_size,
+    hybrid_config,
+    resolve_budget,
+    text_config_of,
+)
+from refcheck.sglang.requests import check_sampling, draft_rule, keyed, request_sampling_params, sampling_rng
 from refcheck.sglang.settings import DEFAULT as DEFAULT_SETTINGS
 from refcheck.sglang.settings import ServingSettings, capture_refusal, radix_refusal
 from refcheck.trace.io import Trace
 
-# algorithms whose drafts come from the DFlash draft checkpoint (refcheck's DDTree and its leaky and faulty twins)
-SHADOW = SHADOW_NAME
-DFLASH_DRAFTED = ("DFLASH", "REFCHECK_DDTREE", "REFCHECK_DDTREE_LEAKY_CHAIN", SHADOW, *FAULT_ALGORITHMS)
 PLUGIN_ENTRY = "refcheck = refcheck.sglang.plugin:register"
 
 
 class EngineUnavailableError(UsageError):
     """SGLang or a GPU is missing: the sglang engine cannot run here."""
-
-
-#: SGLang's tree-verify metadata kernel (``reconstruct_indices_from_tree_mask``) launches one CUDA thread
-#: per draft token of a request, so a tree is at most 1024 tokens: the root and 1023 drafted nodes
-MAX_TREE_TOKENS = 1024
-
-
-def _config(path: Path | None) -> dict:
-    """A checkpoint's config.json, or {} where there is none."""
-    f = Path(path) / "config.json" if path is not None else None
-    return json.loads(f.read_text()) if f is not None and f.is_file() else {}
-
-
-def _text_of(cfg: dict) -> dict:
-    """The language model's part of a target's config (a multimodal checkpoint nests it as text_config)."""
-    return cfg.get("text_config", cfg)
-
-
-def _text_config(target_dir: Path | None) -> dict:
-    """The language model's config of a target."""
-    return _text_of(_config(target_dir))
-
-
-def draft_block_size(draft_dir: Path | None) -> int | None:
-    size = dflash_value(_config(draft_dir), "block_size")
-    return int(size) if size is not None else None
-
-
-def _hybrid(text_cfg: dict) -> bool:
-    return "linear_attention" in (text_cfg.get("layer_types") or [])
-
-
-def is_hybrid_target(target_dir: Path) -> bool:
-    """Whether the target has recurrent (linear-attention) layers, by its config."""
-    return _hybrid(_text_config(target_dir))
-
-
-def check_ddtree_pair(algorithm: str, budget: int, target_dir: Path | None, draft_dir: Path | None) -> None:
-    """Refusals for refcheck's DDTree algorithms before any engine starts (the scheduler would
-    otherwise die at start-up, or worse, run something else): the tree size SGLang can verify, a
-    DFlash draft made for this target, and a hybrid target for the chain-layout leak."""
-    if budget + 1 > MAX_TREE_TOKENS:
-        raise UsageError(f"--budget {budget} is beyond SGLang's tree verify: at most {MAX_TREE_TOKENS} tokens per "
-                         f"tree (its reconstruct_indices_from_tree_mask kernel runs one thread per token), "
-                         f"i.e. --budget <= {MAX_TREE_TOKENS - 1}")
-    dcfg = _config(draft_dir)
-    if "dflash_config" not in dcfg:
-        raise ModelError(f"{algorithm} drafts with a DFlash checkpoint, and {draft_dir} is not one "
-                         "(its config.json has no dflash_config)")
-    tcfg = _text_config(target_dir)
-    layers = tcfg.get("num_hidden_layers")
-    wanted = dflash_value(dcfg, "num_target_layers")
-    problems = []
-    if layers is not None and wanted is not None and int(wanted) != int(layers):
-        problems.append(f"it was made for a {wanted}-layer target, this target has {layers} layers")
-    ids = dflash_value(dcfg, "target_layer_ids") or []
-    if layers is not None and ids and max(ids) >= int(layers):
-        problems.append(f"it reads target layers {ids}, beyond the target's {layers}")
-    for key in ("hidden_size", "vocab_size"):
-        if key in tcfg and key in dcfg and int(tcfg[key]) != int(dcfg[key]):
-            problems.append(f"its {key} is {dcfg[key]}, the target's {tcfg[key]}")
-    if problems:
-        raise ModelError(f"the draft {draft_dir} does not fit the target {target_dir}: " + "; ".join(problems))
-    if algorithm == "REFCHECK_DDTREE_LEAKY_CHAIN" and target_dir is not None and not is_hybrid_target(target_dir):
-        raise UsageError(f"{algorithm} demonstrates the leak of trees run through recurrent layers in their chain "
-                         f"layout; {target_dir} has no linear-attention layers, so it would verify correctly and "
-                         "show nothing (use a hybrid target, e.g. --pair hybrid)")
-
-
-def resolve_budget(algorithm: str, budget: int | None, draft_dir: Path | None, target_dir: Path | None = None) -> int:
-    """The verify budget (drafted nodes per step) an algorithm runs with; refuses mismatches."""
-    if algorithm == "NONE":
-        return 0
-    if algorithm == "DFLASH":
-        block = draft_block_size(draft_dir)
-        if block is None:
-            raise UsageError(f"DFLASH needs a DFlash draft checkpoint with dflash_config.block_size ({draft_dir})")
-        if budget is not None and budget != block - 1:
-            raise UsageError(f"--budget {budget} does not match the draft's block size {block}: SGLang's DFLASH "
-                             f"verifies whole blocks, i.e. budget {block - 1} (block size - 1)")
-        return block - 1
-    if budget is None:
-        raise UsageError(f"{algorithm} verifies trees of a node budget: pass --budget N (chain mode is DFLASH)")
-    if budget < 1:
-        raise UsageError(f"{algorithm} needs --budget >= 1, got {budget}")
-    if algorithm in DFLASH_DRAFTED:  # refcheck's DDTree algorithms
-        check_ddtree_pair(algorithm, budget, target_dir, draft_dir)
-    return budget
 
 
 def engine_kwargs(spec: EngineSpec, model_path: str, algorithm: str = "NONE", cuda_graphs: bool = False,
@@ -205,92 +122,6 @@ def merged_settings(settings: ServingSettings, cuda_graphs: bool = False, max_ru
     if max_running is not None:
         settings = replace(settings, max_running=max_running)  # 1: one request at a time (no batching)
     return settings
-
-
-def target_context(target_dir: Path | None) -> int | None:
-    """The positions a target's context holds (its config's ``max_position_embeddings``), None where unsaid."""
-    context = _text_config(target_dir).get("max_position_embeddings")
-    return int(context) if context is not None else None
-
-
-def check_context(prompts: list[Prompt], spec: EngineSpec, target_dir: Path | None) -> None:
-    """Refuse a prompt whose tokens and new tokens do not fit the target's context (its max_position_embeddings)."""
-    context = target_context(target_dir)
-    if context is None:
-        return
-    for p in prompts:
-        need = len(p.prompt_ids) + (p.max_new_tokens or spec.max_new_tokens)
-        if need > context:
-            raise UsageError(f"prompt {p.id!r}: {len(p.prompt_ids)} prompt tokens + {p.max_new_tokens or spec.max_new_tokens} "
-                             f"new tokens exceed the target's context of {context} positions ({target_dir}: "
-                             "max_position_embeddings)")
-
-
-def sampling_rng(algorithm: str) -> str:
-    """How an algorithm's uniforms are made and used at T > 0 (a trace's ``rng``): REFCHECK_DDTREE's are refcheck's
-    keyed Philox; NGRAM's tree sampler takes SGLang's coins children first (the capture records them); NONE's
-    sampler exposes nothing."""
-    if algorithm in DFLASH_DRAFTED and algorithm != "DFLASH":
-        return "refcheck-philox-position"
-    return "engine-children-first" if algorithm == "NGRAM" else "engine"
-
-
-def draft_rule(algorithm: str) -> str:
-    """How an algorithm turns drafts into the tree it verifies (:attr:`refcheck.provenance.Provenance.draft_rule`)."""
-    if algorithm == "NONE":
-        return "none"
-    if algorithm in ("DFLASH", SHADOW):  # the shadow worker verifies the chain; its tree is recorded beside it
-        return "chain"
-    return "ddtree" if algorithm in DFLASH_DRAFTED else "other"
-
-
-def keyed(algorithm: str) -> bool:
-    """Whether the algorithm samples with refcheck's keyed generator (seed and request word sent to SGLang)."""
-    return sampling_rng(algorithm).startswith("refcheck-philox")
-
-
-def check_sampling(algorithm: str, sampling: Sampling | None) -> None:
-    """Refusals for a sampled SGLang run (before any engine starts)."""
-    try:
-        fault = sampler_faults.active()
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    try:
-        dfault = dflash_taps.active()
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    if dfault is not None and algorithm != "DFLASH":
-        raise UsageError(f"{dflash_taps.ENV_FAULT}={dfault} acts on SGLang's DFLASH drafter: --engine sglang:DFLASH "
-                         f"only (REFCHECK_DDTREE's drafter faults are algorithms: REFCHECK_DDTREE_FAULT_DRAFT_*)")
-    if fault is not None and (algorithm != "NGRAM" or sampling is None or sampling.greedy):
-        raise UsageError(f"{sampler_faults.ENV_FAULT}={fault} acts on SGLang's tree sampler: NGRAM at --temperature > 0 "
-                         f"only (this run: {algorithm}, temperature {0 if sampling is None else sampling.temperature})")
-    if sampling is None or sampling.greedy:
-        return
-    if algorithm == "DFLASH":
-        raise UsageError("SGLang's DFLASH cannot sample under refcheck (--temperature > 0): it falls back to greedy "
-                         "verification where its sampling kernel is missing, and exposes no draws; sample with "
-                         "REFCHECK_DDTREE (exact replay) or NGRAM / NONE (distributional test)")
-    if keyed(algorithm) and sampling.keying != "position":
-        raise UsageError(f"{algorithm} keys its draws by position only (refcheck's keying 'position'), "
-                         f"not {sampling.keying!r}")
-
-
-def request_sampling_params(prompt: Prompt, spec: EngineSpec, algorithm: str) -> dict[str, Any]:
-    """One request's SGLang sampling params: greedy, or refcheck's temperature / top-k / top-p (and, for the
-    keyed sampler, its seed and request word)."""
-    # ignore_eos: refcheck stops only at the explicit --stop ids, exactly like the reference
-    out: dict[str, Any] = {"temperature": 0.0, "max_new_tokens": prompt.max_new_tokens or spec.max_new_tokens,
-                           "stop_token_ids": sorted(spec.stop_token_ids), "ignore_eos": True}
-    s = spec.sampling
-    if s is None or s.greedy:
-        return out
-    out.update(temperature=float(s.temperature), top_p=float(s.top_p), top_k=int(s.top_k) if s.top_k > 0 else -1)
-    if keyed(algorithm):
-        from refcheck.sglang.ddtree.sampling import REQUEST_KEY, SEED_KEY
-
-        out["custom_params"] = {SEED_KEY: int(s.seed), REQUEST_KEY: request_key(prompt.id)}
-    return out
 
 
 def install_entry_point(root: Path) -> Path:
@@ -374,9 +205,9 @@ class SGLangRunner:
         # the captured pass records 1 decode batch in N (full: every one); the timing pass, with its own rule
         self.sample, self.sampled_timing = _sample_rules(capture_sample, sampled_timing)
         tdir, ddir = spec.resolved_dirs()
-        cfg = _config(tdir)  # the refusals below ask the target's config, read once
-        text_cfg = _text_of(cfg)
-        why = radix_refusal(self.settings, str((cfg.get("architectures") or [""])[0]), _hybrid(text_cfg))
+        cfg = checkpoint_config(tdir)  # the refusals below ask the target's config, read once
+        text_cfg = text_config_of(cfg)
+        why = radix_refusal(self.settings, str((cfg.get("architectures") or [""])[0]), hybrid_config(text_cfg))
         if why:
             raise UsageError(why)
         self.budget = resolve_budget(self.algorithm, spec.budget, ddir, tdir)
