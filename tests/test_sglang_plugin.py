@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from refcheck.sglang.capture import hooks, records
+from refcheck.sglang.capture.batch import Batch
+from refcheck.sglang.capture.committed import bucket, bucketed
 from refcheck.sglang.draft_side import context_side
 
 
@@ -409,7 +411,7 @@ def test_an_injected_sampler_fault_changes_the_kernel_inputs_not_the_record(capt
     def kernel(**kw):
         seen.update(kw)
 
-    hooks._batch = hooks._Batch("decode", True, ["r0"], [3], [7], [3], [3], [0], 4)
+    hooks._batch = Batch("decode", True, ["r0"], [3], [7], [3], [3], [0], 4)
     try:
         for name in sampler_faults.FAULTS:
             monkeypatch.setenv(sampler_faults.ENV_FAULT, name)
@@ -426,7 +428,7 @@ def test_an_injected_sampler_fault_changes_the_kernel_inputs_not_the_record(capt
         hooks._batch = None
     # a positional call is altered the same way (the kernel's parameter order)
     monkeypatch.setenv(sampler_faults.ENV_FAULT, "coin-shared")
-    hooks._batch = hooks._Batch("decode", True, ["r0"], [3], [7], [3], [3], [0], 4)
+    hooks._batch = Batch("decode", True, ["r0"], [3], [7], [3], [3], [0], 4)
     try:
         hooks._verify_coins(kernel, *([None] * 7), coins, torch.tensor([0.5]), probs)
         assert torch.equal(seen["uniform_samples"], torch.full((1, 4), 0.1)) and seen["target_probs"] is probs
@@ -525,12 +527,12 @@ def test_a_batch_the_sampling_rule_passes_over_reads_nothing_but_its_rids_and_is
 
 def test_a_state_graph_serves_every_batch_size_up_to_its_bucket():
     """The state sketch of b requests comes from the graph of the next power of two (refcheck/sglang/capture/
-    hooks.py: bucket), the first request repeated to fill it: each request's sketches are those of the sketch of
+    committed.py: bucket), the first request repeated to fill it: each request's sketches are those of the sketch of
     the b requests alone (off CUDA the graph cache runs the padded computation as it is)."""
     from refcheck.sglang.capture.graphs import GraphCache
     from refcheck.sglang.capture.state import MambaPools, batch_state
 
-    assert [hooks.bucket(b) for b in (1, 2, 3, 4, 5, 17, 32, 33)] == [1, 2, 4, 4, 8, 32, 32, 64]
+    assert [bucket(b) for b in (1, 2, 3, 4, 5, 17, 32, 33)] == [1, 2, 4, 4, 8, 32, 32, 64]
     sched, kb, conv, temporal = _scheduler()
     kv = {2: (kb, kb.flip(0))}
     mamba = MambaPools([0], [0], conv[0], temporal)
@@ -544,7 +546,7 @@ def test_a_state_graph_serves_every_batch_size_up_to_its_bucket():
     cache = GraphCache()
     for rows in ([2, 0, 1], [1], [0, 2], [2, 1, 0, 1, 2]):
         r, lens = torch.tensor(rows), torch.tensor([4, 7, 1, 3, 9][: len(rows)])
-        got, want = hooks._bucketed(cache, ("k",), sketch, r, lens), sketch(r, lens)
+        got, want = bucketed(cache, ("k",), sketch, r, lens), sketch(r, lens)
         for name, entry in want["kv"].items():
             assert got["kv"][name][2].shape == entry[2].shape and torch.allclose(got["kv"][name][2], entry[2], atol=1e-6)
         for kind in ("conv", "rec"):
