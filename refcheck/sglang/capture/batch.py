@@ -39,8 +39,8 @@ class Batch:
     index: torch.Tensor | None = None  # ``take`` on the device (None: every row)
     pending: list[dict[str, Any]] = field(default_factory=list)  # the verify calls' records, tensors on the device
     events: tuple[Any, Any] | None = None  # CUDA events around the scheduler's step
-    host_s: float = 0.0  # the hooks' own time on the scheduler's thread at this step (what capture costs it)
-    parts: dict[str, float] = field(default_factory=dict)  # ... by part (the ledger's PARTS), in seconds
+    #: the hooks' own time on the scheduler's thread at this step by part (the ledger's PARTS), in seconds
+    parts: dict[str, float] = field(default_factory=dict)
     after_t0: float = 0.0  # when recording the finished batch began
     raw_logits: torch.Tensor | None = None  # [bs, V] before a sampling batch's sampler overwrote them
     #: the tree sampler's coins [bs, N], bonus coins [bs] and (threshold_single, threshold_acc) of this batch's verify
@@ -57,6 +57,11 @@ class Batch:
         shaped = t.reshape(bs, per, *t.shape[1:]) if per > 1 else t  # [bs*per, ...] -> [bs, per, ...]
         sel = shaped[self.index.to(t.device)]
         return sel.reshape(-1, *t.shape[1:]) if per > 1 else sel
+
+    @property
+    def host_s(self) -> float:
+        """The hooks' time at this step before the batch is recorded (the snapshot, the verify calls, the taps)."""
+        return sum(self.parts.get(k, 0.0) for k in ("snapshot", "verify", "taps"))
 
     def host(self, values: list[Any]) -> list[Any]:
         return [values[i] for i in self.take]

@@ -31,13 +31,14 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from refcheck.sglang.capture.graphs import GraphCache
+from refcheck.sglang.capture.graphs import run as graphs_run
 from refcheck.sglang.draft_side import DRAFT_TOPK, draft_top
 from refcheck.sketch import sketch_on_device
 
@@ -97,12 +98,6 @@ def _draft(hidden: torch.Tensor, head: torch.Tensor, bs: int, block: int) -> dic
     return draft_top(torch.matmul(hs.to(head.dtype), head.T), DRAFT_TOPK)  # [bs, B-1, V] logits -> top ranks
 
 
-def _run(graphs: GraphCache | None, key: tuple, fn: Callable[..., Any], *inputs: torch.Tensor) -> Any:
-    """``fn(*inputs)``, replayed from a CUDA graph of ``graphs`` when given (each tap's device work is one
-    launch)."""
-    return fn(*inputs) if graphs is None else graphs.run(key, fn, *inputs)
-
-
 def _shapes(*ts: torch.Tensor) -> tuple:
     return tuple((tuple(t.shape), t.dtype) for t in ts)
 
@@ -160,7 +155,7 @@ def dflash_taps(worker: Any, bs: int, record: bool, fault: str | None,
         if record and hidden is not None:
             t0 = time.perf_counter()
             w = _head_weight(worker)
-            taps.draft = _run(draft_graphs, ("draft", bs, block, w.data_ptr(), _shapes(hidden)),
+            taps.draft = graphs_run(draft_graphs, ("draft", bs, block, w.data_ptr(), _shapes(hidden)),
                               lambda h: _draft(h, w, bs, block), hidden)
             taps.host_s += time.perf_counter() - t0
         elif record:
@@ -174,7 +169,7 @@ def dflash_taps(worker: Any, bs: int, record: bool, fault: str | None,
         target_hidden, positions, commit_lens = _fed(fault, target_hidden, positions, commit_lens, n_ids)
         if record and commit_lens is not None:
             t0 = time.perf_counter()
-            taps.context = _run(context_graphs, ("context", bs, _shapes(target_hidden, positions, commit_lens)),
+            taps.context = graphs_run(context_graphs, ("context", bs, _shapes(target_hidden, positions, commit_lens)),
                                 lambda th, pos, lens: _context(th, pos, lens, bs), target_hidden, positions, commit_lens)
             taps.host_s += time.perf_counter() - t0
         return append(target_hidden=target_hidden, cache_loc=cache_loc, positions=positions, cache_loc_2d=cache_loc_2d,

@@ -81,3 +81,8 @@ class GraphCache:
                     self._on_error(key, exc)
                 return fn(*inputs)
         return captured(inputs)
+
+
+def run(cache: GraphCache | None, key: Hashable, fn: Callable[..., Any], *inputs: torch.Tensor) -> Any:
+    """``fn(*inputs)``: through ``cache`` (:meth:`GraphCache.run`) when there is one, else eagerly."""
+    return fn(*inputs) if cache is None else cache.run(key, fn, *inputs)

@@ -362,7 +362,6 @@ def _run_batch(original, self, batch, *args, **kwargs):
         snap = _guard("run_batch:snapshot", _snapshot, self, batch)
     if snap is None or (snap.mode != "extend" and not snap.take):  # nothing recorded at this step
         return _plain(original, self, batch, t0, *args, **kwargs)
-    snap.host_s += time.perf_counter() - t0
     snap.parts["snapshot"] = time.perf_counter() - t0
     _batch = snap
     start = _event(self)
@@ -407,18 +406,14 @@ def _eagle_sample(original, *args, **kwargs):
     snap = _batch
     pre = None
     if snap is not None:
-        t0 = time.perf_counter()
         with timed_part(snap, "verify", "verify.before"):
             pre = _guard("eagle_sample:before", tree_inputs, snap, args, kwargs)
-        snap.host_s += time.perf_counter() - t0
     result = original(*args, **kwargs)
     if snap is not None and pre is not None:
-        t0 = time.perf_counter()
         with timed_part(snap, "verify", "verify.after"):
             part = _guard("eagle_sample:after", tree_part, snap, pre, result)
         if part:
             snap.pending.append(part)
-        snap.host_s += time.perf_counter() - t0
     return result
 
 
@@ -451,12 +446,10 @@ def _dflash_forward(original, self, batch, *args, **kwargs):
     with dflash_taps.dflash_taps(self, len(batch.reqs), snap is not None and decode, fault, _graphs(_TAP_GRAPHS)) as taps:
         result = original(self, batch, *args, **kwargs)
     if snap is not None and decode:
-        t0 = time.perf_counter()
         with timed_part(snap, "verify", "dflash.after"):
             part = _guard("dflash:after", chain_part, self, snap, result, taps, _graphs(_VERIFY_GRAPHS))
         if part:
             snap.pending.append(part)
-        snap.host_s += time.perf_counter() - t0 + taps.host_s
         snap.parts["taps"] = snap.parts.get("taps", 0.0) + taps.host_s
     return result
 

@@ -16,6 +16,7 @@ import torch
 from refcheck.sglang.capture.batch import Batch, host_lens, on_device, rows_of
 from refcheck.sglang.capture.dflash_taps import DFlashTaps
 from refcheck.sglang.capture.graphs import GraphCache
+from refcheck.sglang.capture.graphs import run as graphs_run
 from refcheck.sglang.capture.steps import node_logprobs, pick, summarise_nodes
 
 
@@ -78,8 +79,7 @@ def chain_part(worker: Any, snap: Batch, result: Any, taps: DFlashTaps, graphs: 
     flat = outs.reshape(-1)  # [b, B] -> [b*B]
     graphs = graphs if not snap.pending else None  # one replay of the cache per batch
     key = ("chain", tuple(rows.shape), rows.dtype, tuple(flat.shape), flat.dtype)
-    nodes = (summarise_nodes(rows, flat).tensors() if graphs is None
-             else graphs.run(key, lambda lg, o: summarise_nodes(lg, o).tensors(), rows, flat))
+    nodes = graphs_run(graphs, key, lambda lg, o: summarise_nodes(lg, o).tensors(), rows, flat)
     new_lens = getattr(result, "new_seq_lens", None)
     committed = (snap.rows(new_lens) - snap.rows(result.accept_lens) if isinstance(new_lens, torch.Tensor)
                  else host_lens(snap, logits.device))  # after the step minus what it appended
