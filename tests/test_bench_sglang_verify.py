@@ -14,7 +14,7 @@ import pytest
 from script_loader import load_script
 
 from refcheck.errors import UsageError
-from refcheck.sglang.runner import is_hybrid_target
+from refcheck.sglang.pair import is_hybrid_target
 
 
 @pytest.fixture(scope="module")

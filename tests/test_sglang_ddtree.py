@@ -193,7 +193,7 @@ def test_spec_class_answers_like_ngram_where_the_registry_base_is_silent():
 # -- faults injected into SGLang (refcheck/sglang/ddtree/faults.py) ---------------------------------------
 def test_fault_algorithm_names():
     from refcheck.sglang.ddtree.faults import ALGORITHMS
-    from refcheck.sglang.runner import DFLASH_DRAFTED
+    from refcheck.sglang.pair import DFLASH_DRAFTED
 
     assert ALGORITHMS == {"REFCHECK_DDTREE_FAULT_MAMBA_FLAT_INDEX": "mamba-flat-index",
                           "REFCHECK_DDTREE_FAULT_KV_MOVE_LAST": "kv-move-last",

@@ -402,7 +402,7 @@ def test_an_injected_sampler_fault_changes_the_kernel_inputs_not_the_record(capt
     from ddtree_reference.sampling import Sampling
     from refcheck.errors import UsageError
     from refcheck.sglang.capture import sampler_faults
-    from refcheck.sglang.runner import check_sampling
+    from refcheck.sglang.requests import check_sampling
 
     coins = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
     probs = torch.tensor([[[0.5, 0.3, 0.2]] * 4])

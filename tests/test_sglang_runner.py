@@ -18,14 +18,13 @@ from refcheck.models import builtin_pair
 from refcheck.reference_runner import EngineSpec
 from refcheck.sglang.capture import versions
 from refcheck.sglang.child import summarise_error
+from refcheck.sglang.pair import draft_block_size, resolve_budget
 from refcheck.sglang.runner import (
     PLUGIN_ENTRY,
     EngineUnavailableError,
     SGLangRunner,
-    draft_block_size,
     engine_kwargs,
     install_entry_point,
-    resolve_budget,
 )
 
 
@@ -374,7 +373,7 @@ def test_layer_sketches_under_cuda_graphs_are_refused_up_front():
 def test_sampled_request_params_carry_refcheck_keys_only_for_the_keyed_sampler():
     from ddtree_reference.sampling import Sampling, request_key
     from refcheck.prompts import load_prompts
-    from refcheck.sglang.runner import check_sampling, request_sampling_params, sampling_rng
+    from refcheck.sglang.requests import check_sampling, request_sampling_params, sampling_rng
 
     p = load_prompts()[0]
     greedy = EngineSpec(pair="hybrid", budget=15, max_new_tokens=8)
