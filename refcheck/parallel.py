@@ -16,7 +16,9 @@ group reaches them), ignore SIGINT (a terminal's Ctrl-C reaches the whole group;
 and leave on their own within a second when this process is gone, whatever ended it (:func:`worker_init`).
 While they run, SIGTERM or SIGINT to this process (its main thread) ends every worker
 (:func:`ended_on_signal`: SIGTERM, then SIGKILL after :data:`GRACE_S`), then takes the signal's own
-course: SIGTERM ends the process (exit 143), SIGINT raises ``KeyboardInterrupt``.
+course: SIGTERM ends the process (exit 143), SIGINT raises ``KeyboardInterrupt``. The main thread waits on
+its workers in steps of :data:`POLL_S`, so the handler runs within that time even when the kernel handed the
+signal to another of this process's threads.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import wait as wait_futures
 from contextlib import contextmanager
 from multiprocessing.connection import wait as wait_ready
 from multiprocessing.process import BaseProcess
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 _VOLATILE = ("created", "device", "prompt_set_sha256")  # provenance keys that differ between shards
 GRACE_S = 3.0  # seconds a worker has to end after SIGTERM before it is killed
+POLL_S = 0.5  # longest wait of this process's main thread on its workers: a signal handler runs at least this often
 _ENDING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -136,9 +140,12 @@ def end_processes(procs: Iterable[BaseProcess], grace: float = GRACE_S) -> None:
         except (OSError, ValueError, AttributeError):  # already gone, closed, or never started
             pass
     deadline = time.monotonic() + grace
-    while pending and (left := deadline - time.monotonic()) > 0:
-        for ready in wait_ready(list(pending), left):
-            pending.pop(ready)
+    try:
+        while pending and (left := deadline - time.monotonic()) > 0:
+            for ready in wait_ready(list(pending), left):
+                pending.pop(ready)
+    except (OSError, ValueError):  # a sentinel closed meanwhile: kill whatever is left
+        pass
     for p in pending.values():
         try:
             p.kill()
@@ -162,9 +169,11 @@ def ended_on_signal(processes: Callable[[], Iterable[BaseProcess]]) -> Iterator[
             signal.signal(sig, previous[sig])
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
-        end_processes(processes())
-        restore()
-        signal.raise_signal(signum)
+        try:
+            end_processes(processes())
+        finally:  # the signal takes its course whatever ending the workers met
+            restore()
+            signal.raise_signal(signum)
 
     for sig in mine:
         signal.signal(sig, on_signal)
@@ -190,6 +199,8 @@ def run_parallel(fn: Callable[..., T], jobs: Sequence[tuple], workers: int) -> l
         return [fn(*job) for job in jobs]
     with worker_pool(min(workers, len(jobs))) as pool:
         futures = [pool.submit(fn, *job) for job in jobs]
+        while wait_futures(futures, timeout=POLL_S).not_done:  # timed: a signal's handler runs meanwhile
+            pass
         return [f.result() for f in futures]
 
 
@@ -232,7 +243,8 @@ def run_queue(fn: Callable[..., T], jobs: Sequence[tuple], workers: int, inline:
                 t.start()
             drain(lambda job: inline(*job))
             for t in feeders:
-                t.join()
+                while t.is_alive():
+                    t.join(POLL_S)  # timed: a signal's handler runs meanwhile
     if errors:
         raise errors[0]
     return results

@@ -43,7 +43,24 @@ if __name__ == "__main__":
     from refcheck import parallel
 
     out, kind = sys.argv[1], sys.argv[2]
-    if kind == "run_parallel":
+    if kind == "signal_in_a_thread":  # SIGTERM handed to a thread other than the main one, 2 s after the workers run
+        import signal, threading
+
+        def later() -> None:
+            while len(list(Path(out).glob("*.json"))) < 2:
+                time.sleep(0.1)
+            time.sleep(2)
+            signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+
+        threading.Thread(target=later, daemon=True).start()
+        parallel.run_parallel(block, [(out, i) for i in range(2)], 2)
+    elif kind == "ending_fails":  # ending the workers raises: the signal still takes its course
+        def broken(procs, grace=0.0):
+            raise OSError("ending the workers failed")
+
+        parallel.end_processes = broken
+        parallel.run_parallel(block, [(out, i) for i in range(2)], 2)
+    elif kind == "run_parallel":
         parallel.run_parallel(block, [(out, i) for i in range(2)], 2)
     else:  # run_queue: this process runs one job inline, two workers the others
         parallel.run_queue(block, [(out, i) for i in range(3)], 3, inline=idle)
@@ -81,6 +98,27 @@ def _start(tmp_path: Path, kind: str) -> tuple[subprocess.Popen, dict[int, int]]
     return proc, {int(p.stem): json.loads(p.read_text())["pgid"] for p in out.glob("*.json")}
 
 
+def _ended(proc: subprocess.Popen, timeout: float) -> int:
+    """``proc``'s exit status once it ends within ``timeout``; otherwise a failure that says what it was doing:
+    its signal masks (blocked, ignored, caught, pending) and each thread's state and kernel wait channel."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    lines = [f"pid {proc.pid} still runs {timeout:.0f} s after the signal"]
+    try:
+        status = Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+        lines += [ln for ln in status if ln.startswith(("State", "Threads", "SigQ", "SigPnd", "ShdPnd", "SigBlk",
+                                                        "SigIgn", "SigCgt"))]
+        for task in sorted(Path(f"/proc/{proc.pid}/task").iterdir()):
+            stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            lines.append(f"thread {task.name} {(task / 'comm').read_text().strip()} state {stat[0]} "
+                         f"wchan {(task / 'wchan').read_text()} blocked {(task / 'status').read_text().split('SigBlk:')[1].split()[0]}")
+    except (OSError, IndexError) as exc:
+        lines.append(f"(/proc unreadable: {exc})")
+    raise AssertionError("\n".join(lines))
+
+
 def _end_group(proc: subprocess.Popen) -> None:
     """Clean up whatever the test left: the session's process group (the script and any worker)."""
     try:
@@ -98,11 +136,36 @@ def test_a_signal_to_the_parent_ends_every_worker(tmp_path: Path, kind: str, sig
     try:
         assert set(workers.values()) == {os.getpgid(proc.pid)}, "the workers are in the parent's process group"
         proc.send_signal(sig)
-        proc.wait(timeout=GONE_S + 10)
+        _ended(proc, GONE_S + 10)
         if sig == signal.SIGTERM:
             assert proc.returncode == -signal.SIGTERM  # killed by the signal: a shell reports exit 143
         else:
             assert proc.returncode in (-signal.SIGINT, 1), proc.returncode  # KeyboardInterrupt
+        _wait_for(lambda: not any(_alive(pid) for pid in workers), GONE_S, f"workers {sorted(workers)} to end")
+    finally:
+        _end_group(proc)
+
+
+@pytest.mark.slow
+def test_a_sigterm_another_thread_receives_still_ends_the_parent_and_its_workers(tmp_path: Path) -> None:
+    """The kernel may hand a process's SIGTERM to any of its threads; Python runs the handler in the main thread,
+    which waits on its workers in timed steps (refcheck.parallel.POLL_S), so it still runs."""
+    proc, workers = _start(tmp_path, "signal_in_a_thread")
+    try:
+        assert _ended(proc, GONE_S + 10) == -signal.SIGTERM
+        _wait_for(lambda: not any(_alive(pid) for pid in workers), GONE_S, f"workers {sorted(workers)} to end")
+    finally:
+        _end_group(proc)
+
+
+@pytest.mark.slow
+def test_a_failure_while_ending_the_workers_still_ends_the_parent(tmp_path: Path) -> None:
+    """The handler's own failure does not swallow the signal: the parent ends by it, and its workers, left
+    running, leave on their own (they watch their parent)."""
+    proc, workers = _start(tmp_path, "ending_fails")
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert _ended(proc, GONE_S + 10) == -signal.SIGTERM
         _wait_for(lambda: not any(_alive(pid) for pid in workers), GONE_S, f"workers {sorted(workers)} to end")
     finally:
         _end_group(proc)
@@ -166,7 +229,7 @@ def test_sigterm_to_a_diff_with_two_processes_leaves_none(tmp_path: Path, args) 
         assert proc.poll() is None and len(workers) == 2
         assert {os.getpgid(w) for w in workers} == {os.getpgid(proc.pid)}
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=GONE_S + 10)
+        _ended(proc, GONE_S + 10)
         assert proc.returncode == -signal.SIGTERM
         _wait_for(lambda: not any(_alive(pid) for pid in workers), GONE_S, f"workers {workers} to end")
     finally:
