@@ -78,6 +78,10 @@ class CorruptTraceError(RefcheckError):
     exit_code = EXIT_CORRUPT
 
 
+class SchemaVersionError(CorruptTraceError):
+    """A trace or golden manifest written with a newer major version than this refcheck reads."""
+
+
 class NonFiniteError(ModelError):
     """NaN or Inf in a model's weights or in the logits it produced (names the model, tensor or step)."""
 

@@ -38,12 +38,12 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import TYPE_CHECKING, TypeVar
 
-from refcheck.diff.findings import Report
 from refcheck.errors import UsageError
-from refcheck.trace.io import Trace
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch and the trace format load where they are used: a worker that runs neither starts light
+    from refcheck.diff.findings import Report
     from refcheck.pool import ReferencePool
+    from refcheck.trace.io import Trace
 
 T = TypeVar("T")
 _VOLATILE = ("created", "device", "prompt_set_sha256")  # provenance keys that differ between shards
@@ -77,6 +77,8 @@ def merge_traces(traces: Sequence[Trace], order: Sequence[str], prompt_set_sha25
 
     ``prompt_set_sha256`` is the hash of the whole prompt set (each shard only knows its part).
     """
+    from refcheck.trace.io import Trace
+
     if not traces:
         raise UsageError("nothing to merge")
     base = {k: v for k, v in traces[0].provenance.items() if k not in _VOLATILE}
@@ -100,6 +102,8 @@ def merge_traces(traces: Sequence[Trace], order: Sequence[str], prompt_set_sha25
 
 
 def merge_reports(reports: Sequence[Report], case: str, mode: str) -> Report:
+    from refcheck.diff.findings import Report
+
     out = Report(case=case, mode=mode)
     for r in reports:
         out.merge(r)

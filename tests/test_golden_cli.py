@@ -19,9 +19,9 @@ from refcheck.trace.io import RequestRow, Trace, read_trace, write_trace
 
 
 def _use_pool(mp: pytest.MonkeyPatch, pool) -> None:
-    """Every command run in-process hands out ``pool`` where it would make a new ReferencePool."""
+    """Every command run in-process hands out ``pool`` where it would make a new ReferencePool (``golden add``
+    imports it from refcheck.pool when it runs)."""
     mp.setattr("refcheck.pool.ReferencePool", lambda: pool)
-    mp.setattr("refcheck.goldens.edits.ReferencePool", lambda: pool)
     mp.setattr("refcheck.goldens.gate.ReferencePool", lambda: pool)
 
 

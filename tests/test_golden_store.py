@@ -29,7 +29,7 @@ from refcheck.errors import (
     OutputPathError,
     UsageError,
 )
-from refcheck.goldens import edits, regen, store
+from refcheck.goldens import regen, store
 from refcheck.goldens.manifest import load_manifest, sha256_bytes, sha256_file
 from refcheck.goldens.policy import GatePolicy
 from refcheck.goldens.verify import verify
@@ -453,7 +453,7 @@ def test_golden_add_on_a_full_disk_fails_cleanly(cli, tmp_path: Path, monkeypatc
     _initial(gdir)
     before = _listing(gdir)
     shutil.copy(ROOT / "golden" / "zlab-hybrid-chain.arrow", tmp_path / "t.arrow")
-    monkeypatch.setattr(edits, "check_trace", lambda *a, **k: type("R", (), {"verdict": "pass"})())
+    monkeypatch.setattr("refcheck.goldens.judge.check_trace", lambda *a, **k: type("R", (), {"verdict": "pass"})())
     _full_at(monkeypatch, 1)
     code, _, err = cli("golden", "add", str(tmp_path / "t.arrow"), "--case", "x", "--reason", "r", "--golden", str(gdir))
     assert code == EXIT_USAGE and "Traceback" not in err and "No space left on device; nothing was changed" in err, err

@@ -10,11 +10,10 @@ import pyarrow as pa
 import pytest
 
 from refcheck import atomic_file
-from refcheck.errors import EXIT_CORRUPT, EXIT_GOLDEN, CorruptTraceError, GoldenError
+from refcheck.errors import EXIT_CORRUPT, EXIT_GOLDEN, CorruptTraceError, GoldenError, SchemaVersionError
 from refcheck.goldens.manifest import Manifest, load_manifest, sha256_file
 from refcheck.trace import (
     SCHEMA_VERSION,
-    SchemaVersionError,
     Trace,
     read_trace,
     trace_bytes,

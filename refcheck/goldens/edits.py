@@ -14,18 +14,16 @@ entry to the manifest's ``removed`` list with its reason and deletes its file, i
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from refcheck.diff.findings import check_category
-from refcheck.diff.place import where
 from refcheck.errors import GoldenError, UsageError
 from refcheck.goldens import store
 from refcheck.goldens.cases import GOLDEN_CASES
-from refcheck.goldens.judge import check_trace
 from refcheck.goldens.manifest import Manifest, load_manifest, provenance_summary
 from refcheck.goldens.policy import parse_expect_first, parse_triage
-from refcheck.pool import ReferencePool
-from refcheck.trace.io import read_trace, trace_from_bytes
+
+if TYPE_CHECKING:  # the judge, torch and the trace format load where a trace is added: removing a case needs none
+    from refcheck.pool import ReferencePool
 
 
 def _need_reason(command: str, reason: str | None) -> None:
@@ -37,6 +35,8 @@ def _settings(case: str, expect: str, allow_unsupported: list[str], triage: list
               expect_first: str | None) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """The gate settings of ``golden add``, checked: (triaged findings, expect_first); UsageError when one is
     malformed, names an unknown category, or ``case`` is a built-in reference case."""
+    from refcheck.diff.findings import check_category
+
     if expect != "pass" and not expect.startswith("fail"):
         raise UsageError(f"--expect must be 'pass', 'fail' or 'fail:CATEGORY', got {expect!r}")
     if expect.startswith("fail:"):
@@ -54,6 +54,8 @@ def _settings(case: str, expect: str, allow_unsupported: list[str], triage: list
 
 def _read_bytes(trace_path: Path) -> bytes:
     """The trace file's bytes; the trace reader's typed error for a missing or unreadable file."""
+    from refcheck.trace.io import read_trace
+
     try:
         return Path(trace_path).read_bytes()
     except OSError:
@@ -69,6 +71,11 @@ def add_trace(golden_dir: Path, trace_path: Path, case: str, expect: str, allow_
     The trace is first put through the gate's own check with these settings: a trace that would fail
     the gate the moment it lands (``--expect pass`` with failures, an expected failure not caught, or
     stale models) is refused with the first failing findings, and nothing is written."""
+    from refcheck.diff.place import where
+    from refcheck.goldens.judge import check_trace
+    from refcheck.pool import ReferencePool
+    from refcheck.trace.io import trace_from_bytes
+
     _need_reason("add", reason)
     store.check_case_name(case)
     triaged, first = _settings(case, expect, allow_unsupported, triage, expect_first)

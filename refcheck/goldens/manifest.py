@@ -18,7 +18,7 @@ refused: a later write would drop it. Traces of schema 1.1 carry their own check
   :class:`~refcheck.errors.GoldenError`; a ``MANIFEST.json`` that is a directory, a golden directory
   that is a symbolic link loop, unreadable or malformed JSON, a wrong structure or value (one line
   naming the file, the case and the key) -> :class:`~refcheck.errors.CorruptTraceError`; a newer
-  manifest version -> :class:`~refcheck.trace.schema.SchemaVersionError`. :func:`parse_manifest`
+  manifest version -> :class:`~refcheck.errors.SchemaVersionError`. :func:`parse_manifest`
   checks bytes the same way.
 * :meth:`Manifest.save` writes atomically (as :func:`~refcheck.trace.io.write_trace`).
 * :meth:`Manifest.verify` never raises for a bad directory: it returns one message per problem
@@ -43,9 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from refcheck.atomic_file import atomic_write_bytes
-from refcheck.errors import CorruptTraceError, GoldenError, RefcheckError, UsageError
+from refcheck.errors import CorruptTraceError, GoldenError, RefcheckError, SchemaVersionError, UsageError
 from refcheck.goldens.policy import policy_problem
-from refcheck.trace.schema import SchemaVersionError
 
 MANIFEST_NAME = "MANIFEST.json"
 MANIFEST_VERSION = 1

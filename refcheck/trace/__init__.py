@@ -33,7 +33,6 @@ _EXPORTS = {
     "STATE_KINDS": "schema",
     "STEPS_SCHEMA": "schema",
     "TIMING_FIELDS": "schema",
-    "SchemaVersionError": "schema",
     "TraceValidationError": "schema",
 }
 
@@ -60,7 +59,6 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers
         STATE_KINDS,
         STEPS_SCHEMA,
         TIMING_FIELDS,
-        SchemaVersionError,
         TraceValidationError,
     )
 
@@ -72,7 +70,6 @@ __all__ = [
     "STEPS_SCHEMA",
     "TIMING_FIELDS",
     "RequestRow",
-    "SchemaVersionError",
     "StateEntry",
     "StepRow",
     "Trace",

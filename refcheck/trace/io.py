@@ -10,7 +10,7 @@ Contract:
   :class:`~refcheck.trace.schema.TraceValidationError` for a structural defect.
 * :func:`read_trace` returns the :class:`Trace` or raises a typed error, never a pyarrow one:
   :class:`~refcheck.errors.GoldenError` when the file does not exist;
-  :class:`~refcheck.trace.schema.SchemaVersionError` for a newer major schema version;
+  :class:`~refcheck.errors.SchemaVersionError` for a newer major schema version;
   :class:`~refcheck.errors.CorruptTraceError` for an empty file, a bad magic, a truncated or
   corrupt Arrow file, an Arrow file that is not a refcheck trace, missing columns, nulls in
   required values, zero requests, or bad provenance JSON. The trace remembers its file

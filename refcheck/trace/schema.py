@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from refcheck.errors import CorruptTraceError
+from refcheck.errors import CorruptTraceError, SchemaVersionError
 from refcheck.trace.rows import SCHEMA_VERSION as SCHEMA_VERSION  # (defined beside the rows, without pyarrow)
 from refcheck.trace.rows import Column, RequestRow, StateEntry, StepRow, columns, defaults
 
@@ -54,10 +54,6 @@ CHECKSUM_KEYS = (KEY_FILE_SHA256, KEY_BATCH_SHA256, KEY_REQUESTS_SHA256)
 
 STATE_KINDS = ("kv_k", "kv_v", "conv", "rec")
 TIMING_FIELDS = ("draft", "tree", "verify", "commit")
-
-
-class SchemaVersionError(CorruptTraceError):
-    """The trace was written with a newer major schema version than this refcheck reads."""
 
 
 class TraceValidationError(CorruptTraceError):
