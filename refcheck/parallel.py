@@ -13,12 +13,12 @@ models and shared work). Nothing here knows goldens: the gate hands its jobs in.
 
 Workers end with this process (:func:`worker_pool`): they stay in its process group (a signal to the
 group reaches them), ignore SIGINT (a terminal's Ctrl-C reaches the whole group; this process decides)
-and leave on their own within a second when this process is gone, whatever ended it (:func:`worker_init`).
-While they run, SIGTERM or SIGINT to this process (its main thread) ends every worker
-(:func:`ended_on_signal`: SIGTERM, then SIGKILL after :data:`GRACE_S`), then takes the signal's own
-course: SIGTERM ends the process (exit 143), SIGINT raises ``KeyboardInterrupt``. The main thread waits on
-its workers in steps of :data:`POLL_S`, so the handler runs within that time even when the kernel handed the
-signal to another of this process's threads.
+and leave on their own within a second when this process is gone, whatever ended it (:func:`worker_init`,
+:func:`refcheck.lifetime.watch_parent`). While they run, SIGTERM or SIGINT to this process ends every worker
+(:func:`refcheck.lifetime.ended_on_signal` with :func:`end_processes`: SIGTERM, then SIGKILL after
+:data:`GRACE_S`), then takes the signal's own course: SIGTERM ends the process (exit 143), SIGINT raises
+``KeyboardInterrupt``. The main thread waits on its workers in steps of :data:`refcheck.lifetime.POLL_S`, so the
+handler runs within that time even when the kernel handed the signal to another of this process's threads.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from concurrent.futures import wait as wait_futures
 from contextlib import contextmanager
 from multiprocessing.connection import wait as wait_ready
 from multiprocessing.process import BaseProcess
-from types import FrameType
 from typing import TYPE_CHECKING, TypeVar
 
 from refcheck.errors import UsageError
+from refcheck.lifetime import POLL_S, ended_on_signal, watch_parent
 
 if TYPE_CHECKING:  # torch and the trace format load where they are used: a worker that runs neither starts light
     from refcheck.diff.findings import Report
@@ -48,8 +48,6 @@ if TYPE_CHECKING:  # torch and the trace format load where they are used: a work
 T = TypeVar("T")
 _VOLATILE = ("created", "device", "prompt_set_sha256")  # provenance keys that differ between shards
 GRACE_S = 3.0  # seconds a worker has to end after SIGTERM before it is killed
-POLL_S = 0.5  # longest wait of this process's main thread on its workers: a signal handler runs at least this often
-_ENDING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def split(items: Sequence[T], n: int) -> list[list[T]]:
@@ -121,17 +119,10 @@ def merge_reports(reports: Sequence[Report], case: str, mode: str) -> Report:
     return out
 
 
-def _watch_parent(parent: int) -> None:
-    """Leave at once when this process's parent is not ``parent`` (it ended, whatever ended it)."""
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os._exit(1)
-
-
 def worker_init(parent: int) -> None:
     """A worker's start (module docstring): SIGINT ignored, a thread that ends it when ``parent`` is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_watch_parent, args=(parent,), name="refcheck-parent-watch", daemon=True).start()
+    watch_parent(lambda: None, parent)
 
 
 def end_processes(procs: Iterable[BaseProcess], grace: float = GRACE_S) -> None:
@@ -158,41 +149,11 @@ def end_processes(procs: Iterable[BaseProcess], grace: float = GRACE_S) -> None:
 
 
 @contextmanager
-def ended_on_signal(processes: Callable[[], Iterable[BaseProcess]]) -> Iterator[None]:
-    """While the block runs: SIGTERM / SIGINT to this process end ``processes()`` first (:func:`end_processes`),
-    then take the course the handler before this one gives them (module docstring). Only the main thread can
-    set handlers; elsewhere (and for a signal set to be ignored) nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.getsignal(sig) for sig in _ENDING_SIGNALS}
-    mine = [sig for sig, old in previous.items() if old is not signal.SIG_IGN and old is not None]  # None: set outside Python
-
-    def restore() -> None:
-        for sig in mine:
-            signal.signal(sig, previous[sig])
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        try:
-            end_processes(processes())
-        finally:  # the signal takes its course whatever ending the workers met
-            restore()
-            signal.raise_signal(signum)
-
-    for sig in mine:
-        signal.signal(sig, on_signal)
-    try:
-        yield
-    finally:
-        restore()
-
-
-@contextmanager
 def worker_pool(workers: int) -> Iterator[ProcessPoolExecutor]:
     """``workers`` spawned processes that end with this one (module docstring); shut down on leaving."""
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"), initializer=worker_init,
                                initargs=(os.getpid(),))
-    with ended_on_signal(lambda: (getattr(pool, "_processes", None) or {}).values()), pool:  # the workers spawned so far
+    with ended_on_signal(lambda: end_processes((getattr(pool, "_processes", None) or {}).values())), pool:  # the workers spawned so far
         yield pool
 
 

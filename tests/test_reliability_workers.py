@@ -10,10 +10,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from process_kit import alive, end_group, ended, wait_for  # tests/ is on sys.path under pytest
 
 from refcheck.prompts import BUILTIN_PROMPTS
 
@@ -67,23 +67,6 @@ if __name__ == "__main__":
 '''
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, ended but not yet reaped by its new parent, does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.1)
-
-
 def _start(tmp_path: Path, kind: str) -> tuple[subprocess.Popen, dict[int, int]]:
     """The pool script running ``kind`` in its own session, and its workers' pid -> process group."""
     script = tmp_path / "pool_script.py"
@@ -93,39 +76,9 @@ def _start(tmp_path: Path, kind: str) -> tuple[subprocess.Popen, dict[int, int]]
     proc = subprocess.Popen([sys.executable, str(script), str(out), kind], cwd=ROOT, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)},  # this checkout's refcheck
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _wait_for(lambda: len(list(out.glob("*.json"))) == 2 or proc.poll() is not None, START_S, "two workers")
+    wait_for(lambda: len(list(out.glob("*.json"))) == 2 or proc.poll() is not None, START_S, "two workers")
     assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
     return proc, {int(p.stem): json.loads(p.read_text())["pgid"] for p in out.glob("*.json")}
-
-
-def _ended(proc: subprocess.Popen, timeout: float) -> int:
-    """``proc``'s exit status once it ends within ``timeout``; otherwise a failure that says what it was doing:
-    its signal masks (blocked, ignored, caught, pending) and each thread's state and kernel wait channel."""
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pass
-    lines = [f"pid {proc.pid} still runs {timeout:.0f} s after the signal"]
-    try:
-        status = Path(f"/proc/{proc.pid}/status").read_text().splitlines()
-        lines += [ln for ln in status if ln.startswith(("State", "Threads", "SigQ", "SigPnd", "ShdPnd", "SigBlk",
-                                                        "SigIgn", "SigCgt"))]
-        for task in sorted(Path(f"/proc/{proc.pid}/task").iterdir()):
-            stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
-            lines.append(f"thread {task.name} {(task / 'comm').read_text().strip()} state {stat[0]} "
-                         f"wchan {(task / 'wchan').read_text()} blocked {(task / 'status').read_text().split('SigBlk:')[1].split()[0]}")
-    except (OSError, IndexError) as exc:
-        lines.append(f"(/proc unreadable: {exc})")
-    raise AssertionError("\n".join(lines))
-
-
-def _end_group(proc: subprocess.Popen) -> None:
-    """Clean up whatever the test left: the session's process group (the script and any worker)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
 
 
 @pytest.mark.slow
@@ -136,14 +89,14 @@ def test_a_signal_to_the_parent_ends_every_worker(tmp_path: Path, kind: str, sig
     try:
         assert set(workers.values()) == {os.getpgid(proc.pid)}, "the workers are in the parent's process group"
         proc.send_signal(sig)
-        _ended(proc, GONE_S + 10)
+        ended(proc, GONE_S + 10)
         if sig == signal.SIGTERM:
             assert proc.returncode == -signal.SIGTERM  # killed by the signal: a shell reports exit 143
         else:
             assert proc.returncode in (-signal.SIGINT, 1), proc.returncode  # KeyboardInterrupt
-        _wait_for(lambda: not any(_alive(pid) for pid in workers), GONE_S, f"workers {sorted(workers)} to end")
+        wait_for(lambda: not any(alive(pid) for pid in workers), GONE_S, f"workers {sorted(workers)} to end")
     finally:
-        _end_group(proc)
+        end_group(proc)
 
 
 @pytest.mark.slow
@@ -158,10 +111,10 @@ def test_a_sigterm_ends_the_parent_whatever_happens_around_its_handler(tmp_path:
     try:
         if kind == "ending_fails":
             proc.send_signal(signal.SIGTERM)
-        assert _ended(proc, GONE_S + 10) == -signal.SIGTERM
-        _wait_for(lambda: not any(_alive(pid) for pid in workers), GONE_S, f"workers {sorted(workers)} to end")
+        assert ended(proc, GONE_S + 10) == -signal.SIGTERM
+        wait_for(lambda: not any(alive(pid) for pid in workers), GONE_S, f"workers {sorted(workers)} to end")
     finally:
-        _end_group(proc)
+        end_group(proc)
 
 
 @pytest.mark.slow
@@ -171,9 +124,9 @@ def test_workers_leave_when_the_parent_is_killed(tmp_path: Path) -> None:
     try:
         proc.kill()
         proc.wait(timeout=10)
-        _wait_for(lambda: not any(_alive(pid) for pid in workers), GONE_S, f"workers {sorted(workers)} to end")
+        wait_for(lambda: not any(alive(pid) for pid in workers), GONE_S, f"workers {sorted(workers)} to end")
     finally:
-        _end_group(proc)
+        end_group(proc)
 
 
 def _children(pid: int) -> list[int]:
@@ -217,13 +170,13 @@ def test_sigterm_to_a_diff_with_two_processes_leaves_none(tmp_path: Path, args) 
     cmd = [sys.executable, "-m", "refcheck", "diff", "--mode", "replay", *args(tmp_path)]
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_for(lambda: len(_spawned_workers(proc.pid)) == 2 or proc.poll() is not None, START_S, "two workers")
+        wait_for(lambda: len(_spawned_workers(proc.pid)) == 2 or proc.poll() is not None, START_S, "two workers")
         workers = _spawned_workers(proc.pid)
         assert proc.poll() is None and len(workers) == 2
         assert {os.getpgid(w) for w in workers} == {os.getpgid(proc.pid)}
         proc.send_signal(signal.SIGTERM)
-        _ended(proc, GONE_S + 10)
+        ended(proc, GONE_S + 10)
         assert proc.returncode == -signal.SIGTERM
-        _wait_for(lambda: not any(_alive(pid) for pid in workers), GONE_S, f"workers {workers} to end")
+        wait_for(lambda: not any(alive(pid) for pid in workers), GONE_S, f"workers {workers} to end")
     finally:
-        _end_group(proc)
+        end_group(proc)
