@@ -219,11 +219,16 @@ def test_engine_crash_mid_run_keeps_a_partial_trace_and_is_reported(fake_sglang)
     assert any("incomplete" in f.message for f in rep.failures)
 
 
-def test_engine_hang_times_out(fake_sglang):
+def test_engine_hang_times_out(fake_sglang, monkeypatch, tmp_path):
+    """A hung engine is a reported crash, and its whole session ends with it (the stand-in scheduler too)."""
+    from process_kit import alive
+
     from refcheck.prompts import load_prompts
 
+    monkeypatch.setenv("FAKE_SGLANG_SCHEDULER_PID", str(tmp_path / "scheduler.pid"))
     trace = fake_sglang("hang", timeout_s=5).trace(load_prompts()[:1])
     assert "timed out" in trace.provenance["capture"]["crash"]
+    assert not alive(int((tmp_path / "scheduler.pid").read_text()))
 
 
 def test_sglang_sweep_table_from_recorded_traces(tmp_path):

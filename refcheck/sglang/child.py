@@ -23,8 +23,10 @@ buffers grow before the timed passes; the child waits for its records to be writ
 with ``stagger_s`` > 0 the requests of each pass arrive one every ``stagger_s`` seconds. SGLang
 answers a dead scheduler by killing its whole process tree (SIGQUIT, then SIGKILL): running it here
 keeps refcheck's own process, and the records captured so far, alive; whatever stage the file last
-reached tells the runner what happened. Exit codes: 0 done, 3 SGLang missing, 4 start-up failed,
-5 generate failed.
+reached tells the runner what happened. The child leads a session of its own (the runner starts it so), and
+ends it whole, SGLang's schedulers with it, as soon as the runner is gone, whatever ended the runner
+(:func:`refcheck.lifetime.watch_parent`): an engine never holds the GPU for nobody. Exit codes: 0 done, 3 SGLang
+missing, 4 start-up failed, 5 generate failed.
 """
 
 from __future__ import annotations
@@ -32,12 +34,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from refcheck.atomic_file import atomic_write_bytes
+from refcheck.lifetime import watch_parent
 
 
 def _write(path: Path, payload: dict) -> None:
@@ -138,7 +142,15 @@ def _pass_costs(marks: list[tuple[str, dict[str, int]]]) -> dict[str, Any]:
     return {name: ledger_between(prev, cur) for (_, prev), (name, cur) in zip(marks, marks[1:])}
 
 
+def _end_with_the_runner() -> None:
+    """Leading a group of its own (the runner's ``start_new_session``): SIGKILL to the whole group, this process and
+    every scheduler SGLang started in it, as soon as the runner is gone."""
+    if os.getpgrp() == os.getpid():
+        watch_parent(lambda: os.killpg(os.getpgrp(), signal.SIGKILL))
+
+
 def main(job_path: str) -> int:
+    _end_with_the_runner()
     job = json.loads(Path(job_path).read_text())
     result = Path(job["result"])
     try:

@@ -35,7 +35,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -382,8 +381,9 @@ class SGLangRunner:
 
     def _run_engine(self, cdir: Path, env: dict, kw: dict, prompts: list[Prompt], rids: dict[str, str]) -> dict:
         """SGLang in its own process (sglang_child); returns its last reported stage."""
+        from refcheck.lifetime import ended_on_signal
         from refcheck.sglang.capture.sample_rule import SampleRule, sampled_rid
-        from refcheck.sglang.start_lock import start_serialized
+        from refcheck.sglang.start_lock import end_session, start_serialized
 
         job, result, log = cdir / "job.json", cdir / "result.json", cdir / "engine.log"
         result.unlink(missing_ok=True)
@@ -398,17 +398,26 @@ class SGLangRunner:
             if self.warmup and self.capture else [],
             "sampled_rids": [[sampled_rid(self.sampled_timing, f"timing-{rids[p.id]}") for p in prompts]]
             if self.sampled_timing is not None and self.capture else []}))
-        with log.open("w") as f:
-            # a session of its own: on a timeout the engine's schedulers go down with it
-            proc = start_serialized(lambda: subprocess.Popen([sys.executable, "-m", "refcheck.sglang.child", str(job)],
-                                                             env=env, stdout=f, stderr=subprocess.STDOUT,
-                                                             start_new_session=True), result, self.timeout_s)
+        started: list[subprocess.Popen[bytes]] = []
+
+        def launch() -> subprocess.Popen[bytes]:
+            # a session of its own: the engine's schedulers go down with it (end_session), and a signal to refcheck's
+            # process group does not reach SGLang before refcheck has decided
+            started.append(subprocess.Popen([sys.executable, "-m", "refcheck.sglang.child", str(job)], env=env,
+                                            stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
+            return started[-1]
+
+        with log.open("w") as f, ended_on_signal(lambda: [end_session(p) for p in started]):
+            proc = start_serialized(launch, result, self.timeout_s)
             try:
-                rc: int | None = proc.wait(timeout=self.timeout_s)
+                rc: int | None = proc.wait(timeout=self.timeout_s)  # subprocess's timed wait polls: handlers run
             except subprocess.TimeoutExpired:
                 rc = None
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            except BaseException:
+                end_session(proc)  # refcheck is leaving: the engine never outlives it
+                raise
+            if rc != 0:  # a hang, or a child that died and may have left schedulers holding the GPU
+                end_session(proc)
         run = json.loads(result.read_text()) if result.is_file() else {}
         stage = run.get("stage")
         if stage == "done":

@@ -1,4 +1,4 @@
-"""One SGLang engine starting at a time on a shared GPU.
+"""One SGLang engine starting at a time on a shared GPU, and its process session ended as one.
 
 Contract: :func:`start_serialized` launches an engine's process and, when ``REFCHECK_SGLANG_START_LOCK``
 names a file, holds an exclusive ``flock`` on it from before the launch until the engine reports a
@@ -7,7 +7,8 @@ SGLang sizes its KV pool from the GPU memory free when it starts; two engines th
 moment on one GPU both count memory the other is about to take, and the later one then refuses to
 start ("Loaded weights leave no GPU memory for the KV cache"). Processes that share the lock file
 start one after another and run side by side afterwards. Without the variable the process is launched
-at once (nothing is locked).
+at once (nothing is locked). :func:`end_session` kills an engine process started in a session of its own
+together with every process of its group (SGLang's schedulers), and reaps it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -48,3 +50,13 @@ def start_serialized(launch: Callable[[], subprocess.Popen[bytes]], result: Path
             return proc
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def end_session(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL to the process group ``proc`` leads (it was started with ``start_new_session``), then reap ``proc``;
+    a group already gone is not an error."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()

@@ -2,11 +2,14 @@
 
 ok: echo greedy-looking outputs; drift: like ok, but every generate after the first answers
 differently (a nondeterministic engine); start_fail: print a scheduler traceback and fail at start-up the
-way SGLang does; crash: die (SIGKILL-like exit) in the middle of generate; hang: never return.
+way SGLang does; crash: die (SIGKILL-like exit) in the middle of generate; hang: start a stand-in scheduler (a
+process in the engine's process group, as SGLang's are; its pid in FAKE_SGLANG_SCHEDULER_PID when that names a
+file) and never return.
 """
 
 import asyncio
 import os
+import subprocess
 import sys
 import time
 
@@ -30,6 +33,10 @@ class Engine:
             print("ValueError: scheduler hit an illegal memory access", file=sys.stderr, flush=True)
             os._exit(137)
         if mode == "hang":
+            scheduler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+            if os.environ.get("FAKE_SGLANG_SCHEDULER_PID"):
+                with open(os.environ["FAKE_SGLANG_SCHEDULER_PID"], "w") as f:
+                    f.write(str(scheduler.pid))
             time.sleep(3600)
         shift = self.calls if mode == "drift" else 0
         self.calls += 1
