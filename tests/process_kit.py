@@ -68,3 +68,12 @@ def group_members(pgid: int) -> list[int]:
             except (ProcessLookupError, PermissionError):
                 continue
     return out
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (of any of its threads)."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return []
+    return [int(c) for t in tasks for c in (t / "children").read_text().split()]

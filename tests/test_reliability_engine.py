@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from process_kit import alive, end_group, ended, group_members, wait_for  # tests/ is on sys.path under pytest
+from process_kit import alive, children, end_group, ended, group_members, wait_for  # tests/ is on sys.path under pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ROOT / "tests" / "fake_sglang"
@@ -43,14 +43,6 @@ SGLangRunner(EngineSpec(dtype="bfloat16", device="cuda", max_new_tokens=3), "NON
 '''
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except FileNotFoundError:
-        return []
-    return [int(c) for t in tasks for c in (t / "children").read_text().split()]
-
-
 def _start(tmp_path: Path) -> tuple[subprocess.Popen, int, int]:
     """The runner's process (its own session), its engine process (which leads the engine's group) and the
     stand-in scheduler, once the engine is generating."""
@@ -62,7 +54,7 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, int, int]:
     wait_for(lambda: (pid_file.is_file() and pid_file.read_text().strip() != "") or proc.poll() is not None, START_S,
              "the engine to generate")
     assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-    engines = [c for c in _children(proc.pid) if b"refcheck.sglang.child" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    engines = [c for c in children(proc.pid) if b"refcheck.sglang.child" in Path(f"/proc/{c}/cmdline").read_bytes()]
     assert len(engines) == 1, engines
     assert os.getpgid(engines[0]) == engines[0] != os.getpgid(proc.pid), "the engine leads a group of its own"
     scheduler = int(pid_file.read_text())

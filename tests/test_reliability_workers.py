@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from process_kit import alive, end_group, ended, wait_for  # tests/ is on sys.path under pytest
+from process_kit import alive, children, end_group, ended, wait_for  # tests/ is on sys.path under pytest
 
 from refcheck.prompts import BUILTIN_PROMPTS
 
@@ -129,18 +129,10 @@ def test_workers_leave_when_the_parent_is_killed(tmp_path: Path) -> None:
         end_group(proc)
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except FileNotFoundError:
-        return []
-    return [int(c) for t in tasks for c in (t / "children").read_text().split()]
-
-
 def _spawned_workers(pid: int) -> list[int]:
     """The children of ``pid`` that are multiprocessing's spawned workers (not its resource tracker)."""
     out = []
-    for child in _children(pid):
+    for child in children(pid):
         try:
             cmd = Path(f"/proc/{child}/cmdline").read_bytes()
         except FileNotFoundError:
