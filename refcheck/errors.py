@@ -28,6 +28,9 @@ with the code. Codes follow pytest's spirit:
      draft/target mismatch (layer count, layer ids, widths, vocabulary),
      unsupported model type, NaN/Inf in weights or log-probs
      (:class:`NonFiniteError`, naming the model and tensor or the prompt)
+7    a worker process refcheck started died while it ran (killed by a signal:
+     the kernel's out-of-memory killer sends SIGKILL): :class:`WorkerDiedError`,
+     naming the processes and how each ended; nothing is judged
 ==== =====================================================================
 """
 
@@ -42,7 +45,7 @@ from ddtree_reference.errors import (
     UnsupportedModelError,
 )
 
-EXIT_PASS, EXIT_MISMATCH, EXIT_USAGE, EXIT_GOLDEN, EXIT_CORRUPT, EXIT_NOTHING, EXIT_MODEL = range(7)
+EXIT_PASS, EXIT_MISMATCH, EXIT_USAGE, EXIT_GOLDEN, EXIT_CORRUPT, EXIT_NOTHING, EXIT_MODEL, EXIT_WORKER = range(8)
 
 
 class RefcheckError(Exception):
@@ -93,6 +96,12 @@ class OutputPathError(UsageError):
 
 class NothingComparedError(RefcheckError):
     exit_code = EXIT_NOTHING
+
+
+class WorkerDiedError(RefcheckError):
+    """A worker process died while it ran a job (a signal, an abrupt exit): not a verdict on the engine."""
+
+    exit_code = EXIT_WORKER
 
 
 def exit_code_for(exc: BaseException) -> int | None:

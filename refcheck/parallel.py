@@ -32,12 +32,13 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import wait as wait_futures
-from contextlib import contextmanager
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager, nullcontext
 from multiprocessing.connection import wait as wait_ready
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, TypeVar
 
-from refcheck.errors import UsageError
+from refcheck.errors import UsageError, WorkerDiedError
 from refcheck.lifetime import POLL_S, ended_on_signal, watch_parent
 
 if TYPE_CHECKING:  # torch and the trace format load where they are used: a worker that runs neither starts light
@@ -148,13 +149,38 @@ def end_processes(procs: Iterable[BaseProcess], grace: float = GRACE_S) -> None:
             pass
 
 
+def _how_ended(procs: Iterable[BaseProcess]) -> str:
+    """Each process's pid and how it ended (``exitcode``: negative for the signal that ended it)."""
+    out = []
+    for p in procs:
+        code = p.exitcode
+        how = "still running" if code is None else \
+            f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"exit {code}"
+        out.append(f"pid {p.pid} {how}")
+    return ", ".join(out) or "none left to ask"
+
+
 @contextmanager
 def worker_pool(workers: int) -> Iterator[ProcessPoolExecutor]:
-    """``workers`` spawned processes that end with this one (module docstring); shut down on leaving."""
+    """``workers`` spawned processes that end with this one (module docstring); shut down on leaving. A worker that
+    dies while it runs a job (BrokenProcessPool) is a :class:`~refcheck.errors.WorkerDiedError` naming how each
+    worker ended."""
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"), initializer=worker_init,
                                initargs=(os.getpid(),))
-    with ended_on_signal(lambda: end_processes((getattr(pool, "_processes", None) or {}).values())), pool:  # the workers spawned so far
-        yield pool
+
+    def processes() -> list[BaseProcess]:  # the workers spawned so far
+        return list((getattr(pool, "_processes", None) or {}).values())
+
+    with ended_on_signal(lambda: end_processes(processes())), pool:
+        try:
+            yield pool
+        except BrokenProcessPool as exc:
+            dead = processes()
+            for p in dead:
+                p.join(GRACE_S)  # the pool stops the others: how each ended is known
+            raise WorkerDiedError(f"a worker process died while it ran ({_how_ended(dead)}); no verdict was given. "
+                                  "SIGKILL is what the kernel's out-of-memory killer sends: fewer --workers need less "
+                                  "memory") from exc
 
 
 def run_parallel(fn: Callable[..., T], jobs: Sequence[tuple], workers: int) -> list[T]:
@@ -198,20 +224,17 @@ def run_queue(fn: Callable[..., T], jobs: Sequence[tuple], workers: int, inline:
                     on_result(item[0], results[item[0]])
 
     helpers = min(workers, len(jobs)) - 1
-    if helpers < 1:
+    with worker_pool(helpers) if helpers >= 1 else nullcontext() as pool:
+        feeders = [threading.Thread(target=drain, args=(lambda job: pool.submit(fn, *job).result(),), daemon=True)
+                   for _ in range(helpers)]
+        for t in feeders:
+            t.start()
         drain(lambda job: inline(*job))
-    else:
-        with worker_pool(helpers) as pool:
-            feeders = [threading.Thread(target=drain, args=(lambda job: pool.submit(fn, *job).result(),), daemon=True)
-                       for _ in range(helpers)]
-            for t in feeders:
-                t.start()
-            drain(lambda job: inline(*job))
-            for t in feeders:
-                while t.is_alive():
-                    t.join(POLL_S)  # timed: a signal's handler runs meanwhile
-    if errors:
-        raise errors[0]
+        for t in feeders:
+            while t.is_alive():
+                t.join(POLL_S)  # timed: a signal's handler runs meanwhile
+        if errors:
+            raise errors[0]  # inside the pool: a worker's death becomes a WorkerDiedError
     return results
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from process_kit import alive, children, end_group, ended, wait_for  # tests/ is on sys.path under pytest
 
+from refcheck.errors import EXIT_WORKER
 from refcheck.prompts import BUILTIN_PROMPTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,11 +40,23 @@ def idle(out: str, i: int) -> None:
         time.sleep(1)
 
 
+def die(out: str, i: int) -> None:
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def slow(out: str, i: int) -> None:  # this process's own jobs: the workers take theirs meanwhile
+    time.sleep(1)
+
+
 if __name__ == "__main__":
     from refcheck import parallel
 
     out, kind = sys.argv[1], sys.argv[2]
-    if kind == "signal_in_a_thread":  # SIGTERM handed to a thread other than the main one, 2 s after the workers run
+    if kind == "a_worker_dies":  # the workers' jobs end by SIGKILL (as the out-of-memory killer's do)
+        parallel.run_queue(die, [(out, i) for i in range(3)], 3, inline=slow)
+    elif kind == "signal_in_a_thread":  # SIGTERM handed to a thread other than the main one, 2 s after the workers run
         import signal, threading
 
         def later() -> None:
@@ -113,6 +126,37 @@ def test_a_sigterm_ends_the_parent_whatever_happens_around_its_handler(tmp_path:
             proc.send_signal(signal.SIGTERM)
         assert ended(proc, GONE_S + 10) == -signal.SIGTERM
         wait_for(lambda: not any(alive(pid) for pid in workers), GONE_S, f"workers {sorted(workers)} to end")
+    finally:
+        end_group(proc)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_in_a_gate_like_queue_is_a_typed_error(tmp_path: Path) -> None:
+    """run_queue (the gate's): a worker's death is a WorkerDiedError naming how it ended, not a BrokenProcessPool."""
+    script = tmp_path / "pool_script.py"
+    script.write_text(SCRIPT)
+    (tmp_path / "pids").mkdir()
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "pids"), "a_worker_dies"], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=START_S)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith("refcheck.errors.WorkerDiedError: a worker process died"), proc.stderr
+    assert "killed by SIGKILL" in last and "no verdict was given" in last
+
+
+@pytest.mark.slow
+def test_a_diff_whose_worker_is_killed_exits_with_its_own_code(tmp_path: Path) -> None:
+    """``refcheck diff --workers 2`` whose worker is SIGKILLed: exit 7 (EXIT_WORKER), one line naming how each worker
+    ended, no traceback (a failing verdict, exit 1, would blame the engine)."""
+    cmd = [sys.executable, "-m", "refcheck", "diff", "--mode", "replay", *_two_long_prompts(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        wait_for(lambda: len(_spawned_workers(proc.pid)) == 2 or proc.poll() is not None, START_S, "two workers")
+        os.kill(_spawned_workers(proc.pid)[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=GONE_S + 10)
+        assert proc.returncode == EXIT_WORKER and "Traceback" not in err, err
+        assert err.strip().splitlines()[-1].startswith("refcheck: error: a worker process died while it ran (pid "), err
+        assert "killed by SIGKILL" in err
     finally:
         end_group(proc)
 
