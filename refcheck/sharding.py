@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from refcheck.diff.findings import STATE_CATEGORIES, Report, step_counts
-from refcheck.errors import UsageError, exit_code_for
+from refcheck.errors import UsageError, WorkerDiedError, exit_code_for
 from refcheck.trace.io import Trace, trace_bytes, trace_from_bytes
 
 
@@ -85,9 +85,13 @@ def sharded_diff(trace: Trace, case: str, mode: str, shards: int, ref_dtype: str
         try:
             mp.start_processes(_rank, args=(shards, free_port(), trace_bytes(trace), case, ref_dtype, ref_device, out,
                                             trace.source or case), nprocs=shards, start_method="spawn")
-        except Exception:
+        except Exception as exc:
             errors = [Path(out).with_suffix(f".{r}.error.pkl") for r in range(shards)]
             typed = next((pickle.loads(e.read_bytes()) for e in errors if e.is_file()), None)
+            if typed is None and isinstance(exc, mp.ProcessExitedException):  # killed, or exited abruptly
+                how = f"killed by {exc.signal_name}" if exc.signal_name else f"exit {exc.exit_code}"
+                raise WorkerDiedError(f"reference shard {exc.error_index} of {shards} died while it ran ({how}); no "
+                                      "verdict was given") from exc
             if typed is None:
                 raise
             raise typed from None

@@ -144,24 +144,6 @@ def test_a_worker_killed_in_a_gate_like_queue_is_a_typed_error(tmp_path: Path) -
 
 
 @pytest.mark.slow
-def test_a_diff_whose_worker_is_killed_exits_with_its_own_code(tmp_path: Path) -> None:
-    """``refcheck diff --workers 2`` whose worker is SIGKILLed: exit 7 (EXIT_WORKER), one line naming how each worker
-    ended, no traceback (a failing verdict, exit 1, would blame the engine)."""
-    cmd = [sys.executable, "-m", "refcheck", "diff", "--mode", "replay", *_two_long_prompts(tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        wait_for(lambda: len(_spawned_workers(proc.pid)) == 2 or proc.poll() is not None, START_S, "two workers")
-        os.kill(_spawned_workers(proc.pid)[0], signal.SIGKILL)
-        _, err = proc.communicate(timeout=GONE_S + 10)
-        assert proc.returncode == EXIT_WORKER and "Traceback" not in err, err
-        assert err.strip().splitlines()[-1].startswith("refcheck: error: a worker process died while it ran (pid "), err
-        assert "killed by SIGKILL" in err
-    finally:
-        end_group(proc)
-
-
-@pytest.mark.slow
 def test_workers_leave_when_the_parent_is_killed(tmp_path: Path) -> None:
     """SIGKILL leaves the parent no chance to end its workers: they notice it is gone and leave."""
     proc, workers = _start(tmp_path, "run_parallel")
@@ -214,5 +196,24 @@ def test_sigterm_to_a_diff_with_two_processes_leaves_none(tmp_path: Path, args) 
         ended(proc, GONE_S + 10)
         assert proc.returncode == -signal.SIGTERM
         wait_for(lambda: not any(alive(pid) for pid in workers), GONE_S, f"workers {workers} to end")
+    finally:
+        end_group(proc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [_two_long_prompts, _sharded_replay], ids=["workers", "ref-shards"])
+def test_a_diff_whose_worker_is_killed_exits_with_its_own_code(tmp_path: Path, args) -> None:
+    """``refcheck diff --workers 2`` or ``--ref-shards 2`` whose first process is SIGKILLed: exit 7 (EXIT_WORKER), one
+    line saying which process died and how, no traceback (a failing verdict, exit 1, would blame the engine)."""
+    cmd = [sys.executable, "-m", "refcheck", "diff", "--mode", "replay", *args(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        wait_for(lambda: len(_spawned_workers(proc.pid)) == 2 or proc.poll() is not None, START_S, "two workers")
+        os.kill(sorted(_spawned_workers(proc.pid))[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=GONE_S + 10)
+        last = err.strip().splitlines()[-1]
+        assert proc.returncode == EXIT_WORKER and "Traceback" not in err, err
+        assert last.startswith("refcheck: error: ") and "died while it ran (" in last and "killed by SIGKILL" in last, err
     finally:
         end_group(proc)
