@@ -117,7 +117,7 @@ def test_a_signal_to_the_parent_ends_every_worker(tmp_path: Path, kind: str, sig
 def test_a_sigterm_ends_the_parent_whatever_happens_around_its_handler(tmp_path: Path, kind: str) -> None:
     """``signal_in_a_thread``: the kernel may hand a process's SIGTERM to any of its threads (the script sends it to
     one of its own); Python runs the handler in the main thread, which waits on its workers in timed steps
-    (refcheck.parallel.POLL_S), so it still runs. ``ending_fails``: the handler's own failure does not swallow the
+    (refcheck.lifetime.POLL_S), so it still runs. ``ending_fails``: the handler's own failure does not swallow the
     signal; the workers, left running, leave on their own (they watch their parent). Either way the parent ends
     by the signal and no worker stays."""
     proc, workers = _start(tmp_path, kind)
