@@ -8,7 +8,11 @@ a signal set to be ignored (an inherited ``SIG_IGN``, as under ``nohup``), nothi
 handler in the main thread only, and a signal the kernel hands to another thread does not wake an untimed
 wait, so a main thread that waits inside the block waits in steps of at most :data:`POLL_S`.
 :func:`watch_parent` is the other half, for a process refcheck started: a daemon thread that calls ``leave()``
-as soon as its parent is gone, whatever ended it (SIGKILL included), within :data:`POLL_S`.
+as soon as its parent is gone, whatever ended it (SIGKILL included), within :data:`POLL_S`. A refcheck command
+that another refcheck process starts (the settings matrix's diffs) is told so by :data:`ENV_END_WITH`, the
+starting process's pid (:func:`end_with`), and leaves with it (:func:`end_with_parent_if_asked`, at the command
+line's entry); a process the variable does not name as its parent (a grandchild that inherited it, a command run
+by hand) ignores it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 
+ENV_END_WITH = "REFCHECK_END_WITH"
 POLL_S = 0.5  # longest untimed stretch of a main thread that waits inside ended_on_signal; the parent watch's period
 _ENDING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -70,3 +75,25 @@ def watch_parent(leave: Callable[[], None], parent: int | None = None) -> thread
     thread = threading.Thread(target=watch, name="refcheck-parent-watch", daemon=True)
     thread.start()
     return thread
+
+
+def end_with() -> dict[str, str]:
+    """The environment entry that makes a refcheck command this process starts leave when this process is gone."""
+    return {ENV_END_WITH: str(os.getpid())}
+
+
+def end_with_parent_if_asked() -> None:
+    """Leave when the parent is gone, if :data:`ENV_END_WITH` names this process's parent (module docstring); leave at
+    once if the process it names is gone already (it died before this one got here)."""
+    named = os.environ.get(ENV_END_WITH)
+    if not named:
+        return
+    if named == str(os.getppid()):
+        watch_parent(lambda: None)
+        return
+    try:
+        os.kill(int(named), 0)  # alive (this is a grandchild that inherited the variable): nothing to do
+    except ProcessLookupError:
+        os._exit(1)
+    except (ValueError, PermissionError, OverflowError):
+        pass

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -217,3 +218,42 @@ def test_a_diff_whose_worker_is_killed_exits_with_its_own_code(tmp_path: Path, a
         assert last.startswith("refcheck: error: ") and "died while it ran (" in last and "killed by SIGKILL" in last, err
     finally:
         end_group(proc)
+
+
+PARENT = """
+import os, subprocess, sys, time
+from pathlib import Path
+
+out, asked, cmd = Path(sys.argv[1]), sys.argv[2] == "asked", sys.argv[3:]
+env = {**os.environ, "REFCHECK_END_WITH": str(os.getpid())} if asked else dict(os.environ)
+child = subprocess.Popen([sys.executable, "-m", "refcheck", *cmd], env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+(out / "child.pid").write_text(str(child.pid))
+time.sleep(3600)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("asked", [True, False], ids=["asked", "not-asked"])
+def test_a_command_another_refcheck_started_leaves_with_it_when_asked(tmp_path: Path, asked: bool) -> None:
+    """A refcheck command whose REFCHECK_END_WITH names its parent (the settings matrix's diffs) leaves within a
+    second of that parent's SIGKILL; one not asked (a command run by hand) keeps running."""
+    (tmp_path / "parent.py").write_text(PARENT)
+    cmd = ["diff", "--mode", "replay", *_two_long_prompts(tmp_path)[:-2]]  # one process: the command itself
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), str(tmp_path), "asked" if asked else "no",
+                             *cmd], cwd=ROOT, start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    pid_file = tmp_path / "child.pid"
+    try:
+        wait_for(lambda: pid_file.is_file() and pid_file.read_text() != "", START_S, "the command to start")
+        child = int(pid_file.read_text())
+        time.sleep(3)  # past the command's start (its entry reads the variable first thing)
+        proc.kill()
+        proc.wait(timeout=10)
+        if asked:
+            wait_for(lambda: not alive(child), GONE_S, f"the command {child} to leave")
+        else:
+            time.sleep(3)
+            assert alive(child), "a command not asked to end with its parent keeps running"
+    finally:
+        end_group(proc)
+

@@ -50,7 +50,11 @@ def quiet() -> None:
     _quiet_transformers()
 
 def entry() -> None:
-    """Console-script entry: run the group and turn user errors into exit codes."""
+    """Console-script entry: run the group and turn user errors into exit codes (and, when another refcheck process
+    started this one and asked, leave with it: :func:`refcheck.lifetime.end_with_parent_if_asked`)."""
+    from refcheck.lifetime import end_with_parent_if_asked
+
+    end_with_parent_if_asked()
     try:
         main(standalone_mode=False)
     except click.exceptions.Exit as exc:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from refcheck.diff.place import earliest, where
 from refcheck.errors import ModelError, RefcheckError, UsageError
+from refcheck.lifetime import end_with
 from refcheck.progress import Progress, tell
 from refcheck.prompts import Prompt
 from refcheck.prompts.workloads import needed_context, workload
@@ -257,7 +259,7 @@ def _diff(run: MatrixRun, cell: Cell, trace, path: Path, gate: threading.Semapho
             return report.to_json()
         cmd = [sys.executable, "-m", "refcheck", "diff", "--against", str(path), "--mode", "replay", "--ref-dtype",
                run.ref_dtype, "--ref-device", run.ref_device, "--json"]
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **end_with()})  # ends with the matrix
     try:
         return json.loads(p.stdout)["reports"][0]
     except (ValueError, KeyError, IndexError):
