@@ -247,6 +247,7 @@ def test_a_command_another_refcheck_started_leaves_with_it_when_asked(tmp_path: 
         wait_for(lambda: pid_file.is_file() and pid_file.read_text() != "", START_S, "the command to start")
         child = int(pid_file.read_text())
         time.sleep(3)  # past the command's start (its entry reads the variable first thing)
+        assert alive(child), "the command runs (a long diff) until its parent is killed"
         proc.kill()
         proc.wait(timeout=10)
         if asked:
