@@ -59,9 +59,9 @@ def ended_on_signal(end: Callable[[], None]) -> Iterator[None]:
         restore()
 
 
-def watch_parent(leave: Callable[[], None], parent: int | None = None) -> threading.Thread:
-    """A daemon thread that calls ``leave()`` once this process's parent is not ``parent`` (default: the parent
-    now), then ends the process if ``leave()`` returned."""
+def watch_parent(leave: Callable[[], None], parent: int | None = None) -> None:
+    """Start a daemon thread that calls ``leave()`` once this process's parent is not ``parent`` (default: the
+    parent now), then ends the process if ``leave()`` returned."""
     expected = os.getppid() if parent is None else parent
 
     def watch() -> None:
@@ -72,9 +72,7 @@ def watch_parent(leave: Callable[[], None], parent: int | None = None) -> thread
         finally:
             os._exit(1)
 
-    thread = threading.Thread(target=watch, name="refcheck-parent-watch", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=watch, name="refcheck-parent-watch", daemon=True).start()
 
 
 def end_with() -> dict[str, str]:

@@ -409,15 +409,14 @@ class SGLangRunner:
 
         with log.open("w") as f, ended_on_signal(lambda: [end_session(p) for p in started]):
             proc = start_serialized(launch, result, self.timeout_s)
+            rc: int | None = None
             try:
-                rc: int | None = proc.wait(timeout=self.timeout_s)  # subprocess's timed wait polls: handlers run
+                rc = proc.wait(timeout=self.timeout_s)  # subprocess's timed wait polls: handlers run
             except subprocess.TimeoutExpired:
-                rc = None
-            except BaseException:
-                end_session(proc)  # refcheck is leaving: the engine never outlives it
-                raise
-            if rc != 0:  # a hang, or a child that died and may have left schedulers holding the GPU
-                end_session(proc)
+                pass
+            finally:  # a hang, an exception leaving refcheck, or a child that died and may have left schedulers
+                if rc != 0:
+                    end_session(proc)
         run = json.loads(result.read_text()) if result.is_file() else {}
         stage = run.get("stage")
         if stage == "done":
