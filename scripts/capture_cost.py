@@ -3,13 +3,15 @@
 Usage (on a GPU machine with SGLang; through the bundle: ``scripts/sglang_bundle.sh run python3 scripts/...``)::
 
     python scripts/capture_cost.py --out OUT [--algorithms NONE,DFLASH,NGRAM,REFCHECK_DDTREE] [--graphs off,on]
-        [--workloads one,mixed] [--sample 16] [--repeats 2] [--mem-fraction 0.3] [--diff]
+        [--workloads one,mixed] [--sample 16] [--repeats 3] [--mem-fraction 0.3] [--diff]
         [--cells ALG:on|off:one|mixed,...] [--deadline SECONDS]
 
-Per cell (algorithm x CUDA graphs x workload) one SGLang engine runs, in order: an untraced warm-up pass, the
-captured pass (every step recorded), a sampled pass (1 step in ``--sample`` per request, rids marked for it),
-and ``--repeats`` untraced passes. Each pass generates the same requests; the overheads are the captured and
-sampled passes' wall times over the median untraced pass's, and every pass's tokens are compared with the
+Per cell (algorithm x CUDA graphs x workload) one SGLang engine runs, in order: an untraced warm-up pass, a
+captured warm-up pass, the captured pass (every step recorded: the trace), then ``--repeats`` rounds of three
+passes interleaved in rotating order (``refcheck/sglang/child.py``): untraced, sampled (1 decode batch in
+``--sample``, rids marked for it) and full capture. Each pass generates the same requests; the overheads are the
+median full and sampled passes over the median untraced pass (the first captured pass's ratio beside them, and
+the untraced passes' max/min as the noise they are read against), and every pass's tokens are compared with the
 captured pass's. Trace bytes per verify step are the written Arrow trace's size over its steps. ``--diff``
 also judges each captured trace (replay, the GPU reference when one is visible; steps per second) and the
 sampled pass's trace, assembled from the same capture directory (its verdict beside the full one's).
@@ -45,27 +47,39 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
+def _median(times: list[float] | None) -> float | None:
+    return statistics.median(times) if times else None
+
+
 def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff: dict | None) -> dict[str, Any]:
-    """One table row from a captured trace (its provenance holds every pass's wall time)."""
+    """One table row from a captured trace (its provenance holds every pass's wall time): each overhead is a median
+    pass of its kind over the median untraced pass, the kinds' passes interleaved on one warm engine; the first
+    captured pass (the trace's own) over the same untraced median as ``overhead_captured``."""
     st, cap = trace.prov.settings, trace.provenance.get("capture", {})
-    untraced = statistics.median(st.get("repeat_generate_s") or [0.0]) or None
-    sampled = (st.get("sampled_generate_s") or [None])[0]
+    passes = {"untraced": st.get("repeat_generate_s") or [], "sampled": st.get("sampled_generate_s") or [],
+              "full": st.get("full_generate_s") or []}
+    untraced, sampled = _median(passes["untraced"]), _median(passes["sampled"])
+    full = _median(passes["full"]) or st.get("generate_s")
     steps = len(trace.steps)
+    costs = st.get("pass_costs") or {}
     return {"algorithm": algorithm, "graphs": graphs, "workload": load, "requests": len(trace.requests),
-            "steps": steps, "captured_s": st.get("generate_s"), "sampled_s": sampled, "untraced_s": untraced,
-            "overhead_full": _ratio(st.get("generate_s"), untraced), "overhead_sampled": _ratio(sampled, untraced),
+            "steps": steps, "captured_s": st.get("generate_s"), "full_s": full, "sampled_s": sampled,
+            "untraced_s": untraced, "passes": passes,
+            "untraced_spread": _ratio(max(passes["untraced"], default=None), min(passes["untraced"], default=None)),
+            "overhead_full": _ratio(full, untraced), "overhead_sampled": _ratio(sampled, untraced),
+            "overhead_captured": _ratio(st.get("generate_s"), untraced),
             "tokens_same_untraced": st.get("repeats_match"), "tokens_same_sampled": st.get("sampled_match"),
+            "tokens_same_full": st.get("full_match"),
             "graphed_steps": (cap.get("stats") or {}).get("cuda_graph_steps"),
             "bytes_per_step": path.stat().st_size / steps if steps else None,
             "capture_errors": (cap.get("errors") or [])[:3], "capture_behind": st.get("capture_behind") or {},
             "lost_batches": (cap.get("stats") or {}).get("lost_batches", 0),
             "capture_host_ms_per_batch": (cap.get("stats") or {}).get("capture_host_ms_per_batch"),
-            # the captured pass's own books (one-off costs of earlier passes left out), and the untraced passes'
-            "ledger": {**((st.get("pass_costs") or {}).get("captured") or (cap.get("stats") or {}).get("capture_cost")
+            # the full passes' own books (one-off costs of earlier passes left out), and the untraced passes'
+            "ledger": {**(costs.get("full") or costs.get("captured") or (cap.get("stats") or {}).get("capture_cost")
                           or {}),
-                       "plain_ms_per_batch": ((st.get("pass_costs") or {}).get("untraced") or {}).get("plain_ms_per_batch")},
-            "pass_costs": st.get("pass_costs") or {},
-            "drain_s": st.get("drain_s"), **(diff or {})}
+                       "plain_ms_per_batch": (costs.get("untraced") or {}).get("plain_ms_per_batch")},
+            "pass_costs": costs, "drain_s": st.get("drain_s"), **(diff or {})}
 
 
 @functools.cache
@@ -149,17 +163,19 @@ def _ledger(cost: dict[str, Any]) -> str:
 
 
 def markdown(rows: list[dict[str, Any]], sample: int) -> str:
-    head = (f"| algorithm | graphs | workload | steps | untraced s | full capture | 1 in {sample} | "
+    head = (f"| algorithm | graphs | workload | steps | untraced s (max/min) | full capture (first pass) | 1 in {sample} | "
             "batch ms plain / recorded (hooks) | writer ms/record | bytes/step | "
-            "tokens same | verdict (full / sampled) | diff steps/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "tokens same (untraced / sampled / full) | verdict (full / sampled) | diff steps/s |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
         f"| {r['algorithm']} | {'on' if r['graphs'] else 'off'} | {r['workload']} | "
         + (f"error: {r['error'][:120]} | | | | | | | | | |\n" if "error" in r else
-           f"{r['steps']} | {_fmt(r['untraced_s'], '.3f')} | {_fmt(r['overhead_full'])}× | "
+           f"{r['steps']} | {_fmt(r['untraced_s'], '.3f')} ({_fmt(r.get('untraced_spread'))}) | "
+           f"{_fmt(r['overhead_full'])}× ({_fmt(r.get('overhead_captured'))}×) | "
            f"{_fmt(r['overhead_sampled'])}× | {_ledger(r.get('ledger') or {})} | "
            f"{_fmt((r.get('ledger') or {}).get('writer_ms_per_record'))} | {_fmt(r['bytes_per_step'], '.0f')} | "
-           f"{r['tokens_same_untraced']}/{r['tokens_same_sampled']} | {r.get('verdict', '—')} / "
-           f"{r.get('sampled_verdict', '—')} ({r.get('sampled_steps', '—')} steps) | "
+           f"{r['tokens_same_untraced']}/{r['tokens_same_sampled']}/{r.get('tokens_same_full')} | "
+           f"{r.get('verdict', '—')} / {r.get('sampled_verdict', '—')} ({r.get('sampled_steps', '—')} steps) | "
            f"{_fmt(r.get('diff_steps_per_s'), '.1f')} |\n")
         for r in rows)
     return head + body
@@ -186,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--graphs", default="off,on")
     ap.add_argument("--workloads", default="one,mixed")
     ap.add_argument("--sample", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mem-fraction", type=float, default=0.3)
     ap.add_argument("--pair", default="hybrid")
     ap.add_argument("--budget", type=int, default=15)

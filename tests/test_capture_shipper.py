@@ -125,8 +125,8 @@ def test_off_cuda_a_graph_cache_runs_the_computation_as_it_is():
 
 
 def test_each_pass_gets_what_it_booked_in_the_ledger(tmp_path, monkeypatch):
-    """The engine process marks the ledger between passes (refcheck/sglang/child.py): each pass's summary is
-    the difference of two marks summed over the scheduler processes, so a one-off cost of an earlier pass (a
+    """The engine process reads the ledger around its passes (refcheck/sglang/child.py): the captured pass's summary
+    is the difference of two reads summed over the scheduler processes, so a one-off cost of an earlier pass (a
     graph's capture, a kernel's first load) is not spread over the timed one."""
     from refcheck.sglang import child
     from refcheck.sglang.capture.shipper import Counters
@@ -135,19 +135,68 @@ def test_each_pass_gets_what_it_booked_in_the_ledger(tmp_path, monkeypatch):
     ranks = [Counters(tmp_path / f"queue-rank{r}-pid{r + 1}.bin") for r in range(2)]
     for c in ranks:
         c.add(recorded_batches=5, recorded_ns=500_000_000, hooks_ns=400_000_000)  # a warm-up with one-off costs
-    marks = [("start", child._ledger())]
+    start = child._ledger()
     for c in ranks:
         c.add(recorded_batches=10, recorded_ns=40_000_000, hooks_ns=10_000_000, state_ns=5_000_000, written=10,
               writer_ns=3_000_000)
-    marks.append(("captured", child._ledger()))
-    ranks[0].add(plain_batches=4, plain_ns=12_000_000)
-    marks.append(("untraced", child._ledger()))
-    costs = child._pass_costs(marks)
+    costs = child._pass_costs(start, child._ledger(), {})
     assert costs["captured"]["recorded_ms_per_batch"] == 4.0 and costs["captured"]["hooks_ms_per_batch"] == 1.0
     assert costs["captured"]["parts_ms_per_batch"]["state"] == 0.5 and costs["captured"]["writer_ms_per_record"] == 0.3
-    assert costs["untraced"]["plain_ms_per_batch"] == 3.0 and costs["untraced"]["recorded_ms_per_batch"] is None
     monkeypatch.delenv("REFCHECK_CAPTURE_DIR")
-    assert child._pass_costs([("start", child._ledger())]) == {}
+    assert child._pass_costs(child._ledger(), child._ledger(), {}) == {}
+
+
+class _Engine:
+    """A stand-in engine: each pass books in a scheduler's ledger what its kind costs (a full pass records 4
+    batches, a sampled one 1 of 4, an untraced one none) and answers the captured outputs, except at the untraced
+    pass named in ``differ``."""
+
+    def __init__(self, counters, outputs, differ=None):
+        self.counters, self.outputs, self.differ, self.order = counters, outputs, differ, []
+
+    def generate(self, input_ids, sampling_params, rid):
+        self.order.append(rid[0])
+        if rid[0].startswith("full"):
+            self.counters.add(recorded_batches=4, recorded_ns=4 * 3_000_000, written=4, writer_ns=4 * 500_000)
+        elif rid[0].startswith("sampled"):
+            self.counters.add(plain_batches=3, plain_ns=3 * 2_000_000, recorded_batches=1, recorded_ns=3_000_000,
+                              written=1, writer_ns=500_000)
+        else:
+            self.counters.add(plain_batches=4, plain_ns=4 * 2_000_000)
+        out = [list(o) for o in self.outputs]
+        if rid[0] == self.differ:
+            out[0][1] += 1
+        return [{"output_ids": o} for o in out]
+
+
+def test_timing_passes_run_interleaved_in_rotating_order_each_kind_with_its_own_books(tmp_path, monkeypatch):
+    """refcheck/sglang/child.py's interleaved: round r runs pass r of each kind, the order rotated by r, so every
+    kind runs first, second and third alike; each kind's books sum its own passes' ledger differences (the
+    sampled pass's plain and recorded batches apart from the untraced passes'); an untraced pass that leaves the
+    captured outputs is named with its first difference, and a kind with fewer passes drops out of later rounds."""
+    from refcheck.sglang import child
+    from refcheck.sglang.capture.shipper import Counters, ledger_summary
+
+    monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(tmp_path))
+    outputs = [[5, 6, 7], [8, 9]]
+    engine = _Engine(Counters(tmp_path / "queue-rank0-pid1.bin"), outputs, differ="untraced2")
+    job = {"input_ids": [[1], [2]], "sampling_params": [{}, {}],
+           "timing_rids": [[f"untraced{k}", "b"] for k in range(3)], "sampled_rids": [[f"sampled{k}", "b"] for k in range(3)],
+           "full_rids": [[f"full{k}", "b"] for k in range(2)]}
+    diffs: dict = {}
+    got = child.interleaved(engine, job, outputs, diffs)
+    assert engine.order == ["untraced0", "sampled0", "full0", "sampled1", "full1", "untraced1", "untraced2", "sampled2"]
+    assert [len(got[k]["times"]) for k in ("untraced", "sampled", "full")] == [3, 3, 2]
+    assert got["untraced"]["match"] is False and got["sampled"]["match"] is True and got["full"]["match"] is True
+    assert diffs == {"repeat0": [], "repeat1": [], "repeat2": [[0, 1, 6, 7]]}
+    untraced = ledger_summary(got["untraced"]["books"], got["untraced"]["books"]["written"])
+    sampled = ledger_summary(got["sampled"]["books"], got["sampled"]["books"]["written"])
+    full = ledger_summary(got["full"]["books"], got["full"]["books"]["written"])
+    assert (untraced["plain_batches"], untraced["plain_ms_per_batch"], untraced["recorded_batches"]) == (12, 2.0, 0)
+    assert (sampled["plain_batches"], sampled["recorded_batches"], sampled["recorded_ms_per_batch"]) == (9, 3, 3.0)
+    assert (full["recorded_batches"], full["writer_ms_per_record"], full["plain_batches"]) == (8, 0.5, 0)
+    costs = child._pass_costs(child._ledger(), child._ledger(), got)
+    assert costs["sampled"] == sampled and costs["untraced"]["recorded_ms_per_batch"] is None
 
 
 def test_a_record_file_is_created_whole_from_its_buffers_or_not_at_all(tmp_path, monkeypatch):

@@ -182,6 +182,27 @@ def test_timing_repeats_run_on_the_warm_engine_and_are_checked_against_the_captu
         fake_sglang("ok", timing_repeats=-1)
 
 
+def test_a_sampled_timing_rule_adds_sampled_and_full_capture_passes_to_each_timing_round(fake_sglang, tmp_path):
+    """scripts/capture_cost.py's passes: with a sampled timing rule every timing round holds an untraced, a sampled
+    and a full-capture pass, each under rids of its own (marked with its rule), all timed and checked against the
+    captured tokens; without a rule, only the untraced passes run."""
+    from refcheck.prompts import load_prompts
+    from refcheck.sglang.capture.sample_rule import SampleRule, rule_for
+
+    prompts = load_prompts()[:2]
+    settings = fake_sglang("ok", timing_repeats=2, sampled_timing="16:3").trace(prompts).provenance["engine"]["settings"]
+    assert [len(settings[k]) for k in ("repeat_generate_s", "sampled_generate_s", "full_generate_s")] == [2, 2, 2]
+    assert settings["repeats_match"] is True and settings["sampled_match"] is True and settings["full_match"] is True
+    job = json.loads((tmp_path / "ok" / "job.json").read_text())
+    rids = [r for kind in ("timing_rids", "sampled_rids", "full_rids") for p in job[kind] for r in p] + job["rids"]
+    assert len(set(rids)) == len(rids) == 14
+    assert {rule_for(r, SampleRule(7)) for p in job["sampled_rids"] for r in p} == {SampleRule(16, 3)}
+    assert {rule_for(r, SampleRule(7)) for p in job["full_rids"] for r in p} == {SampleRule(1, 0)}
+    plain = fake_sglang("drift", timing_repeats=1).trace(prompts).provenance["engine"]["settings"]
+    assert plain["sampled_generate_s"] == plain["full_generate_s"] == [] and plain["full_match"] is None
+    assert plain["repeats_match"] is False
+
+
 def test_an_earlier_runs_records_in_the_capture_dir_are_never_read_as_this_runs(fake_sglang, tmp_path):
     """A capture directory used before (a matrix cell resumed after its first engine was killed) keeps that
     engine's status and records; the next run clears them instead of reading two scheduler processes."""

@@ -4,18 +4,21 @@ Contract: runs one ``sglang.Engine`` for a job written by :class:`refcheck.sglan
 (engine arguments, token ids, sampling parameters, rids) and reports through ``JOB.result.json``,
 rewritten atomically at each stage: ``started`` (engine up, ``start_s``), then ``done`` (output ids per
 request, ``generate_s``), or ``failed`` with the stage and a one-line summary of the error. With
-``timing_repeats`` k > 0 the same requests then run k more times on the warm engine under untraced
-rids (the capture plugin passes them through: no synchronisation, no records), and ``done`` also
-carries ``repeat_generate_s`` (their wall times: tokens/s without first-use kernel compilation or
-capture) and ``repeats_match`` (whether every repeat produced the captured output ids), and
-``untraced_diffs`` where an untraced pass left the captured one (:func:`first_differences`). With
-``sampled_rids`` (rids marked for a sampled capture, :func:`refcheck.sglang.capture.sample_rule.sampled_rid`)
-those passes run after the captured one: ``sampled_generate_s``, ``sampled_match``. After the captured pass
-(so no later pass is timed while its records are written; ``drain_s``: how long the writers still needed),
-after the sampled passes and before the engine stops, the child waits until the scheduler processes have
-written every capture record they queued (:func:`refcheck.sglang.capture.shipper.wait_drained`;
-``capture_behind`` lists any that did not within a minute); ``pass_costs`` holds what the captured, sampled and
-untraced passes each booked in the capture's cost ledger (per decode batch: ``run_batch``'s wall time and the
+``timing_rids`` (k untraced passes: the capture plugin passes their rids through, no synchronisation, no
+records) the same requests run again on the warm engine, and ``done`` carries ``repeat_generate_s`` (their wall
+times: tokens/s without first-use kernel compilation or capture), ``repeats_match`` (whether every repeat produced
+the captured output ids) and ``untraced_diffs`` where an untraced pass left the captured one
+(:func:`first_differences`). With ``sampled_rids`` (passes of rids marked for a sampled capture,
+:func:`refcheck.sglang.capture.sample_rule.sampled_rid`) and ``full_rids`` (passes of rids marked for full capture)
+the passes of the three kinds run interleaved after the captured one: round r runs pass r of each kind in the
+order rotated by r (untraced, sampled, full; then sampled, full, untraced; ...), so a drift of the engine's speed
+over the rounds (clocks, caches, allocators) reaches every kind alike; ``sampled_generate_s``, ``sampled_match``,
+``full_generate_s``, ``full_match``. After the captured pass and after each sampled or full pass the child waits
+until the scheduler processes have written every capture record they queued
+(:func:`refcheck.sglang.capture.shipper.wait_drained`; ``drain_s``: how long the captured pass's writers still
+needed; ``capture_behind`` lists any that did not within a minute), so no pass is timed while an earlier pass's
+records are written; ``pass_costs`` holds what the captured pass and each kind of timing pass (summed over its
+passes) booked in the capture's cost ledger (per decode batch: ``run_batch``'s wall time and the
 hooks' share, by part). With
 ``warmup_rids`` one untraced pass runs before the captured one (``warmup_generate_s``, ``warmup_match``), and
 with ``capture_warm_rids`` a captured pass whose records nobody reads (the capture's kernels load and its
@@ -89,28 +92,45 @@ def generate(engine: Any, job: dict, rids: list[str]) -> list[dict]:
     return engine.loop.run_until_complete(every())
 
 
-def _timed(engine: Any, job: dict, passes: list[list[str]], outputs: list[list[int]],
-           diffs: dict[str, Any] | None = None) -> tuple[list[float], bool]:
-    """Run each pass (a list of rids) over the job's requests: (wall times, whether every pass gave ``outputs``);
-    with ``diffs``, pass K's first differences from ``outputs`` go there as ``repeatK``."""
-    times, match = [], True
-    for k, rids in enumerate(passes):
-        t0 = time.time()
-        again = _outputs(generate(engine, job, rids))
-        times.append(time.time() - t0)
-        match = match and again == outputs
-        if diffs is not None:
-            diffs[f"repeat{k}"] = first_differences(outputs, again)
-    return times, match
-
-
-def _passes(engine: Any, job: dict, passes: list[list[str]], outputs: list[list[int]]) -> tuple[list[float], bool]:
-    """:func:`_timed`, then wait for the capture's writers. A captured warm-up passes ``outputs`` = [] (its records
-    are not read)."""
-    times, match = _timed(engine, job, passes, outputs)
+def _passes(engine: Any, job: dict, passes: list[list[str]]) -> None:
+    """Run each pass (a list of rids) over the job's requests, then wait for the capture's writers: a captured
+    warm-up, whose records are not read."""
+    for rids in passes:
+        generate(engine, job, rids)
     if passes:
         _drained()
-    return times, match
+
+
+TIMING_KINDS = {"untraced": "timing_rids", "sampled": "sampled_rids", "full": "full_rids"}
+# each kind's keys in the result: its wall times, whether its passes gave the captured outputs
+RESULT_KEYS = {"untraced": ("repeat_generate_s", "repeats_match"), "sampled": ("sampled_generate_s", "sampled_match"),
+               "full": ("full_generate_s", "full_match")}
+
+
+def interleaved(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The timing passes of every kind in :data:`TIMING_KINDS` the job holds, round r running pass r of each kind
+    in the order rotated by r (module docstring). Per kind: ``times`` (wall seconds per pass), ``match`` (every pass
+    gave ``outputs``) and ``books`` (what its passes booked in the cost ledger, summed); an untraced pass r's first
+    differences from ``outputs`` go to ``diffs`` as ``repeat{r}``."""
+    plans = {kind: job.get(key) or [] for kind, key in TIMING_KINDS.items()}
+    kinds = [kind for kind, passes in plans.items() if passes]
+    got: dict[str, dict[str, Any]] = {kind: {"times": [], "match": True, "books": {}} for kind in kinds}
+    for r in range(max((len(plans[k]) for k in kinds), default=0)):
+        for kind in kinds[r % len(kinds):] + kinds[: r % len(kinds)]:
+            if r >= len(plans[kind]):
+                continue
+            before, t0 = _ledger(), time.time()
+            again = _outputs(generate(engine, job, plans[kind][r]))
+            got[kind]["times"].append(time.time() - t0)
+            if kind != "untraced":
+                _drained()  # its records written before the next pass is timed
+            after, books = _ledger(), got[kind]["books"]
+            for field, value in after.items():
+                books[field] = books.get(field, 0) + value - before.get(field, 0)
+            got[kind]["match"] = got[kind]["match"] and again == outputs
+            if kind == "untraced":
+                diffs[f"repeat{r}"] = first_differences(outputs, again)
+    return got
 
 
 def _drained() -> dict[str, int]:
@@ -132,14 +152,16 @@ def _ledger() -> dict[str, int]:
     return read_ledgers(Path(root)) if root else {}
 
 
-def _pass_costs(marks: list[tuple[str, dict[str, int]]]) -> dict[str, Any]:
-    """What each pass booked in the cost ledger (:func:`~refcheck.sglang.capture.shipper.ledger_between` of
-    consecutive marks, each taken once the pass's records were written), by the name of the mark that ends it."""
-    from refcheck.sglang.capture.shipper import ledger_between
+def _pass_costs(start: dict[str, int], captured: dict[str, int], kinds: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What each pass booked in the cost ledger (:func:`~refcheck.sglang.capture.shipper.ledger_summary`): the
+    captured pass's, between the ledger read before it and the one read once its records were written, and each
+    timing kind's books (:func:`interleaved`); empty when this engine does not capture."""
+    from refcheck.sglang.capture.shipper import ledger_between, ledger_summary
 
-    if not marks or not marks[0][1]:
+    if not start:
         return {}
-    return {name: ledger_between(prev, cur) for (_, prev), (name, cur) in zip(marks, marks[1:])}
+    return {"captured": ledger_between(start, captured),
+            **{kind: ledger_summary(got["books"], got["books"].get("written", 0)) for kind, got in kinds.items()}}
 
 
 def _end_with_the_runner() -> None:
@@ -174,8 +196,8 @@ def main(job_path: str) -> int:
             t0 = time.time()
             warm_out = _outputs(generate(engine, job, job["warmup_rids"]))
             warm = {"warmup_generate_s": time.time() - t0}
-        _passes(engine, job, [job["capture_warm_rids"]] if job.get("capture_warm_rids") else [], [])
-        marks = [("start", _ledger())]
+        _passes(engine, job, [job["capture_warm_rids"]] if job.get("capture_warm_rids") else [])
+        start = _ledger()
         t1 = time.time()
         out = generate(engine, job, job["rids"])
         generate_s = time.time() - t1
@@ -187,15 +209,14 @@ def main(job_path: str) -> int:
         t2 = time.time()
         behind = _drained()  # the captured pass's records written before the next pass is timed
         drain_s = time.time() - t2
-        marks.append(("captured", _ledger()))
-        sampled_s, sampled_match = _passes(engine, job, job.get("sampled_rids") or [], outputs)
-        marks.append(("sampled", _ledger()))
-        repeat_s, match = _timed(engine, job, job.get("timing_rids") or [], outputs, diffs)  # untraced
-        marks.append(("untraced", _ledger()))
+        captured = _ledger()
+        kinds = interleaved(engine, job, outputs, diffs)
+        timing = {key: kinds[kind]["times"] if kind in kinds else [] for kind, (key, _) in RESULT_KEYS.items()}
+        timing.update({key: kinds[kind]["match"] if kind in kinds else None for kind, (_, key) in RESULT_KEYS.items()})
+        timing["repeats_match"] = timing["repeats_match"] is not False  # no untraced pass: nothing differed
         _write(result, {"stage": "done", "start_s": start_s, "generate_s": generate_s, "drain_s": drain_s,
-                        "sglang": version, "outputs": outputs, "repeat_generate_s": repeat_s, "repeats_match": match, **warm,
-                        "sampled_generate_s": sampled_s, "sampled_match": sampled_match if sampled_s else None,
-                        "capture_behind": behind, "pass_costs": _pass_costs(marks),
+                        "sglang": version, "outputs": outputs, **timing, **warm,
+                        "capture_behind": behind, "pass_costs": _pass_costs(start, captured, kinds),
                         "untraced_diffs": {name: d for name, d in diffs.items() if d},
                         "meta": [{k: v for k, v in r.get("meta_info", {}).items() if isinstance(v, (int, float, str))}
                                  for r in out]})

@@ -201,7 +201,8 @@ class SGLangRunner:
         if timing_repeats < 0:
             raise UsageError(f"timing repeats must be >= 0, got {timing_repeats}")
         self.timing_repeats = timing_repeats  # warm, untraced generates after the captured one (sweep tok/s)
-        # the captured pass records 1 decode batch in N (full: every one); the timing pass, with its own rule
+        # the captured pass records 1 decode batch in N (full: every one); with a sampled timing rule each timing
+        # round also runs a pass under that rule and a full-capture pass (_cost_passes)
         self.sample, self.sampled_timing = _sample_rules(capture_sample, sampled_timing)
         tdir, ddir = spec.resolved_dirs()
         cfg = checkpoint_config(tdir)  # the refusals below ask the target's config, read once
@@ -366,7 +367,9 @@ class SGLangRunner:
                         warmup_generate_s=run.get("warmup_generate_s"), warmup_match=run.get("warmup_match"),
                         untraced_diffs=run.get("untraced_diffs") or {},
                         sampled_generate_s=[round(t, 4) for t in run.get("sampled_generate_s") or []],
-                        sampled_match=run.get("sampled_match"), capture_behind=run.get("capture_behind") or {},
+                        sampled_match=run.get("sampled_match"),
+                        full_generate_s=[round(t, 4) for t in run.get("full_generate_s") or []],
+                        full_match=run.get("full_match"), capture_behind=run.get("capture_behind") or {},
                         pass_costs=run.get("pass_costs") or {},
                         **({"sampling": self.spec.sampling.to_json(), "rng": sampling_rng(self.algorithm)}
                            if self.spec.sampled and self.spec.sampling is not None else {}),
@@ -378,6 +381,20 @@ class SGLangRunner:
                                                                    if self.algorithm == SHADOW else {}),
                         draft_dir=str(ddir) if ddir and self.spec.model_dir is not None else None)
         return settings
+
+    def _cost_passes(self, prompts: list[Prompt], rids: dict[str, str]) -> dict[str, list[list[str]]]:
+        """With a sampled timing rule (capture only): per timing round, a pass under the rule and a full-capture pass,
+        both under rids of their own (the child interleaves them with the untraced ones; their records are written
+        but not assembled: the trace is the captured pass's)."""
+        from refcheck.sglang.capture.sample_rule import SampleRule, sampled_rid
+
+        if self.sampled_timing is None or not self.capture:
+            return {}
+        rounds = range(max(1, self.timing_repeats))
+        return {"sampled_rids": [[sampled_rid(self.sampled_timing, f"timing{k}-{rids[p.id]}") for p in prompts]
+                                 for k in rounds],
+                "full_rids": [[sampled_rid(SampleRule(), f"full{k}-{rids[p.id]}") for p in prompts]
+                              for k in range(self.timing_repeats)]}
 
     def _run_engine(self, cdir: Path, env: dict, kw: dict, prompts: list[Prompt], rids: dict[str, str]) -> dict:
         """SGLang in its own process (sglang_child); returns its last reported stage."""
@@ -396,8 +413,7 @@ class SGLangRunner:
             "warmup_rids": [f"{UNTRACED_RID_PREFIX}warm-{rids[p.id]}" for p in prompts] if self.warmup else [],
             "capture_warm_rids": [sampled_rid(SampleRule(), f"warm-{rids[p.id]}") for p in prompts]
             if self.warmup and self.capture else [],
-            "sampled_rids": [[sampled_rid(self.sampled_timing, f"timing-{rids[p.id]}") for p in prompts]]
-            if self.sampled_timing is not None and self.capture else []}))
+            **self._cost_passes(prompts, rids)}))
         started: list[subprocess.Popen[bytes]] = []
 
         def launch() -> subprocess.Popen[bytes]:
