@@ -112,6 +112,26 @@ def test_the_writer_and_the_hooks_book_their_cost_in_the_ledger(tmp_path):
     assert ledger_summary(dict.fromkeys(FIELDS, 0), 0)["recorded_ms_per_batch"] is None
 
 
+def test_the_ledger_books_the_hooks_time_before_a_plain_batch_and_the_process_garbage_collections(tmp_path):
+    """A plain batch's ``passed`` time (the hooks deciding to pass it over) per plain batch, and every garbage
+    collection of the process, whichever thread runs it, with its time, per decode batch."""
+    import gc
+    import threading
+
+    shipper = Shipper(lambda kind, data: None, lambda where, msg: None, tmp_path / "queue-rank0-pid1.bin")
+    before = read_fields(tmp_path / "queue-rank0-pid1.bin")
+    gc.collect()
+    t = threading.Thread(target=gc.collect)
+    t.start()
+    t.join()
+    shipper.counts.add(plain_batches=4, plain_ns=8_000_000, passed_ns=200_000)
+    fields = read_fields(tmp_path / "queue-rank0-pid1.bin")
+    assert fields["gc_collections"] - before["gc_collections"] >= 2 and fields["gc_ns"] > before["gc_ns"]
+    cost = ledger_summary(fields, 0)
+    assert cost["passed_ms_per_plain_batch"] == 0.05 and cost["gc_collections"] == fields["gc_collections"]
+    assert cost["gc_ms_per_batch"] == round(fields["gc_ns"] / 1e6 / 4, 4)
+
+
 def test_off_cuda_a_graph_cache_runs_the_computation_as_it_is():
     """Off CUDA the capture's graph cache (refcheck/sglang/capture/graphs.py) captures nothing: each call is
     the computation itself, with the call's own inputs (its replay on the GPU: tests/test_gpu.py)."""

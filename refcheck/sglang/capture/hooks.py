@@ -344,10 +344,13 @@ def _event(scheduler: Any) -> Any:
 def _plain(original, self, batch, t0: float, *args, **kwargs):
     """A batch that records nothing, run as SGLang has it; once the process has a recorder (a traced batch came
     first: untraced requests alone leave nothing in the capture directory), a decode batch's wall time from
-    ``t0``, the hook's entry, goes to the cost ledger's ``plain`` side."""
+    ``t0``, the hook's entry, goes to the cost ledger's ``plain`` side, and the hook's own time before the batch ran
+    to its ``passed`` side."""
+    t1 = time.perf_counter()
     result = original(self, batch, *args, **kwargs)
     if _recorder is not None and _guard("run_batch:mode", lambda: bool(batch.forward_mode.is_decode())):
-        _recorder.shipper.counts.add(plain_batches=1, plain_ns=int(1e9 * (time.perf_counter() - t0)))
+        _recorder.shipper.counts.add(plain_batches=1, plain_ns=int(1e9 * (time.perf_counter() - t0)),
+                                     passed_ns=int(1e9 * (t1 - t0)))
     return result
 
 

@@ -20,11 +20,14 @@ Beside the queue's three counts the file holds the capture's cost ledger (:func:
 thread's CPU time on the records it wrote (its wait for a record's copy left out), and the scheduler's
 ``run_batch`` wall time over decode batches that ran as if no capture were loaded (``plain``) and over
 recorded ones (``recorded``: the whole batch, the hooks' own time within it, and that time by part,
-:data:`PARTS`), in nanoseconds; the hooks add to it with :meth:`Counters.add`.
+:data:`PARTS`), the hooks' own time before a plain batch (``passed``: deciding to pass it over), and the
+process's garbage collections (``gc``: their count and time, whichever thread ran them), in nanoseconds; the
+hooks add to it with :meth:`Counters.add`.
 """
 
 from __future__ import annotations
 
+import gc
 import mmap
 import os
 import queue
@@ -44,7 +47,8 @@ from refcheck.sglang.capture import packing
 QUEUE_DEPTH = 512
 #: the counters file's fields, in order: the queue's counts, then the cost ledger (times in nanoseconds)
 FIELDS = ("queued", "written", "lost", "writer_ns", "plain_batches", "plain_ns", "recorded_batches", "recorded_ns",
-          "hooks_ns", "snapshot_ns", "verify_ns", "taps_ns", "state_ns", "ship_ns")
+          "hooks_ns", "snapshot_ns", "verify_ns", "taps_ns", "state_ns", "ship_ns", "passed_ns", "gc_ns",
+          "gc_collections")
 #: the parts of the hooks' time the ledger books (``{part}_ns``): the batch's snapshot, the verify hooks' reductions,
 #: the DFLASH drafter's taps, the committed state's sketch, and packing and queuing the record
 PARTS = ("snapshot", "verify", "taps", "state", "ship")
@@ -146,7 +150,8 @@ def ledger_summary(ledger: dict[str, int], written: int) -> dict[str, float | in
     plain, recorded = ledger.get("plain_batches", 0), ledger.get("recorded_batches", 0)
     return {"plain_batches": plain, "plain_ms_per_batch": per("plain_ns", plain), "recorded_batches": recorded,
             "recorded_ms_per_batch": per("recorded_ns", recorded), "hooks_ms_per_batch": per("hooks_ns", recorded),
-            "writer_ms_per_record": per("writer_ns", written),
+            "passed_ms_per_plain_batch": per("passed_ns", plain), "writer_ms_per_record": per("writer_ns", written),
+            "gc_collections": ledger.get("gc_collections", 0), "gc_ms_per_batch": per("gc_ns", plain + recorded),
             "parts_ms_per_batch": {p: per(f"{p}_ns", recorded) for p in PARTS}}
 
 
@@ -173,6 +178,25 @@ def wait_drained(root: Path, timeout_s: float = 60.0, poll_s: float = 0.01) -> d
         time.sleep(poll_s)
 
 
+class _CollectionBooks:
+    """The process's garbage collections in the ledger of its latest :class:`Shipper` (one ``gc.callbacks`` entry
+    per process, whichever thread collects)."""
+
+    def __init__(self) -> None:
+        self.counts: Counters | None = None
+        self._t0 = 0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter_ns()
+        elif self.counts is not None and self._t0:
+            self.counts.add(gc_ns=time.perf_counter_ns() - self._t0, gc_collections=1)
+            self._t0 = 0
+
+
+_COLLECTIONS = _CollectionBooks()
+
+
 class Shipper:
     """The queue and writer thread of one scheduler process (module docstring)."""
 
@@ -181,6 +205,9 @@ class Shipper:
         self._write, self._error = write, error
         self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=depth)
         self.counts = Counters(counts_path)
+        _COLLECTIONS.counts = self.counts
+        if _COLLECTIONS not in gc.callbacks:
+            gc.callbacks.append(_COLLECTIONS)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="refcheck-capture-writer", daemon=True)
         self._thread.start()
