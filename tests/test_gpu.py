@@ -220,7 +220,7 @@ def _capture_on_cuda(tmp_path, monkeypatch, graphs: bool, dev: str = "cuda") -> 
 
     monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(tmp_path))
     monkeypatch.setenv("REFCHECK_CAPTURE_GRAPHS", "on" if graphs else "off")
-    for name, value in (("_recorder", None), ("_rule", None), ("_steps_seen", {}), ("_batches_seen", 0)):
+    for name, value in (("_recorder", None), ("_rule", None), ("_seen", {}), ("_batches_seen", 0)):
         monkeypatch.setattr(hooks, name, value)
     V, B, H, F = 64, 4, 8, 12
     gen = torch.Generator(device=dev).manual_seed(0)

@@ -13,6 +13,8 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from refcheck.sglang.capture import hooks, records
 from refcheck.sglang.capture.batch import Batch
@@ -83,7 +85,7 @@ def capture_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(tmp_path))
     monkeypatch.setattr(hooks, "_recorder", None)
     monkeypatch.setattr(hooks, "_rule", None)
-    monkeypatch.setattr(hooks, "_steps_seen", {})
+    monkeypatch.setattr(hooks, "_seen", {})
     monkeypatch.setattr(hooks, "_batches_seen", 0)
     return tmp_path
 
@@ -552,3 +554,31 @@ def test_a_state_graph_serves_every_batch_size_up_to_its_bucket():
         for kind in ("conv", "rec"):
             assert got["mamba"][kind].shape == want["mamba"][kind].shape
             assert torch.allclose(got["mamba"][kind], want["mamba"][kind], atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(every=st.integers(1, 9), seed=st.integers(0, 50), marked=st.lists(st.tuples(st.integers(1, 5), st.integers(0, 9)),
+                                                                         max_size=3),
+       batches=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=6, unique=True), min_size=1, max_size=25))
+def test_the_hooks_take_the_decode_batches_and_step_numbers_each_request_rule_takes(every, seed, marked, batches):
+    """hooks._choose (a decode batch's requests to record) against SampleRule.takes: request i of a batch is taken
+    when its rule (its rid's mark, else the process's) takes the process's g-th decode batch, and carries its own
+    step number (its decode batches so far), whichever requests share the batch."""
+    from refcheck.sglang.capture.sample_rule import SampleRule, rule_for, sampled_rid
+
+    process = SampleRule(every, seed)
+    rids = [sampled_rid(SampleRule(e, s), f"r{i}") for i, (e, s) in enumerate(marked)]
+    rids += [f"plain{i}" for i in range(6 - len(rids))]
+    saved = hooks._rule, hooks._seen, hooks._batches_seen
+    hooks._rule, hooks._seen, hooks._batches_seen = process, {}, 0
+    try:
+        steps: dict[str, int] = {}
+        for g, members in enumerate(batches):
+            snap = Batch(mode="decode", speculative=True, rids=[rids[m] for m in members])
+            hooks._choose(snap, "cpu")
+            want = [(b, steps.get(r, 0)) for b, r in enumerate(snap.rids) if rule_for(r, process).takes(g)]
+            assert list(zip(snap.take, snap.steps)) == want
+            for r in snap.rids:
+                steps[r] = steps.get(r, 0) + 1
+    finally:
+        hooks._rule, hooks._seen, hooks._batches_seen = saved

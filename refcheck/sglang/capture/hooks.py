@@ -72,7 +72,8 @@ _patched: list[str] = []
 _originals: dict[str, Any] = {}
 _recorder: Recorder | None = None
 _rule: SampleRule | None = None
-_steps_seen: dict[str, int] = {}  # rid -> decode / verify steps this process has run for it
+#: rid -> [decode / verify steps this process has run for it, its rule's every, its rule's phase] (the rule read once)
+_seen: dict[str, list[int]] = {}
 _batches_seen = 0  # decode batches holding a traced request this process has run (the sampling rule's clock)
 
 
@@ -159,12 +160,16 @@ def _choose(snap: Batch, device: Any) -> None:
     if snap.mode != "decode":
         return
     global _batches_seen
-    rule, g = _sample_rule(), _batches_seen
+    g = _batches_seen
     _batches_seen += 1
-    for b, rid in enumerate(snap.rids):
-        k = _steps_seen.get(rid, 0)
-        _steps_seen[rid] = k + 1
-        if rule_for(rid, rule).takes(g):
+    for b, rid in enumerate(snap.rids):  # every decode batch, every request: SampleRule.takes inlined
+        clock = _seen.get(rid)
+        if clock is None:
+            rule = rule_for(rid, _sample_rule())
+            clock = _seen[rid] = [0, rule.every, rule.phase]
+        k = clock[0]
+        clock[0] = k + 1
+        if (g + clock[2]) % clock[1] == 0:
             snap.take.append(b)
             snap.steps.append(k)
     if snap.take and len(snap.take) < len(snap.rids):
