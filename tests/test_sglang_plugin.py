@@ -352,6 +352,29 @@ def test_tensor_parallel_rank_is_found_where_each_release_keeps_it():
     assert tp_of(NS()) == (0, 1)
 
 
+def test_a_runtime_context_without_process_groups_is_passed_over(monkeypatch):
+    """SGLang's runtime context asserts on reading its TP size in a process that set up no process groups (the GPU
+    tests' stand-in scheduler); the rank and size then come from the other holders, never an error in run_batch."""
+    import sys
+    import types
+
+    from refcheck.sglang.capture.versions import tp_of
+
+    class Unset:
+        @property
+        def tp_size(self):
+            raise AssertionError("tensor model parallel group is not initialized")
+
+        tp_rank = tp_size
+
+    for name in ("sglang", "sglang.srt"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context",
+                        types.SimpleNamespace(get_parallel=lambda: Unset()))
+    assert tp_of(NS(tp_rank=1, server_args=NS(tp_size=2))) == (1, 2)
+    assert tp_of(NS()) == (0, 1)
+
+
 def test_two_schedulers_claiming_one_rank_are_a_capture_error(capture_dir):
     """Records of two processes under one tensor-parallel rank cannot be combined: read_capture says so."""
     from refcheck.sglang.capture.records import Recorder
@@ -582,3 +605,37 @@ def test_the_hooks_take_the_decode_batches_and_step_numbers_each_request_rule_ta
                 steps[r] = steps.get(r, 0) + 1
     finally:
         hooks._rule, hooks._seen, hooks._batches_seen = saved
+
+
+def test_the_hooks_record_the_same_through_caches_that_replay_like_cuda_graphs(tmp_path, monkeypatch):
+    """The capture hooks' three graph caches (state sketch, verify reductions, DFLASH taps) swapped for
+    tests/capture_kit.py's ReplayingCache, which keeps a CUDA graph's semantics on the CPU (the first call's
+    closure replayed, outputs written in place, other keys' outputs scribbled over): four DFLASH batches, two of
+    them replays of the first two's graphs, record what the eager hooks record. The GPU run of the same batches
+    through real CUDA graphs: tests/test_gpu.py."""
+    from capture_kit import ReplayingCache, assert_same_records, dflash_batches
+
+    caches = {"_STATE_GRAPHS": ReplayingCache(), "_VERIFY_GRAPHS": ReplayingCache(),
+              "_TAP_GRAPHS": (ReplayingCache(), ReplayingCache())}
+    for name, cache in caches.items():
+        monkeypatch.setattr(hooks, name, cache)
+    on = dflash_batches(tmp_path / "on", monkeypatch, graphs=True, dev="cpu")
+    assert len(caches["_STATE_GRAPHS"]) == 2 and len(caches["_TAP_GRAPHS"][1]) == 2  # batch sizes 3 and 2
+    monkeypatch.undo()
+    off = dflash_batches(tmp_path / "off", monkeypatch, graphs=False, dev="cpu")
+    assert_same_records(on, off)
+
+
+def test_a_replaying_cache_catches_a_stale_closure_and_outputs_kept_past_another_replay():
+    """tests/capture_kit.py's ReplayingCache fails the two mistakes a CUDA graph punishes: a value handed through
+    the closure instead of the inputs (the first call's is replayed) and a graph's outputs read after another
+    graph of the same cache replayed."""
+    from capture_kit import ReplayingCache
+
+    cache = ReplayingCache()
+    x = torch.arange(3.0)
+    assert cache.run("k", lambda t, s=2.0: t * s, x).tolist() == [0.0, 2.0, 4.0]
+    assert cache.run("k", lambda t, s=5.0: t * s, x).tolist() == [0.0, 2.0, 4.0]  # the first closure, not s=5
+    kept = cache.run("k", lambda t: t * 2, x)
+    cache.run("other", lambda t: t + 1, x)
+    assert torch.isnan(kept).all()

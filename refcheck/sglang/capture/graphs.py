@@ -14,7 +14,8 @@ packing does, once per batch). The first call of a key runs
 ``fn`` once eagerly on a side stream (its lazy caches and allocations), then captures it there with
 ``thread_local`` capture mode (other threads' CUDA calls are not disturbed), without
 :func:`torch.cuda.graph`'s device-wide synchronise, garbage collection and cache emptying. Off CUDA, or for a
-key whose capture failed (the failure is handed to ``on_error`` once and the key runs eagerly from then on),
+key whose capture failed (the failure is handed to ``on_error`` once, a capture that ends well clears what the
+failed one left in the CUDA generator, and the key runs eagerly from then on),
 :meth:`GraphCache.run` is ``fn(*inputs)``. A replay computes what the eager call computes, kernel for kernel.
 """
 
@@ -49,6 +50,23 @@ class _Captured:
         return self.outputs
 
 
+def _end_capturing_state() -> None:
+    """After a failed capture: a capture that ends well on the device. A capture whose ``capture_end`` raised never
+    ran the default CUDA generator's epilogue, so the generator still counts itself as capturing and every later
+    random op of the process on that device (SGLang's sampling among them) raises "Offset increment outside graph
+    capture encountered unexpectedly" (pytorch/pytorch#171263); the epilogue of any successful capture clears it."""
+    current = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        x = torch.zeros(1, device=current.device)
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(capture_error_mode="thread_local")
+        x.add_(1)
+        graph.capture_end()
+    current.wait_stream(side)
+
+
 class GraphCache:
     """Captured graphs of one computation by key (module docstring)."""
 
@@ -76,6 +94,7 @@ class GraphCache:
                     self._pool = torch.cuda.graph_pool_handle()
                 captured = self._graphs[key] = _Captured(fn, inputs, self._pool)
             except Exception as exc:  # a computation that cannot be captured runs eagerly; the engine carries on
+                _end_capturing_state()
                 self._eager.add(key)
                 if self._on_error is not None:
                     self._on_error(key, exc)

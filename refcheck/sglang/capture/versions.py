@@ -136,6 +136,16 @@ def server_topk(scheduler: Any) -> int | None:
     return None if topk is None else int(topk)
 
 
+def _int_attr(holder: Any, name: str) -> int | None:
+    """``holder.name`` when it is an int; None when it is not, or when reading it raises (a runtime context reads
+    its process groups, which a process that set none up does not have)."""
+    try:
+        value = getattr(holder, name, None)
+    except Exception:  # noqa: BLE001 - the capture asks; it must not break the engine's step
+        return None
+    return value if isinstance(value, int) else None
+
+
 def tp_of(scheduler: Any) -> tuple[int, int]:
     """(tensor-parallel rank, size) of a scheduler process.
 
@@ -155,10 +165,8 @@ def tp_of(scheduler: Any) -> tuple[int, int]:
     for h in holders:
         if h is None:
             continue
-        if rank is None and isinstance(getattr(h, "tp_rank", None), int):
-            rank = h.tp_rank
-        if size is None and isinstance(getattr(h, "tp_size", None), int):
-            size = h.tp_size
+        rank = rank if rank is not None else _int_attr(h, "tp_rank")
+        size = size if size is not None else _int_attr(h, "tp_size")
     args = getattr(scheduler, "server_args", None)
     size = size or getattr(args, "tp_size", None) or 1
     return int(rank or 0), int(size)

@@ -1,0 +1,137 @@
+"""The capture hooks' DFLASH batches on stand-ins, and a graph cache that replays like CUDA graphs on any device.
+
+Contract: :func:`dflash_batches` runs four DFLASH decode batches through :mod:`refcheck.sglang.capture.hooks`
+with stand-ins for SGLang's scheduler, pools and DFLASH worker and returns the recorded chain steps;
+:func:`assert_same_records` holds two such runs equal (tokens, top-k, drafter ranks and context, state sketches).
+:class:`ReplayingCache` is a :class:`~refcheck.sglang.capture.graphs.GraphCache` with a CUDA graph's semantics
+wherever the tensors live: a key's first call fixes its computation (the closure of that call) and its static
+inputs and outputs; every call copies its inputs into the static inputs, reruns the fixed computation and writes
+the result into the same output tensors; and it scribbles over the outputs of every other key of the cache (they
+share one memory pool). A caller that hands a graph per-call values through its closure, or keeps a graph's
+outputs past another replay of the cache, gets wrong records from it, as it would on the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from refcheck.sglang.capture.graphs import GraphCache
+
+
+def _into(dst: Any, src: Any) -> None:
+    """Copy a nest of tensors into a nest of the same shape, in place."""
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, dict):
+        for k in dst:
+            _into(dst[k], src[k])
+    elif isinstance(dst, (list, tuple)):
+        for a, b in zip(dst, src):
+            _into(a, b)
+
+
+def _scribble(nest: Any) -> None:
+    """Overwrite every tensor of a nest (NaN, or -1 where NaN does not fit)."""
+    if isinstance(nest, torch.Tensor):
+        nest.fill_(float("nan") if nest.is_floating_point() else -1)
+    elif isinstance(nest, dict):
+        for v in nest.values():
+            _scribble(v)
+    elif isinstance(nest, (list, tuple)):
+        for v in nest:
+            _scribble(v)
+
+
+class ReplayingCache(GraphCache):
+    """A CUDA graph cache's semantics on any device (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.replays: dict[Any, tuple[Any, tuple[torch.Tensor, ...], Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self.replays)
+
+    def run(self, key: Any, fn: Any, *inputs: torch.Tensor) -> Any:
+        if key not in self.replays:
+            static = tuple(t.clone() for t in inputs)
+            self.replays[key] = (fn, static, fn(*static))
+        captured, static, outputs = self.replays[key]
+        for other, (_, _, out) in self.replays.items():
+            if other != key:
+                _scribble(out)
+        for s, t in zip(static, inputs):
+            s.copy_(t)
+        _into(outputs, captured(*static))
+        return outputs
+
+
+def assert_same_records(on: list, off: list) -> None:
+    """Two runs of :func:`dflash_batches` recorded the same steps."""
+    assert len(on) == len(off) == 10
+    for a, b in zip(on, off):
+        assert (a.rid, a.tokens, a.topk_ids, a.argmax, a.emitted, a.draft_ids) == \
+               (b.rid, b.tokens, b.topk_ids, b.argmax, b.emitted, b.draft_ids)
+        assert torch.allclose(torch.tensor(a.topk_logprobs), torch.tensor(b.topk_logprobs), atol=1e-6)
+        assert torch.allclose(torch.tensor(a.draft_logprobs), torch.tensor(b.draft_logprobs), atol=1e-6)
+        assert torch.allclose(a.context_sketch, b.context_sketch, atol=1e-5)
+        assert set(a.state) == set(b.state) and a.state
+        for name in a.state:
+            assert torch.allclose(a.state[name][2].float(), b.state[name][2].float(), atol=1e-5, rtol=1e-4), name
+
+
+def dflash_batches(tmp_path, monkeypatch, graphs: bool, dev: str = "cuda") -> list:
+    """Four DFLASH decode batches (3, 2, 3 and 2 requests) through the capture hooks with stand-ins for SGLang's
+    scheduler, pools and DFLASH worker on ``dev`` (as in tests/test_sglang_plugin.py), the hooks' device work
+    through their graph caches or run eagerly (``graphs``): the chain steps read back, in order. Every input comes
+    from one seeded generator, so two calls see the same batches."""
+    from types import SimpleNamespace as NS
+
+    from refcheck.sglang.capture import hooks, records
+    from refcheck.sglang.capture.state import MambaPools  # noqa: F401 - the pools' layout the stand-ins follow
+
+    monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(tmp_path))
+    monkeypatch.setenv("REFCHECK_CAPTURE_GRAPHS", "on" if graphs else "off")
+    for name, value in (("_recorder", None), ("_rule", None), ("_seen", {}), ("_batches_seen", 0)):
+        monkeypatch.setattr(hooks, name, value)
+    V, B, H, F = 64, 4, 8, 12
+    gen = torch.Generator(device=dev).manual_seed(0)
+    kb, vb = (torch.randn(256, 2, 3, device=dev, generator=gen) for _ in range(2))
+    conv, ssm = torch.randn(1, 9, 6, 3, device=dev, generator=gen), torch.randn(1, 9, 2, 5, 4, device=dev, generator=gen)
+    rtp = NS(req_to_token=torch.randperm(256, device=dev, generator=gen).reshape(4, 64).int(), mamba_map={0: 0},
+             req_index_to_mamba_index_mapping=torch.tensor([1, 4, 2, 7], device=dev),
+             mamba_pool=NS(mamba_cache=NS(conv=[conv], temporal=ssm), conv_window_axis=-1))
+    kv_pool = NS(full_attention_layer_id_mapping={2: 0}, get_key_buffer=lambda layer: kb, get_value_buffer=lambda layer: vb)
+    sched = NS(tp_rank=0, server_args=NS(speculative_eagle_topk=1),
+               tp_worker=NS(model_runner=NS(token_to_kv_pool=kv_pool, req_to_token_pool=rtp)))
+    head = torch.randn(V, H, device=dev, generator=gen)
+    for k, bs in enumerate((3, 2, 3, 2)):
+        hidden, feats = torch.randn(bs * B, H, device=dev, generator=gen), torch.randn(bs * B, F, device=dev, generator=gen)
+        logits = torch.randn(bs * B, V, device=dev, generator=gen)
+        w = NS(block_size=B, _draft_block_tokens_buf=torch.randint(0, V, (8, B), device=dev, generator=gen),
+               draft_model_runner=NS(forward=lambda fb, h=hidden: NS(logits_output=NS(hidden_states=h.clone()),
+                                                                  can_run_graph=True),
+                                     model=NS(num_context_features=2)),
+               target_worker=NS(model_runner=NS(model=NS(lm_head=NS(weight=head)), model_config=NS(vocab_size=V))),
+               _append_target_hidden_to_draft_kv_by_loc=lambda **kw: None)
+        res = NS(logits_output=NS(next_token_logits=logits), accept_lens=torch.full((bs,), 2, dtype=torch.int32, device=dev),
+                 next_token_ids=logits.argmax(-1), can_run_cuda_graph=True)
+
+        def step(self_, bb, res=res, feats=feats, bs=bs, k=k):
+            self_.draft_model_runner.forward(None)
+            self_._append_target_hidden_to_draft_kv_by_loc(
+                target_hidden=feats, cache_loc=torch.arange(bs * B, device=dev),
+                positions=torch.arange(bs * B, device=dev) + 10 * k, commit_lens=torch.full((bs,), 2, device=dev))
+            return res
+
+        reqs = [NS(rid=f"r{i}", origin_input_ids=[1, 2, 3], output_ids=[5] * (k + 1), fill_ids=[1, 2, 3]) for i in range(bs)]
+        batch = NS(forward_mode=NS(is_extend=lambda: False, is_decode=lambda: True, is_idle=lambda: False),
+                   reqs=reqs, spec_algorithm=NS(is_none=lambda: False), is_extend_in_batch=False,
+                   req_pool_indices=torch.tensor([2, 0, 3][:bs], device=dev))
+        hooks._run_batch(lambda self, b, w=w, step=step: hooks._dflash_forward(step, w, b), sched, batch)
+    assert hooks.drain(30.0)
+    cap = records.read_capture(tmp_path)
+    assert not cap.errors, cap.errors
+    return cap.steps[0]
