@@ -592,13 +592,14 @@ def test_the_hooks_take_the_decode_batches_and_step_numbers_each_request_rule_ta
     process = SampleRule(every, seed)
     rids = [sampled_rid(SampleRule(e, s), f"r{i}") for i, (e, s) in enumerate(marked)]
     rids += [f"plain{i}" for i in range(6 - len(rids))]
+    reqs = [NS(rid=r) for r in rids]
     saved = hooks._rule, hooks._seen, hooks._batches_seen
     hooks._rule, hooks._seen, hooks._batches_seen = process, {}, 0
     try:
         steps: dict[str, int] = {}
         for g, members in enumerate(batches):
             snap = Batch(mode="decode", speculative=True, rids=[rids[m] for m in members])
-            hooks._choose(snap, "cpu")
+            hooks._choose(snap, [reqs[m] for m in members], "cpu")
             want = [(b, steps.get(r, 0)) for b, r in enumerate(snap.rids) if rule_for(r, process).takes(g)]
             assert list(zip(snap.take, snap.steps)) == want
             for r in snap.rids:
@@ -639,3 +640,40 @@ def test_a_replaying_cache_catches_a_stale_closure_and_outputs_kept_past_another
     kept = cache.run("k", lambda t: t * 2, x)
     cache.run("other", lambda t: t + 1, x)
     assert torch.isnan(kept).all()
+
+
+def test_the_step_counts_of_requests_sglang_let_go_of_are_swept(monkeypatch):
+    """hooks._sweep, every SWEEP_EVERY decode batches: a request object no batch can hold again (gone) loses its
+    step count; one still alive (waiting, retracted) keeps counting; one that takes no weak reference is kept."""
+    import gc
+
+    class Req:  # as SGLang's: takes weak references
+        def __init__(self, rid):
+            self.rid = rid
+
+    class Slotted:
+        __slots__ = ("rid",)
+
+        def __init__(self, rid):
+            self.rid = rid
+
+    monkeypatch.setattr(hooks, "_rule", None)
+    monkeypatch.setattr(hooks, "_seen", {})
+    monkeypatch.setattr(hooks, "_batches_seen", 0)
+    monkeypatch.setattr(hooks, "SWEEP_EVERY", 4)
+    live, gone, slotted = Req("live"), Req("gone"), Slotted("slotted")
+
+    def decode(*reqs):
+        snap = Batch(mode="decode", speculative=True, rids=[r.rid for r in reqs])
+        hooks._choose(snap, list(reqs), "cpu")
+        return dict(zip([snap.rids[b] for b in snap.take], snap.steps))
+
+    first = decode(live, gone, slotted)
+    assert first == {"live": 0, "gone": 0, "slotted": 0}  # every step taken (full capture)
+    del gone
+    gc.collect()
+    assert set(hooks._seen) == {"live", "gone", "slotted"}  # not swept before its batch
+    for _ in range(3):
+        decode(slotted)
+    assert set(hooks._seen) == {"live", "slotted"}
+    assert decode(live, slotted) == {"live": 1, "slotted": 4}

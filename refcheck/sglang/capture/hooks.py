@@ -51,6 +51,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -72,8 +73,10 @@ _patched: list[str] = []
 _originals: dict[str, Any] = {}
 _recorder: Recorder | None = None
 _rule: SampleRule | None = None
-#: rid -> [decode / verify steps this process has run for it, its rule's every, its rule's phase] (the rule read once)
-_seen: dict[str, list[int]] = {}
+#: rid -> [decode / verify steps this process has run for it, its rule's every, its rule's phase (the rule read
+#: once), a weak reference to SGLang's request or None]; swept every SWEEP_EVERY decode batches (:func:`_sweep`)
+_seen: dict[str, list[Any]] = {}
+SWEEP_EVERY = 1024
 _batches_seen = 0  # decode batches holding a traced request this process has run (the sampling rule's clock)
 
 
@@ -152,7 +155,7 @@ def _guard(where: str, fn, *args) -> Any:
 
 
 # -- run_batch -----------------------------------------------------------------------------------------
-def _choose(snap: Batch, device: Any) -> None:
+def _choose(snap: Batch, reqs: list[Any], device: Any) -> None:
     """Which requests this step records: every one at a prefill; at a decode step, those the rule takes."""
     if snap.mode == "extend":
         snap.take = list(range(len(snap.rids)))
@@ -162,11 +165,13 @@ def _choose(snap: Batch, device: Any) -> None:
     global _batches_seen
     g = _batches_seen
     _batches_seen += 1
+    if g % SWEEP_EVERY == SWEEP_EVERY - 1:
+        _sweep()
     for b, rid in enumerate(snap.rids):  # every decode batch, every request: SampleRule.takes inlined
         clock = _seen.get(rid)
         if clock is None:
             rule = rule_for(rid, _sample_rule())
-            clock = _seen[rid] = [0, rule.every, rule.phase]
+            clock = _seen[rid] = [0, rule.every, rule.phase, _weak(reqs[b])]
         k = clock[0]
         clock[0] = k + 1
         if (g + clock[2]) % clock[1] == 0:
@@ -174,6 +179,20 @@ def _choose(snap: Batch, device: Any) -> None:
             snap.steps.append(k)
     if snap.take and len(snap.take) < len(snap.rids):
         snap.index = device_index(snap.take, device)
+
+
+def _weak(req: Any) -> Any:
+    try:
+        return weakref.ref(req)
+    except TypeError:  # a request class that takes no weak references: its clock is kept for the process's life
+        return None
+
+
+def _sweep() -> None:
+    """Forget the step counts of requests SGLang has let go of (no batch can hold them again), so a serving run's
+    counts stay as many as its live requests; a request that is only waiting (retracted, preempted) keeps its."""
+    for rid in [rid for rid, clock in _seen.items() if clock[3] is not None and clock[3]() is None]:
+        del _seen[rid]
 
 
 def _snapshot(scheduler: Any, batch: Any) -> Batch:
@@ -184,7 +203,7 @@ def _snapshot(scheduler: Any, batch: Any) -> Batch:
     reqs = list(batch.reqs)
     rows = batch.req_pool_indices
     snap = Batch(mode=mode, speculative=not batch.spec_algorithm.is_none(), rids=[r.rid for r in reqs])
-    _choose(snap, rows.device if isinstance(rows, torch.Tensor) else "cpu")
+    _choose(snap, reqs, rows.device if isinstance(rows, torch.Tensor) else "cpu")
     if mode != "extend" and not snap.take:
         return snap
     snap.committed = [len(r.origin_input_ids) + len(r.output_ids) - 1 for r in reqs]
