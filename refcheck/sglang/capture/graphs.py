@@ -94,10 +94,10 @@ class GraphCache:
                     self._pool = torch.cuda.graph_pool_handle()
                 captured = self._graphs[key] = _Captured(fn, inputs, self._pool)
             except Exception as exc:  # a computation that cannot be captured runs eagerly; the engine carries on
-                _end_capturing_state()
                 self._eager.add(key)
                 if self._on_error is not None:
                     self._on_error(key, exc)
+                _end_capturing_state()
                 return fn(*inputs)
         return captured(inputs)
 
