@@ -11,8 +11,10 @@ host lists) and ships them through a :class:`refcheck.sglang.capture.records.Rec
 queueing, with the writer thread running beside it), ``cpu ms/record`` the process's CPU time per record until
 every record is written (shipping and the writer together). The tensors are on the CPU, so the device-side copy is
 not in it; on the GPU the same parts are the cost ledger's ``ship`` and ``writer_ms_per_record``
-(``docs/results/capture-cost-h200.md``). With ``--vs`` each round runs this checkout's refcheck and the other
-one's, in turn, in fresh processes, and prints the ratios (this / other) of the medians.
+(``docs/results/capture-cost-h200.md``). ``pass us/batch`` is what the capture hooks cost a decode batch of 1 and of
+32 traced requests that the sampling rule passes over (``hooks._run_batch`` around a step that does nothing; the
+ledger's ``passed_ms_per_plain_batch`` on the GPU). With ``--vs`` each round runs this checkout's refcheck and the
+other one's, in turn, in fresh processes, and prints the ratios (this / other) of the medians.
 """
 
 from __future__ import annotations
@@ -68,9 +70,41 @@ def measure(records: int) -> dict[str, float]:
     return {"ship_ms": 1000 * ship / records, "cpu_ms": 1000 * (time.process_time() - c0) / records}
 
 
+def pass_over(requests: int, batches: int = 3000) -> float:
+    """Microseconds the capture hooks cost a decode batch of ``requests`` traced requests that the sampling rule
+    passes over (every request marked with a rule that takes none of the ``batches`` + 100 batches run)."""
+    import os
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    os.environ["REFCHECK_CAPTURE_DIR"] = tempfile.mkdtemp(prefix="refcheck-pass-")
+    from refcheck.sglang.capture import hooks
+    from refcheck.sglang.capture.sample_rule import SampleRule, sampled_rid
+
+    every = 1_000_000
+    rule = next(r for r in (SampleRule(every, seed) for seed in range(1000)) if 0 < r.phase < every - batches - 200)
+
+    class Req:  # SGLang's requests take attributes and weak references
+        def __init__(self, rid: str) -> None:
+            self.rid = rid
+
+    batch = NS(forward_mode=NS(is_extend=lambda: False, is_decode=lambda: True), spec_algorithm=NS(is_none=lambda: False),
+               reqs=[Req(sampled_rid(rule, f"bench-{i:02d}")) for i in range(requests)],
+               req_pool_indices=torch.arange(requests))
+    scheduler = NS(tp_rank=0, server_args=NS(tp_size=1))
+    for _ in range(100):
+        hooks._run_batch(lambda self, b: None, scheduler, batch)
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        hooks._run_batch(lambda self, b: None, scheduler, batch)
+    return 1e6 * (time.perf_counter() - t0) / batches
+
+
 def _child(root: Path, records: int) -> dict[str, float]:
     code = (f"import sys, json; sys.path.insert(0, {str(root)!r}); sys.path.insert(1, {str(ROOT / 'scripts')!r}); "
-            f"import bench_capture_ship as b; print(json.dumps(b.measure({records})))")
+            f"import bench_capture_ship as b; print(json.dumps({{**b.measure({records}), "
+            f"'pass_us_1': b.pass_over(1), 'pass_us_32': b.pass_over(32)}}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -90,13 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.rounds):
         for name, root in trees:
             runs[name].append(_child(root, args.records))
-    med = {name: {k: statistics.median(r[k] for r in rs) for k in ("ship_ms", "cpu_ms")} for name, rs in runs.items()}
+    keys = ("ship_ms", "cpu_ms", "pass_us_1", "pass_us_32")
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in runs.items()}
     for name, m in med.items():
         print(f"{name}: ship {m['ship_ms']:.3f} ms/record, cpu {m['cpu_ms']:.3f} ms/record "
-              f"(median of {args.rounds} x {args.records} records)")
+              f"(median of {args.rounds} x {args.records} records); pass-over {m['pass_us_1']:.1f} us/batch at 1 "
+              f"request, {m['pass_us_32']:.1f} at 32")
     if "other" in med:
-        print(f"this / other: ship {med['this']['ship_ms'] / med['other']['ship_ms']:.2f}, "
-              f"cpu {med['this']['cpu_ms'] / med['other']['cpu_ms']:.2f}")
+        print("this / other: " + ", ".join(f"{k} {med['this'][k] / med['other'][k]:.2f}" for k in keys))
     return 0
 
 

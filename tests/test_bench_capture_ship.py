@@ -30,3 +30,24 @@ def test_measure_times_records_that_were_all_written(tmp_path, monkeypatch):
 def test_bad_arguments_are_refused_before_anything_runs(args):
     out = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "error:" in out.stderr
+
+
+def test_pass_over_times_batches_the_rule_passes_over(tmp_path, monkeypatch):
+    """bench_capture_ship.pass_over: every timed batch goes through the hooks' traced path and is passed over (its
+    requests' steps counted, nothing recorded, no error)."""
+    from refcheck.sglang.capture import hooks
+    from refcheck.sglang.capture.records import read_capture
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_capture_ship as bench
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    for name, value in (("_recorder", None), ("_rule", None), ("_seen", {}), ("_batches_seen", 0)):
+        monkeypatch.setattr(hooks, name, value)
+    monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(tmp_path))  # restored after pass_over sets its own
+    monkeypatch.setattr(bench.tempfile, "mkdtemp", lambda prefix="": str(tmp_path))
+    assert bench.pass_over(3, batches=50) > 0
+    assert hooks._batches_seen == 150 and sorted(c[0] for c in hooks._seen.values()) == [150, 150, 150]
+    cap = read_capture(tmp_path)
+    assert not cap.errors and not cap.steps.get(0)
