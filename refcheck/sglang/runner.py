@@ -450,7 +450,9 @@ class SGLangRunner:
         if not self.capture:
             return []
         if not cap.status:
-            return ["no scheduler process loaded refcheck's SGLang plugin (entry point group sglang.srt.plugins)"]
+            return ["no scheduler process wrote a capture status: none loaded refcheck's SGLang plugin (entry point group "
+                    "sglang.srt.plugins), or none could record in the capture directory ('refcheck capture:' in the "
+                    "engine's log says why)"]
         need = {"run_batch"} | ({"dflash"} if self.algorithm == "DFLASH" else {"eagle_sample"} if self.algorithm != "NONE" else set())
         if self.spec.sampled:
             need.add("sample")

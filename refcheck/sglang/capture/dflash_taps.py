@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +126,26 @@ def _fed(fault: str | None, target_hidden: torch.Tensor, positions: torch.Tensor
     return target_hidden, positions, commit_lens
 
 
+def _keeping(taps: DFlashTaps, part: str, keep: Callable[[], Any]) -> Any:
+    """``keep()``, its time added to the taps' host time. It runs inside SGLang's step: a failure leaves the part
+    missing, says why (``taps.missing``), and the step goes on."""
+    t0 = time.perf_counter()
+    try:
+        return keep()
+    except Exception as exc:  # noqa: BLE001 - never into SGLang's forward
+        taps.missing = f"the drafter's {part} could not be kept ({type(exc).__name__}: {exc})"
+        return None
+    finally:
+        taps.host_s += time.perf_counter() - t0
+
+
+def _draft_of(worker: Any, hidden: torch.Tensor, bs: int, block: int, graphs: GraphCache | None) -> dict:
+    """The draft block's top ranks (:func:`_draft`) through the target's head, from the graph cache when given."""
+    w = _head_weight(worker)
+    return graphs_run(graphs, ("draft", bs, block, w.data_ptr(), _shapes(hidden)), lambda h: _draft(h, w, bs, block),
+                      hidden)
+
+
 @contextlib.contextmanager
 def dflash_taps(worker: Any, bs: int, record: bool, fault: str | None,
                 graphs: tuple[GraphCache, GraphCache] | None = None) -> Iterator[DFlashTaps]:
@@ -139,25 +159,21 @@ def dflash_taps(worker: Any, bs: int, record: bool, fault: str | None,
         runner = worker.draft_model_runner
         forward = runner.forward
         append = worker._append_target_hidden_to_draft_kv_by_loc
-    except AttributeError as exc:  # another SGLang's DFLASH: nothing to tap, the step runs as SGLang has it
-        if fault is not None:
+        block = int(worker.block_size)
+        n_ids = int(getattr(getattr(runner, "model", None), "num_context_features", 1) or 1)  # target layers fed
+    except (AttributeError, TypeError, ValueError) as exc:  # another SGLang's DFLASH: nothing to tap, the step
+        if fault is not None:  # runs as SGLang has it
             raise
-        taps.missing = f"this SGLang's DFLASH worker has no draft runner or drafter-KV writer to tap ({exc})"
+        taps.missing = f"this SGLang's DFLASH worker has no draft runner, drafter-KV writer or block size to tap ({exc})"
         yield taps
         return
-    block = int(worker.block_size)
-    n_ids = int(getattr(getattr(runner, "model", None), "num_context_features", 1) or 1)  # target layers fed
     own_forward = "forward" in vars(runner)  # an instance attribute to put back, else the class's method
 
     def draft_forward(*args: Any, **kwargs: Any) -> Any:
         out = forward(*args, **kwargs)
         hidden = getattr(getattr(out, "logits_output", None), "hidden_states", None)
         if record and hidden is not None:
-            t0 = time.perf_counter()
-            w = _head_weight(worker)
-            taps.draft = graphs_run(draft_graphs, ("draft", bs, block, w.data_ptr(), _shapes(hidden)),
-                              lambda h: _draft(h, w, bs, block), hidden)
-            taps.host_s += time.perf_counter() - t0
+            taps.draft = _keeping(taps, "draft", lambda: _draft_of(worker, hidden, bs, block, draft_graphs))
         elif record:
             taps.missing = "SGLang's DFLASH draft forward returned no hidden states"
         if fault == "draft-depth-shift":
@@ -168,10 +184,9 @@ def dflash_taps(worker: Any, bs: int, record: bool, fault: str | None,
              cache_loc_2d: torch.Tensor | None = None, commit_lens: torch.Tensor | None = None) -> Any:
         target_hidden, positions, commit_lens = _fed(fault, target_hidden, positions, commit_lens, n_ids)
         if record and commit_lens is not None:
-            t0 = time.perf_counter()
-            taps.context = graphs_run(context_graphs, ("context", bs, _shapes(target_hidden, positions, commit_lens)),
-                                lambda th, pos, lens: _context(th, pos, lens, bs), target_hidden, positions, commit_lens)
-            taps.host_s += time.perf_counter() - t0
+            taps.context = _keeping(taps, "context", lambda: graphs_run(
+                context_graphs, ("context", bs, _shapes(target_hidden, positions, commit_lens)),
+                lambda th, pos, lens: _context(th, pos, lens, bs), target_hidden, positions, commit_lens))
         return append(target_hidden=target_hidden, cache_loc=cache_loc, positions=positions, cache_loc_2d=cache_loc_2d,
                       commit_lens=commit_lens)
 

@@ -49,6 +49,7 @@ only logs failures), so the runner can refuse a capture that silently missed a h
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
 import weakref
@@ -72,6 +73,7 @@ from refcheck.sglang.env import ENV_DIR, ENV_GRAPHS, UNTRACED_RID_PREFIX
 _patched: list[str] = []
 _originals: dict[str, Any] = {}
 _recorder: Recorder | None = None
+_unrecordable: str | None = None  # why this process's capture directory took no recorder (then none is tried again)
 _rule: SampleRule | None = None
 #: rid -> [decode / verify steps this process has run for it, its rule's every, its rule's phase (the rule read
 #: once), a weak reference to SGLang's request or None]; swept every SWEEP_EVERY decode batches (:func:`_sweep`)
@@ -134,6 +136,28 @@ def _rec(scheduler: Any = None) -> Recorder:
     return _recorder
 
 
+def _recorder_for(scheduler: Any = None) -> Recorder | None:
+    """This process's recorder, or None when its capture directory cannot take one (said once on stderr, the
+    engine's log; every batch then runs unrecorded and the runner finds no status file for the process)."""
+    global _unrecordable
+    if _unrecordable is not None:
+        return None
+    try:
+        return _rec(scheduler)
+    except Exception as exc:  # capture must never break the engine
+        _unrecordable = f"{type(exc).__name__}: {exc}"
+        print(f"refcheck capture: cannot record in {os.environ.get(ENV_DIR)} ({_unrecordable}); this process's "
+              "batches run unrecorded", file=sys.stderr, flush=True)
+        return None
+
+
+def _error(where: str, message: str) -> None:
+    """An error record (:meth:`Recorder.error`, which never raises), when this process can record."""
+    rec = _recorder_for()
+    if rec is not None:
+        rec.error(where, message)
+
+
 def drain(timeout_s: float = 60.0) -> bool:
     """Wait until this process's queued records are written (tests, and code that reads in-process)."""
     return _recorder is None or _recorder.shipper.drain(timeout_s)
@@ -150,7 +174,7 @@ def _guard(where: str, fn, *args) -> Any:
     try:
         return fn(*args)
     except Exception as exc:  # capture must never break the engine: record and carry on
-        _rec().error(where, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
+        _error(where, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
         return None
 
 
@@ -231,8 +255,8 @@ def _on_engine_stream(scheduler: Any) -> Iterator[None]:
 
 def _graph_error(what: str) -> Callable[[Any, Exception], None]:
     def report(key: Any, exc: Exception) -> None:
-        _rec().error(f"{what}:graph", f"the {what} of shape {key} runs eagerly: it could not be captured as a CUDA "
-                                      f"graph ({type(exc).__name__}: {exc})")
+        _error(f"{what}:graph", f"the {what} of shape {key} runs eagerly: it could not be captured as a CUDA graph "
+                                f"({type(exc).__name__}: {exc})")
 
     return report
 
@@ -287,8 +311,7 @@ def _ship_decode(scheduler: Any, snap: Batch, result: Any) -> None:
             return
         parts = [part]
     elif not parts:
-        _rec(scheduler).error("run_batch", "a speculative decode batch ran but no verify step was captured "
-                                           "(is its hook live?)")
+        _error("run_batch", "a speculative decode batch ran but no verify step was captured (is its hook live?)")
         return
     for part in parts:
         width = part.pop("width")
@@ -307,7 +330,7 @@ def _root_part(snap: Batch, result: Any) -> dict[str, Any] | None:
     if snap.raw_logits is not None:  # the sampler overwrote them with probabilities
         logits = snap.raw_logits
     if logits is None:
-        _rec().error("run_batch", "target-only decode result has no logits")
+        _error("run_batch", "target-only decode result has no logits")
         return None
     nxt = snap.rows(on_device(result.next_token_ids, logits.device).reshape(-1))
     t: dict[str, Any] = {"nodes": summarise_nodes(snap.rows(logits), nxt).tensors(), "next_ids": nxt}
@@ -383,7 +406,9 @@ def _run_batch(original, self, batch, *args, **kwargs):
     t0 = time.perf_counter()
     if _untraced(batch):
         return _plain(original, self, batch, t0, *args, **kwargs)
-    rec = _rec(self)
+    rec = _recorder_for(self)
+    if rec is None:  # this process cannot record: SGLang's step as it is
+        return _plain(original, self, batch, t0, *args, **kwargs)
     _guard("run_batch:profile", profiling.tick, rec.dir.parent, rec.tp_rank)
     with profiling.section("snapshot"):
         snap = _guard("run_batch:snapshot", _snapshot, self, batch)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,7 @@ class Recorder:
         self.dir = Path(root) / f"rank{tp_rank}-pid{os.getpid()}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.status_path = Path(root) / f"status-rank{tp_rank}-pid{os.getpid()}.json"
-        self.tp_rank, self.seq = tp_rank, 0
+        self.tp_rank, self.seq, self.unwritten_errors = tp_rank, 0, 0
         self._lock = threading.Lock()  # the engine's thread (errors) and the shipper's (records) both write
         self.shipper = Shipper(self.write, self.error, counts_path(root, tp_rank))
 
@@ -52,7 +53,16 @@ class Recorder:
         self.shipper.ship(kind, fields, tensors)
 
     def error(self, where: str, message: str) -> None:
-        self.write("error", packing.encode({"type": "error", "where": where, "message": message}, []))
+        """An error record. One that cannot be written (a full or read-only disk) is said on stderr, the engine's
+        log, the first time, and counted in ``unwritten_errors``: never an exception into the engine."""
+        try:
+            self.write("error", packing.encode({"type": "error", "where": where, "message": message}, []))
+        except Exception as exc:  # noqa: BLE001 - the engine's step must go on
+            self.unwritten_errors += 1
+            if self.unwritten_errors == 1:
+                first = (message.splitlines() or [""])[0]
+                print(f"refcheck capture: cannot write to {self.dir} ({type(exc).__name__}: {exc}); "
+                      f"unwritten error at {where}: {first}", file=sys.stderr, flush=True)
 
     def status(self, info: dict[str, Any]) -> None:
         atomic_write_bytes(self.status_path, json.dumps(info, indent=1, default=str).encode(), durable=False)

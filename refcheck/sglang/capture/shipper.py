@@ -14,8 +14,9 @@ around the engine's step on its stream) becomes ``step_s``, their distance in se
 finds it full is not queued but counted as lost, never blocking the engine and never silently missing.
 
 Counts live in a memory-mapped file ``queue-rank{r}-pid{pid}.bin`` of :data:`FIELDS` (little-endian u64 each),
-updated by plain memory writes, so the engine's parent can wait until every queued record is on disk
-(:func:`wait_drained`) before it stops SGLang, and the reader can report lost records (:func:`read_counts`).
+updated by plain memory writes, so the engine's parent can wait until the writer is done with every queued record
+(:func:`wait_drained`) before it stops SGLang, and the reader can report lost records (:func:`read_counts`): those
+that found the queue full and those the writer could not write (``written`` counts them too: done with).
 Beside the queue's three counts the file holds the capture's cost ledger (:func:`read_fields`, :func:`ledger_summary`): the writer
 thread's CPU time on the records it wrote (its wait for a record's copy left out), and the scheduler's
 ``run_batch`` wall time over decode batches that ran as if no capture were loaded (``plain``) and over
@@ -244,7 +245,7 @@ class Shipper:
             item = self._queue.get()
             if item is None:
                 return
-            cpu0 = None
+            cpu0, failed = None, False
             try:
                 if item.event is not None:
                     item.event.synchronize()  # the record's copy has landed in host memory (the lock is released)
@@ -252,11 +253,12 @@ class Shipper:
                 data = packing.encode_parts(_timed(item.skeleton), item.entries, item.device_bytes.numpy().data,
                                             item.host_bytes.numpy().data)
                 self._write(item.kind, data)
-            except Exception as exc:  # a record that cannot be written is reported, the rest carry on
+            except Exception as exc:  # a record that cannot be written is reported and counted lost; the rest carry on
+                failed = True
                 self._error(f"writer:{item.kind}", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
             finally:
                 spent = time.thread_time_ns() - cpu0 if cpu0 is not None else 0
-                self.counts.add(written=1, writer_ns=spent)
+                self.counts.add(written=1, writer_ns=spent, lost=int(failed))
 
 
 def counts_path(root: Path, tp_rank: int) -> Path:
