@@ -104,3 +104,20 @@ def test_a_drafter_tap_that_fails_inside_sglangs_forward_leaves_the_forward_to_s
     assert torch.equal(out.logits_output.hidden_states, torch.ones(8, 3)) and fed == "appended"
     assert len(worker.fed) == 1 and taps.draft is None and taps.context is None
     assert taps.missing == "the drafter's context could not be kept (RuntimeError: graph context failed)"
+
+
+def test_a_layer_sketch_that_fails_inside_sglangs_forward_keeps_no_sketch_of_that_forward(monkeypatch):
+    """The layer-sketch forward hook (refcheck/sglang/capture/layers.py) on an output it cannot sketch: SGLang's
+    forward goes on, and that forward is never taken as a complete one (the record then holds no layer sketches)."""
+    from collections import deque
+
+    from refcheck.sglang.capture import layers
+
+    monkeypatch.setattr(layers, "FORWARDS", deque(maxlen=4))
+    hook = layers.hook_factory({})
+    for layer in range(3):
+        hook(NS(layer_id=layer), (), torch.ones(2, 8) if layer != 1 else "not a tensor")
+    assert layers.take(2, 3) is None
+    for layer in range(3):
+        hook(NS(layer_id=layer), (), torch.ones(2, 8))
+    assert layers.take(2, 3).shape == (3, 2, 16)

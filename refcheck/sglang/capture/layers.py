@@ -42,9 +42,13 @@ def hook_factory(config: dict) -> Any:
         layer = getattr(module, "layer_id", None)
         if layer is None:
             return
-        with torch.no_grad():
-            out = layer_output(output)  # [tokens, H]
-            sketch = sketch_on_device(out)  # [tokens, r]
+        try:
+            with torch.no_grad():
+                out = layer_output(output)  # [tokens, H]
+                sketch = sketch_on_device(out)  # [tokens, r]
+        except Exception:  # noqa: BLE001 - inside SGLang's forward: this forward keeps no layer sketches
+            FORWARDS.append({})  # an incomplete forward, which take() never returns
+            return
         if layer == 0 or not FORWARDS or layer in FORWARDS[-1]:
             FORWARDS.append({})
         FORWARDS[-1][int(layer)] = sketch
