@@ -94,7 +94,7 @@ def dflash_batches(tmp_path, monkeypatch, graphs: bool, dev: str = "cuda") -> li
 
     monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(tmp_path))
     monkeypatch.setenv("REFCHECK_CAPTURE_GRAPHS", "on" if graphs else "off")
-    for name, value in (("_recorder", None), ("_rule", None), ("_seen", {}), ("_batches_seen", 0)):
+    for name, value in (("_recorder", None), ("_rule", None), ("_clock", None)):
         monkeypatch.setattr(hooks, name, value)
     V, B, H, F = 64, 4, 8, 12
     gen = torch.Generator(device=dev).manual_seed(0)

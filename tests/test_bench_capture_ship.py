@@ -43,11 +43,11 @@ def test_pass_over_times_batches_the_rule_passes_over(tmp_path, monkeypatch):
         import bench_capture_ship as bench
     finally:
         sys.path.remove(str(SCRIPT.parent))
-    for name, value in (("_recorder", None), ("_rule", None), ("_seen", {}), ("_batches_seen", 0)):
+    for name, value in (("_recorder", None), ("_rule", None), ("_clock", None)):
         monkeypatch.setattr(hooks, name, value)
     monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(tmp_path))  # restored after pass_over sets its own
     monkeypatch.setattr(bench.tempfile, "mkdtemp", lambda prefix="": str(tmp_path))
     assert bench.pass_over(3, batches=50) > 0
-    assert hooks._batches_seen == 150 and sorted(c[0] for c in hooks._seen.values()) == [150, 150, 150]
+    assert hooks._clock.batches == 150 and len(hooks._clock) == 3
     cap = read_capture(tmp_path)
     assert not cap.errors and not cap.steps.get(0)

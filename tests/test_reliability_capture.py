@@ -17,8 +17,7 @@ from refcheck.sglang.capture.shipper import queue_files, read_counts
 
 @pytest.fixture
 def fresh_hooks(monkeypatch):
-    for name, value in (("_recorder", None), ("_unrecordable", None), ("_rule", None), ("_seen", {}),
-                        ("_batches_seen", 0)):
+    for name, value in (("_recorder", None), ("_unrecordable", None), ("_rule", None), ("_clock", None)):
         monkeypatch.setattr(hooks, name, value)
 
 

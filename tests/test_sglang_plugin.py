@@ -85,8 +85,7 @@ def capture_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(tmp_path))
     monkeypatch.setattr(hooks, "_recorder", None)
     monkeypatch.setattr(hooks, "_rule", None)
-    monkeypatch.setattr(hooks, "_seen", {})
-    monkeypatch.setattr(hooks, "_batches_seen", 0)
+    monkeypatch.setattr(hooks, "_clock", None)
     return tmp_path
 
 
@@ -583,29 +582,25 @@ def test_a_state_graph_serves_every_batch_size_up_to_its_bucket():
 @given(every=st.integers(1, 9), seed=st.integers(0, 50), marked=st.lists(st.tuples(st.integers(1, 5), st.integers(0, 9)),
                                                                          max_size=3),
        batches=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=6, unique=True), min_size=1, max_size=25))
-def test_the_hooks_take_the_decode_batches_and_step_numbers_each_request_rule_takes(every, seed, marked, batches):
-    """hooks._choose (a decode batch's requests to record) against SampleRule.takes: request i of a batch is taken
-    when its rule (its rid's mark, else the process's) takes the process's g-th decode batch, and carries its own
-    step number (its decode batches so far), whichever requests share the batch."""
+def test_the_step_clock_takes_the_decode_batches_and_step_numbers_each_request_rule_takes(every, seed, marked, batches):
+    """refcheck/sglang/capture/step_clock.py (a decode batch's requests to record) against SampleRule.takes: request i
+    of a batch is taken when its rule (its rid's mark, else the process's) takes the process's g-th decode batch, and
+    carries its own step number (its decode batches so far), whichever requests share the batch."""
     from refcheck.sglang.capture.sample_rule import SampleRule, rule_for, sampled_rid
+    from refcheck.sglang.capture.step_clock import StepClock
 
     process = SampleRule(every, seed)
     rids = [sampled_rid(SampleRule(e, s), f"r{i}") for i, (e, s) in enumerate(marked)]
     rids += [f"plain{i}" for i in range(6 - len(rids))]
     reqs = [NS(rid=r) for r in rids]
-    saved = hooks._rule, hooks._seen, hooks._batches_seen
-    hooks._rule, hooks._seen, hooks._batches_seen = process, {}, 0
-    try:
-        steps: dict[str, int] = {}
-        for g, members in enumerate(batches):
-            snap = Batch(mode="decode", speculative=True, rids=[rids[m] for m in members])
-            hooks._choose(snap, [reqs[m] for m in members], "cpu")
-            want = [(b, steps.get(r, 0)) for b, r in enumerate(snap.rids) if rule_for(r, process).takes(g)]
-            assert list(zip(snap.take, snap.steps)) == want
-            for r in snap.rids:
-                steps[r] = steps.get(r, 0) + 1
-    finally:
-        hooks._rule, hooks._seen, hooks._batches_seen = saved
+    clock, steps = StepClock(process), {}
+    for g, members in enumerate(batches):
+        batch = [rids[m] for m in members]
+        take, numbers = clock.take(batch, [reqs[m] for m in members])
+        want = [(b, steps.get(r, 0)) for b, r in enumerate(batch) if rule_for(r, process).takes(g)]
+        assert list(zip(take, numbers)) == want
+        for r in batch:
+            steps[r] = steps.get(r, 0) + 1
 
 
 def test_the_hooks_record_the_same_through_caches_that_replay_like_cuda_graphs(tmp_path, monkeypatch):
@@ -642,10 +637,13 @@ def test_a_replaying_cache_catches_a_stale_closure_and_outputs_kept_past_another
     assert torch.isnan(kept).all()
 
 
-def test_the_step_counts_of_requests_sglang_let_go_of_are_swept(monkeypatch):
-    """hooks._sweep, every SWEEP_EVERY decode batches: a request object no batch can hold again (gone) loses its
-    step count; one still alive (waiting, retracted) keeps counting; one that takes no weak reference is kept."""
+def test_the_step_counts_of_requests_sglang_let_go_of_are_swept():
+    """StepClock's sweep, every sweep_every decode batches: a request object no batch can hold again (gone) loses
+    its step count; one still alive (waiting, retracted) keeps counting; one that takes no weak reference is kept."""
     import gc
+
+    from refcheck.sglang.capture.sample_rule import SampleRule
+    from refcheck.sglang.capture.step_clock import StepClock
 
     class Req:  # as SGLang's: takes weak references
         def __init__(self, rid):
@@ -657,23 +655,19 @@ def test_the_step_counts_of_requests_sglang_let_go_of_are_swept(monkeypatch):
         def __init__(self, rid):
             self.rid = rid
 
-    monkeypatch.setattr(hooks, "_rule", None)
-    monkeypatch.setattr(hooks, "_seen", {})
-    monkeypatch.setattr(hooks, "_batches_seen", 0)
-    monkeypatch.setattr(hooks, "SWEEP_EVERY", 4)
+    clock = StepClock(SampleRule(), sweep_every=4)
     live, gone, slotted = Req("live"), Req("gone"), Slotted("slotted")
 
     def decode(*reqs):
-        snap = Batch(mode="decode", speculative=True, rids=[r.rid for r in reqs])
-        hooks._choose(snap, list(reqs), "cpu")
-        return dict(zip([snap.rids[b] for b in snap.take], snap.steps))
+        take, steps = clock.take([r.rid for r in reqs], list(reqs))
+        return {reqs[b].rid: k for b, k in zip(take, steps)}
 
     first = decode(live, gone, slotted)
     assert first == {"live": 0, "gone": 0, "slotted": 0}  # every step taken (full capture)
     del gone
     gc.collect()
-    assert set(hooks._seen) == {"live", "gone", "slotted"}  # not swept before its batch
+    assert len(clock) == 3 and "gone" in clock  # not swept before its batch
     for _ in range(3):
         decode(slotted)
-    assert set(hooks._seen) == {"live", "slotted"}
+    assert len(clock) == 2 and "gone" not in clock
     assert decode(live, slotted) == {"live": 1, "slotted": 4}

@@ -52,7 +52,6 @@ import os
 import sys
 import time
 import traceback
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -65,7 +64,8 @@ from refcheck.sglang.capture.batch import Batch, device_index, host_lens, on_dev
 from refcheck.sglang.capture.committed import committed_state
 from refcheck.sglang.capture.graphs import GraphCache
 from refcheck.sglang.capture.records import Recorder
-from refcheck.sglang.capture.sample_rule import ENV_SAMPLE, SampleRule, parse, rule_for
+from refcheck.sglang.capture.sample_rule import ENV_SAMPLE, SampleRule, parse
+from refcheck.sglang.capture.step_clock import StepClock
 from refcheck.sglang.capture.steps import summarise_nodes
 from refcheck.sglang.capture.verify_parts import chain_part, tree_inputs, tree_part
 from refcheck.sglang.env import ENV_DIR, ENV_GRAPHS, UNTRACED_RID_PREFIX
@@ -75,11 +75,7 @@ _originals: dict[str, Any] = {}
 _recorder: Recorder | None = None
 _unrecordable: str | None = None  # why this process's capture directory took no recorder (then none is tried again)
 _rule: SampleRule | None = None
-#: rid -> [decode / verify steps this process has run for it, its rule's every, its rule's phase (the rule read
-#: once), a weak reference to SGLang's request or None]; swept every SWEEP_EVERY decode batches (:func:`_sweep`)
-_seen: dict[str, list[Any]] = {}
-SWEEP_EVERY = 1024
-_batches_seen = 0  # decode batches holding a traced request this process has run (the sampling rule's clock)
+_clock: StepClock | None = None  # which decode steps this process records (made with the process's rule)
 
 
 _batch: Batch | None = None
@@ -179,44 +175,24 @@ def _guard(where: str, fn, *args) -> Any:
 
 
 # -- run_batch -----------------------------------------------------------------------------------------
+def _step_clock() -> StepClock:
+    global _clock
+    if _clock is None:
+        _clock = StepClock(_sample_rule())
+    return _clock
+
+
 def _choose(snap: Batch, reqs: list[Any], device: Any) -> None:
-    """Which requests this step records: every one at a prefill; at a decode step, those the rule takes."""
+    """Which requests this step records: every one at a prefill; at a decode step, those the rule takes
+    (:class:`~refcheck.sglang.capture.step_clock.StepClock`)."""
     if snap.mode == "extend":
         snap.take = list(range(len(snap.rids)))
         return
     if snap.mode != "decode":
         return
-    global _batches_seen
-    g = _batches_seen
-    _batches_seen += 1
-    if g % SWEEP_EVERY == SWEEP_EVERY - 1:
-        _sweep()
-    for b, rid in enumerate(snap.rids):  # every decode batch, every request: SampleRule.takes inlined
-        clock = _seen.get(rid)
-        if clock is None:
-            rule = rule_for(rid, _sample_rule())
-            clock = _seen[rid] = [0, rule.every, rule.phase, _weak(reqs[b])]
-        k = clock[0]
-        clock[0] = k + 1
-        if (g + clock[2]) % clock[1] == 0:
-            snap.take.append(b)
-            snap.steps.append(k)
+    snap.take, snap.steps = _step_clock().take(snap.rids, reqs)
     if snap.take and len(snap.take) < len(snap.rids):
         snap.index = device_index(snap.take, device)
-
-
-def _weak(req: Any) -> Any:
-    try:
-        return weakref.ref(req)
-    except TypeError:  # a request class that takes no weak references: its clock is kept for the process's life
-        return None
-
-
-def _sweep() -> None:
-    """Forget the step counts of requests SGLang has let go of (no batch can hold them again), so a serving run's
-    counts stay as many as its live requests; a request that is only waiting (retracted, preempted) keeps its."""
-    for rid in [rid for rid, clock in _seen.items() if clock[3] is not None and clock[3]() is None]:
-        del _seen[rid]
 
 
 def _snapshot(scheduler: Any, batch: Any) -> Batch:

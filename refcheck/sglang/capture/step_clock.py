@@ -1,0 +1,74 @@
+"""Which decode steps of its requests a scheduler process records: each request's step count and the sampling clock.
+
+Contract: a :class:`StepClock` belongs to one scheduler process. It counts that process's decode batches that
+hold traced requests (``batches``: the sampling rule's clock g). It also counts, per request by rid, the decode or
+verify steps the process has run for it. :meth:`StepClock.take` advances both for one decode batch. It returns the
+batch rows to record and their step numbers. Row b is taken when its rid's rule takes batch g:
+:func:`~refcheck.sglang.capture.sample_rule.rule_for`, the rid's mark or else the clock's default rule, read once
+per request. Every row's count advances. Every ``sweep_every`` batches the counts of requests SGLang has let go of
+are dropped: the clock holds a weak reference to each request object, so a request no batch can hold again is
+gone. A request that is only waiting (retracted, preempted) keeps its count. A request class that takes no weak
+reference is kept for the process's life. So a serving run with capture left on holds as many counts as it has
+live requests.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from refcheck.sglang.capture.sample_rule import SampleRule, rule_for
+
+SWEEP_EVERY = 1024  # decode batches between sweeps
+
+
+class StepClock:
+    """One process's sampling clock and per-request step counts (module docstring)."""
+
+    def __init__(self, default: SampleRule, sweep_every: int = SWEEP_EVERY) -> None:
+        self.default, self.sweep_every = default, sweep_every
+        self.batches = 0
+        #: rid -> [steps run, its rule's every, its rule's phase, a weak reference to the request or None]
+        self._seen: dict[str, list[Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._seen
+
+    def steps(self, rid: str) -> int:
+        """The decode or verify steps counted for ``rid`` (0 for one never seen, or swept)."""
+        clock = self._seen.get(rid)
+        return 0 if clock is None else int(clock[0])
+
+    def take(self, rids: list[str], reqs: list[Any]) -> tuple[list[int], list[int]]:
+        """One decode batch of requests ``reqs`` (their rids ``rids``): (rows taken, their step numbers)."""
+        g = self.batches
+        self.batches += 1
+        if g % self.sweep_every == self.sweep_every - 1:
+            self._sweep()
+        take: list[int] = []
+        steps: list[int] = []
+        for b, rid in enumerate(rids):  # every decode batch, every request: SampleRule.takes inlined
+            clock = self._seen.get(rid)
+            if clock is None:
+                rule = rule_for(rid, self.default)
+                clock = self._seen[rid] = [0, rule.every, rule.phase, _weak(reqs[b])]
+            k = clock[0]
+            clock[0] = k + 1
+            if (g + clock[2]) % clock[1] == 0:
+                take.append(b)
+                steps.append(k)
+        return take, steps
+
+    def _sweep(self) -> None:
+        for rid in [rid for rid, clock in self._seen.items() if clock[3] is not None and clock[3]() is None]:
+            del self._seen[rid]
+
+
+def _weak(req: Any) -> Any:
+    try:
+        return weakref.ref(req)
+    except TypeError:  # a request class that takes no weak references: its count is kept for the process's life
+        return None
