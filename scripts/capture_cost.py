@@ -10,9 +10,9 @@ Per cell (algorithm x CUDA graphs x workload) one SGLang engine runs, in order: 
 captured warm-up pass, the captured pass (every step recorded: the trace), then ``--repeats`` rounds of three
 passes interleaved in rotating order (``refcheck/sglang/child.py``): untraced, sampled (1 decode batch in
 ``--sample``, rids marked for it) and full capture. Each pass generates the same requests; the overheads are the
-median full and sampled passes over the median untraced pass (the first captured pass's ratio beside them, and
-the untraced passes' max/min as the noise they are read against), and every pass's tokens are compared with the
-captured pass's. Trace bytes per verify step are the written Arrow trace's size over its steps. ``--diff``
+median full and sampled passes over the median untraced pass (the first captured pass's ratio beside them, the
+untraced passes' max/min as the noise they are read against, and the range of the sampled pass's ratio to the
+untraced pass of its own round), and every pass's tokens are compared with the captured pass's. Trace bytes per verify step are the written Arrow trace's size over its steps. ``--diff``
 also judges each captured trace (replay, the GPU reference when one is visible; steps per second) and the
 sampled pass's trace, assembled from the same capture directory (its verdict beside the full one's).
 ``--cells`` names the cells to run, in order, instead of the product of the three lists; ``--deadline``
@@ -51,10 +51,20 @@ def _median(times: list[float] | None) -> float | None:
     return statistics.median(times) if times else None
 
 
+def per_round(passes: list[float], untraced: list[float]) -> dict[str, float] | None:
+    """Each round's pass over the same round's untraced pass (a round runs one pass of each kind, so a drift of the
+    engine's speed over the rounds cancels): their median, min and max; None without a round of both."""
+    ratios = [a / b for a, b in zip(passes, untraced) if b > 0]
+    if not ratios:
+        return None
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "rounds": len(ratios)}
+
+
 def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff: dict | None) -> dict[str, Any]:
     """One table row from a captured trace (its provenance holds every pass's wall time): each overhead is a median
     pass of its kind over the median untraced pass, the kinds' passes interleaved on one warm engine; the first
-    captured pass (the trace's own) over the same untraced median as ``overhead_captured``."""
+    captured pass (the trace's own) over the same untraced median as ``overhead_captured``, and each kind's ratios
+    within a round (:func:`per_round`)."""
     st, cap = trace.prov.settings, trace.provenance.get("capture", {})
     passes = {"untraced": st.get("repeat_generate_s") or [], "sampled": st.get("sampled_generate_s") or [],
               "full": st.get("full_generate_s") or []}
@@ -68,6 +78,7 @@ def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff
             "untraced_spread": _ratio(max(passes["untraced"], default=None), min(passes["untraced"], default=None)),
             "overhead_full": _ratio(full, untraced), "overhead_sampled": _ratio(sampled, untraced),
             "overhead_captured": _ratio(st.get("generate_s"), untraced),
+            "per_round": {kind: per_round(passes[kind], passes["untraced"]) for kind in ("full", "sampled")},
             "tokens_same_untraced": st.get("repeats_match"), "tokens_same_sampled": st.get("sampled_match"),
             "tokens_same_full": st.get("full_match"),
             "graphed_steps": (cap.get("stats") or {}).get("cuda_graph_steps"),
@@ -162,6 +173,11 @@ def _ledger(cost: dict[str, Any]) -> str:
             f"({_fmt(cost.get('hooks_ms_per_batch'))}{': ' + split if split else ''})")
 
 
+def _spread(rounds: dict[str, float] | None) -> str:
+    """`` (rounds MIN–MAX)``: the ratio within each round, its range."""
+    return "" if not rounds else f" (rounds {rounds['min']:.2f}–{rounds['max']:.2f})"
+
+
 def markdown(rows: list[dict[str, Any]], sample: int) -> str:
     head = (f"| algorithm | graphs | workload | steps | untraced s (max/min) | full capture (first pass) | 1 in {sample} | "
             "batch ms plain / recorded (hooks) | writer ms/record | bytes/step | "
@@ -172,7 +188,8 @@ def markdown(rows: list[dict[str, Any]], sample: int) -> str:
         + (f"error: {r['error'][:120]} | | | | | | | | | |\n" if "error" in r else
            f"{r['steps']} | {_fmt(r['untraced_s'], '.3f')} ({_fmt(r.get('untraced_spread'))}) | "
            f"{_fmt(r['overhead_full'])}× ({_fmt(r.get('overhead_captured'))}×) | "
-           f"{_fmt(r['overhead_sampled'])}× | {_ledger(r.get('ledger') or {})} | "
+           f"{_fmt(r['overhead_sampled'])}×{_spread((r.get('per_round') or {}).get('sampled'))} | "
+           f"{_ledger(r.get('ledger') or {})} | "
            f"{_fmt((r.get('ledger') or {}).get('writer_ms_per_record'))} | {_fmt(r['bytes_per_step'], '.0f')} | "
            f"{r['tokens_same_untraced']}/{r['tokens_same_sampled']}/{r.get('tokens_same_full')} | "
            f"{r.get('verdict', '—')} / {r.get('sampled_verdict', '—')} ({r.get('sampled_steps', '—')} steps) | "

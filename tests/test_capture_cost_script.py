@@ -34,3 +34,14 @@ def test_a_malformed_cell_is_exit_2_and_a_passed_deadline_runs_nothing(tmp_path,
     assert "cells not run: NGRAM:on:mixed" in capsys.readouterr().out
     assert not (tmp_path / "b" / "capture_cost.json").exists()
     assert (tmp_path / "b" / "capture_cost.md").read_text().count("\n") == 2  # the table's head, no row
+
+
+def test_per_round_ratios_cancel_a_drift_the_medians_keep():
+    """A kind's pass over the untraced pass of its own round: an engine slowing over the rounds moves the medians'
+    ratio, not the per-round ones; rounds without both kinds are left out."""
+    untraced = [1.0, 2.0, 3.0, 4.0]
+    sampled = [1.05, 2.1, 3.15]  # 5 % slower in every round; one round short
+    got = cc.per_round(sampled, untraced)
+    assert got["rounds"] == 3 and got["min"] == pytest.approx(1.05) and got["max"] == pytest.approx(1.05)
+    assert cc.per_round([], untraced) is None
+    assert cc._spread(got) == " (rounds 1.05–1.05)" and cc._spread(None) == ""
