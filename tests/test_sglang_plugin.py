@@ -671,3 +671,24 @@ def test_the_step_counts_of_requests_sglang_let_go_of_are_swept():
         decode(slotted)
     assert len(clock) == 2 and "gone" not in clock
     assert decode(live, slotted) == {"live": 1, "slotted": 4}
+
+
+def test_prefills_are_booked_recorded_and_plain(capture_dir):
+    """The ledger's prefill side: a traced prefill (always recorded) books its wall time and the hooks' share; an
+    untraced prefill after it books its wall time as plain; decode batches stay on their own side."""
+    from refcheck.sglang.capture.shipper import ledger_summary, read_ledgers
+    from refcheck.sglang.env import UNTRACED_RID_PREFIX
+
+    sched, *_ = _scheduler()
+    _prefill(sched)
+    untraced = _batch("extend", True, [[], []])
+    for r in untraced.reqs:
+        r.rid = UNTRACED_RID_PREFIX + r.rid
+    logits = torch.randn(2, V)
+    hooks._run_batch(lambda self, b: NS(logits_output=NS(next_token_logits=logits), next_token_ids=logits.argmax(-1)),
+                     sched, untraced)
+    ledger = read_ledgers(capture_dir)
+    cost = ledger_summary(ledger, ledger["written"])
+    assert (ledger["prefills"], ledger["plain_prefills"], ledger["recorded_batches"], ledger["plain_batches"]) == (1, 1, 0, 0)
+    assert 0 < cost["prefill_hooks_ms_per_batch"] <= cost["prefill_ms_per_batch"] and cost["plain_prefill_ms_per_batch"] > 0
+    assert read_capture(capture_dir).prefills[0] and len(read_capture(capture_dir).prefills[0]) == 2  # one record only

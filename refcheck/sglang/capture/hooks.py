@@ -368,12 +368,17 @@ def _plain(original, self, batch, t0: float, *args, **kwargs):
     """A batch that records nothing, run as SGLang has it; once the process has a recorder (a traced batch came
     first: untraced requests alone leave nothing in the capture directory), a decode batch's wall time from
     ``t0``, the hook's entry, goes to the cost ledger's ``plain`` side, and the hook's own time before the batch ran
-    to its ``passed`` side."""
+    to its ``passed`` side; a prefill's wall time to ``plain_prefill``."""
     t1 = time.perf_counter()
     result = original(self, batch, *args, **kwargs)
-    if _recorder is not None and _guard("run_batch:mode", lambda: bool(batch.forward_mode.is_decode())):
-        _recorder.shipper.counts.add(plain_batches=1, plain_ns=int(1e9 * (time.perf_counter() - t0)),
-                                     passed_ns=int(1e9 * (t1 - t0)))
+    if _recorder is not None:
+        mode = _guard("run_batch:mode", lambda: "decode" if batch.forward_mode.is_decode()
+                      else "extend" if batch.forward_mode.is_extend() else "other")
+        wall = int(1e9 * (time.perf_counter() - t0))
+        if mode == "decode":
+            _recorder.shipper.counts.add(plain_batches=1, plain_ns=wall, passed_ns=int(1e9 * (t1 - t0)))
+        elif mode == "extend":
+            _recorder.shipper.counts.add(plain_prefills=1, plain_prefill_ns=wall)
     return result
 
 
@@ -403,11 +408,14 @@ def _run_batch(original, self, batch, *args, **kwargs):
         snap.events = (start, end)
     with profiling.section("after"):
         _guard("run_batch:after", _after, self, snap, result)
+    t1 = time.perf_counter()
     if snap.mode == "decode":
-        t1 = time.perf_counter()
         rec.shipper.counts.add(recorded_batches=1, recorded_ns=int(1e9 * (t1 - t0)),
                                hooks_ns=int(1e9 * (snap.host_s + t1 - snap.after_t0)),
                                **{f"{k}_ns": int(1e9 * v) for k, v in snap.parts.items()})
+    elif snap.mode == "extend":
+        rec.shipper.counts.add(prefills=1, prefill_ns=int(1e9 * (t1 - t0)),
+                               prefill_hooks_ns=int(1e9 * (snap.host_s + t1 - snap.after_t0)))
     return result
 
 

@@ -21,7 +21,8 @@ Beside the queue's three counts the file holds the capture's cost ledger (:func:
 thread's CPU time on the records it wrote (its wait for a record's copy left out), and the scheduler's
 ``run_batch`` wall time over decode batches that ran as if no capture were loaded (``plain``) and over
 recorded ones (``recorded``: the whole batch, the hooks' own time within it, and that time by part,
-:data:`PARTS`), the hooks' own time before a plain batch (``passed``: deciding to pass it over), and the
+:data:`PARTS`), the hooks' own time before a plain batch (``passed``: deciding to pass it over), prefill batches
+recorded (``prefill``: the whole batch and the hooks' share) and run unrecorded (``plain_prefill``), and the
 process's garbage collections (``gc``: their count and time, whichever thread ran them), in nanoseconds; the
 hooks add to it with :meth:`Counters.add`.
 """
@@ -49,7 +50,7 @@ QUEUE_DEPTH = 512
 #: the counters file's fields, in order: the queue's counts, then the cost ledger (times in nanoseconds)
 FIELDS = ("queued", "written", "lost", "writer_ns", "plain_batches", "plain_ns", "recorded_batches", "recorded_ns",
           "hooks_ns", "snapshot_ns", "verify_ns", "taps_ns", "state_ns", "ship_ns", "passed_ns", "gc_ns",
-          "gc_collections")
+          "gc_collections", "prefills", "prefill_ns", "prefill_hooks_ns", "plain_prefills", "plain_prefill_ns")
 #: the parts of the hooks' time the ledger books (``{part}_ns``): the batch's snapshot, the verify hooks' reductions,
 #: the DFLASH drafter's taps, the committed state's sketch, and packing and queuing the record
 PARTS = ("snapshot", "verify", "taps", "state", "ship")
@@ -153,6 +154,9 @@ def ledger_summary(ledger: dict[str, int], written: int) -> dict[str, float | in
             "recorded_ms_per_batch": per("recorded_ns", recorded), "hooks_ms_per_batch": per("hooks_ns", recorded),
             "passed_ms_per_plain_batch": per("passed_ns", plain), "writer_ms_per_record": per("writer_ns", written),
             "gc_collections": ledger.get("gc_collections", 0), "gc_ms_per_batch": per("gc_ns", plain + recorded),
+            "prefills": ledger.get("prefills", 0), "prefill_ms_per_batch": per("prefill_ns", ledger.get("prefills", 0)),
+            "prefill_hooks_ms_per_batch": per("prefill_hooks_ns", ledger.get("prefills", 0)),
+            "plain_prefill_ms_per_batch": per("plain_prefill_ns", ledger.get("plain_prefills", 0)),
             "parts_ms_per_batch": {p: per(f"{p}_ns", recorded) for p in PARTS}}
 
 
