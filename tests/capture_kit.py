@@ -1,7 +1,11 @@
-"""The capture hooks' DFLASH batches on stand-ins, and a graph cache that replays like CUDA graphs on any device.
+"""Stand-ins for SGLang's scheduler, batches, pools and DFLASH worker as the capture hooks see them, and a graph
+cache that replays like CUDA graphs on any device.
 
-Contract: :func:`dflash_batches` runs four DFLASH decode batches through :mod:`refcheck.sglang.capture.hooks`
-with stand-ins for SGLang's scheduler, pools and DFLASH worker and returns the recorded chain steps;
+Contract: the stand-ins carry exactly the attributes the hooks read (SGLang 0.5.17's names, docs/sglang-capture.md):
+:func:`make_scheduler` (stand-in KV, mamba and req_to_token pools), :func:`make_batch`, :func:`run_prefill` and
+:func:`make_tree` (two requests' draft trees); :func:`fresh_hooks` puts the hooks in a new process's state, recording
+into a directory, and :func:`read_capture` reads it once the writer has written every queued record.
+:func:`dflash_batches` runs four DFLASH decode batches through the hooks and returns the recorded chain steps;
 :func:`assert_same_records` holds two such runs equal (tokens, top-k, drafter ranks and context, state sketches).
 :class:`ReplayingCache` is a :class:`~refcheck.sglang.capture.graphs.GraphCache` with a CUDA graph's semantics
 wherever the tensors live: a key's first call fixes its computation (the closure of that call) and its static
@@ -13,11 +17,80 @@ outputs past another replay of the cache, gets wrong records from it, as it woul
 
 from __future__ import annotations
 
+from types import SimpleNamespace as NS
 from typing import Any
 
 import torch
 
+from refcheck.sglang.capture import hooks, records
 from refcheck.sglang.capture.graphs import GraphCache
+
+
+def read_capture(root):
+    """The capture directory once the hooks' writer thread has written every queued record."""
+    assert hooks.drain(10.0)
+    return records.read_capture(root)
+
+
+V, N, HKV, D, C, KM1, HV, DK, DV = 32, 4, 2, 3, 6, 3, 2, 4, 5
+
+
+class Mode:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def is_extend(self) -> bool:
+        return self.name == "extend"
+
+    def is_decode(self) -> bool:
+        return self.name == "decode"
+
+    def is_idle(self) -> bool:
+        return False
+
+    def is_target_verify(self) -> bool:
+        return False
+
+
+def make_scheduler(topk: int = 4):
+    gen = torch.Generator().manual_seed(0)
+    kb, vb = torch.randn(64, HKV, D, generator=gen), torch.randn(64, HKV, D, generator=gen)
+    kv_pool = NS(full_attention_layer_id_mapping={2: 0}, get_key_buffer=lambda layer: kb, get_value_buffer=lambda layer: vb)
+    conv = [torch.randn(1, 5, C, KM1, generator=gen)]  # [n_lin, slots, C, K-1]
+    temporal = torch.randn(1, 5, HV, DV, DK, generator=gen)  # [n_lin, slots, HV, V, K]
+    req_to_token = torch.arange(3 * 20, dtype=torch.int32).reshape(3, 20).flip(1)  # slots in reverse order
+    rtp = NS(req_to_token=req_to_token, mamba_map={0: 0}, req_index_to_mamba_index_mapping=torch.tensor([0, 4, 2]),
+             mamba_pool=NS(mamba_cache=NS(conv=conv, temporal=temporal), conv_window_axis=-1))
+    runner = NS(token_to_kv_pool=kv_pool, req_to_token_pool=rtp)
+    return NS(tp_rank=0, server_args=NS(speculative_eagle_topk=topk), tp_worker=NS(model_runner=runner)), kb, conv, temporal
+
+
+def make_batch(mode: str, spec: bool, outputs: list[list[int]]):
+    reqs = [NS(rid=f"r{i}", origin_input_ids=[1, 2, 3], output_ids=list(o), fill_ids=[1, 2, 3]) for i, o in enumerate(outputs)]
+    return NS(forward_mode=Mode(mode), reqs=reqs, spec_algorithm=NS(is_none=lambda: not spec),
+              req_pool_indices=torch.tensor([1, 2][: len(reqs)]), is_extend_in_batch=False)
+
+
+def run_prefill(sched) -> torch.Tensor:
+    """A prefill of two requests through run_batch; returns its logits [2, V]."""
+    logits0 = torch.randn(2, V)
+    hooks._run_batch(lambda self, batch: NS(logits_output=NS(next_token_logits=logits0), next_token_ids=logits0.argmax(-1)),
+                      sched, make_batch("extend", True, [[], []]))
+    return logits0
+
+
+def make_tree() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two requests' trees (tokens [bs*N], first-child and next-sibling links [bs, N]): 0 -> {1, 2}, 1 -> 3."""
+    return (torch.tensor([7, 11, 12, 13, 9, 21, 22, 23]), torch.tensor([[1, 3, -1, -1]] * 2),
+            torch.tensor([[-1, 2, -1, -1]] * 2))
+
+
+def fresh_hooks(monkeypatch, root):
+    """The capture hooks as a new scheduler process has them, recording into ``root``: returns ``root``."""
+    monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(root))
+    for name, value in (("_recorder", None), ("_unrecordable", None), ("_rule", None), ("_clock", None)):
+        monkeypatch.setattr(hooks, name, value)
+    return root
 
 
 def _into(dst: Any, src: Any) -> None:
@@ -84,18 +157,13 @@ def assert_same_records(on: list, off: list) -> None:
 
 def dflash_batches(tmp_path, monkeypatch, graphs: bool, dev: str = "cuda") -> list:
     """Four DFLASH decode batches (3, 2, 3 and 2 requests) through the capture hooks with stand-ins for SGLang's
-    scheduler, pools and DFLASH worker on ``dev`` (as in tests/test_sglang_plugin.py), the hooks' device work
+    scheduler, pools and DFLASH worker on ``dev``, the hooks' device work
     through their graph caches or run eagerly (``graphs``): the chain steps read back, in order. Every input comes
     from one seeded generator, so two calls see the same batches."""
-    from types import SimpleNamespace as NS
-
-    from refcheck.sglang.capture import hooks, records
     from refcheck.sglang.capture.state import MambaPools  # noqa: F401 - the pools' layout the stand-ins follow
 
-    monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(tmp_path))
+    fresh_hooks(monkeypatch, tmp_path)
     monkeypatch.setenv("REFCHECK_CAPTURE_GRAPHS", "on" if graphs else "off")
-    for name, value in (("_recorder", None), ("_rule", None), ("_clock", None)):
-        monkeypatch.setattr(hooks, name, value)
     V, B, H, F = 64, 4, 8, 12
     gen = torch.Generator(device=dev).manual_seed(0)
     kb, vb = (torch.randn(256, 2, 3, device=dev, generator=gen) for _ in range(2))

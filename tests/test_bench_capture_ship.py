@@ -35,6 +35,8 @@ def test_bad_arguments_are_refused_before_anything_runs(args):
 def test_pass_over_times_batches_the_rule_passes_over(tmp_path, monkeypatch):
     """bench_capture_ship.pass_over: every timed batch goes through the hooks' traced path and is passed over (its
     requests' steps counted, nothing recorded, no error)."""
+    from capture_kit import fresh_hooks
+
     from refcheck.sglang.capture import hooks
     from refcheck.sglang.capture.records import read_capture
 
@@ -43,9 +45,7 @@ def test_pass_over_times_batches_the_rule_passes_over(tmp_path, monkeypatch):
         import bench_capture_ship as bench
     finally:
         sys.path.remove(str(SCRIPT.parent))
-    for name, value in (("_recorder", None), ("_rule", None), ("_clock", None)):
-        monkeypatch.setattr(hooks, name, value)
-    monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(tmp_path))  # restored after pass_over sets its own
+    fresh_hooks(monkeypatch, tmp_path)  # its environment restored after pass_over sets its own
     monkeypatch.setattr(bench.tempfile, "mkdtemp", lambda prefix="": str(tmp_path))
     assert bench.pass_over(3, batches=50) > 0
     assert hooks._clock.batches == 150 and len(hooks._clock) == 3

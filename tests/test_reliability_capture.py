@@ -7,18 +7,12 @@ from __future__ import annotations
 import errno
 from types import SimpleNamespace as NS
 
-import pytest
 import torch
+from capture_kit import fresh_hooks  # tests/capture_kit.py
 
 from refcheck.sglang.capture import dflash_taps, hooks
 from refcheck.sglang.capture.records import Recorder
 from refcheck.sglang.capture.shipper import queue_files, read_counts
-
-
-@pytest.fixture
-def fresh_hooks(monkeypatch):
-    for name, value in (("_recorder", None), ("_unrecordable", None), ("_rule", None), ("_clock", None)):
-        monkeypatch.setattr(hooks, name, value)
 
 
 def _decode_batch():
@@ -26,12 +20,11 @@ def _decode_batch():
               reqs=[NS(rid="r0", origin_input_ids=[1, 2], output_ids=[3])], req_pool_indices=torch.arange(1))
 
 
-def test_a_capture_directory_that_takes_no_recorder_leaves_every_batch_to_sglang(tmp_path, monkeypatch, capsys,
-                                                                                  fresh_hooks):
+def test_a_capture_directory_that_takes_no_recorder_leaves_every_batch_to_sglang(tmp_path, monkeypatch, capsys):
     """REFCHECK_CAPTURE_DIR under a file: the step runs and returns SGLang's result, batch after batch, and the
     engine's log says once why this process records nothing."""
     (tmp_path / "file").write_text("")
-    monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(tmp_path / "file" / "capture"))
+    fresh_hooks(monkeypatch, tmp_path / "file" / "capture")
     for _ in range(3):
         assert hooks._run_batch(lambda self, b: "sglang's result", NS(tp_rank=0), _decode_batch()) == "sglang's result"
     err = capsys.readouterr().err

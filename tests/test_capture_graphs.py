@@ -1,0 +1,75 @@
+"""The capture's device work replayed from graph caches (refcheck/sglang/capture/graphs.py, committed.py's
+bucketing) on the CPU: a state graph serves every batch size up to its bucket, and the hooks record the same
+through caches with a CUDA graph's semantics (tests/capture_kit.py: ReplayingCache). The same on the GPU:
+tests/test_gpu.py."""
+
+from __future__ import annotations
+
+import torch
+from capture_kit import make_scheduler  # tests/capture_kit.py
+
+from refcheck.sglang.capture import hooks
+from refcheck.sglang.capture.committed import bucket, bucketed
+
+
+def test_a_state_graph_serves_every_batch_size_up_to_its_bucket():
+    """The state sketch of b requests comes from the graph of the next power of two (refcheck/sglang/capture/
+    committed.py: bucket), the first request repeated to fill it: each request's sketches are those of the sketch of
+    the b requests alone (off CUDA the graph cache runs the padded computation as it is)."""
+    from refcheck.sglang.capture.graphs import GraphCache
+    from refcheck.sglang.capture.state import MambaPools, batch_state
+
+    assert [bucket(b) for b in (1, 2, 3, 4, 5, 17, 32, 33)] == [1, 2, 4, 4, 8, 32, 32, 64]
+    sched, kb, conv, temporal = make_scheduler()
+    kv = {2: (kb, kb.flip(0))}
+    mamba = MambaPools([0], [0], conv[0], temporal)
+    table = sched.tp_worker.model_runner.req_to_token_pool.req_to_token
+    to_mamba = torch.tensor([0, 4, 2])
+
+    def sketch(rows, lens):
+        slots = table[rows[:, None], lens[:, None] + torch.arange(3)]  # [b, 3]
+        return batch_state(kv, slots, mamba, to_mamba[rows])
+
+    cache = GraphCache()
+    for rows in ([2, 0, 1], [1], [0, 2], [2, 1, 0, 1, 2]):
+        r, lens = torch.tensor(rows), torch.tensor([4, 7, 1, 3, 9][: len(rows)])
+        got, want = bucketed(cache, ("k",), sketch, r, lens), sketch(r, lens)
+        for name, entry in want["kv"].items():
+            assert got["kv"][name][2].shape == entry[2].shape and torch.allclose(got["kv"][name][2], entry[2], atol=1e-6)
+        for kind in ("conv", "rec"):
+            assert got["mamba"][kind].shape == want["mamba"][kind].shape
+            assert torch.allclose(got["mamba"][kind], want["mamba"][kind], atol=1e-6)
+
+
+def test_the_hooks_record_the_same_through_caches_that_replay_like_cuda_graphs(tmp_path, monkeypatch):
+    """The capture hooks' three graph caches (state sketch, verify reductions, DFLASH taps) swapped for
+    tests/capture_kit.py's ReplayingCache, which keeps a CUDA graph's semantics on the CPU (the first call's
+    closure replayed, outputs written in place, other keys' outputs scribbled over): four DFLASH batches, two of
+    them replays of the first two's graphs, record what the eager hooks record. The GPU run of the same batches
+    through real CUDA graphs: tests/test_gpu.py."""
+    from capture_kit import ReplayingCache, assert_same_records, dflash_batches
+
+    caches = {"_STATE_GRAPHS": ReplayingCache(), "_VERIFY_GRAPHS": ReplayingCache(),
+              "_TAP_GRAPHS": (ReplayingCache(), ReplayingCache())}
+    for name, cache in caches.items():
+        monkeypatch.setattr(hooks, name, cache)
+    on = dflash_batches(tmp_path / "on", monkeypatch, graphs=True, dev="cpu")
+    assert len(caches["_STATE_GRAPHS"]) == 2 and len(caches["_TAP_GRAPHS"][1]) == 2  # batch sizes 3 and 2
+    monkeypatch.undo()
+    off = dflash_batches(tmp_path / "off", monkeypatch, graphs=False, dev="cpu")
+    assert_same_records(on, off)
+
+
+def test_a_replaying_cache_catches_a_stale_closure_and_outputs_kept_past_another_replay():
+    """tests/capture_kit.py's ReplayingCache fails the two mistakes a CUDA graph punishes: a value handed through
+    the closure instead of the inputs (the first call's is replayed) and a graph's outputs read after another
+    graph of the same cache replayed."""
+    from capture_kit import ReplayingCache
+
+    cache = ReplayingCache()
+    x = torch.arange(3.0)
+    assert cache.run("k", lambda t, s=2.0: t * s, x).tolist() == [0.0, 2.0, 4.0]
+    assert cache.run("k", lambda t, s=5.0: t * s, x).tolist() == [0.0, 2.0, 4.0]  # the first closure, not s=5
+    kept = cache.run("k", lambda t: t * 2, x)
+    cache.run("other", lambda t: t + 1, x)
+    assert torch.isnan(kept).all()
