@@ -101,10 +101,11 @@ def _passes(engine: Any, job: dict, passes: list[list[str]]) -> None:
         _drained()
 
 
-TIMING_KINDS = {"untraced": "timing_rids", "sampled": "sampled_rids", "full": "full_rids"}
-# each kind's keys in the result: its wall times, whether its passes gave the captured outputs
-RESULT_KEYS = {"untraced": ("repeat_generate_s", "repeats_match"), "sampled": ("sampled_generate_s", "sampled_match"),
-               "full": ("full_generate_s", "full_match")}
+#: kind of timing pass -> (the job's key for its passes' rids, the result's keys for their wall times and for whether
+#: they gave the captured outputs)
+TIMING_KINDS = {"untraced": ("timing_rids", "repeat_generate_s", "repeats_match"),
+                "sampled": ("sampled_rids", "sampled_generate_s", "sampled_match"),
+                "full": ("full_rids", "full_generate_s", "full_match")}
 
 
 def interleaved(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -112,7 +113,7 @@ def interleaved(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[st
     in the order rotated by r (module docstring). Per kind: ``times`` (wall seconds per pass), ``match`` (every pass
     gave ``outputs``) and ``books`` (what its passes booked in the cost ledger, summed); an untraced pass r's first
     differences from ``outputs`` go to ``diffs`` as ``repeat{r}``."""
-    plans = {kind: job.get(key) or [] for kind, key in TIMING_KINDS.items()}
+    plans = {kind: job.get(key) or [] for kind, (key, _, _) in TIMING_KINDS.items()}
     kinds = [kind for kind, passes in plans.items() if passes]
     got: dict[str, dict[str, Any]] = {kind: {"times": [], "match": True, "books": {}} for kind in kinds}
     for r in range(max((len(plans[k]) for k in kinds), default=0)):
@@ -131,6 +132,17 @@ def interleaved(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[st
             if kind == "untraced":
                 diffs[f"repeat{r}"] = first_differences(outputs, again)
     return got
+
+
+def _timing_result(kinds: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """:func:`interleaved`'s times and matches under the result's keys: a kind without passes has no times, and no
+    match (an untraced one: nothing differed)."""
+    out: dict[str, Any] = {}
+    for kind, (_, times, match) in TIMING_KINDS.items():
+        got = kinds.get(kind)
+        out[times] = got["times"] if got else []
+        out[match] = got["match"] if got else (True if kind == "untraced" else None)
+    return out
 
 
 def _drained() -> dict[str, int]:
@@ -211,9 +223,7 @@ def main(job_path: str) -> int:
         drain_s = time.time() - t2
         captured = _ledger()
         kinds = interleaved(engine, job, outputs, diffs)
-        timing = {key: kinds[kind]["times"] if kind in kinds else [] for kind, (key, _) in RESULT_KEYS.items()}
-        timing.update({key: kinds[kind]["match"] if kind in kinds else None for kind, (_, key) in RESULT_KEYS.items()})
-        timing["repeats_match"] = timing["repeats_match"] is not False  # no untraced pass: nothing differed
+        timing = _timing_result(kinds)
         _write(result, {"stage": "done", "start_s": start_s, "generate_s": generate_s, "drain_s": drain_s,
                         "sglang": version, "outputs": outputs, **timing, **warm,
                         "capture_behind": behind, "pass_costs": _pass_costs(start, captured, kinds),
