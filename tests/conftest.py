@@ -99,6 +99,15 @@ def cli(monkeypatch, capsys):
 
 
 @pytest.fixture
+def capture_dir(tmp_path, monkeypatch):
+    """The SGLang capture hooks as a new scheduler process has them, recording into ``tmp_path``
+    (tests/capture_kit.py: fresh_hooks)."""
+    from capture_kit import fresh_hooks
+
+    return fresh_hooks(monkeypatch, tmp_path)
+
+
+@pytest.fixture
 def trace_file(tmp_path):
     """A small valid trace and its file (tests/trace_helpers.py), for the trace format and error tests."""
     from trace_helpers import make_trace_file

@@ -8,15 +8,10 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
-from capture_kit import N, V, fresh_hooks, make_batch, make_scheduler, read_capture  # tests/capture_kit.py
+from capture_kit import N, V, make_batch, make_scheduler, read_capture  # tests/capture_kit.py
 
 from refcheck.sglang.capture import hooks
 from refcheck.sglang.draft_side import context_side
-
-
-@pytest.fixture
-def capture_dir(tmp_path, monkeypatch):
-    return fresh_hooks(monkeypatch, tmp_path)
 
 
 class _FakeDFlash:

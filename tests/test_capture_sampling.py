@@ -7,12 +7,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace as NS
 
-import pytest
 import torch
 from capture_kit import (  # tests/capture_kit.py
     N,
     V,
-    fresh_hooks,
     make_batch,
     make_scheduler,
     make_tree,
@@ -23,11 +21,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refcheck.sglang.capture import hooks
-
-
-@pytest.fixture
-def capture_dir(tmp_path, monkeypatch):
-    return fresh_hooks(monkeypatch, tmp_path)
 
 
 def test_a_sampled_capture_records_the_steps_its_rule_takes_and_leaves_other_batches_alone(capture_dir, monkeypatch):

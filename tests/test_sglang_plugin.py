@@ -19,7 +19,6 @@ from capture_kit import (  # tests/capture_kit.py
     Mode,
     N,
     V,
-    fresh_hooks,
     make_batch,
     make_scheduler,
     make_tree,
@@ -29,11 +28,6 @@ from capture_kit import (  # tests/capture_kit.py
 
 from refcheck.sglang.capture import hooks
 from refcheck.sglang.capture.batch import Batch
-
-
-@pytest.fixture
-def capture_dir(tmp_path, monkeypatch):
-    return fresh_hooks(monkeypatch, tmp_path)
 
 
 def test_prefill_and_tree_step_are_recorded_with_committed_state(capture_dir):
