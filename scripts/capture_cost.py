@@ -8,7 +8,7 @@ Usage (on a GPU machine with SGLang; through the bundle: ``scripts/sglang_bundle
 
 Per cell (algorithm x CUDA graphs x workload) one SGLang engine runs, in order: an untraced warm-up pass, a
 captured warm-up pass, the captured pass (every step recorded: the trace), then ``--repeats`` rounds of three
-passes interleaved in rotating order (``refcheck/sglang/child.py``): untraced, sampled (1 decode batch in
+passes interleaved in rotating order (``refcheck/sglang/child.py``): untraced, sampled (1 decode and 1 prefill batch in
 ``--sample``, rids marked for it) and full capture. Each pass generates the same requests; the overheads are the
 median full and sampled passes over the median untraced pass (the first captured pass's ratio beside them, the
 untraced passes' max/min as the noise they are read against, and the range of the sampled pass's ratio to the

@@ -94,11 +94,13 @@ def test_a_batch_the_sampling_rule_passes_over_reads_nothing_but_its_rids_and_is
 @settings(max_examples=60, deadline=None)
 @given(every=st.integers(1, 9), seed=st.integers(0, 50), marked=st.lists(st.tuples(st.integers(1, 5), st.integers(0, 9)),
                                                                          max_size=3),
-       batches=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=6, unique=True), min_size=1, max_size=25))
-def test_the_step_clock_takes_the_decode_batches_and_step_numbers_each_request_rule_takes(every, seed, marked, batches):
-    """refcheck/sglang/capture/step_clock.py (a decode batch's requests to record) against SampleRule.takes: request i
-    of a batch is taken when its rule (its rid's mark, else the process's) takes the process's g-th decode batch, and
-    carries its own step number (its decode batches so far), whichever requests share the batch."""
+       batches=st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 5), min_size=1, max_size=6, unique=True)),
+                        min_size=1, max_size=25))
+def test_the_step_clock_takes_the_batches_and_step_numbers_each_request_rule_takes(every, seed, marked, batches):
+    """refcheck/sglang/capture/step_clock.py (a batch's requests to record) against SampleRule.takes: request i of a
+    decode batch is taken when its rule (its rid's mark, else the process's) takes the process's g-th decode batch,
+    and carries its own step number (its decode batches so far), whichever requests share the batch; request i of a
+    prefill batch when its rule takes the process's p-th prefill batch, prefills and decodes counted apart."""
     from refcheck.sglang.capture.sample_rule import SampleRule, rule_for, sampled_rid
     from refcheck.sglang.capture.step_clock import StepClock
 
@@ -106,9 +108,14 @@ def test_the_step_clock_takes_the_decode_batches_and_step_numbers_each_request_r
     rids = [sampled_rid(SampleRule(e, s), f"r{i}") for i, (e, s) in enumerate(marked)]
     rids += [f"plain{i}" for i in range(6 - len(rids))]
     reqs = [NS(rid=r) for r in rids]
-    clock, steps = StepClock(process), {}
-    for g, members in enumerate(batches):
-        batch = [rids[m] for m in members]
+    clock, steps, counted = StepClock(process), {}, {True: 0, False: 0}
+    for prefill, members in batches:
+        batch, g = [rids[m] for m in members], counted[prefill]
+        counted[prefill] += 1
+        if prefill:
+            assert clock.take_prefill(batch, [reqs[m] for m in members]) == [
+                b for b, r in enumerate(batch) if rule_for(r, process).takes(g)]
+            continue
         take, numbers = clock.take(batch, [reqs[m] for m in members])
         want = [(b, steps.get(r, 0)) for b, r in enumerate(batch) if rule_for(r, process).takes(g)]
         assert list(zip(take, numbers)) == want
@@ -153,7 +160,7 @@ def test_the_step_counts_of_requests_sglang_let_go_of_are_swept():
 
 
 def test_prefills_are_booked_recorded_and_plain(capture_dir):
-    """The ledger's prefill side: a traced prefill (always recorded) books its wall time and the hooks' share; an
+    """The ledger's prefill side: a traced prefill (full capture: recorded) books its wall time and the hooks' share; an
     untraced prefill after it books its wall time as plain; decode batches stay on their own side."""
     from refcheck.sglang.capture.shipper import ledger_summary, read_ledgers
     from refcheck.sglang.env import UNTRACED_RID_PREFIX
@@ -171,3 +178,28 @@ def test_prefills_are_booked_recorded_and_plain(capture_dir):
     assert (ledger["prefills"], ledger["plain_prefills"], ledger["recorded_batches"], ledger["plain_batches"]) == (1, 1, 0, 0)
     assert 0 < cost["prefill_hooks_ms_per_batch"] <= cost["prefill_ms_per_batch"] and cost["plain_prefill_ms_per_batch"] > 0
     assert read_capture(capture_dir).prefills[0] and len(read_capture(capture_dir).prefills[0]) == 2  # one record only
+
+
+def test_a_sampled_capture_records_one_prefill_batch_in_every_on_its_own_clock(capture_dir, monkeypatch):
+    """Under 1 batch in 2, prefill batches are taken by the rule on their own clock: a taken prefill records its
+    requests' first tokens, one not taken records nothing and is booked plain; the decode batches' clock does not
+    move with them."""
+    from refcheck.sglang.capture.sample_rule import SampleRule
+
+    rule = SampleRule(2, seed=5)
+    monkeypatch.setattr(hooks, "_rule", rule)
+    sched, *_ = make_scheduler()
+    logits = torch.randn(2, V)
+    for p in range(4):
+        batch = make_batch("extend", True, [[], []])
+        for r in batch.reqs:
+            r.rid = f"p{p}-{r.rid}"
+        hooks._run_batch(lambda self, b: NS(logits_output=NS(next_token_logits=logits), next_token_ids=logits.argmax(-1)),
+                         sched, batch)
+    cap = read_capture(capture_dir)
+    assert not cap.errors, cap.errors
+    taken = [p for p in range(4) if rule.takes(p)]
+    assert len(taken) == 2
+    assert sorted(r.rid for r in cap.prefills[0]) == sorted(f"p{p}-r{i}" for p in taken for i in range(2))
+    assert (cap.cost["prefills"], cap.cost["plain_prefills"]) == (2, 2), cap.cost
+    assert hooks._step_clock().batches == 0 and hooks._step_clock().prefills == 4

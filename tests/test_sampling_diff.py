@@ -62,6 +62,28 @@ def test_hidden_randomness_small_sample_is_inconclusive(reference, clean):
     assert any(f.verdict.value == "unsupported" and f.category == "ar_tokens" for f in rep.findings)
 
 
+def test_a_first_token_without_its_recorded_uniform_is_judged_from_the_key(reference, clean):
+    """A sampled capture that did not take a request's prefill records no first uniform (NaN). With refcheck's keyed
+    generator the diff recomputes it: the trace still passes exactly (not inconclusive), a first token the keyed
+    uniform does not draw fails, and without a recomputable key the draw is left to the distributional test."""
+    from refcheck.diff.sampling import SampledRequest, replay_first_token
+
+    s, _, _ = reference
+    unrecorded = replace(clean, requests=[replace(r, first_uniform=math.nan) for r in clean.requests])
+    rep = judge_trace(unrecorded, s, "no-first-uniform", mode="both")
+    assert not rep.failures and rep.exit_code == EXIT_PASS, [f.message for f in rep.failures]
+    row = clean.requests[0]
+    req = SampledRequest.from_row(row)
+    assert req is not None and req.recomputable
+    probs = torch.full((1, 8), 1 / 8, dtype=torch.float64)
+    drawn = int(inverse_cdf(probs, req.keyed(-1, [len(row.prompt_ids)]))[0])
+    assert replay_first_token("r", drawn, probs, math.nan, req, len(row.prompt_ids), 1e-6) == ([], True)
+    found, exact = replay_first_token("r", (drawn + 4) % 8, probs, math.nan, req, len(row.prompt_ids), 1e-6)
+    assert exact and [f.verdict.value for f in found] == ["fail"]
+    hidden = SampledRequest.from_row(replace(row, rng="", rng_request=-1))
+    assert hidden is not None and replay_first_token("r", drawn, probs, math.nan, hidden, 5, 1e-6) == ([], False)
+
+
 def test_a_changed_draw_and_bonus_are_found_at_their_node(reference, clean):
     s, _, _ = reference
     k = next(i for i, st_ in enumerate(clean.steps) if len(st_.tree_tokens) > 2)

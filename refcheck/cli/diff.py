@@ -158,9 +158,9 @@ sglang_options = option_group(
                  help="With --engine sglang: sketch every target layer's output (forward hooks) so a failing node gets "
                       "layer bisection; slower."),
     click.option("--capture-sample", "capture_sample", default=None, metavar="N[:SEED]",
-                 help="With --engine sglang: record one decode batch in N, every request in it (phase seeded by SEED, "
-                      "default 0; every prefill's first token always); the diff judges the steps recorded, "
-                      "re-prefilling the engine's output across the others."),
+                 help="With --engine sglang: record one decode batch in N and one prefill batch in N, every request in "
+                      "it (phase seeded by SEED, default 0); the diff judges the steps recorded, re-prefilling the "
+                      "engine's output across the others."),
 )
 output_options = option_group(
     "output", OutputOptions,

@@ -347,18 +347,21 @@ def _children_first_deviation(logp: torch.Tensor, q: torch.Tensor, kid_tokens: l
 
 def replay_first_token(rid: str, token: int, probs: torch.Tensor, uniform: float, req: SampledRequest, prompt_len: int,
                        cdf_tol: float) -> tuple[list[Finding], bool]:
-    """The draw after the prefill (``probs`` ``[1, V]``): findings, and whether it was judged exactly."""
+    """The draw after the prefill (``probs`` ``[1, V]``): findings, and whether it was judged exactly. Without a
+    recorded uniform (NaN: a sampled capture that did not take the prefill, or an engine that does not expose it)
+    the draw is judged from the keyed generator's uniform where that is recomputable, and not exactly otherwise."""
     found: list[Finding] = []
     if probs[0, token] <= 0:
         found.append(Finding(Verdict.FAIL, "sampling", rid, -1, message=f"first token {token} has probability 0"))
-    if uniform != uniform:
+    if uniform != uniform and not req.recomputable:
         return found, False
-    u = torch.tensor([uniform], dtype=torch.float64)
     if req.recomputable:
         keyed = float(req.keyed(-1, [prompt_len])[0])
+        uniform = keyed if uniform != uniform else uniform
         if keyed != uniform:
             found.append(Finding(Verdict.FAIL, "sampling", rid, -1, message=f"first uniform {uniform!r} is not the keyed "
                                  f"generator's {keyed!r}"))
+    u = torch.tensor([uniform], dtype=torch.float64)
     e = int(inverse_cdf(probs, u)[0])
     if e != token:
         outside = -float(boundary_margin(probs, u, torch.tensor([token]))[0])  # see replay_sampled_step

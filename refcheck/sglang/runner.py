@@ -201,7 +201,7 @@ class SGLangRunner:
         if timing_repeats < 0:
             raise UsageError(f"timing repeats must be >= 0, got {timing_repeats}")
         self.timing_repeats = timing_repeats  # warm, untraced generates after the captured one (sweep tok/s)
-        # the captured pass records 1 decode batch in N (full: every one); with a sampled timing rule each timing
+        # the captured pass records 1 batch in N, decode and prefill (full: every one); with a sampled timing rule each timing
         # round also runs a pass under that rule and a full-capture pass (_cost_passes)
         self.sample, self.sampled_timing = _sample_rules(capture_sample, sampled_timing)
         tdir, ddir = spec.resolved_dirs()

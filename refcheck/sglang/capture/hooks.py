@@ -34,9 +34,9 @@ sketched. Nothing synchronises the device or waits for the disk: each record's t
 pinned host memory asynchronously and written by a background thread
 (:mod:`refcheck.sglang.capture.shipper`); the per-request, per-node Python runs when refcheck reads the
 capture (:mod:`refcheck.sglang.capture.expand`). The step's time comes from two CUDA events around it. With
-``REFCHECK_CAPTURE_SAMPLE=N:SEED`` (:mod:`refcheck.sglang.capture.sample_rule`) only one decode batch in N is
-recorded, all its requests (the prefill's first token always); a batch with no recorded request runs as if
-no capture were loaded.
+``REFCHECK_CAPTURE_SAMPLE=N:SEED`` (:mod:`refcheck.sglang.capture.sample_rule`) only one decode batch in N and
+one prefill batch in N are recorded, each on its own clock; a batch with no recorded request runs as if no
+capture were loaded.
 
 Capture never changes what SGLang computes (the exceptions are opt-in, for refcheck's own selftest:
 ``REFCHECK_SAMPLER_FAULT`` injects a fault into the tree sampler, ``sampler_faults.py``, and
@@ -183,10 +183,10 @@ def _step_clock() -> StepClock:
 
 
 def _choose(snap: Batch, reqs: list[Any], device: Any) -> None:
-    """Which requests this step records: every one at a prefill; at a decode step, those the rule takes
+    """Which requests this step records: at a prefill or a decode step, those the rule takes on that kind's clock
     (:class:`~refcheck.sglang.capture.step_clock.StepClock`)."""
     if snap.mode == "extend":
-        snap.take = list(range(len(snap.rids)))
+        snap.take = _step_clock().take_prefill(snap.rids, reqs)
         return
     if snap.mode != "decode":
         return
@@ -204,7 +204,7 @@ def _snapshot(scheduler: Any, batch: Any) -> Batch:
     rows = batch.req_pool_indices
     snap = Batch(mode=mode, speculative=not batch.spec_algorithm.is_none(), rids=[r.rid for r in reqs])
     _choose(snap, reqs, rows.device if isinstance(rows, torch.Tensor) else "cpu")
-    if mode != "extend" and not snap.take:
+    if not snap.take:
         return snap
     snap.committed = [len(r.origin_input_ids) + len(r.output_ids) - 1 for r in reqs]
     snap.roots = [int(r.output_ids[-1]) if r.output_ids else -1 for r in reqs]
@@ -326,7 +326,7 @@ def _ship_prefill(scheduler: Any, snap: Batch, result: Any) -> None:
         logits = snap.raw_logits
     if logits is None:
         return
-    done = [i for i, (p, f) in enumerate(zip(snap.prompt_lens, snap.fill_lens)) if f >= p]  # last prefill chunk
+    done = [i for i in snap.take if snap.fill_lens[i] >= snap.prompt_lens[i]]  # taken, at their last prefill chunk
     if not done:
         return
     idx = device_index(done, logits.device) if len(done) < len(snap.rids) else None
@@ -393,7 +393,7 @@ def _run_batch(original, self, batch, *args, **kwargs):
     _guard("run_batch:profile", profiling.tick, rec.dir.parent, rec.tp_rank)
     with profiling.section("snapshot"):
         snap = _guard("run_batch:snapshot", _snapshot, self, batch)
-    if snap is None or (snap.mode != "extend" and not snap.take):  # nothing recorded at this step
+    if snap is None or not snap.take:  # nothing recorded at this step
         return _plain(original, self, batch, t0, *args, **kwargs)
     snap.parts["snapshot"] = time.perf_counter() - t0
     _batch = snap

@@ -1,7 +1,8 @@
-"""Which verify steps a sampled capture records: one decode batch in ``every``, at a seeded phase.
+"""Which steps a sampled capture records: one decode batch and one prefill batch in ``every``, at a seeded phase.
 
 Contract: :class:`SampleRule` (``every`` >= 1, ``seed`` >= 0) takes a scheduler process's ``g``-th decode
-batch (counted from 0 over the batches that hold a traced request) when ``(g + phase) % every == 0``, where
+batch (counted from 0 over the batches that hold a traced request), and its ``g``-th prefill batch (counted
+apart), when ``(g + phase) % every == 0``, where
 ``phase`` = the first 8 bytes of BLAKE2b of ``f"{seed}:batch"``, little-endian, modulo ``every``; every request
 of a taken batch is recorded at that step (its step number, the request's k-th decode or verify step in the
 process, kept), so each request is recorded at about one step in ``every`` and a batch not taken runs as if no

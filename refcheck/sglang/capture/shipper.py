@@ -156,6 +156,7 @@ def ledger_summary(ledger: dict[str, int], written: int) -> dict[str, float | in
             "gc_collections": ledger.get("gc_collections", 0), "gc_ms_per_batch": per("gc_ns", plain + recorded),
             "prefills": ledger.get("prefills", 0), "prefill_ms_per_batch": per("prefill_ns", ledger.get("prefills", 0)),
             "prefill_hooks_ms_per_batch": per("prefill_hooks_ns", ledger.get("prefills", 0)),
+            "plain_prefills": ledger.get("plain_prefills", 0),
             "plain_prefill_ms_per_batch": per("plain_prefill_ns", ledger.get("plain_prefills", 0)),
             "parts_ms_per_batch": {p: per(f"{p}_ns", recorded) for p in PARTS}}
 

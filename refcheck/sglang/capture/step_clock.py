@@ -5,7 +5,9 @@ hold traced requests (``batches``: the sampling rule's clock g). It also counts,
 verify steps the process has run for it. :meth:`StepClock.take` advances both for one decode batch. It returns the
 batch rows to record and their step numbers. Row b is taken when its rid's rule takes batch g:
 :func:`~refcheck.sglang.capture.sample_rule.rule_for`, the rid's mark or else the clock's default rule, read once
-per request. Every row's count advances. Every ``sweep_every`` batches the counts of requests SGLang has let go of
+per request. Every row's count advances. Prefill batches run on a clock of their own (``prefills``):
+:meth:`StepClock.take_prefill` takes row b of the p-th prefill batch when its rid's rule takes p, so a sampled
+capture records one prefill batch in ``every`` as it does decode batches, and a full capture every one. Every ``sweep_every`` batches the counts of requests SGLang has let go of
 are dropped: the clock holds a weak reference to each request object, so a request no batch can hold again is
 gone. A request that is only waiting (retracted, preempted) keeps its count. A request class that takes no weak
 reference is kept for the process's life. So a serving run with capture left on holds as many counts as it has
@@ -28,6 +30,7 @@ class StepClock:
     def __init__(self, default: SampleRule, sweep_every: int = SWEEP_EVERY) -> None:
         self.default, self.sweep_every = default, sweep_every
         self.batches = 0
+        self.prefills = 0
         #: rid -> [steps run, its rule's every, its rule's phase, a weak reference to the request or None]
         self._seen: dict[str, list[Any]] = {}
 
@@ -53,14 +56,32 @@ class StepClock:
         for b, rid in enumerate(rids):  # every decode batch, every request: SampleRule.takes inlined
             clock = self._seen.get(rid)
             if clock is None:
-                rule = rule_for(rid, self.default)
-                clock = self._seen[rid] = [0, rule.every, rule.phase, _weak(reqs[b])]
+                clock = self._enter(rid, reqs[b])
             k = clock[0]
             clock[0] = k + 1
             if (g + clock[2]) % clock[1] == 0:
                 take.append(b)
                 steps.append(k)
         return take, steps
+
+    def take_prefill(self, rids: list[str], reqs: list[Any]) -> list[int]:
+        """One prefill batch of requests ``reqs`` (their rids ``rids``): the rows taken (no step count advances)."""
+        p = self.prefills
+        self.prefills += 1
+        take: list[int] = []
+        for b, rid in enumerate(rids):
+            clock = self._seen.get(rid)
+            if clock is None:
+                clock = self._enter(rid, reqs[b])
+            if (p + clock[2]) % clock[1] == 0:
+                take.append(b)
+        return take
+
+    def _enter(self, rid: str, req: Any) -> list[Any]:
+        """``rid``'s entry, new: no step run, its rule's every and phase, a weak reference to its request."""
+        rule = rule_for(rid, self.default)
+        clock = self._seen[rid] = [0, rule.every, rule.phase, _weak(req)]
+        return clock
 
     def _sweep(self) -> None:
         for rid in [rid for rid, clock in self._seen.items() if clock[3] is not None and clock[3]() is None]:
