@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from capture_kit import assert_same_records, dflash_batches  # tests/capture_kit.py
@@ -222,3 +228,42 @@ def test_the_capture_hooks_record_the_same_from_their_cuda_graphs_as_eagerly(tmp
     monkeypatch.undo()
     off = dflash_batches(tmp_path / "off", monkeypatch, graphs=False)
     assert_same_records(on, off)
+
+
+def _syncs_from(package: str, fn: Callable[[], Any]) -> list[str]:
+    """The stacks of the synchronising CUDA operations ``fn`` runs on the main thread (torch's sync debug mode)
+    whose innermost caller outside torch is a file of ``package``."""
+    found: list[str] = []
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message) or threading.current_thread() is not threading.main_thread():
+            return
+        frames = [f for f in traceback.extract_stack() if "/torch/" not in f.filename and "warnings" not in f.filename]
+        frames = [f for f in frames if f.filename != __file__ or f.name != "note"]
+        if frames and f"/{package}/" in frames[-1].filename:
+            found.append("".join(traceback.format_list(frames[-6:])))
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = note
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return found
+
+
+def test_the_capture_hooks_add_no_host_synchronisation_to_the_engine_step(tmp_path, monkeypatch):
+    """refcheck/sglang/capture/hooks.py recording DFLASH decode batches from its CUDA graphs (captured by a first
+    run: a capture synchronises) runs no synchronising CUDA operation on the scheduler's thread: the engine's
+    next step is never made to wait for the device by its capture (the writer thread waits, not the engine)."""
+    from refcheck.sketch import sketch_rows
+
+    x = torch.ones(2, 8, device="cuda")
+    sketch_rows(x)  # its projection made
+    assert len(_syncs_from("refcheck", lambda: sketch_rows(x))) == 1  # the detector sees refcheck's own copy to host
+    dflash_batches(tmp_path / "warm", monkeypatch, graphs=True)
+    monkeypatch.undo()
+    syncs = _syncs_from("refcheck", lambda: dflash_batches(tmp_path / "run", monkeypatch, graphs=True))
+    assert not syncs, "\n".join(syncs)
