@@ -390,7 +390,7 @@ def _run_batch(original, self, batch, *args, **kwargs):
     rec = _recorder_for(self)
     if rec is None:  # this process cannot record: SGLang's step as it is
         return _plain(original, self, batch, t0, *args, **kwargs)
-    _guard("run_batch:profile", profiling.tick, rec.dir.parent, rec.tp_rank)
+    _guard("run_batch:profile", profiling.tick, rec.root, rec.tp_rank)
     with profiling.section("snapshot"):
         snap = _guard("run_batch:snapshot", _snapshot, self, batch)
     if snap is None or not snap.take:  # nothing recorded at this step

@@ -32,7 +32,8 @@ from refcheck.sglang.capture.steps import PrefillCapture, StepCapture
 
 class Recorder:
     def __init__(self, root: Path, tp_rank: int = 0) -> None:
-        self.dir = Path(root) / f"rank{tp_rank}-pid{os.getpid()}"
+        self.root = Path(root)  # the capture directory (kept: the hooks pass it on at every traced batch)
+        self.dir = self.root / f"rank{tp_rank}-pid{os.getpid()}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.status_path = Path(root) / f"status-rank{tp_rank}-pid{os.getpid()}.json"
         self.tp_rank, self.seq, self.unwritten_errors = tp_rank, 0, 0
