@@ -3,7 +3,9 @@ cache that replays like CUDA graphs on any device.
 
 Contract: the stand-ins carry exactly the attributes the hooks read (SGLang 0.5.17's names, docs/sglang-capture.md):
 :func:`make_scheduler` (stand-in KV, mamba and req_to_token pools), :func:`make_batch`, :func:`run_prefill` and
-:func:`make_tree` (two requests' draft trees); :func:`fresh_hooks` puts the hooks in a new process's state, recording
+:func:`make_tree` (two requests' draft trees), each on the CPU or a given device; :func:`tree_and_root_batches`
+runs a prefill, a tree verify step and a target-only step through the hooks on a device;
+:func:`fresh_hooks` puts the hooks in a new process's state, recording
 into a directory, and :func:`read_capture` reads it once the writer has written every queued record.
 :func:`dflash_batches` runs four DFLASH decode batches through the hooks and returns the recorded chain steps;
 :func:`assert_same_records` holds two such runs equal (tokens, top-k, drafter ranks and context, state sketches).
@@ -52,30 +54,32 @@ class Mode:
         return False
 
 
-def make_scheduler(topk: int = 4):
+def make_scheduler(topk: int = 4, dev: str = "cpu"):
+    """A scheduler whose pools live on ``dev`` (their values drawn on the CPU, the same on every device)."""
     gen = torch.Generator().manual_seed(0)
-    kb, vb = torch.randn(64, HKV, D, generator=gen), torch.randn(64, HKV, D, generator=gen)
+    kb, vb = torch.randn(64, HKV, D, generator=gen).to(dev), torch.randn(64, HKV, D, generator=gen).to(dev)
     kv_pool = NS(full_attention_layer_id_mapping={2: 0}, get_key_buffer=lambda layer: kb, get_value_buffer=lambda layer: vb)
-    conv = [torch.randn(1, 5, C, KM1, generator=gen)]  # [n_lin, slots, C, K-1]
-    temporal = torch.randn(1, 5, HV, DV, DK, generator=gen)  # [n_lin, slots, HV, V, K]
-    req_to_token = torch.arange(3 * 20, dtype=torch.int32).reshape(3, 20).flip(1)  # slots in reverse order
-    rtp = NS(req_to_token=req_to_token, mamba_map={0: 0}, req_index_to_mamba_index_mapping=torch.tensor([0, 4, 2]),
+    conv = [torch.randn(1, 5, C, KM1, generator=gen).to(dev)]  # [n_lin, slots, C, K-1]
+    temporal = torch.randn(1, 5, HV, DV, DK, generator=gen).to(dev)  # [n_lin, slots, HV, V, K]
+    req_to_token = torch.arange(3 * 20, dtype=torch.int32, device=dev).reshape(3, 20).flip(1)  # slots in reverse order
+    rtp = NS(req_to_token=req_to_token, mamba_map={0: 0},
+             req_index_to_mamba_index_mapping=torch.tensor([0, 4, 2], device=dev),
              mamba_pool=NS(mamba_cache=NS(conv=conv, temporal=temporal), conv_window_axis=-1))
     runner = NS(token_to_kv_pool=kv_pool, req_to_token_pool=rtp)
     return NS(tp_rank=0, server_args=NS(speculative_eagle_topk=topk), tp_worker=NS(model_runner=runner)), kb, conv, temporal
 
 
-def make_batch(mode: str, spec: bool, outputs: list[list[int]]):
+def make_batch(mode: str, spec: bool, outputs: list[list[int]], dev: str = "cpu"):
     reqs = [NS(rid=f"r{i}", origin_input_ids=[1, 2, 3], output_ids=list(o), fill_ids=[1, 2, 3]) for i, o in enumerate(outputs)]
     return NS(forward_mode=Mode(mode), reqs=reqs, spec_algorithm=NS(is_none=lambda: not spec),
-              req_pool_indices=torch.tensor([1, 2][: len(reqs)]), is_extend_in_batch=False)
+              req_pool_indices=torch.tensor([1, 2][: len(reqs)], device=dev), is_extend_in_batch=False)
 
 
-def run_prefill(sched) -> torch.Tensor:
-    """A prefill of two requests through run_batch; returns its logits [2, V]."""
-    logits0 = torch.randn(2, V)
+def run_prefill(sched, dev: str = "cpu", gen: torch.Generator | None = None) -> torch.Tensor:
+    """A prefill of two requests through run_batch; returns its logits [2, V] (drawn on the CPU, from ``gen``)."""
+    logits0 = torch.randn(2, V, generator=gen).to(dev)
     hooks._run_batch(lambda self, batch: NS(logits_output=NS(next_token_logits=logits0), next_token_ids=logits0.argmax(-1)),
-                      sched, make_batch("extend", True, [[], []]))
+                      sched, make_batch("extend", True, [[], []], dev))
     return logits0
 
 
@@ -83,6 +87,34 @@ def make_tree() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Two requests' trees (tokens [bs*N], first-child and next-sibling links [bs, N]): 0 -> {1, 2}, 1 -> 3."""
     return (torch.tensor([7, 11, 12, 13, 9, 21, 22, 23]), torch.tensor([[1, 3, -1, -1]] * 2),
             torch.tensor([[-1, 2, -1, -1]] * 2))
+
+
+def tree_and_root_batches(tmp_path, monkeypatch, dev: str = "cpu"):
+    """A prefill of two requests, a tree verify step (SGLang's ``eagle_sample``: 0 -> {1, 2}, 1 -> 3; request 0
+    accepts [0, 2], request 1 [0, 1, 3]) and a target-only decode step through the hooks, with stand-ins on
+    ``dev``: (the capture read back, the prefill's, the verify's and the target-only step's logits). Every value is
+    drawn on the CPU from one seeded generator, so runs on any devices see the same batches."""
+    fresh_hooks(monkeypatch, tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    sched, *_ = make_scheduler(dev=dev)
+    logits0 = run_prefill(sched, dev, gen)
+    tokens, nt, ns = (t.to(dev) for t in make_tree())
+    logits = torch.randn(2 * N, V, generator=gen).to(dev)
+    verify_input = NS(draft_token=tokens, retrieve_next_token=nt, retrieve_next_sibling=ns,
+                      positions=torch.tensor([3, 4, 4, 5, 3, 4, 4, 5], device=dev))
+    accept_index = torch.tensor([[0, 2, -1, -1], [4, 5, 7, -1]], device=dev)
+    accept_lens, predict = torch.tensor([2, 3], device=dev), torch.tensor([12, 0, 30, 0, 21, 23, 0, 31], device=dev)
+
+    def verify(self, b):
+        hooks._eagle_sample(lambda vi, bb, lo, grammar_mask=None: (predict, accept_lens, accept_index), verify_input, b,
+                            NS(next_token_logits=logits.clone()))
+        return NS(logits_output=None, next_token_ids=None)
+
+    hooks._run_batch(verify, sched, make_batch("decode", True, [[7], [9]], dev))
+    root_logits = torch.randn(2, V, generator=gen).to(dev)
+    hooks._run_batch(lambda self, b: NS(logits_output=NS(next_token_logits=root_logits), next_token_ids=root_logits.argmax(-1)),
+                     sched, make_batch("decode", False, [[7, 12, 30], [9, 21, 23, 31]], dev))
+    return read_capture(tmp_path), logits0, logits, root_logits
 
 
 def fresh_hooks(monkeypatch, root):

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from capture_kit import assert_same_records, dflash_batches  # tests/capture_kit.py
+from capture_kit import assert_same_records, dflash_batches, tree_and_root_batches  # tests/capture_kit.py
 
 from ddtree_reference.decode import DDTreeDecoder, DecodeConfig
 from ddtree_reference.drafter import DFlashDrafter
@@ -267,3 +267,22 @@ def test_the_capture_hooks_add_no_host_synchronisation_to_the_engine_step(tmp_pa
     monkeypatch.undo()
     syncs = _syncs_from("refcheck", lambda: dflash_batches(tmp_path / "run", monkeypatch, graphs=True))
     assert not syncs, "\n".join(syncs)
+
+
+def test_the_capture_hooks_add_no_host_synchronisation_to_a_prefill_a_tree_verify_or_a_target_only_step(tmp_path,
+                                                                                                      monkeypatch):
+    """The same for tests/capture_kit.py: tree_and_root_batches on the GPU (NGRAM's and REFCHECK_DDTREE's tree
+    verify, NONE's target-only step, every algorithm's prefill), after a first run has captured the graphs; its
+    records are the CPU run's."""
+    cpu, *_ = tree_and_root_batches(tmp_path / "cpu", monkeypatch, "cpu")
+    monkeypatch.undo()
+    tree_and_root_batches(tmp_path / "warm", monkeypatch, "cuda")
+    monkeypatch.undo()
+    got: list = []
+    syncs = _syncs_from("refcheck", lambda: got.extend(tree_and_root_batches(tmp_path / "run", monkeypatch, "cuda")))
+    assert not syncs, "\n".join(syncs)
+    cap = got[0]
+    assert not cap.errors, cap.errors
+    assert [p.token for p in cap.prefills[0]] == [p.token for p in cpu.prefills[0]]
+    assert [(s.rid, s.accepted, s.emitted, s.topk_ids) for s in cap.steps[0]] == \
+           [(s.rid, s.accepted, s.emitted, s.topk_ids) for s in cpu.steps[0]]

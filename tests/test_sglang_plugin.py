@@ -24,6 +24,7 @@ from capture_kit import (  # tests/capture_kit.py
     make_tree,
     read_capture,
     run_prefill,
+    tree_and_root_batches,
 )
 
 from refcheck.sglang.capture import hooks
@@ -326,3 +327,18 @@ def test_a_prefill_whose_next_tokens_are_a_host_list_is_recorded(capture_dir):
     assert not cap.errors, cap.errors
     assert [p.token for p in cap.prefills[0]] == ids
     assert cap.prefills[0][1].logprob == pytest.approx(float(torch.log_softmax(logits[1], -1).max()), abs=1e-6)
+
+
+def test_a_prefill_a_tree_verify_and_a_target_only_step_are_recorded_in_order(tmp_path, monkeypatch):
+    """tests/capture_kit.py: tree_and_root_batches (run on the GPU by the no-sync test) records the prefill's first
+    tokens, the verify step's accepted paths and emitted tokens, and the target-only step's argmax, each request's
+    steps numbered in order."""
+    cap, logits0, logits, root_logits = tree_and_root_batches(tmp_path, monkeypatch)
+    assert not cap.errors, cap.errors
+    assert [p.token for p in cap.prefills[0]] == logits0.argmax(-1).tolist()
+    r0 = [s for s in cap.steps[0] if s.rid == "r0"]
+    r1 = [s for s in cap.steps[0] if s.rid == "r1"]
+    assert [s.meta["step_index"] for s in r0] == [s.meta["step_index"] for s in r1] == [0, 1]
+    assert (r0[0].accepted, r0[0].emitted, r1[0].accepted, r1[0].emitted) == ([0, 2], [12, 30], [0, 1, 3], [21, 23, 31])
+    assert [r0[1].emitted, r1[1].emitted] == [[t] for t in root_logits.argmax(-1).tolist()]  # the target-only step
+    assert r0[0].topk_logprobs[0][0] == pytest.approx(float(torch.log_softmax(logits, -1)[0].max()), abs=1e-6)
