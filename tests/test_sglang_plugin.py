@@ -214,12 +214,41 @@ def test_a_runtime_context_without_process_groups_is_passed_over(monkeypatch):
 
         tp_rank = tp_size
 
+    from refcheck.sglang.capture import versions
+
     for name in ("sglang", "sglang.srt"):
         monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context",
                         types.SimpleNamespace(get_parallel=lambda: Unset()))
-    assert tp_of(NS(tp_rank=1, server_args=NS(tp_size=2))) == (1, 2)
-    assert tp_of(NS()) == (0, 1)
+    versions.runtime_context.cache_clear()
+    try:
+        assert versions.runtime_context() is sys.modules["sglang.srt.runtime_context"]
+        assert tp_of(NS(tp_rank=1, server_args=NS(tp_size=2))) == (1, 2)
+        assert tp_of(NS()) == (0, 1)
+    finally:
+        versions.runtime_context.cache_clear()
+
+
+def test_the_runtime_context_is_looked_up_once_per_process(monkeypatch):
+    """A release without SGLang's runtime context (0.5.17) fails its import; the hooks ask for the TP rank and the
+    server's top-k at every recorded batch, so the lookup is made once per process, not once per batch."""
+    from refcheck.sglang.capture import versions
+
+    tried = []
+
+    def import_module(name):
+        tried.append(name)
+        raise ModuleNotFoundError(name)
+
+    monkeypatch.setattr(versions.importlib, "import_module", import_module)
+    versions.runtime_context.cache_clear()
+    try:
+        for _ in range(3):
+            assert versions.tp_of(NS(tp_rank=1, server_args=NS(tp_size=2, speculative_eagle_topk=None))) == (1, 2)
+            assert versions.server_topk(NS(server_args=NS(speculative_eagle_topk=None))) is None
+        assert tried == ["sglang.srt.runtime_context"]
+    finally:
+        versions.runtime_context.cache_clear()
 
 
 def test_two_schedulers_claiming_one_rank_are_a_capture_error(capture_dir):

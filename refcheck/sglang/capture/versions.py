@@ -11,6 +11,7 @@ namespace in 0.5.23). Nothing here imports SGLang at module import time.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
@@ -126,14 +127,24 @@ def serving_of(scheduler: Any) -> dict[str, Any]:
 def server_topk(scheduler: Any) -> int | None:
     args = getattr(scheduler, "server_args", None)
     topk = getattr(args, "speculative_eagle_topk", None) if args is not None else None
-    if topk is None:
+    context = runtime_context() if topk is None else None
+    if context is not None:
         try:
-            from sglang.srt.runtime_context import get_spec  # 0.5.23
-
-            topk = getattr(get_spec(), "speculative_eagle_topk", None)
-        except Exception:  # older releases: no runtime context
+            topk = getattr(context.get_spec(), "speculative_eagle_topk", None)
+        except Exception:  # noqa: BLE001 - a context without a spec: no top-k to read
             topk = None
     return None if topk is None else int(topk)
+
+
+@functools.cache
+def runtime_context() -> Any | None:
+    """SGLang's process-wide runtime context module (``sglang.srt.runtime_context``, 0.5.23), or None in releases
+    without one: looked up once per process, as the hooks ask at every recorded batch and a failed import searches
+    the package's directory each time."""
+    try:
+        return importlib.import_module("sglang.srt.runtime_context")
+    except Exception:  # noqa: BLE001 - older releases (or no SGLang): no runtime context
+        return None
 
 
 def _int_attr(holder: Any, name: str) -> int | None:
@@ -155,12 +166,12 @@ def tp_of(scheduler: Any) -> tuple[int, int]:
     the size. (Reading only the first of these made every 0.5.17 rank call itself rank 0.)
     """
     holders = [scheduler, getattr(scheduler, "ps", None)]
-    try:
-        from sglang.srt.runtime_context import get_parallel  # 0.5.23
-
-        holders.append(get_parallel())
-    except Exception:  # older releases: no runtime context
-        pass
+    context = runtime_context()
+    if context is not None:
+        try:
+            holders.append(context.get_parallel())
+        except Exception:  # noqa: BLE001 - a context without parallel state: the other holders say
+            pass
     rank = size = None
     for h in holders:
         if h is None:
