@@ -467,10 +467,11 @@ def test_one_step_past_the_output_is_expected_under_the_overlap_scheduler(setup)
 
 def _sampled(cap, rule):
     """The capture a sampled run makes of the same steps: the batches the rule takes (the fake engine runs its
-    requests in lockstep: its k-th batch holds every request's k-th step), numbered as the plugin numbers them."""
+    requests in lockstep: its k-th batch holds every request's k-th step), numbered as the plugin numbers them, and
+    the prefills when the rule takes prefill batch 0 (the fake engine prefills every request in one batch)."""
     from refcheck.sglang.capture.records import Capture
 
-    out = Capture(steps={}, prefills=cap.prefills)
+    out = Capture(steps={}, prefills=cap.prefills if rule.takes(0) else {})
     for rank, steps in cap.steps.items():
         seen: dict[str, int] = {}
         for s in steps:
@@ -493,6 +494,7 @@ def test_a_sampled_capture_is_judged_on_the_steps_it_holds(setup):
     cap, results, rids = fake_sglang(runner, prompts, trees, "tree")
     asm = assemble_trace(prompts, rids, results, _sampled(cap, rule), _prov(runner, prompts, 15))
     assert not asm.problems, asm.problems
+    assert not rule.takes(0) and not any(r.output_logprobs for r in asm.trace.requests)  # no prefill recorded
     assert len(asm.trace.steps) == 2 * len(prompts)
     assert len({s.step % 2 for s in asm.trace.steps}) == 1 and asm.trace.steps[0].step == rule.phase
     rep = _replay(asm.trace)
