@@ -1,4 +1,4 @@
-"""Which decode steps of its requests a scheduler process records: each request's step count and the sampling clock.
+"""Which steps of its requests a scheduler process records: each request's step count and the sampling clocks.
 
 Contract: a :class:`StepClock` belongs to one scheduler process. It counts that process's decode batches that
 hold traced requests (``batches``: the sampling rule's clock g). It also counts, per request by rid, the decode or
@@ -7,11 +7,11 @@ batch rows to record and their step numbers. Row b is taken when its rid's rule 
 :func:`~refcheck.sglang.capture.sample_rule.rule_for`, the rid's mark or else the clock's default rule, read once
 per request. Every row's count advances. Prefill batches run on a clock of their own (``prefills``):
 :meth:`StepClock.take_prefill` takes row b of the p-th prefill batch when its rid's rule takes p, so a sampled
-capture records one prefill batch in ``every`` as it does decode batches, and a full capture every one. Every ``sweep_every`` batches the counts of requests SGLang has let go of
-are dropped: the clock holds a weak reference to each request object, so a request no batch can hold again is
-gone. A request that is only waiting (retracted, preempted) keeps its count. A request class that takes no weak
-reference is kept for the process's life. So a serving run with capture left on holds as many counts as it has
-live requests.
+capture records one prefill batch in ``every`` as it does decode batches, and a full capture every one. Every
+``sweep_every`` decode batches the counts of requests SGLang has let go of are dropped: the clock holds a weak
+reference to each request object, so a request no batch can hold again is gone. A request that is only waiting
+(retracted, preempted) keeps its count. A request class that takes no weak reference is kept for the process's
+life. So a serving run with capture left on holds as many counts as it has live requests.
 """
 
 from __future__ import annotations
