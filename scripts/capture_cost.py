@@ -12,7 +12,8 @@ passes interleaved in rotating order (``refcheck/sglang/child.py``): untraced, s
 ``--sample``, rids marked for it) and full capture. Each pass generates the same requests; the overheads are the
 median full and sampled passes over the median untraced pass (the first captured pass's ratio beside them, the
 untraced passes' max/min as the noise they are read against, and the range of the sampled pass's ratio to the
-untraced pass of its own round), and every pass's tokens are compared with the captured pass's. Trace bytes per verify step are the written Arrow trace's size over its steps. ``--diff``
+untraced pass of its own round, and the ratio the engine's books account for, :func:`booked`), and every pass's
+tokens are compared with the captured pass's. Trace bytes per verify step are the written Arrow trace's size over its steps. ``--diff``
 also judges each captured trace (replay, the GPU reference when one is visible; steps per second) and the
 sampled pass's trace, assembled from the same capture directory (its verdict beside the full one's).
 ``--cells`` names the cells to run, in order, instead of the product of the three lists; ``--deadline``
@@ -60,6 +61,33 @@ def per_round(passes: list[float], untraced: list[float]) -> dict[str, float] | 
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "rounds": len(ratios)}
 
 
+def booked(costs: dict[str, Any], kind: str, passes: int, untraced_s: float | None) -> dict[str, float] | None:
+    """What a kind's passes booked above the untraced passes' books, in ms per pass (the engine's ledger,
+    :func:`refcheck.sglang.capture.shipper.ledger_summary`, summed over the kind's ``passes``): the hooks' pass-over
+    of its plain decode batches (``pass_over``), the rest of their excess over an untraced plain batch
+    (``plain``: e.g. the device work or the writer of a recorded batch slowing the batches after it), its recorded
+    decode batches' excess (``recorded``) and its prefills' (``prefill``, recorded and plain); ``ratio``: 1 + their
+    sum over the median untraced pass. None without both kinds' books."""
+    mine, base = costs.get(kind) or {}, costs.get("untraced") or {}
+    plain_ms, prefill_ms = base.get("plain_ms_per_batch"), base.get("plain_prefill_ms_per_batch")
+    if not passes or not untraced_s or plain_ms is None:
+        return None
+
+    def excess(n_key: str, ms_key: str, against: float | None) -> float:
+        n, ms = mine.get(n_key) or 0, mine.get(ms_key)
+        return n * (ms - against) if n and ms is not None and against is not None else 0.0
+
+    n_plain = mine.get("plain_batches") or 0
+    pass_over = n_plain * (mine.get("passed_ms_per_plain_batch") or 0.0)
+    parts = {"pass_over": pass_over, "plain": excess("plain_batches", "plain_ms_per_batch", plain_ms) - pass_over,
+             "recorded": excess("recorded_batches", "recorded_ms_per_batch", plain_ms),
+             "prefill": excess("prefills", "prefill_ms_per_batch", prefill_ms)
+             + excess("plain_prefills", "plain_prefill_ms_per_batch", prefill_ms)}
+    out = {k: v / passes for k, v in parts.items()}
+    out["ratio"] = 1 + sum(out.values()) / (1000 * untraced_s)
+    return out
+
+
 def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff: dict | None) -> dict[str, Any]:
     """One table row from a captured trace (its provenance holds every pass's wall time): each overhead is a median
     pass of its kind over the median untraced pass, the kinds' passes interleaved on one warm engine; the first
@@ -79,6 +107,7 @@ def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff
             "overhead_full": _ratio(full, untraced), "overhead_sampled": _ratio(sampled, untraced),
             "overhead_captured": _ratio(st.get("generate_s"), untraced),
             "per_round": {kind: per_round(passes[kind], passes["untraced"]) for kind in ("full", "sampled")},
+            "booked": {kind: booked(costs, kind, len(passes[kind]), untraced) for kind in ("full", "sampled")},
             "tokens_same_untraced": st.get("repeats_match"), "tokens_same_sampled": st.get("sampled_match"),
             "tokens_same_full": st.get("full_match"),
             "graphed_steps": (cap.get("stats") or {}).get("cuda_graph_steps"),
@@ -173,6 +202,11 @@ def _ledger(cost: dict[str, Any]) -> str:
             f"({_fmt(cost.get('hooks_ms_per_batch'))}{': ' + split if split else ''})")
 
 
+def _booked(b: dict[str, float] | None) -> str:
+    """`` booked RATIO×``: the ratio the engine's books account for (:func:`booked`)."""
+    return "" if not b else f", booked {b['ratio']:.2f}×"
+
+
 def _spread(rounds: dict[str, float] | None) -> str:
     """`` (rounds MIN–MAX)``: the ratio within each round, its range."""
     return "" if not rounds else f" (rounds {rounds['min']:.2f}–{rounds['max']:.2f})"
@@ -188,7 +222,8 @@ def markdown(rows: list[dict[str, Any]], sample: int) -> str:
         + (f"error: {r['error'][:120]} | | | | | | | | | |\n" if "error" in r else
            f"{r['steps']} | {_fmt(r['untraced_s'], '.3f')} ({_fmt(r.get('untraced_spread'))}) | "
            f"{_fmt(r['overhead_full'])}× ({_fmt(r.get('overhead_captured'))}×) | "
-           f"{_fmt(r['overhead_sampled'])}×{_spread((r.get('per_round') or {}).get('sampled'))} | "
+           f"{_fmt(r['overhead_sampled'])}×{_spread((r.get('per_round') or {}).get('sampled'))}"
+           f"{_booked((r.get('booked') or {}).get('sampled'))} | "
            f"{_ledger(r.get('ledger') or {})} | "
            f"{_fmt((r.get('ledger') or {}).get('writer_ms_per_record'))} | {_fmt(r['bytes_per_step'], '.0f')} | "
            f"{r['tokens_same_untraced']}/{r['tokens_same_sampled']}/{r.get('tokens_same_full')} | "

@@ -45,3 +45,21 @@ def test_per_round_ratios_cancel_a_drift_the_medians_keep():
     assert got["rounds"] == 3 and got["min"] == pytest.approx(1.05) and got["max"] == pytest.approx(1.05)
     assert cc.per_round([], untraced) is None
     assert cc._spread(got) == " (rounds 1.05–1.05)" and cc._spread(None) == ""
+
+
+def test_the_books_split_a_kinds_excess_over_the_untraced_passes_by_where_it_was_booked():
+    """Two sampled passes: 10 plain batches at 1.2 ms (0.05 of it the pass-over) and 2 recorded at 3.0 against
+    untraced plain batches of 1.0 ms; one recorded prefill at 12 and one plain at 10.5 against 10 ms. Per pass:
+    pass-over 0.25, other plain 0.75, recorded 2.0, prefill 1.25 ms; over a 100 ms untraced pass, 1.0425×."""
+    costs = {"untraced": {"plain_ms_per_batch": 1.0, "plain_prefill_ms_per_batch": 10.0},
+             "sampled": {"plain_batches": 10, "plain_ms_per_batch": 1.2, "passed_ms_per_plain_batch": 0.05,
+                         "recorded_batches": 2, "recorded_ms_per_batch": 3.0, "prefills": 1,
+                         "prefill_ms_per_batch": 12.0, "plain_prefills": 1, "plain_prefill_ms_per_batch": 10.5}}
+    got = cc.booked(costs, "sampled", 2, 0.1)
+    want = {"pass_over": 0.25, "plain": 0.75, "recorded": 2.0, "prefill": 1.25, "ratio": 1.0425}
+    assert got == pytest.approx(want)
+    assert cc._booked(got) == ", booked 1.04×"
+    assert cc.booked({"sampled": costs["sampled"]}, "sampled", 2, 0.1) is None  # no untraced books
+    assert cc.booked(costs, "sampled", 0, 0.1) is None and cc._booked(None) == ""
+    full = cc.booked({**costs, "full": {"recorded_batches": 4, "recorded_ms_per_batch": 2.5}}, "full", 2, 0.1)
+    assert full == pytest.approx({"pass_over": 0.0, "plain": 0.0, "recorded": 3.0, "prefill": 0.0, "ratio": 1.03})
