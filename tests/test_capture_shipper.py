@@ -45,12 +45,13 @@ def test_a_full_queue_loses_and_counts_the_record_without_blocking(tmp_path):
 
 
 def test_the_reader_reports_records_still_queued_and_records_lost(tmp_path):
+    """The counts go through the recorder's own Counters: the file is its memory map, which the process's garbage
+    collection callback republishes at any time (bytes written to the file behind it would be overwritten)."""
     rec = Recorder(tmp_path)
-    queue_file = rec.shipper.counts.path
-    queue_file.write_bytes(b"".join(n.to_bytes(8, "little") for n in (3, 1, 2) + (0,) * (len(FIELDS) - 3)))
+    rec.shipper.counts.add(queued=3, written=1, lost=2)
     cap = read_capture(tmp_path)
     assert cap.lost == 2 and any("2 of 3 captured batches were still queued" in e for e in cap.errors)
-    queue_file.write_bytes(b"short")
+    (tmp_path / "queue-rank1-pid1.bin").write_bytes(b"short")  # another process's counts, cut short
     assert any("unreadable capture queue counts" in e for e in read_capture(tmp_path).errors)
 
 
