@@ -3,7 +3,7 @@
 Usage (on a GPU machine with SGLang; through the bundle: ``scripts/sglang_bundle.sh run python3 scripts/...``)::
 
     python scripts/capture_cost.py --out OUT [--algorithms NONE,DFLASH,NGRAM,REFCHECK_DDTREE] [--graphs off,on]
-        [--workloads one,mixed] [--sample 16] [--repeats 3] [--mem-fraction 0.3] [--diff]
+        [--workloads one,mixed] [--sample 16] [--repeats 3] [--round-budget S] [--mem-fraction 0.3] [--diff]
         [--cells ALG:on|off:one|mixed,...] [--deadline SECONDS]
 
 Per cell (algorithm x CUDA graphs x workload) one SGLang engine runs, in order: an untraced warm-up pass, a
@@ -16,6 +16,8 @@ untraced pass of its own round, and the ratio the engine's books account for, :f
 tokens are compared with the captured pass's. Trace bytes per verify step are the written Arrow trace's size over its steps. ``--diff``
 also judges each captured trace (replay, the GPU reference when one is visible; steps per second) and the
 sampled pass's trace, assembled from the same capture directory (its verdict beside the full one's).
+``--round-budget`` stops a cell's timing rounds once that many seconds have passed (after three rounds), so
+with a large ``--repeats`` a cell of short passes gets many rounds and one of long passes few.
 ``--cells`` names the cells to run, in order, instead of the product of the three lists; ``--deadline``
 starts no cell once that many seconds have passed since the script began (for a device call's time limit),
 listing the cells left in the JSON's last row. Writes ``OUT/capture_cost.json`` (rows, as they finish) and ``OUT/capture_cost.md`` (the table). Workloads:
@@ -155,7 +157,7 @@ def run_cell(args: argparse.Namespace, algorithm: str, graphs: bool, load: str) 
     try:
         runner = SGLangRunner(spec, algorithm, cuda_graphs=graphs, warmup=True, timing_repeats=args.repeats,
                               sampled_timing=f"{args.sample}:0", mem_fraction=args.mem_fraction,
-                              capture_dir=args.out / name)
+                              capture_dir=args.out / name, timing_budget_s=args.round_budget)
         trace = runner.trace(_prompts(load))
     except RefcheckError as exc:
         return {"algorithm": algorithm, "graphs": graphs, "workload": load, "error": f"{type(exc).__name__}: {exc}"}
@@ -254,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--graphs", default="off,on")
     ap.add_argument("--workloads", default="one,mixed")
     ap.add_argument("--sample", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="timing rounds (at most, with --round-budget)")
+    ap.add_argument("--round-budget", type=float, default=None,
+                    help="seconds of timing rounds per cell: no round starts past it once three have run")
     ap.add_argument("--mem-fraction", type=float, default=0.3)
     ap.add_argument("--pair", default="hybrid")
     ap.add_argument("--budget", type=int, default=15)

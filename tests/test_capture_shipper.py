@@ -220,6 +220,35 @@ def test_timing_passes_run_interleaved_in_rotating_order_each_kind_with_its_own_
     assert costs["sampled"] == sampled and costs["untraced"]["recorded_ms_per_batch"] is None
 
 
+def test_a_timing_budget_stops_starting_rounds_once_spent_after_the_minimum(tmp_path, monkeypatch):
+    """With ``timing_budget_s`` the child starts no timing round once the budget is spent, but runs
+    MIN_TIMED_ROUNDS whatever they cost; a round once started runs whole (every kind's pass)."""
+    from refcheck.sglang import child
+    from refcheck.sglang.capture.shipper import Counters
+
+    monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(tmp_path))
+    outputs = [[5, 6, 7], [8, 9]]
+    clock = [0.0]
+    monkeypatch.setattr(child.time, "time", lambda: clock[0])
+
+    def run(budget, seconds_per_pass):
+        engine = _Engine(Counters(tmp_path / f"queue-rank0-pid{budget}-{seconds_per_pass}.bin"), outputs)
+        generate = engine.generate
+
+        def timed(*a, **kw):
+            clock[0] += seconds_per_pass
+            return generate(*a, **kw)
+
+        engine.generate = timed
+        job = {"input_ids": [[1], [2]], "sampling_params": [{}, {}], "timing_budget_s": budget,
+               **{key: [[f"{kind}{k}", "b"] for k in range(20)] for kind, (key, _, _) in child.TIMING_KINDS.items()}}
+        return [len(t["times"]) for t in child.interleaved(engine, job, outputs, {}).values()]
+
+    assert run(10.0, 1.0) == [4, 4, 4]  # 3 s a round: the fourth starts at 9 s, the fifth would at 12 s
+    assert run(1.0, 5.0) == [child.MIN_TIMED_ROUNDS] * 3  # past the budget after one round: the minimum runs
+    assert run(None, 5.0) == [20, 20, 20]
+
+
 def test_a_record_file_is_created_whole_from_its_buffers_or_not_at_all(tmp_path, monkeypatch):
     """refcheck/atomic_file.py's atomic_create (the capture's record files): the buffers end to end under the final
     name, nothing under a temp name after; an existing temp name is refused; a write that fails leaves neither."""

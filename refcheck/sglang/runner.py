@@ -173,6 +173,25 @@ def _sample_rules(capture_sample: str | None, sampled_timing: str | None) -> tup
         raise UsageError(f"--capture-sample: {exc}") from None
 
 
+def _check_engine_available() -> None:
+    """A CUDA GPU visible and SGLang importable, else an EngineUnavailableError saying what to do."""
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    if not has_gpu:
+        raise EngineUnavailableError("the sglang engine needs a CUDA GPU and none is visible here "
+                                     "(to diff SGLang on a CPU machine, replay its stored traces: refcheck gate)")
+    if importlib.util.find_spec("sglang") is None:
+        raise EngineUnavailableError(
+            "the sglang engine needs SGLang importable by this Python: pip install sglang (releases 0.5.17 and "
+            "0.5.23 are the ones refcheck's hooks were checked against), or your source tree (pip install -e "
+            "SGLANG/python, or SGLANG/python on PYTHONPATH); on an offline GPU machine use the bundle: "
+            "scripts/sglang_bundle.sh build (with network), then scripts/sglang_bundle.sh run python3 -m refcheck ...")
+
+
 class SGLangRunner:
     name = "sglang"
 
@@ -181,7 +200,7 @@ class SGLangRunner:
                  timeout_s: float = 3600.0, tp: int = 1, layer_sketches: bool = False,
                  mem_fraction: float = 0.3, timing_repeats: int = 0, max_running: int | None = None,
                  settings: ServingSettings = DEFAULT_SETTINGS, warmup: bool = False, capture_sample: str | None = None,
-                 sampled_timing: str | None = None) -> None:
+                 sampled_timing: str | None = None, timing_budget_s: float | None = None) -> None:
         self.algorithm = algorithm.upper()
         self.settings = merged_settings(settings, cuda_graphs, max_running)
         self.spec, self.capture, self.ngram_breadth = spec, capture, ngram_breadth
@@ -201,6 +220,9 @@ class SGLangRunner:
         if timing_repeats < 0:
             raise UsageError(f"timing repeats must be >= 0, got {timing_repeats}")
         self.timing_repeats = timing_repeats  # warm, untraced generates after the captured one (sweep tok/s)
+        if timing_budget_s is not None and not timing_budget_s > 0:
+            raise UsageError(f"the timing rounds' budget must be > 0 seconds, got {timing_budget_s}")
+        self.timing_budget_s = timing_budget_s  # no timing round starts past it (after child.MIN_TIMED_ROUNDS)
         # the captured pass records 1 batch in N, decode and prefill (full: every one); with a sampled timing rule each timing
         # round also runs a pass under that rule and a full-capture pass (_cost_passes)
         self.sample, self.sampled_timing = _sample_rules(capture_sample, sampled_timing)
@@ -219,21 +241,7 @@ class SGLangRunner:
             if why:
                 raise UsageError(f"SGLang {installed_version()} cannot run this target in float32: {why}; "
                                  "use --dtype bfloat16")
-        try:
-            import torch
-
-            has_gpu = torch.cuda.is_available()
-        except ImportError:
-            has_gpu = False
-        if not has_gpu:
-            raise EngineUnavailableError("the sglang engine needs a CUDA GPU and none is visible here "
-                                         "(to diff SGLang on a CPU machine, replay its stored traces: refcheck gate)")
-        if importlib.util.find_spec("sglang") is None:
-            raise EngineUnavailableError(
-                "the sglang engine needs SGLang importable by this Python: pip install sglang (releases 0.5.17 and "
-                "0.5.23 are the ones refcheck's hooks were checked against), or your source tree (pip install -e "
-                "SGLANG/python, or SGLANG/python on PYTHONPATH); on an offline GPU machine use the bundle: "
-                "scripts/sglang_bundle.sh build (with network), then scripts/sglang_bundle.sh run python3 -m refcheck ...")
+        _check_engine_available()
         self.last_assembly = None
 
     def _engine_refusal(self, ngram_breadth: int) -> str | None:
@@ -413,7 +421,7 @@ class SGLangRunner:
             "warmup_rids": [f"{UNTRACED_RID_PREFIX}warm-{rids[p.id]}" for p in prompts] if self.warmup else [],
             "capture_warm_rids": [sampled_rid(SampleRule(), f"warm-{rids[p.id]}") for p in prompts]
             if self.warmup and self.capture else [],
-            **self._cost_passes(prompts, rids)}))
+            "timing_budget_s": self.timing_budget_s, **self._cost_passes(prompts, rids)}))
         started: list[subprocess.Popen[bytes]] = []
 
         def launch() -> subprocess.Popen[bytes]:
