@@ -180,6 +180,11 @@ def test_timing_repeats_run_on_the_warm_engine_and_are_checked_against_the_captu
     assert [r.output_ids for r in trace.requests] == [[p.prompt_ids[-1]] * 3 for p in prompts]  # the captured run
     with pytest.raises(UsageError, match="timing repeats"):
         fake_sglang("ok", timing_repeats=-1)
+    for bad in (0.0, -5.0):
+        with pytest.raises(UsageError, match="timing rounds' budget"):
+            fake_sglang("ok", timing_repeats=3, timing_budget_s=bad)
+    spent = fake_sglang(mode, capture=False, timing_repeats=6, timing_budget_s=1e-9).trace(prompts)
+    assert len(spent.provenance["engine"]["settings"]["repeat_generate_s"]) == 3  # the budget spent: the minimum
 
 
 def test_a_sampled_timing_rule_adds_sampled_and_full_capture_passes_to_each_timing_round(fake_sglang, tmp_path):
