@@ -124,8 +124,9 @@ def test_the_step_clock_takes_the_batches_and_step_numbers_each_request_rule_tak
 
 
 def test_the_step_counts_of_requests_sglang_let_go_of_are_swept():
-    """StepClock's sweep, every sweep_every decode batches: a request object no batch can hold again (gone) loses
-    its step count; one still alive (waiting, retracted) keeps counting; one that takes no weak reference is kept."""
+    """StepClock's sweep, every sweep_every decode batches and every sweep_every prefill batches: a request object no
+    batch can hold again (gone) loses its step count; one still alive (waiting, retracted) keeps counting; one that
+    takes no weak reference is kept."""
     import gc
 
     from refcheck.sglang.capture.sample_rule import SampleRule
@@ -148,6 +149,15 @@ def test_the_step_counts_of_requests_sglang_let_go_of_are_swept():
         take, steps = clock.take([r.rid for r in reqs], list(reqs))
         return {reqs[b].rid: k for b, k in zip(take, steps)}
 
+    prefill_only = [Req(f"embed{i}") for i in range(4)]  # requests that end at their prefill (one token)
+    for r in prefill_only:
+        clock.take_prefill([r.rid], [r])
+    assert len(clock) == 4
+    del prefill_only, r
+    gc.collect()
+    for _ in range(4):
+        clock.take_prefill([], [])
+    assert len(clock) == 0  # a run of prefills sweeps too
     first = decode(live, gone, slotted)
     assert first == {"live": 0, "gone": 0, "slotted": 0}  # every step taken (full capture)
     del gone

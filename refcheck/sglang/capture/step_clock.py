@@ -8,7 +8,8 @@ batch rows to record and their step numbers. Row b is taken when its rid's rule 
 per request. Every row's count advances. Prefill batches run on a clock of their own (``prefills``):
 :meth:`StepClock.take_prefill` takes row b of the p-th prefill batch when its rid's rule takes p, so a sampled
 capture records one prefill batch in ``every`` as it does decode batches, and a full capture every one. Every
-``sweep_every`` decode batches the counts of requests SGLang has let go of are dropped: the clock holds a weak
+``sweep_every`` decode batches, and every ``sweep_every`` prefill batches, the counts of requests SGLang has let
+go of are dropped: the clock holds a weak
 reference to each request object, so a request no batch can hold again is gone. A request that is only waiting
 (retracted, preempted) keeps its count. A request class that takes no weak reference is kept for the process's
 life. So a serving run with capture left on holds as many counts as it has live requests.
@@ -68,6 +69,8 @@ class StepClock:
         """One prefill batch of requests ``reqs`` (their rids ``rids``): the rows taken (no step count advances)."""
         p = self.prefills
         self.prefills += 1
+        if p % self.sweep_every == self.sweep_every - 1:  # a run of prefills only sweeps too
+            self._sweep()
         take: list[int] = []
         for b, rid in enumerate(rids):
             clock = self._seen.get(rid)
