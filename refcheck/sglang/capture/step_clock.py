@@ -9,10 +9,10 @@ per request. Every row's count advances. Prefill batches run on a clock of their
 :meth:`StepClock.take_prefill` takes row b of the p-th prefill batch when its rid's rule takes p, so a sampled
 capture records one prefill batch in ``every`` as it does decode batches, and a full capture every one. Every
 ``sweep_every`` decode batches, and every ``sweep_every`` prefill batches, the counts of requests SGLang has let
-go of are dropped: the clock holds a weak
-reference to each request object, so a request no batch can hold again is gone. A request that is only waiting
-(retracted, preempted) keeps its count. A request class that takes no weak reference is kept for the process's
-life. So a serving run with capture left on holds as many counts as it has live requests.
+go of are dropped: the clock holds a weak reference to each request object, so a request no batch can hold again
+is gone. A request that is only waiting (retracted, preempted) keeps its count. A request class that takes no weak
+reference is kept for the process's life. So a serving run with capture left on holds as many counts as it has
+live requests.
 """
 
 from __future__ import annotations
