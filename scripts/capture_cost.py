@@ -269,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         todo = cells(args)
+        if args.round_budget is not None and not args.round_budget > 0:
+            raise ValueError(f"--round-budget must be > 0 seconds, got {args.round_budget}")
     except ValueError as exc:
         print(f"capture_cost: {exc}", file=sys.stderr)
         return 2

@@ -26,9 +26,11 @@ def test_cells_default_to_every_combination_and_follow_an_explicit_list_in_order
             cc.cells(_args(cells=bad))
 
 
-def test_a_malformed_cell_is_exit_2_and_a_passed_deadline_runs_nothing(tmp_path, capsys, monkeypatch):
+def test_a_malformed_cell_or_round_budget_is_exit_2_and_a_passed_deadline_runs_nothing(tmp_path, capsys, monkeypatch):
     assert cc.main(["--out", str(tmp_path / "a"), "--cells", "X:on"]) == 2
     assert "is not ALGORITHM" in capsys.readouterr().err
+    assert cc.main(["--out", str(tmp_path / "a"), "--cells", "NGRAM:on:mixed", "--round-budget", "0"]) == 2
+    assert "--round-budget must be > 0 seconds" in capsys.readouterr().err
     monkeypatch.setattr(cc, "run_cell", lambda *a: pytest.fail("a cell ran past the deadline"))
     assert cc.main(["--out", str(tmp_path / "b"), "--cells", "NGRAM:on:mixed", "--deadline", "-1"]) == 0
     assert "cells not run: NGRAM:on:mixed" in capsys.readouterr().out
