@@ -364,16 +364,18 @@ def _event(scheduler: Any) -> Any:
     return ev
 
 
-def _plain(original, self, batch, t0: float, *args, **kwargs):
+def _plain(original, self, batch, t0: float, mode: str | None, *args, **kwargs):
     """A batch that records nothing, run as SGLang has it; once the process has a recorder (a traced batch came
     first: untraced requests alone leave nothing in the capture directory), a decode batch's wall time from
     ``t0``, the hook's entry, goes to the cost ledger's ``plain`` side, and the hook's own time before the batch ran
-    to its ``passed`` side; a prefill's wall time to ``plain_prefill``."""
+    to its ``passed`` side; a prefill's wall time to ``plain_prefill``. ``mode``: the batch's, when the snapshot
+    read it (None: read here)."""
     t1 = time.perf_counter()
     result = original(self, batch, *args, **kwargs)
     if _recorder is not None:
-        mode = _guard("run_batch:mode", lambda: "decode" if batch.forward_mode.is_decode()
-                      else "extend" if batch.forward_mode.is_extend() else "other")
+        if mode is None:
+            mode = _guard("run_batch:mode", lambda: "decode" if batch.forward_mode.is_decode()
+                          else "extend" if batch.forward_mode.is_extend() else "other")
         wall = int(1e9 * (time.perf_counter() - t0))
         if mode == "decode":
             _recorder.shipper.counts.add(plain_batches=1, plain_ns=wall, passed_ns=int(1e9 * (t1 - t0)))
@@ -386,15 +388,15 @@ def _run_batch(original, self, batch, *args, **kwargs):
     global _batch
     t0 = time.perf_counter()
     if _untraced(batch):
-        return _plain(original, self, batch, t0, *args, **kwargs)
+        return _plain(original, self, batch, t0, None, *args, **kwargs)
     rec = _recorder_for(self)
     if rec is None:  # this process cannot record: SGLang's step as it is
-        return _plain(original, self, batch, t0, *args, **kwargs)
+        return _plain(original, self, batch, t0, None, *args, **kwargs)
     _guard("run_batch:profile", profiling.tick, rec.root, rec.tp_rank)
     with profiling.section("snapshot"):
         snap = _guard("run_batch:snapshot", _snapshot, self, batch)
     if snap is None or not snap.take:  # nothing recorded at this step
-        return _plain(original, self, batch, t0, *args, **kwargs)
+        return _plain(original, self, batch, t0, snap.mode if snap is not None else None, *args, **kwargs)
     snap.parts["snapshot"] = time.perf_counter() - t0
     _batch = snap
     start = _event(self)
