@@ -121,13 +121,14 @@ def interleaved(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[st
     kinds = [kind for kind, passes in plans.items() if passes]
     got: dict[str, dict[str, Any]] = {kind: {"times": [], "match": True, "books": {}} for kind in kinds}
     budget, start = job.get("timing_budget_s"), time.time()
+    before = _ledger()  # the ledger as the next pass finds it (each pass's end is the next one's start)
     for r in range(max((len(plans[k]) for k in kinds), default=0)):
         if budget is not None and r >= MIN_TIMED_ROUNDS and time.time() - start > budget:
             break
         for kind in kinds[r % len(kinds):] + kinds[: r % len(kinds)]:
             if r >= len(plans[kind]):
                 continue
-            before, t0 = _ledger(), time.time()
+            t0 = time.time()
             again = _outputs(generate(engine, job, plans[kind][r]))
             got[kind]["times"].append(time.time() - t0)
             if kind != "untraced":
@@ -135,6 +136,7 @@ def interleaved(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[st
             after, books = _ledger(), got[kind]["books"]
             for field, value in after.items():
                 books[field] = books.get(field, 0) + value - before.get(field, 0)
+            before = after
             got[kind]["match"] = got[kind]["match"] and again == outputs
             if kind == "untraced":
                 diffs[f"repeat{r}"] = first_differences(outputs, again)
