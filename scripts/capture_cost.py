@@ -13,8 +13,8 @@ passes interleaved in rotating order (``refcheck/sglang/child.py``): untraced, s
 median full and sampled passes over the median untraced pass (the first captured pass's ratio beside them, the
 untraced passes' max/min as the noise they are read against, and the range of the sampled pass's ratio to the
 untraced pass of its own round, and the ratio the engine's books account for, :func:`booked`), and every pass's
-tokens are compared with the captured pass's. Trace bytes per verify step are the written Arrow trace's size over its steps. ``--diff``
-also judges each captured trace (replay, the GPU reference when one is visible; steps per second) and the
+tokens are compared with the captured pass's. Trace bytes per verify step are the written Arrow trace's size over
+its steps. ``--diff`` also judges each captured trace (replay, the GPU reference when one is visible; steps per second) and the
 sampled pass's trace, assembled from the same capture directory (its verdict beside the full one's).
 ``--round-budget`` stops a cell's timing rounds once that many seconds have passed (after three rounds), so
 with a large ``--repeats`` a cell of short passes gets many rounds and one of long passes few.
@@ -267,11 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cells", default=None, help="ALG:on|off:one|mixed,... (default: every combination)")
     ap.add_argument("--deadline", type=float, default=None, help="seconds after which no cell starts")
     args = ap.parse_args(argv)
+    from refcheck.errors import UsageError
+    from refcheck.sglang.runner import timing_budget
+
     try:
         todo = cells(args)
-        if args.round_budget is not None and not args.round_budget > 0:
-            raise ValueError(f"--round-budget must be > 0 seconds, got {args.round_budget}")
-    except ValueError as exc:
+        timing_budget(args.round_budget)
+    except (ValueError, UsageError) as exc:
         print(f"capture_cost: {exc}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)

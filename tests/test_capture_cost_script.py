@@ -30,7 +30,7 @@ def test_a_malformed_cell_or_round_budget_is_exit_2_and_a_passed_deadline_runs_n
     assert cc.main(["--out", str(tmp_path / "a"), "--cells", "X:on"]) == 2
     assert "is not ALGORITHM" in capsys.readouterr().err
     assert cc.main(["--out", str(tmp_path / "a"), "--cells", "NGRAM:on:mixed", "--round-budget", "0"]) == 2
-    assert "--round-budget must be > 0 seconds" in capsys.readouterr().err
+    assert "the timing rounds' budget must be > 0 seconds, got 0.0" in capsys.readouterr().err
     monkeypatch.setattr(cc, "run_cell", lambda *a: pytest.fail("a cell ran past the deadline"))
     assert cc.main(["--out", str(tmp_path / "b"), "--cells", "NGRAM:on:mixed", "--deadline", "-1"]) == 0
     assert "cells not run: NGRAM:on:mixed" in capsys.readouterr().out

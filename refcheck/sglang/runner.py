@@ -173,6 +173,14 @@ def _sample_rules(capture_sample: str | None, sampled_timing: str | None) -> tup
         raise UsageError(f"--capture-sample: {exc}") from None
 
 
+def timing_budget(seconds: float | None) -> float | None:
+    """The timing rounds' budget in seconds (None: every round runs; the child starts no round past it once
+    :data:`refcheck.sglang.child.MIN_TIMED_ROUNDS` have run); one that is not positive is a UsageError."""
+    if seconds is not None and not seconds > 0:
+        raise UsageError(f"the timing rounds' budget must be > 0 seconds, got {seconds}")
+    return seconds
+
+
 def _check_engine_available() -> None:
     """A CUDA GPU visible and SGLang importable, else an EngineUnavailableError saying what to do."""
     try:
@@ -220,11 +228,9 @@ class SGLangRunner:
         if timing_repeats < 0:
             raise UsageError(f"timing repeats must be >= 0, got {timing_repeats}")
         self.timing_repeats = timing_repeats  # warm, untraced generates after the captured one (sweep tok/s)
-        if timing_budget_s is not None and not timing_budget_s > 0:
-            raise UsageError(f"the timing rounds' budget must be > 0 seconds, got {timing_budget_s}")
-        self.timing_budget_s = timing_budget_s  # no timing round starts past it (after child.MIN_TIMED_ROUNDS)
-        # the captured pass records 1 batch in N, decode and prefill (full: every one); with a sampled timing rule each timing
-        # round also runs a pass under that rule and a full-capture pass (_cost_passes)
+        self.timing_budget_s = timing_budget(timing_budget_s)  # no timing round starts past it
+        # the captured pass records 1 batch in N, decode and prefill (full: every one); with a sampled timing rule
+        # each timing round also runs a pass under that rule and a full-capture pass (_cost_passes)
         self.sample, self.sampled_timing = _sample_rules(capture_sample, sampled_timing)
         tdir, ddir = spec.resolved_dirs()
         cfg = checkpoint_config(tdir)  # the refusals below ask the target's config, read once
