@@ -14,8 +14,9 @@ the passes of the three kinds run interleaved after the captured one: round r ru
 order rotated by r (untraced, sampled, full; then sampled, full, untraced; ...), so a drift of the engine's speed
 over the rounds (clocks, caches, allocators) reaches every kind alike; ``sampled_generate_s``, ``sampled_match``,
 ``full_generate_s``, ``full_match``. With ``timing_budget_s`` no round starts once that many seconds have passed
-since the first began and :data:`MIN_TIMED_ROUNDS` have run (short passes then get many rounds, long ones few). After the captured pass and after each sampled or full pass the child waits
-until the scheduler processes have written every capture record they queued
+since the first began and :data:`MIN_TIMED_ROUNDS` have run (short passes then get many rounds, long ones few).
+After the captured pass and after each sampled or full pass the child waits until the scheduler processes have
+written every capture record they queued
 (:func:`refcheck.sglang.capture.shipper.wait_drained`; ``drain_s``: how long the captured pass's writers still
 needed; ``capture_behind`` lists any that did not within a minute), so no pass is timed while an earlier pass's
 records are written; ``pass_costs`` holds what the captured pass and each kind of timing pass (summed over its
@@ -114,9 +115,9 @@ TIMING_KINDS = {"untraced": ("timing_rids", "repeat_generate_s", "repeats_match"
 
 def interleaved(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The timing passes of every kind in :data:`TIMING_KINDS` the job holds, round r running pass r of each kind
-    in the order rotated by r, within the job's ``timing_budget_s`` (module docstring). Per kind: ``times`` (wall seconds per pass), ``match`` (every pass
-    gave ``outputs``) and ``books`` (what its passes booked in the cost ledger, summed); an untraced pass r's first
-    differences from ``outputs`` go to ``diffs`` as ``repeat{r}``."""
+    in the order rotated by r, within the job's ``timing_budget_s`` (module docstring). Per kind: ``times`` (wall
+    seconds per pass), ``match`` (every pass gave ``outputs``) and ``books`` (what its passes booked in the cost
+    ledger, summed); an untraced pass r's first differences from ``outputs`` go to ``diffs`` as ``repeat{r}``."""
     plans = {kind: job.get(key) or [] for kind, (key, _, _) in TIMING_KINDS.items()}
     kinds = [kind for kind, passes in plans.items() if passes]
     got: dict[str, dict[str, Any]] = {kind: {"times": [], "match": True, "books": {}} for kind in kinds}

@@ -150,14 +150,14 @@ def ledger_summary(ledger: dict[str, int], written: int) -> dict[str, float | in
         return round(ledger.get(ns, 0) / 1e6 / n, 4) if n else None
 
     plain, recorded = ledger.get("plain_batches", 0), ledger.get("recorded_batches", 0)
+    prefills, plain_prefills = ledger.get("prefills", 0), ledger.get("plain_prefills", 0)
     return {"plain_batches": plain, "plain_ms_per_batch": per("plain_ns", plain), "recorded_batches": recorded,
             "recorded_ms_per_batch": per("recorded_ns", recorded), "hooks_ms_per_batch": per("hooks_ns", recorded),
             "passed_ms_per_plain_batch": per("passed_ns", plain), "writer_ms_per_record": per("writer_ns", written),
             "gc_collections": ledger.get("gc_collections", 0), "gc_ms_per_batch": per("gc_ns", plain + recorded),
-            "prefills": ledger.get("prefills", 0), "prefill_ms_per_batch": per("prefill_ns", ledger.get("prefills", 0)),
-            "prefill_hooks_ms_per_batch": per("prefill_hooks_ns", ledger.get("prefills", 0)),
-            "plain_prefills": ledger.get("plain_prefills", 0),
-            "plain_prefill_ms_per_batch": per("plain_prefill_ns", ledger.get("plain_prefills", 0)),
+            "prefills": prefills, "prefill_ms_per_batch": per("prefill_ns", prefills),
+            "prefill_hooks_ms_per_batch": per("prefill_hooks_ns", prefills),
+            "plain_prefills": plain_prefills, "plain_prefill_ms_per_batch": per("plain_prefill_ns", plain_prefills),
             "parts_ms_per_batch": {p: per(f"{p}_ns", recorded) for p in PARTS}}
 
 
