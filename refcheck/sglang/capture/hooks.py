@@ -182,30 +182,28 @@ def _step_clock() -> StepClock:
     return _clock
 
 
-def _choose(snap: Batch, reqs: list[Any], device: Any) -> None:
-    """Which requests this step records: at a prefill or a decode step, those the rule takes on that kind's clock
-    (:class:`~refcheck.sglang.capture.step_clock.StepClock`)."""
-    if snap.mode == "extend":
-        snap.take = _step_clock().take_prefill(snap.rids, reqs)
-        return
-    if snap.mode != "decode":
-        return
-    snap.take, snap.steps = _step_clock().take(snap.rids, reqs)
-    if snap.take and len(snap.take) < len(snap.rids):
-        snap.index = device_index(snap.take, device)
-
-
-def _snapshot(scheduler: Any, batch: Any) -> Batch:
-    """The batch before it runs: which requests it records (:func:`_choose`) and, only when it records any,
-    what the records need of it (a decode batch the sampling rule passes over costs its rids and step counts)."""
+def _snapshot(scheduler: Any, batch: Any) -> Batch | str:
+    """The batch before it runs: its mode (a str) when this step records none of its requests, else a
+    :class:`Batch` of what the records need of it. Which requests a step records: at a prefill or a decode step,
+    those the sampling rule takes on that kind's clock (:class:`~refcheck.sglang.capture.step_clock.StepClock`). A
+    batch the rule passes over costs its rids, its step counts and nothing more."""
     fm = batch.forward_mode
     mode = "extend" if fm.is_extend() else "decode" if fm.is_decode() else "other"
+    if mode == "other":
+        return mode
     reqs = list(batch.reqs)
+    rids = [r.rid for r in reqs]
+    steps: list[int] = []
+    if mode == "extend":
+        take = _step_clock().take_prefill(rids, reqs)
+    else:
+        take, steps = _step_clock().take(rids, reqs)
+    if not take:
+        return mode
     rows = batch.req_pool_indices
-    snap = Batch(mode=mode, speculative=not batch.spec_algorithm.is_none(), rids=[r.rid for r in reqs])
-    _choose(snap, reqs, rows.device if isinstance(rows, torch.Tensor) else "cpu")
-    if not snap.take:
-        return snap
+    snap = Batch(mode=mode, speculative=not batch.spec_algorithm.is_none(), rids=rids, take=take, steps=steps)
+    if mode == "decode" and len(take) < len(rids):
+        snap.index = device_index(take, rows.device if isinstance(rows, torch.Tensor) else "cpu")
     snap.committed = [len(r.origin_input_ids) + len(r.output_ids) - 1 for r in reqs]
     snap.roots = [int(r.output_ids[-1]) if r.output_ids else -1 for r in reqs]
     snap.prompt_lens = [len(r.origin_input_ids) for r in reqs]
@@ -395,8 +393,8 @@ def _run_batch(original, self, batch, *args, **kwargs):
     _guard("run_batch:profile", profiling.tick, rec.root, rec.tp_rank)
     with profiling.section("snapshot"):
         snap = _guard("run_batch:snapshot", _snapshot, self, batch)
-    if snap is None or not snap.take:  # nothing recorded at this step
-        return _plain(original, self, batch, t0, snap.mode if snap is not None else None, *args, **kwargs)
+    if not isinstance(snap, Batch):  # nothing recorded at this step (its mode; None: the snapshot failed)
+        return _plain(original, self, batch, t0, snap, *args, **kwargs)
     snap.parts["snapshot"] = time.perf_counter() - t0
     _batch = snap
     start = _event(self)
