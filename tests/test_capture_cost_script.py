@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
 
@@ -46,7 +47,7 @@ def test_per_round_ratios_cancel_a_drift_the_medians_keep():
     got = cc.per_round(sampled, untraced)
     assert got["rounds"] == 3 and got["min"] == pytest.approx(1.05) and got["max"] == pytest.approx(1.05)
     assert cc.per_round([], untraced) is None
-    assert cc._spread(got) == " (rounds 1.05–1.05)" and cc._spread(None) == ""
+    assert cc._spread(got) == " (per round 1.050 of 3, 1.05–1.05)" and cc._spread(None) == ""
 
 
 def test_the_books_split_a_kinds_excess_over_the_untraced_passes_by_where_it_was_booked():
@@ -65,3 +66,52 @@ def test_the_books_split_a_kinds_excess_over_the_untraced_passes_by_where_it_was
     assert cc.booked(costs, "sampled", 0, 0.1) is None and cc._booked(None) == ""
     full = cc.booked({**costs, "full": {"recorded_batches": 4, "recorded_ms_per_batch": 2.5}}, "full", 2, 0.1)
     assert full == pytest.approx({"pass_over": 0.0, "plain": 0.0, "recorded": 3.0, "prefill": 0.0, "ratio": 1.03})
+
+
+def test_the_median_interval_is_the_order_statistics_of_the_binomial_rule_and_covers_the_median():
+    """[x_(k), x_(n+1-k)] for the largest k with P(Bin(n, 1/2) < k) <= 2.5 %: k = 1 at 6 rounds (1/64), 2 at 9
+    (10/512), 3 at 12 (79/4096); none under 6. Over 2000 seeded draws of 11 skewed ratios the interval holds the
+    distribution's median at least 95 % of the time."""
+    import random
+
+    assert cc.median_interval([1.0] * 5) is None
+    assert cc.median_interval([6.0, 1.0, 5.0, 2.0, 4.0, 3.0]) == (1.0, 6.0)
+    assert cc.median_interval(list(range(9))) == (1, 7) and cc.median_interval(list(range(12))) == (2, 9)
+    rng, median, hits = random.Random(7), 1.0 + math.log(2) / 20, 0  # exponential(rate 20) above 1: median ln 2 / 20
+    for _ in range(2000):
+        lo, hi = cc.median_interval([1.0 + rng.expovariate(20) for _ in range(11)])
+        hits += lo <= median <= hi
+    assert hits >= 0.95 * 2000, hits
+
+
+def test_a_kind_is_within_over_or_undecided_against_its_target_by_its_interval():
+    """within: the interval's top at or under the limit; over: its bottom above; undecided: it straddles; a row's
+    target column reads full against 1.5 (graphs) or 1.3 (eager), and sampled against 1.05."""
+    within = cc.per_round([1.01, 1.02, 1.03, 1.04, 1.05, 1.02], [1.0] * 6)
+    over = cc.per_round([1.06, 1.07, 1.08, 1.09, 1.10, 1.07], [1.0] * 6)
+    straddle = cc.per_round([1.01, 1.04, 1.06, 1.07, 1.02, 1.09], [1.0] * 6)
+    assert [cc.against(r, 1.05) for r in (within, over, straddle)] == ["within", "over", "undecided"]
+    assert cc.against(cc.per_round([1.2] * 5, [1.0] * 5), 1.05) == "—" and cc.against(None, 1.05) == "—"
+    assert cc._spread(within) == " (per round 1.025 [1.010–1.050] of 6, 1.01–1.05)"
+    row = {"graphs": False, "target": {"full": "within", "sampled": "undecided"}}
+    assert cc._target(row) == "≤1.3: within / ≤1.05: undecided"
+
+
+def test_reread_prints_an_earlier_runs_table_with_the_per_round_reading_and_refuses_what_is_not_one(tmp_path, capsys):
+    """--reread: rows with passes get their per-round ratios and target recomputed (six rounds at 1.10: over 1.05);
+    a deadline row without passes is left out; an unreadable file or one that is not a list of rows is exit 2."""
+    import json
+
+    row = {"algorithm": "DFLASH", "graphs": True, "workload": "mixed", "steps": 10, "untraced_s": 1.0,
+           "overhead_full": 1.4, "overhead_sampled": 1.1, "bytes_per_step": 100.0, "tokens_same_untraced": True,
+           "tokens_same_sampled": True, "passes": {"untraced": [1.0] * 6, "sampled": [1.1] * 6, "full": [1.4] * 6}}
+    (tmp_path / "a.json").write_text(json.dumps([row, {"cells_not_run": ["NGRAM:on:one"]}]))
+    assert cc.main(["--reread", str(tmp_path / "a.json")]) == 0
+    table = capsys.readouterr().out.strip().splitlines()
+    assert len(table) == 3 and table[2].endswith("| ≤1.5: within / ≤1.05: over |"), table
+    assert "(per round 1.100 [1.100–1.100] of 6, 1.10–1.10)" in table[2]
+    (tmp_path / "b.json").write_text(json.dumps({"rows": []}))
+    assert cc.main(["--reread", str(tmp_path / "b.json")]) == 2
+    assert "is not a list of rows" in capsys.readouterr().err
+    assert cc.main(["--reread", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read" in capsys.readouterr().err
