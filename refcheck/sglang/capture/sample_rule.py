@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 ENV_SAMPLE = "REFCHECK_CAPTURE_SAMPLE"
 SAMPLED_RID_PREFIX = "refcheck-sample-"
@@ -50,7 +50,7 @@ class SampleRule:
     def full(self) -> bool:
         return self.every == 1
 
-    @property
+    @cached_property
     def phase(self) -> int:
         return _phase(self.seed) % self.every
 
@@ -83,19 +83,18 @@ def sampled_rid(rule: SampleRule, rid: str) -> str:
 
 
 def rule_for(rid: str, default: SampleRule) -> SampleRule:
-    """The rule a request's steps are recorded by: its rid's mark (:func:`sampled_rid`), else ``default`` (a marked
-    rid is parsed once: the hooks ask at every decode batch for every request in it)."""
+    """The rule a request's steps are recorded by: its rid's mark (:func:`sampled_rid`), else ``default`` (a mark's
+    rule is made once per distinct mark, not per request: the hooks ask at every request's first batch)."""
     if not rid.startswith(SAMPLED_RID_PREFIX):
         return default
-    return _marked_rule(rid, default)
-
-
-@lru_cache(maxsize=65536)
-def _marked_rule(rid: str, default: SampleRule) -> SampleRule:
     parts = rid[len(SAMPLED_RID_PREFIX):].split("-", 2)
     if len(parts) < 3:
         return default
-    every, seed = parts[0], parts[1]
+    return _marked_rule(parts[0], parts[1], default)
+
+
+@lru_cache(maxsize=1024)
+def _marked_rule(every: str, seed: str, default: SampleRule) -> SampleRule:
     try:
         return SampleRule(int(every), int(seed))
     except (ValueError, CaptureSampleError):
