@@ -82,7 +82,8 @@ def test_a_record_round_trips_through_its_packed_bytes():
                   "empty": torch.zeros(0, 3), "scalar": torch.tensor(7, dtype=torch.int32),
                   "half": torch.tensor([1.0, 2.0], dtype=torch.bfloat16), "mask": torch.tensor([True, False])},
             "state": {"kv_k.1": (1, "kv_k", torch.arange(6.0).reshape(1, 2, 3), None)}}
-    skeleton, ts = packing.pack(nest)
+    skeleton, ts, n_dev = packing.pack(nest)
+    assert n_dev == 0  # CPU tensors only: the CUDA-first numbering is the GPU tests'
     back = packing.decode(packing.encode(skeleton, packing.table(ts), packing.flatten(ts).numpy().tobytes()))
     assert back["rids"] == ["a", "b"] and back["meta"] == {"x": 1.5, "flag": True, "none": None}
     for k, v in nest["t"].items():
@@ -273,3 +274,22 @@ def test_a_record_file_is_created_whole_from_its_buffers_or_not_at_all(tmp_path,
     with pytest.raises(OSError, match="No space"):
         atomic_create(tmp_path / "00000002.rec", [b"x"])
     assert sorted(f.name for f in tmp_path.iterdir()) == ["00000000.rec"]
+
+
+def test_pack_numbers_the_device_tensors_first_and_counts_them():
+    """A nest mixing device and host tensors: the device ones get the first numbers, in the nest's order, and their
+    count comes back (the shipper copies that many out of the device in one buffer). A tensor subclass stands in
+    for a CUDA tensor on a CPU-only machine."""
+
+    class OnDevice(torch.Tensor):
+        @property
+        def is_cuda(self) -> bool:  # type: ignore[override]
+            return True
+
+    def dev(t: torch.Tensor) -> torch.Tensor:
+        return torch.Tensor._make_subclass(OnDevice, t)
+
+    a, b, c = torch.tensor([1]), dev(torch.tensor([2])), dev(torch.tensor([3.0]))
+    skeleton, ts, n_dev = packing.pack({"h": a, "d": [b, {"x": c}], "n": [1, 2]})
+    assert n_dev == 2 and [t is x for t, x in zip(ts, (b, c, a))] == [True] * 3
+    assert skeleton == {"h": {"__tensor__": 2}, "d": [{"__tensor__": 0}, {"x": {"__tensor__": 1}}], "n": [1, 2]}

@@ -13,6 +13,7 @@ that is not such a record raises ``ValueError``.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from typing import Any
 
@@ -40,9 +41,9 @@ def split(nest: Any) -> tuple[Any, list[torch.Tensor]]:
     return walk(nest), tensors
 
 
-def pack(nest: Any) -> tuple[Any, list[torch.Tensor]]:
+def pack(nest: Any) -> tuple[Any, list[torch.Tensor], int]:
     """:func:`split`, with the CUDA tensors numbered first (they leave the device as one buffer, the CPU ones follow
-    it in the file), each group in the nest's order; one walk of the nest."""
+    it in the file), each group in the nest's order, and how many are CUDA tensors; one walk of the nest."""
     device: list[tuple[dict[str, int], torch.Tensor]] = []
     host: list[tuple[dict[str, int], torch.Tensor]] = []
 
@@ -61,15 +62,27 @@ def pack(nest: Any) -> tuple[Any, list[torch.Tensor]]:
     skeleton = walk(nest)
     for i, (slot, _) in enumerate(device + host):
         slot[_KEY] = i
-    return skeleton, [t for _, t in device + host]
+    return skeleton, [t for _, t in device + host], len(device)
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def table(tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
-    """Each tensor's dtype, shape and byte range in the flattened buffer, in order."""
+    """Each tensor's dtype, shape and byte range in the flattened buffer, in order (from its shape and dtype: no
+    call into the tensor, the engine's thread pays for every one)."""
     out, offset = [], 0
     for t in tensors:
-        n = t.numel() * t.element_size()
-        out.append({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": offset, "bytes": n})
+        dtype, shape = t.dtype, list(t.shape)
+        n = math.prod(shape) * dtype.itemsize
+        out.append({"dtype": _dtype_name(dtype), "shape": shape, "offset": offset, "bytes": n})
         offset += n
     return out
 
@@ -78,9 +91,9 @@ def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The tensors' bytes, one after the other, as one ``uint8`` tensor on their device."""
     if not tensors:
         return torch.empty(0, dtype=torch.uint8)
-    # [n] -> [n * itemsize] bytes (a record's tensors carry no autograd history; most are contiguous already)
-    parts = [(t if t.is_contiguous() else t.contiguous()).view(-1).view(torch.uint8) for t in tensors]
-    return torch.cat(parts)
+    # each [*shape] -> [numel] contiguous (ravel copies only a tensor that is not) -> [numel * itemsize] bytes: two
+    # calls per tensor (a record's tensors carry no autograd history)
+    return torch.cat([t.ravel().view(torch.uint8) for t in tensors])
 
 
 def encode_parts(skeleton: Any, entries: list[dict[str, Any]], *data: bytes | memoryview) -> list[bytes | memoryview]:

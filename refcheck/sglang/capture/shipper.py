@@ -224,8 +224,7 @@ class Shipper:
 
     def ship(self, kind: str, fields: dict[str, Any], tensors: dict[str, Any]) -> bool:
         """Queue one record; False when the queue was full (the record is counted as lost)."""
-        skeleton, ts = packing.pack({"type": kind, **fields, **tensors})
-        n_dev = sum(t.is_cuda for t in ts)
+        skeleton, ts, n_dev = packing.pack({"type": kind, **fields, **tensors})
         device_bytes = packing.flatten(ts[:n_dev])
         event = None
         if device_bytes.is_cuda:
