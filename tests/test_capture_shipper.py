@@ -293,3 +293,35 @@ def test_pack_numbers_the_device_tensors_first_and_counts_them():
     skeleton, ts, n_dev = packing.pack({"h": a, "d": [b, {"x": c}], "n": [1, 2]})
     assert n_dev == 2 and [t is x for t, x in zip(ts, (b, c, a))] == [True] * 3
     assert skeleton == {"h": {"__tensor__": 2}, "d": [{"__tensor__": 0}, {"x": {"__tensor__": 1}}], "n": [1, 2]}
+
+
+def test_shipping_a_record_costs_the_engines_thread_two_tensor_calls_per_tensor(tmp_path):
+    """The engine's thread pays for every call into a record's tensors: packing lays each out in two (ravel, view)
+    plus one ``cat`` per device, and its table reads only shapes and dtypes. Counted with a torch function mode over
+    :meth:`Shipper.ship` of a 21-tensor record (attribute reads such as ``dtype`` are not calls)."""
+    import sys
+
+    from torch.overrides import TorchFunctionMode
+
+    from tests.script_loader import load_script
+
+    bench = load_script("bench_capture_ship")
+    calls: list[str] = []
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__qualname__", str(func))
+            if sys._getframe(1).f_code.co_filename.endswith("packing.py") and not name.startswith("getset_descriptor"):
+                calls.append(name)
+            return func(*args, **(kwargs or {}))
+
+    fields, tensors = bench._record()
+    rec = Recorder(tmp_path)
+    with Count():
+        rec.ship("batch", fields, tensors)
+    assert rec.shipper.drain(10.0)
+    n = len(packing.pack({**fields, **tensors})[1])
+    # on the CPU every tensor is a host tensor: the device part is an empty buffer (one call)
+    assert n == 21 and sorted(set(calls)) == ["TensorBase.ravel", "TensorBase.view", "_VariableFunctionsClass.cat",
+                                              "_VariableFunctionsClass.empty"]
+    assert len(calls) == 2 * n + 2, calls
