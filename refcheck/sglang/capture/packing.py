@@ -1,13 +1,15 @@
 """A capture record as one header and one byte buffer: packed on the engine's side, unpacked by the reader.
 
 Contract: a record is a nest of dicts, lists and tuples whose leaves are JSON values or tensors.
-:func:`split` replaces each tensor by ``{"__tensor__": i}`` and returns the tensors in order (:func:`pack`: the
-CUDA ones first); :func:`flatten`
-turns tensors of one device into one ``uint8`` buffer (a single ``cat`` where they live, so a record leaves the
-device in one copy) with each tensor's dtype, shape and byte range. :func:`encode` writes ``MAGIC``, the
-header's length (u64, little-endian), the header (JSON: the record's skeleton and its tensor table) and the
-bytes (:func:`encode_parts`: the same as buffers, the tensors' bytes not copied); :func:`decode` reads it back, every tensor a copy of its bytes (tuples come back as lists). A file
-that is not such a record raises ``ValueError``.
+:func:`pack` replaces each tensor by ``{"__tensor__": i}`` and returns the tensors in order, the CUDA ones first;
+:func:`flatten` turns tensors of one device into one ``uint8`` buffer where they live (one ``cat``: a record leaves
+the device in one copy), and :func:`table` gives each tensor's dtype, shape and byte range in it. :func:`encode`
+writes ``MAGIC``, the header's length (u64, little-endian), the header (JSON: the record's skeleton and its tensor
+table) and the bytes (:func:`encode_parts`: the same as buffers, the tensors' bytes not copied); :func:`decode`
+reads it back, every tensor a copy of its bytes (tuples come back as lists). A file that is not such a record
+raises ``ValueError``. The engine's thread pays for :func:`pack`, :func:`flatten` and :func:`table` at every
+recorded batch: each tensor costs two calls into torch (``ravel``, ``view``) and the table reads only shapes
+and dtypes.
 """
 
 from __future__ import annotations
@@ -21,42 +23,28 @@ import torch
 
 MAGIC = b"RCAP1\n"
 _KEY = "__tensor__"
-_PLAIN = {int, float, str, bool, type(None)}
-
-
-def split(nest: Any) -> tuple[Any, list[torch.Tensor]]:
-    """(the nest with every tensor replaced by its index, the tensors in that order)."""
-    tensors: list[torch.Tensor] = []
-
-    def walk(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            tensors.append(obj)
-            return {_KEY: len(tensors) - 1}
-        if isinstance(obj, dict):
-            return {str(k): walk(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return [walk(v) for v in obj]
-        return obj
-
-    return walk(nest), tensors
+_PLAIN = frozenset({int, float, str, bool, type(None)})
 
 
 def pack(nest: Any) -> tuple[Any, list[torch.Tensor], int]:
-    """:func:`split`, with the CUDA tensors numbered first (they leave the device as one buffer, the CPU ones follow
-    it in the file), each group in the nest's order, and how many are CUDA tensors; one walk of the nest."""
+    """(the nest with every tensor replaced by its index, the tensors, how many of them are CUDA tensors): the CUDA
+    tensors numbered first (they leave the device as one buffer, the CPU ones follow it in the file), each group in
+    the nest's order; one walk of the nest."""
     device: list[tuple[dict[str, int], torch.Tensor]] = []
     host: list[tuple[dict[str, int], torch.Tensor]] = []
 
     def walk(obj: Any) -> Any:
+        if type(obj) in _PLAIN:  # most leaves
+            return obj
         if isinstance(obj, torch.Tensor):
             slot = {_KEY: 0}
             (device if obj.is_cuda else host).append((slot, obj))
             return slot
         if isinstance(obj, dict):
-            return {str(k): walk(v) for k, v in obj.items()}
+            return {k if type(k) is str else str(k): walk(v) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
             # a record's longest lists (rids, steps, lengths per request) are plain values: copied, not walked
-            return list(obj) if all(type(v) in _PLAIN for v in obj) else [walk(v) for v in obj]
+            return list(obj) if _PLAIN.issuperset(map(type, obj)) else [walk(v) for v in obj]
         return obj
 
     skeleton = walk(nest)
