@@ -3,7 +3,7 @@
 Usage (on a GPU machine with SGLang; through the bundle: ``scripts/sglang_bundle.sh run python3 scripts/...``)::
 
     python scripts/capture_cost.py --out OUT [--algorithms NONE,DFLASH,NGRAM,REFCHECK_DDTREE] [--graphs off,on]
-        [--workloads one,mixed] [--sample 16] [--repeats 3] [--round-budget S] [--mem-fraction 0.3] [--diff]
+        [--workloads one,mixed] [--sample 16] [--repeats 3] [--round-budget S] [--no-full] [--mem-fraction 0.3] [--diff]
         [--cells ALG:on|off:one|mixed,...] [--deadline SECONDS]
     python scripts/capture_cost.py --reread capture_cost.json [...]     # an earlier run's table, re-read
 
@@ -20,7 +20,9 @@ also divided by the untraced pass of its own round: the median of those ratios, 
 its steps. ``--diff`` also judges each captured trace (replay, the GPU reference when one is visible; steps per second) and the
 sampled pass's trace, assembled from the same capture directory (its verdict beside the full one's).
 ``--round-budget`` stops a cell's timing rounds once that many seconds have passed (after three rounds), so
-with a large ``--repeats`` a cell of short passes gets many rounds and one of long passes few.
+with a large ``--repeats`` a cell of short passes gets many rounds and one of long passes few; ``--no-full`` leaves
+the full-capture pass out of the rounds (an untraced and a sampled pass each: more rounds in the budget; the full
+ratio is then the captured pass's alone).
 ``--cells`` names the cells to run, in order, instead of the product of the three lists; ``--deadline``
 starts no cell once that many seconds have passed since the script began (for a device call's time limit),
 listing the cells left in the JSON's last row. Writes ``OUT/capture_cost.json`` (rows, as they finish) and ``OUT/capture_cost.md`` (the table);
@@ -214,7 +216,8 @@ def run_cell(args: argparse.Namespace, algorithm: str, graphs: bool, load: str) 
     try:
         runner = SGLangRunner(spec, algorithm, cuda_graphs=graphs, warmup=True, timing_repeats=args.repeats,
                               sampled_timing=f"{args.sample}:0", mem_fraction=args.mem_fraction,
-                              capture_dir=args.out / name, timing_budget_s=args.round_budget)
+                              capture_dir=args.out / name, timing_budget_s=args.round_budget,
+                              full_timing=not args.no_full)
         trace = runner.trace(_prompts(load))
     except RefcheckError as exc:
         return {"algorithm": algorithm, "graphs": graphs, "workload": load, "error": f"{type(exc).__name__}: {exc}"}
@@ -333,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timing rounds (at most, with --round-budget)")
     ap.add_argument("--round-budget", type=float, default=None,
                     help="seconds of timing rounds per cell: no round starts past it once three have run")
+    ap.add_argument("--no-full", action="store_true",
+                    help="rounds of an untraced and a sampled pass only (more rounds in a budget; full: the captured pass)")
     ap.add_argument("--mem-fraction", type=float, default=0.3)
     ap.add_argument("--pair", default="hybrid")
     ap.add_argument("--budget", type=int, default=15)

@@ -115,3 +115,21 @@ def test_reread_prints_an_earlier_runs_table_with_the_per_round_reading_and_refu
     assert "is not a list of rows" in capsys.readouterr().err
     assert cc.main(["--reread", str(tmp_path / "missing.json")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_no_full_asks_the_runner_for_rounds_without_a_full_capture_pass(tmp_path, monkeypatch):
+    """--no-full reaches the runner as full_timing=False (and its absence as True), with the round budget."""
+    from refcheck.errors import UsageError
+    from refcheck.sglang import runner
+
+    seen: list[dict] = []
+
+    def fake(*args, **kw):
+        seen.append(kw)
+        raise UsageError("no engine here")
+
+    monkeypatch.setattr(runner, "SGLangRunner", fake)
+    for extra in ([], ["--no-full"]):
+        assert cc.main(["--out", str(tmp_path), "--cells", "DFLASH:on:mixed", "--round-budget", "5", *extra]) == 0
+    assert [(kw["full_timing"], kw["timing_budget_s"]) for kw in seen] == [(True, 5.0), (False, 5.0)]
+    assert "error: UsageError: no engine here" in (tmp_path / "capture_cost.md").read_text()

@@ -190,7 +190,7 @@ def test_timing_repeats_run_on_the_warm_engine_and_are_checked_against_the_captu
 def test_a_sampled_timing_rule_adds_sampled_and_full_capture_passes_to_each_timing_round(fake_sglang, tmp_path):
     """scripts/capture_cost.py's passes: with a sampled timing rule every timing round holds an untraced, a sampled
     and a full-capture pass, each under rids of its own (marked with its rule), all timed and checked against the
-    captured tokens; without a rule, only the untraced passes run."""
+    captured tokens; without full timing, no full-capture pass; without a rule, only the untraced passes run."""
     from refcheck.prompts import load_prompts
     from refcheck.sglang.capture.sample_rule import SampleRule, rule_for
 
@@ -203,6 +203,10 @@ def test_a_sampled_timing_rule_adds_sampled_and_full_capture_passes_to_each_timi
     assert len(set(rids)) == len(rids) == 14
     assert {rule_for(r, SampleRule(7)) for p in job["sampled_rids"] for r in p} == {SampleRule(16, 3)}
     assert {rule_for(r, SampleRule(7)) for p in job["full_rids"] for r in p} == {SampleRule(1, 0)}
+    lean = fake_sglang("ok", timing_repeats=2, sampled_timing="16:3", full_timing=False).trace(prompts)
+    settings = lean.provenance["engine"]["settings"]
+    assert [len(settings[k]) for k in ("repeat_generate_s", "sampled_generate_s", "full_generate_s")] == [2, 2, 0]
+    assert json.loads((tmp_path / "ok" / "job.json").read_text())["full_rids"] == []
     plain = fake_sglang("drift", timing_repeats=1).trace(prompts).provenance["engine"]["settings"]
     assert plain["sampled_generate_s"] == plain["full_generate_s"] == [] and plain["full_match"] is None
     assert plain["repeats_match"] is False

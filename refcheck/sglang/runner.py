@@ -208,7 +208,8 @@ class SGLangRunner:
                  timeout_s: float = 3600.0, tp: int = 1, layer_sketches: bool = False,
                  mem_fraction: float = 0.3, timing_repeats: int = 0, max_running: int | None = None,
                  settings: ServingSettings = DEFAULT_SETTINGS, warmup: bool = False, capture_sample: str | None = None,
-                 sampled_timing: str | None = None, timing_budget_s: float | None = None) -> None:
+                 sampled_timing: str | None = None, timing_budget_s: float | None = None,
+                 full_timing: bool = True) -> None:
         self.algorithm = algorithm.upper()
         self.settings = merged_settings(settings, cuda_graphs, max_running)
         self.spec, self.capture, self.ngram_breadth = spec, capture, ngram_breadth
@@ -232,6 +233,7 @@ class SGLangRunner:
         # the captured pass records 1 batch in N, decode and prefill (full: every one); with a sampled timing rule
         # each timing round also runs a pass under that rule and a full-capture pass (_cost_passes)
         self.sample, self.sampled_timing = _sample_rules(capture_sample, sampled_timing)
+        self.full_timing = full_timing  # with a sampled timing rule: a full-capture pass in each round too
         tdir, ddir = spec.resolved_dirs()
         cfg = checkpoint_config(tdir)  # the refusals below ask the target's config, read once
         text_cfg = text_config_of(cfg)
@@ -397,9 +399,9 @@ class SGLangRunner:
         return settings
 
     def _cost_passes(self, prompts: list[Prompt], rids: dict[str, str]) -> dict[str, list[list[str]]]:
-        """With a sampled timing rule (capture only): per timing round, a pass under the rule and a full-capture pass,
-        both under rids of their own (the child interleaves them with the untraced ones; their records are written
-        but not assembled: the trace is the captured pass's)."""
+        """With a sampled timing rule (capture only): per timing round, a pass under the rule and, with
+        ``full_timing``, a full-capture pass, each under rids of its own (the child interleaves them with the untraced
+        ones; their records are written but not assembled: the trace is the captured pass's)."""
         from refcheck.sglang.capture.sample_rule import SampleRule, sampled_rid
 
         if self.sampled_timing is None or not self.capture:
@@ -408,7 +410,7 @@ class SGLangRunner:
         return {"sampled_rids": [[sampled_rid(self.sampled_timing, f"timing{k}-{rids[p.id]}") for p in prompts]
                                  for k in rounds],
                 "full_rids": [[sampled_rid(SampleRule(), f"full{k}-{rids[p.id]}") for p in prompts]
-                              for k in range(self.timing_repeats)]}
+                              for k in range(self.timing_repeats if self.full_timing else 0)]}
 
     def _run_engine(self, cdir: Path, env: dict, kw: dict, prompts: list[Prompt], rids: dict[str, str]) -> dict:
         """SGLang in its own process (sglang_child); returns its last reported stage."""
