@@ -13,7 +13,9 @@ passes interleaved in rotating order (``refcheck/sglang/child.py``): untraced, s
 ``--sample``, rids marked for it) and full capture. Each pass generates the same requests; the overheads are the
 median full and sampled passes over the median untraced pass (the first captured pass's ratio beside them, the
 untraced passes' max/min as the noise they are read against, and the ratio the engine's books account for,
-:func:`booked`), and every pass's tokens are compared with the captured pass's. Each full and sampled pass is
+:func:`booked`, and the same per-round reading of the seconds each pass booked to the scheduler's ``run_batch``:
+the engine's own steps, without the client and the scheduler's loop around them), and every pass's tokens are
+compared with the captured pass's. Each full and sampled pass is
 also divided by the untraced pass of its own round: the median of those ratios, its 95 % interval
 (:func:`median_interval`) and their range, and the target column reads that interval against the issue's lines
 (:data:`FULL_LIMIT`, :data:`SAMPLED_LIMIT`): within, over, or undecided (more rounds decide). Trace bytes per verify step are the written Arrow trace's size over
@@ -155,6 +157,9 @@ def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff
             "target": {"full": against(rounds["full"], FULL_LIMIT[graphs]),
                        "sampled": against(rounds["sampled"], SAMPLED_LIMIT)},
             "booked": {kind: booked(costs, kind, len(passes[kind]), untraced) for kind in ("full", "sampled")},
+            "per_round_run_batch": {kind: per_round((costs.get(kind) or {}).get("run_batch_s") or [],
+                                                    (costs.get("untraced") or {}).get("run_batch_s") or [])
+                                    for kind in ("full", "sampled")},
             "tokens_same_untraced": st.get("repeats_match"), "tokens_same_sampled": st.get("sampled_match"),
             "tokens_same_full": st.get("full_match"),
             "graphed_steps": (cap.get("stats") or {}).get("cuda_graph_steps"),
@@ -178,8 +183,12 @@ def reread(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not isinstance(passes, dict) or "graphs" not in r:
             continue
         rounds = {kind: per_round(passes.get(kind) or [], passes.get("untraced") or []) for kind in ("full", "sampled")}
-        out.append({**r, "per_round": rounds, "target": {"full": against(rounds["full"], FULL_LIMIT[bool(r["graphs"])]),
-                                                         "sampled": against(rounds["sampled"], SAMPLED_LIMIT)}})
+        costs = r.get("pass_costs") or {}
+        steps = {kind: per_round((costs.get(kind) or {}).get("run_batch_s") or [],
+                                 (costs.get("untraced") or {}).get("run_batch_s") or []) for kind in ("full", "sampled")}
+        out.append({**r, "per_round": rounds, "per_round_run_batch": steps,
+                    "target": {"full": against(rounds["full"], FULL_LIMIT[bool(r["graphs"])]),
+                               "sampled": against(rounds["sampled"], SAMPLED_LIMIT)}})
     return out
 
 
@@ -264,9 +273,14 @@ def _ledger(cost: dict[str, Any]) -> str:
             f"({_fmt(cost.get('hooks_ms_per_batch'))}{': ' + split if split else ''})")
 
 
-def _booked(b: dict[str, float] | None) -> str:
-    """`` booked RATIO×``: the ratio the engine's books account for (:func:`booked`)."""
-    return "" if not b else f", booked {b['ratio']:.2f}×"
+def _booked(b: dict[str, float] | None, steps: dict[str, Any] | None = None) -> str:
+    """``, booked RATIO×``: the ratio the engine's books account for (:func:`booked`); with ``steps`` (the per-round
+    ratios of the seconds booked to ``run_batch``), ``; run_batch per round MEDIAN [LO–HI]``."""
+    out = "" if not b else f", booked {b['ratio']:.2f}×"
+    if steps:
+        ci = steps.get("ci95")
+        out += f"; run_batch per round {steps['median']:.3f}" + (f" [{ci[0]:.3f}–{ci[1]:.3f}]" if ci else "")
+    return out
 
 
 def _spread(rounds: dict[str, Any] | None) -> str:
@@ -300,7 +314,7 @@ def markdown(rows: list[dict[str, Any]], sample: int) -> str:
            f"{_fmt(r['overhead_full'])}× ({_fmt(r.get('overhead_captured'))}×)"
            f"{_spread((r.get('per_round') or {}).get('full'))} | "
            f"{_fmt(r['overhead_sampled'])}×{_spread((r.get('per_round') or {}).get('sampled'))}"
-           f"{_booked((r.get('booked') or {}).get('sampled'))} | "
+           f"{_booked((r.get('booked') or {}).get('sampled'), (r.get('per_round_run_batch') or {}).get('sampled'))} | "
            f"{_ledger(r.get('ledger') or {})} | "
            f"{_fmt((r.get('ledger') or {}).get('writer_ms_per_record'))} | {_fmt(r['bytes_per_step'], '.0f')} | "
            f"{r['tokens_same_untraced']}/{r['tokens_same_sampled']}/{r.get('tokens_same_full')} | "

@@ -62,6 +62,8 @@ def test_the_books_split_a_kinds_excess_over_the_untraced_passes_by_where_it_was
     want = {"pass_over": 0.25, "plain": 0.75, "recorded": 2.0, "prefill": 1.25, "ratio": 1.0425}
     assert got == pytest.approx(want)
     assert cc._booked(got) == ", booked 1.04×"
+    steps = cc.per_round([0.104] * 6, [0.1] * 6)
+    assert cc._booked(got, steps) == ", booked 1.04×; run_batch per round 1.040 [1.040–1.040]"
     assert cc.booked({"sampled": costs["sampled"]}, "sampled", 2, 0.1) is None  # no untraced books
     assert cc.booked(costs, "sampled", 0, 0.1) is None and cc._booked(None) == ""
     full = cc.booked({**costs, "full": {"recorded_batches": 4, "recorded_ms_per_batch": 2.5}}, "full", 2, 0.1)
@@ -104,12 +106,13 @@ def test_reread_prints_an_earlier_runs_table_with_the_per_round_reading_and_refu
 
     row = {"algorithm": "DFLASH", "graphs": True, "workload": "mixed", "steps": 10, "untraced_s": 1.0,
            "overhead_full": 1.4, "overhead_sampled": 1.1, "bytes_per_step": 100.0, "tokens_same_untraced": True,
-           "tokens_same_sampled": True, "passes": {"untraced": [1.0] * 6, "sampled": [1.1] * 6, "full": [1.4] * 6}}
+           "tokens_same_sampled": True, "passes": {"untraced": [1.0] * 6, "sampled": [1.1] * 6, "full": [1.4] * 6},
+           "pass_costs": {"untraced": {"run_batch_s": [0.5] * 6}, "sampled": {"run_batch_s": [0.51] * 6}}}
     (tmp_path / "a.json").write_text(json.dumps([row, {"cells_not_run": ["NGRAM:on:one"]}]))
     assert cc.main(["--reread", str(tmp_path / "a.json")]) == 0
     table = capsys.readouterr().out.strip().splitlines()
     assert len(table) == 3 and table[2].endswith("| ≤1.5: within / ≤1.05: over |"), table
-    assert "(per round 1.100 [1.100–1.100] of 6, 1.10–1.10)" in table[2]
+    assert "(per round 1.100 [1.100–1.100] of 6, 1.10–1.10); run_batch per round 1.020 [1.020–1.020]" in table[2]
     (tmp_path / "b.json").write_text(json.dumps({"rows": []}))
     assert cc.main(["--reread", str(tmp_path / "b.json")]) == 2
     assert "is not a list of rows" in capsys.readouterr().err

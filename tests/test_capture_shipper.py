@@ -195,7 +195,8 @@ def test_timing_passes_run_interleaved_in_rotating_order_each_kind_with_its_own_
     """refcheck/sglang/child.py's interleaved: round r runs pass r of each kind, the order rotated by r, so every
     kind runs first, second and third alike; each kind's books sum its own passes' ledger differences (the
     sampled pass's plain and recorded batches apart from the untraced passes'); an untraced pass that leaves the
-    captured outputs is named with its first difference, and a kind with fewer passes drops out of later rounds."""
+    captured outputs is named with its first difference, and a kind with fewer passes drops out of later rounds;
+    each pass's seconds in run_batch are kept per pass."""
     from refcheck.sglang import child
     from refcheck.sglang.capture.shipper import Counters, ledger_summary
 
@@ -217,8 +218,12 @@ def test_timing_passes_run_interleaved_in_rotating_order_each_kind_with_its_own_
     assert (untraced["plain_batches"], untraced["plain_ms_per_batch"], untraced["recorded_batches"]) == (12, 2.0, 0)
     assert (sampled["plain_batches"], sampled["recorded_batches"], sampled["recorded_ms_per_batch"]) == (9, 3, 3.0)
     assert (full["recorded_batches"], full["writer_ms_per_record"], full["plain_batches"]) == (8, 0.5, 0)
+    # per pass, the seconds booked to run_batch: 4 plain batches of 2 ms; 3 of 2 and one recorded of 3; 4 of 3
+    assert [got[k]["run_batch_s"] for k in ("untraced", "sampled", "full")] == \
+        [[0.008] * 3, [0.009] * 3, [0.012] * 2]
     costs = child._pass_costs(child._ledger(), child._ledger(), got)
-    assert costs["sampled"] == sampled and costs["untraced"]["recorded_ms_per_batch"] is None
+    assert costs["sampled"] == {**sampled, "run_batch_s": [0.009] * 3}
+    assert costs["untraced"]["recorded_ms_per_batch"] is None
 
 
 def test_a_timing_budget_stops_starting_rounds_once_spent_after_the_minimum(tmp_path, monkeypatch):

@@ -21,7 +21,7 @@ written every capture record they queued
 needed; ``capture_behind`` lists any that did not within a minute), so no pass is timed while an earlier pass's
 records are written; ``pass_costs`` holds what the captured pass and each kind of timing pass (summed over its
 passes) booked in the capture's cost ledger (per decode batch: ``run_batch``'s wall time and the
-hooks' share, by part). With
+hooks' share, by part; per timing pass, ``run_batch_s``: the seconds booked to ``run_batch`` in that pass). With
 ``warmup_rids`` one untraced pass runs before the captured one (``warmup_generate_s``, ``warmup_match``), and
 with ``capture_warm_rids`` a captured pass whose records nobody reads (the capture's kernels load and its
 buffers grow before the timed passes; the child waits for its records to be written);
@@ -108,6 +108,8 @@ MIN_TIMED_ROUNDS = 3
 
 #: kind of timing pass -> (the job's key for its passes' rids, the result's keys for their wall times and for whether
 #: they gave the captured outputs)
+#: the cost ledger's fields that together hold the scheduler's ``run_batch`` wall time, every batch of a pass
+STEP_FIELDS = ("plain_ns", "recorded_ns", "plain_prefill_ns", "prefill_ns")
 TIMING_KINDS = {"untraced": ("timing_rids", "repeat_generate_s", "repeats_match"),
                 "sampled": ("sampled_rids", "sampled_generate_s", "sampled_match"),
                 "full": ("full_rids", "full_generate_s", "full_match")}
@@ -116,11 +118,14 @@ TIMING_KINDS = {"untraced": ("timing_rids", "repeat_generate_s", "repeats_match"
 def interleaved(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The timing passes of every kind in :data:`TIMING_KINDS` the job holds, round r running pass r of each kind
     in the order rotated by r, within the job's ``timing_budget_s`` (module docstring). Per kind: ``times`` (wall
-    seconds per pass), ``match`` (every pass gave ``outputs``) and ``books`` (what its passes booked in the cost
-    ledger, summed); an untraced pass r's first differences from ``outputs`` go to ``diffs`` as ``repeat{r}``."""
+    seconds per pass), ``match`` (every pass gave ``outputs``), ``books`` (what its passes booked in the cost
+    ledger, summed) and ``run_batch_s`` (per pass, the seconds the ledger booked to the scheduler's ``run_batch``:
+    every decode and prefill batch, hooks included; empty when the engine does not capture); an untraced pass r's
+    first differences from ``outputs`` go to ``diffs`` as ``repeat{r}``."""
     plans = {kind: job.get(key) or [] for kind, (key, _, _) in TIMING_KINDS.items()}
     kinds = [kind for kind, passes in plans.items() if passes]
-    got: dict[str, dict[str, Any]] = {kind: {"times": [], "match": True, "books": {}} for kind in kinds}
+    got: dict[str, dict[str, Any]] = {kind: {"times": [], "match": True, "books": {}, "run_batch_s": []}
+                                      for kind in kinds}
     budget, start = job.get("timing_budget_s"), time.time()
     before = _ledger()  # the ledger as the next pass finds it (each pass's end is the next one's start)
     for r in range(max((len(plans[k]) for k in kinds), default=0)):
@@ -137,6 +142,8 @@ def interleaved(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[st
             after, books = _ledger(), got[kind]["books"]
             for field, value in after.items():
                 books[field] = books.get(field, 0) + value - before.get(field, 0)
+            if after:
+                got[kind]["run_batch_s"].append(sum(after[f] - before.get(f, 0) for f in STEP_FIELDS) / 1e9)
             before = after
             got[kind]["match"] = got[kind]["match"] and again == outputs
             if kind == "untraced":
@@ -183,7 +190,8 @@ def _pass_costs(start: dict[str, int], captured: dict[str, int], kinds: dict[str
     if not start:
         return {}
     return {"captured": ledger_between(start, captured),
-            **{kind: ledger_summary(got["books"], got["books"].get("written", 0)) for kind, got in kinds.items()}}
+            **{kind: {**ledger_summary(got["books"], got["books"].get("written", 0)),
+                      "run_batch_s": [round(t, 6) for t in got["run_batch_s"]]} for kind, got in kinds.items()}}
 
 
 def _end_with_the_runner() -> None:
