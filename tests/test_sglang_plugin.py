@@ -183,9 +183,12 @@ def test_untraced_timing_requests_pass_straight_through(capture_dir):
     assert hooks._run_batch(lambda self, b: sentinel, sched, batch) is sentinel
     cap = read_capture(capture_dir)
     assert not cap.steps and not cap.errors and not cap.status  # a traced batch of this kind is an error (above)
-    batch.reqs[0].rid = "r0"  # one traced request in the batch: the whole batch is captured
+    batch.reqs[1].rid = "r1"  # one traced request in the batch, after an untraced one: the whole batch is captured
     hooks._run_batch(lambda self, b: sentinel, sched, batch)
-    assert any("no verify step was captured" in e for e in read_capture(capture_dir).errors)
+    assert sum("no verify step was captured" in e for e in read_capture(capture_dir).errors) == 1
+    batch.reqs[0].rid = "r0"  # and first
+    hooks._run_batch(lambda self, b: sentinel, sched, batch)
+    assert sum("no verify step was captured" in e for e in read_capture(capture_dir).errors) == 2
 
 
 def test_tensor_parallel_rank_is_found_where_each_release_keeps_it():

@@ -351,7 +351,9 @@ def _after(scheduler: Any, snap: Batch, result: Any) -> None:
 def _untraced(batch: Any) -> bool:
     """A batch made only of timing requests (rid prefix UNTRACED_RID_PREFIX) runs as if no capture were loaded."""
     reqs = getattr(batch, "reqs", None) or []
-    return bool(reqs) and all(str(r.rid).startswith(UNTRACED_RID_PREFIX) for r in reqs)
+    if not reqs or not str(reqs[0].rid).startswith(UNTRACED_RID_PREFIX):  # a traced batch: one rid read
+        return False
+    return all(str(r.rid).startswith(UNTRACED_RID_PREFIX) for r in reqs)
 
 
 def _event(scheduler: Any) -> Any:

@@ -85,10 +85,13 @@ def tick(out_dir: Path, tp_rank: int) -> None:
         _state.prof = None
 
 
+_NOTHING = nullcontext()  # reusable: what section gives outside a window, at every batch
+
+
 def section(name: str) -> AbstractContextManager[Any]:
     """A labelled part of the hooks in the profiler's table while a window is open, else nothing."""
     if _state.prof is None:
-        return nullcontext()
+        return _NOTHING
     import torch.profiler as tp
 
     return tp.record_function(f"refcheck.{name}")

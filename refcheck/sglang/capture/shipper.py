@@ -104,13 +104,13 @@ class Counters:
         return self.values["lost"]
 
     def add(self, **amounts: int) -> None:
-        """Add to the named fields and publish them (one aligned 8-byte memory write per field: a reader sees each
+        """Add to the named fields (integers) and publish them (one aligned 8-byte memory write per field: a reader sees each
         field whole; the hooks call this at every batch, so only the fields that change are written)."""
-        values, mapped = self.values, self._map
+        values, mapped, pack, offset = self.values, self._map, _FIELD.pack_into, _OFFSET
         with self._lock:
             for name, amount in amounts.items():
-                values[name] += int(amount)
-                _FIELD.pack_into(mapped, _OFFSET[name], values[name])
+                value = values[name] = values[name] + amount
+                pack(mapped, offset[name], value)
 
 
 def read_fields(path: Path) -> dict[str, int]:
