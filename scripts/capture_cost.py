@@ -3,8 +3,8 @@
 Usage (on a GPU machine with SGLang; through the bundle: ``scripts/sglang_bundle.sh run python3 scripts/...``)::
 
     python scripts/capture_cost.py --out OUT [--algorithms NONE,DFLASH,NGRAM,REFCHECK_DDTREE] [--graphs off,on]
-        [--workloads one,mixed] [--sample 16] [--repeats 3] [--round-budget S] [--no-full] [--mem-fraction 0.3] [--diff]
-        [--cells ALG:on|off:one|mixed,...] [--deadline SECONDS]
+        [--workloads one,mixed] [--sample 16] [--repeats 3] [--round-budget S] [--no-full] [--mem-fraction 0.3]
+        [--diff] [--cells ALG:on|off:one|mixed,...] [--deadline SECONDS]
     python scripts/capture_cost.py --reread capture_cost.json [...]     # an earlier run's table, re-read
 
 Per cell (algorithm x CUDA graphs x workload) one SGLang engine runs, in order: an untraced warm-up pass, a
@@ -13,13 +13,13 @@ passes interleaved in rotating order (``refcheck/sglang/child.py``): untraced, s
 ``--sample``, rids marked for it) and full capture. Each pass generates the same requests; the overheads are the
 median full and sampled passes over the median untraced pass (the first captured pass's ratio beside them, the
 untraced passes' max/min as the noise they are read against, and the ratio the engine's books account for,
-:func:`booked`, and the same per-round reading of the seconds each pass booked to the scheduler's ``run_batch``:
-the engine's own steps, without the client and the scheduler's loop around them), and every pass's tokens are
-compared with the captured pass's. Each full and sampled pass is
-also divided by the untraced pass of its own round: the median of those ratios, its 95 % interval
-(:func:`median_interval`) and their range, and the target column reads that interval against the issue's lines
-(:data:`FULL_LIMIT`, :data:`SAMPLED_LIMIT`): within, over, or undecided (more rounds decide). Trace bytes per verify step are the written Arrow trace's size over
-its steps. ``--diff`` also judges each captured trace (replay, the GPU reference when one is visible; steps per second) and the
+:func:`booked`), and every pass's tokens are compared with the captured pass's. Each full and sampled pass is
+also divided by the untraced pass of its own round (:func:`readings`): the median of those ratios, its 95 %
+interval (:func:`median_interval`) and their range; the target column reads that interval against the issue's
+lines (:data:`FULL_LIMIT`, :data:`SAMPLED_LIMIT`): within, over, or undecided (more rounds decide). The seconds
+each pass booked to the scheduler's ``run_batch`` (the engine's own steps, without the client and the scheduler's
+loop around them) get the same per-round reading. Trace bytes per verify step are the written Arrow trace's size
+over its steps. ``--diff`` also judges each captured trace (replay, the GPU reference when one is visible; steps per second) and the
 sampled pass's trace, assembled from the same capture directory (its verdict beside the full one's).
 ``--round-budget`` stops a cell's timing rounds once that many seconds have passed (after three rounds), so
 with a large ``--repeats`` a cell of short passes gets many rounds and one of long passes few; ``--no-full`` leaves
@@ -27,9 +27,10 @@ the full-capture pass out of the rounds (an untraced and a sampled pass each: mo
 ratio is then the captured pass's alone).
 ``--cells`` names the cells to run, in order, instead of the product of the three lists; ``--deadline``
 starts no cell once that many seconds have passed since the script began (for a device call's time limit),
-listing the cells left in the JSON's last row. Writes ``OUT/capture_cost.json`` (rows, as they finish) and ``OUT/capture_cost.md`` (the table);
-``--reread`` prints the table of earlier runs' JSON with the per-round reading recomputed from their passes. Workloads:
-``one`` (the first built-in prompt), ``mixed`` (refcheck's 32 mixed requests, all at once).
+listing the cells left in the JSON's last row. Writes ``OUT/capture_cost.json`` (rows, as they finish) and
+``OUT/capture_cost.md`` (the table); ``--reread`` prints the table of earlier runs' JSON with the per-round readings
+recomputed from their passes. Workloads: ``one`` (the first built-in prompt), ``mixed`` (refcheck's 32 mixed
+requests, all at once).
 """
 
 from __future__ import annotations
@@ -153,13 +154,8 @@ def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff
             "untraced_spread": _ratio(max(passes["untraced"], default=None), min(passes["untraced"], default=None)),
             "overhead_full": _ratio(full, untraced), "overhead_sampled": _ratio(sampled, untraced),
             "overhead_captured": _ratio(st.get("generate_s"), untraced),
-            "per_round": (rounds := {kind: per_round(passes[kind], passes["untraced"]) for kind in ("full", "sampled")}),
-            "target": {"full": against(rounds["full"], FULL_LIMIT[graphs]),
-                       "sampled": against(rounds["sampled"], SAMPLED_LIMIT)},
+            **readings(passes, costs, graphs),
             "booked": {kind: booked(costs, kind, len(passes[kind]), untraced) for kind in ("full", "sampled")},
-            "per_round_run_batch": {kind: per_round((costs.get(kind) or {}).get("run_batch_s") or [],
-                                                    (costs.get("untraced") or {}).get("run_batch_s") or [])
-                                    for kind in ("full", "sampled")},
             "tokens_same_untraced": st.get("repeats_match"), "tokens_same_sampled": st.get("sampled_match"),
             "tokens_same_full": st.get("full_match"),
             "graphed_steps": (cap.get("stats") or {}).get("cuda_graph_steps"),
@@ -174,22 +170,24 @@ def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff
             "pass_costs": costs, "drain_s": st.get("drain_s"), **(diff or {})}
 
 
+def readings(passes: dict[str, list[float]], costs: dict[str, Any], graphs: bool) -> dict[str, Any]:
+    """A cell's per-round readings: the full and sampled passes' wall times over their rounds' untraced ones
+    (``per_round``), the same for the seconds each pass booked to ``run_batch`` (``per_round_run_batch``, from the
+    kinds' ``pass_costs``), and the wall-time reading against the targets (``target``, :func:`against`)."""
+    kinds = ("full", "sampled")
+    rounds = {kind: per_round(passes.get(kind) or [], passes.get("untraced") or []) for kind in kinds}
+    steps = {kind: per_round((costs.get(kind) or {}).get("run_batch_s") or [],
+                             (costs.get("untraced") or {}).get("run_batch_s") or []) for kind in kinds}
+    return {"per_round": rounds, "per_round_run_batch": steps,
+            "target": {"full": against(rounds["full"], FULL_LIMIT[graphs]),
+                       "sampled": against(rounds["sampled"], SAMPLED_LIMIT)}}
+
+
 def reread(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows of an earlier run's JSON with their per-round ratios and target reading recomputed from the passes they
-    hold (rows without passes, such as a deadline's list of cells not run, are left out)."""
-    out = []
-    for r in rows:
-        passes = r.get("passes")
-        if not isinstance(passes, dict) or "graphs" not in r:
-            continue
-        rounds = {kind: per_round(passes.get(kind) or [], passes.get("untraced") or []) for kind in ("full", "sampled")}
-        costs = r.get("pass_costs") or {}
-        steps = {kind: per_round((costs.get(kind) or {}).get("run_batch_s") or [],
-                                 (costs.get("untraced") or {}).get("run_batch_s") or []) for kind in ("full", "sampled")}
-        out.append({**r, "per_round": rounds, "per_round_run_batch": steps,
-                    "target": {"full": against(rounds["full"], FULL_LIMIT[bool(r["graphs"])]),
-                               "sampled": against(rounds["sampled"], SAMPLED_LIMIT)}})
-    return out
+    """Rows of an earlier run's JSON with their :func:`readings` recomputed from the passes and books they hold
+    (rows without passes, such as a deadline's list of cells not run, are left out)."""
+    return [{**r, **readings(r["passes"], r.get("pass_costs") or {}, bool(r["graphs"]))} for r in rows
+            if isinstance(r.get("passes"), dict) and "graphs" in r]
 
 
 @functools.cache

@@ -106,10 +106,10 @@ def _passes(engine: Any, job: dict, passes: list[list[str]]) -> None:
 #: rounds a timing budget lets run whatever it is (a median of three at least)
 MIN_TIMED_ROUNDS = 3
 
-#: kind of timing pass -> (the job's key for its passes' rids, the result's keys for their wall times and for whether
-#: they gave the captured outputs)
 #: the cost ledger's fields that together hold the scheduler's ``run_batch`` wall time, every batch of a pass
 STEP_FIELDS = ("plain_ns", "recorded_ns", "plain_prefill_ns", "prefill_ns")
+#: kind of timing pass -> (the job's key for its passes' rids, the result's keys for their wall times and for whether
+#: they gave the captured outputs)
 TIMING_KINDS = {"untraced": ("timing_rids", "repeat_generate_s", "repeats_match"),
                 "sampled": ("sampled_rids", "sampled_generate_s", "sampled_match"),
                 "full": ("full_rids", "full_generate_s", "full_match")}

@@ -231,9 +231,9 @@ class SGLangRunner:
         self.timing_repeats = timing_repeats  # warm, untraced generates after the captured one (sweep tok/s)
         self.timing_budget_s = timing_budget(timing_budget_s)  # no timing round starts past it
         # the captured pass records 1 batch in N, decode and prefill (full: every one); with a sampled timing rule
-        # each timing round also runs a pass under that rule and a full-capture pass (_cost_passes)
+        # each timing round also runs a pass under that rule and, with full_timing, a full-capture pass (_cost_passes)
         self.sample, self.sampled_timing = _sample_rules(capture_sample, sampled_timing)
-        self.full_timing = full_timing  # with a sampled timing rule: a full-capture pass in each round too
+        self.full_timing = full_timing
         tdir, ddir = spec.resolved_dirs()
         cfg = checkpoint_config(tdir)  # the refusals below ask the target's config, read once
         text_cfg = text_config_of(cfg)

@@ -104,8 +104,8 @@ class Counters:
         return self.values["lost"]
 
     def add(self, **amounts: int) -> None:
-        """Add to the named fields (integers) and publish them (one aligned 8-byte memory write per field: a reader sees each
-        field whole; the hooks call this at every batch, so only the fields that change are written)."""
+        """Add to the named fields (integers) and publish them: one aligned 8-byte memory write per field, so a reader
+        sees each field whole; the hooks call this at every batch, so only the fields that change are written."""
         values, mapped, pack, offset = self.values, self._map, _FIELD.pack_into, _OFFSET
         with self._lock:
             for name, amount in amounts.items():
