@@ -13,8 +13,11 @@ every record is written (shipping and the writer together). The tensors are on t
 not in it; on the GPU the same parts are the cost ledger's ``ship`` and ``writer_ms_per_record``
 (``docs/results/capture-cost-h200.md``). ``pass us/batch`` is what the capture hooks cost a decode batch of 1 and of
 32 traced requests that the sampling rule passes over (``hooks._run_batch`` around a step that does nothing; the
-ledger's ``passed_ms_per_plain_batch`` on the GPU). With ``--vs`` each round runs this checkout's refcheck and the
-other one's, in turn, in fresh processes, and prints the ratios (this / other) of the medians.
+ledger's ``passed_ms_per_plain_batch`` on the GPU). ``torch calls`` is how many calls into torch the hooks make on
+the engine's thread per recorded DFLASH batch on the graphed path (:func:`calls_per_batch`: the tests' stand-ins,
+each graph replay counted as its launch and input copies), what the scheduler's thread pays per call on the GPU.
+With ``--vs`` each round runs this checkout's refcheck and the other one's, in turn, in fresh processes, and prints
+the ratios (this / other) of the medians.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,10 +105,60 @@ def pass_over(requests: int, batches: int = 3000) -> float:
     return 1e6 * (time.perf_counter() - t0) / batches
 
 
+def calls_per_batch(root: Path = ROOT, graphed: bool = True) -> float:
+    """Calls into torch the capture hooks make on the engine's thread per recorded DFLASH decode batch: ``root``'s
+    ``tests/capture_kit.py`` stand-ins (four batches of 2-3 requests, on the CPU), each call counted whose caller is
+    refcheck's code, the records' reading left out. ``graphed``: through the graph caches, each cache's computation
+    counted as what its replay costs on the GPU (one copy per input and one launch); else the eager path."""
+    import pytest
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    sys.path.insert(0, str(root / "tests"))
+    import capture_kit
+
+    from refcheck.sglang.capture import graphs, records
+
+    package, count, quiet = str(root / "refcheck"), [0], [0]
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if not quiet[0] and sys._getframe(1).f_code.co_filename.startswith(package):
+                count[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    def replayed(cache: Any, key: Any, fn: Any, *inputs: torch.Tensor) -> Any:
+        count[0] += 1 + len(inputs)
+        quiet[0] += 1
+        try:
+            return fn(*inputs)
+        finally:
+            quiet[0] -= 1
+
+    read = records.read_capture
+
+    def unread(root_dir: Any) -> Any:
+        quiet[0] += 1
+        try:
+            return read(root_dir)
+        finally:
+            quiet[0] -= 1
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(graphs.GraphCache, "run", replayed)
+        mp.setattr(records, "read_capture", unread)
+        with Count():
+            steps = capture_kit.dflash_batches(Path(tempfile.mkdtemp(prefix="refcheck-calls-")), mp, graphed, "cpu")
+    if len(steps) != 10:
+        raise RuntimeError(f"the stand-in DFLASH batches recorded {len(steps)} steps, not 10")
+    return count[0] / 4
+
+
 def _child(root: Path, records: int) -> dict[str, float]:
     code = (f"import sys, json; sys.path.insert(0, {str(root)!r}); sys.path.insert(1, {str(ROOT / 'scripts')!r}); "
-            f"import bench_capture_ship as b; print(json.dumps({{**b.measure({records}), "
-            f"'pass_us_1': b.pass_over(1), 'pass_us_32': b.pass_over(32)}}))")
+            f"import bench_capture_ship as b; from pathlib import Path; print(json.dumps({{**b.measure({records}), "
+            f"'pass_us_1': b.pass_over(1), 'pass_us_32': b.pass_over(32), "
+            f"'calls': b.calls_per_batch(Path({str(root)!r}))}}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -124,12 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.rounds):
         for name, root in trees:
             runs[name].append(_child(root, args.records))
-    keys = ("ship_ms", "cpu_ms", "pass_us_1", "pass_us_32")
+    keys = ("ship_ms", "cpu_ms", "pass_us_1", "pass_us_32", "calls")
     med = {name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in runs.items()}
     for name, m in med.items():
         print(f"{name}: ship {m['ship_ms']:.3f} ms/record, cpu {m['cpu_ms']:.3f} ms/record "
               f"(median of {args.rounds} x {args.records} records); pass-over {m['pass_us_1']:.1f} us/batch at 1 "
-              f"request, {m['pass_us_32']:.1f} at 32")
+              f"request, {m['pass_us_32']:.1f} at 32; {m['calls']:.1f} torch calls per recorded DFLASH batch (graphed)")
     if "other" in med:
         print("this / other: " + ", ".join(f"{k} {med['this'][k] / med['other'][k]:.2f}" for k in keys))
     return 0

@@ -51,3 +51,17 @@ def test_pass_over_times_batches_the_rule_passes_over(tmp_path, monkeypatch):
     assert hooks._clock.batches == 150 and len(hooks._clock) == 3
     cap = read_capture(tmp_path)
     assert not cap.errors and not cap.steps.get(0)
+
+
+def test_calls_per_batch_counts_the_hooks_torch_calls_on_the_engines_thread():
+    """bench_capture_ship.calls_per_batch: the same count every run (the stand-ins are seeded, the writer thread's
+    calls are not the engine's); a graph cache's computation counts as its replay (one launch and a copy per input),
+    so the eager path, whose every call is counted, makes more."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_capture_ship as bench
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    first, second = bench.calls_per_batch(), bench.calls_per_batch()
+    assert first == second and 50 < first < 1000, (first, second)
+    assert bench.calls_per_batch(graphed=False) > first + 50
