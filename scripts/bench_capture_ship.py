@@ -2,7 +2,7 @@
 
 Usage::
 
-    python scripts/bench_capture_ship.py [--records 400] [--rounds 3] [--vs OTHER_REPO_ROOT]
+    python scripts/bench_capture_ship.py [--records 400] [--rounds 3] [--drag] [--vs OTHER_REPO_ROOT]
 
 Builds ``--records`` batch records shaped like a DFLASH step of 32 requests at block 16 (the verify summary, the
 committed state of 2 attention and 4 linear-attention layers, the drafter's top ranks and context, the per-request
@@ -16,8 +16,10 @@ not in it; on the GPU the same parts are the cost ledger's ``ship`` and ``writer
 ledger's ``passed_ms_per_plain_batch`` on the GPU). ``torch calls`` is how many calls into torch the hooks make on
 the engine's thread per recorded DFLASH batch on the graphed path (:func:`calls_per_batch`: the tests' stand-ins,
 each graph replay counted as its launch and input copies), what the scheduler's thread pays per call on the GPU.
-With ``--vs`` each round runs this checkout's refcheck and the other one's, in turn, in fresh processes, and prints
-the ratios (this / other) of the medians.
+``--drag`` also times stand-in scheduler batches (Python holding the interpreter lock, then a wait releasing it)
+with one record in 16 shipped (:func:`writer_drag`): whether the writer thread slows the batches after a recorded
+one. With ``--vs`` each round runs this checkout's refcheck and the other one's, in turn, in fresh processes, and
+prints the ratios (this / other) of the medians.
 """
 
 from __future__ import annotations
@@ -154,11 +156,47 @@ def calls_per_batch(root: Path = ROOT, graphed: bool = True) -> float:
     return count[0] / 4
 
 
-def _child(root: Path, records: int) -> dict[str, float]:
+def _engine_batch(python_us: float, wait_s: float) -> None:
+    """A stand-in scheduler step: ``python_us`` of Python holding the interpreter lock, then a wait that releases it
+    (the device's work)."""
+    t0 = time.perf_counter()
+    while (time.perf_counter() - t0) * 1e6 < python_us:
+        sum(range(50))
+    time.sleep(wait_s)
+
+
+DRAG_KEYS = ("untraced_ms", "ships_ms", "after_ms", "rest_ms")
+
+
+def writer_drag(batches: int = 640, every: int = 16, python_us: float = 1500.0, wait_s: float = 0.002) -> dict[str, float]:
+    """Whether the writer thread slows the engine's thread: stand-in batches (:func:`_engine_batch`) with no capture,
+    then with one DFLASH-sized record shipped at the start of one batch in ``every``; the mean ms of a batch without
+    capture, of a batch that ships, of the batch after it (the record being written meanwhile) and of the rest."""
+    import torch
+
+    from refcheck.sglang.capture.records import Recorder
+
+    torch.set_num_threads(1)
+    rec = Recorder(Path(tempfile.mkdtemp(prefix="refcheck-drag-")))
+    made = [_record() for _ in range(batches // every + 1)]
+    plain, by_place = [], [[] for _ in range(every)]
+    for g in range(2 * batches):
+        t0 = time.perf_counter()
+        if g >= batches and (g - batches) % every == 0:
+            rec.ship("batch", *made[(g - batches) // every])
+        _engine_batch(python_us, wait_s)
+        (plain if g < batches else by_place[(g - batches) % every]).append(time.perf_counter() - t0)
+    if not rec.shipper.drain(60.0):
+        raise RuntimeError("the writer did not write every record within 60 s")
+    means = [plain, by_place[0], by_place[1], [x for place in by_place[2:] for x in place]]
+    return {key: 1000 * statistics.mean(xs) for key, xs in zip(DRAG_KEYS, means)}
+
+
+def _child(root: Path, records: int, drag: bool) -> dict[str, float]:
     code = (f"import sys, json; sys.path.insert(0, {str(root)!r}); sys.path.insert(1, {str(ROOT / 'scripts')!r}); "
             f"import bench_capture_ship as b; from pathlib import Path; print(json.dumps({{**b.measure({records}), "
             f"'pass_us_1': b.pass_over(1), 'pass_us_32': b.pass_over(32), "
-            f"'calls': b.calls_per_batch(Path({str(root)!r}))}}))")
+            f"'calls': b.calls_per_batch(Path({str(root)!r})), **(b.writer_drag() if {drag} else {{}})}}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -168,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--records", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--vs", type=Path, default=None, help="Another checkout's root: its refcheck, run in turn.")
+    ap.add_argument("--drag", action="store_true", help="Also time the writer thread's drag on stand-in batches.")
     args = ap.parse_args(argv)
     if args.records < 1 or args.rounds < 1:
         ap.error("--records and --rounds must be >= 1")
@@ -177,13 +216,17 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
     for _ in range(args.rounds):
         for name, root in trees:
-            runs[name].append(_child(root, args.records))
-    keys = ("ship_ms", "cpu_ms", "pass_us_1", "pass_us_32", "calls")
+            runs[name].append(_child(root, args.records, args.drag))
+    keys = ("ship_ms", "cpu_ms", "pass_us_1", "pass_us_32", "calls") + (DRAG_KEYS if args.drag else ())
     med = {name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in runs.items()}
     for name, m in med.items():
         print(f"{name}: ship {m['ship_ms']:.3f} ms/record, cpu {m['cpu_ms']:.3f} ms/record "
               f"(median of {args.rounds} x {args.records} records); pass-over {m['pass_us_1']:.1f} us/batch at 1 "
               f"request, {m['pass_us_32']:.1f} at 32; {m['calls']:.1f} torch calls per recorded DFLASH batch (graphed)")
+        if args.drag:
+            print(f"{name}: stand-in batch {m['untraced_ms']:.3f} ms untraced; 1 in 16 recorded: {m['ships_ms']:.3f} "
+                  f"shipping, {m['after_ms']:.3f} the batch after (its record written meanwhile), {m['rest_ms']:.3f} "
+                  "the rest")
     if "other" in med:
         print("this / other: " + ", ".join(f"{k} {med['this'][k] / med['other'][k]:.2f}" for k in keys))
     return 0

@@ -65,3 +65,20 @@ def test_calls_per_batch_counts_the_hooks_torch_calls_on_the_engines_thread():
     first, second = bench.calls_per_batch(), bench.calls_per_batch()
     assert first == second and 50 < first < 1000, (first, second)
     assert bench.calls_per_batch(graphed=False) > first + 50
+
+
+def test_writer_drag_times_each_place_of_a_batch_against_the_16th_that_ships(monkeypatch, tmp_path):
+    """bench_capture_ship.writer_drag: stand-in batches without capture, then with one record shipped in ``every``;
+    every record is written, and each place's mean is the stand-in batch's length or more."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_capture_ship as bench
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    monkeypatch.setattr(bench.tempfile, "mkdtemp", lambda prefix="": str(tmp_path))
+    got = bench.writer_drag(batches=16, every=4, python_us=100.0, wait_s=0.0005)
+    assert set(got) == set(bench.DRAG_KEYS) and all(v >= 0.6 for v in got.values()), got
+    from refcheck.sglang.capture.records import read_capture
+
+    cap = read_capture(tmp_path)
+    assert not cap.errors and len(cap.steps[0]) == 4 * 32  # four records of 32 requests

@@ -330,3 +330,26 @@ def test_shipping_a_record_costs_the_engines_thread_two_tensor_calls_per_tensor(
     assert n == 21 and sorted(set(calls)) == ["TensorBase.ravel", "TensorBase.view", "_VariableFunctionsClass.cat",
                                               "_VariableFunctionsClass.empty"]
     assert len(calls) == 2 * n + 2, calls
+
+
+def test_a_collection_inside_the_ledgers_lock_books_itself_without_waiting_for_that_lock(tmp_path):
+    """The garbage collector runs in whichever thread allocates, the ledger's own ``add`` included (its lock held):
+    the collection's booking must not wait for that lock, or the thread deadlocks on itself (seen: the writer
+    thread, and the engine's thread after it, hung in ``add``). A thread holds the lock and collects; it finishes,
+    and the collection is booked."""
+    import gc
+
+    from refcheck.sglang.capture.shipper import read_fields
+
+    shipper = Shipper(lambda kind, data: None, lambda where, msg: None, tmp_path / "queue-rank0-pid1.bin")
+    done = threading.Event()
+
+    def collect_holding_the_lock() -> None:
+        with shipper.counts._lock:
+            gc.collect()
+        done.set()
+
+    threading.Thread(target=collect_holding_the_lock, daemon=True).start()
+    assert done.wait(10.0), "a collection inside Counters.add's lock deadlocked its thread"
+    fields = read_fields(tmp_path / "queue-rank0-pid1.bin")
+    assert fields["gc_collections"] >= 1 and fields["gc_ns"] > 0

@@ -106,11 +106,20 @@ class Counters:
     def add(self, **amounts: int) -> None:
         """Add to the named fields (integers) and publish them: one aligned 8-byte memory write per field, so a reader
         sees each field whole; the hooks call this at every batch, so only the fields that change are written."""
-        values, mapped, pack, offset = self.values, self._map, _FIELD.pack_into, _OFFSET
         with self._lock:
-            for name, amount in amounts.items():
-                value = values[name] = values[name] + amount
-                pack(mapped, offset[name], value)
+            self._publish(amounts)
+
+    def add_unlocked(self, **amounts: int) -> None:
+        """:meth:`add` without the lock, for the garbage collector's callback alone: its fields are written by no one
+        else, collections run one at a time, and one may run in a thread that holds the lock (inside :meth:`add`,
+        wherever it allocates), which would wait on itself for ever."""
+        self._publish(amounts)
+
+    def _publish(self, amounts: dict[str, int]) -> None:
+        values, mapped, pack, offset = self.values, self._map, _FIELD.pack_into, _OFFSET
+        for name, amount in amounts.items():
+            value = values[name] = values[name] + amount
+            pack(mapped, offset[name], value)
 
 
 def read_fields(path: Path) -> dict[str, int]:
@@ -190,7 +199,7 @@ def wait_drained(root: Path, timeout_s: float = 60.0, poll_s: float = 0.01) -> d
 
 class _CollectionBooks:
     """The process's garbage collections in the ledger of its latest :class:`Shipper` (one ``gc.callbacks`` entry
-    per process, whichever thread collects)."""
+    per process, whichever thread collects; booked without the ledger's lock, :meth:`Counters.add_unlocked`)."""
 
     def __init__(self) -> None:
         self.counts: Counters | None = None
@@ -200,7 +209,7 @@ class _CollectionBooks:
         if phase == "start":
             self._t0 = time.perf_counter_ns()
         elif self.counts is not None and self._t0:
-            self.counts.add(gc_ns=time.perf_counter_ns() - self._t0, gc_collections=1)
+            self.counts.add_unlocked(gc_ns=time.perf_counter_ns() - self._t0, gc_collections=1)
             self._t0 = 0
 
 
