@@ -29,11 +29,11 @@ class Batch:
     rids: list[str]
     # the rest is read only for a batch that records (the hooks' snapshot)
     committed: list[int] = field(default_factory=list)  # decode: tokens with KV before the step (the root's position)
-    roots: list[int] = field(default_factory=list)
-    prompt_lens: list[int] = field(default_factory=list)
-    fill_lens: list[int] = field(default_factory=list)
-    pool_rows: torch.Tensor | None = None  # [bs] the requests' rows of req_to_token, on the device
-    topk: int | None = None
+    roots: list[int] = field(default_factory=list)  # decode
+    prompt_lens: list[int] = field(default_factory=list)  # prefill
+    fill_lens: list[int] = field(default_factory=list)  # prefill: the prompt tokens filled once this chunk has run
+    pool_rows: torch.Tensor | None = None  # decode: [bs] the requests' rows of req_to_token, on the device
+    topk: int | None = None  # decode
     take: list[int] = field(default_factory=list)  # batch rows recorded at this step
     steps: list[int] = field(default_factory=list)  # their step numbers
     index: torch.Tensor | None = None  # ``take`` on the device (None: every row)

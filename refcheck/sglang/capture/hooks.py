@@ -204,10 +204,12 @@ def _snapshot(scheduler: Any, batch: Any) -> Batch | str:
     snap = Batch(mode=mode, speculative=not batch.spec_algorithm.is_none(), rids=rids, take=take, steps=steps)
     if mode == "decode" and len(take) < len(rids):
         snap.index = device_index(take, rows.device if isinstance(rows, torch.Tensor) else "cpu")
+    if mode == "extend":  # what a prefill record needs: whose prompt this chunk finishes
+        snap.prompt_lens = [len(r.origin_input_ids) for r in reqs]
+        snap.fill_lens = [len(getattr(r, "fill_ids", None) or r.origin_input_ids) for r in reqs]
+        return snap
     snap.committed = [len(r.origin_input_ids) + len(r.output_ids) - 1 for r in reqs]
     snap.roots = [int(r.output_ids[-1]) if r.output_ids else -1 for r in reqs]
-    snap.prompt_lens = [len(r.origin_input_ids) for r in reqs]
-    snap.fill_lens = [len(getattr(r, "fill_ids", None) or r.origin_input_ids) for r in reqs]
     snap.pool_rows = rows.detach().clone() if isinstance(rows, torch.Tensor) else None
     snap.topk = versions.server_topk(scheduler)
     return snap
