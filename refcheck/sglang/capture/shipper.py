@@ -23,8 +23,9 @@ thread's CPU time on the records it wrote (its wait for a record's copy left out
 recorded ones (``recorded``: the whole batch, the hooks' own time within it, and that time by part,
 :data:`PARTS`), the hooks' own time before a plain batch (``passed``: deciding to pass it over), prefill batches
 recorded (``prefill``: the whole batch and the hooks' share) and run unrecorded (``plain_prefill``), and the
-process's garbage collections (``gc``: their count and time, whichever thread ran them), in nanoseconds; the
-hooks add to it with :meth:`Counters.add`.
+process's garbage collections (``gc``: their count and time, whichever thread ran them; booked without the
+ledger's lock, since a collection may start inside :meth:`Counters.add`), in nanoseconds; the hooks add to it with
+:meth:`Counters.add`.
 """
 
 from __future__ import annotations
