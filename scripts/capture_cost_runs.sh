@@ -1,0 +1,39 @@
+#!/bin/bash
+# What capture costs SGLang, in one device call: the capture's GPU tests, then scripts/capture_cost.py, packed
+# into one file (a device call brings back at most eight).
+#
+#   scripts/capture_cost_runs.sh OUT SECONDS [capture_cost.py arguments ...]
+#
+# Run it through scripts/sglang_bundle.sh run (SGLang 0.5.17 offline), alone on the GPU. First the GPU tests named
+# by GPU_TESTS (a pytest -k expression; default: the capture hooks' host synchronisation and their CUDA graphs
+# against eager; GPU_TESTS= skips them), at most TESTS_S seconds (default 120), into OUT/gpu-tests.txt. Then
+# `capture_cost.py --out OUT/cost ARGUMENTS`, killed SECONDS after this script began if still running (the cells
+# it finished are in its JSON: it writes each as it ends), into OUT/log.txt; with fewer than MIN_S seconds (default
+# 30) left after the tests, no measurement starts. Last, OUT/capture-cost.tgz packs
+# both logs, capture_cost.json and .md, and each cell's job.json and result.json. Exit: capture_cost.py's (124
+# when killed), 2 for bad arguments.
+set -uo pipefail
+out=${1:-}; seconds=${2:-}
+if [ -z "$out" ] || ! [[ "$seconds" =~ ^[0-9]+$ ]]; then
+  echo "capture_cost_runs.sh: usage: capture_cost_runs.sh OUT SECONDS [capture_cost.py arguments ...]" >&2; exit 2
+fi
+shift 2
+start=$(date +%s)
+mkdir -p "$out/cost"
+tests=${GPU_TESTS-no_host_sync or same_from or cuda_graph_equals}
+if [ -n "$tests" ]; then
+  timeout "${TESTS_S:-120}" python3 -m pytest -o addopts= -q -p no:cacheprovider -m gpu tests/test_gpu.py \
+    -k "$tests" >"$out/gpu-tests.txt" 2>&1
+  echo "exit $?" >>"$out/gpu-tests.txt"
+fi
+left=$(( seconds - ($(date +%s) - start) ))
+if [ "$left" -lt "${MIN_S:-30}" ]; then
+  echo "capture_cost_runs.sh: $left s left after the GPU tests: no measurement" >"$out/log.txt"; rc=124
+else
+  REFCHECK_SGLANG_START_LOCK=${REFCHECK_SGLANG_START_LOCK:-/tmp/sgl.lock} timeout "$left" \
+    python3 scripts/capture_cost.py --out "$out/cost" "$@" >"$out/log.txt" 2>&1
+  rc=$?
+fi
+(cd "$out" && tar czf capture-cost.tgz log.txt \
+   $(ls gpu-tests.txt cost/capture_cost.json cost/capture_cost.md cost/*/job.json cost/*/result.json 2>/dev/null))
+exit "$rc"

@@ -1,0 +1,63 @@
+"""scripts/capture_cost_runs.sh on the CPU, with a stand-in python3 on PATH: bad arguments, what it packs, and a
+measurement killed at its time limit with what it wrote kept."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "capture_cost_runs.sh"
+
+# a stand-in for `python3 scripts/capture_cost.py --out DIR ...`: writes one cell's files, then sleeps SLEEP seconds
+FAKE = """#!/bin/bash
+out=$3
+mkdir -p "$out/dflash-graphs-mixed"
+echo '[]' > "$out/capture_cost.json"
+echo '{}' > "$out/dflash-graphs-mixed/job.json"
+echo "args: $*"
+sleep "${SLEEP:-0}"
+echo '| table |' > "$out/capture_cost.md"
+"""
+
+
+def _run(tmp_path: Path, *args: str, sleep: str = "0", min_s: str = "30") -> subprocess.CompletedProcess:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "python3").write_text(FAKE)
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "GPU_TESTS": "", "SLEEP": sleep, "MIN_S": min_s}
+    return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("args", [[], ["OUT"], ["OUT", "ten"]])
+def test_bad_arguments_are_exit_2(tmp_path, args):
+    got = _run(tmp_path, *args)
+    assert got.returncode == 2 and "usage: capture_cost_runs.sh OUT SECONDS" in got.stderr
+
+
+def test_a_finished_measurement_is_packed_with_its_log(tmp_path):
+    """The cells' files and the log, under the names the results take; the arguments reach capture_cost.py."""
+    got = _run(tmp_path, str(tmp_path / "o"), "60", "--cells", "DFLASH:on:mixed")
+    assert got.returncode == 0, got.stderr
+    with tarfile.open(tmp_path / "o" / "capture-cost.tgz") as tar:
+        names = sorted(tar.getnames())
+        log = tar.extractfile("log.txt").read().decode()
+    assert names == ["cost/capture_cost.json", "cost/capture_cost.md", "cost/dflash-graphs-mixed/job.json", "log.txt"]
+    assert f"--out {tmp_path / 'o' / 'cost'} --cells DFLASH:on:mixed" in log
+
+
+def test_a_measurement_past_its_seconds_is_killed_and_what_it_wrote_is_kept(tmp_path):
+    """Two seconds for a measurement that sleeps a minute after writing its JSON: killed (124), the JSON and the
+    cell's job packed; with less than MIN_S left, none starts."""
+    got = _run(tmp_path, str(tmp_path / "o"), "2", sleep="60", min_s="1")
+    assert got.returncode == 124
+    with tarfile.open(tmp_path / "o" / "capture-cost.tgz") as tar:
+        assert sorted(tar.getnames()) == ["cost/capture_cost.json", "cost/dflash-graphs-mixed/job.json", "log.txt"]
+    none = _run(tmp_path, str(tmp_path / "p"), "5", min_s="30")
+    assert none.returncode == 124
+    assert "left after the GPU tests: no measurement" in (tmp_path / "p" / "log.txt").read_text()
