@@ -235,7 +235,7 @@ def test_a_timing_budget_stops_starting_rounds_once_spent_after_the_minimum(tmp_
     monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(tmp_path))
     outputs = [[5, 6, 7], [8, 9]]
     clock = [0.0]
-    monkeypatch.setattr(child.time, "time", lambda: clock[0])
+    monkeypatch.setattr(child.time, "perf_counter", lambda: clock[0])
 
     def run(budget, seconds_per_pass):
         engine = _Engine(Counters(tmp_path / f"queue-rank0-pid{budget}-{seconds_per_pass}.bin"), outputs)

@@ -126,17 +126,17 @@ def interleaved(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[st
     kinds = [kind for kind, passes in plans.items() if passes]
     got: dict[str, dict[str, Any]] = {kind: {"times": [], "match": True, "books": {}, "run_batch_s": []}
                                       for kind in kinds}
-    budget, start = job.get("timing_budget_s"), time.time()
+    budget, start = job.get("timing_budget_s"), time.perf_counter()
     before = _ledger()  # the ledger as the next pass finds it (each pass's end is the next one's start)
     for r in range(max((len(plans[k]) for k in kinds), default=0)):
-        if budget is not None and r >= MIN_TIMED_ROUNDS and time.time() - start > budget:
+        if budget is not None and r >= MIN_TIMED_ROUNDS and time.perf_counter() - start > budget:
             break
         for kind in kinds[r % len(kinds):] + kinds[: r % len(kinds)]:
             if r >= len(plans[kind]):
                 continue
-            t0 = time.time()
+            t0 = time.perf_counter()
             again = _outputs(generate(engine, job, plans[kind][r]))
-            got[kind]["times"].append(time.time() - t0)
+            got[kind]["times"].append(time.perf_counter() - t0)
             if kind != "untraced":
                 _drained()  # its records written before the next pass is timed
             after, books = _ledger(), got[kind]["books"]
@@ -211,34 +211,34 @@ def main(job_path: str) -> int:
         _write(result, {"stage": "failed", "failed_at": "import", "error": summarise_error(exc)})
         return 3
     version = str(getattr(sglang, "__version__", "unknown"))
-    t0 = time.time()
+    t0 = time.perf_counter()
     try:
         engine = sglang.Engine(**job["engine_kwargs"])
     except Exception as exc:  # noqa: BLE001 - reported to the runner, which raises a typed error
         _write(result, {"stage": "failed", "failed_at": "start", "error": summarise_error(exc), "sglang": version})
         return 4
-    start_s = time.time() - t0
+    start_s = time.perf_counter() - t0
     _write(result, {"stage": "started", "start_s": start_s, "sglang": version})
     code = 0
     try:
         warm: dict[str, Any] = {}
         if job.get("warmup_rids"):  # untraced: compiles kernels (and, with the radix cache, fills it) first
-            t0 = time.time()
+            t0 = time.perf_counter()
             warm_out = _outputs(generate(engine, job, job["warmup_rids"]))
-            warm = {"warmup_generate_s": time.time() - t0}
+            warm = {"warmup_generate_s": time.perf_counter() - t0}
         _passes(engine, job, [job["capture_warm_rids"]] if job.get("capture_warm_rids") else [])
         start = _ledger()
-        t1 = time.time()
+        t1 = time.perf_counter()
         out = generate(engine, job, job["rids"])
-        generate_s = time.time() - t1
+        generate_s = time.perf_counter() - t1
         outputs = _outputs(out)
         diffs: dict[str, list[list[int]]] = {}
         if warm:
             warm["warmup_match"] = warm_out == outputs
             diffs["warmup"] = first_differences(outputs, warm_out)
-        t2 = time.time()
+        t2 = time.perf_counter()
         behind = _drained()  # the captured pass's records written before the next pass is timed
-        drain_s = time.time() - t2
+        drain_s = time.perf_counter() - t2
         captured = _ledger()
         kinds = interleaved(engine, job, outputs, diffs)
         timing = _timing_result(kinds)
