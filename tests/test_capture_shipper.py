@@ -188,6 +188,10 @@ class _Engine:
         out = [list(o) for o in self.outputs]
         if rid[0] == self.differ:
             out[0][1] += 1
+        if rid[0] == "sampled1":  # a garbage collection in the client's process during this pass
+            import gc
+
+            gc.collect()
         return [{"output_ids": o} for o in out]
 
 
@@ -196,7 +200,7 @@ def test_timing_passes_run_interleaved_in_rotating_order_each_kind_with_its_own_
     kind runs first, second and third alike; each kind's books sum its own passes' ledger differences (the
     sampled pass's plain and recorded batches apart from the untraced passes'); an untraced pass that leaves the
     captured outputs is named with its first difference, and a kind with fewer passes drops out of later rounds;
-    each pass's seconds in run_batch are kept per pass."""
+    each pass's seconds in run_batch, and in the client process's garbage collections, are kept per pass."""
     from refcheck.sglang import child
     from refcheck.sglang.capture.shipper import Counters, ledger_summary
 
@@ -221,8 +225,14 @@ def test_timing_passes_run_interleaved_in_rotating_order_each_kind_with_its_own_
     # per pass, the seconds booked to run_batch: 4 plain batches of 2 ms; 3 of 2 and one recorded of 3; 4 of 3
     assert [got[k]["run_batch_s"] for k in ("untraced", "sampled", "full")] == \
         [[0.008] * 3, [0.009] * 3, [0.012] * 2]
+    # per pass, the client process's collections: only the second sampled pass collected
+    gcs = got["sampled"]["client_gc_s"]
+    assert len(gcs) == 3 and gcs[1] > 0, gcs
+    import gc
+
+    assert not any(isinstance(c, child._Collections) for c in gc.callbacks)  # installed for the passes only
     costs = child._pass_costs(child._ledger(), child._ledger(), got)
-    assert costs["sampled"] == {**sampled, "run_batch_s": [0.009] * 3}
+    assert costs["sampled"] == {**sampled, "run_batch_s": [0.009] * 3, "client_gc_s": [round(t, 6) for t in gcs]}
     assert costs["untraced"]["recorded_ms_per_batch"] is None
 
 

@@ -21,7 +21,8 @@ written every capture record they queued
 needed; ``capture_behind`` lists any that did not within a minute), so no pass is timed while an earlier pass's
 records are written; ``pass_costs`` holds what the captured pass and each kind of timing pass (summed over its
 passes) booked in the capture's cost ledger (per decode batch: ``run_batch``'s wall time and the
-hooks' share, by part; per timing pass, ``run_batch_s``: the seconds booked to ``run_batch`` in that pass). With
+hooks' share, by part; per timing pass, ``run_batch_s``: the seconds booked to ``run_batch`` in that pass, and
+``client_gc_s``: this process's garbage collections during it). With
 ``warmup_rids`` one untraced pass runs before the captured one (``warmup_generate_s``, ``warmup_match``), and
 with ``capture_warm_rids`` a captured pass whose records nobody reads (the capture's kernels load and its
 buffers grow before the timed passes; the child waits for its records to be written);
@@ -37,6 +38,7 @@ missing, 4 start-up failed, 5 generate failed.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -115,40 +117,71 @@ TIMING_KINDS = {"untraced": ("timing_rids", "repeat_generate_s", "repeats_match"
                 "full": ("full_rids", "full_generate_s", "full_match")}
 
 
+class _Collections:
+    """This process's garbage collections while installed (``gc.callbacks``): their total nanoseconds. SGLang's
+    tokenizer manager runs in this process, so a collection here delays a pass the engine itself did not slow."""
+
+    def __init__(self) -> None:
+        self.ns, self._t0 = 0, 0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter_ns()
+        elif self._t0:
+            self.ns += time.perf_counter_ns() - self._t0
+            self._t0 = 0
+
+    def __enter__(self) -> _Collections:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
 def interleaved(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The timing passes of every kind in :data:`TIMING_KINDS` the job holds, round r running pass r of each kind
     in the order rotated by r, within the job's ``timing_budget_s`` (module docstring). Per kind: ``times`` (wall
     seconds per pass), ``match`` (every pass gave ``outputs``), ``books`` (what its passes booked in the cost
-    ledger, summed) and ``run_batch_s`` (per pass, the seconds the ledger booked to the scheduler's ``run_batch``:
-    every decode and prefill batch, hooks included; empty when the engine does not capture); an untraced pass r's
-    first differences from ``outputs`` go to ``diffs`` as ``repeat{r}``."""
+    ledger, summed), ``run_batch_s`` (per pass, the seconds the ledger booked to the scheduler's ``run_batch``:
+    every decode and prefill batch, hooks included; empty when the engine does not capture) and ``client_gc_s``
+    (per pass, this process's garbage collections, :class:`_Collections`); an untraced pass r's first differences
+    from ``outputs`` go to ``diffs`` as ``repeat{r}``."""
     plans = {kind: job.get(key) or [] for kind, (key, _, _) in TIMING_KINDS.items()}
     kinds = [kind for kind, passes in plans.items() if passes]
-    got: dict[str, dict[str, Any]] = {kind: {"times": [], "match": True, "books": {}, "run_batch_s": []}
-                                      for kind in kinds}
+    got: dict[str, dict[str, Any]] = {kind: {"times": [], "match": True, "books": {}, "run_batch_s": [],
+                                             "client_gc_s": []} for kind in kinds}
     budget, start = job.get("timing_budget_s"), time.perf_counter()
     before = _ledger()  # the ledger as the next pass finds it (each pass's end is the next one's start)
-    for r in range(max((len(plans[k]) for k in kinds), default=0)):
-        if budget is not None and r >= MIN_TIMED_ROUNDS and time.perf_counter() - start > budget:
-            break
-        for kind in kinds[r % len(kinds):] + kinds[: r % len(kinds)]:
-            if r >= len(plans[kind]):
-                continue
-            t0 = time.perf_counter()
-            again = _outputs(generate(engine, job, plans[kind][r]))
-            got[kind]["times"].append(time.perf_counter() - t0)
-            if kind != "untraced":
-                _drained()  # its records written before the next pass is timed
-            after, books = _ledger(), got[kind]["books"]
-            for field, value in after.items():
-                books[field] = books.get(field, 0) + value - before.get(field, 0)
-            if after:
-                got[kind]["run_batch_s"].append(sum(after[f] - before.get(f, 0) for f in STEP_FIELDS) / 1e9)
-            before = after
-            got[kind]["match"] = got[kind]["match"] and again == outputs
-            if kind == "untraced":
-                diffs[f"repeat{r}"] = first_differences(outputs, again)
+    with _Collections() as client:
+        for r in range(max((len(plans[k]) for k in kinds), default=0)):
+            if budget is not None and r >= MIN_TIMED_ROUNDS and time.perf_counter() - start > budget:
+                break
+            for kind in kinds[r % len(kinds):] + kinds[: r % len(kinds)]:
+                if r < len(plans[kind]):
+                    before = _timed_pass(engine, job, outputs, diffs, kind, r, plans[kind][r], got[kind], before,
+                                         client)
     return got
+
+
+def _timed_pass(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[str, Any], kind: str, r: int,
+                rids: list[str], got: dict[str, Any], before: dict[str, int], client: _Collections) -> dict[str, int]:
+    """Pass ``r`` of ``kind`` (:func:`interleaved`), its results added to ``got``; returns the ledger after it."""
+    gc0, t0 = client.ns, time.perf_counter()
+    again = _outputs(generate(engine, job, rids))
+    got["times"].append(time.perf_counter() - t0)
+    got["client_gc_s"].append((client.ns - gc0) / 1e9)
+    if kind != "untraced":
+        _drained()  # its records written before the next pass is timed
+    after, books = _ledger(), got["books"]
+    for field, value in after.items():
+        books[field] = books.get(field, 0) + value - before.get(field, 0)
+    if after:
+        got["run_batch_s"].append(sum(after[f] - before.get(f, 0) for f in STEP_FIELDS) / 1e9)
+    got["match"] = got["match"] and again == outputs
+    if kind == "untraced":
+        diffs[f"repeat{r}"] = first_differences(outputs, again)
+    return after
 
 
 def _timing_result(kinds: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -191,7 +224,8 @@ def _pass_costs(start: dict[str, int], captured: dict[str, int], kinds: dict[str
         return {}
     return {"captured": ledger_between(start, captured),
             **{kind: {**ledger_summary(got["books"], got["books"].get("written", 0)),
-                      "run_batch_s": [round(t, 6) for t in got["run_batch_s"]]} for kind, got in kinds.items()}}
+                      "run_batch_s": [round(t, 6) for t in got["run_batch_s"]],
+                      "client_gc_s": [round(t, 6) for t in got["client_gc_s"]]} for kind, got in kinds.items()}}
 
 
 def _end_with_the_runner() -> None:
