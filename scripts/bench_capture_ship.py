@@ -16,7 +16,9 @@ not in it; on the GPU the same parts are the cost ledger's ``ship`` and ``writer
 ledger's ``passed_ms_per_plain_batch`` on the GPU). ``torch calls`` is how many calls into torch the hooks make on
 the engine's thread per recorded DFLASH batch on the graphed path (:func:`calls_per_batch`: the tests' stand-ins,
 each graph replay counted as its launch and input copies), what the scheduler's thread pays per call on the GPU.
-``--drag`` also times stand-in scheduler batches (Python holding the interpreter lock, then a wait releasing it)
+``host`` is this machine's clock read and Python loop as a scheduler's status file gives them
+(:func:`refcheck.sglang.capture.profiling.host_speed`), to carry a figure from one host to another. ``--drag``
+also times stand-in scheduler batches (Python holding the interpreter lock, then a wait releasing it)
 with one record in 16 shipped (:func:`writer_drag`): whether the writer thread slows the batches after a recorded
 one. With ``--vs`` each round runs this checkout's refcheck and the other one's, in turn, in fresh processes, and
 prints the ratios (this / other) of the medians.
@@ -192,11 +194,20 @@ def writer_drag(batches: int = 640, every: int = 16, python_us: float = 1500.0, 
     return {key: 1000 * statistics.mean(xs) for key, xs in zip(DRAG_KEYS, means)}
 
 
+def host() -> dict[str, float]:
+    """This host's speed as the capture's status file gives it for a scheduler process
+    (:func:`refcheck.sglang.capture.profiling.host_speed`): a bench figure is read against it."""
+    from refcheck.sglang.capture.profiling import host_speed
+
+    return host_speed()
+
+
 def _child(root: Path, records: int, drag: bool) -> dict[str, float]:
     code = (f"import sys, json; sys.path.insert(0, {str(root)!r}); sys.path.insert(1, {str(ROOT / 'scripts')!r}); "
             f"import bench_capture_ship as b; from pathlib import Path; print(json.dumps({{**b.measure({records}), "
             f"'pass_us_1': b.pass_over(1), 'pass_us_32': b.pass_over(32), "
-            f"'calls': b.calls_per_batch(Path({str(root)!r})), **(b.writer_drag() if {drag} else {{}})}}))")
+            f"'calls': b.calls_per_batch(Path({str(root)!r})), **b.host(), "
+            f"**(b.writer_drag() if {drag} else {{}})}}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -217,12 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.rounds):
         for name, root in trees:
             runs[name].append(_child(root, args.records, args.drag))
-    keys = ("ship_ms", "cpu_ms", "pass_us_1", "pass_us_32", "calls") + (DRAG_KEYS if args.drag else ())
+    keys = ("ship_ms", "cpu_ms", "pass_us_1", "pass_us_32", "calls", "clock_read_ns", "python_loop_us") + \
+        (DRAG_KEYS if args.drag else ())
     med = {name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in runs.items()}
     for name, m in med.items():
         print(f"{name}: ship {m['ship_ms']:.3f} ms/record, cpu {m['cpu_ms']:.3f} ms/record "
               f"(median of {args.rounds} x {args.records} records); pass-over {m['pass_us_1']:.1f} us/batch at 1 "
-              f"request, {m['pass_us_32']:.1f} at 32; {m['calls']:.1f} torch calls per recorded DFLASH batch (graphed)")
+              f"request, {m['pass_us_32']:.1f} at 32; {m['calls']:.1f} torch calls per recorded DFLASH batch (graphed); "
+              f"host: clock read {m['clock_read_ns']:.0f} ns, Python loop {m['python_loop_us']:.0f} us")
         if args.drag:
             print(f"{name}: stand-in batch {m['untraced_ms']:.3f} ms untraced; 1 in 16 recorded: {m['ships_ms']:.3f} "
                   f"shipping, {m['after_ms']:.3f} the batch after (its record written meanwhile), {m['rest_ms']:.3f} "

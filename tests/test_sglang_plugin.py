@@ -69,6 +69,8 @@ def test_prefill_and_tree_step_are_recorded_with_committed_state(capture_dir):
     assert torch.allclose(s1.state["conv.0"][2], state_sketch(conv[0][0, 2].T), atol=1e-5)
     assert torch.allclose(s1.state["rec.0"][2], state_sketch(temporal[0, 2].transpose(-1, -2).reshape(HV, -1)), atol=1e-5)
     assert cap.status and cap.status[0]["tp_rank"] == 0 and cap.status[0]["server_topk"] == 4
+    host = cap.status[0]["host"]  # the host's speed, to read the ledger's costs against
+    assert set(host) == {"clock_read_ns", "python_loop_us"} and all(v > 0 for v in host.values())
 
 
 def test_keyed_sampler_step_records_draws_uniforms_and_first_uniforms(capture_dir):

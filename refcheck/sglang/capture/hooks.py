@@ -126,7 +126,8 @@ def _rec(scheduler: Any = None) -> Recorder:
             _recorder.status({"pid": os.getpid(), "tp_rank": _recorder.tp_rank, "sglang": versions.sglang_version(),
                               "hooks": hook_status(), "patched": _patched, "sample": _sample_rule().to_json(),
                               "server_topk": versions.server_topk(scheduler) if scheduler is not None else None,
-                              "serving": versions.serving_of(scheduler) if scheduler is not None else None})
+                              "serving": versions.serving_of(scheduler) if scheduler is not None else None,
+                              "host": profiling.host_speed()})
         except Exception as exc:  # a status we cannot compute must not stop the engine
             _recorder.error("status", f"{type(exc).__name__}: {exc}")
     return _recorder

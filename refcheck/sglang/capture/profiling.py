@@ -8,6 +8,7 @@ batches, then the operator table sorted by device time and by CPU time, in which
 hooks' own parts (``refcheck.*``) beside SGLang's. Without the variable, :func:`tick` returns at once and
 :func:`section` is a null context: the capture runs as if this module were absent. A malformed value is
 reported once as a capture error by the caller (:class:`ValueError`), and the capture runs unprofiled.
+:func:`host_speed` times a clock read and a fixed Python loop, once per process, for its status file.
 """
 
 from __future__ import annotations
@@ -83,6 +84,28 @@ def tick(out_dir: Path, tp_rank: int) -> None:
                 + "\n\n## by CPU time\n" + avg.table(sort_by="cpu_time_total", row_limit=60))
         (Path(out_dir) / f"profile-rank{tp_rank}-pid{os.getpid()}.txt").write_text(text)
         _state.prof = None
+
+
+def host_speed(reads: int = 2000, loops: int = 5) -> dict[str, float]:
+    """How fast this process's host runs the hooks' kind of work, measured once per process for its status file:
+    a clock read (``perf_counter``, the hooks read it several times per batch) in nanoseconds, and a fixed Python
+    loop (10 000 additions) in microseconds, each the median of its repeats. The capture's costs in the ledger are
+    read against these: the same hooks cost several times more on a slower host."""
+    per_read = []
+    for _ in range(5):
+        t0 = time.perf_counter_ns()
+        for _ in range(reads):
+            time.perf_counter()
+        per_read.append((time.perf_counter_ns() - t0) / reads)
+    loop = []
+    for _ in range(loops):
+        t0 = time.perf_counter_ns()
+        total = 0
+        for i in range(10_000):
+            total += i
+        loop.append((time.perf_counter_ns() - t0) / 1000)
+    return {"clock_read_ns": round(sorted(per_read)[len(per_read) // 2], 1),
+            "python_loop_us": round(sorted(loop)[len(loop) // 2], 1)}
 
 
 _NOTHING = nullcontext()  # reusable: what section gives outside a window, at every batch
