@@ -163,6 +163,7 @@ def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff
             "capture_errors": (cap.get("errors") or [])[:3], "capture_behind": st.get("capture_behind") or {},
             "lost_batches": (cap.get("stats") or {}).get("lost_batches", 0),
             "capture_host_ms_per_batch": (cap.get("stats") or {}).get("capture_host_ms_per_batch"),
+            "host": next((st.get("host") for st in cap.get("status") or [] if isinstance(st, dict)), None),
             # the full passes' own books (one-off costs of earlier passes left out), and the untraced passes'
             "ledger": {**(costs.get("full") or costs.get("captured") or (cap.get("stats") or {}).get("capture_cost")
                           or {}),

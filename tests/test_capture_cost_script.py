@@ -136,3 +136,22 @@ def test_no_full_asks_the_runner_for_rounds_without_a_full_capture_pass(tmp_path
         assert cc.main(["--out", str(tmp_path), "--cells", "DFLASH:on:mixed", "--round-budget", "5", *extra]) == 0
     assert [(kw["full_timing"], kw["timing_budget_s"]) for kw in seen] == [(True, 5.0), (False, 5.0)]
     assert "error: UsageError: no engine here" in (tmp_path / "capture_cost.md").read_text()
+
+
+def test_a_row_reads_its_trace_passes_books_and_the_schedulers_host(tmp_path):
+    """row_of on a stand-in trace: the medians, the per-round readings of wall time and of run_batch seconds, the
+    target reading, and the first scheduler's host speed from the capture's status."""
+    from types import SimpleNamespace as NS
+
+    settings = {"repeat_generate_s": [1.0] * 6, "sampled_generate_s": [1.02] * 6, "full_generate_s": [1.6] * 6,
+                "generate_s": 1.7, "pass_costs": {"untraced": {"run_batch_s": [0.5] * 6, "plain_ms_per_batch": 1.0},
+                                                   "sampled": {"run_batch_s": [0.51] * 6}}}
+    host = {"clock_read_ns": 45.0, "python_loop_us": 190.0}
+    trace = NS(prov=NS(settings=settings), provenance={"capture": {"status": [{"tp_rank": 0, "host": host}]}},
+               steps=[object()] * 4, requests=[object()] * 2)
+    (tmp_path / "t.arrow").write_bytes(b"x" * 400)
+    row = cc.row_of("DFLASH", True, "mixed", trace, tmp_path / "t.arrow", None)
+    assert row["overhead_sampled"] == pytest.approx(1.02) and row["bytes_per_step"] == 100.0
+    assert row["target"] == {"full": "over", "sampled": "within"} and row["host"] == host
+    assert row["per_round_run_batch"]["sampled"]["median"] == pytest.approx(1.02)
+    assert row["per_round_run_batch"]["full"] is None
