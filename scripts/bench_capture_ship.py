@@ -118,7 +118,8 @@ def calls_per_batch(root: Path = ROOT, graphed: bool = True) -> float:
     import torch
     from torch.overrides import TorchFunctionMode
 
-    sys.path.insert(0, str(root / "tests"))
+    if str(root / "tests") not in sys.path:
+        sys.path.insert(0, str(root / "tests"))
     import capture_kit
 
     from refcheck.sglang.capture import graphs, records
