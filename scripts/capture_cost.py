@@ -5,7 +5,7 @@ Usage (on a GPU machine with SGLang; through the bundle: ``scripts/sglang_bundle
     python scripts/capture_cost.py --out OUT [--algorithms NONE,DFLASH,NGRAM,REFCHECK_DDTREE] [--graphs off,on]
         [--workloads one,mixed] [--sample 16] [--repeats 3] [--round-budget S] [--no-full] [--mem-fraction 0.3]
         [--diff] [--cells ALG:on|off:one|mixed,...] [--deadline SECONDS]
-    python scripts/capture_cost.py --reread capture_cost.json [...]     # an earlier run's table, re-read
+    python scripts/capture_cost.py --reread capture_cost.json [...] [--pool]     # earlier runs' tables, re-read
 
 Per cell (algorithm x CUDA graphs x workload) one SGLang engine runs, in order: an untraced warm-up pass, a
 captured warm-up pass, the captured pass (every step recorded: the trace), then ``--repeats`` rounds of three
@@ -29,7 +29,7 @@ ratio is then the captured pass's alone).
 starts no cell once that many seconds have passed since the script began (for a device call's time limit),
 listing the cells left in the JSON's last row. Writes ``OUT/capture_cost.json`` (rows, as they finish) and
 ``OUT/capture_cost.md`` (the table); ``--reread`` prints the table of earlier runs' JSON with the per-round readings
-recomputed from their passes. Workloads: ``one`` (the first built-in prompt), ``mixed`` (refcheck's 32 mixed
+recomputed from their passes (``--pool``: one row per cell, the rounds of its runs together). Workloads: ``one`` (the first built-in prompt), ``mixed`` (refcheck's 32 mixed
 requests, all at once).
 """
 
@@ -191,6 +191,34 @@ def reread(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if isinstance(r.get("passes"), dict) and "graphs" in r]
 
 
+def pooled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per cell (algorithm, graphs, workload) of several runs' rows (of one tree: the rounds are read as one
+    sample): each kind's passes, and its passes' ``run_batch_s``, laid end to end, so every round keeps its own
+    untraced pass; the medians and the readings recomputed from them (:func:`reread`); the books, which do not pool
+    by pass, and the first captured pass's ratio left out; the first row's other fields."""
+    cells: dict[tuple[Any, Any, Any], dict[str, Any]] = {}
+    for r in rows:
+        if not isinstance(r.get("passes"), dict) or "graphs" not in r:
+            continue
+        cell = cells.setdefault((r["algorithm"], r["graphs"], r["workload"]),
+                                {**r, "passes": {}, "pass_costs": {}, "pooled_runs": 0, "ledger": {}, "booked": {},
+                                 "overhead_captured": None})
+        cell["pooled_runs"] += 1
+        for kind, times in r["passes"].items():
+            cell["passes"][kind] = cell["passes"].get(kind, []) + list(times or [])
+        for kind, books in (r.get("pass_costs") or {}).items():
+            seconds = (books or {}).get("run_batch_s") or []
+            cell["pass_costs"].setdefault(kind, {"run_batch_s": []})["run_batch_s"] += list(seconds)
+    for cell in cells.values():
+        passes = cell["passes"]
+        untraced = _median(passes.get("untraced"))
+        cell.update(untraced_s=untraced, overhead_full=_ratio(_median(passes.get("full")), untraced),
+                    overhead_sampled=_ratio(_median(passes.get("sampled")), untraced),
+                    untraced_spread=_ratio(max(passes.get("untraced") or [], default=None),
+                                           min(passes.get("untraced") or [], default=None)))
+    return reread(list(cells.values()))
+
+
 @functools.cache
 def _pool() -> Any:
     """One reference pool for every trace the script judges (the pair is loaded once, not per trace)."""
@@ -342,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="required unless --reread")
     ap.add_argument("--reread", type=Path, nargs="+", default=None,
                     help="JSON of earlier runs: print their table with the per-round reading recomputed, run nothing")
+    ap.add_argument("--pool", action="store_true", help="with --reread: one row per cell, its runs' rounds together")
     ap.add_argument("--algorithms", default="NONE,DFLASH,NGRAM,REFCHECK_DDTREE")
     ap.add_argument("--graphs", default="off,on")
     ap.add_argument("--workloads", default="one,mixed")
@@ -360,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=None, help="seconds after which no cell starts")
     args = ap.parse_args(argv)
     if args.reread is not None:
-        return _reread(args.reread, args.sample)
+        return _reread(args.reread, args.sample, args.pool)
     if args.out is None:
         ap.error("--out is required (or --reread)")
     from refcheck.errors import UsageError
@@ -388,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _reread(paths: list[Path], sample: int) -> int:
+def _reread(paths: list[Path], sample: int, pool: bool) -> int:
     rows: list[dict[str, Any]] = []
     for path in paths:
         try:
@@ -399,8 +428,8 @@ def _reread(paths: list[Path], sample: int) -> int:
         if not isinstance(data, list):
             print(f"capture_cost: {path} is not a list of rows (capture_cost.json)", file=sys.stderr)
             return 2
-        rows += reread([r for r in data if isinstance(r, dict)])
-    print(markdown(rows, sample))
+        rows += [r for r in data if isinstance(r, dict)]
+    print(markdown(pooled(rows) if pool else reread(rows), sample))
     return 0
 
 

@@ -155,3 +155,23 @@ def test_a_row_reads_its_trace_passes_books_and_the_schedulers_host(tmp_path):
     assert row["target"] == {"full": "over", "sampled": "within"} and row["host"] == host
     assert row["per_round_run_batch"]["sampled"]["median"] == pytest.approx(1.02)
     assert row["per_round_run_batch"]["full"] is None
+
+
+def test_pooled_rows_lay_one_cells_rounds_end_to_end_and_recompute_what_depends_on_them():
+    """Two runs of DFLASH on, mixed (three rounds each: no interval alone) pool into one row of six rounds with an
+    interval; its medians come from the pooled passes, its books are left out; another cell stays its own row."""
+    def row(alg: str, sampled: list[float], untraced: list[float]) -> dict:
+        return {"algorithm": alg, "graphs": True, "workload": "mixed", "overhead_sampled": 9.0, "booked": {"x": 1},
+                "passes": {"untraced": untraced, "sampled": sampled, "full": []},
+                "pass_costs": {"untraced": {"run_batch_s": [0.5] * 3}, "sampled": {"run_batch_s": [0.52] * 3}}}
+
+    rows = [row("DFLASH", [1.1, 1.2, 1.3], [1.0, 1.0, 1.0]), row("NGRAM", [2.0] * 3, [2.0] * 3),
+            row("DFLASH", [2.2, 2.4, 2.6], [2.0, 2.0, 2.0])]
+    got = cc.pooled(rows)
+    assert [(r["algorithm"], r["pooled_runs"]) for r in got] == [("DFLASH", 2), ("NGRAM", 1)]
+    dflash = got[0]
+    assert dflash["passes"]["sampled"] == [1.1, 1.2, 1.3, 2.2, 2.4, 2.6] and dflash["booked"] == {}
+    assert dflash["overhead_sampled"] == pytest.approx(1.75 / 1.5)  # median pass over median untraced pass
+    assert dflash["per_round"]["sampled"]["rounds"] == 6 and dflash["per_round"]["sampled"]["ci95"] == (1.1, 1.3)
+    assert dflash["per_round_run_batch"]["sampled"]["median"] == pytest.approx(1.04)
+    assert cc.per_round(rows[0]["passes"]["sampled"], rows[0]["passes"]["untraced"])["ci95"] is None
