@@ -393,11 +393,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         ap.error("--out is required (or --reread)")
     from refcheck.errors import UsageError
+    from refcheck.sglang.capture.sample_rule import parse
     from refcheck.sglang.runner import timing_budget
 
     try:
         todo = cells(args)
         timing_budget(args.round_budget)
+        parse(f"{args.sample}:0")  # the sampled passes' rule: CaptureSampleError (a ValueError) outside its range
     except (ValueError, UsageError) as exc:
         print(f"capture_cost: {exc}", file=sys.stderr)
         return 2

@@ -27,11 +27,13 @@ def test_cells_default_to_every_combination_and_follow_an_explicit_list_in_order
             cc.cells(_args(cells=bad))
 
 
-def test_a_malformed_cell_or_round_budget_is_exit_2_and_a_passed_deadline_runs_nothing(tmp_path, capsys, monkeypatch):
+def test_a_malformed_cell_round_budget_or_sampling_rate_is_exit_2_and_a_passed_deadline_runs_nothing(tmp_path, capsys, monkeypatch):
     assert cc.main(["--out", str(tmp_path / "a"), "--cells", "X:on"]) == 2
     assert "is not ALGORITHM" in capsys.readouterr().err
     assert cc.main(["--out", str(tmp_path / "a"), "--cells", "NGRAM:on:mixed", "--round-budget", "0"]) == 2
     assert "the timing rounds' budget must be > 0 seconds, got 0.0" in capsys.readouterr().err
+    assert cc.main(["--out", str(tmp_path / "a"), "--cells", "NGRAM:on:mixed", "--sample", "0"]) == 2
+    assert "capture sampling takes 1 batch in N for N in 1..1000000, got 0" in capsys.readouterr().err
     monkeypatch.setattr(cc, "run_cell", lambda *a: pytest.fail("a cell ran past the deadline"))
     assert cc.main(["--out", str(tmp_path / "b"), "--cells", "NGRAM:on:mixed", "--deadline", "-1"]) == 0
     assert "cells not run: NGRAM:on:mixed" in capsys.readouterr().out
