@@ -63,6 +63,7 @@ from refcheck.sglang.capture import dflash_taps, layers, profiling, sampler_faul
 from refcheck.sglang.capture.batch import Batch, device_index, host_lens, on_device, timed_part
 from refcheck.sglang.capture.committed import committed_state
 from refcheck.sglang.capture.graphs import GraphCache
+from refcheck.sglang.capture.graphs import run as graphs_run
 from refcheck.sglang.capture.records import Recorder
 from refcheck.sglang.capture.sample_rule import ENV_SAMPLE, SampleRule, parse
 from refcheck.sglang.capture.step_clock import StepClock
@@ -239,7 +240,8 @@ def _graph_error(what: str) -> Callable[[Any, Exception], None]:
 
 
 #: the hooks' device work replayed as CUDA graphs, one per shape (:mod:`refcheck.sglang.capture.graphs`): the
-#: committed-state sketch; the verify step's node reductions; the DFLASH drafter's taps (its draft, its context).
+#: committed-state sketch; the verify step's node reductions (a DFLASH chain's, a target-only step's); the DFLASH
+#: drafter's taps (its draft, its context).
 #: A cache's graphs share their memory, so each cache replays at most one graph per batch, whose outputs the
 #: batch's record copies out before the next batch
 _STATE_GRAPHS = GraphCache(_graph_error("state sketch"))
@@ -310,7 +312,10 @@ def _root_part(snap: Batch, result: Any) -> dict[str, Any] | None:
         _error("run_batch", "target-only decode result has no logits")
         return None
     nxt = snap.rows(on_device(result.next_token_ids, logits.device).reshape(-1))
-    t: dict[str, Any] = {"nodes": summarise_nodes(snap.rows(logits), nxt).tensors(), "next_ids": nxt}
+    rows = snap.rows(logits)  # [b, V]
+    key = ("root", tuple(rows.shape), rows.dtype, tuple(nxt.shape), nxt.dtype)
+    nodes = graphs_run(_graphs(_VERIFY_GRAPHS), key, lambda lg, o: summarise_nodes(lg, o).tensors(), rows, nxt)
+    t: dict[str, Any] = {"nodes": nodes, "next_ids": nxt}
     committed = None
     if snap.decode_inputs is not None and len(snap.decode_inputs[0]) == len(snap.rids):
         t["roots"] = snap.rows(snap.decode_inputs[0])
