@@ -14,7 +14,7 @@ not in it; on the GPU the same parts are the cost ledger's ``ship`` and ``writer
 (``docs/results/capture-cost-h200.md``). ``pass us/batch`` is what the capture hooks cost a decode batch of 1 and of
 32 traced requests that the sampling rule passes over (``hooks._run_batch`` around a step that does nothing; the
 ledger's ``passed_ms_per_plain_batch`` on the GPU). ``torch calls`` is how many calls into torch the hooks make on
-the engine's thread per recorded DFLASH batch on the graphed path (:func:`calls_per_batch`: the tests' stand-ins,
+the engine's thread per recorded DFLASH batch, and per target-only one, on the graphed path (:func:`calls_per_batch`: the tests' stand-ins,
 each graph replay counted as its launch and input copies), what the scheduler's thread pays per call on the GPU.
 ``host`` is this machine's clock read and Python loop as a scheduler's status file gives them
 (:func:`refcheck.sglang.capture.profiling.host_speed`), to carry a figure from one host to another. ``--drag``
@@ -109,11 +109,12 @@ def pass_over(requests: int, batches: int = 3000) -> float:
     return 1e6 * (time.perf_counter() - t0) / batches
 
 
-def calls_per_batch(root: Path = ROOT, graphed: bool = True) -> float:
-    """Calls into torch the capture hooks make on the engine's thread per recorded DFLASH decode batch: ``root``'s
-    ``tests/capture_kit.py`` stand-ins (four batches of 2-3 requests, on the CPU), each call counted whose caller is
-    refcheck's code, the records' reading left out. ``graphed``: through the graph caches, each cache's computation
-    counted as what its replay costs on the GPU (one copy per input and one launch); else the eager path."""
+def calls_per_batch(root: Path = ROOT, graphed: bool = True, kind: str = "dflash") -> float:
+    """Calls into torch the capture hooks make on the engine's thread per recorded decode batch: ``root``'s
+    ``tests/capture_kit.py`` stand-ins on the CPU (``kind`` "dflash": four DFLASH batches of 2-3 requests;
+    "target": three target-only batches of 1-2), each call counted whose caller is refcheck's code, the records'
+    reading left out. ``graphed``: through the graph caches, each cache's computation counted as what its replay
+    costs on the GPU (one copy per input and one launch); else the eager path."""
     import pytest
     import torch
     from torch.overrides import TorchFunctionMode
@@ -152,11 +153,13 @@ def calls_per_batch(root: Path = ROOT, graphed: bool = True) -> float:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(graphs.GraphCache, "run", replayed)
         mp.setattr(records, "read_capture", unread)
+        drive, batches, want = ((capture_kit.dflash_batches, 4, 10) if kind == "dflash"
+                                else (capture_kit.target_only_batches, 3, 5))
         with Count():
-            steps = capture_kit.dflash_batches(Path(tempfile.mkdtemp(prefix="refcheck-calls-")), mp, graphed, "cpu")
-    if len(steps) != 10:
-        raise RuntimeError(f"the stand-in DFLASH batches recorded {len(steps)} steps, not 10")
-    return count[0] / 4
+            steps = drive(Path(tempfile.mkdtemp(prefix="refcheck-calls-")), mp, graphed, "cpu")
+    if len(steps) != want:
+        raise RuntimeError(f"the stand-in {kind} batches recorded {len(steps)} steps, not {want}")
+    return count[0] / batches
 
 
 def _engine_batch(python_us: float, wait_s: float) -> None:
@@ -207,7 +210,8 @@ def _child(root: Path, records: int, drag: bool) -> dict[str, float]:
     code = (f"import sys, json; sys.path.insert(0, {str(root)!r}); sys.path.insert(1, {str(ROOT / 'scripts')!r}); "
             f"import bench_capture_ship as b; from pathlib import Path; print(json.dumps({{**b.measure({records}), "
             f"'pass_us_1': b.pass_over(1), 'pass_us_32': b.pass_over(32), "
-            f"'calls': b.calls_per_batch(Path({str(root)!r})), **b.host(), "
+            f"'calls': b.calls_per_batch(Path({str(root)!r})), "
+            f"'calls_target': b.calls_per_batch(Path({str(root)!r}), kind='target'), **b.host(), "
             f"**(b.writer_drag() if {drag} else {{}})}}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -229,13 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.rounds):
         for name, root in trees:
             runs[name].append(_child(root, args.records, args.drag))
-    keys = ("ship_ms", "cpu_ms", "pass_us_1", "pass_us_32", "calls", "clock_read_ns", "python_loop_us") + \
+    keys = ("ship_ms", "cpu_ms", "pass_us_1", "pass_us_32", "calls", "calls_target", "clock_read_ns",
+            "python_loop_us") + \
         (DRAG_KEYS if args.drag else ())
     med = {name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in runs.items()}
     for name, m in med.items():
         print(f"{name}: ship {m['ship_ms']:.3f} ms/record, cpu {m['cpu_ms']:.3f} ms/record "
               f"(median of {args.rounds} x {args.records} records); pass-over {m['pass_us_1']:.1f} us/batch at 1 "
-              f"request, {m['pass_us_32']:.1f} at 32; {m['calls']:.1f} torch calls per recorded DFLASH batch (graphed); "
+              f"request, {m['pass_us_32']:.1f} at 32; torch calls per recorded batch (graphed) {m['calls']:.1f} DFLASH, "
+              f"{m['calls_target']:.1f} target-only; "
               f"host: clock read {m['clock_read_ns']:.0f} ns, Python loop {m['python_loop_us']:.0f} us")
         if args.drag:
             print(f"{name}: stand-in batch {m['untraced_ms']:.3f} ms untraced; 1 in 16 recorded: {m['ships_ms']:.3f} "

@@ -7,7 +7,8 @@ Contract: the stand-ins carry exactly the attributes the hooks read (SGLang 0.5.
 runs a prefill, a tree verify step and a target-only step through the hooks on a device;
 :func:`fresh_hooks` puts the hooks in a new process's state, recording
 into a directory, and :func:`read_capture` reads it once the writer has written every queued record.
-:func:`dflash_batches` runs four DFLASH decode batches through the hooks and returns the recorded chain steps;
+:func:`dflash_batches` runs four DFLASH decode batches through the hooks and returns the recorded chain steps,
+:func:`target_only_batches` three target-only decode batches;
 :func:`assert_same_records` holds two such runs equal (tokens, top-k, drafter ranks and context, state sketches).
 :class:`ReplayingCache` is a :class:`~refcheck.sglang.capture.graphs.GraphCache` with a CUDA graph's semantics
 wherever the tensors live: a key's first call fixes its computation (the closure of that call) and its static
@@ -115,6 +116,23 @@ def tree_and_root_batches(tmp_path, monkeypatch, dev: str = "cpu"):
     hooks._run_batch(lambda self, b: NS(logits_output=NS(next_token_logits=root_logits), next_token_ids=root_logits.argmax(-1)),
                      sched, make_batch("decode", False, [[7, 12, 30], [9, 21, 23, 31]], dev))
     return read_capture(tmp_path), logits0, logits, root_logits
+
+
+def target_only_batches(tmp_path, monkeypatch, graphs: bool, dev: str = "cpu") -> list:
+    """Three target-only decode batches (NONE's step: 2, 2 and 1 requests, the second the first's shape again) through
+    the capture hooks with stand-ins on ``dev``, the hooks' device work through their graph caches or eager
+    (``graphs``): the steps read back, in order. Every input comes from one seeded generator."""
+    fresh_hooks(monkeypatch, tmp_path)
+    monkeypatch.setenv("REFCHECK_CAPTURE_GRAPHS", "on" if graphs else "off")
+    gen = torch.Generator().manual_seed(3)
+    sched, *_ = make_scheduler(dev=dev)
+    for outputs in ([[7], [9]], [[7, 12], [9, 21]], [[7, 12, 30]]):
+        logits = torch.randn(len(outputs), V, generator=gen).to(dev)
+        hooks._run_batch(lambda self, b, lg=logits: NS(logits_output=NS(next_token_logits=lg), next_token_ids=lg.argmax(-1)),
+                         sched, make_batch("decode", False, outputs, dev))
+    cap = read_capture(tmp_path)
+    assert not cap.errors, cap.errors
+    return cap.steps[0]
 
 
 def fresh_hooks(monkeypatch, root):

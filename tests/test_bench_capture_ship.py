@@ -82,3 +82,14 @@ def test_writer_drag_times_each_place_of_a_batch_against_the_16th_that_ships(mon
 
     cap = read_capture(tmp_path)
     assert not cap.errors and len(cap.steps[0]) == 4 * 32  # four records of 32 requests
+
+
+def test_calls_per_batch_counts_target_only_steps_too():
+    """kind="target": NONE's target-only steps, whose node reductions replay from a graph: fewer calls than eagerly."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_capture_ship as bench
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    graphed = bench.calls_per_batch(kind="target")
+    assert 20 < graphed < bench.calls_per_batch(kind="target", graphed=False) - 20, graphed

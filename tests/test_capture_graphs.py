@@ -5,8 +5,6 @@ tests/test_gpu.py."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from capture_kit import make_scheduler  # tests/capture_kit.py
 
@@ -81,27 +79,13 @@ def test_target_only_steps_record_the_same_through_a_cache_that_replays_like_cud
     """A target-only decode step's node reductions go through the verify graph cache: two steps of two requests
     (the second a replay of the first's graph, with new logits and tokens) and one of one request record, through
     tests/capture_kit.py's ReplayingCache, what the eager hooks record."""
-    from types import SimpleNamespace as NS
-
-    from capture_kit import ReplayingCache, fresh_hooks, make_batch, make_scheduler, read_capture
-
-    def steps(root, graphs: bool, cache: Any) -> list:
-        fresh_hooks(monkeypatch, root)
-        monkeypatch.setenv("REFCHECK_CAPTURE_GRAPHS", "on" if graphs else "off")
-        monkeypatch.setattr(hooks, "_VERIFY_GRAPHS", cache)
-        gen = torch.Generator().manual_seed(3)
-        sched, *_ = make_scheduler()
-        for outputs in ([[7], [9]], [[7, 12], [9, 21]], [[7, 12, 30]]):
-            logits = torch.randn(len(outputs), 32, generator=gen)
-            hooks._run_batch(lambda self, b, lg=logits: NS(logits_output=NS(next_token_logits=lg),
-                                                           next_token_ids=lg.argmax(-1)),
-                             sched, make_batch("decode", False, outputs))
-        cap = read_capture(root)
-        assert not cap.errors, cap.errors
-        return cap.steps[0]
+    from capture_kit import ReplayingCache, target_only_batches
 
     cache = ReplayingCache()
-    on, off = steps(tmp_path / "on", True, cache), steps(tmp_path / "off", False, ReplayingCache())
+    monkeypatch.setattr(hooks, "_VERIFY_GRAPHS", cache)
+    on = target_only_batches(tmp_path / "on", monkeypatch, graphs=True)
+    monkeypatch.undo()
+    off = target_only_batches(tmp_path / "off", monkeypatch, graphs=False)
     assert len(cache) == 2 and len(on) == len(off) == 5  # batch sizes 2 (twice: a replay) and 1
     for a, b in zip(on, off):
         assert (a.rid, a.tokens, a.topk_ids, a.argmax, a.emitted) == (b.rid, b.tokens, b.topk_ids, b.argmax, b.emitted)
