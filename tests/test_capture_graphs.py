@@ -90,3 +90,20 @@ def test_target_only_steps_record_the_same_through_a_cache_that_replays_like_cud
     for a, b in zip(on, off):
         assert (a.rid, a.tokens, a.topk_ids, a.argmax, a.emitted) == (b.rid, b.tokens, b.topk_ids, b.argmax, b.emitted)
         assert torch.allclose(torch.tensor(a.topk_logprobs), torch.tensor(b.topk_logprobs), atol=1e-6)
+
+
+def test_a_graph_cache_admits_graphs_within_its_count_and_its_static_bytes():
+    """Each graph keeps a copy of its inputs, which at a real vocabulary are a batch's logits: a cache admits a new
+    key while it has fewer than ``limit`` graphs and the key's inputs fit in what ``max_bytes`` leaves; a key
+    refused runs eagerly from then on, and a smaller key may still fit."""
+    from refcheck.sglang.capture.graphs import MAX_STATIC_BYTES, GraphCache
+
+    cache = GraphCache(max_bytes=1000, limit=2)
+    big, small = (torch.zeros(200),), (torch.zeros(10),)  # 800 and 40 bytes of float32
+    assert cache.admits("a", big)
+    cache.static_bytes += 800  # what run() books once it has captured "a"
+    assert not cache.admits("b", big) and "b" in cache._eager  # 1 600 > 1 000: "b" runs eagerly from now on
+    assert cache.admits("c", small)
+    assert GraphCache(limit=0).admits("d", small) is False  # no graph past the limit
+    # at a 248 320-token vocabulary, float32 logits of one request's 16-token block: a default cache holds 16
+    assert MAX_STATIC_BYTES // (16 * 248_320 * 4) == 16

@@ -10,8 +10,10 @@ stream (every input on the GPU; otherwise it runs eagerly); the returned nest is
 graphs of one cache share one memory pool (a computation's intermediates, as large as a batch's logits, are held
 once per cache, not once per shape), so a replay may overwrite the outputs of any graph of the same cache: a
 caller replays at most one graph of a cache between copying its outputs out on the same stream (the shipper's
-packing does, once per batch). The first call of a key runs
-``fn`` once eagerly on a side stream (its lazy caches and allocations), then captures it there with
+packing does, once per batch). Each graph keeps a copy of its inputs (its static inputs, outside the pool): a
+cache captures at most ``limit`` graphs and holds at most ``max_bytes`` (:data:`MAX_STATIC_BYTES`) of static
+inputs; a key past either runs eagerly (:meth:`GraphCache.admits`). The first call of a key runs ``fn`` once
+eagerly on a side stream (its lazy caches and allocations), then captures it there with
 ``thread_local`` capture mode (other threads' CUDA calls are not disturbed), without
 :func:`torch.cuda.graph`'s device-wide synchronise, garbage collection and cache emptying. Off CUDA, or for a
 key whose capture failed (the failure is handed to ``on_error`` once, a capture that ends well clears what the
@@ -25,6 +27,10 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
+
+
+def _nbytes(tensors: tuple[torch.Tensor, ...]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class _Captured:
@@ -67,18 +73,34 @@ def _end_capturing_state() -> None:
     current.wait_stream(side)
 
 
+#: the device memory a cache's graphs may hold in static inputs (each graph keeps a copy of its inputs: a verify
+#: reduction's are the batch's float32 logits, [rows, vocab], ~16 MB per request of a 16-token block at a 248k
+#: vocabulary)
+MAX_STATIC_BYTES = 256 * 2**20
+
+
 class GraphCache:
     """Captured graphs of one computation by key (module docstring)."""
 
-    def __init__(self, on_error: Callable[[Hashable, Exception], None] | None = None, limit: int = 64) -> None:
+    def __init__(self, on_error: Callable[[Hashable, Exception], None] | None = None, limit: int = 64,
+                 max_bytes: int = MAX_STATIC_BYTES) -> None:
         self._graphs: dict[Hashable, _Captured] = {}
-        self._eager: set[Hashable] = set()  # keys whose capture failed, or past ``limit`` graphs
+        self._eager: set[Hashable] = set()  # keys whose capture failed, or past ``limit`` graphs or ``max_bytes``
         self._on_error = on_error
-        self.limit = limit
+        self.limit, self.max_bytes = limit, max_bytes
+        self.static_bytes = 0  # the static inputs of the graphs captured so far
         self._pool: Any = None  # the memory pool every graph of this cache is captured into
 
     def __len__(self) -> int:
         return len(self._graphs)
+
+    def admits(self, key: Hashable, inputs: tuple[torch.Tensor, ...]) -> bool:
+        """Whether ``key`` may have a graph: fewer than ``limit`` graphs so far, and its static inputs within what
+        ``max_bytes`` leaves; a key refused runs eagerly from then on (its work is the same, only not replayed)."""
+        if len(self._graphs) >= self.limit or self.static_bytes + _nbytes(inputs) > self.max_bytes:
+            self._eager.add(key)
+            return False
+        return True
 
     def run(self, key: Hashable, fn: Callable[..., Any], *inputs: torch.Tensor) -> Any:
         """``fn(*inputs)``, replayed from the key's graph where it can be (module docstring)."""
@@ -86,13 +108,13 @@ class GraphCache:
             return fn(*inputs)
         captured = self._graphs.get(key)
         if captured is None:
-            if len(self._graphs) >= self.limit:
-                self._eager.add(key)
+            if not self.admits(key, inputs):
                 return fn(*inputs)
             try:
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
                 captured = self._graphs[key] = _Captured(fn, inputs, self._pool)
+                self.static_bytes += _nbytes(captured.inputs)
             except Exception as exc:  # a computation that cannot be captured runs eagerly; the engine carries on
                 self._eager.add(key)
                 if self._on_error is not None:
