@@ -136,6 +136,17 @@ def booked(costs: dict[str, Any], kind: str, passes: int, untraced_s: float | No
     return out
 
 
+def medians(passes: dict[str, list[float]], captured_s: float | None = None) -> dict[str, Any]:
+    """Each kind's median pass and its ratio to the median untraced pass, and the untraced passes' max/min (the
+    noise); without full passes the full median is ``captured_s``, the trace's own captured pass."""
+    untraced, sampled = _median(passes.get("untraced")), _median(passes.get("sampled"))
+    full = _median(passes.get("full")) or captured_s
+    spread = passes.get("untraced") or []
+    return {"full_s": full, "sampled_s": sampled, "untraced_s": untraced,
+            "untraced_spread": _ratio(max(spread, default=None), min(spread, default=None)),
+            "overhead_full": _ratio(full, untraced), "overhead_sampled": _ratio(sampled, untraced)}
+
+
 def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff: dict | None) -> dict[str, Any]:
     """One table row from a captured trace (its provenance holds every pass's wall time): each overhead is a median
     pass of its kind over the median untraced pass, the kinds' passes interleaved on one warm engine; the first
@@ -144,15 +155,12 @@ def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff
     st, cap = trace.prov.settings, trace.provenance.get("capture", {})
     passes = {"untraced": st.get("repeat_generate_s") or [], "sampled": st.get("sampled_generate_s") or [],
               "full": st.get("full_generate_s") or []}
-    untraced, sampled = _median(passes["untraced"]), _median(passes["sampled"])
-    full = _median(passes["full"]) or st.get("generate_s")
     steps = len(trace.steps)
     costs = st.get("pass_costs") or {}
+    mid = medians(passes, st.get("generate_s"))
+    untraced = mid["untraced_s"]
     return {"algorithm": algorithm, "graphs": graphs, "workload": load, "requests": len(trace.requests),
-            "steps": steps, "captured_s": st.get("generate_s"), "full_s": full, "sampled_s": sampled,
-            "untraced_s": untraced, "passes": passes,
-            "untraced_spread": _ratio(max(passes["untraced"], default=None), min(passes["untraced"], default=None)),
-            "overhead_full": _ratio(full, untraced), "overhead_sampled": _ratio(sampled, untraced),
+            "steps": steps, "captured_s": st.get("generate_s"), "passes": passes, **mid,
             "overhead_captured": _ratio(st.get("generate_s"), untraced),
             **readings(passes, costs, graphs),
             "booked": {kind: booked(costs, kind, len(passes[kind]), untraced) for kind in ("full", "sampled")},
@@ -210,12 +218,7 @@ def pooled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             seconds = (books or {}).get("run_batch_s") or []
             cell["pass_costs"].setdefault(kind, {"run_batch_s": []})["run_batch_s"] += list(seconds)
     for cell in cells.values():
-        passes = cell["passes"]
-        untraced = _median(passes.get("untraced"))
-        cell.update(untraced_s=untraced, overhead_full=_ratio(_median(passes.get("full")), untraced),
-                    overhead_sampled=_ratio(_median(passes.get("sampled")), untraced),
-                    untraced_spread=_ratio(max(passes.get("untraced") or [], default=None),
-                                           min(passes.get("untraced") or [], default=None)))
+        cell.update(medians(cell["passes"]))
     return reread(list(cells.values()))
 
 

@@ -49,6 +49,7 @@ from typing import Any
 
 from refcheck.atomic_file import atomic_write_bytes
 from refcheck.lifetime import watch_parent
+from refcheck.sglang.capture.gc_clock import CollectionClock
 
 
 def _write(path: Path, payload: dict) -> None:
@@ -117,19 +118,16 @@ TIMING_KINDS = {"untraced": ("timing_rids", "repeat_generate_s", "repeats_match"
                 "full": ("full_rids", "full_generate_s", "full_match")}
 
 
-class _Collections:
+class _Collections(CollectionClock):
     """This process's garbage collections while installed (``gc.callbacks``): their total nanoseconds. SGLang's
     tokenizer manager runs in this process, so a collection here delays a pass the engine itself did not slow."""
 
     def __init__(self) -> None:
-        self.ns, self._t0 = 0, 0
+        super().__init__()
+        self.ns = 0
 
-    def __call__(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter_ns()
-        elif self._t0:
-            self.ns += time.perf_counter_ns() - self._t0
-            self._t0 = 0
+    def collected(self, ns: int) -> None:
+        self.ns += ns
 
     def __enter__(self) -> _Collections:
         gc.callbacks.append(self)

@@ -14,6 +14,7 @@ and dtypes.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -53,14 +54,9 @@ def pack(nest: Any) -> tuple[Any, list[torch.Tensor], int]:
     return skeleton, [t for _, t in device + host], len(device)
 
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-
-
+@functools.cache
 def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    return name
+    return str(dtype).removeprefix("torch.")
 
 
 def table(tensors: list[torch.Tensor]) -> list[dict[str, Any]]:

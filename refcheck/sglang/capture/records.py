@@ -35,7 +35,7 @@ class Recorder:
         self.root = Path(root)  # the capture directory (kept: the hooks pass it on at every traced batch)
         self.dir = self.root / f"rank{tp_rank}-pid{os.getpid()}"
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.status_path = Path(root) / f"status-rank{tp_rank}-pid{os.getpid()}.json"
+        self.status_path = self.root / f"status-rank{tp_rank}-pid{os.getpid()}.json"
         self.tp_rank, self.seq, self.unwritten_errors = tp_rank, 0, 0
         self._lock = threading.Lock()  # the engine's thread (errors) and the shipper's (records) both write
         self.shipper = Shipper(self.write, self.error, counts_path(root, tp_rank))

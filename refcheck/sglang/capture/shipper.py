@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from refcheck.sglang.capture import packing
+from refcheck.sglang.capture.gc_clock import CollectionClock
 
 QUEUE_DEPTH = 512
 #: the counters file's fields, in order: the queue's counts, then the cost ledger (times in nanoseconds)
@@ -198,20 +199,17 @@ def wait_drained(root: Path, timeout_s: float = 60.0, poll_s: float = 0.01) -> d
         time.sleep(poll_s)
 
 
-class _CollectionBooks:
+class _CollectionBooks(CollectionClock):
     """The process's garbage collections in the ledger of its latest :class:`Shipper` (one ``gc.callbacks`` entry
     per process, whichever thread collects; booked without the ledger's lock, :meth:`Counters.add_unlocked`)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.counts: Counters | None = None
-        self._t0 = 0
 
-    def __call__(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter_ns()
-        elif self.counts is not None and self._t0:
-            self.counts.add_unlocked(gc_ns=time.perf_counter_ns() - self._t0, gc_collections=1)
-            self._t0 = 0
+    def collected(self, ns: int) -> None:
+        if self.counts is not None:
+            self.counts.add_unlocked(gc_ns=ns, gc_collections=1)
 
 
 _COLLECTIONS = _CollectionBooks()
