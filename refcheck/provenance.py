@@ -129,6 +129,7 @@ class CaptureReport:
     problems: tuple[str, ...] = ()
     partial_trace: str | None = None
     stats: Mapping[str, Any] = field(default_factory=dict)
+    max_bytes: int | None = None  # each scheduler process's byte budget for records (None: unbounded)
 
 
 def _typed(d: Mapping, key: str, kind: type | tuple[type, ...], default: Any, where: str) -> Any:
@@ -231,7 +232,8 @@ class Provenance:
                 incomplete=tuple(cap.get("incomplete") or ()), errors=tuple(cap.get("errors") or ()),
                 problems=tuple(cap.get("problems") or ()),
                 partial_trace=_typed(cap, "partial_trace", str, None, "provenance capture."),
-                stats=_typed(cap, "stats", Mapping, {}, "provenance capture.") or {}),
+                stats=_typed(cap, "stats", Mapping, {}, "provenance capture.") or {},
+                max_bytes=_typed(cap, "max_bytes", int, None, "provenance capture.")),
             settings=st,
         )
 

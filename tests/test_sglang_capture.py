@@ -528,6 +528,25 @@ def test_records_lost_to_a_full_capture_queue_are_reported_not_failed(setup):
     assert any(f.category == "engine" and "3 batch record(s)" in f.message for f in rep.findings)
 
 
+def test_a_capture_cut_at_its_byte_budget_is_judged_on_the_steps_before_it(setup):
+    """A process's records stop at its byte budget: the capture holds every request's first two steps and none after.
+    Declared (the batches past the budget counted, the budget named), the steps held are judged and pass, and an
+    engine SKIPPED finding says how many batches went unrecorded; undeclared, the missing tail fails the output."""
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts, trees, "tree")
+    cap.steps[0] = cap.steps[0][:2 * len(prompts)]  # the fake engine's first two batches: every request's steps 0, 1
+    trace = assemble_trace(prompts, rids, results, cap, _prov(runner, prompts, 15)).trace
+    assert {s.step for s in trace.steps} == {0, 1} and len({s.request_id for s in trace.steps}) == len(prompts)
+    assert "output" in {f.category for f in _replay(trace).failures}
+    trace.provenance["capture"] = {"incomplete": [], "crash": None, "errors": [], "max_bytes": 3 << 20,
+                                   "stats": {"over_budget_batches": 2}}
+    rep = _replay(trace)
+    assert not rep.failures and rep.exit_code == 0, [f.message for f in rep.failures]
+    assert rep.checks["recurrent"] > 0
+    assert any(f.category == "engine" and "byte budget (3 MiB per scheduler process): 2 batch(es)" in f.message
+               for f in rep.findings)
+
+
 def test_a_sampled_capture_may_hold_no_step_of_a_request(setup):
     """1 step in 64 over 4 steps: most requests have no recorded step; their outputs are judged by their first
     token, and the trace passes only when its capture declares the sampling (else the output is missing steps)."""

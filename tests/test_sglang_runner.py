@@ -187,6 +187,22 @@ def test_timing_repeats_run_on_the_warm_engine_and_are_checked_against_the_captu
     assert len(spent.provenance["engine"]["settings"]["repeat_generate_s"]) == 3  # the budget spent: the minimum
 
 
+def test_a_byte_budget_reaches_the_engine_and_the_trace(fake_sglang, tmp_path, monkeypatch):
+    """--capture-max-mb: the engine's environment carries the budget in bytes and the trace names it; without one,
+    a budget in the parent's environment does not leak into the engine; out of range is refused before any start."""
+    from refcheck.prompts import load_prompts
+    from refcheck.sglang.capture.byte_budget import ENV_MAX_BYTES
+
+    monkeypatch.setenv(ENV_MAX_BYTES, "99")
+    runner = fake_sglang("ok", capture_max_mb=2)
+    assert runner._engine_env(tmp_path / "records")[ENV_MAX_BYTES] == str(2 << 20)
+    assert ENV_MAX_BYTES not in fake_sglang("ok")._engine_env(tmp_path / "records")
+    trace = runner.trace(load_prompts()[:1])
+    assert trace.provenance["capture"]["max_bytes"] == 2 << 20
+    with pytest.raises(UsageError, match=r"--capture-max-mb takes 1\.\.\d+ MiB, got 0"):
+        fake_sglang("ok", capture_max_mb=0)
+
+
 def test_a_sampled_timing_rule_adds_sampled_and_full_capture_passes_to_each_timing_round(fake_sglang, tmp_path):
     """scripts/capture_cost.py's passes: with a sampled timing rule every timing round holds an untraced, a sampled
     and a full-capture pass, each under rids of its own (marked with its rule), all timed and checked against the

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 #: options of a live run (--engine) only: a recorded trace or a golden carries its own
 _LIVE_ONLY = ("draft_dir", "prompts_file", "max_new_tokens", "dtype", "device", "drafter", "stop_ids", "save_trace",
               "workers", "full_state", "sglang_algorithm", "cuda_graphs", "ngram_breadth", "tp", "max_running",
-              "mem_fraction", "serving", "layer_sketches", "capture_sample")
+              "mem_fraction", "serving", "layer_sketches", "capture_sample", "capture_max_mb")
 #: options that pick the goldens to diff (and the live run's models, with --engine)
 _GOLDEN_PICKS = ("golden_dir", "model_dir", "pair", "budget")
 
@@ -102,6 +102,13 @@ def _engine_and_options(engine: str, sglang: SGLangOptions, dtype: str,
             parse(sglang.capture_sample)  # out of range: exit 2 before anything starts
         except CaptureSampleError as exc:
             raise UsageError(f"--capture-sample: {exc}") from None
+    if sglang.capture_max_mb is not None:
+        from refcheck.sglang.capture.byte_budget import CaptureBudgetError, from_megabytes
+
+        try:
+            from_megabytes(sglang.capture_max_mb)  # out of range: exit 2 before anything starts
+        except CaptureBudgetError as exc:
+            raise UsageError(str(exc)) from None
     opts = sglang.runner_options(settings)
     kind = check_engine(engine, opts)
     if "ngram_breadth" in kind.options:
@@ -161,6 +168,10 @@ sglang_options = option_group(
                  help="With --engine sglang: record one decode batch in N and one prefill batch in N, every request in "
                       "it (phase seeded by SEED, default 0); the diff judges the steps recorded, re-prefilling the "
                       "engine's output across the others."),
+    click.option("--capture-max-mb", "capture_max_mb", type=int, default=None, metavar="MB",
+                 help="With --engine sglang: each scheduler process writes at most MB MiB of capture records; past it "
+                      "the capture stops (the engine runs on unrecorded), and the diff reports the batches not recorded "
+                      "and judges the steps before them."),
 )
 output_options = option_group(
     "output", OutputOptions,

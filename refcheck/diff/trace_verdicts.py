@@ -32,6 +32,12 @@ def capture_findings(rep: Report, trace: Trace) -> None:
         rep.add(Finding(Verdict.SKIPPED, "engine", None, None,
                         message=f"the capture fell behind the engine: {stats['lost_batches']} batch record(s) found its "
                                 "queue full and were not recorded; the replay crosses their steps by re-prefilling"))
+    if stats.get("over_budget_batches"):
+        limit = cap.max_bytes
+        rep.add(Finding(Verdict.SKIPPED, "engine", None, None,
+                        message=f"the capture reached its byte budget ({_mib(limit)} per scheduler process): "
+                                f"{stats['over_budget_batches']} batch(es) after it were not recorded; the steps "
+                                "before it are judged"))
     if stats.get("chain_layout_branching_steps"):
         rid, step = stats.get("chain_layout_first", [None, None])
         rep.check("tree")
@@ -39,6 +45,10 @@ def capture_findings(rep: Report, trace: Trace) -> None:
                         message=f"the engine verified {stats['chain_layout_branching_steps']} branching trees with its "
                                 "recurrent layers in the chain layout (speculative_eagle_topk <= 1): sibling nodes run "
                                 "through each other's state (first at this step)"))
+
+
+def _mib(limit: object) -> str:
+    return f"{limit / (1 << 20):g} MiB" if isinstance(limit, int) else "unknown"
 
 
 def judge_distribution(rep: Report, evidence: Evidence, hidden: list[str]) -> None:

@@ -173,6 +173,16 @@ def _sample_rules(capture_sample: str | None, sampled_timing: str | None) -> tup
         raise UsageError(f"--capture-sample: {exc}") from None
 
 
+def _max_bytes(capture_max_mb: int | None) -> int | None:
+    """``--capture-max-mb`` in bytes (None: no bound); out of range is a UsageError."""
+    from refcheck.sglang.capture.byte_budget import CaptureBudgetError, from_megabytes
+
+    try:
+        return from_megabytes(capture_max_mb)
+    except CaptureBudgetError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def timing_budget(seconds: float | None) -> float | None:
     """The timing rounds' budget in seconds (None: every round runs; the child starts no round past it once
     :data:`refcheck.sglang.child.MIN_TIMED_ROUNDS` have run); one that is not positive is a UsageError."""
@@ -209,7 +219,7 @@ class SGLangRunner:
                  mem_fraction: float = 0.3, timing_repeats: int = 0, max_running: int | None = None,
                  settings: ServingSettings = DEFAULT_SETTINGS, warmup: bool = False, capture_sample: str | None = None,
                  sampled_timing: str | None = None, timing_budget_s: float | None = None,
-                 full_timing: bool = True) -> None:
+                 full_timing: bool = True, capture_max_mb: int | None = None) -> None:
         self.algorithm = algorithm.upper()
         self.settings = merged_settings(settings, cuda_graphs, max_running)
         self.spec, self.capture, self.ngram_breadth = spec, capture, ngram_breadth
@@ -234,6 +244,7 @@ class SGLangRunner:
         # each timing round also runs a pass under that rule and, with full_timing, a full-capture pass (_cost_passes)
         self.sample, self.sampled_timing = _sample_rules(capture_sample, sampled_timing)
         self.full_timing = full_timing
+        self.max_bytes = _max_bytes(capture_max_mb)  # per scheduler process; None: unbounded
         tdir, ddir = spec.resolved_dirs()
         cfg = checkpoint_config(tdir)  # the refusals below ask the target's config, read once
         text_cfg = text_config_of(cfg)
@@ -304,15 +315,18 @@ class SGLangRunner:
 
     def _engine_env(self, records: Path) -> dict[str, str]:
         """The engine process's environment: this one's, with the capture's variables set for this run only."""
+        from refcheck.sglang.capture.byte_budget import ENV_MAX_BYTES
         from refcheck.sglang.capture.sample_rule import ENV_SAMPLE
 
         env = dict(os.environ)
-        for name in (ENV_DIR, ENV_FULL, ENV_SAMPLE):
+        for name in (ENV_DIR, ENV_FULL, ENV_SAMPLE, ENV_MAX_BYTES):
             env.pop(name, None)
         if self.capture:
             env[ENV_DIR] = str(records)
             if not self.sample.full:
                 env[ENV_SAMPLE] = self.sample.to_env()
+            if self.max_bytes is not None:
+                env[ENV_MAX_BYTES] = str(self.max_bytes)
         if self.full_state:
             env[ENV_FULL] = "1"
         if self.algorithm == SHADOW:
@@ -353,11 +367,13 @@ class SGLangRunner:
         errors = list(cap.errors) + self._hook_errors(cap)
         if cap.lost:
             asm.stats["lost_batches"] = cap.lost
+        if cap.over_budget:
+            asm.stats["over_budget_batches"] = cap.over_budget
         if cap.cost:
             asm.stats["capture_cost"] = cap.cost
         return {"enabled": self.capture, "errors": errors[:50], "problems": asm.problems[:50],
                 "incomplete": asm.incomplete, "crash": crash, "stats": asm.stats, "status": cap.status[:8],
-                "sample": self.sample.to_json()}
+                "sample": self.sample.to_json(), "max_bytes": self.max_bytes}
 
     def _add_forward_hooks(self, kw: dict[str, Any]) -> None:
         """SGLang ``forward_hooks``: per-layer sketches (layer bisection, slower) and the GDN probe (a diagnostic of

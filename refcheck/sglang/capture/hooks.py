@@ -36,7 +36,9 @@ pinned host memory asynchronously and written by a background thread
 capture (:mod:`refcheck.sglang.capture.expand`). The step's time comes from two CUDA events around it. With
 ``REFCHECK_CAPTURE_SAMPLE=N:SEED`` (:mod:`refcheck.sglang.capture.sample_rule`) only one decode batch in N and
 one prefill batch in N are recorded, each on its own clock; a batch with no recorded request runs as if no
-capture were loaded.
+capture were loaded. With ``REFCHECK_CAPTURE_MAX_BYTES`` (:mod:`refcheck.sglang.capture.byte_budget`) the process
+writes at most that many bytes of records: once a record is refused, every later batch the rule takes is counted
+(``over_budget``) and runs as if not taken.
 
 Capture never changes what SGLang computes (the exceptions are opt-in, for refcheck's own selftest:
 ``REFCHECK_SAMPLER_FAULT`` injects a fault into the tree sampler, ``sampler_faults.py``, and
@@ -59,7 +61,7 @@ from typing import Any
 
 import torch
 
-from refcheck.sglang.capture import dflash_taps, layers, profiling, sampler_faults, versions
+from refcheck.sglang.capture import byte_budget, dflash_taps, layers, profiling, sampler_faults, versions
 from refcheck.sglang.capture.batch import Batch, device_index, host_lens, on_device, timed_part
 from refcheck.sglang.capture.committed import committed_state
 from refcheck.sglang.capture.graphs import GraphCache
@@ -122,10 +124,19 @@ def hook_status() -> dict[str, Any]:
 def _rec(scheduler: Any = None) -> Recorder:
     global _recorder
     if _recorder is None:
-        _recorder = Recorder(Path(os.environ[ENV_DIR]), versions.tp_of(scheduler)[0] if scheduler is not None else 0)
+        try:
+            max_bytes, bad_budget = byte_budget.parse(os.environ.get(byte_budget.ENV_MAX_BYTES)), None
+        except byte_budget.CaptureBudgetError as exc:  # said in an error record; the capture runs unbounded
+            max_bytes, bad_budget = None, exc
+        _recorder = Recorder(Path(os.environ[ENV_DIR]), versions.tp_of(scheduler)[0] if scheduler is not None else 0,
+                             max_bytes)
+        if bad_budget is not None:
+            _recorder.error("byte_budget", f"{byte_budget.ENV_MAX_BYTES}: {bad_budget}; this process records "
+                                           "without a byte budget")
         try:
             _recorder.status({"pid": os.getpid(), "tp_rank": _recorder.tp_rank, "sglang": versions.sglang_version(),
                               "hooks": hook_status(), "patched": _patched, "sample": _sample_rule().to_json(),
+                              "max_bytes": max_bytes,
                               "server_topk": versions.server_topk(scheduler) if scheduler is not None else None,
                               "serving": versions.serving_of(scheduler) if scheduler is not None else None,
                               "host": profiling.host_speed()})
@@ -201,6 +212,9 @@ def _snapshot(scheduler: Any, batch: Any) -> Batch | str:
     else:
         take, steps = _step_clock().take(rids, reqs)
     if not take:
+        return mode
+    if _recorder is not None and _recorder.budget.spent:  # past the byte budget: counted, then as if not taken
+        _recorder.shipper.counts.add(over_budget=1)
         return mode
     rows = batch.req_pool_indices
     snap = Batch(mode=mode, speculative=not batch.spec_algorithm.is_none(), rids=rids, take=take, steps=steps)

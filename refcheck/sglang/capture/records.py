@@ -6,11 +6,14 @@ bytes) through a temporary name and an atomic rename, so a crash loses at most t
 leaves a half file under a final name. Batch records go through the process's
 :class:`~refcheck.sglang.capture.shipper.Shipper` (:meth:`Recorder.ship`: asynchronous host copies, written
 by its thread, counted in ``queue-rank{tp}-pid{pid}.bin``); error records are written at once.
-``status-rank{tp}-pid{pid}.json`` says which hooks are live. :func:`read_capture` returns every complete
+``status-rank{tp}-pid{pid}.json`` says which hooks are live. A :class:`~refcheck.sglang.capture.byte_budget.ByteBudget`
+bounds the bytes of the process's record files; a record past it is refused and counted, not written.
+:func:`read_capture` returns every complete
 record of a directory, per rank, in write order, batch records expanded per request
 (:mod:`refcheck.sglang.capture.expand`); a file that cannot be read, records still queued when the engine
-stopped, and records the queue could not take are reported (not skipped silently) in :attr:`Capture.errors`
-and :attr:`Capture.lost`.
+stopped, records the queue could not take, records past the byte budget and error records that could not be
+written are reported (not skipped silently) in :attr:`Capture.errors`, :attr:`Capture.lost` and
+:attr:`Capture.over_budget`.
 """
 
 from __future__ import annotations
@@ -25,45 +28,60 @@ from typing import Any
 
 from refcheck.atomic_file import atomic_create, atomic_write_bytes
 from refcheck.sglang.capture import packing
+from refcheck.sglang.capture.byte_budget import BudgetSpent, ByteBudget
 from refcheck.sglang.capture.expand import expand_batch, expand_prefill
 from refcheck.sglang.capture.shipper import Shipper, counts_path, ledger_summary, queue_files, read_fields
 from refcheck.sglang.capture.steps import PrefillCapture, StepCapture
 
 
 class Recorder:
-    def __init__(self, root: Path, tp_rank: int = 0) -> None:
+    def __init__(self, root: Path, tp_rank: int = 0, max_bytes: int | None = None) -> None:
         self.root = Path(root)  # the capture directory (kept: the hooks pass it on at every traced batch)
         self.dir = self.root / f"rank{tp_rank}-pid{os.getpid()}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.status_path = self.root / f"status-rank{tp_rank}-pid{os.getpid()}.json"
         self.tp_rank, self.seq, self.unwritten_errors = tp_rank, 0, 0
+        self._disk_said = False  # a refusal by the disk was said on stderr
         self._lock = threading.Lock()  # the engine's thread (errors) and the shipper's (records) both write
+        self.budget = ByteBudget(max_bytes)  # the bytes of record files this process may write
         self.shipper = Shipper(self.write, self.error, counts_path(root, tp_rank))
 
     def write(self, kind: str, data: bytes | list[bytes | memoryview]) -> None:
         """One encoded record (``kind`` names it in errors; whole, or as :func:`~refcheck.sglang.capture.packing.
-        encode_parts`' buffers), as the next file of this process."""
+        encode_parts`' buffers), as the next file of this process; :class:`~refcheck.sglang.capture.byte_budget.
+        BudgetSpent` when the process's byte budget cannot take it (nothing is written)."""
+        parts = data if isinstance(data, list) else [data]
+        if not self.budget.charge(sum(memoryview(p).nbytes for p in parts)):
+            raise BudgetSpent(f"{kind}: the capture's byte budget of {self.budget.limit} bytes is spent")
         with self._lock:
             seq, self.seq = self.seq, self.seq + 1
         # a new name each time, not fsynced: a record lost to a power cut is re-made by re-running; readers never
         # see half of one (``*.rec.tmp`` until it is whole)
-        atomic_create(self.dir / f"{seq:08d}.rec", data if isinstance(data, list) else [data])
+        atomic_create(self.dir / f"{seq:08d}.rec", parts)
 
     def ship(self, kind: str, fields: dict[str, Any], tensors: dict[str, Any]) -> None:
         """Queue a batch record (its tensors may be on the device); see :mod:`refcheck.sglang.capture.shipper`."""
         self.shipper.ship(kind, fields, tensors)
 
     def error(self, where: str, message: str) -> None:
-        """An error record. One that cannot be written (a full or read-only disk) is said on stderr, the engine's
-        log, the first time, and counted in ``unwritten_errors``: never an exception into the engine."""
+        """An error record. One that cannot be written is counted in ``unwritten_errors`` and in the counters file
+        (which the reader reports), and one the disk refuses (full, read-only) is also said on stderr, the engine's
+        log, the first time: never an exception into the engine."""
         try:
             self.write("error", packing.encode({"type": "error", "where": where, "message": message}, []))
+        except BudgetSpent:
+            self._unwritten()
         except Exception as exc:  # noqa: BLE001 - the engine's step must go on
-            self.unwritten_errors += 1
-            if self.unwritten_errors == 1:
+            self._unwritten()
+            if not self._disk_said:
+                self._disk_said = True
                 first = (message.splitlines() or [""])[0]
                 print(f"refcheck capture: cannot write to {self.dir} ({type(exc).__name__}: {exc}); "
                       f"unwritten error at {where}: {first}", file=sys.stderr, flush=True)
+
+    def _unwritten(self) -> None:
+        self.unwritten_errors += 1
+        self.shipper.counts.add(unwritten_errors=1)
 
     def status(self, info: dict[str, Any]) -> None:
         atomic_write_bytes(self.status_path, json.dumps(info, indent=1, default=str).encode(), durable=False)
@@ -76,6 +94,7 @@ class Capture:
     errors: list[str] = field(default_factory=list)  # hook errors and unreadable files
     status: list[dict[str, Any]] = field(default_factory=list)
     lost: int = 0  # batch records the engine's capture queue could not take (it was full)
+    over_budget: int = 0  # batches not recorded because their process's byte budget was spent
     #: what the capture cost the engine, over every process (:func:`~refcheck.sglang.capture.shipper.ledger_summary`)
     cost: dict[str, Any] = field(default_factory=dict)
 
@@ -116,8 +135,9 @@ def read_capture(root: Path) -> Capture:
 
 
 def _read_queues(root: Path, cap: Capture) -> None:
-    """Records queued but never written (the engine stopped first) are errors; records lost to a full queue are
-    counted; the processes' cost ledgers are summed into :attr:`Capture.cost`."""
+    """Records queued but never written (the engine stopped first) and error records that could not be written are
+    errors; records lost to a full queue and batches past the byte budget are counted; the processes' cost ledgers
+    are summed into :attr:`Capture.cost`."""
     ledger: dict[str, int] = {}
     for f in queue_files(root):
         try:
@@ -131,6 +151,10 @@ def _read_queues(root: Path, cap: Capture) -> None:
         if written < queued:
             cap.errors.append(f"{f.name}: {queued - written} of {queued} captured batches were still queued when the "
                               "engine stopped (not written)")
+        if fields["unwritten_errors"]:
+            cap.errors.append(f"{f.name}: {fields['unwritten_errors']} hook error record(s) could not be written (the "
+                              "capture's byte budget was spent, or the disk refused them: see the engine's log)")
         cap.lost += lost
+        cap.over_budget += fields["over_budget"]
     if ledger:
         cap.cost = ledger_summary(ledger, ledger["written"])

@@ -11,12 +11,15 @@ through the :class:`~refcheck.sglang.capture.records.Recorder` (one atomic file 
 the thread holds the interpreter lock only briefly). CPU tensors are copied at ship time (the engine may
 reuse their storage). A record's ``events`` field (two CUDA events recorded
 around the engine's step on its stream) becomes ``step_s``, their distance in seconds. The queue holds at most ``depth`` records: a record that
-finds it full is not queued but counted as lost, never blocking the engine and never silently missing.
+finds it full is not queued but counted as lost, never blocking the engine and never silently missing; one the
+process's byte budget refuses (:mod:`refcheck.sglang.capture.byte_budget`) is counted ``over_budget``.
 
 Counts live in a memory-mapped file ``queue-rank{r}-pid{pid}.bin`` of :data:`FIELDS` (little-endian u64 each),
 updated by plain memory writes, so the engine's parent can wait until the writer is done with every queued record
 (:func:`wait_drained`) before it stops SGLang, and the reader can report lost records (:func:`read_counts`): those
-that found the queue full and those the writer could not write (``written`` counts them too: done with).
+that found the queue full and those the writer could not write (``written`` counts them too: done with). It also
+counts the batches past the byte budget (``over_budget``: records the writer refused and batches the hooks passed
+over once the budget was spent) and the error records that could not be written (``unwritten_errors``).
 Beside the queue's three counts the file holds the capture's cost ledger (:func:`read_fields`, :func:`ledger_summary`): the writer
 thread's CPU time on the records it wrote (its wait for a record's copy left out), and the scheduler's
 ``run_batch`` wall time over decode batches that ran as if no capture were loaded (``plain``) and over
@@ -46,13 +49,15 @@ from typing import Any
 import torch
 
 from refcheck.sglang.capture import packing
+from refcheck.sglang.capture.byte_budget import BudgetSpent
 from refcheck.sglang.capture.gc_clock import CollectionClock
 
 QUEUE_DEPTH = 512
 #: the counters file's fields, in order: the queue's counts, then the cost ledger (times in nanoseconds)
 FIELDS = ("queued", "written", "lost", "writer_ns", "plain_batches", "plain_ns", "recorded_batches", "recorded_ns",
           "hooks_ns", "snapshot_ns", "verify_ns", "taps_ns", "state_ns", "ship_ns", "passed_ns", "gc_ns",
-          "gc_collections", "prefills", "prefill_ns", "prefill_hooks_ns", "plain_prefills", "plain_prefill_ns")
+          "gc_collections", "prefills", "prefill_ns", "prefill_hooks_ns", "plain_prefills", "plain_prefill_ns",
+          "over_budget", "unwritten_errors")
 #: the parts of the hooks' time the ledger books (``{part}_ns``): the batch's snapshot, the verify hooks' reductions,
 #: the DFLASH drafter's taps, the committed state's sketch, and packing and queuing the record
 PARTS = ("snapshot", "verify", "taps", "state", "ship")
@@ -261,7 +266,7 @@ class Shipper:
             item = self._queue.get()
             if item is None:
                 return
-            cpu0, failed = None, False
+            cpu0, failed, refused = None, False, False
             try:
                 if item.event is not None:
                     item.event.synchronize()  # the record's copy has landed in host memory (the lock is released)
@@ -269,12 +274,14 @@ class Shipper:
                 data = packing.encode_parts(_timed(item.skeleton), item.entries, item.device_bytes.numpy().data,
                                             item.host_bytes.numpy().data)
                 self._write(item.kind, data)
+            except BudgetSpent:  # past the process's byte budget: counted, not an error
+                refused = True
             except Exception as exc:  # a record that cannot be written is reported and counted lost; the rest carry on
                 failed = True
                 self._error(f"writer:{item.kind}", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
             finally:
                 spent = time.thread_time_ns() - cpu0 if cpu0 is not None else 0
-                self.counts.add(written=1, writer_ns=spent, lost=int(failed))
+                self.counts.add(written=1, writer_ns=spent, lost=int(failed), over_budget=int(refused))
 
 
 def counts_path(root: Path, tp_rank: int) -> Path:

@@ -1,0 +1,70 @@
+"""How many bytes of records one scheduler process may write into the capture directory.
+
+Contract: ``REFCHECK_CAPTURE_MAX_BYTES=N`` (:data:`ENV_MAX_BYTES`, set by the runner from ``--capture-max-mb``)
+bounds the bytes of the record files each scheduler process writes (batch, prefill and error records, headers
+included), so a capture left on for a long run cannot fill its disk. :func:`parse` reads the value (None or
+empty: no bound) and refuses anything but an integer in 1..:data:`MAX_BYTES` with :class:`CaptureBudgetError`.
+A :class:`ByteBudget` is charged with each record before it is written. The first record that would cross the
+bound is refused, and the budget is *spent* from then on: every later record is refused too, however small. So
+the capture directory holds a prefix of the process's records, and the hooks pass every later batch over as if no
+capture were loaded. The refusals are counted (the counters file's ``over_budget`` for batch records and
+``unwritten_errors`` for error records: :mod:`refcheck.sglang.capture.shipper`) and the reader reports both: a
+step past the budget is a declared gap, never a silently missing one.
+"""
+
+from __future__ import annotations
+
+import threading
+
+ENV_MAX_BYTES = "REFCHECK_CAPTURE_MAX_BYTES"
+MAX_BYTES = 1 << 50  # 1 PiB: a bound past any disk
+
+
+class CaptureBudgetError(ValueError):
+    """A capture byte budget that is not a whole number of bytes in range."""
+
+
+class BudgetSpent(Exception):
+    """A record refused: its process's byte budget is spent."""
+
+
+class ByteBudget:
+    """One process's byte budget (``limit`` None: unbounded, still counting what was charged)."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        if limit is not None and not 1 <= limit <= MAX_BYTES:
+            raise CaptureBudgetError(f"a capture byte budget is 1..{MAX_BYTES} bytes, got {limit}")
+        self.limit = limit
+        self.used = 0  # bytes of the records charged and admitted
+        self.spent = False  # a record was refused: every later one is (read without the lock by the hooks)
+        self._lock = threading.Lock()  # the engine's thread (error records) and the writer's (batch records) charge
+
+    def charge(self, nbytes: int) -> bool:
+        """Admit a record of ``nbytes`` (True) or refuse it and every later one (False)."""
+        with self._lock:
+            if self.spent or (self.limit is not None and self.used + nbytes > self.limit):
+                self.spent = True
+                return False
+            self.used += nbytes
+            return True
+
+
+def parse(text: str | None) -> int | None:
+    """The budget in bytes from ``REFCHECK_CAPTURE_MAX_BYTES``'s text (None or empty: no bound)."""
+    if text is None or not str(text).strip():
+        return None
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise CaptureBudgetError(f"a capture byte budget is a whole number of bytes, got {text!r}") from None
+    ByteBudget(value)  # the range check
+    return value
+
+
+def from_megabytes(mb: int | None) -> int | None:
+    """``--capture-max-mb``'s MiB as bytes (None: no bound); out of range is a :class:`CaptureBudgetError`."""
+    if mb is None:
+        return None
+    if not 1 <= mb <= MAX_BYTES >> 20:
+        raise CaptureBudgetError(f"--capture-max-mb takes 1..{MAX_BYTES >> 20} MiB, got {mb}")
+    return mb << 20

@@ -1,0 +1,130 @@
+"""A capture's byte budget (refcheck/sglang/capture/byte_budget.py): each scheduler process writes at most
+REFCHECK_CAPTURE_MAX_BYTES of records, holding a prefix of its records; every batch past the budget is counted and
+runs unrecorded, and the diff judges the steps before it with the gap declared."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+from capture_kit import V, fresh_hooks, make_batch, make_scheduler, read_capture, run_prefill  # tests/capture_kit.py
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refcheck.sglang.capture import hooks
+from refcheck.sglang.capture.byte_budget import (
+    ENV_MAX_BYTES,
+    MAX_BYTES,
+    ByteBudget,
+    CaptureBudgetError,
+    from_megabytes,
+    parse,
+)
+from refcheck.sglang.capture.records import Recorder
+from refcheck.sglang.capture.shipper import queue_files, read_fields
+
+
+@settings(max_examples=80, deadline=None)
+@given(limit=st.integers(1, 400), sizes=st.lists(st.integers(0, 120), max_size=20))
+def test_a_budget_admits_the_longest_prefix_that_fits_and_nothing_after(limit, sizes):
+    budget = ByteBudget(limit)
+    admitted = [budget.charge(n) for n in sizes]
+    fits, total = 0, 0
+    for n in sizes:
+        if total + n > limit:
+            break
+        total, fits = total + n, fits + 1
+    assert admitted == [True] * fits + [False] * (len(sizes) - fits)
+    assert budget.used == total <= limit and budget.spent == (fits < len(sizes))
+
+
+def test_an_unbounded_budget_admits_everything_and_counts_it():
+    budget = ByteBudget(None)
+    assert all(budget.charge(10**9) for _ in range(5)) and budget.used == 5 * 10**9 and not budget.spent
+
+
+@pytest.mark.parametrize("text, message", [
+    ("0", r"1\.\.\d+ bytes, got 0"), ("-5", r"got -5"), ("12x", r"whole number of bytes, got '12x'"),
+    ("1.5", r"got '1.5'"), (str(MAX_BYTES + 1), r"got 1125899906842625"),
+])
+def test_a_budget_out_of_range_or_not_a_number_is_refused(text, message):
+    with pytest.raises(CaptureBudgetError, match=message):
+        parse(text)
+
+
+def test_budget_texts_and_megabytes_read_as_bytes():
+    assert parse(None) is None and parse("") is None and parse(" 4096 ") == 4096
+    assert from_megabytes(None) is None and from_megabytes(3) == 3 << 20
+    with pytest.raises(CaptureBudgetError, match=r"--capture-max-mb takes 1\.\.\d+ MiB, got 0"):
+        from_megabytes(0)
+
+
+def _record_bytes(rec: Recorder) -> list[int]:
+    return [f.stat().st_size for f in sorted(rec.dir.glob("*.rec"))]
+
+
+def test_the_writer_writes_records_until_one_would_cross_the_budget_and_counts_the_rest(tmp_path):
+    """Records of 64 int64s each (a few hundred bytes with their headers) under a budget of three and a half: three
+    are written, whole and in order, and the other five are counted past the budget, not lost and not errors."""
+    probe = Recorder(tmp_path / "probe")
+    probe.ship("batch", {"n": 0}, {"t": torch.arange(64)})
+    assert probe.shipper.drain(10.0)
+    one, = _record_bytes(probe)
+    rec = Recorder(tmp_path / "capture", max_bytes=3 * one + one // 2)
+    for n in range(8):
+        rec.ship("batch", {"n": n}, {"t": torch.arange(64) + n})
+    assert rec.shipper.drain(10.0)
+    assert _record_bytes(rec) == [one] * 3 and rec.budget.spent
+    fields = read_fields(queue_files(tmp_path / "capture")[0])
+    assert (fields["queued"], fields["written"], fields["lost"], fields["over_budget"]) == (8, 8, 0, 5)
+    rec.error("run_batch", "an error past the budget")
+    assert read_fields(queue_files(tmp_path / "capture")[0])["unwritten_errors"] == 1 and rec.unwritten_errors == 1
+
+
+def _decode_batches(root, monkeypatch, max_bytes: str | None, batches: int = 5):
+    """A prefill of two requests, then ``batches`` target-only decode batches of both, each drained before the next
+    (so the hooks see the budget as the writer left it); returns the capture read back."""
+    fresh_hooks(monkeypatch, root)
+    if max_bytes is None:
+        monkeypatch.delenv(ENV_MAX_BYTES, raising=False)
+    else:
+        monkeypatch.setenv(ENV_MAX_BYTES, max_bytes)
+    gen = torch.Generator().manual_seed(3)
+    sched, *_ = make_scheduler()
+    run_prefill(sched)
+    assert hooks.drain(10.0)
+    for k in range(batches):
+        logits = torch.randn(2, V, generator=gen)
+        hooks._run_batch(lambda self, b, lg=logits: NS(logits_output=NS(next_token_logits=lg),
+                                                       next_token_ids=lg.argmax(-1)),
+                         sched, make_batch("decode", False, [[7] * (k + 1), [9] * (k + 1)]))
+        assert hooks.drain(10.0)
+    return read_capture(root)
+
+
+def test_past_its_budget_a_process_records_no_more_batches_and_counts_them(tmp_path, monkeypatch):
+    """Unbounded, the prefill and five decode batches are six records. With a budget that holds the first three, the
+    capture holds the prefill and both requests' steps 0 and 1; the third batch's record is refused, the fourth and
+    fifth batches run unrecorded (booked plain), and all three are counted past the budget."""
+    full = _decode_batches(tmp_path / "full", monkeypatch, None)
+    assert not full.errors and full.over_budget == 0
+    sizes = [f.stat().st_size for f in sorted(next((tmp_path / "full").glob("rank0-pid*")).glob("*.rec"))]
+    assert len(sizes) == 6
+    limit = sum(sizes[:3]) + min(sizes[3:]) // 2
+    cap = _decode_batches(tmp_path / "bounded", monkeypatch, str(limit))
+    assert not cap.errors, cap.errors
+    assert [(s.rid, s.meta["step_index"]) for s in cap.steps[0]] == [("r0", 0), ("r1", 0), ("r0", 1), ("r1", 1)]
+    assert len(cap.prefills[0]) == 2 and cap.over_budget == 3
+    written = [f.stat().st_size for f in sorted(next((tmp_path / "bounded").glob("rank0-pid*")).glob("*.rec"))]
+    assert len(written) == 3 and sum(written) <= limit
+    assert cap.cost["recorded_batches"] == 3 and cap.cost["plain_batches"] == 2, cap.cost
+    assert cap.status[0]["max_bytes"] == limit
+    hooks._error("run_batch", "a hook error past the budget")
+    assert any("1 hook error record(s) could not be written" in e for e in read_capture(tmp_path / "bounded").errors)
+
+
+def test_a_bad_budget_in_the_engine_is_an_error_record_and_the_capture_runs_unbounded(tmp_path, monkeypatch):
+    cap = _decode_batches(tmp_path, monkeypatch, "12x", batches=2)
+    assert [e for e in cap.errors if "REFCHECK_CAPTURE_MAX_BYTES" in e and "'12x'" in e], cap.errors
+    assert len(cap.steps[0]) == 4 and cap.over_budget == 0 and cap.status[0]["max_bytes"] is None
