@@ -128,3 +128,33 @@ def test_a_bad_budget_in_the_engine_is_an_error_record_and_the_capture_runs_unbo
     cap = _decode_batches(tmp_path, monkeypatch, "12x", batches=2)
     assert [e for e in cap.errors if "REFCHECK_CAPTURE_MAX_BYTES" in e and "'12x'" in e], cap.errors
     assert len(cap.steps[0]) == 4 and cap.over_budget == 0 and cap.status[0]["max_bytes"] is None
+
+
+def test_trace_show_says_which_steps_a_capture_holds_and_what_it_cost(tmp_path):
+    """``refcheck trace show``'s capture lines: the sampling rule, batches lost and past the byte budget, and the
+    ledger per batch; a full capture with no budget says it holds every batch."""
+    from dataclasses import replace
+
+    from click.testing import CliRunner
+
+    from refcheck.cli.app import main
+    from refcheck.trace.io import write_trace
+
+    from trace_helpers import make_trace  # tests/trace_helpers.py
+
+    trace = make_trace(n_requests=1, n_steps=2)
+    cost = {"recorded_batches": 4, "recorded_ms_per_batch": 5.5, "hooks_ms_per_batch": 1.25, "plain_batches": 60,
+            "plain_ms_per_batch": 3.9, "passed_ms_per_plain_batch": 0.041, "writer_ms_per_record": 0.4}
+    capture = {"sample": {"every": 16, "seed": 3}, "max_bytes": 64 << 20,
+               "stats": {"lost_batches": 2, "over_budget_batches": 12, "capture_cost": cost}}
+    write_trace(replace(trace, provenance={**trace.provenance, "capture": capture}), tmp_path / "t.arrow")
+    out = CliRunner().invoke(main, ["trace", "show", str(tmp_path / "t.arrow")])
+    assert out.exit_code == 0, out.output
+    assert ("capture: 1 batch in 16 (seed 3) · 2 batch record(s) lost to a full queue · a budget of 64 MiB per "
+            "process, 12 batch(es) past it") in out.output
+    assert ("capture cost: 4 recorded batch(es) of 5.500 ms (hooks 1.250 ms), 60 plain of 3.900 ms (passing over "
+            "0.041 ms) · writer 0.400 ms per record") in out.output
+    write_trace(replace(trace, provenance={**trace.provenance, "capture": {"sample": {"every": 1, "seed": 0}}}),
+                tmp_path / "full.arrow")
+    out = CliRunner().invoke(main, ["trace", "show", str(tmp_path / "full.arrow")])
+    assert "capture: every batch\n" in out.output and "capture cost" not in out.output

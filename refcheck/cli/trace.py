@@ -51,8 +51,8 @@ def _short(v) -> str:
 def summary_lines(info: dict, request_ids: list[str]) -> list[str]:
     """The human summary of ``trace show``: one fact a line, hashes shortened (``--json`` has them whole)."""
     p = info["provenance"]
-    eng = p.get("engine", {})
-    settings = eng.get("settings", {})
+    eng = _mapping(p.get("engine"))
+    settings = _mapping(eng.get("settings"))
     tau = info["mean_tau"]
     lines = [f"{info['path']}: schema {info['schema_version']}, {info['integrity']}",
              f"engine: {eng.get('name', '?')} {eng.get('version', '')}".rstrip()
@@ -65,13 +65,47 @@ def summary_lines(info: dict, request_ids: list[str]) -> list[str]:
              f"requests: {info['requests']} ({', '.join(request_ids)}) · verify steps: {info['steps']} · mean τ "
              + (f"{tau:.3f}" if tau is not None else "-") + " (bonus counted)",
              f"size: {info['bytes']:,} bytes, {info['bytes_per_step']:,.0f} per step",
-             "recorded with: " + ", ".join(f"{k} {v}" for k, v in (p.get("versions") or {}).items())
+             "recorded with: " + ", ".join(f"{k} {v}" for k, v in _mapping(p.get("versions")).items())
              + (f" · {p['created']}" if p.get("created") else "")]
     if p.get("case"):
         lines.append(f"golden case: {p['case']}")
-    cap = p.get("capture") or {}
+    lines += capture_lines(_mapping(p.get("capture")))
+    lines.append("everything else: refcheck trace show --json")
+    return lines
+
+
+def _mapping(v: object) -> dict:
+    """A provenance field that should be a mapping, as one (anything else, e.g. a hand-edited trace's string: empty)."""
+    return v if isinstance(v, dict) else {}
+
+
+def _ms(v: object) -> str:
+    return f"{v:.3f} ms" if isinstance(v, (int, float)) else "-"
+
+
+def capture_lines(cap: dict) -> list[str]:
+    """An engine capture's lines of the summary: which steps it holds (its sampling rule, batches lost to a full
+    queue or past its byte budget), its errors, and what it cost the engine (its ledger, per batch)."""
+    if not cap:
+        return []
+    lines = []
+    stats, sample = _mapping(cap.get("stats")), _mapping(cap.get("sample"))
+    every = sample.get("every", 1)
+    held = ["every batch" if every == 1 else f"1 batch in {every} (seed {sample.get('seed', 0)})"]
+    if stats.get("lost_batches"):
+        held.append(f"{stats['lost_batches']} batch record(s) lost to a full queue")
+    if isinstance(cap.get("max_bytes"), int):
+        held.append(f"a budget of {cap['max_bytes'] / (1 << 20):g} MiB per process"
+                    + (f", {stats['over_budget_batches']} batch(es) past it" if stats.get("over_budget_batches") else ""))
+    lines.append("capture: " + " · ".join(held))
     if cap.get("errors") or cap.get("problems") or cap.get("incomplete"):
         lines.append(f"capture: {len(cap.get('errors') or [])} error(s), {len(cap.get('problems') or [])} problem(s)"
                      + (", incomplete" if cap.get("incomplete") else "") + " (--json for the list)")
-    lines.append("everything else: refcheck trace show --json")
+    cost = _mapping(stats.get("capture_cost"))
+    if cost.get("recorded_batches") or cost.get("plain_batches"):
+        lines.append(f"capture cost: {cost.get('recorded_batches', 0)} recorded batch(es) of "
+                     f"{_ms(cost.get('recorded_ms_per_batch'))} (hooks {_ms(cost.get('hooks_ms_per_batch'))}), "
+                     f"{cost.get('plain_batches', 0)} plain of {_ms(cost.get('plain_ms_per_batch'))} (passing over "
+                     f"{_ms(cost.get('passed_ms_per_plain_batch'))}) · writer {_ms(cost.get('writer_ms_per_record'))} "
+                     "per record")
     return lines
