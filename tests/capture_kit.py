@@ -27,6 +27,7 @@ import torch
 
 from refcheck.sglang.capture import hooks, records
 from refcheck.sglang.capture.graphs import GraphCache
+from refcheck.sglang.capture.packing import Packed
 
 
 def read_capture(root):
@@ -147,6 +148,8 @@ def _into(dst: Any, src: Any) -> None:
     """Copy a nest of tensors into a nest of the same shape, in place."""
     if isinstance(dst, torch.Tensor):
         dst.copy_(src)
+    elif isinstance(dst, Packed):  # a graph's packed output: its one buffer
+        dst.data.copy_(src.data)
     elif isinstance(dst, dict):
         for k in dst:
             _into(dst[k], src[k])
@@ -159,6 +162,8 @@ def _scribble(nest: Any) -> None:
     """Overwrite every tensor of a nest (NaN, or -1 where NaN does not fit)."""
     if isinstance(nest, torch.Tensor):
         nest.fill_(float("nan") if nest.is_floating_point() else -1)
+    elif isinstance(nest, Packed):  # its bytes, all ones: NaN in every float, -1 in every integer
+        nest.data.fill_(255)
     elif isinstance(nest, dict):
         for v in nest.values():
             _scribble(v)

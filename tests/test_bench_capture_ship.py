@@ -56,14 +56,15 @@ def test_pass_over_times_batches_the_rule_passes_over(tmp_path, monkeypatch):
 def test_calls_per_batch_counts_the_hooks_torch_calls_on_the_engines_thread():
     """bench_capture_ship.calls_per_batch: the same count every run (the stand-ins are seeded, the writer thread's
     calls are not the engine's); a graph cache's computation counts as its replay (one launch and a copy per input),
-    so the eager path, whose every call is counted, makes more."""
+    so the eager path, whose every call is counted, makes more. A graph's outputs pack as one buffer (packing.Packed):
+    85 calls, where packing each of the record's tensors on its own makes 162."""
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import bench_capture_ship as bench
     finally:
         sys.path.remove(str(SCRIPT.parent))
     first, second = bench.calls_per_batch(), bench.calls_per_batch()
-    assert first == second and 50 < first < 1000, (first, second)
+    assert first == second and 50 < first < 120, (first, second)
     assert bench.calls_per_batch(graphed=False) > first + 50
 
 

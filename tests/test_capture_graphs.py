@@ -14,8 +14,9 @@ from refcheck.sglang.capture.committed import bucket, bucketed
 
 def test_a_state_graph_serves_every_batch_size_up_to_its_bucket():
     """The state sketch of b requests comes from the graph of the next power of two (refcheck/sglang/capture/
-    committed.py: bucket), the first request repeated to fill it: each request's sketches are those of the sketch of
-    the b requests alone (off CUDA the graph cache runs the padded computation as it is)."""
+    committed.py: bucket), packed, the first request repeated to fill it: the first b rows of every tensor are the
+    sketch of the b requests alone, and the filler rows are the first request's (off CUDA the graph cache runs the
+    padded computation as it is)."""
     from refcheck.sglang.capture.graphs import GraphCache
     from refcheck.sglang.capture.state import MambaPools, batch_state
 
@@ -33,12 +34,15 @@ def test_a_state_graph_serves_every_batch_size_up_to_its_bucket():
     cache = GraphCache()
     for rows in ([2, 0, 1], [1], [0, 2], [2, 1, 0, 1, 2]):
         r, lens = torch.tensor(rows), torch.tensor([4, 7, 1, 3, 9][: len(rows)])
-        got, want = bucketed(cache, ("k",), sketch, r, lens), sketch(r, lens)
+        b, big = len(rows), bucket(len(rows))
+        got, want = bucketed(cache, ("k",), sketch, r, lens).unpacked(), sketch(r, lens)
         for name, entry in want["kv"].items():
-            assert got["kv"][name][2].shape == entry[2].shape and torch.allclose(got["kv"][name][2], entry[2], atol=1e-6)
+            sk = got["kv"][name][2]  # [B, W, r]
+            assert sk.shape[0] == big and torch.allclose(sk[:b], entry[2], atol=1e-6)
+            assert torch.allclose(sk[b:], entry[2][:1].expand(big - b, *entry[2].shape[1:]), atol=1e-6)
         for kind in ("conv", "rec"):
-            assert got["mamba"][kind].shape == want["mamba"][kind].shape
-            assert torch.allclose(got["mamba"][kind], want["mamba"][kind], atol=1e-6)
+            m = got["mamba"][kind]  # [L, B, ...]
+            assert m.shape[1] == big and torch.allclose(m[:, :b], want["mamba"][kind], atol=1e-6)
 
 
 def test_the_hooks_record_the_same_through_caches_that_replay_like_cuda_graphs(tmp_path, monkeypatch):

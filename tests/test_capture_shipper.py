@@ -97,6 +97,48 @@ def test_a_record_round_trips_through_its_packed_bytes():
         packing.decode(b"PK\x03\x04 a zip")
 
 
+def test_a_nest_packed_ahead_comes_back_as_if_packed_with_its_record():
+    """A record holding Packed nests (as a graph's outputs are: tensors of every dtype, a scalar, an empty one, tuples,
+    plain values) beside loose tensors decodes to the record packed whole; the pack's views are its tensors; a
+    pack's table entry bounds its bytes (a torn pack is refused)."""
+    inner = {"ids": torch.tensor([[1, 2], [3, 4]]), "lp": torch.tensor([0.5, float("nan")]), "k": torch.tensor(8),
+             "empty": torch.zeros(0, 3), "half": torch.tensor([1.0, 2.0], dtype=torch.bfloat16),
+             "kv": {"kv_k.1": (1, "kv_k", torch.arange(6.0).reshape(1, 2, 3), None)}, "layers": [0, 2]}
+    flat = {"type": "batch", "rids": ["a", "b"], "t": {"nodes": inner, "cand": torch.tensor([7, 9])},
+            "draft": {"mask": torch.tensor([True, False])}}
+    packed = {**flat, "t": {**flat["t"], "nodes": packing.prepack(inner)}, "draft": packing.prepack(flat["draft"])}
+
+    def round_trip(nest):
+        skeleton, ts, _ = packing.pack(nest)
+        return packing.decode(packing.encode(skeleton, packing.table(ts), packing.flatten(ts).numpy().tobytes()))
+
+    want, got = round_trip(flat), round_trip(packed)
+    assert len(packing.pack(packed)[1]) == 3  # two packs and one loose tensor
+
+    def same(a, b):
+        if isinstance(a, torch.Tensor):
+            assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a.nan_to_num(), b.nan_to_num())
+        elif isinstance(a, dict):
+            assert set(a) == set(b)
+            for k in a:
+                same(a[k], b[k])
+        elif isinstance(a, list):
+            assert len(a) == len(b)
+            for x, y in zip(a, b):
+                same(x, y)
+        else:
+            assert a == b
+
+    same(want, got)
+    same(round_trip({"x": inner})["x"], round_trip({"x": packing.prepack(inner).unpacked()})["x"])
+    skeleton, ts, _ = packing.pack(packed)
+    entries = packing.table(ts)
+    entries[0]["packed"]["tensors"][0]["bytes"] += 10**6  # a pack whose table reaches past its bytes
+    with pytest.raises(ValueError, match="cut short"):
+        packing.decode(packing.encode(skeleton, entries, packing.flatten(ts).numpy().tobytes()))
+
+
 def test_the_writer_and_the_hooks_book_their_cost_in_the_ledger(tmp_path):
     """The writer's CPU per record and the hooks' batch times land in the counters file; the summary gives
     milliseconds per batch and per record, and None where nothing was counted."""

@@ -18,6 +18,7 @@ import torch
 from refcheck.sglang.capture import versions
 from refcheck.sglang.capture.batch import Batch
 from refcheck.sglang.capture.graphs import GraphCache
+from refcheck.sglang.capture.packing import Packed, prepack
 from refcheck.sglang.capture.state import MambaPools, batch_state
 from refcheck.sglang.env import ENV_FULL
 
@@ -52,24 +53,17 @@ def bucket(b: int) -> int:
 
 
 def bucketed(graphs: GraphCache, key: tuple, sketch: Callable[[torch.Tensor, torch.Tensor], dict[str, Any]],
-              rows: torch.Tensor, lens: torch.Tensor) -> dict[str, Any]:
+              rows: torch.Tensor, lens: torch.Tensor) -> Packed:
     """:func:`~refcheck.sglang.capture.state.batch_state` of ``b`` requests from the graph of :func:`bucket` (b)
-    rows: the first request's row repeated to fill it, its sketches dropped from the result (each request's
-    sketch reads only its own slots)."""
+    rows, packed in the graph (:class:`~refcheck.sglang.capture.packing.Packed`): the first request's row repeated
+    to fill it. The filler rows stay in the record (request ``i``'s sketches are row ``i`` of every tensor, and
+    each reads only its own slots; the reader reads the first ``b``), so the engine's thread cuts nothing."""
     b = int(rows.shape[0])
     pad = bucket(b) - b
     if pad:
         rows = torch.cat([rows, rows[:1].expand(pad)])  # [b] -> [B]
         lens = torch.cat([lens, lens[:1].expand(pad)])
-    state = graphs.run((bucket(b), *key), sketch, rows, lens)
-    if not pad:
-        return state
-    kv = {name: (layer, kind, sk[:b], None if full is None else full[:b]) for name, (layer, kind, sk, full) in
-          state["kv"].items()}  # [B, W, ...] -> [b, W, ...]
-    mamba = state["mamba"]
-    if mamba is not None:  # [L, B, ...] -> [L, b, ...]
-        mamba = {k: (v[:, :b] if isinstance(v, torch.Tensor) else v) for k, v in mamba.items()}
-    return {"kv": kv, "mamba": mamba}
+    return graphs.run((bucket(b), *key), lambda r, n: prepack(sketch(r, n)), rows, lens)
 
 
 def committed_state(scheduler: Any, snap: Batch, committed: torch.Tensor, width: int,

@@ -39,6 +39,7 @@ import torch
 
 from refcheck.sglang.capture.graphs import GraphCache
 from refcheck.sglang.capture.graphs import run as graphs_run
+from refcheck.sglang.capture.packing import Packed, prepack
 from refcheck.sglang.draft_side import DRAFT_TOPK, draft_top
 from refcheck.sketch import sketch_on_device
 
@@ -60,10 +61,12 @@ def active() -> str | None:
 
 @dataclass
 class DFlashTaps:
-    #: the batch's draft top ranks (:func:`draft_top`: ids, logprobs [bs, B-1, K2], reach [bs, B-1]), on the device
-    draft: dict[str, torch.Tensor] | None = None
-    #: the drafter's context: sketch [bs, B, r], positions [bs, B], lens [bs] (rows fed per request), on the device
-    context: dict[str, torch.Tensor] | None = None
+    #: the batch's draft top ranks (:func:`draft_top`: ids, logprobs [bs, B-1, K2], reach [bs, B-1]), on the device,
+    #: packed (:class:`~refcheck.sglang.capture.packing.Packed`: one buffer, the graph's output)
+    draft: Packed | None = None
+    #: the drafter's context: sketch [bs, B, r], positions [bs, B], lens [bs] (rows fed per request), on the device,
+    #: packed
+    context: Packed | None = None
     missing: str | None = None  # why no draft top-k was kept
     host_s: float = 0.0  # the taps' own time on the scheduler's thread (inside the engine's step)
 
@@ -142,8 +145,8 @@ def _keeping(taps: DFlashTaps, part: str, keep: Callable[[], Any]) -> Any:
 def _draft_of(worker: Any, hidden: torch.Tensor, bs: int, block: int, graphs: GraphCache | None) -> dict:
     """The draft block's top ranks (:func:`_draft`) through the target's head, from the graph cache when given."""
     w = _head_weight(worker)
-    return graphs_run(graphs, ("draft", bs, block, w.data_ptr(), _shapes(hidden)), lambda h: _draft(h, w, bs, block),
-                      hidden)
+    return graphs_run(graphs, ("draft", bs, block, w.data_ptr(), _shapes(hidden)),
+                      lambda h: prepack(_draft(h, w, bs, block)), hidden)
 
 
 @contextlib.contextmanager
@@ -186,7 +189,7 @@ def dflash_taps(worker: Any, bs: int, record: bool, fault: str | None,
         if record and commit_lens is not None:
             taps.context = _keeping(taps, "context", lambda: graphs_run(
                 context_graphs, ("context", bs, _shapes(target_hidden, positions, commit_lens)),
-                lambda th, pos, lens: _context(th, pos, lens, bs), target_hidden, positions, commit_lens))
+                lambda th, pos, lens: prepack(_context(th, pos, lens, bs)), target_hidden, positions, commit_lens))
         return append(target_hidden=target_hidden, cache_loc=cache_loc, positions=positions, cache_loc_2d=cache_loc_2d,
                       commit_lens=commit_lens)
 

@@ -66,6 +66,7 @@ from refcheck.sglang.capture.batch import Batch, device_index, host_lens, on_dev
 from refcheck.sglang.capture.committed import committed_state
 from refcheck.sglang.capture.graphs import GraphCache
 from refcheck.sglang.capture.graphs import run as graphs_run
+from refcheck.sglang.capture.packing import prepack
 from refcheck.sglang.capture.records import Recorder
 from refcheck.sglang.capture.sample_rule import ENV_SAMPLE, SampleRule, parse
 from refcheck.sglang.capture.step_clock import StepClock
@@ -328,7 +329,7 @@ def _root_part(snap: Batch, result: Any) -> dict[str, Any] | None:
     nxt = snap.rows(on_device(result.next_token_ids, logits.device).reshape(-1))
     rows = snap.rows(logits)  # [b, V]
     key = ("root", tuple(rows.shape), rows.dtype, tuple(nxt.shape), nxt.dtype)
-    nodes = graphs_run(_graphs(_VERIFY_GRAPHS), key, lambda lg, o: summarise_nodes(lg, o).tensors(), rows, nxt)
+    nodes = graphs_run(_graphs(_VERIFY_GRAPHS), key, lambda lg, o: prepack(summarise_nodes(lg, o).tensors()), rows, nxt)
     t: dict[str, Any] = {"nodes": nodes, "next_ids": nxt}
     committed = None
     if snap.decode_inputs is not None and len(snap.decode_inputs[0]) == len(snap.rids):

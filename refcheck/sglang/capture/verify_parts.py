@@ -17,6 +17,7 @@ from refcheck.sglang.capture.batch import Batch, host_lens, on_device, rows_of
 from refcheck.sglang.capture.dflash_taps import DFlashTaps
 from refcheck.sglang.capture.graphs import GraphCache
 from refcheck.sglang.capture.graphs import run as graphs_run
+from refcheck.sglang.capture.packing import Packed, prepack
 from refcheck.sglang.capture.steps import node_logprobs, pick, summarise_nodes
 
 
@@ -65,6 +66,16 @@ def tree_part(snap: Batch, pre: dict[str, Any], result: tuple) -> dict[str, Any]
     return {"layout": "tree", "t": t, "committed": committed, "width": n, "meta": meta}
 
 
+def taken_rows(snap: Batch, part: Packed | dict[str, torch.Tensor] | None) -> Any:
+    """A drafter tap's nest (its graph's :class:`~refcheck.sglang.capture.packing.Packed`) for the recorded
+    requests: as it is when the step records every request, else each tensor's rows of those requests (a scalar as
+    it is)."""
+    if part is None or snap.index is None:
+        return part
+    nest = part.unpacked() if isinstance(part, Packed) else part
+    return {k: (v if v.dim() == 0 else snap.rows(v)) for k, v in nest.items()}
+
+
 def chain_part(worker: Any, snap: Batch, result: Any, taps: DFlashTaps, graphs: GraphCache | None) -> dict[str, Any]:
     """A DFLASH decode step's chain record (``graphs``: its node reductions replayed from there, the batch's first
     verify call only: a cache replays one graph per batch)."""
@@ -79,14 +90,13 @@ def chain_part(worker: Any, snap: Batch, result: Any, taps: DFlashTaps, graphs: 
     flat = outs.reshape(-1)  # [b, B] -> [b*B]
     graphs = graphs if not snap.pending else None  # one replay of the cache per batch
     key = ("chain", tuple(rows.shape), rows.dtype, tuple(flat.shape), flat.dtype)
-    nodes = graphs_run(graphs, key, lambda lg, o: summarise_nodes(lg, o).tensors(), rows, flat)
+    nodes = graphs_run(graphs, key, lambda lg, o: prepack(summarise_nodes(lg, o).tensors()), rows, flat)
     new_lens = getattr(result, "new_seq_lens", None)
     committed = (snap.rows(new_lens) - snap.rows(result.accept_lens) if isinstance(new_lens, torch.Tensor)
                  else host_lens(snap, logits.device))  # after the step minus what it appended
     t = {"cand": snap.rows(cand).clone(), "nodes": nodes, "accept_lens": rows_of(snap, result.accept_lens),
          "out_tokens": outs.clone()}
-    draft = {k: (v if v.dim() == 0 else snap.rows(v)) for k, v in taps.draft.items()} if taps.draft else None
-    context = {k: snap.rows(v) for k, v in taps.context.items()} if taps.context else None
+    draft, context = taken_rows(snap, taps.draft), taken_rows(snap, taps.context)
     meta: dict[str, Any] = {"layout_in_engine": "chain"}
     if taps.missing:
         meta["draft_not_captured"] = taps.missing
