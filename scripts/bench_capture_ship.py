@@ -3,6 +3,7 @@
 Usage::
 
     python scripts/bench_capture_ship.py [--records 400] [--rounds 3] [--drag] [--vs OTHER_REPO_ROOT]
+    python scripts/bench_capture_ship.py --sites
 
 Builds ``--records`` batch records shaped like a DFLASH step of 32 requests at block 16 (the verify summary, the
 committed state of 2 attention and 4 linear-attention layers, the drafter's top ranks and context, the per-request
@@ -21,7 +22,8 @@ each graph replay counted as its launch and input copies), what the scheduler's 
 also times stand-in scheduler batches (Python holding the interpreter lock, then a wait releasing it)
 with one record in 16 shipped (:func:`writer_drag`): whether the writer thread slows the batches after a recorded
 one. With ``--vs`` each round runs this checkout's refcheck and the other one's, in turn, in fresh processes, and
-prints the ratios (this / other) of the medians.
+prints the ratios (this / other) of the medians. ``--sites`` prints only the torch calls per recorded DFLASH batch
+by where the hooks make them (file and function; a graph's replay by its name).
 """
 
 from __future__ import annotations
@@ -109,12 +111,14 @@ def pass_over(requests: int, batches: int = 3000) -> float:
     return 1e6 * (time.perf_counter() - t0) / batches
 
 
-def calls_per_batch(root: Path = ROOT, graphed: bool = True, kind: str = "dflash") -> float:
+def calls_per_batch(root: Path = ROOT, graphed: bool = True, kind: str = "dflash",
+                    sites: dict[str, float] | None = None) -> float:
     """Calls into torch the capture hooks make on the engine's thread per recorded decode batch: ``root``'s
     ``tests/capture_kit.py`` stand-ins on the CPU (``kind`` "dflash": four DFLASH batches of 2-3 requests;
     "target": three target-only batches of 1-2), each call counted whose caller is refcheck's code, the records'
     reading left out. ``graphed``: through the graph caches, each cache's computation counted as what its replay
-    costs on the GPU (one copy per input and one launch); else the eager path."""
+    costs on the GPU (one copy per input and one launch); else the eager path. ``sites``: filled with the calls per
+    batch by where they are made (``file:function``, a graph's replay as ``graph:NAME``)."""
     import pytest
     import torch
     from torch.overrides import TorchFunctionMode
@@ -126,15 +130,21 @@ def calls_per_batch(root: Path = ROOT, graphed: bool = True, kind: str = "dflash
     from refcheck.sglang.capture import graphs, records
 
     package, count, quiet = str(root / "refcheck"), [0], [0]
+    by_site: dict[str, int] = {}
+
+    def book(site: str, n: int) -> None:
+        count[0] += n
+        by_site[site] = by_site.get(site, 0) + n
 
     class Count(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if not quiet[0] and sys._getframe(1).f_code.co_filename.startswith(package):
-                count[0] += 1
+            code = sys._getframe(1).f_code
+            if not quiet[0] and code.co_filename.startswith(package):
+                book(f"{Path(code.co_filename).name}:{code.co_name}", 1)
             return func(*args, **(kwargs or {}))
 
     def replayed(cache: Any, key: Any, fn: Any, *inputs: torch.Tensor) -> Any:
-        count[0] += 1 + len(inputs)
+        book(f"graph:{key[0] if isinstance(key[0], str) else f'state (bucket {key[0]})'}", 1 + len(inputs))
         quiet[0] += 1
         try:
             return fn(*inputs)
@@ -159,6 +169,8 @@ def calls_per_batch(root: Path = ROOT, graphed: bool = True, kind: str = "dflash
             steps = drive(Path(tempfile.mkdtemp(prefix="refcheck-calls-")), mp, graphed, "cpu")
     if len(steps) != want:
         raise RuntimeError(f"the stand-in {kind} batches recorded {len(steps)} steps, not {want}")
+    if sites is not None:
+        sites.update({site: n / batches for site, n in by_site.items()})
     return count[0] / batches
 
 
@@ -223,7 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--vs", type=Path, default=None, help="Another checkout's root: its refcheck, run in turn.")
     ap.add_argument("--drag", action="store_true", help="Also time the writer thread's drag on stand-in batches.")
+    ap.add_argument("--sites", action="store_true",
+                    help="Only print this checkout's torch calls per recorded DFLASH batch (graphed) by call site.")
     args = ap.parse_args(argv)
+    if args.sites:
+        sites: dict[str, float] = {}
+        total = calls_per_batch(sites=sites)
+        print(f"torch calls per recorded DFLASH batch (graphed): {total:.1f}")
+        for site, n in sorted(sites.items(), key=lambda kv: (-kv[1], kv[0])):
+            print(f"{n:8.1f}  {site}")
+        return 0
     if args.records < 1 or args.rounds < 1:
         ap.error("--records and --rounds must be >= 1")
     if args.vs is not None and not (args.vs / "refcheck" / "sglang" / "capture" / "records.py").is_file():

@@ -94,3 +94,19 @@ def test_calls_per_batch_counts_target_only_steps_too():
         sys.path.remove(str(SCRIPT.parent))
     graphed = bench.calls_per_batch(kind="target")
     assert 20 < graphed < bench.calls_per_batch(kind="target", graphed=False) - 20, graphed
+
+
+def test_sites_prints_the_calls_per_batch_by_where_they_are_made(capsys):
+    """--sites: the graphed DFLASH total, then one line per call site, summing to it; the graphs' replays named."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_capture_ship as bench
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    assert bench.main(["--sites"]) == 0
+    head, *lines = capsys.readouterr().out.strip().splitlines()
+    total = float(head.rsplit(":", 1)[1])
+    sites = {line.split(None, 1)[1]: float(line.split(None, 1)[0]) for line in lines}
+    assert total == bench.calls_per_batch() and abs(sum(sites.values()) - total) < 1e-9
+    assert {"graph:chain", "graph:draft", "graph:context", "packing.py:table"} <= set(sites), sites
+    assert any(site.startswith("graph:state (bucket ") for site in sites), sites
