@@ -129,12 +129,20 @@ def calls_per_batch(root: Path = ROOT, graphed: bool = True, kind: str = "dflash
 
     from refcheck.sglang.capture import graphs, records
 
-    package, count, quiet = str(root / "refcheck"), [0], [0]
+    package, quiet = str(root / "refcheck"), [0]
     by_site: dict[str, int] = {}
 
     def book(site: str, n: int) -> None:
-        count[0] += n
         by_site[site] = by_site.get(site, 0) + n
+
+    def quietly(fn: Any) -> Any:  # its torch calls are not the engine thread's (a replay's are counted as one)
+        def call(*args: Any) -> Any:
+            quiet[0] += 1
+            try:
+                return fn(*args)
+            finally:
+                quiet[0] -= 1
+        return call
 
     class Count(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -145,24 +153,11 @@ def calls_per_batch(root: Path = ROOT, graphed: bool = True, kind: str = "dflash
 
     def replayed(cache: Any, key: Any, fn: Any, *inputs: torch.Tensor) -> Any:
         book(f"graph:{key[0] if isinstance(key[0], str) else f'state (bucket {key[0]})'}", 1 + len(inputs))
-        quiet[0] += 1
-        try:
-            return fn(*inputs)
-        finally:
-            quiet[0] -= 1
-
-    read = records.read_capture
-
-    def unread(root_dir: Any) -> Any:
-        quiet[0] += 1
-        try:
-            return read(root_dir)
-        finally:
-            quiet[0] -= 1
+        return quietly(fn)(*inputs)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(graphs.GraphCache, "run", replayed)
-        mp.setattr(records, "read_capture", unread)
+        mp.setattr(records, "read_capture", quietly(records.read_capture))
         drive, batches, want = ((capture_kit.dflash_batches, 4, 10) if kind == "dflash"
                                 else (capture_kit.target_only_batches, 3, 5))
         with Count():
@@ -171,7 +166,7 @@ def calls_per_batch(root: Path = ROOT, graphed: bool = True, kind: str = "dflash
         raise RuntimeError(f"the stand-in {kind} batches recorded {len(steps)} steps, not {want}")
     if sites is not None:
         sites.update({site: n / batches for site, n in by_site.items()})
-    return count[0] / batches
+    return sum(by_site.values()) / batches
 
 
 def _engine_batch(python_us: float, wait_s: float) -> None:
