@@ -3,7 +3,8 @@
 Contract: :func:`request_sampling_params` is one request's SGLang sampling params (greedy, or refcheck's temperature,
 top-k and top-p, with the keyed sampler's seed and request word for REFCHECK_DDTREE and its twins);
 :func:`sampling_rng` and :func:`draft_rule` name, for the trace's provenance, how an algorithm's uniforms are made
-and how it turns drafts into the tree it verifies; :func:`check_sampling` refuses, before any engine starts, a
+and how it turns drafts into the tree it verifies; :func:`required_hooks` and :func:`missing_hooks` say which capture
+hooks its run records through and which a scheduler's status says are not live; :func:`check_sampling` refuses, before any engine starts, a
 sampled run or an injected sampler / drafter fault that the algorithm cannot take (:class:`~refcheck.errors.UsageError`).
 """
 
@@ -35,6 +36,29 @@ def draft_rule(algorithm: str) -> str:
     if algorithm in ("DFLASH", SHADOW):  # the shadow worker verifies the chain; its tree is recorded beside it
         return "chain"
     return "ddtree" if algorithm in DFLASH_DRAFTED else "other"
+
+
+def required_hooks(algorithm: str, sampled: bool) -> set[str]:
+    """The capture hooks a run of ``algorithm`` records through (``sampled``: at temperature > 0), which every
+    scheduler's status must say are live."""
+    need = {"run_batch"} | ({"dflash"} if algorithm == "DFLASH" else {"eagle_sample"} if algorithm != "NONE" else set())
+    if sampled:
+        need.add("sample")
+        if keyed(algorithm):
+            need.add("ddtree_sample")
+        elif algorithm == "NGRAM":
+            need.add("verify_coins")
+    return need
+
+
+def missing_hooks(status: list[dict[str, Any]], need: set[str]) -> list[str]:
+    """One line per scheduler whose status says a needed hook is not live; one line when no scheduler wrote a status."""
+    if not status:
+        return ["no scheduler process wrote a capture status: none loaded refcheck's SGLang plugin (entry point group "
+                "sglang.srt.plugins), or none could record in the capture directory ('refcheck capture:' in the "
+                "engine's log says why)"]
+    return [f"scheduler rank {st.get('tp_rank')}: hook {name} not live ({st.get('hooks', {}).get(name)})"
+            for st in status for name in sorted(need) if st.get("hooks", {}).get(name) is not True]
 
 
 def keyed(algorithm: str) -> bool:

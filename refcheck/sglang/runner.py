@@ -58,7 +58,14 @@ from refcheck.sglang.pair import (
     resolve_budget,
     text_config_of,
 )
-from refcheck.sglang.requests import check_sampling, draft_rule, keyed, request_sampling_params, sampling_rng
+from refcheck.sglang.requests import (
+    check_sampling,
+    draft_rule,
+    missing_hooks,
+    request_sampling_params,
+    required_hooks,
+    sampling_rng,
+)
 from refcheck.sglang.settings import DEFAULT as DEFAULT_SETTINGS
 from refcheck.sglang.settings import ServingSettings, capture_refusal, radix_refusal
 from refcheck.trace.io import Trace
@@ -357,23 +364,11 @@ class SGLangRunner:
                 self.algorithm, asm.stats.get("draft_not_captured") or "no step carried its drafter's side")
 
     def _capture_provenance(self, cap: Any, asm: Any, crash: str | None) -> dict[str, Any]:
-        """The trace's ``capture`` provenance: errors, problems, crash, stats, the schedulers' status, the rule."""
-        from refcheck.sglang.capture.versions import SUPPORTED
+        """The trace's ``capture`` provenance (:func:`~refcheck.sglang.capture.assemble.capture_provenance`)."""
+        from refcheck.sglang.capture.assemble import capture_provenance
 
-        seen = {str(st.get("sglang")) for st in cap.status} - set(SUPPORTED)
-        if seen:  # not an error: the hook targets may still hold, but nobody has read this release
-            asm.problems.append(f"SGLang {', '.join(sorted(seen))} is not a release refcheck's hooks were checked "
-                                f"against ({', '.join(SUPPORTED)})")
-        errors = list(cap.errors) + self._hook_errors(cap)
-        if cap.lost:
-            asm.stats["lost_batches"] = cap.lost
-        if cap.over_budget:
-            asm.stats["over_budget_batches"] = cap.over_budget
-        if cap.cost:
-            asm.stats["capture_cost"] = cap.cost
-        return {"enabled": self.capture, "errors": errors[:50], "problems": asm.problems[:50],
-                "incomplete": asm.incomplete, "crash": crash, "stats": asm.stats, "status": cap.status[:8],
-                "sample": self.sample.to_json(), "max_bytes": self.max_bytes}
+        return capture_provenance(cap, asm, crash, self._hook_errors(cap), self.sample.to_json(), self.max_bytes,
+                                  enabled=self.capture)
 
     def _add_forward_hooks(self, kw: dict[str, Any]) -> None:
         """SGLang ``forward_hooks``: per-layer sketches (layer bisection, slower) and the GDN probe (a diagnostic of
@@ -481,21 +476,7 @@ class SGLangRunner:
     def _hook_errors(self, cap) -> list[str]:
         if not self.capture:
             return []
-        if not cap.status:
-            return ["no scheduler process wrote a capture status: none loaded refcheck's SGLang plugin (entry point group "
-                    "sglang.srt.plugins), or none could record in the capture directory ('refcheck capture:' in the "
-                    "engine's log says why)"]
-        need = {"run_batch"} | ({"dflash"} if self.algorithm == "DFLASH" else {"eagle_sample"} if self.algorithm != "NONE" else set())
-        if self.spec.sampled:
-            need.add("sample")
-            if keyed(self.algorithm):
-                need.add("ddtree_sample")
-            elif self.algorithm == "NGRAM":
-                need.add("verify_coins")
-        out = []
+        out = missing_hooks(cap.status, required_hooks(self.algorithm, self.spec.sampled))
         for st in cap.status:
-            for name in sorted(need):
-                if st.get("hooks", {}).get(name) is not True:
-                    out.append(f"scheduler rank {st.get('tp_rank')}: hook {name} not live ({st.get('hooks', {}).get(name)})")
             out += settings_changed(self.settings, st)
         return out

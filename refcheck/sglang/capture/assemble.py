@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from ddtree_reference.sampling import Sampling, request_key
 from refcheck.prompts import Prompt
+from refcheck.sglang.capture.contexts import Contexts
 from refcheck.sglang.capture.records import Capture
 from refcheck.sglang.capture.state import combine_shards
 from refcheck.sglang.capture.steps import StepCapture
@@ -138,6 +140,22 @@ def _request_row(p: Prompt, output: list[int], lps: list[float], first_uniform: 
     return row
 
 
+def _check_contexts(out: Assembly, prompts: list[Prompt], rids: dict[str, str], capture: Capture) -> None:
+    """Each request's context as its records carry it (:mod:`refcheck.sglang.capture.contexts`) against its prompt
+    and output: a record that says the engine held other tokens is a problem."""
+    rank = min(capture.prefills or capture.steps or {0: []})
+    contexts = Contexts.of([*capture.prefills.get(rank, []), *capture.steps.get(rank, [])])
+    out.problems += contexts.holes + contexts.conflicts
+    outputs = {r.request_id: r.output_ids for r in out.trace.requests}
+    for p in prompts:
+        rid = rids[p.id]
+        if rid in contexts:
+            at = contexts.differs(rid, list(p.prompt_ids) + list(outputs.get(p.id, [])))
+            if at is not None:
+                out.problems.append(f"{p.id}: the context its records carry differs from its prompt and output at "
+                                    f"token {at}")
+
+
 def _stats(kept: list[StepCapture], past_end: int) -> dict:
     n_steps, n_accepted = len(kept), sum(len(s.accepted) for s in kept)
     return {"steps": n_steps, "branching_steps": sum(bool(s.meta.get("branching")) for s in kept),
@@ -217,6 +235,7 @@ def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[st
         past_end += dropped
         out.trace.requests.append(_request_row(p, output, lps, first.uniform if first is not None else math.nan,
                                                sampling, rng))
+    _check_contexts(out, prompts, rids, capture)
     out.stats = _stats(kept, past_end)
     # branching trees verified while the engine ran its recurrent layers as a chain (topk <= 1): the leak's
     # configuration, visible without any numerics
@@ -226,3 +245,25 @@ def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[st
         out.stats["chain_layout_branching_steps"] = len(chain)
         out.stats["chain_layout_first"] = list(chain[0])
     return out
+
+
+def capture_provenance(cap: Capture, asm: Assembly, crash: str | None, hook_errors: list[str], sample: dict[str, Any],
+                       max_bytes: int | None, enabled: bool = True) -> dict[str, Any]:
+    """A trace's ``capture`` provenance: the capture's errors (``hook_errors`` after the records' own), the assembly's
+    problems (a release the hooks were not checked against added) and statistics (records lost, batches past the byte
+    budget, the cost ledger), the crash, the schedulers' status, the sampling rule and the byte budget."""
+    from refcheck.sglang.capture.versions import SUPPORTED
+
+    seen = {str(st.get("sglang")) for st in cap.status} - set(SUPPORTED)
+    if seen:  # not an error: the hook targets may still hold, but nobody has read this release
+        asm.problems.append(f"SGLang {', '.join(sorted(seen))} is not a release refcheck's hooks were checked "
+                            f"against ({', '.join(SUPPORTED)})")
+    errors = list(cap.errors) + hook_errors
+    if cap.lost:
+        asm.stats["lost_batches"] = cap.lost
+    if cap.over_budget:
+        asm.stats["over_budget_batches"] = cap.over_budget
+    if cap.cost:
+        asm.stats["capture_cost"] = cap.cost
+    return {"enabled": enabled, "errors": errors[:50], "problems": asm.problems[:50], "incomplete": asm.incomplete,
+            "crash": crash, "stats": asm.stats, "status": cap.status[:8], "sample": sample, "max_bytes": max_bytes}

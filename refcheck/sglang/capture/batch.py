@@ -48,6 +48,10 @@ class Batch:
     # target-only decode, from the forward batch on the device: [bs] input ids (the roots) and seq lens (with the
     # root): right even under the overlap scheduler, whose per-request lists lag one step behind
     decode_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: per recorded request: the piece of its context its record carries, and its sampling parameters at its first
+    #: record (:meth:`~refcheck.sglang.capture.step_clock.StepClock.context`)
+    contexts: list[list[Any]] = field(default_factory=list)
+    params: list[dict[str, Any] | None] = field(default_factory=list)
 
     def rows(self, t: torch.Tensor, per: int = 1) -> torch.Tensor:
         """The recorded requests' rows of a batch tensor [bs*per, ...] (or [bs, ...] with per=1)."""

@@ -9,7 +9,7 @@ per-request, per-node Python work here, in refcheck's process, rather than in th
 
 A batch record's fields: ``layout`` (tree / chain / root), ``rids``, ``origin`` (each request's row in SGLang's
 batch), ``steps`` (each request's step number in the engine, counted by the plugin), ``committed_host`` (the
-scheduler's committed lengths), ``meta``, ``sides`` (REFCHECK_DDTREE's drafter sides by rid, or None),
+scheduler's committed lengths), ``contexts`` and ``params`` (per request, :mod:`refcheck.sglang.capture.contexts`), ``meta``, ``sides`` (REFCHECK_DDTREE's drafter sides by rid, or None),
 ``step_s``; tensors ``t`` (per layout, below), ``state`` (:func:`~refcheck.sglang.capture.state.batch_state`),
 ``tp``, ``layers`` ``[layers, b*N, r]``, ``draft`` / ``context`` (:mod:`refcheck.sglang.capture.dflash_taps`).
 """
@@ -92,6 +92,13 @@ def _attach(rec: dict[str, Any], b: int, s: StepCapture) -> None:
         s.meta["draft_not_captured"] = reason
     s.meta["step_index"] = int(rec["steps"][b])
     s.meta["batch_step_s"] = float(rec.get("step_s", math.nan))
+    s.context, s.params = _context_of(rec, b)
+
+
+def _context_of(rec: dict[str, Any], b: int) -> tuple[list[Any] | None, dict[str, Any] | None]:
+    """Request ``b``'s piece of its context and its first parameters (None where the record carries none)."""
+    contexts, params = rec.get("contexts") or [], rec.get("params") or []
+    return (contexts[b] if b < len(contexts) else None), (params[b] if b < len(params) else None)
 
 
 def expand_batch(rec: dict[str, Any]) -> list[StepCapture]:
@@ -107,5 +114,7 @@ def expand_batch(rec: dict[str, Any]) -> list[StepCapture]:
 def expand_prefill(rec: dict[str, Any]) -> list[PrefillCapture]:
     """One shipped prefill record -> a first-token record per request that finished its prefill."""
     t = rec["t"]
-    return prefill_records(NodeSummary.of(t["nodes"]), t["next_ids"], rec["rids"], rec["prompt_lens"],
-                           rec.get("uniforms"))
+    out = prefill_records(NodeSummary.of(t["nodes"]), t["next_ids"], rec["rids"], rec["prompt_lens"], rec.get("uniforms"))
+    for b, p in enumerate(out):
+        p.context, p.params = _context_of(rec, b)
+    return out

@@ -140,6 +140,7 @@ def _rec(scheduler: Any = None) -> Recorder:
                               "max_bytes": max_bytes,
                               "server_topk": versions.server_topk(scheduler) if scheduler is not None else None,
                               "serving": versions.serving_of(scheduler) if scheduler is not None else None,
+                              "server": versions.server_of(scheduler) if scheduler is not None else None,
                               "host": profiling.host_speed()})
         except Exception as exc:  # a status we cannot compute must not stop the engine
             _recorder.error("status", f"{type(exc).__name__}: {exc}")
@@ -221,15 +222,26 @@ def _snapshot(scheduler: Any, batch: Any) -> Batch | str:
     snap = Batch(mode=mode, speculative=not batch.spec_algorithm.is_none(), rids=rids, take=take, steps=steps)
     if mode == "decode" and len(take) < len(rids):
         snap.index = device_index(take, rows.device if isinstance(rows, torch.Tensor) else "cpu")
+    clock = _step_clock()
     if mode == "extend":  # what a prefill record needs: whose prompt this chunk finishes
         snap.prompt_lens = [len(r.origin_input_ids) for r in reqs]
         snap.fill_lens = [len(getattr(r, "fill_ids", None) or r.origin_input_ids) for r in reqs]
+        _carry(snap, clock, reqs, [i for i in take if snap.fill_lens[i] >= snap.prompt_lens[i]])
         return snap
+    _carry(snap, clock, reqs, take)
     snap.committed = [len(r.origin_input_ids) + len(r.output_ids) - 1 for r in reqs]
     snap.roots = [int(r.output_ids[-1]) if r.output_ids else -1 for r in reqs]
     snap.pool_rows = rows.detach().clone() if isinstance(rows, torch.Tensor) else None
     snap.topk = versions.server_topk(scheduler)
     return snap
+
+
+def _carry(snap: Batch, clock: StepClock, reqs: list[Any], rows: list[int]) -> None:
+    """The pieces of their contexts (and first parameters) the records of ``rows`` carry, in that order."""
+    for b in rows:
+        piece, params = clock.context(snap.rids[b], reqs[b])
+        snap.contexts.append(piece)
+        snap.params.append(params)
 
 
 def _engine_stream(scheduler: Any) -> Any:
@@ -291,6 +303,7 @@ def _fields(scheduler: Any, snap: Batch, part: dict[str, Any], result: Any) -> d
     sides = getattr(worker, "last_sides", None)  # REFCHECK_DDTREE's drafter side
     meta["capture_host_s"] = snap.host_s + time.perf_counter() - snap.after_t0
     return {"layout": part["layout"], "rids": snap.host(snap.rids), "origin": list(snap.take), "steps": list(snap.steps),
+            "contexts": snap.contexts, "params": snap.params,
             "committed_host": snap.host(snap.committed), "roots_host": snap.host(snap.roots), "meta": meta,
             "sides": {r: sides.get(r) for r in snap.host(snap.rids)} if isinstance(sides, dict) else None,
             "events": snap.events}
@@ -357,7 +370,8 @@ def _ship_prefill(scheduler: Any, snap: Batch, result: Any) -> None:
     uniforms = getattr(getattr(scheduler, "draft_worker", None), "last_first_uniforms", None)
     rids = [snap.rids[i] for i in done]
     _rec(scheduler).ship("prefill_batch", {"rids": rids, "prompt_lens": [snap.prompt_lens[i] for i in done],
-                                           "uniforms": dict(uniforms) if isinstance(uniforms, dict) else None},
+                                           "uniforms": dict(uniforms) if isinstance(uniforms, dict) else None,
+                                           "contexts": snap.contexts, "params": snap.params},
                          {"t": {"nodes": summarise_nodes(lg, nxt).tensors(), "next_ids": nxt}})
 
 

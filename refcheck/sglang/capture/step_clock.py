@@ -12,7 +12,8 @@ capture records one prefill batch in ``every`` as it does decode batches, and a 
 go of are dropped: the clock holds a weak reference to each request object, so a request no batch can hold again
 is gone. A request that is only waiting (retracted, preempted) keeps its count. A request class that takes no weak
 reference is kept for the process's life. So a serving run with capture left on holds as many counts as it has
-live requests.
+live requests. Beside its count the clock keeps how many of a request's context tokens its records have carried
+(:meth:`StepClock.context`, :mod:`refcheck.sglang.capture.contexts`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from refcheck.sglang.capture.contexts import delta, params_of
 from refcheck.sglang.capture.sample_rule import SampleRule, rule_for
 
 SWEEP_EVERY = 1024  # decode batches between sweeps
@@ -32,7 +34,8 @@ class StepClock:
         self.default, self.sweep_every = default, sweep_every
         self.batches = 0
         self.prefills = 0
-        #: rid -> [steps run, its rule's every, its rule's phase, a weak reference to the request or None]
+        #: rid -> [steps run, its rule's every, its rule's phase, a weak reference to the request or None, context
+        #: tokens its records carried]
         self._seen: dict[str, list[Any]] = {}
 
     def __len__(self) -> int:
@@ -83,8 +86,20 @@ class StepClock:
     def _enter(self, rid: str, req: Any) -> list[Any]:
         """``rid``'s entry, new: no step run, its rule's every and phase, a weak reference to its request."""
         rule = rule_for(rid, self.default)
-        clock = self._seen[rid] = [0, rule.every, rule.phase, _weak(req)]
+        clock = self._seen[rid] = [0, rule.every, rule.phase, _weak(req), 0]
         return clock
+
+    def context(self, rid: str, req: Any) -> tuple[list[Any], dict[str, Any] | None]:
+        """The piece of ``rid``'s context its next record carries ([start, tokens, prompt length]: :func:`~refcheck.
+        sglang.capture.contexts.delta` of the scheduler's ``req``), counted as carried, and its sampling parameters when
+        no record carried any of it before."""
+        clock = self._seen.get(rid)
+        if clock is None:
+            clock = self._enter(rid, req)
+        known = clock[4]
+        start, tokens = delta(known, req.origin_input_ids, req.output_ids)
+        clock[4] = start + len(tokens)
+        return [start, tokens, len(req.origin_input_ids)], (params_of(req) if known == 0 else None)
 
     def _sweep(self) -> None:
         for rid in [rid for rid, clock in self._seen.items() if clock[3] is not None and clock[3]() is None]:

@@ -68,6 +68,10 @@ class StepCapture:
     #: shadow mode: the tree the drafter built when the engine verified its chain (root first); [] = none
     shadow_tokens: list[int] = field(default_factory=list)
     shadow_parents: list[int] = field(default_factory=list)
+    #: the request's context tokens this record carries, [start, tokens], and its sampling parameters at its first
+    #: record (:mod:`refcheck.sglang.capture.contexts`); None = not carried
+    context: list[Any] | None = None
+    params: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return _fields(self)
@@ -231,6 +235,8 @@ class PrefillCapture:
     token: int
     logprob: float
     uniform: float = float("nan")  # the keyed first draw's uniform (REFCHECK_DDTREE at T > 0); NaN = not exposed
+    context: list[Any] | None = None  # as StepCapture's
+    params: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return _fields(self)

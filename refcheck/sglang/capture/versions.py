@@ -124,6 +124,25 @@ def serving_of(scheduler: Any) -> dict[str, Any]:
             "cuda_graphs": None if graphs is None else not bool(graphs)}
 
 
+#: ServerArgs fields a capture's status keeps (SGLang 0.5.17 names): what a reader needs to judge a capture of a run
+#: refcheck did not start (:mod:`refcheck.sglang.served`)
+SERVER_FIELDS = ("model_path", "dtype", "kv_cache_dtype", "speculative_algorithm", "speculative_draft_model_path",
+                 "speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk",
+                 "speculative_ngram_max_bfs_breadth", "speculative_dflash_block_size", "tp_size", "page_size",
+                 "disable_cuda_graph", "disable_overlap_schedule", "disable_radix_cache", "attention_backend",
+                 "linear_attn_backend", "sampling_backend", "random_seed")
+
+
+def server_of(scheduler: Any) -> dict[str, Any]:
+    """The scheduler's server arguments of :data:`SERVER_FIELDS` it has, as plain values (others as text)."""
+    args = getattr(scheduler, "server_args", None)
+    out: dict[str, Any] = {}
+    for name in SERVER_FIELDS:
+        value = getattr(args, name, None)
+        out[name] = value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+    return out
+
+
 def server_topk(scheduler: Any) -> int | None:
     args = getattr(scheduler, "server_args", None)
     topk = getattr(args, "speculative_eagle_topk", None) if args is not None else None
