@@ -1,8 +1,11 @@
-"""``refcheck trace show``: a trace file's summary.
+"""``refcheck trace show``: a trace file's summary; ``refcheck trace import``: a serving run's capture as a trace.
 
-Contract: human output (stderr) is one fact a line: integrity, engine, models (hashes shortened),
+Contract: ``show``'s human output (stderr) is one fact a line: integrity, engine, models (hashes shortened),
 run settings, requests and steps with mean τ, size, the library versions it was recorded with;
-``--json`` prints every field, the whole provenance included. A corrupt trace is exit 4.
+``--json`` prints every field, the whole provenance included. A corrupt trace is exit 4. ``import`` reads the
+capture directory of an SGLang server started with ``REFCHECK_CAPTURE_DIR`` (:mod:`refcheck.sglang.served`) and
+writes its trace atomically to ``--out``, saying how many requests and steps it holds and which requests were left
+out and why; a directory that is not such a capture, or models not found here, is exit 2, nothing written.
 """
 
 from __future__ import annotations
@@ -41,6 +44,34 @@ def trace_show(path, as_json):
     else:
         for line in summary_lines(info, [r.request_id for r in t.requests]):
             err.print(line, markup=False, soft_wrap=True)
+    sys.exit(EXIT_PASS)
+
+
+@trace.command("import")
+@click.argument("capture_dir", type=click.Path(path_type=Path))
+@click.option("--out", "out", type=click.Path(path_type=Path), required=True, help="The trace file to write.")
+@click.option("--model-dir", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="The target's checkpoint directory here (default: the server's --model-path).")
+@click.option("--draft-dir", "draft_dir", type=click.Path(path_type=Path), default=None,
+              help="The drafter's checkpoint directory here (default: the server's draft model path).")
+def trace_import(capture_dir: Path, out: Path, model_dir: Path | None, draft_dir: Path | None) -> None:
+    """Turn the capture directory of an SGLang server you started (REFCHECK_CAPTURE_DIR) into a trace to diff."""
+    from refcheck.outputs import check_output_file
+    from refcheck.sglang.served import served_trace
+    from refcheck.trace.io import write_trace
+
+    check_output_file(out, "--out")
+    served = served_trace(capture_dir, model_dir, draft_dir)
+    asm = served.assembly
+    size = write_trace(asm.trace, out)
+    steps = len(asm.trace.steps)
+    err.print(f"{out}: {len(asm.trace.requests)} request(s), {steps} verify step(s), {size:,} bytes", markup=False)
+    for why, n in sorted(served.left_out.items()):
+        err.print(f"left out: {n} request(s) with {why}", markup=False)
+    if asm.problems:
+        err.print(f"{len(asm.problems)} problem(s) in the records (refcheck trace show --json {out} lists them)",
+                  markup=False)
+    err.print(f"next: refcheck diff --against {out} --mode replay", markup=False)
     sys.exit(EXIT_PASS)
 
 

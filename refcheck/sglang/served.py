@@ -1,0 +1,184 @@
+"""A capture of a serving run refcheck did not start -> a refcheck trace the diff judges.
+
+Contract: an SGLang server started with refcheck installed (its plugin entry point) and ``REFCHECK_CAPTURE_DIR`` set
+(with ``REFCHECK_CAPTURE_SAMPLE`` and ``REFCHECK_CAPTURE_MAX_BYTES`` for a run left on) writes a capture directory
+that describes itself: each scheduler's status file keeps the server's arguments
+(:func:`refcheck.sglang.capture.versions.server_of`), and each record the context tokens and first sampling parameters
+of its requests (:mod:`refcheck.sglang.capture.contexts`). :func:`served_trace` reads such a directory: every request
+with a recorded step or first token becomes a request of the trace, its id the engine's rid, its prompt and output
+those its records carry (the output up to the step recorded where its carried context ends, that step's emitted
+tokens included; the trace's token limit is the longest such output), and the
+trace's provenance comes from the server's arguments: the model and draft directories (``model_dir`` / ``draft_dir``
+in place of the server's paths, which must be local checkpoint directories), the algorithm, the budget, the dtype
+and how SGLang served.
+
+The trace holds one sampling setting, as every trace does: the greedy requests (SGLang's ``top_k == 1``) when there
+are any, else the largest group of one temperature, top-k and top-p. Requests refcheck's reference cannot judge are
+left out and counted by reason (:attr:`Served.left_out`, also in the trace's ``engine.settings.left_out``): another
+sampling setting; penalties, a logit bias, ``min_p``, ``min_new_tokens`` or a grammar (they change the target's
+distribution); no sampling parameters in their records (their first record was not written). A request whose
+context has a hole (a record between was not written) keeps the steps before it. A directory that is not a capture,
+or one whose server or models cannot be read, is a :class:`ServedCaptureError` (exit 2).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddtree_reference.sampling import Sampling
+from refcheck.errors import UsageError
+from refcheck.prompts import Prompt
+from refcheck.sglang.capture.assemble import Assembly, assemble_trace, capture_provenance
+from refcheck.sglang.capture.contexts import Contexts
+from refcheck.sglang.capture.records import Capture, read_capture
+from refcheck.sglang.capture.steps import StepCapture
+from refcheck.sglang.pair import DFLASH_DRAFTED, checkpoint_config, draft_block_size, text_config_of
+
+TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top-k
+#: parameters that change the target's distribution in ways the reference does not model, with their neutral values
+_UNJUDGED = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
+             "min_new_tokens": 0, "logit_bias": None, "json_schema": None, "regex": None, "ebnf": None,
+             "structural_tag": None}
+
+
+class ServedCaptureError(UsageError):
+    """A capture directory that cannot be read as a serving run's capture."""
+
+
+@dataclass
+class Served:
+    assembly: Assembly
+    left_out: dict[str, int] = field(default_factory=dict)  # reason -> requests left out of the trace
+
+
+def served_trace(root: Path, model_dir: Path | None = None, draft_dir: Path | None = None) -> Served:
+    """The trace of the capture directory ``root`` (module docstring)."""
+    root = Path(root)
+    if not root.is_dir() or not any(root.glob("status-rank*-pid*.json")):
+        raise ServedCaptureError(f"{root} is not a capture directory: no status-rank*-pid*.json in it (SGLang writes "
+                                 "one per scheduler when it runs with REFCHECK_CAPTURE_DIR set and refcheck installed)")
+    return trace_of(read_capture(root), str(root), model_dir, draft_dir)
+
+
+def trace_of(cap: Capture, where: str, model_dir: Path | None = None, draft_dir: Path | None = None) -> Served:
+    """The trace of a capture read back (:func:`served_trace`; ``where`` names it in errors)."""
+    server = next((st["server"] for st in cap.status if isinstance(st.get("server"), dict)), None)
+    if server is None:
+        raise ServedCaptureError(f"{where}: no status file carries the server's arguments, so the models and the "
+                                 "algorithm are unknown")
+    algorithm = str(server.get("speculative_algorithm") or "NONE").upper()
+    tdir = _checkpoint(model_dir, server.get("model_path"), "model", "--model-dir")
+    ddir = _checkpoint(draft_dir, server.get("speculative_draft_model_path"), "draft model", "--draft-dir") \
+        if algorithm in DFLASH_DRAFTED else None
+    contexts = _contexts(cap)
+    prompts, results, sampling, left_out = _requests(cap, contexts)
+    if not prompts:
+        raise ServedCaptureError(f"{where}: no request refcheck can judge was recorded"
+                                 + (f" ({_said(left_out)} left out)" if left_out else ""))
+    longest = max(len(r["output_ids"]) for r in results.values())
+    prov = _provenance(server, cap, algorithm, tdir, ddir, prompts, sampling, left_out, max(longest, 1))
+    asm = assemble_trace(prompts, {p.id: p.id for p in prompts}, results, cap, prov, sampling, "engine",
+                         overlap=bool((cap.status[0].get("serving") or {}).get("overlap")))
+    st = cap.status[0]
+    prov["capture"] = capture_provenance(cap, asm, None, [], st.get("sample") or {"every": 1, "seed": 0},
+                                         st.get("max_bytes"))
+    return Served(asm, left_out)
+
+
+def _checkpoint(given: Path | None, served: Any, what: str, option: str) -> Path:
+    """The checkpoint directory ``given`` here, else the one the server ``served`` from; refused without a config."""
+    path = Path(given) if given is not None else Path(str(served)) if served else None
+    if path is not None and (path / "config.json").is_file():
+        return path
+    if given is not None:
+        raise ServedCaptureError(f"{option} {given} is not a checkpoint directory (no config.json)")
+    raise ServedCaptureError(f"the server's {what} {served!r} is not a local checkpoint directory here (no "
+                             f"config.json): pass {option} DIR")
+
+
+def _contexts(cap: Capture) -> Contexts:
+    """The first rank's pieces of every request's context."""
+    rank = min(cap.steps or cap.prefills or {0: []})
+    return Contexts.of([*cap.prefills.get(rank, []), *cap.steps.get(rank, [])])
+
+
+def _sampling_of(params: dict[str, Any]) -> Sampling | str:
+    """A request's sampling setting, or why the reference cannot judge it."""
+    odd = sorted(k for k, neutral in _UNJUDGED.items() if params.get(k) not in (neutral, None))
+    if odd:
+        return f"{', '.join(odd)} set"
+    top_k = int(params.get("top_k") or TOP_K_ALL)
+    if top_k == 1:
+        return Sampling()
+    return Sampling(float(params.get("temperature") or 1.0), 0 if top_k >= TOP_K_ALL else top_k,
+                    float(params.get("top_p") or 1.0))
+
+
+def _requests(cap: Capture, contexts: Contexts) -> tuple[list[Prompt], dict[str, dict], Sampling | None, dict[str, int]]:
+    """The requests the trace keeps (prompts, their outputs), its sampling setting, and the others counted by why."""
+    rank = min(cap.steps or cap.prefills or {0: []})
+    at: dict[tuple[str, int], StepCapture] = {}  # (rid, committed length) -> its step recorded there
+    for s in cap.steps.get(rank, []):
+        at[(s.rid, s.committed_len)] = s
+    firsts = {p.rid: p for p in cap.prefills.get(rank, [])}
+    left: Counter[str] = Counter()
+    groups: dict[Sampling, list[str]] = {}
+    for rid in sorted({s.rid for s in cap.steps.get(rank, [])} | set(firsts)):
+        params = contexts.params.get(rid)
+        setting = "no sampling parameters recorded" if params is None or rid not in contexts.prompt_lens \
+            else _sampling_of(params)
+        if isinstance(setting, str):
+            left[setting] += 1
+        else:
+            groups.setdefault(setting, []).append(rid)
+    if not groups:
+        return [], {}, None, dict(left)
+    sampling = Sampling() if Sampling() in groups else max(groups, key=lambda g: len(groups[g]))
+    for other, rids in groups.items():
+        if other != sampling:
+            left[f"another sampling setting (temperature {other.temperature:g}, top-k {other.top_k}, "
+                 f"top-p {other.top_p:g})"] += len(rids)
+    prompts, results = [], {}
+    for rid in groups[sampling]:
+        ctx, n = contexts.known(rid), contexts.prompt_lens[rid]
+        output = ctx[n:]
+        s = at.get((rid, len(ctx) - 1))
+        if s is not None:  # the step recorded at the end of the context carried: its emitted tokens follow
+            output = output + list(s.emitted)
+        elif not output and rid in firsts:
+            output = [firsts[rid].token]
+        prompts.append(Prompt(rid, tuple(ctx[:n]), "served"))
+        results[rid] = {"output_ids": output}
+    return prompts, results, (None if sampling.greedy else sampling), dict(left)
+
+
+def _said(left_out: dict[str, int]) -> str:
+    return "; ".join(f"{n} with {why}" for why, n in sorted(left_out.items()))
+
+
+def _provenance(server: dict[str, Any], cap: Capture, algorithm: str, tdir: Path, ddir: Path | None,
+                prompts: list[Prompt], sampling: Sampling | None, left_out: dict[str, int],
+                max_new_tokens: int) -> dict[str, Any]:
+    from refcheck.prompts import prompt_set_hash
+    from refcheck.provenance import build_provenance
+    from refcheck.sglang.requests import draft_rule
+
+    dtype = str(server.get("dtype") or "auto")
+    if dtype == "auto":  # SGLang serves the checkpoint's own dtype
+        dtype = str(text_config_of(checkpoint_config(tdir)).get("torch_dtype") or "bfloat16")
+    block = draft_block_size(ddir) if algorithm == "DFLASH" else None
+    nodes = server.get("speculative_num_draft_tokens")
+    budget = 0 if algorithm == "NONE" else (block - 1) if block else int(nodes) - 1 if nodes else None
+    st = cap.status[0]
+    settings = {"algorithm": algorithm, "draft_rule": draft_rule(algorithm), "tree_rules": "structural",
+                "served": True, "server": server, "serving": st.get("serving") or {}, "left_out": left_out,
+                "stop_token_ids": [], "draft_dir": str(ddir) if ddir else None,
+                **({"sampling": sampling.to_json(), "rng": "engine"} if sampling is not None else {})}
+    return build_provenance(
+        engine="sglang", engine_version=str(st.get("sglang", "unknown")), settings=settings, model_dir=tdir,
+        draft_dir=ddir, dtype=dtype, device="cuda", budget=budget,
+        block_size=block or (budget or 0) + 1, max_new_tokens=max_new_tokens,
+        drafter="dflash" if algorithm in DFLASH_DRAFTED else "none", prompt_set_sha256=prompt_set_hash(prompts))

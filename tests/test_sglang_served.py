@@ -1,0 +1,191 @@
+"""A capture of a serving run refcheck did not start (refcheck/sglang/served.py): its records' contexts and its
+status's server arguments become a trace the diff judges, as a run refcheck drove would be. The captures here are
+tests/test_sglang_capture.py's fake SGLang (the reference's own forwards, batched as SGLang batches them), with
+each record carrying the piece of its request's context the hooks would give it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_sglang_capture import _sampled, fake_sglang  # tests/test_sglang_capture.py
+
+from refcheck.diff.judge import judge
+from refcheck.models import builtin_pair
+from refcheck.pool import ReferencePool
+from refcheck.prompts import load_prompts
+from refcheck.reference_runner import EngineSpec, ReferenceRunner
+from refcheck.sglang.capture.contexts import delta
+from refcheck.sglang.capture.sample_rule import SampleRule
+from refcheck.sglang.served import ServedCaptureError, served_trace, trace_of
+
+GREEDY = {"temperature": 1.0, "top_k": 1, "top_p": 1.0, "max_new_tokens": 64, "repetition_penalty": 1.0}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    spec = EngineSpec(pair="hybrid", budget=15, drafter="scripted", max_new_tokens=64)
+    runner = ReferenceRunner(spec)
+    prompts = load_prompts()[:3]
+    ref_trace, _ = runner.trace(prompts[:1])
+    steps = ref_trace.steps_of(prompts[0].id)
+    trees = [(torch.tensor(s.tree_parents), torch.tensor(s.tree_depths),
+              [torch.tensor(s.tree_tokens)] * len(prompts)) for s in steps[:4]]
+    return runner, prompts, trees
+
+
+def _served(cap, prompts, results, rids, params=None, algorithm="NGRAM"):
+    """The fake capture as the hooks write it in a serving run: each record carries the piece of its request's context
+    no earlier record carried (the first, its parameters), and the status the server's arguments."""
+    by_rid = {rids[p.id]: (list(p.prompt_ids), list(results[p.id]["output_ids"])) for p in prompts}
+    known: dict[str, int] = {}
+    for r in [*cap.prefills.get(0, []), *cap.steps.get(0, [])]:  # the fake engine prefills first, then batches
+        prompt, output = by_rid[r.rid]
+        upto = 0 if not hasattr(r, "committed_len") else r.committed_len - len(prompt) + 1  # the root's output prefix
+        start, tokens = delta(known.get(r.rid, 0), prompt, output[:upto])
+        r.context, r.params = [start, tokens, len(prompt)], (params or {}).get(r.rid, GREEDY) if r.rid not in known else None
+        known[r.rid] = start + len(tokens)
+    server = {"model_path": str(builtin_pair("hybrid")[0]), "dtype": "float32", "speculative_algorithm": algorithm,
+              "speculative_num_draft_tokens": 16, "speculative_draft_model_path": None}
+    cap.status = [{"sglang": "0.5.17", "tp_rank": 0, "server": server, "serving": {"overlap": False},
+                   "sample": {"every": 1, "seed": 0}, "max_bytes": None, "hooks": {}}]
+    return cap
+
+
+def _judge(trace):
+    return judge(trace, ReferencePool(), "served", mode="replay")
+
+
+def test_a_served_capture_of_a_correct_engine_is_a_trace_that_passes(setup):
+    """Every request's prompt and output come from its records alone (the output through its last recorded step),
+    the budget from the server's draft tokens; the diff passes it and checks its state."""
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts, trees, "tree")
+    served = trace_of(_served(cap, prompts, results, rids), "fake")
+    trace = served.assembly.trace
+    assert not served.left_out and not served.assembly.problems, served.assembly.problems
+    assert [(r.request_id, r.prompt_ids, r.output_ids) for r in trace.requests] == \
+           [(rids[p.id], list(p.prompt_ids), list(results[p.id]["output_ids"])) for p in prompts]
+    assert trace.provenance["budget"] == 15 and trace.provenance["engine"]["settings"]["served"] is True
+    rep = _judge(trace)
+    assert not rep.failures and rep.exit_code == 0, [f.message for f in rep.failures]
+    assert rep.checks["recurrent"] > 0 and len(trace.steps) == 4 * len(prompts)
+
+
+def test_a_sampled_served_capture_is_judged_on_the_steps_it_holds(setup):
+    """One batch in two: each record carries the tokens gained since its request's last record; the steps held pass."""
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts, trees, "tree")
+    sampled = _sampled(cap, SampleRule(2, seed=3))
+    served = _served(sampled, prompts, results, rids)
+    served.status[0]["sample"] = {"every": 2, "seed": 3}
+    trace = trace_of(served, "fake").assembly.trace
+    assert {s.step for s in trace.steps} == {k for k in range(4) if SampleRule(2, 3).takes(k)}
+    rep = _judge(trace)
+    assert not rep.failures, [f.message for f in rep.failures]
+
+
+def test_a_leaky_engine_served_is_caught(setup):
+    """The recurrent layers run through the flattened tree (siblings leak): the served trace fails as a driven one."""
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts, trees, "tree", leaky=True)
+    rep = _judge(trace_of(_served(cap, prompts, results, rids), "fake").assembly.trace)
+    assert {f.category for f in rep.failures} & {"logits", "recurrent"}
+
+
+def test_requests_the_reference_cannot_judge_are_left_out_and_counted(setup):
+    """A request with a repetition penalty and one sampled at temperature 0.7 are left out of a trace of greedy
+    requests, each counted by why; the trace says so."""
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts, trees, "tree")
+    params = {rids[prompts[1].id]: {**GREEDY, "repetition_penalty": 1.1},
+              rids[prompts[2].id]: {**GREEDY, "temperature": 0.7, "top_k": 1 << 30}}
+    served = trace_of(_served(cap, prompts, results, rids, params), "fake")
+    assert [r.request_id for r in served.assembly.trace.requests] == [rids[prompts[0].id]]
+    assert served.left_out == {"repetition_penalty set": 1,
+                               "another sampling setting (temperature 0.7, top-k 0, top-p 1)": 1}
+    assert served.assembly.trace.provenance["engine"]["settings"]["left_out"] == served.left_out
+    assert not _judge(served.assembly.trace).failures
+
+
+def test_a_hole_in_a_requests_context_keeps_the_steps_before_it(setup):
+    """One record's piece of a request's context is missing (that record was never written): the request keeps the
+    steps whose context is known, the rest are dropped and the hole is said."""
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts[:1], trees, "tree")
+    cap = _served(cap, prompts[:1], results, rids)
+    cap.steps[0] = cap.steps[0][:2] + cap.steps[0][3:]  # the third step's record lost, with its piece
+    served = trace_of(cap, "fake")
+    assert [s.step for s in served.assembly.trace.steps] == [0, 1]
+    assert any("in no record" in p for p in served.assembly.problems), served.assembly.problems
+
+
+def test_what_is_not_a_served_capture_is_refused_with_what_to_do(tmp_path, setup):
+    with pytest.raises(ServedCaptureError, match="not a capture directory: no status-rank"):
+        served_trace(tmp_path)
+    (tmp_path / "status-rank0-pid1.json").write_text(json.dumps({"tp_rank": 0}))
+    with pytest.raises(ServedCaptureError, match="no status file carries the server's arguments"):
+        served_trace(tmp_path)
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts[:1], trees, "tree", steps=1)
+    cap = _served(cap, prompts[:1], results, rids)
+    cap.status[0]["server"]["model_path"] = "/models/not-here"
+    with pytest.raises(ServedCaptureError, match=r"model '/models/not-here' is not a local checkpoint.*--model-dir"):
+        trace_of(cap, "fake")
+    assert trace_of(cap, "fake", model_dir=builtin_pair("hybrid")[0]).assembly.trace.requests
+
+
+def test_a_driven_run_holds_its_records_contexts_to_its_prompts_and_outputs(setup):
+    """With refcheck's runner the prompts and outputs come from the generate calls: a record whose context says the
+    engine held another token than the output has there is a problem of the assembly; agreeing ones are none."""
+    from refcheck.sglang.capture.assemble import assemble_trace
+
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts[:1], trees, "tree")
+    cap = _served(cap, prompts[:1], results, rids)
+    prov = runner.provenance(prompts[:1], engine="sglang", settings={"tree_rules": "structural"})
+    assert not assemble_trace(prompts[:1], rids, results, cap, prov).problems
+    piece = cap.steps[0][2].context
+    piece[1][-1] += 1  # the engine's request held another token there
+    problems = assemble_trace(prompts[:1], rids, results, cap, prov).problems
+    at = piece[0] + len(piece[1]) - 1
+    assert problems == [f"{prompts[0].id}: the context its records carry differs from its prompt and output at token {at}"]
+
+
+def test_trace_import_writes_the_trace_of_a_capture_directory_the_hooks_wrote(capture_dir, tmp_path, cli):
+    """`refcheck trace import`: the capture hooks (stand-in scheduler whose server arguments name the built-in
+    target) record two target-only decode batches of two requests; the command writes their trace, each request's
+    prompt and output from its records, and says what to run next; a second run with a bad --model-dir is exit 2 and
+    leaves the trace as it was."""
+    from types import SimpleNamespace as NS
+
+    from capture_kit import V, make_batch, make_scheduler  # tests/capture_kit.py
+
+    from refcheck.errors import EXIT_PASS, EXIT_USAGE
+    from refcheck.sglang.capture import hooks
+    from refcheck.trace.io import read_trace
+
+    sched, *_ = make_scheduler()
+    sched.server_args = NS(model_path=str(builtin_pair("hybrid")[0]), dtype="float32", speculative_algorithm=None)
+    gen = torch.Generator().manual_seed(2)
+    for outputs in ([[5], [6]], [[5, 7], [6, 9]]):
+        logits = torch.randn(2, V, generator=gen)
+        batch = make_batch("decode", False, outputs)
+        for r in batch.reqs:
+            r.sampling_params = NS(**GREEDY)
+        hooks._run_batch(lambda self, b, lg=logits: NS(logits_output=NS(next_token_logits=lg),
+                                                       next_token_ids=lg.argmax(-1)), sched, batch)
+    assert hooks.drain(10.0)
+    out = tmp_path / "served.arrow"
+    code, _, err = cli("trace", "import", str(capture_dir), "--out", str(out))
+    assert code == EXIT_PASS, err
+    assert "2 request(s), 4 verify step(s)" in err and f"next: refcheck diff --against {out}" in err
+    trace = read_trace(out)
+    nxt = {s.request_id: s.emitted for s in trace.steps if s.step == 1}
+    assert [(r.request_id, r.prompt_ids, r.output_ids) for r in trace.requests] == \
+           [("r0", [1, 2, 3], [5, 7, *nxt["r0"]]), ("r1", [1, 2, 3], [6, 9, *nxt["r1"]])]
+    before = out.read_bytes()
+    code, _, err = cli("trace", "import", str(capture_dir), "--out", str(out), "--model-dir", str(tmp_path / "nowhere"))
+    assert code == EXIT_USAGE and "--model-dir" in err and "is not a checkpoint directory (no config.json)" in err
+    assert out.read_bytes() == before
