@@ -49,7 +49,8 @@ def _served(cap, prompts, results, rids, params=None, algorithm="NGRAM"):
     server = {"model_path": str(builtin_pair("hybrid")[0]), "dtype": "float32", "speculative_algorithm": algorithm,
               "speculative_num_draft_tokens": 16, "speculative_draft_model_path": None}
     cap.status = [{"sglang": "0.5.17", "tp_rank": 0, "server": server, "serving": {"overlap": False},
-                   "sample": {"every": 1, "seed": 0}, "max_bytes": None, "hooks": {}}]
+                   "sample": {"every": 1, "seed": 0}, "max_bytes": None,
+                   "hooks": {"run_batch": True, "eagle_sample": True, "dflash": True}}]
     return cap
 
 
@@ -84,6 +85,16 @@ def test_a_sampled_served_capture_is_judged_on_the_steps_it_holds(setup):
     assert {s.step for s in trace.steps} == {k for k in range(4) if SampleRule(2, 3).takes(k)}
     rep = _judge(trace)
     assert not rep.failures, [f.message for f in rep.failures]
+
+
+def test_a_hook_that_was_not_live_fails_the_served_run(setup):
+    """The status says eagle_sample's hook did not replace its target: a capture error, the run fails as "engine"."""
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts[:1], trees, "tree", steps=1)
+    cap = _served(cap, prompts[:1], results, rids)
+    cap.status[0]["hooks"]["eagle_sample"] = "missing: AttributeError"
+    rep = _judge(trace_of(cap, "fake").assembly.trace)
+    assert any(f.category == "engine" and "hook eagle_sample not live" in f.message for f in rep.failures)
 
 
 def test_a_leaky_engine_served_is_caught(setup):

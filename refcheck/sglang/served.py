@@ -10,7 +10,8 @@ those its records carry (the output up to the step recorded where its carried co
 tokens included; the trace's token limit is the longest such output), and the
 trace's provenance comes from the server's arguments: the model and draft directories (``model_dir`` / ``draft_dir``
 in place of the server's paths, which must be local checkpoint directories), the algorithm, the budget, the dtype
-and how SGLang served.
+and how SGLang served. A hook the algorithm records through that a scheduler's status says was not live is a capture
+error, as in a driven run.
 
 The trace holds one sampling setting, as every trace does: the greedy requests (SGLang's ``top_k == 1``) when there
 are any, else the largest group of one temperature, top-k and top-p. Requests refcheck's reference cannot judge are
@@ -36,6 +37,7 @@ from refcheck.sglang.capture.contexts import Contexts
 from refcheck.sglang.capture.records import Capture, read_capture
 from refcheck.sglang.capture.steps import StepCapture
 from refcheck.sglang.pair import DFLASH_DRAFTED, checkpoint_config, draft_block_size, text_config_of
+from refcheck.sglang.requests import missing_hooks, required_hooks
 
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top-k
 #: parameters that change the target's distribution in ways the reference does not model, with their neutral values
@@ -83,7 +85,8 @@ def trace_of(cap: Capture, where: str, model_dir: Path | None = None, draft_dir:
     asm = assemble_trace(prompts, {p.id: p.id for p in prompts}, results, cap, prov, sampling, "engine",
                          overlap=bool((cap.status[0].get("serving") or {}).get("overlap")))
     st = cap.status[0]
-    prov["capture"] = capture_provenance(cap, asm, None, [], st.get("sample") or {"every": 1, "seed": 0},
+    hooks = missing_hooks(cap.status, required_hooks(algorithm, sampling is not None))
+    prov["capture"] = capture_provenance(cap, asm, None, hooks, st.get("sample") or {"every": 1, "seed": 0},
                                          st.get("max_bytes"))
     return Served(asm, left_out)
 
