@@ -25,11 +25,41 @@ pytestmark = [pytest.mark.sglang, pytest.mark.gpu]
 
 
 @pytest.fixture(scope="module")
-def dflash_traces():
+def dflash_run(tmp_path_factory):
+    """The captured run's trace and its capture directory, and the run without capture's trace."""
     prompts = load_prompts()
-    with_capture = SGLangRunner(hybrid_spec(), "DFLASH").trace(prompts)
+    cdir = tmp_path_factory.mktemp("dflash-capture")
+    with_capture = SGLangRunner(hybrid_spec(), "DFLASH", capture_dir=cdir).trace(prompts)
     without = SGLangRunner(hybrid_spec(), "DFLASH", capture=False).trace(prompts)
-    return with_capture, without
+    return with_capture, without, cdir / "records"
+
+
+@pytest.fixture(scope="module")
+def dflash_traces(dflash_run):
+    return dflash_run[:2]
+
+
+def test_the_capture_directory_alone_gives_the_driven_runs_requests(dflash_run):
+    """refcheck/sglang/served.py on the captured run's directory, as if a server refcheck did not start had written
+    it: every request's prompt is the driven run's, its output agrees with the driven output where both have tokens,
+    its steps are the driven trace's, the records' contexts agree with the generate results, and the diff finds no
+    structural or state failure."""
+    from refcheck.sglang.served import served_trace
+
+    driven, _, records = dflash_run
+    assert not [p for p in driven.provenance["capture"]["problems"] if "context its records carry" in p]
+    served = served_trace(records).assembly.trace
+    by_rid = {r.request_id.split("-", 3)[3]: r for r in served.requests}  # runner rids: refcheck-PID-I-PROMPT
+    assert sorted(by_rid) == sorted(r.request_id for r in driven.requests)
+    for r in driven.requests:
+        s = by_rid[r.request_id]
+        n = min(len(s.output_ids), len(r.output_ids))
+        assert s.prompt_ids == r.prompt_ids and s.output_ids[:n] == r.output_ids[:n] and n > 0
+    driven_steps = {(r.request_id, s.step) for r in driven.requests for s in driven.steps_of(r.request_id)}
+    served_steps = {(s.request_id.split("-", 3)[3], s.step) for s in served.steps}
+    assert served_steps and served_steps <= driven_steps
+    rep = diff_on_gpu(served, "sglang-dflash-served", mode="replay")
+    assert not structural_failures(rep), structural_failures(rep)
 
 
 def test_capture_does_not_change_tokens(dflash_traces):
