@@ -195,6 +195,12 @@ def fake_sglang(runner, prompts, trees, layout: str, leaky: bool = False, steps:
 
 @pytest.fixture(scope="module")
 def setup():
+    return fake_engine_setup()
+
+
+def fake_engine_setup():
+    """(the reference runner, three prompts, the first prompt's first four trees for every prompt): what the fake
+    SGLang runs (:func:`fake_sglang`)."""
     spec = EngineSpec(pair="hybrid", budget=15, drafter="scripted", max_new_tokens=64)  # accepts through decoys
     runner = ReferenceRunner(spec)
     prompts = load_prompts()[:3]

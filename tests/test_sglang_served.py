@@ -9,30 +9,22 @@ import json
 
 import pytest
 import torch
-from test_sglang_capture import _sampled, fake_sglang  # tests/test_sglang_capture.py
+from test_sglang_capture import _sampled, fake_engine_setup, fake_sglang  # tests/test_sglang_capture.py
 
 from refcheck.diff.judge import judge
 from refcheck.models import builtin_pair
 from refcheck.pool import ReferencePool
-from refcheck.prompts import load_prompts
-from refcheck.reference_runner import EngineSpec, ReferenceRunner
 from refcheck.sglang.capture.contexts import delta
 from refcheck.sglang.capture.sample_rule import SampleRule
 from refcheck.sglang.served import ServedCaptureError, served_trace, trace_of
 
-GREEDY = {"temperature": 1.0, "top_k": 1, "top_p": 1.0, "max_new_tokens": 64, "repetition_penalty": 1.0}
-
 
 @pytest.fixture(scope="module")
 def setup():
-    spec = EngineSpec(pair="hybrid", budget=15, drafter="scripted", max_new_tokens=64)
-    runner = ReferenceRunner(spec)
-    prompts = load_prompts()[:3]
-    ref_trace, _ = runner.trace(prompts[:1])
-    steps = ref_trace.steps_of(prompts[0].id)
-    trees = [(torch.tensor(s.tree_parents), torch.tensor(s.tree_depths),
-              [torch.tensor(s.tree_tokens)] * len(prompts)) for s in steps[:4]]
-    return runner, prompts, trees
+    return fake_engine_setup()
+
+
+GREEDY = {"temperature": 1.0, "top_k": 1, "top_p": 1.0, "max_new_tokens": 64, "repetition_penalty": 1.0}
 
 
 def _served(cap, prompts, results, rids, params=None, algorithm="NGRAM"):
