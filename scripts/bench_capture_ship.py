@@ -23,7 +23,8 @@ also times stand-in scheduler batches (Python holding the interpreter lock, then
 with one record in 16 shipped (:func:`writer_drag`): whether the writer thread slows the batches after a recorded
 one. With ``--vs`` each round runs this checkout's refcheck and the other one's, in turn, in fresh processes, and
 prints the ratios (this / other) of the medians. ``--sites`` prints only the torch calls per recorded DFLASH batch
-by where the hooks make them (file and function; a graph's replay by its name).
+by where the hooks make them (file and function; a graph's replay by its name), and what giving each record its
+requests' context pieces costs a recorded batch of 32 requests (:func:`carry_us`).
 """
 
 from __future__ import annotations
@@ -109,6 +110,35 @@ def pass_over(requests: int, batches: int = 3000) -> float:
     for _ in range(batches):
         hooks._run_batch(lambda self, b: None, scheduler, batch)
     return 1e6 * (time.perf_counter() - t0) / batches
+
+
+def carry_us(requests: int = 32, batches: int = 2000, prompt: int = 300) -> float:
+    """Microseconds the hooks spend per recorded decode batch of ``requests`` requests giving each record its piece
+    of the request's context (:meth:`refcheck.sglang.capture.step_clock.StepClock.context`: a ``prompt``-token prompt
+    carried once, then four new tokens a batch), over the same loop without it."""
+    from types import SimpleNamespace
+
+    from refcheck.sglang.capture import hooks
+    from refcheck.sglang.capture.batch import Batch
+    from refcheck.sglang.capture.sample_rule import SampleRule
+    from refcheck.sglang.capture.step_clock import StepClock
+
+    reqs = [SimpleNamespace(rid=f"r{i}", origin_input_ids=list(range(prompt)), output_ids=[1],
+                            sampling_params=SimpleNamespace(temperature=1.0, top_k=1)) for i in range(requests)]
+    rids, rows, clock = [r.rid for r in reqs], list(range(requests)), StepClock(SampleRule())
+
+    def loop(carry: bool) -> float:
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            for r in reqs:
+                r.output_ids.extend((1, 2, 3, 4))
+            snap = Batch(mode="decode", speculative=True, rids=rids)
+            if carry:
+                hooks._carry(snap, clock, reqs, rows)
+        return (time.perf_counter() - t0) / batches
+
+    loop(True)  # every prompt carried once, as at a request's first record
+    return 1e6 * (loop(True) - loop(False))
 
 
 def calls_per_batch(root: Path = ROOT, graphed: bool = True, kind: str = "dflash",
@@ -239,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torch calls per recorded DFLASH batch (graphed): {total:.1f}")
         for site, n in sorted(sites.items(), key=lambda kv: (-kv[1], kv[0])):
             print(f"{n:8.1f}  {site}")
+        print(f"context pieces: {carry_us():.1f} us per recorded batch of 32 requests")
         return 0
     if args.records < 1 or args.rounds < 1:
         ap.error("--records and --rounds must be >= 1")
