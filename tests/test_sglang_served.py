@@ -42,7 +42,7 @@ def _served(cap, prompts, results, rids, params=None, algorithm="NGRAM"):
               "speculative_num_draft_tokens": 16, "speculative_draft_model_path": None}
     cap.status = [{"sglang": "0.5.17", "tp_rank": 0, "server": server, "serving": {"overlap": False},
                    "sample": {"every": 1, "seed": 0}, "max_bytes": None,
-                   "hooks": {"run_batch": True, "eagle_sample": True, "dflash": True}}]
+                   "hooks": dict.fromkeys(("run_batch", "eagle_sample", "dflash", "sample", "verify_coins"), True)}]
     return cap
 
 
@@ -192,3 +192,27 @@ def test_trace_import_writes_the_trace_of_a_capture_directory_the_hooks_wrote(ca
     code, _, err = cli("trace", "import", str(capture_dir), "--out", str(out), "--model-dir", str(tmp_path / "nowhere"))
     assert code == EXIT_USAGE and "--model-dir" in err and "is not a checkpoint directory (no config.json)" in err
     assert out.read_bytes() == before
+
+
+def test_a_served_runs_draws_are_judged_as_the_engine_made_them():
+    """NGRAM's tree sampler takes SGLang's coins children first; refcheck's keyed DDTree sampler needs the seed and
+    request word refcheck's runner sends, which a server's clients do not: its served draws are the engine's own."""
+    from refcheck.sglang.served import served_rng
+
+    assert (served_rng("NGRAM"), served_rng("DFLASH"), served_rng("REFCHECK_DDTREE")) == \
+           ("engine-children-first", "engine", "engine")
+
+
+def test_a_served_capture_of_sampled_requests_is_judged_on_their_distribution(setup):
+    """Every request at temperature 0.7 (top-k and top-p off): the trace carries that setting with the engine's own
+    draws, and a correct sampler's steps pass."""
+    from ddtree_reference.sampling import Sampling
+
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts, trees, "tree", sampling=Sampling(0.7, 0, 1.0, seed=5))
+    warm = {**GREEDY, "temperature": 0.7, "top_k": 1 << 30}
+    served = trace_of(_served(cap, prompts, results, rids, {rids[p.id]: warm for p in prompts}), "fake")
+    trace = served.assembly.trace
+    assert not served.left_out and all(r.temperature == 0.7 and r.rng == "engine-children-first" for r in trace.requests)
+    rep = _judge(trace)
+    assert not rep.failures, [f.message for f in rep.failures]

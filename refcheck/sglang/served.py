@@ -38,7 +38,7 @@ from refcheck.sglang.capture.contexts import Contexts
 from refcheck.sglang.capture.records import Capture, read_capture
 from refcheck.sglang.capture.steps import StepCapture
 from refcheck.sglang.pair import DFLASH_DRAFTED, checkpoint_config, draft_block_size, text_config_of
-from refcheck.sglang.requests import missing_hooks, required_hooks
+from refcheck.sglang.requests import keyed, missing_hooks, required_hooks, sampling_rng
 
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top-k
 #: parameters that change the target's distribution in ways the reference does not model, with their neutral values
@@ -83,13 +83,20 @@ def trace_of(cap: Capture, where: str, model_dir: Path | None = None, draft_dir:
                                  + (f" ({_said(left_out)} left out)" if left_out else ""))
     longest = max(len(r["output_ids"]) for r in results.values())
     prov = _provenance(server, cap, algorithm, tdir, ddir, prompts, sampling, left_out, max(longest, 1))
-    asm = assemble_trace(prompts, {p.id: p.id for p in prompts}, results, cap, prov, sampling, "engine",
+    asm = assemble_trace(prompts, {p.id: p.id for p in prompts}, results, cap, prov, sampling, served_rng(algorithm),
                          overlap=bool((cap.status[0].get("serving") or {}).get("overlap")))
     st = cap.status[0]
     hooks = missing_hooks(cap.status, required_hooks(algorithm, sampling is not None))
     prov["capture"] = capture_provenance(cap, asm, None, hooks, st.get("sample") or {"every": 1, "seed": 0},
                                          st.get("max_bytes"))
     return Served(asm, left_out)
+
+
+def served_rng(algorithm: str) -> str:
+    """How a served run's uniforms were made (a trace's ``rng``): the algorithm's, except that refcheck's keyed
+    generator is keyed by a seed and request word its runner sends, which a server's clients do not: its draws are
+    then judged as the engine's own (the distributional test)."""
+    return "engine" if keyed(algorithm) else sampling_rng(algorithm)
 
 
 def _checkpoint(given: Path | None, served: Any, what: str, option: str) -> Path:
@@ -183,7 +190,7 @@ def _provenance(server: dict[str, Any], cap: Capture, algorithm: str, tdir: Path
     settings = {"algorithm": algorithm, "draft_rule": draft_rule(algorithm), "tree_rules": "structural",
                 "served": True, "server": server, "serving": st.get("serving") or {}, "left_out": left_out,
                 "stop_token_ids": [], "draft_dir": str(ddir) if ddir else None,
-                **({"sampling": sampling.to_json(), "rng": "engine"} if sampling is not None else {})}
+                **({"sampling": sampling.to_json(), "rng": served_rng(algorithm)} if sampling is not None else {})}
     return build_provenance(
         engine="sglang", engine_version=str(st.get("sglang", "unknown")), settings=settings, model_dir=tdir,
         draft_dir=ddir, dtype=dtype, device="cuda", budget=budget,
