@@ -210,11 +210,11 @@ def assert_same_records(on: list, off: list) -> None:
             assert torch.allclose(a.state[name][2].float(), b.state[name][2].float(), atol=1e-5, rtol=1e-4), name
 
 
-def dflash_batches(tmp_path, monkeypatch, graphs: bool, dev: str = "cuda") -> list:
+def dflash_batches(tmp_path, monkeypatch, graphs: bool, dev: str = "cuda", rid: Any = None) -> list:
     """Four DFLASH decode batches (3, 2, 3 and 2 requests) through the capture hooks with stand-ins for SGLang's
     scheduler, pools and DFLASH worker on ``dev``, the hooks' device work
     through their graph caches or run eagerly (``graphs``): the chain steps read back, in order. Every input comes
-    from one seeded generator, so two calls see the same batches."""
+    from one seeded generator, so two calls see the same batches. ``rid(i)``: request i's rid (default ``r{i}``)."""
     from refcheck.sglang.capture.state import MambaPools  # noqa: F401 - the pools' layout the stand-ins follow
 
     fresh_hooks(monkeypatch, tmp_path)
@@ -249,7 +249,8 @@ def dflash_batches(tmp_path, monkeypatch, graphs: bool, dev: str = "cuda") -> li
                 positions=torch.arange(bs * B, device=dev) + 10 * k, commit_lens=torch.full((bs,), 2, device=dev))
             return res
 
-        reqs = [NS(rid=f"r{i}", origin_input_ids=[1, 2, 3], output_ids=[5] * (k + 1), fill_ids=[1, 2, 3]) for i in range(bs)]
+        reqs = [NS(rid=rid(i) if rid else f"r{i}", origin_input_ids=[1, 2, 3], output_ids=[5] * (k + 1),
+                   fill_ids=[1, 2, 3]) for i in range(bs)]
         batch = NS(forward_mode=NS(is_extend=lambda: False, is_decode=lambda: True, is_idle=lambda: False),
                    reqs=reqs, spec_algorithm=NS(is_none=lambda: False), is_extend_in_batch=False,
                    req_pool_indices=torch.tensor([2, 0, 3][:bs], device=dev))

@@ -111,3 +111,24 @@ def test_a_graph_cache_admits_graphs_within_its_count_and_its_static_bytes():
     assert GraphCache(limit=0).admits("d", small) is False  # no graph past the limit
     # at a 248 320-token vocabulary, float32 logits of one request's 16-token block: a default cache holds 16
     assert MAX_STATIC_BYTES // (16 * 248_320 * 4) == 16
+
+
+def test_a_batch_that_records_some_of_its_requests_keeps_their_rows_of_every_packed_graph_output(tmp_path, monkeypatch):
+    """Request 1's rid marks a rule that takes none of the four batches: the DFLASH records hold requests 0 and 2 only,
+    their drafter top ranks, context, node summaries and state the rows of the same requests recorded with all three
+    (each graph's packed output unpacked and cut to the recorded rows)."""
+    from capture_kit import dflash_batches
+
+    from refcheck.sglang.capture.sample_rule import SampleRule, sampled_rid
+
+    never = next(SampleRule(1000, seed) for seed in range(100) if not any(SampleRule(1000, seed).takes(g) for g in range(4)))
+    full = dflash_batches(tmp_path / "full", monkeypatch, graphs=True, dev="cpu")
+    some = dflash_batches(tmp_path / "some", monkeypatch, graphs=True, dev="cpu",
+                          rid=lambda i: sampled_rid(never, "r1") if i == 1 else f"r{i}")
+    assert [s.rid for s in some] == [s.rid for s in full if s.rid != "r1"]
+    for a, b in zip(some, [s for s in full if s.rid != "r1"]):
+        assert (a.tokens, a.topk_ids, a.argmax, a.emitted, a.draft_ids, a.context_positions) == \
+               (b.tokens, b.topk_ids, b.argmax, b.emitted, b.draft_ids, b.context_positions)
+        assert torch.allclose(a.context_sketch, b.context_sketch, atol=1e-6)
+        for name in b.state:
+            assert torch.allclose(a.state[name][2].float(), b.state[name][2].float(), atol=1e-5), name
