@@ -184,6 +184,8 @@ def test_trace_import_writes_the_trace_of_a_capture_directory_the_hooks_wrote(ca
     code, _, err = cli("trace", "import", str(capture_dir), "--out", str(out))
     assert code == EXIT_PASS, err
     assert "2 request(s), 4 verify step(s)" in err and f"next: refcheck diff --against {out}" in err
+    code, _, err = cli("trace", "show", str(out))
+    assert code == EXIT_PASS and "served: the capture of a server refcheck did not start; left out: none" in err
     trace = read_trace(out)
     nxt = {s.request_id: s.emitted for s in trace.steps if s.step == 1}
     assert [(r.request_id, r.prompt_ids, r.output_ids) for r in trace.requests] == \

@@ -100,6 +100,10 @@ def summary_lines(info: dict, request_ids: list[str]) -> list[str]:
              + (f" · {p['created']}" if p.get("created") else "")]
     if p.get("case"):
         lines.append(f"golden case: {p['case']}")
+    if settings.get("served"):  # refcheck trace import: a server refcheck did not start
+        left = _mapping(settings.get("left_out"))
+        lines.append("served: the capture of a server refcheck did not start; left out: "
+                     + ("; ".join(f"{n} request(s) with {why}" for why, n in sorted(left.items())) or "none"))
     lines += capture_lines(_mapping(p.get("capture")))
     lines.append("everything else: refcheck trace show --json")
     return lines
