@@ -139,7 +139,8 @@ def target_only_batches(tmp_path, monkeypatch, graphs: bool, dev: str = "cpu") -
 def fresh_hooks(monkeypatch, root):
     """The capture hooks as a new scheduler process has them, recording into ``root``: returns ``root``."""
     monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(root))
-    for name, value in (("_recorder", None), ("_unrecordable", None), ("_rule", None), ("_clock", None)):
+    for name, value in (("_recorder", None), ("_unrecordable", None), ("_rule", None), ("_bad_rule", None),
+                        ("_clock", None)):
         monkeypatch.setattr(hooks, name, value)
     return root
 

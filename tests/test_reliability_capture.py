@@ -113,3 +113,17 @@ def test_a_layer_sketch_that_fails_inside_sglangs_forward_keeps_no_sketch_of_tha
     for layer in range(3):
         hook(NS(layer_id=layer), (), torch.ones(2, 8))
     assert layers.take(2, 3).shape == (3, 2, 16)
+
+
+def test_a_sampling_rule_the_engine_cannot_read_is_one_error_and_no_records(tmp_path, monkeypatch):
+    """REFCHECK_CAPTURE_SAMPLE=0 in a server's environment (refcheck's own runner refuses it before any start): the
+    process says why once and records nothing, every batch SGLang's own and booked plain, not full capture."""
+    from capture_kit import read_capture
+
+    fresh_hooks(monkeypatch, tmp_path)
+    monkeypatch.setenv("REFCHECK_CAPTURE_SAMPLE", "0")
+    for _ in range(3):
+        assert hooks._run_batch(lambda self, b: "sglang's result", NS(tp_rank=0), _decode_batch()) == "sglang's result"
+    cap = read_capture(tmp_path)
+    assert len(cap.errors) == 1 and "REFCHECK_CAPTURE_SAMPLE='0'" in cap.errors[0] and "records nothing" in cap.errors[0]
+    assert not cap.steps and cap.cost["plain_batches"] == 3 and cap.status[0]["sample"] is None

@@ -68,7 +68,7 @@ from refcheck.sglang.capture.graphs import GraphCache
 from refcheck.sglang.capture.graphs import run as graphs_run
 from refcheck.sglang.capture.packing import prepack
 from refcheck.sglang.capture.records import Recorder
-from refcheck.sglang.capture.sample_rule import ENV_SAMPLE, SampleRule, parse
+from refcheck.sglang.capture.sample_rule import ENV_SAMPLE, CaptureSampleError, SampleRule, parse
 from refcheck.sglang.capture.step_clock import StepClock
 from refcheck.sglang.capture.steps import summarise_nodes
 from refcheck.sglang.capture.verify_parts import chain_part, tree_inputs, tree_part
@@ -79,6 +79,7 @@ _originals: dict[str, Any] = {}
 _recorder: Recorder | None = None
 _unrecordable: str | None = None  # why this process's capture directory took no recorder (then none is tried again)
 _rule: SampleRule | None = None
+_bad_rule: str | None = None  # why REFCHECK_CAPTURE_SAMPLE could not be read (the process then records nothing)
 _clock: StepClock | None = None  # which decode steps this process records (made with the process's rule)
 
 
@@ -136,7 +137,8 @@ def _rec(scheduler: Any = None) -> Recorder:
                                            "without a byte budget")
         try:
             _recorder.status({"pid": os.getpid(), "tp_rank": _recorder.tp_rank, "sglang": versions.sglang_version(),
-                              "hooks": hook_status(), "patched": _patched, "sample": _sample_rule().to_json(),
+                              "hooks": hook_status(), "patched": _patched,
+                              "sample": rule.to_json() if (rule := _sample_rule()) is not None else None,
                               "max_bytes": max_bytes,
                               "server_topk": versions.server_topk(scheduler) if scheduler is not None else None,
                               "serving": versions.serving_of(scheduler) if scheduler is not None else None,
@@ -174,10 +176,16 @@ def drain(timeout_s: float = 60.0) -> bool:
     return _recorder is None or _recorder.shipper.drain(timeout_s)
 
 
-def _sample_rule() -> SampleRule:
-    global _rule
-    if _rule is None:
-        _rule = parse(os.environ.get(ENV_SAMPLE))
+def _sample_rule() -> SampleRule | None:
+    """The process's sampling rule; None when ``REFCHECK_CAPTURE_SAMPLE`` cannot be read (said once in an error
+    record: the process then records nothing, rather than every batch of a run meant to be sampled)."""
+    global _rule, _bad_rule
+    if _rule is None and _bad_rule is None:
+        try:
+            _rule = parse(os.environ.get(ENV_SAMPLE))
+        except CaptureSampleError as exc:
+            _bad_rule = f"{ENV_SAMPLE}={os.environ.get(ENV_SAMPLE)!r}: {exc}; this process records nothing"
+            _error("sample_rule", _bad_rule)
     return _rule
 
 
@@ -193,7 +201,7 @@ def _guard(where: str, fn, *args) -> Any:
 def _step_clock() -> StepClock:
     global _clock
     if _clock is None:
-        _clock = StepClock(_sample_rule())
+        _clock = StepClock(_sample_rule() or SampleRule())
     return _clock
 
 
@@ -427,7 +435,7 @@ def _run_batch(original, self, batch, *args, **kwargs):
     if _untraced(batch):
         return _plain(original, self, batch, t0, None, *args, **kwargs)
     rec = _recorder_for(self)
-    if rec is None:  # this process cannot record: SGLang's step as it is
+    if rec is None or _sample_rule() is None:  # this process cannot record: SGLang's step as it is
         return _plain(original, self, batch, t0, None, *args, **kwargs)
     _guard("run_batch:profile", profiling.tick, rec.root, rec.tp_rank)
     with profiling.section("snapshot"):
