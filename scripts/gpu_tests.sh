@@ -13,12 +13,13 @@
 #   ddtree       tests/test_gpu_sglang_ddtree.py -k narrow   REFCHECK_DDTREE b15, b16, the leaky chain layout
 #   ddtree-wide  tests/test_gpu_sglang_ddtree.py -k wide     REFCHECK_DDTREE b32, b64
 #   graphs       tests/test_gpu_sglang_graphs.py        REFCHECK_DDTREE under CUDA graphs, target-only NONE
+#   served       tests/test_gpu_sglang_served.py        a launch_server DFLASH server captured through its environment
 # The SGLang slices run through scripts/sglang_bundle.sh (its parts in .bundle/). Side by side, their engines
 # start one at a time (REFCHECK_SGLANG_START_LOCK), each taking SGLang's default share (0.3) of the memory.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/.." && pwd)
-SLICES=(gpu dflash ddtree ddtree-wide graphs)
+SLICES=(gpu dflash ddtree ddtree-wide graphs served)
 
 slice_cmd() {
   case "$1" in
@@ -27,6 +28,7 @@ slice_cmd() {
     ddtree) echo "$HERE/sglang_bundle.sh run python3 -m pytest -o addopts= -m sglang tests/test_gpu_sglang_ddtree.py -k narrow" ;;
     ddtree-wide) echo "$HERE/sglang_bundle.sh run python3 -m pytest -o addopts= -m sglang tests/test_gpu_sglang_ddtree.py -k wide" ;;
     graphs) echo "$HERE/sglang_bundle.sh run python3 -m pytest -o addopts= -m sglang tests/test_gpu_sglang_graphs.py" ;;
+    served) echo "$HERE/sglang_bundle.sh run python3 -m pytest -o addopts= -m sglang tests/test_gpu_sglang_served.py" ;;
     *) return 1 ;;
   esac
 }

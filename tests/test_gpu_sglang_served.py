@@ -1,0 +1,120 @@
+"""Live SGLang, slice "served": a server refcheck did not start (``python -m sglang.launch_server``, requests over
+HTTP) captured through its environment (``REFCHECK_CAPTURE_DIR``, one batch in two, a byte budget), turned into a
+trace by ``refcheck trace import``'s code and diffed (markers ``sglang`` and ``gpu``; skipped without a GPU and
+SGLang).
+
+On the H200: ``scripts/sglang_bundle.sh run python3 -m pytest -m sglang tests/test_gpu_sglang_served.py``. One
+DFLASH server on the built-in hybrid pair, bf16, six prompts of 32 new tokens, greedy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from gpu_sglang_kit import diff_on_gpu, hybrid_spec, structural_failures
+
+from refcheck.models import builtin_pair
+from refcheck.prompts import load_prompts
+
+pytestmark = [pytest.mark.sglang, pytest.mark.gpu]
+
+
+def _flags(kw: dict) -> list[str]:
+    """``sglang.Engine`` keyword arguments as ``launch_server`` flags (False and None: SGLang's default)."""
+    out: list[str] = []
+    for name, value in kw.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is not False and value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def _post(url: str, body: dict, timeout: float) -> object:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - the local server just started
+        return json.loads(resp.read())
+
+
+def _wait_healthy(url: str, server: subprocess.Popen, log: Path, limit_s: float = 420.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"the server exited ({server.returncode}) before it was healthy; log: {log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as resp:  # noqa: S310
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    pytest.fail(f"the server was not healthy within {limit_s:.0f} s; log: {log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def served_run(tmp_path_factory):
+    """A DFLASH server started as a user starts one, six prompts sent over HTTP; (its capture directory, the outputs
+    by rid, the prompts by rid)."""
+    from refcheck.sglang.capture.shipper import wait_drained
+    from refcheck.sglang.runner import engine_kwargs, install_entry_point
+
+    root = tmp_path_factory.mktemp("served")
+    install_entry_point(root / "site")  # the plugin's entry point on PYTHONPATH, as an installed refcheck has it
+    tdir, ddir = builtin_pair("hybrid")
+    kw = engine_kwargs(hybrid_spec(), str(tdir), "DFLASH", budget=15, draft_path=str(ddir))
+    kw.pop("model_path")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "REFCHECK_CAPTURE_DIR": str(root / "capture"), "REFCHECK_CAPTURE_SAMPLE": "2:1",
+           "REFCHECK_CAPTURE_MAX_BYTES": str(256 << 20)}
+    log = root / "server.log"
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tdir), "--host", "127.0.0.1", "--port",
+           str(port), *_flags(kw)]
+    with open(log, "w") as out:
+        server = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, server, log)
+        prompts = load_prompts()
+        got = _post(url + "/generate", {"input_ids": [list(p.prompt_ids) for p in prompts],
+                                        "sampling_params": {"temperature": 0, "max_new_tokens": 32}}, timeout=300)
+        assert isinstance(got, list) and len(got) == len(prompts), got
+        outputs = {g["meta_info"]["id"]: list(g["output_ids"]) for g in got}
+        by_rid = {g["meta_info"]["id"]: p for g, p in zip(got, prompts)}
+        assert not wait_drained(root / "capture", timeout_s=60.0)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    return root / "capture", outputs, by_rid
+
+
+def test_the_capture_of_a_server_refcheck_did_not_start_is_a_trace_that_passes(served_run):
+    """The directory alone gives every request's prompt and an output that agrees with what the server returned, the
+    steps one batch in two, and a diff without structural or state failures."""
+    from refcheck.sglang.served import served_trace
+
+    records, outputs, by_rid = served_run
+    served = served_trace(records)
+    trace = served.assembly.trace
+    assert not served.left_out and not trace.provenance["capture"]["errors"], trace.provenance["capture"]["errors"]
+    assert {r.request_id for r in trace.requests} == set(outputs)
+    for r in trace.requests:
+        n = min(len(r.output_ids), len(outputs[r.request_id]))
+        assert r.prompt_ids == list(by_rid[r.request_id].prompt_ids) and n > 0
+        assert r.output_ids[:n] == outputs[r.request_id][:n]
+    assert trace.steps and trace.provenance["capture"]["sample"] == {"every": 2, "seed": 1}
+    rep = diff_on_gpu(trace, "sglang-served-dflash", mode="replay")
+    assert not structural_failures(rep), structural_failures(rep)
