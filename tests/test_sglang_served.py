@@ -156,18 +156,14 @@ def test_a_driven_run_holds_its_records_contexts_to_its_prompts_and_outputs(setu
     assert problems == [f"{prompts[0].id}: the context its records carry differs from its prompt and output at token {at}"]
 
 
-def test_trace_import_writes_the_trace_of_a_capture_directory_the_hooks_wrote(capture_dir, tmp_path, cli):
-    """`refcheck trace import`: the capture hooks (stand-in scheduler whose server arguments name the built-in
-    target) record two target-only decode batches of two requests; the command writes their trace, each request's
-    prompt and output from its records, and says what to run next; a second run with a bad --model-dir is exit 2 and
-    leaves the trace as it was."""
+def _hooks_serve(capture_dir) -> None:
+    """The capture hooks (stand-in scheduler whose server arguments name the built-in target) record two target-only
+    decode batches of two greedy requests into ``capture_dir``, every record written."""
     from types import SimpleNamespace as NS
 
     from capture_kit import V, make_batch, make_scheduler  # tests/capture_kit.py
 
-    from refcheck.errors import EXIT_PASS, EXIT_USAGE
     from refcheck.sglang.capture import hooks
-    from refcheck.trace.io import read_trace
 
     sched, *_ = make_scheduler()
     sched.server_args = NS(model_path=str(builtin_pair("hybrid")[0]), dtype="float32", speculative_algorithm=None)
@@ -180,6 +176,16 @@ def test_trace_import_writes_the_trace_of_a_capture_directory_the_hooks_wrote(ca
         hooks._run_batch(lambda self, b, lg=logits: NS(logits_output=NS(next_token_logits=lg),
                                                        next_token_ids=lg.argmax(-1)), sched, batch)
     assert hooks.drain(10.0)
+
+
+def test_trace_import_writes_the_trace_of_a_capture_directory_the_hooks_wrote(capture_dir, tmp_path, cli):
+    """`refcheck trace import` on what the hooks wrote: the trace of both requests, each request's prompt and output
+    from its records, and what to run next; a second run with a bad --model-dir is exit 2 and leaves the trace as it
+    was."""
+    from refcheck.errors import EXIT_PASS, EXIT_USAGE
+    from refcheck.trace.io import read_trace
+
+    _hooks_serve(capture_dir)
     out = tmp_path / "served.arrow"
     code, _, err = cli("trace", "import", str(capture_dir), "--out", str(out))
     assert code == EXIT_PASS, err
@@ -218,3 +224,19 @@ def test_a_served_capture_of_sampled_requests_is_judged_on_their_distribution(se
     assert not served.left_out and all(r.temperature == 0.7 and r.rng == "engine-children-first" for r in trace.requests)
     rep = _judge(trace)
     assert not rep.failures, [f.message for f in rep.failures]
+
+
+def test_a_running_servers_records_in_flight_are_counted_not_errors(capture_dir):
+    """Two records queued but not yet written (the counters file says so, as a server still writing has it): read as
+    a stopped engine's directory they are a capture error; read with ``running``, records in flight, counted."""
+    from refcheck.sglang.capture.shipper import _FIELD, _OFFSET, queue_files, read_fields
+
+    _hooks_serve(capture_dir)
+    queue = queue_files(capture_dir)[0]
+    data = bytearray(queue.read_bytes())
+    _FIELD.pack_into(data, _OFFSET["queued"], read_fields(queue)["queued"] + 2)
+    queue.write_bytes(bytes(data))
+    stopped = served_trace(capture_dir).assembly.trace.provenance["capture"]
+    assert any("still queued when the engine stopped" in e for e in stopped["errors"]), stopped["errors"]
+    running = served_trace(capture_dir, running=True).assembly.trace.provenance["capture"]
+    assert not [e for e in running["errors"] if "queued" in e] and running["stats"]["in_flight_batches"] == 2

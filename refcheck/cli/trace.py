@@ -54,18 +54,23 @@ def trace_show(path, as_json):
               help="The target's checkpoint directory here (default: the server's --model-path).")
 @click.option("--draft-dir", "draft_dir", type=click.Path(path_type=Path), default=None,
               help="The drafter's checkpoint directory here (default: the server's draft model path).")
-def trace_import(capture_dir: Path, out: Path, model_dir: Path | None, draft_dir: Path | None) -> None:
+@click.option("--running", is_flag=True,
+              help="The server is still serving: records queued but not yet written are in flight, not an error.")
+def trace_import(capture_dir: Path, out: Path, model_dir: Path | None, draft_dir: Path | None, running: bool) -> None:
     """Turn the capture directory of an SGLang server you started (REFCHECK_CAPTURE_DIR) into a trace to diff."""
     from refcheck.outputs import check_output_file
     from refcheck.sglang.served import served_trace
     from refcheck.trace.io import write_trace
 
     check_output_file(out, "--out")
-    served = served_trace(capture_dir, model_dir, draft_dir)
+    served = served_trace(capture_dir, model_dir, draft_dir, running=running)
     asm = served.assembly
     size = write_trace(asm.trace, out)
     steps = len(asm.trace.steps)
     err.print(f"{out}: {len(asm.trace.requests)} request(s), {steps} verify step(s), {size:,} bytes", markup=False)
+    if asm.stats.get("in_flight_batches"):
+        err.print(f"in flight: {asm.stats['in_flight_batches']} batch record(s) queued but not yet written",
+                  markup=False)
     for why, n in sorted(served.left_out.items()):
         err.print(f"left out: {n} request(s) with {why}", markup=False)
     if asm.problems:

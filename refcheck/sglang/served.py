@@ -57,13 +57,16 @@ class Served:
     left_out: dict[str, int] = field(default_factory=dict)  # reason -> requests left out of the trace
 
 
-def served_trace(root: Path, model_dir: Path | None = None, draft_dir: Path | None = None) -> Served:
-    """The trace of the capture directory ``root`` (module docstring)."""
+def served_trace(root: Path, model_dir: Path | None = None, draft_dir: Path | None = None,
+                 running: bool = False) -> Served:
+    """The trace of the capture directory ``root`` (module docstring); ``running``: the server is still serving, so
+    records queued but not yet written are in flight (counted in the trace's ``capture.stats.in_flight_batches``, the
+    requests' steps after them not yet in the directory), not a capture error."""
     root = Path(root)
     if not root.is_dir() or not any(root.glob("status-rank*-pid*.json")):
         raise ServedCaptureError(f"{root} is not a capture directory: no status-rank*-pid*.json in it (SGLang writes "
                                  "one per scheduler when it runs with REFCHECK_CAPTURE_DIR set and refcheck installed)")
-    return trace_of(read_capture(root), str(root), model_dir, draft_dir)
+    return trace_of(read_capture(root, running=running), str(root), model_dir, draft_dir)
 
 
 def trace_of(cap: Capture, where: str, model_dir: Path | None = None, draft_dir: Path | None = None) -> Served:
@@ -87,6 +90,8 @@ def trace_of(cap: Capture, where: str, model_dir: Path | None = None, draft_dir:
                          overlap=bool((cap.status[0].get("serving") or {}).get("overlap")))
     st = cap.status[0]
     hooks = missing_hooks(cap.status, required_hooks(algorithm, sampling is not None))
+    if cap.in_flight:
+        asm.stats["in_flight_batches"] = cap.in_flight
     prov["capture"] = capture_provenance(cap, asm, None, hooks, st.get("sample") or {"every": 1, "seed": 0},
                                          st.get("max_bytes"))
     return Served(asm, left_out)

@@ -95,11 +95,14 @@ class Capture:
     status: list[dict[str, Any]] = field(default_factory=list)
     lost: int = 0  # batch records the engine's capture queue could not take (it was full)
     over_budget: int = 0  # batches not recorded because their process's byte budget was spent
+    in_flight: int = 0  # batch records queued but not yet written when a running engine's directory was read
     #: what the capture cost the engine, over every process (:func:`~refcheck.sglang.capture.shipper.ledger_summary`)
     cost: dict[str, Any] = field(default_factory=dict)
 
 
-def read_capture(root: Path) -> Capture:
+def read_capture(root: Path, running: bool = False) -> Capture:
+    """Every complete record of the capture directory ``root`` (module docstring). ``running``: the engine may still be
+    writing, so records queued but not yet written are in flight (:attr:`Capture.in_flight`), not an error."""
     cap = Capture()
     root = Path(root)
     for st in sorted(root.glob("status-rank*-pid*.json")):
@@ -126,7 +129,7 @@ def read_capture(root: Path) -> Capture:
                 cap.errors.append(f"{d.name}: hook error in {rec.get('where')}: {rec.get('message')}")
             else:
                 cap.errors.append(f"{d.name}/{f.name}: unknown record type {kind!r}")
-    _read_queues(root, cap)
+    _read_queues(root, cap, running)
     for rank, ps in sorted(pids.items()):
         if len(ps) > 1:  # two engines' records in one directory, or ranks that do not know who they are
             cap.errors.append(f"{len(ps)} scheduler processes (pids {', '.join(ps)}) recorded as tensor-parallel rank "
@@ -134,10 +137,10 @@ def read_capture(root: Path) -> Capture:
     return cap
 
 
-def _read_queues(root: Path, cap: Capture) -> None:
-    """Records queued but never written (the engine stopped first) and error records that could not be written are
-    errors; records lost to a full queue and batches past the byte budget are counted; the processes' cost ledgers
-    are summed into :attr:`Capture.cost`."""
+def _read_queues(root: Path, cap: Capture, running: bool = False) -> None:
+    """Records queued but never written (the engine stopped first; with ``running``, counted in flight) and error
+    records that could not be written are errors; records lost to a full queue and batches past the byte budget are
+    counted; the processes' cost ledgers are summed into :attr:`Capture.cost`."""
     ledger: dict[str, int] = {}
     for f in queue_files(root):
         try:
@@ -148,7 +151,9 @@ def _read_queues(root: Path, cap: Capture) -> None:
         for k, v in fields.items():
             ledger[k] = ledger.get(k, 0) + v
         queued, written, lost = fields["queued"], fields["written"], fields["lost"]
-        if written < queued:
+        if written < queued and running:
+            cap.in_flight += queued - written
+        elif written < queued:
             cap.errors.append(f"{f.name}: {queued - written} of {queued} captured batches were still queued when the "
                               "engine stopped (not written)")
         if fields["unwritten_errors"]:
