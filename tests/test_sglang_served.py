@@ -240,3 +240,17 @@ def test_a_running_servers_records_in_flight_are_counted_not_errors(capture_dir)
     assert any("still queued when the engine stopped" in e for e in stopped["errors"]), stopped["errors"]
     running = served_trace(capture_dir, running=True).assembly.trace.provenance["capture"]
     assert not [e for e in running["errors"] if "queued" in e] and running["stats"]["in_flight_batches"] == 2
+
+
+def test_a_requests_sampling_setting_or_why_it_is_left_out():
+    """SGLang's greedy is top-k 1 (it turns temperature 0 into that); its whole-vocabulary top-k is refcheck's 0; a
+    penalty, or parameters refcheck's sampler refuses, are reasons."""
+    from ddtree_reference.sampling import Sampling
+    from refcheck.sglang.served import _sampling_of
+
+    assert _sampling_of({"temperature": 1.0, "top_k": 1}) == Sampling()
+    assert _sampling_of({"temperature": 0.5, "top_k": 1 << 30, "top_p": 0.9}) == Sampling(0.5, 0, 0.9)
+    assert _sampling_of({"temperature": 0.5, "top_k": 20}) == Sampling(0.5, 20, 1.0)
+    assert _sampling_of({"top_k": 1, "frequency_penalty": 0.5, "regex": "a+"}) == "frequency_penalty, regex set"
+    assert _sampling_of({"temperature": 0.5, "top_k": 20, "top_p": 0.0}).startswith(
+        "sampling parameters refcheck cannot take (top-p must lie in (0, 1]")

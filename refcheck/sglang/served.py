@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddtree_reference.errors import SamplingError
 from ddtree_reference.sampling import Sampling
 from refcheck.errors import UsageError
 from refcheck.prompts import Prompt
@@ -126,11 +127,17 @@ def _sampling_of(params: dict[str, Any]) -> Sampling | str:
     odd = sorted(k for k, neutral in _UNJUDGED.items() if params.get(k) not in (neutral, None))
     if odd:
         return f"{', '.join(odd)} set"
-    top_k = int(params.get("top_k") or TOP_K_ALL)
+    def given(name: str, default: float) -> float:
+        value = params.get(name)
+        return default if value is None else float(value)
+
+    top_k = int(given("top_k", TOP_K_ALL))
     if top_k == 1:
         return Sampling()
-    return Sampling(float(params.get("temperature") or 1.0), 0 if top_k >= TOP_K_ALL else top_k,
-                    float(params.get("top_p") or 1.0))
+    try:
+        return Sampling(given("temperature", 1.0), 0 if top_k >= TOP_K_ALL else top_k, given("top_p", 1.0))
+    except SamplingError as exc:
+        return f"sampling parameters refcheck cannot take ({exc})"
 
 
 def _requests(cap: Capture, contexts: Contexts) -> tuple[list[Prompt], dict[str, dict], Sampling | None, dict[str, int]]:
@@ -188,6 +195,7 @@ def _provenance(server: dict[str, Any], cap: Capture, algorithm: str, tdir: Path
     dtype = str(server.get("dtype") or "auto")
     if dtype == "auto":  # SGLang serves the checkpoint's own dtype
         dtype = str(text_config_of(checkpoint_config(tdir)).get("torch_dtype") or "bfloat16")
+    dtype = {"half": "float16", "float": "float32"}.get(dtype, dtype)  # SGLang's other names for them
     block = draft_block_size(ddir) if algorithm == "DFLASH" else None
     nodes = server.get("speculative_num_draft_tokens")
     budget = 0 if algorithm == "NONE" else (block - 1) if block else int(nodes) - 1 if nodes else None
