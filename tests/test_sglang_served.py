@@ -254,3 +254,34 @@ def test_a_requests_sampling_setting_or_why_it_is_left_out():
     assert _sampling_of({"top_k": 1, "frequency_penalty": 0.5, "regex": "a+"}) == "frequency_penalty, regex set"
     assert _sampling_of({"temperature": 0.5, "top_k": 20, "top_p": 0.0}).startswith(
         "sampling parameters refcheck cannot take (top-p must lie in (0, 1]")
+
+
+def test_a_request_that_began_before_the_records_read_is_left_out(setup):
+    """Reading only the latest records (``--last-records``), one request's first records are not among them: it is
+    left out and counted by why; the others are judged."""
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts, trees, "tree")
+    cap = _served(cap, prompts, results, rids)
+    late = rids[prompts[0].id]
+    cap.prefills[0] = [p for p in cap.prefills[0] if p.rid != late]
+    first = next(s for s in cap.steps[0] if s.rid == late)  # its step 0 (the fake engine records every step)
+    cap.steps[0] = [s for s in cap.steps[0] if s is not first]
+    cap.not_read = 4  # the records before the window
+    served = trace_of(cap, "fake")
+    assert served.left_out == {"its first records before the records read": 1}
+    assert {r.request_id for r in served.assembly.trace.requests} == {rids[p.id] for p in prompts[1:]}
+    assert served.assembly.trace.provenance["capture"]["stats"]["records_not_read"] == 4
+    assert not _judge(served.assembly.trace).failures
+
+
+def test_trace_import_reads_only_the_last_records_it_is_told_to(capture_dir, tmp_path, cli):
+    """--last-records 1 of two batches of the same two requests: both began before it, so nothing is left to judge
+    (exit 2, saying why); --last-records 0 is refused."""
+    from refcheck.errors import EXIT_USAGE
+
+    _hooks_serve(capture_dir)
+    code, _, err = cli("trace", "import", str(capture_dir), "--out", str(tmp_path / "t.arrow"), "--last-records", "1")
+    assert code == EXIT_USAGE and "no request refcheck can judge was recorded" in err
+    assert "2 with its first records before the records read left out" in err and not (tmp_path / "t.arrow").exists()
+    code, _, err = cli("trace", "import", str(capture_dir), "--out", str(tmp_path / "t.arrow"), "--last-records", "0")
+    assert code == EXIT_USAGE and "--last-records takes a number of records >= 1, got 0" in err

@@ -56,14 +56,18 @@ def trace_show(path, as_json):
               help="The drafter's checkpoint directory here (default: the server's draft model path).")
 @click.option("--running", is_flag=True,
               help="The server is still serving: records queued but not yet written are in flight, not an error.")
-def trace_import(capture_dir: Path, out: Path, model_dir: Path | None, draft_dir: Path | None, running: bool) -> None:
+@click.option("--last-records", "last_records", type=int, default=None, metavar="N",
+              help="Read only each scheduler process's last N records (a long run's latest part); requests that "
+                   "began before them are left out.")
+def trace_import(capture_dir: Path, out: Path, model_dir: Path | None, draft_dir: Path | None, running: bool,
+                 last_records: int | None) -> None:
     """Turn the capture directory of an SGLang server you started (REFCHECK_CAPTURE_DIR) into a trace to diff."""
     from refcheck.outputs import check_output_file
     from refcheck.sglang.served import served_trace
     from refcheck.trace.io import write_trace
 
     check_output_file(out, "--out")
-    served = served_trace(capture_dir, model_dir, draft_dir, running=running)
+    served = served_trace(capture_dir, model_dir, draft_dir, running=running, last_records=last_records)
     asm = served.assembly
     size = write_trace(asm.trace, out)
     steps = len(asm.trace.steps)

@@ -59,15 +59,19 @@ class Served:
 
 
 def served_trace(root: Path, model_dir: Path | None = None, draft_dir: Path | None = None,
-                 running: bool = False) -> Served:
+                 running: bool = False, last_records: int | None = None) -> Served:
     """The trace of the capture directory ``root`` (module docstring); ``running``: the server is still serving, so
     records queued but not yet written are in flight (counted in the trace's ``capture.stats.in_flight_batches``, the
-    requests' steps after them not yet in the directory), not a capture error."""
+    requests' steps after them not yet in the directory), not a capture error. ``last_records``: only each
+    scheduler process's last records are read (a long run's latest hour, in the memory that needs); a request whose
+    first record lies before them is left out."""
     root = Path(root)
     if not root.is_dir() or not any(root.glob("status-rank*-pid*.json")):
         raise ServedCaptureError(f"{root} is not a capture directory: no status-rank*-pid*.json in it (SGLang writes "
                                  "one per scheduler when it runs with REFCHECK_CAPTURE_DIR set and refcheck installed)")
-    return trace_of(read_capture(root, running=running), str(root), model_dir, draft_dir)
+    if last_records is not None and last_records < 1:
+        raise ServedCaptureError(f"--last-records takes a number of records >= 1, got {last_records}")
+    return trace_of(read_capture(root, running=running, last=last_records), str(root), model_dir, draft_dir)
 
 
 def trace_of(cap: Capture, where: str, model_dir: Path | None = None, draft_dir: Path | None = None) -> Served:
@@ -93,6 +97,8 @@ def trace_of(cap: Capture, where: str, model_dir: Path | None = None, draft_dir:
     hooks = missing_hooks(cap.status, required_hooks(algorithm, sampling is not None))
     if cap.in_flight:
         asm.stats["in_flight_batches"] = cap.in_flight
+    if cap.not_read:
+        asm.stats["records_not_read"] = cap.not_read
     prov["capture"] = capture_provenance(cap, asm, None, hooks, st.get("sample") or {"every": 1, "seed": 0},
                                          st.get("max_bytes"))
     return Served(asm, left_out)
@@ -151,8 +157,13 @@ def _requests(cap: Capture, contexts: Contexts) -> tuple[list[Prompt], dict[str,
     groups: dict[Sampling, list[str]] = {}
     for rid in sorted({s.rid for s in cap.steps.get(rank, [])} | set(firsts)):
         params = contexts.params.get(rid)
-        setting = "no sampling parameters recorded" if params is None or rid not in contexts.prompt_lens \
-            else _sampling_of(params)
+        if rid in contexts.late:
+            setting = ("its first records before the records read" if cap.not_read else
+                       "its first record not written")
+        elif params is None or rid not in contexts.prompt_lens:
+            setting = "no sampling parameters recorded"
+        else:
+            setting = _sampling_of(params)
         if isinstance(setting, str):
             left[setting] += 1
         else:

@@ -12,7 +12,8 @@ carried once.
 
 The reader's side: :class:`Contexts` joins the pieces in write order. A piece that starts past what is known (a
 record between them was lost, refused by the byte budget, or never written) leaves a hole: the request's context is
-known up to it (:meth:`Contexts.known`), and the hole is said (:attr:`Contexts.holes`). A piece that starts inside
+known up to it (:meth:`Contexts.known`), and the hole is said (:attr:`Contexts.holes`). A request whose first piece is
+in no record read has no context (:attr:`Contexts.late`: where its pieces start). A piece that starts inside
 what is known must agree with it, or the disagreement is said (:attr:`Contexts.conflicts`): the engine changed tokens
 it had already emitted.
 """
@@ -57,6 +58,7 @@ class Contexts:
         self._holed: set[str] = set()
         self.params: dict[str, dict[str, Any]] = {}  # rid -> its first record's sampling parameters
         self.prompt_lens: dict[str, int] = {}  # rid -> its prompt's length (where the output begins in its context)
+        self.late: dict[str, int] = {}  # rid -> where its first piece starts, for a request none of whose pieces is first
         self.holes: list[str] = []
         self.conflicts: list[str] = []
 
@@ -70,6 +72,10 @@ class Contexts:
         if rid in self._holed:
             return
         have = self._tokens.setdefault(rid, [])
+        if start > len(have) and not have:  # its first piece is in no record read: no context at all
+            self._holed.add(rid)
+            self.late[rid] = start
+            return
         if start > len(have):
             self._holed.add(rid)
             self.holes.append(f"{rid}: context tokens {len(have)}..{start - 1} are in no record (a record between was "

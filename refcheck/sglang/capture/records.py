@@ -96,13 +96,16 @@ class Capture:
     lost: int = 0  # batch records the engine's capture queue could not take (it was full)
     over_budget: int = 0  # batches not recorded because their process's byte budget was spent
     in_flight: int = 0  # batch records queued but not yet written when a running engine's directory was read
+    not_read: int = 0  # record files left unread (read_capture's ``last``)
     #: what the capture cost the engine, over every process (:func:`~refcheck.sglang.capture.shipper.ledger_summary`)
     cost: dict[str, Any] = field(default_factory=dict)
 
 
-def read_capture(root: Path, running: bool = False) -> Capture:
+def read_capture(root: Path, running: bool = False, last: int | None = None) -> Capture:
     """Every complete record of the capture directory ``root`` (module docstring). ``running``: the engine may still be
-    writing, so records queued but not yet written are in flight (:attr:`Capture.in_flight`), not an error."""
+    writing, so records queued but not yet written are in flight (:attr:`Capture.in_flight`), not an error.
+    ``last``: only each scheduler process's ``last`` records are read (the others counted in
+    :attr:`Capture.not_read`)."""
     cap = Capture()
     root = Path(root)
     for st in sorted(root.glob("status-rank*-pid*.json")):
@@ -114,7 +117,11 @@ def read_capture(root: Path, running: bool = False) -> Capture:
     for d in sorted(root.glob("rank*-pid*")):
         rank = int(d.name[4:].split("-", 1)[0])
         pids.setdefault(rank, []).append(d.name.split("-pid", 1)[1])
-        for f in sorted(d.glob("[0-9]*.rec")):
+        files = sorted(d.glob("[0-9]*.rec"))
+        if last is not None and len(files) > last:
+            cap.not_read += len(files) - last
+            files = files[len(files) - last:]
+        for f in files:
             try:
                 rec = packing.decode(f.read_bytes())
             except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:  # a torn file
