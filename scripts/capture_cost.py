@@ -215,11 +215,24 @@ def pooled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for kind, times in r["passes"].items():
             cell["passes"][kind] = cell["passes"].get(kind, []) + list(times or [])
         for kind, books in (r.get("pass_costs") or {}).items():
-            seconds = (books or {}).get("run_batch_s") or []
-            cell["pass_costs"].setdefault(kind, {"run_batch_s": []})["run_batch_s"] += list(seconds)
+            _pool_books(cell["pass_costs"].setdefault(kind, {"run_batch_s": []}), books or {})
     for cell in cells.values():
         cell.update(medians(cell["passes"]))
     return reread(list(cells.values()))
+
+
+def _pool_books(into: dict[str, Any], books: dict[str, Any]) -> None:
+    """One run's books of a kind of pass added to a pooled cell's: the seconds each pass booked to ``run_batch``
+    laid end to end, and an unrecorded batch's ms and the hooks' pass-over of it as means weighted by batches."""
+    into["run_batch_s"] += list(books.get("run_batch_s") or [])
+    n = int(books.get("plain_batches") or 0)
+    if not n or books.get("plain_ms_per_batch") is None:
+        return
+    total = into.get("plain_batches", 0) + n
+    for key in ("plain_ms_per_batch", "passed_ms_per_plain_batch"):
+        if books.get(key) is not None:
+            into[key] = (into.get(key, 0.0) * into.get("plain_batches", 0) + books[key] * n) / total
+    into["plain_batches"] = total
 
 
 @functools.cache
@@ -303,6 +316,14 @@ def _ledger(cost: dict[str, Any]) -> str:
             f"({_fmt(cost.get('hooks_ms_per_batch'))}{': ' + split if split else ''})")
 
 
+def _unrecorded(costs: dict[str, Any]) -> str:
+    """An unrecorded decode batch's ms in the untraced passes and in the sampled ones, and the hooks' pass-over of
+    it: what a sampled run costs the batches it does not record."""
+    u, s = costs.get("untraced") or {}, costs.get("sampled") or {}
+    return (f"{_fmt(u.get('plain_ms_per_batch'))} / {_fmt(s.get('plain_ms_per_batch'))} "
+            f"({_fmt(s.get('passed_ms_per_plain_batch'), '.3f')})")
+
+
 def _booked(b: dict[str, float] | None, steps: dict[str, Any] | None = None) -> str:
     """``, booked RATIO×``: the ratio the engine's books account for (:func:`booked`); with ``steps`` (the per-round
     ratios of the seconds booked to ``run_batch``), ``; run_batch per round MEDIAN [LO–HI]``."""
@@ -333,19 +354,20 @@ def _target(r: dict[str, Any]) -> str:
 
 def markdown(rows: list[dict[str, Any]], sample: int) -> str:
     head = (f"| algorithm | graphs | workload | steps | untraced s (max/min) | full capture (first pass) | 1 in {sample} | "
-            "batch ms plain / recorded (hooks) | writer ms/record | bytes/step | "
+            f"batch ms plain / recorded (hooks) | unrecorded batch ms, untraced / 1 in {sample} (its pass-over) | "
+            "writer ms/record | bytes/step | "
             "tokens same (untraced / sampled / full) | verdict (full / sampled) | diff steps/s | "
             "target, per round (full / sampled) |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
         f"| {r['algorithm']} | {'on' if r['graphs'] else 'off'} | {r['workload']} | "
-        + (f"error: {r['error'][:120]} | | | | | | | | | | |\n" if "error" in r else
+        + (f"error: {r['error'][:120]} | | | | | | | | | | | |\n" if "error" in r else
            f"{r['steps']} | {_fmt(r['untraced_s'], '.3f')} ({_fmt(r.get('untraced_spread'))}) | "
            f"{_fmt(r['overhead_full'])}× ({_fmt(r.get('overhead_captured'))}×)"
            f"{_spread((r.get('per_round') or {}).get('full'))} | "
            f"{_fmt(r['overhead_sampled'])}×{_spread((r.get('per_round') or {}).get('sampled'))}"
            f"{_booked((r.get('booked') or {}).get('sampled'), (r.get('per_round_run_batch') or {}).get('sampled'))} | "
-           f"{_ledger(r.get('ledger') or {})} | "
+           f"{_ledger(r.get('ledger') or {})} | {_unrecorded(r.get('pass_costs') or {})} | "
            f"{_fmt((r.get('ledger') or {}).get('writer_ms_per_record'))} | {_fmt(r['bytes_per_step'], '.0f')} | "
            f"{r['tokens_same_untraced']}/{r['tokens_same_sampled']}/{r.get('tokens_same_full')} | "
            f"{r.get('verdict', '—')} / {r.get('sampled_verdict', '—')} ({r.get('sampled_steps', '—')} steps) | "

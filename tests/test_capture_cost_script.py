@@ -177,3 +177,21 @@ def test_pooled_rows_lay_one_cells_rounds_end_to_end_and_recompute_what_depends_
     assert dflash["per_round"]["sampled"]["rounds"] == 6 and dflash["per_round"]["sampled"]["ci95"] == (1.1, 1.3)
     assert dflash["per_round_run_batch"]["sampled"]["median"] == pytest.approx(1.04)
     assert cc.per_round(rows[0]["passes"]["sampled"], rows[0]["passes"]["untraced"])["ci95"] is None
+
+
+def test_the_unrecorded_batches_books_pool_weighted_by_batches_and_show_the_pass_over():
+    """An unrecorded decode batch's ms in the untraced and the sampled passes, and the hooks' pass-over of it: one
+    run's as booked, two runs' as means weighted by their batches; the column says untraced / sampled (pass-over)."""
+    def row(plain_u: float, plain_s: float, passed: float, batches: int) -> dict:
+        return {"algorithm": "DFLASH", "graphs": True, "workload": "mixed",
+                "passes": {"untraced": [1.0] * 3, "sampled": [1.0] * 3, "full": []},
+                "pass_costs": {"untraced": {"run_batch_s": [], "plain_batches": batches, "plain_ms_per_batch": plain_u},
+                               "sampled": {"run_batch_s": [], "plain_batches": batches, "plain_ms_per_batch": plain_s,
+                                           "passed_ms_per_plain_batch": passed}}}
+
+    assert cc._unrecorded(row(3.6, 3.8, 0.05, 10)["pass_costs"]) == "3.60 / 3.80 (0.050)"
+    pooled = cc.pooled([row(3.0, 3.3, 0.04, 10), row(4.0, 4.2, 0.07, 30)])[0]["pass_costs"]
+    assert pooled["untraced"]["plain_ms_per_batch"] == pytest.approx(3.75)
+    assert pooled["sampled"]["plain_ms_per_batch"] == pytest.approx(3.975)
+    assert pooled["sampled"]["passed_ms_per_plain_batch"] == pytest.approx(0.0625)
+    assert pooled["sampled"]["plain_batches"] == 40 and cc._unrecorded({}) == "— / — (—)"
