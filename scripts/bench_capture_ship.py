@@ -23,8 +23,9 @@ also times stand-in scheduler batches (Python holding the interpreter lock, then
 with one record in 16 shipped (:func:`writer_drag`): whether the writer thread slows the batches after a recorded
 one. With ``--vs`` each round runs this checkout's refcheck and the other one's, in turn, in fresh processes, and
 prints the ratios (this / other) of the medians. ``--sites`` prints only the torch calls per recorded DFLASH batch
-by where the hooks make them (file and function; a graph's replay by its name), and what giving each record its
-requests' context pieces costs a recorded batch of 32 requests (:func:`carry_us`).
+by where the hooks make them (file and function; a graph's replay by its name), the writer thread's header and file
+parts per record (:func:`writer_parts_us`), and what giving each record its requests' context pieces costs a
+recorded batch of 32 requests (:func:`carry_us`).
 """
 
 from __future__ import annotations
@@ -110,6 +111,25 @@ def pass_over(requests: int, batches: int = 3000) -> float:
     for _ in range(batches):
         hooks._run_batch(lambda self, b: None, scheduler, batch)
     return 1e6 * (time.perf_counter() - t0) / batches
+
+
+def writer_parts_us(records: int = 300) -> tuple[float, float]:
+    """The writer thread's two parts per DFLASH-sized record (:func:`_record`), in microseconds of its thread's CPU:
+    encoding the header (JSON, holding the interpreter lock) and writing the file (the kernel's write releases it)."""
+    from refcheck.atomic_file import atomic_create
+    from refcheck.sglang.capture import packing
+
+    fields, tensors = _record()
+    skeleton, ts, n_dev = packing.pack({"type": "batch", **fields, **tensors})
+    entries, dev, host = packing.table(ts), packing.flatten(ts[:n_dev]), packing.flatten(ts[n_dev:])
+    t0 = time.thread_time()
+    parts = [packing.encode_parts(skeleton, entries, dev.numpy().data, host.numpy().data) for _ in range(records)]
+    t1 = time.thread_time()
+    out = Path(tempfile.mkdtemp(prefix="refcheck-writer-"))
+    for i, data in enumerate(parts):
+        atomic_create(out / f"{i:08d}.rec", data)
+    t2 = time.thread_time()
+    return 1e6 * (t1 - t0) / records, 1e6 * (t2 - t1) / records
 
 
 def carry_us(requests: int = 32, batches: int = 2000, prompt: int = 300) -> float:
@@ -269,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torch calls per recorded DFLASH batch (graphed): {total:.1f}")
         for site, n in sorted(sites.items(), key=lambda kv: (-kv[1], kv[0])):
             print(f"{n:8.1f}  {site}")
+        encode, write = writer_parts_us()
+        print(f"writer, per DFLASH-sized record: header {encode:.0f} us (holding the interpreter lock), file {write:.0f} us")
         print(f"context pieces: {carry_us():.1f} us per recorded batch of 32 requests")
         return 0
     if args.records < 1 or args.rounds < 1:

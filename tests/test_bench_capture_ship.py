@@ -104,7 +104,8 @@ def test_sites_prints_the_calls_per_batch_by_where_they_are_made(capsys):
     finally:
         sys.path.remove(str(SCRIPT.parent))
     assert bench.main(["--sites"]) == 0
-    head, *lines, carry = capsys.readouterr().out.strip().splitlines()
+    head, *lines, writer, carry = capsys.readouterr().out.strip().splitlines()
+    assert writer.startswith("writer, per DFLASH-sized record: header ") and writer.endswith(" us")
     assert carry.startswith("context pieces: ") and carry.endswith(" us per recorded batch of 32 requests")
     total = float(head.rsplit(":", 1)[1])
     sites = {line.split(None, 1)[1]: float(line.split(None, 1)[0]) for line in lines}
