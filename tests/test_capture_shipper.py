@@ -405,3 +405,25 @@ def test_a_collection_inside_the_ledgers_lock_books_itself_without_waiting_for_t
     assert done.wait(10.0), "a collection inside Counters.add's lock deadlocked its thread"
     fields = read_fields(tmp_path / "queue-rank0-pid1.bin")
     assert fields["gc_collections"] >= 1 and fields["gc_ns"] > 0
+
+
+def test_the_writer_asks_whether_a_copy_has_landed_and_sleeps_never_waiting_in_the_driver():
+    """A record's copy event is asked (``query``) until it has completed, the writer sleeping in between; its
+    ``synchronize``, which spins in the CUDA driver beside the engine's launches, is never called."""
+    from refcheck.sglang.capture import shipper
+
+    class Event:
+        def __init__(self) -> None:
+            self.asked = 0
+
+        def query(self) -> bool:
+            self.asked += 1
+            return self.asked >= 3
+
+        def synchronize(self) -> None:
+            raise AssertionError("the writer waited inside the driver")
+
+    naps: list[float] = []
+    event = Event()
+    shipper.landed(event, sleep=naps.append)
+    assert event.asked == 3 and naps == [shipper.POLL_S] * 2

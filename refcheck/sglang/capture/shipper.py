@@ -6,7 +6,8 @@ tuples holding tensors) from inside a scheduler hook. Its CUDA tensors are laid 
 buffer on the device (one ``cat``, :mod:`refcheck.sglang.capture.packing`) and copied to pinned host memory
 (PyTorch's caching host allocator) without blocking, on the current stream; one CUDA event is recorded
 after the copy and the record is queued. It never synchronises the device and never waits for the disk. A
-daemon thread takes records in order, waits for each record's event, and writes the header and the bytes
+daemon thread takes records in order, waits for each record's event (:func:`landed`: asking and sleeping, not
+spinning in the driver beside the engine's launches), and writes the header and the bytes
 through the :class:`~refcheck.sglang.capture.records.Recorder` (one atomic file per record: no pickling, so
 the thread holds the interpreter lock only briefly). CPU tensors are copied at ship time (the engine may
 reuse their storage). A record's ``events`` field (two CUDA events recorded
@@ -269,7 +270,7 @@ class Shipper:
             cpu0, failed, refused = None, False, False
             try:
                 if item.event is not None:
-                    item.event.synchronize()  # the record's copy has landed in host memory (the lock is released)
+                    landed(item.event)  # the record's copy has landed in host memory
                 cpu0 = time.thread_time_ns()
                 data = packing.encode_parts(_timed(item.skeleton), item.entries, item.device_bytes.numpy().data,
                                             item.host_bytes.numpy().data)
@@ -282,6 +283,18 @@ class Shipper:
             finally:
                 spent = time.thread_time_ns() - cpu0 if cpu0 is not None else 0
                 self.counts.add(written=1, writer_ns=spent, lost=int(failed), over_budget=int(refused))
+
+
+#: how long the writer sleeps between asking whether a record's copy has landed
+POLL_S = 0.0005
+
+
+def landed(event: Any, poll_s: float = POLL_S, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Return once ``event`` (a record's copy) has completed, asking the driver and sleeping in between, never
+    waiting inside it: a CUDA event made without ``cudaEventBlockingSync`` (PyTorch's default) is waited for by a
+    busy-wait in ``cudaEventSynchronize``, a core spinning in the driver beside the engine thread's own launches."""
+    while not event.query():
+        sleep(poll_s)
 
 
 def counts_path(root: Path, tp_rank: int) -> Path:
