@@ -285,3 +285,27 @@ def test_trace_import_reads_only_the_last_records_it_is_told_to(capture_dir, tmp
     assert "2 with its first records before the records read left out" in err and not (tmp_path / "t.arrow").exists()
     code, _, err = cli("trace", "import", str(capture_dir), "--out", str(tmp_path / "t.arrow"), "--last-records", "0")
     assert code == EXIT_USAGE and "--last-records takes a number of records >= 1, got 0" in err
+
+
+def test_diff_capture_imports_a_servers_directory_and_diffs_it(setup, tmp_path, cli, monkeypatch):
+    """`refcheck diff --capture DIR`: the directory's trace (here the fake engine's capture, read in place of the
+    directory's records) is diffed and passes, and --save-trace keeps it; with --engine, or an option of a live run
+    the capture would ignore, nothing runs (exit 2)."""
+    from refcheck.errors import EXIT_PASS, EXIT_USAGE
+    from refcheck.sglang import served as served_module
+    from refcheck.trace.io import read_trace
+
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts[:1], trees, "tree", steps=2)
+    cap = _served(cap, prompts[:1], results, rids)
+    (tmp_path / "status-rank0-pid1.json").write_text(json.dumps(cap.status[0]))
+    monkeypatch.setattr(served_module, "read_capture", lambda root, running=False, last=None: cap)
+    out = tmp_path / "served.arrow"
+    code, _, err = cli("--log-level", "warning", "diff", "--capture", str(tmp_path), "--mode", "replay",
+                       "--save-trace", str(out))
+    assert code == EXIT_PASS, err
+    assert [r.request_id for r in read_trace(out).requests] == [rids[prompts[0].id]]
+    code, _, err = cli("diff", "--capture", str(tmp_path), "--engine", "reference")
+    assert code == EXIT_USAGE and "give it without --engine or --against" in err
+    code, _, err = cli("diff", "--capture", str(tmp_path), "--max-new-tokens", "8")
+    assert code == EXIT_USAGE and "--capture takes its requests and settings from the capture directory" in err

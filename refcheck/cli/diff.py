@@ -1,7 +1,8 @@
 """``refcheck diff``: an engine (live, a recorded trace, or the goldens) against the reference.
 
-Contract: one source is diffed: a live engine (``--engine``), recorded trace files (``--against``) or the
-goldens (neither). An option that the chosen source does not use is refused before anything runs (exit 2):
+Contract: one source is diffed: a live engine (``--engine``), recorded trace files (``--against``), the capture
+directory of an SGLang server the user started (``--capture``: :mod:`refcheck.sglang.served`) or the goldens
+(none of them). An option that the chosen source does not use is refused before anything runs (exit 2):
 a recorded trace or a golden names its own models and settings, so the live run's options (``--model``,
 ``--prompts``, ``--save-trace``, ...) would be ignored, and a live run reads no golden directory.
 ``--html PATH`` (any source) is checked before anything runs (a missing directory: exit 2); after the report
@@ -53,13 +54,24 @@ _LIVE_ONLY = ("draft_dir", "prompts_file", "max_new_tokens", "dtype", "device", 
               "mem_fraction", "serving", "layer_sketches", "capture_sample", "capture_max_mb")
 #: options that pick the goldens to diff (and the live run's models, with --engine)
 _GOLDEN_PICKS = ("golden_dir", "model_dir", "pair", "budget")
+#: of those, what --capture takes: the models where the server's paths are not this machine's, the trace to keep
+_CAPTURE_TAKES = ("model_dir", "draft_dir", "save_trace")
 
 
-def refuse_unused_options(engine: str | None, against: tuple[Path, ...]) -> None:
+def refuse_unused_options(engine: str | None, against: tuple[Path, ...], capture: Path | None = None) -> None:
     """A :class:`UsageError` for options the chosen source (module docstring) would ignore."""
     if engine and against:
         raise UsageError(f"--engine {engine} runs a live engine and --against diffs recorded trace files: give one of "
                          "them (nothing was run)")
+    if capture is not None:
+        if engine or against:
+            raise UsageError("--capture diffs the capture directory of a server you started: give it without --engine "
+                             "or --against (nothing was run)")
+        unused = given_options(o for o in _LIVE_ONLY + _GOLDEN_PICKS if o not in _CAPTURE_TAKES)
+        if unused:
+            raise UsageError(f"--capture takes its requests and settings from the capture directory: {', '.join(unused)} "
+                             "would be ignored (nothing was run)")
+        return
     if against:
         unused = given_options(_LIVE_ONLY + _GOLDEN_PICKS)
         if unused:
@@ -188,6 +200,10 @@ output_options = option_group(
 @click.option("--engine", default=None,
               help="Run this live engine instead of reading goldens: reference, zlab, sglang[:ALGORITHM], fault:NAME.")
 @click.option("--against", "against", type=click.Path(path_type=Path), multiple=True, help="Engine trace file(s) to diff.")
+@click.option("--capture", "capture", type=click.Path(path_type=Path), default=None,
+              help="The capture directory of an SGLang server you started (REFCHECK_CAPTURE_DIR): imported as "
+                   "refcheck trace import does (--model/--draft where the server's paths are not this machine's), "
+                   "then diffed; --save-trace keeps the trace.")
 @click.option("--mode", type=click.Choice(["replay", "free", "both"]), default="both", show_default=True)
 @click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None, help="Golden directory.")
 @reference_options
@@ -196,8 +212,8 @@ output_options = option_group(
 @output_options
 @model_options
 @sampling_options
-def diff(engine: str | None, against: tuple[Path, ...], mode: str, golden_dir: Path | None, ref: ReferenceOptions,
-         live: LiveOptions, sglang: SGLangOptions, output: OutputOptions, model: ModelOptions,
+def diff(engine: str | None, against: tuple[Path, ...], capture: Path | None, mode: str, golden_dir: Path | None,
+         ref: ReferenceOptions, live: LiveOptions, sglang: SGLangOptions, output: OutputOptions, model: ModelOptions,
          sampling: SamplingOptions) -> None:
     """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
 
@@ -205,7 +221,7 @@ def diff(engine: str | None, against: tuple[Path, ...], mode: str, golden_dir: P
     from refcheck.outputs import check_output_file
     from refcheck.pool import ReferencePool
 
-    refuse_unused_options(engine, against)
+    refuse_unused_options(engine, against, capture)
     drawn = _live_sampling(engine, sampling)
     check_output_file(live.save_trace, "--save-trace")  # before the run, not after it
     if output.html is not None:
@@ -225,6 +241,8 @@ def diff(engine: str | None, against: tuple[Path, ...], mode: str, golden_dir: P
         traces.append(trace)
     elif against:
         _diff_files(against, pool, mode, ref, reports, traces, golden_notes)
+    elif capture is not None:
+        _diff_capture(capture, model, pool, mode, ref, reports, traces)
     else:
         _diff_goldens(golden_dir, model.budget, model.model_label, pool, mode, ref, reports, traces, golden_notes)
     # the budgets diffed: the traces' own (an --against trace of budget 64 is not "budget 15")
@@ -241,12 +259,28 @@ def diff(engine: str | None, against: tuple[Path, ...], mode: str, golden_dir: P
     files = list(against) if against else ([save_trace] * len(reports) if save_trace else [])
     for report, path in zip(reports, files):
         explain_hint(report, path)
-    sources = [str(p) for p in against] if against else (
+    sources = [str(p) for p in against] if against else [str(capture)] if capture is not None else (
         [str(save_trace or f"live engine {engine}")] if engine else [str(p) for p, _ in golden_notes])
-    late = _write_outputs(traces[0] if engine else None, save_trace, output.html, reports, traces, sources)
+    late = _write_outputs(traces[0] if engine or capture is not None else None, save_trace, output.html, reports,
+                          traces, sources)
     if late is not None:
         report_json_and_raise(reports, output.as_json, late)
     finish(reports, output.as_json)
+
+
+def _diff_capture(capture: Path, model: ModelOptions, pool: ReferencePool, mode: str, ref: ReferenceOptions,
+                  reports: list[Report], traces: list[Trace]) -> None:
+    """Diff the trace of a server's capture directory (:func:`refcheck.sglang.served.served_trace`; what it left out
+    said), appending to ``reports`` and ``traces``."""
+    from refcheck.diff.judge import judge
+    from refcheck.sglang.served import served_trace
+
+    served = served_trace(capture, model.model_dir, model.draft_dir)
+    for why, n in sorted(served.left_out.items()):
+        err.print(f"{capture}: left out {n} request(s) with {why}", markup=False)
+    traces.append(served.assembly.trace)
+    reports.append(judge(traces[-1], pool, capture.name or "capture", mode, ref_dtype=ref.ref_dtype,
+                         ref_device=ref.ref_device))
 
 
 def _write_outputs(live_trace: Trace | None, save_trace: Path | None, html: Path | None, reports: list[Report],
