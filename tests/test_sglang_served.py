@@ -289,8 +289,9 @@ def test_trace_import_reads_only_the_last_records_it_is_told_to(capture_dir, tmp
 
 def test_diff_capture_imports_a_servers_directory_and_diffs_it(setup, tmp_path, cli, monkeypatch):
     """`refcheck diff --capture DIR`: the directory's trace (here the fake engine's capture, read in place of the
-    directory's records) is diffed and passes, and --save-trace keeps it; with --engine, or an option of a live run
-    the capture would ignore, nothing runs (exit 2)."""
+    directory's records) is diffed, replay and free run (each request's greedy tokens as many as the trace holds of
+    its output), and passes; --save-trace keeps it; with --engine, or an option of a live run the capture would
+    ignore, nothing runs (exit 2)."""
     from refcheck.errors import EXIT_PASS, EXIT_USAGE
     from refcheck.sglang import served as served_module
     from refcheck.trace.io import read_trace
@@ -301,10 +302,10 @@ def test_diff_capture_imports_a_servers_directory_and_diffs_it(setup, tmp_path, 
     (tmp_path / "status-rank0-pid1.json").write_text(json.dumps(cap.status[0]))
     monkeypatch.setattr(served_module, "read_capture", lambda root, running=False, last=None: cap)
     out = tmp_path / "served.arrow"
-    code, _, err = cli("--log-level", "warning", "diff", "--capture", str(tmp_path), "--mode", "replay",
-                       "--save-trace", str(out))
+    code, _, err = cli("--log-level", "warning", "diff", "--capture", str(tmp_path), "--save-trace", str(out))
     assert code == EXIT_PASS, err
-    assert [r.request_id for r in read_trace(out).requests] == [rids[prompts[0].id]]
+    kept = read_trace(out).requests
+    assert [(r.request_id, r.max_new_tokens) for r in kept] == [(rids[prompts[0].id], len(kept[0].output_ids))]
     code, _, err = cli("diff", "--capture", str(tmp_path), "--engine", "reference")
     assert code == EXIT_USAGE and "give it without --engine or --against" in err
     code, _, err = cli("diff", "--capture", str(tmp_path), "--max-new-tokens", "8")

@@ -80,7 +80,7 @@ def trace_import(capture_dir: Path, out: Path, model_dir: Path | None, draft_dir
     if asm.problems:
         err.print(f"{len(asm.problems)} problem(s) in the records (refcheck trace show --json {out} lists them)",
                   markup=False)
-    err.print(f"next: refcheck diff --against {out} --mode replay", markup=False)
+    err.print(f"next: refcheck diff --against {out}", markup=False)
     sys.exit(EXIT_PASS)
 
 

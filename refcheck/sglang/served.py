@@ -7,8 +7,8 @@ that describes itself: each scheduler's status file keeps the server's arguments
 of its requests (:mod:`refcheck.sglang.capture.contexts`). :func:`served_trace` reads such a directory: every request
 with a recorded step or first token becomes a request of the trace, its id the engine's rid, its prompt and output
 those its records carry (the output up to the step recorded where its carried context ends, that step's emitted
-tokens included, cut at the request's ``max_new_tokens`` as SGLang cuts it; the trace's token limit is the longest
-such output), and the
+tokens included, cut at the request's ``max_new_tokens`` as SGLang cuts it; each request's token limit in the trace
+is the length of that output, so a free run compares as many greedy tokens), and the
 trace's provenance comes from the server's arguments: the model and draft directories (``model_dir`` / ``draft_dir``
 in place of the server's paths, which must be local checkpoint directories), the algorithm, the budget, the dtype
 and how SGLang served. A hook the algorithm records through that a scheduler's status says was not live is a capture
@@ -187,7 +187,8 @@ def _requests(cap: Capture, contexts: Contexts) -> tuple[list[Prompt], dict[str,
         limit = (contexts.params.get(rid) or {}).get("max_new_tokens")
         if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1:
             output = output[:limit]  # SGLang emits whole verify blocks and cuts at the request's limit
-        prompts.append(Prompt(rid, tuple(ctx[:n]), "served"))
+        # its token limit is what the trace holds of it: the free run compares that many greedy tokens
+        prompts.append(Prompt(rid, tuple(ctx[:n]), "served", max(len(output), 1)))
         results[rid] = {"output_ids": output}
     return prompts, results, (None if sampling.greedy else sampling), dict(left)
 
