@@ -310,3 +310,21 @@ def test_diff_capture_imports_a_servers_directory_and_diffs_it(setup, tmp_path, 
     assert code == EXIT_USAGE and "give it without --engine or --against" in err
     code, _, err = cli("diff", "--capture", str(tmp_path), "--max-new-tokens", "8")
     assert code == EXIT_USAGE and "--capture takes its requests and settings from the capture directory" in err
+
+
+def test_data_parallel_replicas_may_each_have_a_rank_0(capture_dir):
+    """Two scheduler processes recorded as rank 0: two engines in one directory (a capture error), unless the
+    server's arguments say it runs two data-parallel replicas, whose requests join by rid."""
+    import shutil
+
+    from refcheck.sglang.capture.records import read_capture
+
+    _hooks_serve(capture_dir)
+    first = next(capture_dir.glob("rank0-pid*"))
+    shutil.copytree(first, capture_dir / "rank0-pid999999")
+    status = json.loads(next(capture_dir.glob("status-rank0-pid*.json")).read_text())
+    (capture_dir / "status-rank0-pid999999.json").write_text(json.dumps(status))
+    assert any("2 scheduler processes" in e and "cannot be told apart" in e for e in read_capture(capture_dir).errors)
+    for f in capture_dir.glob("status-rank0-pid*.json"):
+        f.write_text(json.dumps({**status, "server": {**status["server"], "dp_size": 2}}))
+    assert not [e for e in read_capture(capture_dir).errors if "cannot be told apart" in e]

@@ -137,11 +137,21 @@ def read_capture(root: Path, running: bool = False, last: int | None = None) -> 
             else:
                 cap.errors.append(f"{d.name}/{f.name}: unknown record type {kind!r}")
     _read_queues(root, cap, running)
+    replicas = _replicas(cap.status)
     for rank, ps in sorted(pids.items()):
-        if len(ps) > 1:  # two engines' records in one directory, or ranks that do not know who they are
+        if len(ps) > replicas:  # two engines' records in one directory, or ranks that do not know who they are
             cap.errors.append(f"{len(ps)} scheduler processes (pids {', '.join(ps)}) recorded as tensor-parallel rank "
-                              f"{rank}: their shards cannot be told apart, so the committed state cannot be combined")
+                              f"{rank}" + (f" of {replicas} data-parallel replicas" if replicas > 1 else "")
+                              + ": their shards cannot be told apart, so the committed state cannot be combined")
     return cap
+
+
+def _replicas(status: list[dict[str, Any]]) -> int:
+    """How many data-parallel replicas the schedulers' server arguments say the engine runs (each has its own
+    tensor-parallel ranks; a request runs on one replica only, so their records join by rid)."""
+    sizes = [int(st["server"].get("dp_size") or 1) for st in status
+             if isinstance(st.get("server"), dict) and isinstance(st["server"].get("dp_size"), int)]
+    return max(sizes, default=1)
 
 
 def _read_queues(root: Path, cap: Capture, running: bool = False) -> None:

@@ -128,7 +128,7 @@ def serving_of(scheduler: Any) -> dict[str, Any]:
 #: refcheck did not start (:mod:`refcheck.sglang.served`)
 SERVER_FIELDS = ("model_path", "dtype", "kv_cache_dtype", "speculative_algorithm", "speculative_draft_model_path",
                  "speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk",
-                 "speculative_ngram_max_bfs_breadth", "speculative_dflash_block_size", "tp_size", "page_size",
+                 "speculative_ngram_max_bfs_breadth", "speculative_dflash_block_size", "tp_size", "dp_size", "page_size",
                  "disable_cuda_graph", "disable_overlap_schedule", "disable_radix_cache", "attention_backend",
                  "linear_attn_backend", "sampling_backend", "random_seed")
 
