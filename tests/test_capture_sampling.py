@@ -213,3 +213,18 @@ def test_a_sampled_capture_records_one_prefill_batch_in_every_on_its_own_clock(c
     assert sorted(r.rid for r in cap.prefills[0]) == sorted(f"p{p}-r{i}" for p in taken for i in range(2))
     assert (cap.cost["prefills"], cap.cost["plain_prefills"]) == (2, 2), cap.cost
     assert hooks._step_clock().batches == 0 and hooks._step_clock().prefills == 4
+
+
+def test_a_request_prefilled_again_after_a_retraction_records_no_second_first_token(capture_dir):
+    """SGLang retracts a request under memory pressure and prefills it again, prompt and output so far: that prefill
+    finishes its prompt but is not its first token. The batch records request 0's first token only, and carries
+    request 0's context only."""
+    sched, *_ = make_scheduler()
+    batch = make_batch("extend", True, [[], [5, 6]])
+    batch.reqs[1].fill_ids = [1, 2, 3, 5, 6]  # the retracted request: its prompt and output filled again
+    logits = torch.randn(2, V)
+    hooks._run_batch(lambda self, b: NS(logits_output=NS(next_token_logits=logits), next_token_ids=logits.argmax(-1)),
+                     sched, batch)
+    cap = read_capture(capture_dir)
+    assert not cap.errors, cap.errors
+    assert [(p.rid, p.token, p.context) for p in cap.prefills[0]] == [("r0", int(logits[0].argmax()), [0, [1, 2, 3], 3])]

@@ -234,7 +234,8 @@ def _snapshot(scheduler: Any, batch: Any) -> Batch | str:
     if mode == "extend":  # what a prefill record needs: whose prompt this chunk finishes
         snap.prompt_lens = [len(r.origin_input_ids) for r in reqs]
         snap.fill_lens = [len(getattr(r, "fill_ids", None) or r.origin_input_ids) for r in reqs]
-        _carry(snap, clock, reqs, [i for i in take if snap.fill_lens[i] >= snap.prompt_lens[i]])
+        snap.done = [i for i in take if snap.fill_lens[i] >= snap.prompt_lens[i] and not reqs[i].output_ids]
+        _carry(snap, clock, reqs, snap.done)
         return snap
     _carry(snap, clock, reqs, take)
     snap.committed = [len(r.origin_input_ids) + len(r.output_ids) - 1 for r in reqs]
@@ -368,7 +369,7 @@ def _ship_prefill(scheduler: Any, snap: Batch, result: Any) -> None:
         logits = snap.raw_logits
     if logits is None:
         return
-    done = [i for i in snap.take if snap.fill_lens[i] >= snap.prompt_lens[i]]  # taken, at their last prefill chunk
+    done = snap.done  # taken, at their last prefill chunk, at their first token
     if not done:
         return
     idx = device_index(done, logits.device) if len(done) < len(snap.rids) else None
