@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -80,8 +81,8 @@ def served_run(tmp_path_factory):
     log = root / "server.log"
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tdir), "--host", "127.0.0.1", "--port",
            str(port), *_flags(kw)]
-    with open(log, "w") as out:
-        server = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    with open(log, "w") as out:  # its own process group: the server's scheduler and detokenizer end with it
+        server = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, server, log)
@@ -93,11 +94,11 @@ def served_run(tmp_path_factory):
         by_rid = {g["meta_info"]["id"]: p for g, p in zip(got, prompts)}
         assert not wait_drained(root / "capture", timeout_s=60.0)
     finally:
-        server.terminate()
+        os.killpg(server.pid, signal.SIGTERM)
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            server.kill()
+            os.killpg(server.pid, signal.SIGKILL)
     return root / "capture", outputs, by_rid
 
 
