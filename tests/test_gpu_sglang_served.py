@@ -61,6 +61,20 @@ def _wait_healthy(url: str, server: subprocess.Popen, log: Path, limit_s: float 
     pytest.fail(f"the server was not healthy within {limit_s:.0f} s; log: {log.read_text()[-3000:]}")
 
 
+def _end(server: subprocess.Popen) -> None:
+    """End the server's process group (gone already: nothing to do), killing it if it does not end in 60 s."""
+    for sig, wait_s in ((signal.SIGTERM, 60.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(server.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            server.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 @pytest.fixture(scope="module")
 def served_run(tmp_path_factory):
     """A DFLASH server started as a user starts one, six prompts sent over HTTP; (its capture directory, the outputs
@@ -94,11 +108,7 @@ def served_run(tmp_path_factory):
         by_rid = {g["meta_info"]["id"]: p for g, p in zip(got, prompts)}
         assert not wait_drained(root / "capture", timeout_s=60.0)
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        _end(server)
     return root / "capture", outputs, by_rid
 
 
