@@ -376,3 +376,16 @@ def test_a_prefill_a_tree_verify_and_a_target_only_step_are_recorded_in_order(tm
     assert (r0[0].accepted, r0[0].emitted, r1[0].accepted, r1[0].emitted) == ([0, 2], [12, 30], [0, 1, 3], [21, 23, 31])
     assert [r0[1].emitted, r1[1].emitted] == [[t] for t in root_logits.argmax(-1).tolist()]  # the target-only step
     assert r0[0].topk_logprobs[0][0] == pytest.approx(float(torch.log_softmax(logits, -1)[0].max()), abs=1e-6)
+
+
+def test_the_plugin_needs_nothing_in_sglangs_environment_but_torch_and_numpy():
+    """A server's environment gets refcheck with ``pip install --no-deps``: loading the plugin and its capture hooks
+    (and reading nothing else) imports none of refcheck's other dependencies."""
+    import subprocess
+    import sys
+
+    code = ("import sys, refcheck.sglang.plugin, refcheck.sglang.capture.hooks; "
+            "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))")
+    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
+    assert {"torch", "numpy", "refcheck"} <= loaded
+    assert not loaded & {"pyarrow", "click", "rich", "hypothesis", "transformers", "safetensors", "pytest"}, loaded
