@@ -310,6 +310,14 @@ def test_diff_capture_imports_a_servers_directory_and_diffs_it(setup, tmp_path, 
     assert code == EXIT_USAGE and "give it without --engine or --against" in err
     code, _, err = cli("diff", "--capture", str(tmp_path), "--max-new-tokens", "8")
     assert code == EXIT_USAGE and "--capture takes its requests and settings from the capture directory" in err
+    code, _, err = cli("diff", "--running", "--last-records", "5")
+    assert code == EXIT_USAGE and "--running, --last-records: only with --capture DIR" in err
+    seen = {}
+    monkeypatch.setattr(served_module, "read_capture", lambda root, running=False, last=None:
+                        seen.update(running=running, last=last) or cap)
+    code, _, err = cli("--log-level", "warning", "diff", "--capture", str(tmp_path), "--mode", "replay", "--running",
+                       "--last-records", "5")
+    assert code == EXIT_PASS and seen == {"running": True, "last": 5}, err
 
 
 def test_data_parallel_replicas_may_each_have_a_rank_0(capture_dir):

@@ -63,6 +63,9 @@ def refuse_unused_options(engine: str | None, against: tuple[Path, ...], capture
     if engine and against:
         raise UsageError(f"--engine {engine} runs a live engine and --against diffs recorded trace files: give one of "
                          "them (nothing was run)")
+    if capture is None and given_options(("running", "last_records")):
+        raise UsageError(f"{', '.join(given_options(('running', 'last_records')))}: only with --capture DIR, a "
+                         "server's capture directory (nothing was run)")
     if capture is not None:
         if engine or against:
             raise UsageError("--capture diffs the capture directory of a server you started: give it without --engine "
@@ -138,6 +141,27 @@ class LiveOptions:
     full_state: bool = False
 
 
+@dataclass(frozen=True)
+class ServedOptions:
+    """A server's capture directory as the source (``--capture``) and how to read it."""
+
+    capture: Path | None = None
+    running: bool = False
+    last_records: int | None = None
+
+
+served_options = option_group(
+    "served", ServedOptions,
+    click.option("--capture", "capture", type=click.Path(path_type=Path), default=None,
+                 help="The capture directory of an SGLang server you started (REFCHECK_CAPTURE_DIR): imported as "
+                      "refcheck trace import does (--model/--draft where the server's paths are not this machine's), "
+                      "then diffed; --save-trace keeps the trace."),
+    click.option("--running", is_flag=True,
+                 help="With --capture: the server is still serving; records queued but not yet written are in flight, "
+                      "not an error."),
+    click.option("--last-records", "last_records", type=int, default=None, metavar="N",
+                 help="With --capture: read only each scheduler process's last N records."),
+)
 reference_options = option_group(
     "ref", ReferenceOptions,
     click.option("--ref-dtype", type=click.Choice(list(DTYPE_NAMES)), default="float32", show_default=True),
@@ -200,10 +224,7 @@ output_options = option_group(
 @click.option("--engine", default=None,
               help="Run this live engine instead of reading goldens: reference, zlab, sglang[:ALGORITHM], fault:NAME.")
 @click.option("--against", "against", type=click.Path(path_type=Path), multiple=True, help="Engine trace file(s) to diff.")
-@click.option("--capture", "capture", type=click.Path(path_type=Path), default=None,
-              help="The capture directory of an SGLang server you started (REFCHECK_CAPTURE_DIR): imported as "
-                   "refcheck trace import does (--model/--draft where the server's paths are not this machine's), "
-                   "then diffed; --save-trace keeps the trace.")
+@served_options
 @click.option("--mode", type=click.Choice(["replay", "free", "both"]), default="both", show_default=True)
 @click.option("--golden", "golden_dir", type=click.Path(path_type=Path), default=None, help="Golden directory.")
 @reference_options
@@ -212,7 +233,7 @@ output_options = option_group(
 @output_options
 @model_options
 @sampling_options
-def diff(engine: str | None, against: tuple[Path, ...], capture: Path | None, mode: str, golden_dir: Path | None,
+def diff(engine: str | None, against: tuple[Path, ...], served: ServedOptions, mode: str, golden_dir: Path | None,
          ref: ReferenceOptions, live: LiveOptions, sglang: SGLangOptions, output: OutputOptions, model: ModelOptions,
          sampling: SamplingOptions) -> None:
     """Diff an engine against the reference: per prompt and verify step, tokens, log-probs, acceptance, KV and state.
@@ -221,6 +242,7 @@ def diff(engine: str | None, against: tuple[Path, ...], capture: Path | None, mo
     from refcheck.outputs import check_output_file
     from refcheck.pool import ReferencePool
 
+    capture = served.capture
     refuse_unused_options(engine, against, capture)
     drawn = _live_sampling(engine, sampling)
     check_output_file(live.save_trace, "--save-trace")  # before the run, not after it
@@ -242,7 +264,7 @@ def diff(engine: str | None, against: tuple[Path, ...], capture: Path | None, mo
     elif against:
         _diff_files(against, pool, mode, ref, reports, traces, golden_notes)
     elif capture is not None:
-        _diff_capture(capture, model, pool, mode, ref, reports, traces)
+        _diff_capture(served, model, pool, mode, ref, reports, traces)
     else:
         _diff_goldens(golden_dir, model.budget, model.model_label, pool, mode, ref, reports, traces, golden_notes)
     # the budgets diffed: the traces' own (an --against trace of budget 64 is not "budget 15")
@@ -268,14 +290,16 @@ def diff(engine: str | None, against: tuple[Path, ...], capture: Path | None, mo
     finish(reports, output.as_json)
 
 
-def _diff_capture(capture: Path, model: ModelOptions, pool: ReferencePool, mode: str, ref: ReferenceOptions,
+def _diff_capture(opts: ServedOptions, model: ModelOptions, pool: ReferencePool, mode: str, ref: ReferenceOptions,
                   reports: list[Report], traces: list[Trace]) -> None:
     """Diff the trace of a server's capture directory (:func:`refcheck.sglang.served.served_trace`; what it left out
     said), appending to ``reports`` and ``traces``."""
     from refcheck.diff.judge import judge
     from refcheck.sglang.served import served_trace
 
-    served = served_trace(capture, model.model_dir, model.draft_dir)
+    capture = Path(opts.capture or ".")
+    served = served_trace(capture, model.model_dir, model.draft_dir, running=opts.running,
+                          last_records=opts.last_records)
     for why, n in sorted(served.left_out.items()):
         err.print(f"{capture}: left out {n} request(s) with {why}", markup=False)
     traces.append(served.assembly.trace)
