@@ -109,7 +109,7 @@ def _open_sglang(engine: str, spec: EngineSpec, pool: ReferencePool | None, full
 
 
 SGLANG_OPTIONS = frozenset({"cuda_graphs", "ngram_breadth", "tp", "mem_fraction", "max_running", "layer_sketches",
-                            "settings", "capture_sample", "capture_max_mb"})
+                            "settings", "capture_sample", "capture_max_mb", "capture_roll"})
 
 KINDS: tuple[EngineKind, ...] = (
     EngineKind("reference", "reference", "refcheck's DDTree decoder (the reference itself, run as an engine)",

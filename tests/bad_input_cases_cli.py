@@ -132,6 +132,8 @@ CASES: list[Bad] = [
         r"engine reference takes no capture_sample option"),
     Bad("diff-capture-max-mb-zero", "option", lambda w: ["diff", "--engine", "sglang", "--capture-max-mb", "0"],
         EXIT_USAGE, r"--capture-max-mb takes 1\.\.1073741824 MiB, got 0"),
+    Bad("diff-capture-roll-no-budget", "option", lambda w: ["diff", "--engine", "sglang", "--capture-roll"],
+        EXIT_USAGE, r"--capture-roll rolls the records within a byte budget: give --capture-max-mb MB"),
     Bad("diff-capture-max-mb-reference", "option", lambda w: [*LIVE, "--capture-max-mb", "4"], EXIT_USAGE,
         r"engine reference takes no capture_max_mb option"),
     Bad("run-stop-negative", "option", lambda w: ["run", "--stop", "-1", *FAST], EXIT_USAGE,

@@ -158,3 +158,74 @@ def test_trace_show_says_which_steps_a_capture_holds_and_what_it_cost(tmp_path):
                 tmp_path / "full.arrow")
     out = CliRunner().invoke(main, ["trace", "show", str(tmp_path / "full.arrow")])
     assert "capture: every batch\n" in out.output and "capture cost" not in out.output
+
+
+@settings(max_examples=60, deadline=None)
+@given(limit=st.integers(50, 400), sizes=st.lists(st.integers(1, 120), max_size=20))
+def test_a_rolling_budget_keeps_the_latest_records_that_fit(limit, sizes):
+    """Each record first has the oldest ones deleted until it fits: the records kept are the latest run of them
+    that fits, a record larger than the bound is refused alone, and the budget is never spent."""
+    budget, kept = ByteBudget(limit, roll=True), []
+
+    def evict():
+        return kept.pop(0) if kept else None
+
+    for n in sizes:
+        if budget.charge(n, evict):
+            kept.append(n)
+        else:
+            assert n > limit
+    assert not budget.spent and budget.used == sum(kept) <= limit
+    fits = [n for n in sizes if n <= limit]
+    tail: list[int] = []
+    for n in reversed(fits):
+        if sum(tail) + n > limit:
+            break
+        tail.insert(0, n)
+    assert kept[-len(tail):] == tail if tail else not kept
+
+
+def test_a_rolling_budget_needs_a_bound():
+    with pytest.raises(CaptureBudgetError, match="needs REFCHECK_CAPTURE_MAX_BYTES"):
+        ByteBudget(None, roll=True)
+
+
+def test_a_rolling_recorder_deletes_its_oldest_batch_records_and_never_an_error_record(tmp_path):
+    """Eight records under a rolling budget of three and a half: the files left are the last three batch records (and
+    the error record written among them), the five oldest deleted and counted, none refused."""
+    probe = Recorder(tmp_path / "probe")
+    probe.ship("batch", {"n": 0}, {"t": torch.arange(64)})
+    assert probe.shipper.drain(10.0)
+    one, = _record_bytes(probe)
+    rec = Recorder(tmp_path / "capture", max_bytes=3 * one + one // 2, roll=True)
+    rec.error("run_batch", "an early error")
+    for n in range(8):
+        rec.ship("batch", {"n": n}, {"t": torch.arange(64) + n})
+        assert rec.shipper.drain(10.0)
+    files = sorted(rec.dir.glob("*.rec"))
+    assert [f.name for f in files] == ["00000000.rec", "00000006.rec", "00000007.rec", "00000008.rec"]
+    fields = read_fields(queue_files(tmp_path / "capture")[0])
+    assert (fields["rolled_out"], fields["over_budget"], fields["lost"]) == (5, 0, 0) and not rec.budget.spent
+
+
+def test_past_a_rolling_budget_the_hooks_keep_recording_the_latest_batches(tmp_path, monkeypatch):
+    """REFCHECK_CAPTURE_ROLL=1 with the budget that held three records: every batch is recorded, the directory holds
+    the latest records, and the oldest are counted deleted; a served trace of it leaves out the requests whose first
+    records went and says so."""
+    full = _decode_batches(tmp_path / "full", monkeypatch, None)
+    sizes = [f.stat().st_size for f in sorted(next((tmp_path / "full").glob("rank0-pid*")).glob("*.rec"))]
+    limit = sum(sizes[:3]) + min(sizes[3:]) // 2
+    monkeypatch.setenv("REFCHECK_CAPTURE_ROLL", "1")
+    cap = _decode_batches(tmp_path / "rolled", monkeypatch, str(limit))
+    assert not cap.errors and full.over_budget == 0, cap.errors
+    assert cap.over_budget == 0 and cap.rolled_out >= 2 and cap.cost["recorded_batches"] == 5
+    assert cap.status[0]["roll"] is True
+    kept = {s.meta["step_index"] for s in cap.steps[0]}
+    assert 4 in kept and 0 not in kept  # the latest batch is there, the first one went
+
+
+def test_a_roll_without_a_budget_is_said_and_nothing_rolls(tmp_path, monkeypatch):
+    monkeypatch.setenv("REFCHECK_CAPTURE_ROLL", "1")
+    cap = _decode_batches(tmp_path, monkeypatch, None, batches=2)
+    assert [e for e in cap.errors if "REFCHECK_CAPTURE_ROLL" in e and "not set" in e], cap.errors
+    assert len(cap.steps[0]) == 4 and cap.rolled_out == 0 and cap.status[0]["roll"] is False

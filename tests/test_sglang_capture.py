@@ -553,6 +553,28 @@ def test_a_capture_cut_at_its_byte_budget_is_judged_on_the_steps_before_it(setup
                for f in rep.findings)
 
 
+def test_a_capture_whose_oldest_records_were_rolled_out_is_judged_on_the_rest(setup):
+    """A rolling byte budget deleted the first batch's records: every request's step 0 is gone. Declared, the later
+    steps are judged (the replay re-prefills to their roots) and pass, and an engine SKIPPED finding counts the deleted
+    records."""
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts, trees, "tree")
+    first = {}
+    kept = []
+    for s in cap.steps[0]:
+        k = first.setdefault(s.rid, 0)
+        first[s.rid] = k + 1
+        kept.append(StepCapture.from_dict({**s.to_dict(), "meta": {**s.meta, "step_index": k}}))
+    cap.steps[0] = [s for s in kept if s.meta["step_index"] > 0]
+    trace = assemble_trace(prompts, rids, results, cap, _prov(runner, prompts, 15)).trace
+    assert {s.step for s in trace.steps} == {1, 2, 3}
+    trace.provenance["capture"] = {"incomplete": [], "crash": None, "errors": [], "max_bytes": 1 << 20, "roll": True,
+                                   "stats": {"rolled_out_records": 1}}
+    rep = _replay(trace)
+    assert not rep.failures, [f.message for f in rep.failures]
+    assert any(f.category == "engine" and "deleting its 1 oldest batch record(s)" in f.message for f in rep.findings)
+
+
 def test_a_sampled_capture_may_hold_no_step_of_a_request(setup):
     """1 step in 64 over 4 steps: most requests have no recorded step; their outputs are judged by their first
     token, and the trace passes only when its capture declares the sampling (else the output is missing steps)."""

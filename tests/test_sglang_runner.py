@@ -201,6 +201,15 @@ def test_a_byte_budget_reaches_the_engine_and_the_trace(fake_sglang, tmp_path, m
     assert trace.provenance["capture"]["max_bytes"] == 2 << 20
     with pytest.raises(UsageError, match=r"--capture-max-mb takes 1\.\.\d+ MiB, got 0"):
         fake_sglang("ok", capture_max_mb=0)
+    from refcheck.sglang.capture.byte_budget import ENV_ROLL
+
+    monkeypatch.setenv(ENV_ROLL, "1")
+    assert ENV_ROLL not in runner._engine_env(tmp_path / "records")
+    rolling = fake_sglang("ok", capture_max_mb=2, capture_roll=True)
+    assert rolling._engine_env(tmp_path / "records")[ENV_ROLL] == "1"
+    assert rolling.trace(load_prompts()[:1]).provenance["capture"]["roll"] is True
+    with pytest.raises(UsageError, match="--capture-roll rolls the records within a byte budget"):
+        fake_sglang("ok", capture_roll=True)
 
 
 def test_a_sampled_timing_rule_adds_sampled_and_full_capture_passes_to_each_timing_round(fake_sglang, tmp_path):

@@ -256,9 +256,12 @@ def test_a_requests_sampling_setting_or_why_it_is_left_out():
         "sampling parameters refcheck cannot take (top-p must lie in (0, 1]")
 
 
-def test_a_request_that_began_before_the_records_read_is_left_out(setup):
-    """Reading only the latest records (``--last-records``), one request's first records are not among them: it is
-    left out and counted by why; the others are judged."""
+@pytest.mark.parametrize("not_read, rolled_out, why", [(4, 0, "its first records before the records read"),
+                                                       (0, 3, "its first records rolled out")])
+def test_a_request_that_began_before_the_records_read_is_left_out(setup, not_read, rolled_out, why):
+    """Reading only the latest records (``--last-records``), or a directory whose rolling budget deleted the oldest
+    ones, one request's first records are not among them: it is left out and counted by why; the others are
+    judged."""
     runner, prompts, trees = setup
     cap, results, rids = fake_sglang(runner, prompts, trees, "tree")
     cap = _served(cap, prompts, results, rids)
@@ -266,11 +269,12 @@ def test_a_request_that_began_before_the_records_read_is_left_out(setup):
     cap.prefills[0] = [p for p in cap.prefills[0] if p.rid != late]
     first = next(s for s in cap.steps[0] if s.rid == late)  # its step 0 (the fake engine records every step)
     cap.steps[0] = [s for s in cap.steps[0] if s is not first]
-    cap.not_read = 4  # the records before the window
+    cap.not_read, cap.rolled_out = not_read, rolled_out  # the records before the window, or deleted
     served = trace_of(cap, "fake")
-    assert served.left_out == {"its first records before the records read": 1}
+    assert served.left_out == {why: 1}
     assert {r.request_id for r in served.assembly.trace.requests} == {rids[p.id] for p in prompts[1:]}
-    assert served.assembly.trace.provenance["capture"]["stats"]["records_not_read"] == 4
+    stats = served.assembly.trace.provenance["capture"]["stats"]
+    assert (stats.get("records_not_read", 0), stats.get("rolled_out_records", 0)) == (not_read, rolled_out)
     assert not _judge(served.assembly.trace).failures
 
 

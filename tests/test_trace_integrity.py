@@ -196,8 +196,8 @@ def test_seal_script_proves_content_and_is_idempotent(cli, tmp_path: Path) -> No
 
 
 def test_a_sampled_capture_may_hold_some_steps_only(tmp_path):
-    """A trace whose capture declares 1 step in N > 1 (or records its queue lost, or batches past its byte budget)
-    holds the steps it recorded,
+    """A trace whose capture declares 1 step in N > 1 (or records its queue lost, batches past its byte budget, or
+    records a rolling budget deleted) holds the steps it recorded,
     numbered as the engine ran them; distinct and non-negative, and written and read back whole. Without the
     declaration the same gap is refused."""
     from dataclasses import replace
@@ -212,6 +212,8 @@ def test_a_sampled_capture_may_hold_some_steps_only(tmp_path):
     write_trace(lost, tmp_path / "lost.arrow")
     over = replace(gapped, provenance={**trace.provenance, "capture": {"stats": {"over_budget_batches": 2}}})
     write_trace(over, tmp_path / "over-budget.arrow")
+    rolled = replace(gapped, provenance={**trace.provenance, "capture": {"stats": {"rolled_out_records": 2}}})
+    write_trace(rolled, tmp_path / "rolled.arrow")
     with pytest.raises(TraceValidationError, match="steps must run 0, 1, 2"):
         write_trace(replace(gapped, provenance=trace.provenance), tmp_path / "undeclared.arrow")
     twice = replace(gapped, steps=kept + [kept[0]])

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 #: options of a live run (--engine) only: a recorded trace or a golden carries its own
 _LIVE_ONLY = ("draft_dir", "prompts_file", "max_new_tokens", "dtype", "device", "drafter", "stop_ids", "save_trace",
               "workers", "full_state", "sglang_algorithm", "cuda_graphs", "ngram_breadth", "tp", "max_running",
-              "mem_fraction", "serving", "layer_sketches", "capture_sample", "capture_max_mb")
+              "mem_fraction", "serving", "layer_sketches", "capture_sample", "capture_max_mb", "capture_roll")
 #: options that pick the goldens to diff (and the live run's models, with --engine)
 _GOLDEN_PICKS = ("golden_dir", "model_dir", "pair", "budget")
 #: of those, what --capture takes: the models where the server's paths are not this machine's, the trace to keep
@@ -124,6 +124,8 @@ def _engine_and_options(engine: str, sglang: SGLangOptions, dtype: str,
             from_megabytes(sglang.capture_max_mb)  # out of range: exit 2 before anything starts
         except CaptureBudgetError as exc:
             raise UsageError(str(exc)) from None
+    if sglang.capture_roll and sglang.capture_max_mb is None:
+        raise UsageError("--capture-roll rolls the records within a byte budget: give --capture-max-mb MB")
     opts = sglang.runner_options(settings)
     kind = check_engine(engine, opts)
     if "ngram_breadth" in kind.options:
@@ -208,6 +210,9 @@ sglang_options = option_group(
                  help="With --engine sglang: each scheduler process writes at most MB MiB of capture records; past it "
                       "the capture stops (the engine runs on unrecorded), and the diff reports the batches not recorded "
                       "and judges the steps before them."),
+    click.option("--capture-roll", "capture_roll", is_flag=True,
+                 help="With --capture-max-mb: past the budget, delete the oldest records to make room and keep "
+                      "recording (the directory holds the latest ones)."),
 )
 output_options = option_group(
     "output", OutputOptions,

@@ -150,6 +150,7 @@ class SGLangOptions:
     layer_sketches: bool = False
     capture_sample: str | None = None
     capture_max_mb: int | None = None
+    capture_roll: bool = False
 
     @classmethod
     def from_params(cls, sglang_algorithm: str | None = None, sglang_algorithms: tuple[str, ...] = (),
@@ -169,7 +170,8 @@ class SGLangOptions:
         given = {"cuda_graphs": self.cuda_graphs or None, "tp": self.tp if self.tp > 1 else None,
                  "mem_fraction": self.mem_fraction, "max_running": self.max_running,
                  "layer_sketches": self.layer_sketches or None, "settings": settings,
-                 "capture_sample": self.capture_sample, "capture_max_mb": self.capture_max_mb}
+                 "capture_sample": self.capture_sample, "capture_max_mb": self.capture_max_mb,
+                 "capture_roll": self.capture_roll or None}
         return {k: v for k, v in given.items() if v is not None}
 
 

@@ -139,8 +139,11 @@ def capture_lines(cap: dict) -> list[str]:
     if stats.get("lost_batches"):
         held.append(f"{stats['lost_batches']} batch record(s) lost to a full queue")
     if isinstance(cap.get("max_bytes"), int):
-        held.append(f"a budget of {cap['max_bytes'] / (1 << 20):g} MiB per process"
-                    + (f", {stats['over_budget_batches']} batch(es) past it" if stats.get("over_budget_batches") else ""))
+        held.append(f"a {'rolling ' if cap.get('roll') else ''}budget of {cap['max_bytes'] / (1 << 20):g} MiB per "
+                    "process"
+                    + (f", {stats['over_budget_batches']} batch(es) past it" if stats.get("over_budget_batches") else "")
+                    + (f", its {stats['rolled_out_records']} oldest record(s) deleted"
+                       if stats.get("rolled_out_records") else ""))
     lines.append("capture: " + " · ".join(held))
     if cap.get("errors") or cap.get("problems") or cap.get("incomplete"):
         lines.append(f"capture: {len(cap.get('errors') or [])} error(s), {len(cap.get('problems') or [])} problem(s)"

@@ -38,6 +38,11 @@ def capture_findings(rep: Report, trace: Trace) -> None:
                         message=f"the capture reached its byte budget ({_mib(limit)} per scheduler process): "
                                 f"{stats['over_budget_batches']} batch(es) after it were not recorded; the steps "
                                 "before it are judged"))
+    if stats.get("rolled_out_records"):
+        rep.add(Finding(Verdict.SKIPPED, "engine", None, None,
+                        message=f"the capture kept within its byte budget ({_mib(cap.max_bytes)} per scheduler process) "
+                                f"by deleting its {stats['rolled_out_records']} oldest batch record(s); the steps they "
+                                "held are not judged"))
     if stats.get("chain_layout_branching_steps"):
         rid, step = stats.get("chain_layout_first", [None, None])
         rep.check("tree")

@@ -226,7 +226,7 @@ class SGLangRunner:
                  mem_fraction: float = 0.3, timing_repeats: int = 0, max_running: int | None = None,
                  settings: ServingSettings = DEFAULT_SETTINGS, warmup: bool = False, capture_sample: str | None = None,
                  sampled_timing: str | None = None, timing_budget_s: float | None = None,
-                 full_timing: bool = True, capture_max_mb: int | None = None) -> None:
+                 full_timing: bool = True, capture_max_mb: int | None = None, capture_roll: bool = False) -> None:
         self.algorithm = algorithm.upper()
         self.settings = merged_settings(settings, cuda_graphs, max_running)
         self.spec, self.capture, self.ngram_breadth = spec, capture, ngram_breadth
@@ -252,6 +252,9 @@ class SGLangRunner:
         self.sample, self.sampled_timing = _sample_rules(capture_sample, sampled_timing)
         self.full_timing = full_timing
         self.max_bytes = _max_bytes(capture_max_mb)  # per scheduler process; None: unbounded
+        if capture_roll and self.max_bytes is None:
+            raise UsageError("--capture-roll rolls the records within a byte budget: give --capture-max-mb MB")
+        self.roll = capture_roll  # the budget deletes the oldest records to make room, instead of stopping
         tdir, ddir = spec.resolved_dirs()
         cfg = checkpoint_config(tdir)  # the refusals below ask the target's config, read once
         text_cfg = text_config_of(cfg)
@@ -322,11 +325,11 @@ class SGLangRunner:
 
     def _engine_env(self, records: Path) -> dict[str, str]:
         """The engine process's environment: this one's, with the capture's variables set for this run only."""
-        from refcheck.sglang.capture.byte_budget import ENV_MAX_BYTES
+        from refcheck.sglang.capture.byte_budget import ENV_MAX_BYTES, ENV_ROLL
         from refcheck.sglang.capture.sample_rule import ENV_SAMPLE
 
         env = dict(os.environ)
-        for name in (ENV_DIR, ENV_FULL, ENV_SAMPLE, ENV_MAX_BYTES):
+        for name in (ENV_DIR, ENV_FULL, ENV_SAMPLE, ENV_MAX_BYTES, ENV_ROLL):
             env.pop(name, None)
         if self.capture:
             env[ENV_DIR] = str(records)
@@ -334,6 +337,8 @@ class SGLangRunner:
                 env[ENV_SAMPLE] = self.sample.to_env()
             if self.max_bytes is not None:
                 env[ENV_MAX_BYTES] = str(self.max_bytes)
+            if self.roll:
+                env[ENV_ROLL] = "1"
         if self.full_state:
             env[ENV_FULL] = "1"
         if self.algorithm == SHADOW:
@@ -368,7 +373,7 @@ class SGLangRunner:
         from refcheck.sglang.capture.assemble import capture_provenance
 
         return capture_provenance(cap, asm, crash, self._hook_errors(cap), self.sample.to_json(), self.max_bytes,
-                                  enabled=self.capture)
+                                  enabled=self.capture, roll=self.roll)
 
     def _add_forward_hooks(self, kw: dict[str, Any]) -> None:
         """SGLang ``forward_hooks``: per-layer sketches (layer bisection, slower) and the GDN probe (a diagnostic of

@@ -100,7 +100,7 @@ def trace_of(cap: Capture, where: str, model_dir: Path | None = None, draft_dir:
     if cap.not_read:
         asm.stats["records_not_read"] = cap.not_read
     prov["capture"] = capture_provenance(cap, asm, None, hooks, st.get("sample") or {"every": 1, "seed": 0},
-                                         st.get("max_bytes"))
+                                         st.get("max_bytes"), roll=bool(st.get("roll")))
     return Served(asm, left_out)
 
 
@@ -159,7 +159,7 @@ def _requests(cap: Capture, contexts: Contexts) -> tuple[list[Prompt], dict[str,
         params = contexts.params.get(rid)
         if rid in contexts.late:
             setting = ("its first records before the records read" if cap.not_read else
-                       "its first record not written")
+                       "its first records rolled out" if cap.rolled_out else "its first record not written")
         elif params is None or rid not in contexts.prompt_lens:
             setting = "no sampling parameters recorded"
         else:

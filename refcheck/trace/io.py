@@ -157,13 +157,13 @@ def _validate_tree(s: StepRow, source: str, where: str) -> None:
 
 def gaps_declared(provenance: dict[str, Any]) -> bool:
     """Whether the trace's capture says it holds some steps only: a sampled capture (1 step in N > 1), records
-    its queue lost, or batches past its byte budget."""
+    its queue lost, batches past its byte budget, or records a rolling budget deleted."""
     cap = provenance.get("capture") or {}
     sample = cap.get("sample") if isinstance(cap, dict) else None
     every = sample.get("every", 1) if isinstance(sample, dict) else 1
     stats = cap.get("stats") if isinstance(cap, dict) else None
-    return (isinstance(every, int) and every > 1) or bool(
-        isinstance(stats, dict) and (stats.get("lost_batches") or stats.get("over_budget_batches")))
+    return (isinstance(every, int) and every > 1) or bool(isinstance(stats, dict) and (
+        stats.get("lost_batches") or stats.get("over_budget_batches") or stats.get("rolled_out_records")))
 
 
 def _validate_step_numbers(trace: Trace, source: str) -> None:

@@ -248,10 +248,11 @@ def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[st
 
 
 def capture_provenance(cap: Capture, asm: Assembly, crash: str | None, hook_errors: list[str], sample: dict[str, Any],
-                       max_bytes: int | None, enabled: bool = True) -> dict[str, Any]:
+                       max_bytes: int | None, enabled: bool = True, roll: bool = False) -> dict[str, Any]:
     """A trace's ``capture`` provenance: the capture's errors (``hook_errors`` after the records' own), the assembly's
     problems (a release the hooks were not checked against added) and statistics (records lost, batches past the byte
-    budget, the cost ledger), the crash, the schedulers' status, the sampling rule and the byte budget."""
+    budget, records a rolling budget deleted, the cost ledger), the crash, the schedulers' status, the sampling rule
+    and the byte budget (and whether it rolls)."""
     from refcheck.sglang.capture.versions import SUPPORTED
 
     seen = {str(st.get("sglang")) for st in cap.status} - set(SUPPORTED)
@@ -263,7 +264,10 @@ def capture_provenance(cap: Capture, asm: Assembly, crash: str | None, hook_erro
         asm.stats["lost_batches"] = cap.lost
     if cap.over_budget:
         asm.stats["over_budget_batches"] = cap.over_budget
+    if cap.rolled_out:
+        asm.stats["rolled_out_records"] = cap.rolled_out
     if cap.cost:
         asm.stats["capture_cost"] = cap.cost
     return {"enabled": enabled, "errors": errors[:50], "problems": asm.problems[:50], "incomplete": asm.incomplete,
-            "crash": crash, "stats": asm.stats, "status": cap.status[:8], "sample": sample, "max_bytes": max_bytes}
+            "crash": crash, "stats": asm.stats, "status": cap.status[:8], "sample": sample, "max_bytes": max_bytes,
+            "roll": roll}

@@ -10,13 +10,21 @@ the capture directory holds a prefix of the process's records, and the hooks pas
 capture were loaded. The refusals are counted (the counters file's ``over_budget`` for batch records and
 ``unwritten_errors`` for error records: :mod:`refcheck.sglang.capture.shipper`) and the reader reports both: a
 step past the budget is a declared gap, never a silently missing one.
+
+A *rolling* budget (``REFCHECK_CAPTURE_ROLL=1`` beside it, :data:`ENV_ROLL`; the runner's ``--capture-roll``) is
+never spent: a record that would cross the bound first has the oldest batch records deleted (the caller's ``evict``,
+counted ``rolled_out``) until it fits, so the directory holds the process's latest records, as many as the bound
+takes, for as long as the engine runs. Error records are never deleted. A record larger than the bound itself is
+refused (nothing deleted for it) and counted as above, and the records after it are written.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 ENV_MAX_BYTES = "REFCHECK_CAPTURE_MAX_BYTES"
+ENV_ROLL = "REFCHECK_CAPTURE_ROLL"
 MAX_BYTES = 1 << 50  # 1 PiB: a bound past any disk
 
 
@@ -31,20 +39,32 @@ class BudgetSpent(Exception):
 class ByteBudget:
     """One process's byte budget (``limit`` None: unbounded, still counting what was charged)."""
 
-    def __init__(self, limit: int | None = None) -> None:
+    def __init__(self, limit: int | None = None, roll: bool = False) -> None:
         if limit is not None and not 1 <= limit <= MAX_BYTES:
             raise CaptureBudgetError(f"a capture byte budget is 1..{MAX_BYTES} bytes, got {limit}")
-        self.limit = limit
+        if roll and limit is None:
+            raise CaptureBudgetError(f"{ENV_ROLL} rolls the records within a byte budget: it needs {ENV_MAX_BYTES}")
+        self.limit, self.roll = limit, roll
         self.used = 0  # bytes of the records charged and admitted
         self.spent = False  # a record was refused: every later one is (read without the lock by the hooks)
         self._lock = threading.Lock()  # the engine's thread (error records) and the writer's (batch records) charge
 
-    def charge(self, nbytes: int) -> bool:
-        """Admit a record of ``nbytes`` (True) or refuse it and every later one (False)."""
+    def charge(self, nbytes: int, evict: Callable[[], int | None] | None = None) -> bool:
+        """Admit a record of ``nbytes`` (True) or refuse it (False): past a plain budget, it and every later one; a
+        rolling one first frees the bytes of the oldest records through ``evict`` (each call deletes one and returns
+        its bytes; None: none is left) and refuses only a record the bound cannot hold."""
         with self._lock:
-            if self.spent or (self.limit is not None and self.used + nbytes > self.limit):
-                self.spent = True
+            if self.spent:
                 return False
+            if self.limit is not None:
+                while self.roll and evict is not None and self.used + nbytes > self.limit >= nbytes:
+                    freed = evict()
+                    if freed is None:
+                        break
+                    self.used -= freed
+                if self.used + nbytes > self.limit:
+                    self.spent = not self.roll
+                    return False
             self.used += nbytes
             return True
 
@@ -59,6 +79,11 @@ def parse(text: str | None) -> int | None:
         raise CaptureBudgetError(f"a capture byte budget is a whole number of bytes, got {text!r}") from None
     ByteBudget(value)  # the range check
     return value
+
+
+def rolls(text: str | None) -> bool:
+    """Whether ``REFCHECK_CAPTURE_ROLL``'s text asks for a rolling budget (``1``, ``on``, ``yes``, ``true``)."""
+    return str(text or "").strip().lower() in ("1", "on", "yes", "true")
 
 
 def from_megabytes(mb: int | None) -> int | None:

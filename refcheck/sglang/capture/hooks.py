@@ -38,7 +38,8 @@ capture (:mod:`refcheck.sglang.capture.expand`). The step's time comes from two 
 one prefill batch in N are recorded, each on its own clock; a batch with no recorded request runs as if no
 capture were loaded. With ``REFCHECK_CAPTURE_MAX_BYTES`` (:mod:`refcheck.sglang.capture.byte_budget`) the process
 writes at most that many bytes of records: once a record is refused, every later batch the rule takes is counted
-(``over_budget``) and runs as if not taken.
+(``over_budget``) and runs as if not taken; with ``REFCHECK_CAPTURE_ROLL`` the oldest batch records are deleted to
+make room instead, and recording goes on.
 
 Capture never changes what SGLang computes (the exceptions are opt-in, for refcheck's own selftest:
 ``REFCHECK_SAMPLER_FAULT`` injects a fault into the tree sampler, ``sampler_faults.py``, and
@@ -126,20 +127,16 @@ def hook_status() -> dict[str, Any]:
 def _rec(scheduler: Any = None) -> Recorder:
     global _recorder
     if _recorder is None:
-        try:
-            max_bytes, bad_budget = byte_budget.parse(os.environ.get(byte_budget.ENV_MAX_BYTES)), None
-        except byte_budget.CaptureBudgetError as exc:  # said in an error record; the capture runs unbounded
-            max_bytes, bad_budget = None, exc
+        max_bytes, roll, bad_budget = _budget_of_env()
         _recorder = Recorder(Path(os.environ[ENV_DIR]), versions.tp_of(scheduler)[0] if scheduler is not None else 0,
-                             max_bytes)
+                             max_bytes, roll)
         if bad_budget is not None:
-            _recorder.error("byte_budget", f"{byte_budget.ENV_MAX_BYTES}: {bad_budget}; this process records "
-                                           "without a byte budget")
+            _recorder.error("byte_budget", bad_budget)
         try:
             _recorder.status({"pid": os.getpid(), "tp_rank": _recorder.tp_rank, "sglang": versions.sglang_version(),
                               "hooks": hook_status(), "patched": _patched,
                               "sample": rule.to_json() if (rule := _sample_rule()) is not None else None,
-                              "max_bytes": max_bytes,
+                              "max_bytes": max_bytes, "roll": roll,
                               "server_topk": versions.server_topk(scheduler) if scheduler is not None else None,
                               "serving": versions.serving_of(scheduler) if scheduler is not None else None,
                               "server": versions.server_of(scheduler) if scheduler is not None else None,
@@ -147,6 +144,21 @@ def _rec(scheduler: Any = None) -> Recorder:
         except Exception as exc:  # a status we cannot compute must not stop the engine
             _recorder.error("status", f"{type(exc).__name__}: {exc}")
     return _recorder
+
+
+def _budget_of_env() -> tuple[int | None, bool, str | None]:
+    """(the byte budget, whether it rolls, why the environment's budget was not taken or None): a budget the process
+    cannot read is said in an error record and the process records without one; a rolling one without a budget rolls
+    nothing."""
+    roll = byte_budget.rolls(os.environ.get(byte_budget.ENV_ROLL))
+    try:
+        max_bytes = byte_budget.parse(os.environ.get(byte_budget.ENV_MAX_BYTES))
+    except byte_budget.CaptureBudgetError as exc:
+        return None, False, f"{byte_budget.ENV_MAX_BYTES}: {exc}; this process records without a byte budget"
+    if roll and max_bytes is None:
+        return None, False, (f"{byte_budget.ENV_ROLL} rolls records within a byte budget, and "
+                             f"{byte_budget.ENV_MAX_BYTES} is not set: this process records without one")
+    return max_bytes, roll, None
 
 
 def _recorder_for(scheduler: Any = None) -> Recorder | None:

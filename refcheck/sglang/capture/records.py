@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from refcheck.sglang.capture.steps import PrefillCapture, StepCapture
 
 
 class Recorder:
-    def __init__(self, root: Path, tp_rank: int = 0, max_bytes: int | None = None) -> None:
+    def __init__(self, root: Path, tp_rank: int = 0, max_bytes: int | None = None, roll: bool = False) -> None:
         self.root = Path(root)  # the capture directory (kept: the hooks pass it on at every traced batch)
         self.dir = self.root / f"rank{tp_rank}-pid{os.getpid()}"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -43,7 +44,8 @@ class Recorder:
         self.tp_rank, self.seq, self.unwritten_errors = tp_rank, 0, 0
         self._disk_said = False  # a refusal by the disk was said on stderr
         self._lock = threading.Lock()  # the engine's thread (errors) and the shipper's (records) both write
-        self.budget = ByteBudget(max_bytes)  # the bytes of record files this process may write
+        self.budget = ByteBudget(max_bytes, roll)  # the bytes of record files this process may write
+        self._kept: deque[tuple[Path, int]] = deque()  # batch records on disk, oldest first (a rolling budget's to delete)
         self.shipper = Shipper(self.write, self.error, counts_path(root, tp_rank))
 
     def write(self, kind: str, data: bytes | list[bytes | memoryview]) -> None:
@@ -51,13 +53,28 @@ class Recorder:
         encode_parts`' buffers), as the next file of this process; :class:`~refcheck.sglang.capture.byte_budget.
         BudgetSpent` when the process's byte budget cannot take it (nothing is written)."""
         parts = data if isinstance(data, list) else [data]
-        if not self.budget.charge(sum(memoryview(p).nbytes for p in parts)):
-            raise BudgetSpent(f"{kind}: the capture's byte budget of {self.budget.limit} bytes is spent")
+        nbytes = sum(memoryview(p).nbytes for p in parts)
+        if not self.budget.charge(nbytes, self._evict):
+            raise BudgetSpent(f"{kind}: the capture's byte budget of {self.budget.limit} bytes cannot take it")
         with self._lock:
             seq, self.seq = self.seq, self.seq + 1
         # a new name each time, not fsynced: a record lost to a power cut is re-made by re-running; readers never
         # see half of one (``*.rec.tmp`` until it is whole)
-        atomic_create(self.dir / f"{seq:08d}.rec", parts)
+        path = self.dir / f"{seq:08d}.rec"
+        atomic_create(path, parts)
+        if kind != "error":  # error records are never rolled out
+            with self._lock:
+                self._kept.append((path, nbytes))
+
+    def _evict(self) -> int | None:
+        """Delete the oldest batch record (a rolling budget's room), counted ``rolled_out``: its bytes, or None."""
+        with self._lock:
+            if not self._kept:
+                return None
+            path, nbytes = self._kept.popleft()
+        path.unlink(missing_ok=True)
+        self.shipper.counts.add(rolled_out=1)
+        return nbytes
 
     def ship(self, kind: str, fields: dict[str, Any], tensors: dict[str, Any]) -> None:
         """Queue a batch record (its tensors may be on the device); see :mod:`refcheck.sglang.capture.shipper`."""
@@ -95,6 +112,7 @@ class Capture:
     status: list[dict[str, Any]] = field(default_factory=list)
     lost: int = 0  # batch records the engine's capture queue could not take (it was full)
     over_budget: int = 0  # batches not recorded because their process's byte budget was spent
+    rolled_out: int = 0  # batch records a rolling byte budget deleted, oldest first
     in_flight: int = 0  # batch records queued but not yet written when a running engine's directory was read
     not_read: int = 0  # record files left unread (read_capture's ``last``)
     #: what the capture cost the engine, over every process (:func:`~refcheck.sglang.capture.shipper.ledger_summary`)
@@ -178,5 +196,6 @@ def _read_queues(root: Path, cap: Capture, running: bool = False) -> None:
                               "capture's byte budget was spent, or the disk refused them: see the engine's log)")
         cap.lost += lost
         cap.over_budget += fields["over_budget"]
+        cap.rolled_out += fields["rolled_out"]
     if ledger:
         cap.cost = ledger_summary(ledger, ledger["written"])
