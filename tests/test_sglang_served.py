@@ -340,3 +340,24 @@ def test_data_parallel_replicas_may_each_have_a_rank_0(capture_dir):
     for f in capture_dir.glob("status-rank0-pid*.json"):
         f.write_text(json.dumps({**status, "server": {**status["server"], "dp_size": 2}}))
     assert not [e for e in read_capture(capture_dir).errors if "cannot be told apart" in e]
+
+
+def test_a_record_a_running_servers_rolling_budget_deletes_mid_read_is_passed_over(capture_dir, monkeypatch):
+    """A running server with a rolling budget deletes its oldest record between the directory's listing and its
+    reading: read with ``running``, passed over; read as a stopped server's directory, an error."""
+    from pathlib import Path
+
+    from refcheck.sglang.capture.records import read_capture
+
+    _hooks_serve(capture_dir)
+    first = sorted(next(capture_dir.glob("rank0-pid*")).glob("*.rec"))[0]
+    read = Path.read_bytes
+
+    def gone(self):
+        if self == first:
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return read(self)
+
+    monkeypatch.setattr(Path, "read_bytes", gone)
+    assert not read_capture(capture_dir, running=True).errors
+    assert any("record gone while the directory was read" in e for e in read_capture(capture_dir).errors)

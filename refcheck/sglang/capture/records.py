@@ -121,7 +121,8 @@ class Capture:
 
 def read_capture(root: Path, running: bool = False, last: int | None = None) -> Capture:
     """Every complete record of the capture directory ``root`` (module docstring). ``running``: the engine may still be
-    writing, so records queued but not yet written are in flight (:attr:`Capture.in_flight`), not an error.
+    writing, so records queued but not yet written are in flight (:attr:`Capture.in_flight`), and a record its
+    rolling budget deletes while the directory is read is passed over, neither being an error.
     ``last``: only each scheduler process's ``last`` records are read (the others counted in
     :attr:`Capture.not_read`)."""
     cap = Capture()
@@ -142,6 +143,11 @@ def read_capture(root: Path, running: bool = False, last: int | None = None) -> 
         for f in files:
             try:
                 rec = packing.decode(f.read_bytes())
+            except FileNotFoundError:
+                if running:  # a running engine's rolling budget deleted it since the listing (counted rolled_out)
+                    continue
+                cap.errors.append(f"{d.name}/{f.name}: record gone while the directory was read")
+                continue
             except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:  # a torn file
                 cap.errors.append(f"{d.name}/{f.name}: unreadable record ({type(exc).__name__}: {exc})")
                 continue
