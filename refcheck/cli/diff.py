@@ -117,15 +117,12 @@ def _engine_and_options(engine: str, sglang: SGLangOptions, dtype: str,
             parse(sglang.capture_sample)  # out of range: exit 2 before anything starts
         except CaptureSampleError as exc:
             raise UsageError(f"--capture-sample: {exc}") from None
-    if sglang.capture_max_mb is not None:
-        from refcheck.sglang.capture.byte_budget import CaptureBudgetError, from_megabytes
+    from refcheck.sglang.capture.byte_budget import CaptureBudgetError, from_megabytes
 
-        try:
-            from_megabytes(sglang.capture_max_mb)  # out of range: exit 2 before anything starts
-        except CaptureBudgetError as exc:
-            raise UsageError(str(exc)) from None
-    if sglang.capture_roll and sglang.capture_max_mb is None:
-        raise UsageError("--capture-roll rolls the records within a byte budget: give --capture-max-mb MB")
+    try:
+        from_megabytes(sglang.capture_max_mb, sglang.capture_roll)  # out of range: exit 2 before anything starts
+    except CaptureBudgetError as exc:
+        raise UsageError(str(exc)) from None
     opts = sglang.runner_options(settings)
     kind = check_engine(engine, opts)
     if "ngram_breadth" in kind.options:

@@ -180,12 +180,12 @@ def _sample_rules(capture_sample: str | None, sampled_timing: str | None) -> tup
         raise UsageError(f"--capture-sample: {exc}") from None
 
 
-def _max_bytes(capture_max_mb: int | None) -> int | None:
-    """``--capture-max-mb`` in bytes (None: no bound); out of range is a UsageError."""
+def _max_bytes(capture_max_mb: int | None, capture_roll: bool) -> int | None:
+    """``--capture-max-mb`` in bytes (None: no bound); out of range, or a roll without it, is a UsageError."""
     from refcheck.sglang.capture.byte_budget import CaptureBudgetError, from_megabytes
 
     try:
-        return from_megabytes(capture_max_mb)
+        return from_megabytes(capture_max_mb, capture_roll)
     except CaptureBudgetError as exc:
         raise UsageError(str(exc)) from None
 
@@ -251,9 +251,7 @@ class SGLangRunner:
         # each timing round also runs a pass under that rule and, with full_timing, a full-capture pass (_cost_passes)
         self.sample, self.sampled_timing = _sample_rules(capture_sample, sampled_timing)
         self.full_timing = full_timing
-        self.max_bytes = _max_bytes(capture_max_mb)  # per scheduler process; None: unbounded
-        if capture_roll and self.max_bytes is None:
-            raise UsageError("--capture-roll rolls the records within a byte budget: give --capture-max-mb MB")
+        self.max_bytes = _max_bytes(capture_max_mb, capture_roll)  # per scheduler process; None: unbounded
         self.roll = capture_roll  # the budget deletes the oldest records to make room, instead of stopping
         tdir, ddir = spec.resolved_dirs()
         cfg = checkpoint_config(tdir)  # the refusals below ask the target's config, read once

@@ -86,8 +86,11 @@ def rolls(text: str | None) -> bool:
     return str(text or "").strip().lower() in ("1", "on", "yes", "true")
 
 
-def from_megabytes(mb: int | None) -> int | None:
-    """``--capture-max-mb``'s MiB as bytes (None: no bound); out of range is a :class:`CaptureBudgetError`."""
+def from_megabytes(mb: int | None, roll: bool = False) -> int | None:
+    """``--capture-max-mb``'s MiB as bytes (None: no bound), with ``--capture-roll`` (``roll``); out of range, or a
+    roll without a bound, is a :class:`CaptureBudgetError`."""
+    if roll and mb is None:
+        raise CaptureBudgetError("--capture-roll rolls the records within a byte budget: give --capture-max-mb MB")
     if mb is None:
         return None
     if not 1 <= mb <= MAX_BYTES >> 20:
