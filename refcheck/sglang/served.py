@@ -34,7 +34,7 @@ from ddtree_reference.errors import SamplingError
 from ddtree_reference.sampling import Sampling
 from refcheck.errors import UsageError
 from refcheck.prompts import Prompt
-from refcheck.sglang.capture.assemble import Assembly, assemble_trace, capture_provenance
+from refcheck.sglang.capture.assemble import Assembly, assemble_trace, capture_contexts, capture_provenance
 from refcheck.sglang.capture.contexts import Contexts
 from refcheck.sglang.capture.records import Capture, read_capture
 from refcheck.sglang.capture.steps import StepCapture
@@ -84,7 +84,7 @@ def trace_of(cap: Capture, where: str, model_dir: Path | None = None, draft_dir:
     tdir = _checkpoint(model_dir, server.get("model_path"), "model", "--model-dir")
     ddir = _checkpoint(draft_dir, server.get("speculative_draft_model_path"), "draft model", "--draft-dir") \
         if algorithm in DFLASH_DRAFTED else None
-    contexts = _contexts(cap)
+    contexts = capture_contexts(cap)
     prompts, results, sampling, left_out = _requests(cap, contexts)
     if not prompts:
         raise ServedCaptureError(f"{where}: no request refcheck can judge was recorded"
@@ -92,7 +92,7 @@ def trace_of(cap: Capture, where: str, model_dir: Path | None = None, draft_dir:
     longest = max(len(r["output_ids"]) for r in results.values())
     prov = _provenance(server, cap, algorithm, tdir, ddir, prompts, sampling, left_out, max(longest, 1))
     asm = assemble_trace(prompts, {p.id: p.id for p in prompts}, results, cap, prov, sampling, served_rng(algorithm),
-                         overlap=bool((cap.status[0].get("serving") or {}).get("overlap")))
+                         overlap=bool((cap.status[0].get("serving") or {}).get("overlap")), contexts=contexts)
     st = cap.status[0]
     hooks = missing_hooks(cap.status, required_hooks(algorithm, sampling is not None))
     if cap.in_flight:
@@ -122,12 +122,6 @@ def _checkpoint(given: Path | None, served: Any, what: str, option: str) -> Path
                              f"config.json): pass {option} DIR")
 
 
-def _contexts(cap: Capture) -> Contexts:
-    """The first rank's pieces of every request's context."""
-    rank = min(cap.steps or cap.prefills or {0: []})
-    return Contexts.of([*cap.prefills.get(rank, []), *cap.steps.get(rank, [])])
-
-
 def _sampling_of(params: dict[str, Any]) -> Sampling | str:
     """A request's sampling setting, or why the reference cannot judge it."""
     odd = sorted(k for k, neutral in _UNJUDGED.items() if params.get(k) not in (neutral, None))
@@ -148,7 +142,7 @@ def _sampling_of(params: dict[str, Any]) -> Sampling | str:
 
 def _requests(cap: Capture, contexts: Contexts) -> tuple[list[Prompt], dict[str, dict], Sampling | None, dict[str, int]]:
     """The requests the trace keeps (prompts, their outputs), its sampling setting, and the others counted by why."""
-    rank = min(cap.steps or cap.prefills or {0: []})
+    rank = cap.first_rank
     at: dict[tuple[str, int], StepCapture] = {}  # (rid, committed length) -> its step recorded there
     for s in cap.steps.get(rank, []):
         at[(s.rid, s.committed_len)] = s

@@ -140,11 +140,15 @@ def _request_row(p: Prompt, output: list[int], lps: list[float], first_uniform: 
     return row
 
 
-def _check_contexts(out: Assembly, prompts: list[Prompt], rids: dict[str, str], capture: Capture) -> None:
-    """Each request's context as its records carry it (:mod:`refcheck.sglang.capture.contexts`) against its prompt
-    and output: a record that says the engine held other tokens is a problem."""
-    rank = min(capture.prefills or capture.steps or {0: []})
-    contexts = Contexts.of([*capture.prefills.get(rank, []), *capture.steps.get(rank, [])])
+def capture_contexts(capture: Capture) -> Contexts:
+    """Every request's context as the first rank's records carry it (:mod:`refcheck.sglang.capture.contexts`)."""
+    rank = capture.first_rank
+    return Contexts.of([*capture.prefills.get(rank, []), *capture.steps.get(rank, [])])
+
+
+def _check_contexts(out: Assembly, prompts: list[Prompt], rids: dict[str, str], contexts: Contexts) -> None:
+    """Each request's carried context against its prompt and output: a record that says the engine held other
+    tokens is a problem, and so are the contexts' holes and conflicts."""
     out.problems += contexts.holes + contexts.conflicts
     outputs = {r.request_id: r.output_ids for r in out.trace.requests}
     for p in prompts:
@@ -206,11 +210,12 @@ def _request_steps(out: Assembly, kept: list[StepCapture], p: Prompt, recs: list
 
 def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[str, dict], capture: Capture,
                    provenance: dict, sampling: Sampling | None = None, rng: str = "engine",
-                   overlap: bool = False) -> Assembly:
+                   overlap: bool = False, contexts: Contexts | None = None) -> Assembly:
     """prompts in order; rids: prompt id -> SGLang rid; results: prompt id -> generate result (may
     lack crashed requests); sampling / rng: the run's sampling parameters (module docstring); overlap: SGLang ran
     the overlap scheduler, which launches a request's next step before it processes the finish of the last one,
-    so one captured step past the end of each output is expected (dropped and counted, not a problem)."""
+    so one captured step past the end of each output is expected (dropped and counted, not a problem); contexts:
+    the capture's :func:`capture_contexts` where the caller has them already."""
     out = Assembly(Trace(provenance=provenance, requests=[], steps=[]))
     steps_by_rid: dict[str, list[StepCapture]] = {}
     for s in merge_ranks(capture, out.problems):
@@ -235,7 +240,7 @@ def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[st
         past_end += dropped
         out.trace.requests.append(_request_row(p, output, lps, first.uniform if first is not None else math.nan,
                                                sampling, rng))
-    _check_contexts(out, prompts, rids, capture)
+    _check_contexts(out, prompts, rids, contexts if contexts is not None else capture_contexts(capture))
     out.stats = _stats(kept, past_end)
     # branching trees verified while the engine ran its recurrent layers as a chain (topk <= 1): the leak's
     # configuration, visible without any numerics

@@ -118,6 +118,11 @@ class Capture:
     #: what the capture cost the engine, over every process (:func:`~refcheck.sglang.capture.shipper.ledger_summary`)
     cost: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def first_rank(self) -> int:
+        """The lowest tensor-parallel rank that recorded a step or a first token (0 when none did)."""
+        return min({*self.steps, *self.prefills}, default=0)
+
 
 def read_capture(root: Path, running: bool = False, last: int | None = None) -> Capture:
     """Every complete record of the capture directory ``root`` (module docstring). ``running``: the engine may still be
