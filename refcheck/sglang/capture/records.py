@@ -41,7 +41,7 @@ class Recorder:
         self.dir = self.root / f"rank{tp_rank}-pid{os.getpid()}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.status_path = self.root / f"status-rank{tp_rank}-pid{os.getpid()}.json"
-        self.tp_rank, self.seq, self.unwritten_errors = tp_rank, 0, 0
+        self.tp_rank, self.seq = tp_rank, 0
         self._disk_said = False  # a refusal by the disk was said on stderr
         self._lock = threading.Lock()  # the engine's thread (errors) and the shipper's (records) both write
         self.budget = ByteBudget(max_bytes, roll)  # the bytes of record files this process may write
@@ -81,24 +81,25 @@ class Recorder:
         self.shipper.ship(kind, fields, tensors)
 
     def error(self, where: str, message: str) -> None:
-        """An error record. One that cannot be written is counted in ``unwritten_errors`` and in the counters file
-        (which the reader reports), and one the disk refuses (full, read-only) is also said on stderr, the engine's
+        """An error record. One that cannot be written is counted in the counters file (``unwritten_errors``, which
+        the reader reports), and one the disk refuses (full, read-only) is also said on stderr, the engine's
         log, the first time: never an exception into the engine."""
         try:
             self.write("error", packing.encode({"type": "error", "where": where, "message": message}, []))
         except BudgetSpent:
-            self._unwritten()
+            self.shipper.counts.add(unwritten_errors=1)
         except Exception as exc:  # noqa: BLE001 - the engine's step must go on
-            self._unwritten()
+            self.shipper.counts.add(unwritten_errors=1)
             if not self._disk_said:
                 self._disk_said = True
                 first = (message.splitlines() or [""])[0]
                 print(f"refcheck capture: cannot write to {self.dir} ({type(exc).__name__}: {exc}); "
                       f"unwritten error at {where}: {first}", file=sys.stderr, flush=True)
 
-    def _unwritten(self) -> None:
-        self.unwritten_errors += 1
-        self.shipper.counts.add(unwritten_errors=1)
+    @property
+    def unwritten_errors(self) -> int:
+        """Error records this process could not write (its counters file's count)."""
+        return self.shipper.counts.values["unwritten_errors"]
 
     def status(self, info: dict[str, Any]) -> None:
         atomic_write_bytes(self.status_path, json.dumps(info, indent=1, default=str).encode(), durable=False)
