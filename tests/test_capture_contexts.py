@@ -25,9 +25,9 @@ def test_pieces_carried_at_any_batches_join_to_the_whole_context(prompt, growth,
     known, contexts, last = 0, Contexts(), None
     for k, n in enumerate(growth):
         if k < len(carried) and carried[k]:
-            start, tokens = delta(known, prompt, output)
-            known = start + len(tokens)
-            contexts.add("r", start, tokens)
+            tokens = delta(known, prompt, output)
+            contexts.add("r", known, tokens)
+            known += len(tokens)
             last = prompt + output
         output = output + [100 + k] * n
     assert contexts.known("r") == (last or []) and not contexts.holes and not contexts.conflicts

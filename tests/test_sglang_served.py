@@ -35,7 +35,8 @@ def _served(cap, prompts, results, rids, params=None, algorithm="NGRAM"):
     for r in [*cap.prefills.get(0, []), *cap.steps.get(0, [])]:  # the fake engine prefills first, then batches
         prompt, output = by_rid[r.rid]
         upto = 0 if not hasattr(r, "committed_len") else r.committed_len - len(prompt) + 1  # the root's output prefix
-        start, tokens = delta(known.get(r.rid, 0), prompt, output[:upto])
+        start = known.get(r.rid, 0)
+        tokens = delta(start, prompt, output[:upto])
         r.context, r.params = [start, tokens, len(prompt)], (params or {}).get(r.rid, GREEDY) if r.rid not in known else None
         known[r.rid] = start + len(tokens)
     server = {"model_path": str(builtin_pair("hybrid")[0]), "dtype": "float32", "speculative_algorithm": algorithm,

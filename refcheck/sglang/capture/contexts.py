@@ -27,12 +27,12 @@ PARAMS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presen
           "min_new_tokens", "max_new_tokens", "logit_bias", "json_schema", "regex", "ebnf", "structural_tag")
 
 
-def delta(known: int, origin: Any, output: Any) -> tuple[int, list[int]]:
-    """(``known``, the context tokens from position ``known`` on): the context is ``origin`` then ``output``."""
+def delta(known: int, origin: Any, output: Any) -> list[int]:
+    """The context tokens from position ``known`` on: the context is ``origin`` then ``output``."""
     n = len(origin)
     if known < n:
-        return known, [*origin[known:], *output]
-    return known, list(output[known - n:])
+        return [*origin[known:], *output]
+    return list(output[known - n:])
 
 
 def params_of(req: Any) -> dict[str, Any] | None:

@@ -97,9 +97,9 @@ class StepClock:
         if clock is None:
             clock = self._enter(rid, req)
         known = clock[4]
-        start, tokens = delta(known, req.origin_input_ids, req.output_ids)
-        clock[4] = start + len(tokens)
-        return [start, tokens, len(req.origin_input_ids)], (params_of(req) if known == 0 else None)
+        tokens = delta(known, req.origin_input_ids, req.output_ids)
+        clock[4] = known + len(tokens)
+        return [known, tokens, len(req.origin_input_ids)], (params_of(req) if known == 0 else None)
 
     def _sweep(self) -> None:
         for rid in [rid for rid, clock in self._seen.items() if clock[3] is not None and clock[3]() is None]:
