@@ -228,11 +228,12 @@ def _snapshot(scheduler: Any, batch: Any) -> Batch | str:
         return mode
     reqs = list(batch.reqs)
     rids = [r.rid for r in reqs]
+    clock = _step_clock()
     steps: list[int] = []
     if mode == "extend":
-        take = _step_clock().take_prefill(rids, reqs)
+        take = clock.take_prefill(rids, reqs)
     else:
-        take, steps = _step_clock().take(rids, reqs)
+        take, steps = clock.take(rids, reqs)
     if not take:
         return mode
     if _recorder is not None and _recorder.budget.spent:  # past the byte budget: counted, then as if not taken
@@ -242,7 +243,6 @@ def _snapshot(scheduler: Any, batch: Any) -> Batch | str:
     snap = Batch(mode=mode, speculative=not batch.spec_algorithm.is_none(), rids=rids, take=take, steps=steps)
     if mode == "decode" and len(take) < len(rids):
         snap.index = device_index(take, rows.device if isinstance(rows, torch.Tensor) else "cpu")
-    clock = _step_clock()
     if mode == "extend":  # what a prefill record needs: whose prompt this chunk finishes
         snap.prompt_lens = [len(r.origin_input_ids) for r in reqs]
         snap.fill_lens = [len(getattr(r, "fill_ids", None) or r.origin_input_ids) for r in reqs]
