@@ -329,9 +329,14 @@ def _booked(b: dict[str, float] | None, steps: dict[str, Any] | None = None) -> 
     ratios of the seconds booked to ``run_batch``), ``; run_batch per round MEDIAN [LO–HI]``."""
     out = "" if not b else f", booked {b['ratio']:.2f}×"
     if steps:
-        ci = steps.get("ci95")
-        out += f"; run_batch per round {steps['median']:.3f}" + (f" [{ci[0]:.3f}–{ci[1]:.3f}]" if ci else "")
+        out += f"; run_batch per round {_median_text(steps)}"
     return out
+
+
+def _median_text(rounds: dict[str, Any]) -> str:
+    """``MEDIAN [LO–HI]``: a per-round reading's median and its 95 % interval (when it has one)."""
+    ci = rounds.get("ci95")
+    return f"{rounds['median']:.3f}" + (f" [{ci[0]:.3f}–{ci[1]:.3f}]" if ci else "")
 
 
 def _spread(rounds: dict[str, Any] | None) -> str:
@@ -339,10 +344,7 @@ def _spread(rounds: dict[str, Any] | None) -> str:
     interval, and its range."""
     if not rounds:
         return ""
-    ci = rounds.get("ci95")
-    interval = f" [{ci[0]:.3f}–{ci[1]:.3f}]" if ci else ""
-    return (f" (per round {rounds['median']:.3f}{interval} of {rounds['rounds']}, "
-            f"{rounds['min']:.2f}–{rounds['max']:.2f})")
+    return f" (per round {_median_text(rounds)} of {rounds['rounds']}, {rounds['min']:.2f}–{rounds['max']:.2f})"
 
 
 def _target(r: dict[str, Any]) -> str:
