@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from ddtree_reference.errors import SamplingError
@@ -38,14 +39,14 @@ from refcheck.sglang.capture.assemble import Assembly, assemble_trace, capture_c
 from refcheck.sglang.capture.contexts import Contexts
 from refcheck.sglang.capture.records import Capture, read_capture
 from refcheck.sglang.capture.steps import StepCapture
+from refcheck.sglang.ddtree.sampling import distribution_of, is_greedy, unsupported
 from refcheck.sglang.pair import DFLASH_DRAFTED, checkpoint_config, draft_block_size, text_config_of
 from refcheck.sglang.requests import keyed, missing_hooks, required_hooks, sampling_rng
 
-TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top-k
-#: parameters that change the target's distribution in ways the reference does not model, with their neutral values
-_UNJUDGED = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
-             "min_new_tokens": 0, "logit_bias": None, "json_schema": None, "regex": None, "ebnf": None,
-             "structural_tag": None}
+#: beyond what :func:`refcheck.sglang.ddtree.sampling.unsupported` names, what changes a served request's distribution
+#: in ways the reference does not model, with its neutral value: a minimum length (its end of sequence masked until
+#: then) and a grammar
+_CONSTRAINTS = {"min_new_tokens": 0, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None}
 
 
 class ServedCaptureError(UsageError):
@@ -123,19 +124,17 @@ def _checkpoint(given: Path | None, served: Any, what: str, option: str) -> Path
 
 
 def _sampling_of(params: dict[str, Any]) -> Sampling | str:
-    """A request's sampling setting, or why the reference cannot judge it."""
-    odd = sorted(k for k, neutral in _UNJUDGED.items() if params.get(k) not in (neutral, None))
+    """A request's sampling setting (read as refcheck's DDTree worker reads SGLang's params), or why the reference
+    cannot judge it."""
+    sp = SimpleNamespace(**{"temperature": 1.0, **{k: v for k, v in params.items() if v is not None}})
+    odd = sorted([name for name, _ in unsupported(sp)]
+                 + [k for k, neutral in _CONSTRAINTS.items() if params.get(k) not in (neutral, None)])
     if odd:
         return f"{', '.join(odd)} set"
-    def given(name: str, default: float) -> float:
-        value = params.get(name)
-        return default if value is None else float(value)
-
-    top_k = int(given("top_k", TOP_K_ALL))
-    if top_k == 1:
+    if is_greedy(sp):
         return Sampling()
     try:
-        return Sampling(given("temperature", 1.0), 0 if top_k >= TOP_K_ALL else top_k, given("top_p", 1.0))
+        return distribution_of(sp)
     except SamplingError as exc:
         return f"sampling parameters refcheck cannot take ({exc})"
 

@@ -40,7 +40,7 @@ from ddtree_reference.tree import Tree
 from refcheck.sglang.layout import depths_from_parents, parents_from_links
 
 #: SGLang's "top-k off" (sampling_params.TOP_K_ALL); -1 is what clients send
-_TOP_K_OFF = (-1, 1 << 30)
+TOP_K_OFF = (-1, 1 << 30)
 #: the custom_params keys refcheck's runner sets on every request it sends
 SEED_KEY, REQUEST_KEY = "refcheck_seed", "refcheck_request"
 
@@ -58,32 +58,40 @@ def is_greedy(params: Any) -> bool:
     return float(params.temperature) < 1e-6 or int(getattr(params, "top_k", -1)) == 1
 
 
-def _unsupported(params: Any) -> list[str]:
-    out = []
+def unsupported(params: Any) -> list[tuple[str, Any]]:
+    """(name, value) of each SGLang sampling param a request sets beyond temperature, top-k and top-p that changes
+    the distribution it draws from: the penalties, ``min_p`` and a logit bias."""
+    out: list[tuple[str, Any]] = []
     for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0),
                           ("min_p", 0.0)):
         v = getattr(params, name, neutral)
         if v is not None and float(v) != neutral:
-            out.append(f"{name} {v}")
+            out.append((name, v))
     if getattr(params, "logit_bias", None):
-        out.append("logit_bias")
+        out.append(("logit_bias", None))
     return out
+
+
+def distribution_of(params: Any, seed: int = 0) -> Sampling:
+    """A request's SGLang sampling params as refcheck's :class:`Sampling` (SGLang's top-k off is refcheck's 0); a
+    :class:`~ddtree_reference.errors.SamplingError` for values refcheck's sampler refuses."""
+    k = int(getattr(params, "top_k", -1))
+    return Sampling(float(params.temperature), 0 if k in TOP_K_OFF else k, float(getattr(params, "top_p", 1.0)), seed)
 
 
 def request_keys(rid: str, params: Any) -> RequestKeys | None:
     """The keyed sampler's parameters of one request (module docstring); None when it is greedy."""
     if is_greedy(params):
         return None
-    bad = _unsupported(params)
+    bad = unsupported(params)
     if bad:
+        asked = ", ".join(name if value is None else f"{name} {value}" for name, value in bad)
         raise ValueError(f"REFCHECK_DDTREE samples with temperature, top-k and top-p only; request {rid} also asks for "
-                         f"{', '.join(bad)}, which its keyed sampler does not implement")
+                         f"{asked}, which its keyed sampler does not implement")
     custom = getattr(params, "custom_params", None) or {}
     seed = custom.get(SEED_KEY, getattr(params, "sampling_seed", None) or 0)
     word = custom.get(REQUEST_KEY, request_key(str(rid)))
-    k = int(getattr(params, "top_k", -1))
-    top_p = float(getattr(params, "top_p", 1.0))
-    return RequestKeys(Sampling(float(params.temperature), 0 if k in _TOP_K_OFF else k, top_p, int(seed)), int(word))
+    return RequestKeys(distribution_of(params, int(seed)), int(word))
 
 
 def _draws(logits: torch.Tensor, keys: RequestKeys, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
