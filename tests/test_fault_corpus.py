@@ -38,7 +38,7 @@ pytestmark = pytest.mark.xdist_group("fault_corpus")
 
 #: the corpus's discrete faults (the first nine of FAULTS are tests/test_diff.py's)
 CORPUS = ["parent-state", "attention-extra-node", "deep-positions-plus-one", "topk-ids-shifted", "kv-last-unwritten",
-          "walk-stops-early", "conv-first-sibling", "bonus-from-root", "draft-context-no-root"]
+          "walk-stops-early", "conv-first-sibling", "bonus-from-root", "draft-context-no-root", "draft-context-rejected"]
 STATE = ("kv", "conv", "recurrent")
 
 
