@@ -72,7 +72,10 @@ def make_scheduler(topk: int = 4, dev: str = "cpu"):
 
 
 def make_batch(mode: str, spec: bool, outputs: list[list[int]], dev: str = "cpu"):
-    reqs = [NS(rid=f"r{i}", origin_input_ids=[1, 2, 3], output_ids=list(o), fill_ids=[1, 2, 3]) for i, o in enumerate(outputs)]
+    # SGLang 0.5.17's requests: a prefill chunk's end in extend_range (the whole prompt, or prompt and output after a
+    # retraction), no fill_ids
+    reqs = [NS(rid=f"r{i}", origin_input_ids=[1, 2, 3], output_ids=list(o), extend_range=NS(start=0, end=3 + len(o)))
+            for i, o in enumerate(outputs)]
     return NS(forward_mode=Mode(mode), reqs=reqs, spec_algorithm=NS(is_none=lambda: not spec),
               req_pool_indices=torch.tensor([1, 2][: len(reqs)], device=dev), is_extend_in_batch=False)
 
@@ -251,7 +254,7 @@ def dflash_batches(tmp_path, monkeypatch, graphs: bool, dev: str = "cuda", rid: 
             return res
 
         reqs = [NS(rid=rid(i) if rid else f"r{i}", origin_input_ids=[1, 2, 3], output_ids=[5] * (k + 1),
-                   fill_ids=[1, 2, 3]) for i in range(bs)]
+                   extend_range=None) for i in range(bs)]
         batch = NS(forward_mode=NS(is_extend=lambda: False, is_decode=lambda: True, is_idle=lambda: False),
                    reqs=reqs, spec_algorithm=NS(is_none=lambda: False), is_extend_in_batch=False,
                    req_pool_indices=torch.tensor([2, 0, 3][:bs], device=dev))

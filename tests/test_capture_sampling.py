@@ -221,7 +221,7 @@ def test_a_request_prefilled_again_after_a_retraction_records_no_second_first_to
     request 0's context only."""
     sched, *_ = make_scheduler()
     batch = make_batch("extend", True, [[], [5, 6]])
-    batch.reqs[1].fill_ids = [1, 2, 3, 5, 6]  # the retracted request: its prompt and output filled again
+    assert batch.reqs[1].extend_range.end == 5  # the retracted request: its prompt and output filled again
     logits = torch.randn(2, V)
     hooks._run_batch(lambda self, b: NS(logits_output=NS(next_token_logits=logits), next_token_ids=logits.argmax(-1)),
                      sched, batch)

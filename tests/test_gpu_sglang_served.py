@@ -4,7 +4,8 @@ trace by ``refcheck trace import``'s code and diffed (markers ``sglang`` and ``g
 SGLang).
 
 On the H200: ``scripts/sglang_bundle.sh run python3 -m pytest -m sglang tests/test_gpu_sglang_served.py``. One
-DFLASH server on the built-in hybrid pair, bf16, six prompts of 32 new tokens, greedy.
+DFLASH server on the built-in hybrid pair, bf16, six prompts of 32 new tokens, greedy, prefill chunks of 16 tokens
+(two prompts are longer).
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from refcheck.models import builtin_pair
 from refcheck.prompts import load_prompts
 
 pytestmark = [pytest.mark.sglang, pytest.mark.gpu]
+
+
+#: the server's prefill chunk, in tokens: two of the six built-in prompts (17 and 24 tokens) are longer, so their first
+#: tokens come from a last chunk and a middle chunk's sampled token must not be recorded as one
+CHUNK = 16
 
 
 def _flags(kw: dict) -> list[str]:
@@ -87,6 +93,7 @@ def served_run(tmp_path_factory):
     tdir, ddir = builtin_pair("hybrid")
     kw = engine_kwargs(hybrid_spec(), str(tdir), "DFLASH", budget=15, draft_path=str(ddir))
     kw.pop("model_path")
+    kw["chunked_prefill_size"] = CHUNK  # the longer prompts prefill in two chunks, as long prompts do in serving
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -101,6 +108,7 @@ def served_run(tmp_path_factory):
     try:
         _wait_healthy(url, server, log)
         prompts = load_prompts()
+        assert any(len(p.prompt_ids) > CHUNK for p in prompts) and any(len(p.prompt_ids) <= CHUNK for p in prompts)
         got = _post(url + "/generate", {"input_ids": [list(p.prompt_ids) for p in prompts],
                                         "sampling_params": {"temperature": 0, "max_new_tokens": 32}}, timeout=300)
         assert isinstance(got, list) and len(got) == len(prompts), got
@@ -113,9 +121,9 @@ def served_run(tmp_path_factory):
 
 
 def test_the_capture_of_a_server_refcheck_did_not_start_is_a_trace_that_passes(served_run):
-    """The directory alone gives every request's prompt and an output that agrees with what the server returned, the
-    steps one batch in two, and a diff without structural or state failures (the server's own warm-up request, when
-    it sends one, is a request of the trace too)."""
+    """The directory alone gives every request's prompt and an output that agrees with what the server returned (the
+    chunked prompts' first tokens included), the steps one batch in two, and a diff without structural or state
+    failures (the server's own warm-up request, when it sends one, is a request of the trace too)."""
     from refcheck.sglang.served import served_trace
 
     records, outputs, by_rid = served_run

@@ -221,7 +221,7 @@ def assemble_trace(prompts: list[Prompt], rids: dict[str, str], results: dict[st
     for s in merge_ranks(capture, out.problems):
         steps_by_rid.setdefault(s.rid, []).append(s)
     first_rank = min(capture.prefills) if capture.prefills else 0
-    prefill = {p.rid: p for p in capture.prefills.get(first_rank, [])}  # the last chunk of a chunked prefill wins
+    prefill = {p.rid: p for p in capture.prefills.get(first_rank, [])}  # one per rid: the chunk ending its prompt
     past_end = 0
     kept: list[StepCapture] = []  # the records behind out.trace.steps, in the same order
     for p in prompts:

@@ -31,9 +31,8 @@ class Batch:
     committed: list[int] = field(default_factory=list)  # decode: tokens with KV before the step (the root's position)
     roots: list[int] = field(default_factory=list)  # decode
     prompt_lens: list[int] = field(default_factory=list)  # prefill
-    fill_lens: list[int] = field(default_factory=list)  # prefill: the prompt tokens filled once this chunk has run
-    #: prefill: the taken rows whose prompt this chunk finishes for the first time (a request retracted and
-    #: prefilled again, its output already begun, is not at its first token)
+    #: prefill: the taken rows whose prompt this chunk finishes for the first time (a long prompt's middle chunks do
+    #: not; a request retracted and prefilled again, its output already begun, is not at its first token)
     done: list[int] = field(default_factory=list)
     pool_rows: torch.Tensor | None = None  # decode: [bs] the requests' rows of req_to_token, on the device
     topk: int | None = None  # decode

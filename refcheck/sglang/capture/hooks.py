@@ -245,8 +245,7 @@ def _snapshot(scheduler: Any, batch: Any) -> Batch | str:
         snap.index = device_index(take, rows.device if isinstance(rows, torch.Tensor) else "cpu")
     if mode == "extend":  # what a prefill record needs: whose prompt this chunk finishes
         snap.prompt_lens = [len(r.origin_input_ids) for r in reqs]
-        snap.fill_lens = [len(getattr(r, "fill_ids", None) or r.origin_input_ids) for r in reqs]
-        snap.done = [i for i in take if snap.fill_lens[i] >= snap.prompt_lens[i] and not reqs[i].output_ids]
+        snap.done = [i for i in take if not reqs[i].output_ids and _chunk_end(reqs[i]) >= snap.prompt_lens[i]]
         _carry(snap, clock, reqs, snap.done)
         return snap
     _carry(snap, clock, reqs, take)
@@ -255,6 +254,17 @@ def _snapshot(scheduler: Any, batch: Any) -> Batch | str:
     snap.pool_rows = rows.detach().clone() if isinstance(rows, torch.Tensor) else None
     snap.topk = versions.server_topk(scheduler)
     return snap
+
+
+def _chunk_end(req: Any) -> int:
+    """Where this prefill chunk of ``req`` ends (:func:`versions.prefill_end`); a release that does not say is a
+    capture error (the batch then records nothing), never a guess that could take a middle chunk's token for the
+    request's first."""
+    end = versions.prefill_end(req)
+    if end is None:
+        raise AttributeError("this SGLang release's requests carry neither extend_range nor fill_ids: a prefill chunk's "
+                             "end cannot be read, so no first token is recorded")
+    return end
 
 
 def _carry(snap: Batch, clock: StepClock, reqs: list[Any], rows: list[int]) -> None:

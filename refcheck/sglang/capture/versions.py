@@ -6,7 +6,8 @@ function by name, whose binding must be patched too (the plugin checks them). :f
 applies model fixes an older release needs (0.5.17's text-only ``Qwen3_5ForCausalLM`` lacks
 ``set_dflash_layers_to_capture``; 0.5.23 has it) and returns what it patched.
 :func:`server_topk` reads ``speculative_eagle_topk`` (a server-args field in 0.5.17, the spec
-namespace in 0.5.23). Nothing here imports SGLang at module import time.
+namespace in 0.5.23); :func:`prefill_end` where a request's prefill chunk ends (``extend_range`` in 0.5.17,
+``fill_ids`` before). Nothing here imports SGLang at module import time.
 """
 
 from __future__ import annotations
@@ -131,6 +132,19 @@ SERVER_FIELDS = ("model_path", "dtype", "kv_cache_dtype", "speculative_algorithm
                  "speculative_ngram_max_bfs_breadth", "speculative_dflash_block_size", "tp_size", "dp_size", "page_size",
                  "disable_cuda_graph", "disable_overlap_schedule", "disable_radix_cache", "attention_backend",
                  "linear_attn_backend", "sampling_backend", "random_seed")
+
+
+def prefill_end(req: Any) -> int | None:
+    """Where the prefill chunk a batch runs for ``req`` ends, in context tokens (prompt, then output): 0.5.17 keeps
+    the chunk as ``req.extend_range`` (``end``), older releases as ``req.fill_ids`` (the tokens filled through this
+    chunk). None when the request has neither (a release this module does not know): whether the chunk finishes the
+    prompt cannot be told. A long prompt runs in several chunks (``--chunked-prefill-size``); only the last one's
+    next token is the request's first."""
+    rng = getattr(req, "extend_range", None)
+    if rng is not None:
+        return int(rng.end)
+    fill = getattr(req, "fill_ids", None)
+    return None if fill is None else len(fill)
 
 
 def server_of(scheduler: Any) -> dict[str, Any]:
