@@ -51,6 +51,7 @@ def test_a_long_prompts_middle_chunk_records_no_first_token_and_its_last_chunk_d
         _prefill(sched, batch, logits[k][:1])
     cap = read_capture(capture_dir)
     assert not cap.errors, cap.errors
+    assert (cap.cost["prefills"], cap.cost["plain_prefills"]) == (2, 1), cap.cost  # the middle chunk's batch: plain
     got = [(p.rid, p.token, p.prompt_len, p.context) for p in cap.prefills[0]]  # rank 0's, in write order
     assert got == [("r0", int(logits[0][0].argmax()), 3, [0, [1, 2, 3], 3]),
                    ("r1", int(logits[2][0].argmax()), 10, [0, list(range(1, 11)), 10])], got

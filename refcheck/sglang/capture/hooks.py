@@ -246,6 +246,8 @@ def _snapshot(scheduler: Any, batch: Any) -> Batch | str:
     if mode == "extend":  # what a prefill record needs: whose prompt this chunk finishes
         snap.prompt_lens = [len(r.origin_input_ids) for r in reqs]
         snap.done = [i for i in take if not reqs[i].output_ids and _chunk_end(reqs[i]) >= snap.prompt_lens[i]]
+        if not snap.done:  # middle chunks and re-prefills only: nothing to record, the batch runs plain
+            return mode
         _carry(snap, clock, reqs, snap.done)
         return snap
     _carry(snap, clock, reqs, take)
