@@ -286,3 +286,31 @@ def test_the_capture_hooks_add_no_host_synchronisation_to_a_prefill_a_tree_verif
     assert [p.token for p in cap.prefills[0]] == [p.token for p in cpu.prefills[0]]
     assert [(s.rid, s.accepted, s.emitted, s.topk_ids) for s in cap.steps[0]] == \
            [(s.rid, s.accepted, s.emitted, s.topk_ids) for s in cpu.steps[0]]
+
+
+def test_a_host_copy_still_in_flight_is_read_after_it_lands():
+    """SGLang's overlap scheduler copies a batch's tokens into pinned host memory on its copy stream and returns
+    before the copy lands (``copy_done`` marks its end): ``on_device`` with that event reads the tokens in stream
+    order, never the host buffer's earlier contents. Without the event the same read takes the stale values (the
+    trials show the hazard is real on this device)."""
+    from refcheck.sglang.capture.batch import on_device
+
+    copy = torch.cuda.Stream()
+    stale_unguarded = 0
+    for k in range(40):
+        src = torch.full((4096,), k + 1, device="cuda", dtype=torch.int64)
+        for guarded in (True, False):
+            host = torch.zeros(4096, dtype=torch.int64).pin_memory()
+            done = torch.cuda.Event()
+            copy.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(copy):
+                torch.cuda._sleep(2_000_000)  # the copy stream is busy: the copy lands a millisecond later
+                host.copy_(src, non_blocking=True)
+                done.record()
+            got = on_device(host, "cuda", done if guarded else None)
+            if guarded:
+                assert torch.equal(got, src), (k, got[:4])
+            else:
+                stale_unguarded += int(not torch.equal(got, src))
+            torch.cuda.synchronize()
+    assert stale_unguarded > 0, "the unguarded read never saw stale values: the test does not show the hazard"

@@ -4,8 +4,8 @@ trace by ``refcheck trace import``'s code and diffed (markers ``sglang`` and ``g
 SGLang).
 
 On the H200: ``scripts/sglang_bundle.sh run python3 -m pytest -m sglang tests/test_gpu_sglang_served.py``. One
-DFLASH server on the built-in hybrid pair, bf16, six prompts of 32 new tokens, greedy, prefill chunks of 16 tokens
-(two prompts are longer).
+DFLASH server on the built-in hybrid pair, bf16, with SGLang's serving defaults (overlap scheduling, the radix cache,
+CUDA graphs), six prompts of 32 new tokens, greedy, prefill chunks of 16 tokens (two prompts are longer).
 """
 
 from __future__ import annotations
@@ -87,13 +87,15 @@ def served_run(tmp_path_factory):
     by rid, the prompts by rid)."""
     from refcheck.sglang.capture.shipper import wait_drained
     from refcheck.sglang.runner import engine_kwargs, install_entry_point
+    from refcheck.sglang.settings import parse_settings
 
     root = tmp_path_factory.mktemp("served")
     install_entry_point(root / "site")  # the plugin's entry point on PYTHONPATH, as an installed refcheck has it
     tdir, ddir = builtin_pair("hybrid")
-    kw = engine_kwargs(hybrid_spec(), str(tdir), "DFLASH", budget=15, draft_path=str(ddir))
+    # SGLang's serving defaults (overlap scheduling, the radix cache, CUDA graphs), prefill chunks of CHUNK tokens
+    settings = parse_settings(f"overlap,radix,graphs,chunk={CHUNK}")
+    kw = engine_kwargs(hybrid_spec(), str(tdir), "DFLASH", budget=15, draft_path=str(ddir), settings=settings)
     kw.pop("model_path")
-    kw["chunked_prefill_size"] = CHUNK  # the longer prompts prefill in two chunks, as long prompts do in serving
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

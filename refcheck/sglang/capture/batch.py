@@ -93,11 +93,20 @@ def device_index(rows: list[int], device: Any) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def on_device(t: Any, device: Any) -> torch.Tensor:
-    """A batch output (a tensor on either side, or a list) on ``device``, without a stream synchronisation."""
+def on_device(t: Any, device: Any, ready: Any = None) -> torch.Tensor:
+    """A batch output (a tensor on either side, or a list) on ``device``, without a host synchronisation.
+
+    ``ready``: the event after which a host tensor holds its values, when a copy still in flight fills it (SGLang's
+    overlap scheduler copies a batch's results into pinned host memory on a stream of its own, ``copy_done`` marking
+    the end, after ``run_batch`` has returned): the current stream waits for it on the device, and the pinned tensor
+    is copied from there, never read by the host before the copy has landed."""
     t = torch.as_tensor(t)
     if t.device == torch.device(device) or torch.device(device).type != "cuda":
         return t.to(device)
+    if ready is not None:
+        torch.cuda.current_stream(device).wait_event(ready)
+    if t.is_pinned():  # read by the device copy, in stream order: after ``ready``
+        return t.to(device, non_blocking=True)
     return t.pin_memory().to(device, non_blocking=True)  # a host tensor: pinned first, so the copy is asynchronous
 
 

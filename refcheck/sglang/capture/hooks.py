@@ -365,6 +365,13 @@ def _ship_decode(scheduler: Any, snap: Batch, result: Any) -> None:
             _rec(scheduler).ship("batch", _fields(scheduler, snap, part, result), tensors)
 
 
+def _copied(result: Any) -> Any:
+    """The event that ends the copy of ``result``'s tokens to the host, when SGLang's overlap scheduler made one (it
+    copies them on its copy stream, still in flight when ``run_batch`` returns); None otherwise."""
+    ready = getattr(result, "copy_done", None)
+    return ready if isinstance(ready, torch.cuda.Event) else None
+
+
 def _root_part(snap: Batch, result: Any) -> dict[str, Any] | None:
     logits = getattr(getattr(result, "logits_output", None), "next_token_logits", None)
     if snap.raw_logits is not None:  # the sampler overwrote them with probabilities
@@ -372,7 +379,7 @@ def _root_part(snap: Batch, result: Any) -> dict[str, Any] | None:
     if logits is None:
         _error("run_batch", "target-only decode result has no logits")
         return None
-    nxt = snap.rows(on_device(result.next_token_ids, logits.device).reshape(-1))
+    nxt = snap.rows(on_device(result.next_token_ids, logits.device, _copied(result)).reshape(-1))
     rows = snap.rows(logits)  # [b, V]
     key = ("root", tuple(rows.shape), rows.dtype, tuple(nxt.shape), nxt.dtype)
     nodes = graphs_run(_graphs(_VERIFY_GRAPHS), key, lambda lg, o: prepack(summarise_nodes(lg, o).tensors()), rows, nxt)
@@ -397,7 +404,7 @@ def _ship_prefill(scheduler: Any, snap: Batch, result: Any) -> None:
     if not done:
         return
     idx = device_index(done, logits.device) if len(done) < len(snap.rids) else None
-    nxt = on_device(result.next_token_ids, logits.device).reshape(-1)
+    nxt = on_device(result.next_token_ids, logits.device, _copied(result)).reshape(-1)
     lg = logits if idx is None else logits[idx]
     nxt = nxt if idx is None else nxt[idx]
     uniforms = getattr(getattr(scheduler, "draft_worker", None), "last_first_uniforms", None)
@@ -478,17 +485,45 @@ def _run_batch(original, self, batch, *args, **kwargs):
     end = _event(self)
     if start is not None and end is not None:
         snap.events = (start, end)
+    later = getattr(result, "delay_sample_func", None)
+    if callable(later):  # SGLang samples this batch after run_batch returns: record it then
+        result.delay_sample_func = _sampled_later(self, snap, result, later, time.perf_counter() - t0)
+        return result
+    _record(self, rec, snap, result, time.perf_counter() - t0)
+    return result
+
+
+def _record(scheduler: Any, rec: Recorder, snap: Batch, result: Any, ran_s: float) -> None:
+    """Record the batch the scheduler ran (its tokens sampled) and book it in the ledger: ``ran_s``, the hooks' and
+    SGLang's time in ``run_batch`` before this."""
     with profiling.section("after"):
-        _guard("run_batch:after", _after, self, snap, result)
-    t1 = time.perf_counter()
+        _guard("run_batch:after", _after, scheduler, snap, result)
+    wall = ran_s + time.perf_counter() - snap.after_t0
+    hooks_s = snap.host_s + time.perf_counter() - snap.after_t0
     if snap.mode == "decode":
-        rec.shipper.counts.add(recorded_batches=1, recorded_ns=int(1e9 * (t1 - t0)),
-                               hooks_ns=int(1e9 * (snap.host_s + t1 - snap.after_t0)),
+        rec.shipper.counts.add(recorded_batches=1, recorded_ns=int(1e9 * wall), hooks_ns=int(1e9 * hooks_s),
                                **{f"{k}_ns": int(1e9 * v) for k, v in snap.parts.items()})
     elif snap.mode == "extend":
-        rec.shipper.counts.add(prefills=1, prefill_ns=int(1e9 * (t1 - t0)),
-                               prefill_hooks_ns=int(1e9 * (snap.host_s + t1 - snap.after_t0)))
-    return result
+        rec.shipper.counts.add(prefills=1, prefill_ns=int(1e9 * wall), prefill_hooks_ns=int(1e9 * hooks_s))
+
+
+def _sampled_later(scheduler: Any, snap: Batch, result: Any, later: Callable[[], Any],
+                   ran_s: float) -> Callable[[], Any]:
+    """SGLang's delayed sampling of ``result`` (its overlap scheduler without speculation samples a batch holding a
+    grammar request after the previous batch's results are processed, through ``result.delay_sample_func``), then the
+    batch's record: the sampler's hook sees the batch as in ``run_batch``, and the tokens are read once sampled."""
+
+    def sample() -> Any:
+        global _batch
+        _batch = snap
+        try:
+            out = later()
+        finally:
+            _batch = None
+        _record(scheduler, _rec(scheduler), snap, result, ran_s)
+        return out
+
+    return sample
 
 
 def _sample(original, self, logits_output, forward_batch, *args, **kwargs):
