@@ -16,6 +16,14 @@
 #                                          .bundle/part_* (or $BUNDLE_DIR) into /tmp/sglang-site once,
 #                                          puts it and the repository first on PYTHONPATH and runs CMD,
 #                                          e.g. `python3 -m refcheck diff --engine sglang ...`.
+#   scripts/sglang_bundle.sh cpu [SITE] [VENV]
+#                                          on a CPU machine (a CPython 3.12 with pip, the package index):
+#                                          makes VENV (default /tmp/sglang-cpu) with CPU torch and the
+#                                          packages SGLang's scheduler modules import that the GPU image
+#                                          has and the bundle does not carry, and refcheck (--no-deps), so
+#                                          the tests that build SGLang's own objects without a GPU run there:
+#     PYTHONPATH=SITE:. VENV/bin/python -m pytest -o addopts= -m "sglang and not gpu" tests
+#                                          (SITE: the build's OUT/site, default /tmp/sglang-bundle/site)
 #
 # The bundle targets Python 3.12 + torch 2.11 (SGLang 0.5.17 is the newest release pinned to it). Its
 # transformers (5.12.1) shadows the machine's: refcheck's reference runs with it in-process.
@@ -62,6 +70,24 @@ stage)
   for f in "$REPO"/.bundle/part_* "$REPO"/.bundle/SHA256SUMS; do [ -f "$f" ] && cp "$f" "$P/"; done
   ls "$P"
   ;;
+cpu)
+  SITE=${1:-/tmp/sglang-bundle/site}; V=${2:-/tmp/sglang-cpu}
+  [ -d "$SITE/sglang" ] || { echo "sglang_bundle: no SGLang in $SITE (run build first)" >&2; exit 2; }
+  if [ -z "${PY312:-}" ]; then
+    for c in "$HOME"/.pyenv/versions/3.12*/bin/python python3.12; do
+      "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { PY312=$c; break; }
+    done
+  fi
+  [ -n "${PY312:-}" ] || { echo "sglang_bundle: need a CPython 3.12 with pip (set PY312)" >&2; exit 2; }
+  "$PY312" -m venv "$V"
+  "$V/bin/python" -m pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
+  # what sglang.srt.managers.* imports beyond the bundle, at the versions the bundle's transformers (5.12.1) takes
+  "$V/bin/python" -m pip install -q numpy psutil requests packaging pillow anyio torchvision tqdm pygments aiohttp \
+    regex "huggingface_hub>=1.5,<2" safetensors "tokenizers>=0.22,<=0.23.0" sentencepiece einops \
+    pyarrow click rich pytest pytest-xdist hypothesis
+  "$V/bin/python" -m pip install -q --no-deps -e "$REPO"
+  PYTHONPATH="$SITE:$REPO" "$V/bin/python" -c 'import sglang.srt.managers.schedule_batch, sglang; print("SGLang", sglang.__version__, "imports on the CPU")'
+  ;;
 run)
   [ $# -gt 0 ] || { echo "usage: sglang_bundle.sh run CMD ..." >&2; exit 2; }
   export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -87,5 +113,5 @@ run)
   exec "$@"
   ;;
 *)
-  echo "usage: sglang_bundle.sh build [OUT] | stage | run CMD ..." >&2; exit 2 ;;
+  echo "usage: sglang_bundle.sh build [OUT] | stage | run CMD ... | cpu [SITE] [VENV]" >&2; exit 2 ;;
 esac
