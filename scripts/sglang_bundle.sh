@@ -84,7 +84,7 @@ cpu)
   # what sglang.srt.managers.* imports beyond the bundle, at the versions the bundle's transformers (5.12.1) takes
   "$V/bin/python" -m pip install -q numpy psutil requests packaging pillow anyio torchvision tqdm pygments aiohttp \
     regex "huggingface_hub>=1.5,<2" safetensors "tokenizers>=0.22,<=0.23.0" sentencepiece einops \
-    pyarrow click rich pytest pytest-xdist hypothesis
+    annotated-doc pyarrow click rich pytest pytest-xdist hypothesis
   "$V/bin/python" -m pip install -q --no-deps -e "$REPO"
   PYTHONPATH="$SITE:$REPO" "$V/bin/python" -c 'import sglang.srt.managers.schedule_batch, sglang; print("SGLang", sglang.__version__, "imports on the CPU")'
   ;;

@@ -6,11 +6,13 @@ each record carrying the piece of its request's context the hooks would give it.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace as NS
 
 import pytest
 import torch
 from test_sglang_capture import _sampled, fake_engine_setup, fake_sglang  # tests/test_sglang_capture.py
 
+from ddtree_reference.sampling import Sampling
 from refcheck.diff.judge import judge
 from refcheck.models import builtin_pair
 from refcheck.pool import ReferencePool
@@ -255,6 +257,35 @@ def test_a_requests_sampling_setting_or_why_it_is_left_out():
     assert _sampling_of({"top_k": 1, "frequency_penalty": 0.5, "regex": "a+"}) == "frequency_penalty, regex set"
     assert _sampling_of({"temperature": 0.5, "top_k": 20, "top_p": 0.0}).startswith(
         "sampling parameters refcheck cannot take (top-p must lie in (0, 1]")
+
+
+@pytest.mark.parametrize("look, value", [("lora_id", "adapter-7"), ("custom_logit_processor", True),
+                                         ("input_embeds", True), ("multimodal_inputs", True),
+                                         ("positional_embed_overrides", True), ("aborted", True)])
+def test_a_request_with_other_weights_logits_or_prompt_than_its_ids_say_is_left_out(look, value):
+    """A LoRA adapter, a custom logit processor, embeddings or images for a prompt (its ids placeholders), overridden
+    positions, SGLang's abort stub (its prompt replaced): the reference, run on the token ids, cannot judge them."""
+    from refcheck.sglang.served import _sampling_of
+
+    greedy = {"temperature": 1.0, "top_k": 1, "lora_id": None, "custom_logit_processor": None, "input_embeds": None,
+              "multimodal_inputs": None, "positional_embed_overrides": None, "aborted": False}
+    assert _sampling_of(greedy) == Sampling()
+    assert _sampling_of({**greedy, look: value}) == f"{look} set"
+
+
+def test_the_first_record_keeps_the_requests_looks_beside_its_sampling_parameters():
+    from refcheck.sglang.capture.contexts import params_of
+
+    class FINISH_ABORT:  # noqa: N801 - SGLang's class name, which the reading keys on
+        pass
+
+    sp = NS(temperature=1.0, top_k=1)
+    plain = params_of(NS(sampling_params=sp, lora_id=None, custom_logit_processor=None, input_embeds=None))
+    assert plain is not None and plain["lora_id"] is None and plain["input_embeds"] is None and not plain["aborted"]
+    odd = params_of(NS(sampling_params=sp, lora_id="a", custom_logit_processor="{...}", input_embeds=[[0.1]],
+                       multimodal_inputs=object(), to_finish=FINISH_ABORT()))
+    assert odd is not None and (odd["lora_id"], odd["custom_logit_processor"], odd["input_embeds"],
+                                odd["multimodal_inputs"], odd["aborted"]) == ("a", "{...}", True, True, True)
 
 
 @pytest.mark.parametrize("not_read, rolled_out, why", [(4, 0, "its first records before the records read"),

@@ -36,7 +36,7 @@ from ddtree_reference.sampling import Sampling
 from refcheck.errors import UsageError
 from refcheck.prompts import Prompt
 from refcheck.sglang.capture.assemble import Assembly, assemble_trace, capture_contexts, capture_provenance
-from refcheck.sglang.capture.contexts import Contexts
+from refcheck.sglang.capture.contexts import LOOKS, Contexts
 from refcheck.sglang.capture.records import Capture, read_capture
 from refcheck.sglang.capture.steps import StepCapture
 from refcheck.sglang.ddtree.sampling import distribution_of, is_greedy, unsupported
@@ -44,9 +44,11 @@ from refcheck.sglang.pair import DFLASH_DRAFTED, checkpoint_config, draft_block_
 from refcheck.sglang.requests import keyed, missing_hooks, required_hooks, sampling_rng
 
 #: beyond what :func:`refcheck.sglang.ddtree.sampling.unsupported` names, what changes a served request's distribution
-#: in ways the reference does not model, with its neutral value: a minimum length (its end of sequence masked until
-#: then) and a grammar
-_CONSTRAINTS = {"min_new_tokens": 0, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None}
+#: or prompt in ways the reference does not model, with its neutral value: a minimum length (its end of sequence
+#: masked until then), a grammar, and the request's own looks (``contexts.LOOKS``: a LoRA adapter, a custom logit
+#: processor, embeddings or images for a prompt, overridden positions; SGLang's abort stub)
+_CONSTRAINTS = {"min_new_tokens": 0, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
+                **dict.fromkeys(LOOKS), "aborted": False}
 
 
 class ServedCaptureError(UsageError):

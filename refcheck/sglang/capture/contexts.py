@@ -35,12 +35,25 @@ def delta(known: int, origin: Any, output: Any) -> list[int]:
     return list(output[known - n:])
 
 
+#: Req fields (SGLang 0.5.17 names) that make a request one the reference cannot judge from its token ids and
+#: sampling parameters, kept as whether the request has them (a LoRA adapter's id as it is): other weights, a
+#: distribution changed by code, a prompt whose ids are placeholders (embeddings, images), positions overridden
+LOOKS = ("lora_id", "custom_logit_processor", "input_embeds", "multimodal_inputs", "positional_embed_overrides")
+
+
 def params_of(req: Any) -> dict[str, Any] | None:
-    """A request's sampling parameters (:data:`PARAMS` that it has; plain values), or None when it has none."""
+    """A request's sampling parameters (:data:`PARAMS` that it has; plain values) and what it carries of
+    :data:`LOOKS` (``aborted``: SGLang finishes it at admission, ``to_finish`` set and its prompt replaced by a
+    one-token stub, or finished it so), or None when it has no sampling parameters."""
     sp = getattr(req, "sampling_params", None)
     if sp is None:
         return None
     out: dict[str, Any] = {}
+    for name in LOOKS:
+        value = getattr(req, name, None)
+        out[name] = value if value is None or isinstance(value, str) else True
+    out["aborted"] = any(type(getattr(req, name, None)).__name__ == "FINISH_ABORT" for name in ("to_finish",
+                                                                                                "finished_reason"))
     for name in PARAMS:
         value = getattr(sp, name, None)
         if value is None or isinstance(value, (bool, int, float, str)):
