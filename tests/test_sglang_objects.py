@@ -96,3 +96,14 @@ def test_the_hooked_functions_exist_in_this_release():
         except (ImportError, AttributeError) as exc:
             missing.append(f"{name}: {target} ({exc})")
     assert not missing, missing
+
+
+def test_this_releases_cuda_graph_config_reads_as_its_backends():
+    from types import SimpleNamespace as NS
+
+    from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig, PhaseConfig
+
+    decode, prefill = versions.graph_backends(NS(cuda_graph_config=CudaGraphConfig()))
+    assert decode == "full" and prefill in ("breakable", "tc_piecewise")
+    off = CudaGraphConfig(decode=PhaseConfig(backend="disabled"))
+    assert versions.serving_of(NS(server_args=NS(cuda_graph_config=off)))["cuda_graphs"] is False

@@ -175,3 +175,23 @@ def test_a_setting_sglang_changed_at_start_up_is_a_capture_error():
     got = settings_changed(asked, {"tp_rank": 1, "serving": {"overlap": False, "page_size": 16, "radix_cache": None}})
     assert len(got) == 1 and "rank 1" in got[0] and "overlap = False although True" in got[0]
     assert settings_changed(asked, {"tp_rank": 0}) == []
+
+
+def test_how_a_scheduler_serves_reads_the_cuda_graph_backends_sglang_resolved():
+    """0.5.17 folds its per-phase flags, JSON config and start-up changes into ``server_args.cuda_graph_config``;
+    ``disable_cuda_graph`` is only its legacy input, read where a release has no config."""
+    from types import SimpleNamespace as NS
+
+    from refcheck.sglang.capture.versions import serving_of
+
+    def served(args):
+        return serving_of(NS(server_args=args))
+
+    cfg = NS(decode=NS(backend="disabled"), prefill=NS(backend="breakable"))
+    got = served(NS(cuda_graph_config=cfg, disable_cuda_graph=False))  # --disable-decode-cuda-graph: legacy says on
+    assert got["cuda_graphs"] is False and got["cuda_graph_backends"] == {"decode": "disabled", "prefill": "breakable"}
+    assert served(NS(cuda_graph_config=NS(decode=NS(backend="full"), prefill=None)))["cuda_graphs"] is True
+    assert served(NS(disable_cuda_graph=True))["cuda_graphs"] is False
+    assert served(NS(disable_cuda_graph=False))["cuda_graphs"] is True
+    assert served(NS())["cuda_graphs"] is None
+

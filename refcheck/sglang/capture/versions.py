@@ -116,13 +116,27 @@ def serving_of(scheduler: Any) -> dict[str, Any]:
     """How this scheduler actually serves (after SGLang's own start-up resolution, which may change what was
     asked: e.g. a hybrid target's radix cache without the mamba extra buffer turns overlap off)."""
     args = getattr(scheduler, "server_args", None)
-    graphs = getattr(args, "disable_cuda_graph", None)
     radix_off = getattr(scheduler, "disable_radix_cache", getattr(args, "disable_radix_cache", None))
     overlap, page = getattr(scheduler, "enable_overlap", None), getattr(scheduler, "page_size", None)
+    decode, prefill = graph_backends(args)
     return {"overlap": None if overlap is None else bool(overlap),  # (None: this release does not say)
             "page_size": None if page is None else int(page),
             "radix_cache": None if radix_off is None else not bool(radix_off),
-            "cuda_graphs": None if graphs is None else not bool(graphs)}
+            "cuda_graphs": None if decode is None else decode != "disabled",
+            "cuda_graph_backends": None if decode is None else {"decode": decode, "prefill": prefill}}
+
+
+def graph_backends(args: Any) -> tuple[str | None, str | None]:
+    """(decode, prefill) CUDA graph backends the server resolved ("full", "breakable", "tc_piecewise", "disabled";
+    None: not said). 0.5.17 keeps them in ``server_args.cuda_graph_config`` (its per-phase flags, JSON config and
+    start-up resolution all fold into it); ``disable_cuda_graph`` is only its legacy input, read where the release has
+    no config."""
+    cfg = getattr(args, "cuda_graph_config", None)
+    decode, prefill = getattr(cfg, "decode", None), getattr(cfg, "prefill", None)
+    if decode is not None:
+        return (str(getattr(decode, "backend", None)), None if prefill is None else str(getattr(prefill, "backend", None)))
+    off = getattr(args, "disable_cuda_graph", None)
+    return (None, None) if off is None else ("disabled" if off else "full", None)
 
 
 #: ServerArgs fields a capture's status keeps (SGLang 0.5.17 names): what a reader needs to judge a capture of a run
