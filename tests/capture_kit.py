@@ -143,7 +143,7 @@ def fresh_hooks(monkeypatch, root):
     """The capture hooks as a new scheduler process has them, recording into ``root``: returns ``root``."""
     monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(root))
     for name, value in (("_recorder", None), ("_unrecordable", None), ("_rule", None), ("_bad_rule", None),
-                        ("_clock", None)):
+                        ("_clock", None), ("_mixed_said", False)):
         monkeypatch.setattr(hooks, name, value)
     return root
 

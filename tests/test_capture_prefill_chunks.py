@@ -75,3 +75,17 @@ def test_prefill_end_reads_extend_range_first_then_fill_ids():
     assert versions.prefill_end(NS(extend_range=None, fill_ids=[1, 2, 3])) == 3
     assert versions.prefill_end(NS(fill_ids=[1, 2])) == 2
     assert versions.prefill_end(NS(extend_range=None)) is None
+
+
+def test_decode_steps_run_inside_prefill_batches_are_said_once_as_a_capture_error(capture_dir):
+    """``--enable-mixed-chunk``: SGLang folds running requests' decode steps into prefill batches (``MIXED``), which
+    the capture does not record; the first such batch says so in one error record, the next says nothing more."""
+    sched, *_ = make_scheduler()
+    for _ in range(2):
+        batch = make_batch("extend", False, [[], [5]])
+        batch.forward_mode = NS(is_extend=lambda: True, is_decode=lambda: False, is_mixed=lambda: True)
+        _prefill(sched, batch, torch.randn(2, V))
+    cap = read_capture(capture_dir)
+    assert len(cap.errors) == 1 and "--enable-mixed-chunk" in str(cap.errors[0]), cap.errors
+    assert [p.rid for p in cap.prefills[0]] == ["r0", "r0"]  # the prompts it finishes are still recorded
+

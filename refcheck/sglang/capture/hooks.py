@@ -82,6 +82,7 @@ _unrecordable: str | None = None  # why this process's capture directory took no
 _rule: SampleRule | None = None
 _bad_rule: str | None = None  # why REFCHECK_CAPTURE_SAMPLE could not be read (the process then records nothing)
 _clock: StepClock | None = None  # which decode steps this process records (made with the process's rule)
+_mixed_said = False  # whether this process has said that it runs decode steps inside prefill batches
 
 
 _batch: Batch | None = None
@@ -226,6 +227,8 @@ def _snapshot(scheduler: Any, batch: Any) -> Batch | str:
     mode = "extend" if fm.is_extend() else "decode" if fm.is_decode() else "other"
     if mode == "other":
         return mode
+    if mode == "extend" and not _mixed_said and getattr(fm, "is_mixed", lambda: False)():
+        _said_mixed()
     reqs = list(batch.reqs)
     rids = [r.rid for r in reqs]
     clock = _step_clock()
@@ -256,6 +259,16 @@ def _snapshot(scheduler: Any, batch: Any) -> Batch | str:
     snap.pool_rows = rows.detach().clone() if isinstance(rows, torch.Tensor) else None
     snap.topk = versions.server_topk(scheduler)
     return snap
+
+
+def _said_mixed() -> None:
+    """``--enable-mixed-chunk`` (target-only decoding): SGLang runs running requests' decode steps inside prefill
+    batches (``ForwardMode.MIXED``), which the capture does not record; said once, as a capture error, so the run's
+    missing steps are never silent."""
+    global _mixed_said
+    _mixed_said = True
+    _error("run_batch:mixed", "SGLang runs decode steps inside prefill batches (--enable-mixed-chunk): the capture "
+           "records none of them; run without --enable-mixed-chunk to have every step judged")
 
 
 def _chunk_end(req: Any) -> int:
