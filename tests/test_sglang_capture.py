@@ -77,15 +77,23 @@ def _stacked(mamba, axis: int = -1) -> MambaPools | None:
                       torch.stack([mamba[i][1] for i in layers]), axis)
 
 
+def _kv_replicas(kv, tp: int) -> int:
+    heads = next(iter(kv.values()))[0].shape[1]
+    return max(1, tp // heads)
+
+
 def _shard(kv, mamba, rank: int, tp: int, groups):
     """What tensor-parallel rank ``rank`` holds of the pools: KV heads and SSM value heads in contiguous
-    blocks, conv channels [q_r, k_r, v_r]."""
+    blocks (with more ranks than KV heads, one head each, ``tp // heads`` consecutive ranks the same one, as
+    SGLang places them), conv channels [q_r, k_r, v_r]."""
     from refcheck.sglang.capture.state import feature_index
 
     kv_r = {}
+    replicas = _kv_replicas(kv, tp)
     for layer, (kb, vb) in kv.items():
-        h = kb.shape[1] // tp
-        kv_r[layer] = (kb[:, rank * h:(rank + 1) * h], vb[:, rank * h:(rank + 1) * h])
+        h = max(1, kb.shape[1] // tp)
+        head = rank // replicas
+        kv_r[layer] = (kb[:, head * h:(head + 1) * h], vb[:, head * h:(head + 1) * h])
     mamba_r = {}
     for layer, (cb, sb) in mamba.items():
         idx = feature_index("conv", sum(groups) // tp, rank, tp, groups)
@@ -185,9 +193,10 @@ def fake_sglang(runner, prompts, trees, layout: str, leaky: bool = False, steps:
             for b, r in enumerate(recs):
                 copy = StepCapture.from_dict({**r.to_dict(), "state": {}, "meta": dict(r.meta)})
                 slots = req_to_token[b + 1, r.committed_len: r.committed_len + len(r.accepted)]
+                shard = (rank, tp, groups, _kv_replicas(kv, tp))
                 copy.state = request_state(batch_state(kv_r, slots[None], _stacked(mamba_r), torch.tensor([mslots[b]]),
-                                                       full=full, shard=(rank, tp, groups)), 0, len(slots))
-                copy.meta.update(tp_rank=rank, tp_size=tp, conv_groups=list(groups))
+                                                       full=full, shard=shard), 0, len(slots))
+                copy.meta.update(tp_rank=rank, tp_size=tp, conv_groups=list(groups), kv_replicas=shard[3])
                 cap.steps.setdefault(rank, []).append(copy)
     results = {p.id: {"output_ids": outputs[b]} for b, p in enumerate(prompts)}
     return cap, results, rids
@@ -386,12 +395,14 @@ def test_batch_state_layouts_and_sketches():
         batch_state({}, torch.tensor([[0]]), pools, None)
 
 
-def test_tensor_parallel_shards_combine_to_the_full_state(setup):
-    """Two TP ranks each record their head / channel shards; merged, the trace replays clean, and the
-    combined sketches and full tensors equal the single-rank capture's."""
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_shards_combine_to_the_full_state(setup, tp):
+    """TP ranks each record their head / channel shards; merged, the trace replays clean, and the combined sketches
+    and full tensors equal the single-rank capture's. At 4 ranks the built-in target's 2 KV heads are each held by
+    two ranks: a replica adds nothing to the sketch and its rows are taken once."""
     runner, prompts, trees = setup
     one, results, rids = fake_sglang(runner, prompts[:2], trees, "tree", steps=2, full=True)
-    two, results2, _ = fake_sglang(runner, prompts[:2], trees, "tree", steps=2, tp=2, full=True)
+    two, results2, _ = fake_sglang(runner, prompts[:2], trees, "tree", steps=2, tp=tp, full=True)
     assert results == results2
     asm1 = assemble_trace(prompts[:2], rids, results, one, _prov(runner, prompts[:2], 15))
     asm2 = assemble_trace(prompts[:2], rids, results2, two, _prov(runner, prompts[:2], 15))
@@ -589,3 +600,13 @@ def test_a_sampled_capture_may_hold_no_step_of_a_request(setup):
     trace.provenance["capture"] = {"incomplete": [], "crash": None, "errors": [], "sample": {"every": 64, "seed": 1}}
     rep = _replay(trace)
     assert not rep.failures, [f.message for f in rep.failures]
+
+
+def test_kv_heads_are_replicated_over_ranks_only_when_ranks_outnumber_them():
+    from refcheck.sglang.capture.versions import kv_replicas
+
+    def sched(heads):
+        return NS(tp_worker=NS(model_runner=NS(model_config=NS(get_total_num_kv_heads=lambda: heads))))
+
+    assert [kv_replicas(sched(4), tp) for tp in (1, 2, 4, 8)] == [1, 1, 1, 2]
+    assert kv_replicas(sched(2), 8) == 4 and kv_replicas(NS(), 8) == 1

@@ -122,7 +122,8 @@ def merge_ranks(capture: Capture, problems: list[str]) -> list[StepCapture]:
         merged = StepCapture.from_dict({**s0.to_dict(), "state": {}})
         for name in s0.state:
             if all(name in g.state for g in group):
-                merged.state[name] = combine_shards([g.state[name] for g in group], groups)
+                merged.state[name] = combine_shards([g.state[name] for g in group], groups,
+                                                    int(s0.meta.get("kv_replicas") or 1))
             else:
                 problems.append(f"{s0.rid} step {k}: state {name} missing on some rank")
         out.append(merged)

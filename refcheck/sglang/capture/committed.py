@@ -76,7 +76,8 @@ def committed_state(scheduler: Any, snap: Batch, committed: torch.Tensor, width:
     tp_rank, tp_size = versions.tp_of(scheduler)
     groups = getattr(getattr(rtp, "mamba_pool", None), "conv_shard_groups", None)
     groups = tuple(groups) if groups else None
-    shard = (tp_rank, tp_size, groups) if tp_size > 1 else None
+    replicas = versions.kv_replicas(scheduler, tp_size)
+    shard = (tp_rank, tp_size, groups, replicas) if tp_size > 1 else None
     full = bool(os.environ.get(ENV_FULL))
 
     def sketch(rows: torch.Tensor, lens: torch.Tensor) -> dict[str, Any]:
@@ -93,5 +94,6 @@ def committed_state(scheduler: Any, snap: Batch, committed: torch.Tensor, width:
     state = sketch(rows, lens) if graphs is None else bucketed(graphs, (width, shard, pools), sketch, rows, lens)
     out: dict[str, Any] = {"state": state}
     if shard is not None:
-        out["tp"] = {"tp_rank": tp_rank, "tp_size": tp_size, "conv_groups": list(groups) if groups else None}
+        out["tp"] = {"tp_rank": tp_rank, "tp_size": tp_size, "conv_groups": list(groups) if groups else None,
+                     "kv_replicas": replicas}
     return out

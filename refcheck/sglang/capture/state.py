@@ -42,8 +42,9 @@ def _ssm_projection(heads: int, k: int, v: int, device: str) -> torch.Tensor:
     return p.view(heads, k, v, -1).transpose(1, 2).reshape(heads, v * k, -1).to(device)  # [HV, K, V, r] -> [HV, V*K, r]
 
 
-#: (tp rank, tp size, conv groups) of a rank's shard under tensor parallelism
-Shard = tuple[int, int, "tuple[int, ...] | None"]
+#: (tp rank, tp size, conv groups, KV replicas) of a rank's shard under tensor parallelism: with more ranks than the
+#: target has KV heads, SGLang gives each rank one head, held by ``KV replicas`` consecutive ranks
+Shard = tuple[int, int, "tuple[int, ...] | None", int]
 
 
 def _projections(kind: str, rows: int, local: int, shard: Shard | None, device: str) -> torch.Tensor:
@@ -56,9 +57,14 @@ def _projections(kind: str, rows: int, local: int, shard: Shard | None, device: 
 
 @lru_cache(maxsize=256)
 def _shard_projections(kind: str, rows: int, local: int, rank: int, size: int, groups: tuple[int, ...] | None,
-                       device: str) -> torch.Tensor:
-    idx = feature_index(kind, local, rank, size, groups)
-    n_full = local * size if kind != "conv" else sum(groups or ())
+                       replicas: int, device: str) -> torch.Tensor:
+    idx = feature_index(kind, local, rank, size, groups, replicas)
+    if kind in ("kv_k", "kv_v"):
+        n_full = local * (size // replicas)
+        if rank % replicas:  # a replica of a head another rank sketches: it adds nothing to the sum
+            return torch.zeros(rows, local, SKETCH_DIM, device=device)
+    else:
+        n_full = local * size if kind != "conv" else sum(groups or ())
     return row_projections(n_full, rows, SKETCH_DIM, "cpu")[:, idx].to(device)  # [rows, F_local, r]
 
 
@@ -78,7 +84,7 @@ class MambaPools:
 def batch_state(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor, mamba: MambaPools | None,
                 mamba_slots: torch.Tensor | None, full: bool = False, shard: Shard | None = None) -> dict[str, Any]:
     """The module docstring's batch state: ``kv`` name -> entry, and ``mamba``, every linear-attention layer at
-    once (:func:`_mamba_state`); ``shard`` = (tp rank, tp size, conv groups) under TP."""
+    once (:func:`_mamba_state`); ``shard`` = (tp rank, tp size, conv groups, KV replicas) under TP."""
     out: dict[str, Entry] = {}
     b, w = slots.shape
     for layer, (k_buf, v_buf) in sorted(kv.items()):
@@ -140,12 +146,14 @@ def request_state(batch: dict[str, Any], b: int, kv_rows: int) -> dict[str, Entr
 # the sum of the ranks' partial sketches.
 
 def feature_index(kind: str, local_features: int, tp_rank: int, tp_size: int,
-                  conv_groups: tuple[int, ...] | None = None) -> torch.Tensor | None:
-    """Positions of a rank's local features in the full feature axis; None for row-split kinds."""
+                  conv_groups: tuple[int, ...] | None = None, kv_replicas: int = 1) -> torch.Tensor | None:
+    """Positions of a rank's local features in the full feature axis; None for row-split kinds. KV heads replicated
+    over ``kv_replicas`` consecutive ranks (more ranks than heads) place a rank at its head's position."""
     if kind == "rec":
         return None
     if kind in ("kv_k", "kv_v"):
-        return torch.arange(tp_rank * local_features, (tp_rank + 1) * local_features)
+        head_rank = tp_rank // kv_replicas
+        return torch.arange(head_rank * local_features, (head_rank + 1) * local_features)
     if kind == "conv":
         if not conv_groups:
             raise ValueError("conv state under tensor parallelism needs the full sub-block sizes (q, k, v)")
@@ -161,12 +169,15 @@ def feature_index(kind: str, local_features: int, tp_rank: int, tp_size: int,
 
 
 def combine_shards(shards: list[tuple[int, str, torch.Tensor, torch.Tensor | None]],
-                   conv_groups: tuple[int, ...] | None = None) -> tuple[int, str, torch.Tensor, torch.Tensor | None]:
-    """Ranks' entries (rank order) of one state -> the full entry."""
+                   conv_groups: tuple[int, ...] | None = None,
+                   kv_replicas: int = 1) -> tuple[int, str, torch.Tensor, torch.Tensor | None]:
+    """Ranks' entries (rank order) of one state -> the full entry (a replicated KV head's rows taken once)."""
     from refcheck.sglang.layout import gather_conv_channels
 
     layer, kind = shards[0][0], shards[0][1]
     sketch = torch.stack([s[2] for s in shards]).sum(0)
+    if kind in ("kv_k", "kv_v") and kv_replicas > 1:
+        shards = shards[::kv_replicas]
     if kind == "rec":
         full = torch.cat([s[3] for s in shards], dim=0) if shards[0][3] is not None else None
     else:

@@ -171,6 +171,18 @@ def server_of(scheduler: Any) -> dict[str, Any]:
     return out
 
 
+def kv_replicas(scheduler: Any, tp_size: int) -> int:
+    """How many consecutive tensor-parallel ranks hold each KV head: 1 unless the target has fewer KV heads than
+    ranks (SGLang then gives each rank one head, ``tp_size // heads`` ranks the same one). The head count is the
+    model config's (``get_total_num_kv_heads``); a scheduler that does not say is taken as 1."""
+    config = getattr(getattr(getattr(scheduler, "tp_worker", None), "model_runner", None), "model_config", None)
+    total = getattr(config, "get_total_num_kv_heads", None)
+    heads = total() if callable(total) else None
+    if not isinstance(heads, int) or heads < 1 or tp_size <= heads:
+        return 1
+    return tp_size // heads
+
+
 def server_topk(scheduler: Any) -> int | None:
     args = getattr(scheduler, "server_args", None)
     topk = getattr(args, "speculative_eagle_topk", None) if args is not None else None
