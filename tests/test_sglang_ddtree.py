@@ -300,3 +300,22 @@ def test_fault_algorithms_register_with_their_worker(monkeypatch):
                   max_running_requests=None, enable_mixed_chunk=True)
         validate(args)
         assert args.speculative_eagle_topk == 2  # the tree layout: only the injected fault is wrong
+
+
+def test_a_prefix_served_from_the_prefix_cache_leaves_the_drafter_context_partial():
+    """REFCHECK_DDTREE's drafter is fed the target's hidden states of what the target computes: a new request whose
+    prefix the radix cache served starts a context without it (partial: its drafts are not judged), a later chunk
+    of a known request goes on, a request prefilled from scratch starts whole, and dropping forgets it."""
+    pool = DrafterPool(drafter=None)
+    pool.admit("a", 0)
+    pool.contexts["a"] = ([], [], 5)  # its first chunk fed
+    pool.admit("a", 5)  # the next chunk of the same request
+    assert "a" in pool.contexts and not pool.partial
+    pool.admit("b", 32)  # new, its first 32 tokens from the cache
+    assert "b" not in pool.contexts and pool.partial == {"b"}
+    pool.contexts["b"] = ([], [], 40)
+    pool.admit("b", 40)
+    assert pool.partial == {"b"}  # still missing its cached prefix
+    pool.drop(["b"])
+    pool.admit("b", 0)  # prefilled again from scratch (a retraction)
+    assert not pool.partial

@@ -42,6 +42,19 @@ class DrafterPool:
     def __init__(self, drafter) -> None:
         self.drafter = drafter
         self.contexts: dict[str, tuple] = {}
+        #: requests whose context misses a prefix the engine's prefix cache served (its target hidden states were never
+        #: computed, so never fed): their drafts are the engine's own, not the reference drafter's
+        self.partial: set[str] = set()
+
+    def admit(self, rid: str, prefix: int) -> None:
+        """A prefill chunk of ``rid`` after ``prefix`` context tokens the engine already holds: a request new to the
+        pool (or prefilled from scratch) starts a fresh context, partial when the prefix came from the prefix cache."""
+        if prefix == 0 or rid not in self.contexts:
+            self.contexts.pop(rid, None)
+            if prefix > 0:
+                self.partial.add(rid)
+            else:
+                self.partial.discard(rid)
 
     @contextlib.contextmanager
     def context(self, rid: str) -> Iterator[object]:
@@ -58,9 +71,11 @@ class DrafterPool:
     def drop(self, rids) -> None:
         for rid in rids:
             self.contexts.pop(rid, None)
+            self.partial.discard(rid)
 
     def clear(self) -> None:
         self.contexts.clear()
+        self.partial.clear()
 
 
 def draft_tree(pool: DrafterPool, rid: str, root: int, start: int, budget: int | None,

@@ -194,7 +194,7 @@ class DDTreeWorker(ngram.NGRAMWorker):
             tokens, parents, logp = draft_tree(self.pool, req.rid, root, start, None if self.shadow else self.budget,
                                                depth, temperature, shift)
             trees.append((tokens, parents))
-            if self.capturing:
+            if self.capturing and req.rid not in self.pool.partial:  # a partial context's drafts are not judged
                 side = self.last_sides[req.rid] = draft_side(logp, topk_for(self.shadow_budget or self.budget,
                                                                             int(logp.shape[-1])), logits=False)
                 if self.shadow:
@@ -221,7 +221,7 @@ class DDTreeWorker(ngram.NGRAMWorker):
                 start += 1
             feed = hidden[r.to(hidden.device)]  # [A, n_ids*H]
             extend_context(self.pool, rid, feed, start)
-            if decode and self.capturing:
+            if decode and self.capturing and rid not in self.pool.partial:
                 side = self.last_sides.setdefault(rid, {})
                 side.update(context_side(feed, torch.arange(start, start + len(r))))
 
@@ -288,8 +288,7 @@ class DDTreeWorker(ngram.NGRAMWorker):
         hidden = out.logits_output.hidden_states  # [extend tokens, n_ids*H]
         offsets = np.cumsum([0] + list(batch.extend_lens))
         for b, rid in enumerate(rids):
-            if batch.prefix_lens[b] == 0:
-                self.pool.drop([rid])  # a new request: a fresh context
+            self.pool.admit(rid, int(batch.prefix_lens[b]))  # a new request: a fresh context
         self._extend(rids, hidden, [torch.arange(int(offsets[b]), int(offsets[b + 1])) for b in range(bs)],
                      [int(p) for p in batch.prefix_lens])
         accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
