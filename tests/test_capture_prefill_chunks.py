@@ -89,3 +89,14 @@ def test_decode_steps_run_inside_prefill_batches_are_said_once_as_a_capture_erro
     assert len(cap.errors) == 1 and "--enable-mixed-chunk" in str(cap.errors[0]), cap.errors
     assert [p.rid for p in cap.prefills[0]] == ["r0", "r0"]  # the prompts it finishes are still recorded
 
+
+
+def test_a_server_with_dp_attention_says_its_capture_is_not_judged_as_is(capture_dir):
+    """``--enable-dp-attention`` shards attention by data-parallel groups, which the state sketches do not model:
+    the process's recorder says so in an error record (the diff then fails the capture, never judging it
+    silently)."""
+    sched, *_ = make_scheduler()
+    sched.server_args.enable_dp_attention = True
+    _prefill(sched, make_batch("extend", True, [[], []]), torch.randn(2, V))
+    cap = read_capture(capture_dir)
+    assert len(cap.errors) == 1 and "--enable-dp-attention" in str(cap.errors[0]), cap.errors

@@ -133,6 +133,10 @@ def _rec(scheduler: Any = None) -> Recorder:
                              max_bytes, roll)
         if bad_budget is not None:
             _recorder.error("byte_budget", bad_budget)
+        if getattr(getattr(scheduler, "server_args", None), "enable_dp_attention", False):
+            _recorder.error("dp_attention", "--enable-dp-attention shards attention by data-parallel groups, which the "
+                            "capture's state sketches do not model (its KV shards are read as tensor-parallel ones); "
+                            "capture this server without it")
         try:
             _recorder.status({"pid": os.getpid(), "tp_rank": _recorder.tp_rank, "sglang": versions.sglang_version(),
                               "hooks": hook_status(), "patched": _patched,

@@ -145,7 +145,8 @@ SERVER_FIELDS = ("model_path", "dtype", "kv_cache_dtype", "speculative_algorithm
                  "speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk",
                  "speculative_ngram_max_bfs_breadth", "speculative_dflash_block_size", "tp_size", "dp_size", "page_size",
                  "disable_cuda_graph", "disable_overlap_schedule", "disable_radix_cache", "attention_backend",
-                 "linear_attn_backend", "sampling_backend", "random_seed")
+                 "linear_attn_backend", "sampling_backend", "random_seed", "enable_dp_attention", "lora_paths",
+                 "enable_custom_logit_processor")
 
 
 def prefill_end(req: Any) -> int | None:
