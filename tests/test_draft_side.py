@@ -177,3 +177,14 @@ def test_a_nan_in_a_state_sketch_or_the_drafter_feed_fails(pool, clean):
     s.draft_context_sketch = torch.full((len(s.accepted), 16), float("nan"))
     rep = judge(fed, pool, "nan-feed", mode="replay")
     assert any(f.category == "draft" and "non-finite" in f.message for f in rep.failures)
+
+
+def test_the_drafts_top_ranks_stay_on_the_scores_device():
+    """Every output of ``draft_top`` on the scores' device (here the meta device): a CUDA graph packs them into one
+    buffer, which a host tensor among them would break."""
+    import torch
+
+    from refcheck.sglang.draft_side import draft_top
+
+    out = draft_top(torch.empty(2, 3, 50, device="meta"), 4)
+    assert {k: v.device.type for k, v in out.items()} == dict.fromkeys(("ids", "logprobs", "reach", "k"), "meta")

@@ -57,7 +57,10 @@ def draft_top(scores: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     k = min(k, lp.shape[-1])
     top = lp.topk(min(k + DRAFT_MARGIN, lp.shape[-1]), dim=-1)
     reach = (lp >= top.values[..., k - 1: k]).sum(dim=-1)
-    return {"ids": top.indices, "logprobs": top.values, "reach": reach, "k": torch.tensor(k)}
+    # k on the same device as the rest (a fill, not a copy from the host: capturable in a CUDA graph, which packs
+    # its outputs into one buffer of one device)
+    return {"ids": top.indices, "logprobs": top.values, "reach": reach,
+            "k": torch.full((), k, dtype=torch.long, device=lp.device)}
 
 
 def draft_side_of_top(ids: torch.Tensor, logprobs: torch.Tensor, reach: torch.Tensor, k: int) -> dict[str, Any] | None:
