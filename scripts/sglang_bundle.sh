@@ -50,7 +50,7 @@ build)
   "$PY312" -m pip install -q --no-index --no-deps --no-compile --target "$W/site" "$W"/whl/*.whl
   (cd "$W/site"
    rm -rf bin sgl_kernel/flash_ops.abi3.so sgl_kernel/sm100 sgl_kernel/infllm_ops*.so sgl_kernel/flashmla_ops.abi3.so \
-          xgrammar/lib/libxgrammar.a \
+          xgrammar/lib/libxgrammar.a tvm_ffi/lib/libtvm_ffi_testing.so tvm_ffi/src \
           sglang/srt/grpc/_core.*.so sglang/srt/server/_core.*.so sglang/srt/multimodal/_core.*.so  # gRPC / Rust server, image processing: never loaded offline
    find . -name __pycache__ -type d -prune -exec rm -rf {} +
    find . -name '*.so*' -type f | while read -r f; do file "$f" | grep -q 'with debug_info' && strip --strip-debug "$f" || true; done
