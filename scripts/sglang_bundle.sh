@@ -5,7 +5,9 @@
 #                                          set PY312 to choose one): downloads the wheels pinned in
 #                                          scripts/sglang_wheels.txt (cp312 manylinux x86-64, no deps),
 #                                          installs them into one site dir, prunes kernels the triton
-#                                          attention path never loads, strips debug info, and packs
+#                                          attention path never loads and sources nothing reads (flashinfer's
+#                                          JIT reads only its include dirs; tests, examples, C++ sources, the
+#                                          cudnn frontend's headers), strips debug info, and packs
 #                                          OUT/parts/part_* (xz, <= 55 MiB each; ~45 MiB for 0.5.17).
 #                                          Copy the parts into .bundle/ at the repository root.
 #   scripts/sglang_bundle.sh stage          on the GPU machine: keeps the parts this call carried in
@@ -50,7 +52,10 @@ build)
   "$PY312" -m pip install -q --no-index --no-deps --no-compile --target "$W/site" "$W"/whl/*.whl
   (cd "$W/site"
    rm -rf bin sgl_kernel/flash_ops.abi3.so sgl_kernel/sm100 sgl_kernel/infllm_ops*.so sgl_kernel/flashmla_ops.abi3.so \
-          xgrammar/lib/libxgrammar.a tvm_ffi/lib/libtvm_ffi_testing.so tvm_ffi/src \
+          xgrammar/lib/libxgrammar.a tvm_ffi/lib/libtvm_ffi_testing.so tvm_ffi/src include \
+          flashinfer/data/cutlass/examples flashinfer/data/cutlass/test flashinfer/data/cutlass/python \
+          flashinfer/data/cccl/python flashinfer/data/cccl/benchmarks flashinfer/data/cccl/ci flashinfer/data/cccl/docs \
+          flashinfer/data/cccl/libcudacxx/test jsonschema/tests jsonschema/benchmarks dill/tests \
           sglang/srt/grpc/_core.*.so sglang/srt/server/_core.*.so sglang/srt/multimodal/_core.*.so  # gRPC / Rust server, image processing: never loaded offline
    find . -name __pycache__ -type d -prune -exec rm -rf {} +
    find . -name '*.so*' -type f | while read -r f; do file "$f" | grep -q 'with debug_info' && strip --strip-debug "$f" || true; done
