@@ -7,7 +7,9 @@
 #                                          installs them into one site dir, prunes kernels the triton
 #                                          attention path never loads and sources nothing reads (flashinfer's
 #                                          JIT reads only its include dirs; tests, examples, C++ sources, the
-#                                          cudnn frontend's headers), strips debug info, and packs
+#                                          cudnn frontend's headers; the diffusion runtime, which only
+#                                          `sglang serve` reaches, not `python -m sglang.launch_server`),
+#                                          strips debug info, and packs
 #                                          OUT/parts/part_* (xz, <= 55 MiB each; ~45 MiB for 0.5.17).
 #                                          Copy the parts into .bundle/ at the repository root.
 #   scripts/sglang_bundle.sh stage          on the GPU machine: keeps the parts this call carried in
@@ -52,7 +54,7 @@ build)
   "$PY312" -m pip install -q --no-index --no-deps --no-compile --target "$W/site" "$W"/whl/*.whl
   (cd "$W/site"
    rm -rf bin sgl_kernel/flash_ops.abi3.so sgl_kernel/sm100 sgl_kernel/infllm_ops*.so sgl_kernel/flashmla_ops.abi3.so \
-          xgrammar/lib/libxgrammar.a tvm_ffi/lib/libtvm_ffi_testing.so tvm_ffi/src include \
+          xgrammar/lib/libxgrammar.a tvm_ffi/src include sglang/multimodal_gen \
           flashinfer/data/cutlass/examples flashinfer/data/cutlass/test flashinfer/data/cutlass/python \
           flashinfer/data/cccl/python flashinfer/data/cccl/benchmarks flashinfer/data/cccl/ci flashinfer/data/cccl/docs \
           flashinfer/data/cccl/libcudacxx/test jsonschema/tests jsonschema/benchmarks dill/tests \
