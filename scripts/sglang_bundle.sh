@@ -20,6 +20,10 @@
 #                                          .bundle/part_* (or $BUNDLE_DIR) into /tmp/sglang-site once,
 #                                          puts it and the repository first on PYTHONPATH and runs CMD,
 #                                          e.g. `python3 -m refcheck diff --engine sglang ...`.
+#   scripts/sglang_bundle.sh fits [LIMIT_KIB] whether the working tree (tracked and untracked-not-ignored files)
+#                                          and .bundle/ fit one device call's transfer (default 65536 KiB,
+#                                          counted in disk blocks as du counts them): prints both sizes
+#                                          and the margin; exit 1 when they do not fit.
 #   scripts/sglang_bundle.sh cpu [SITE] [VENV]
 #                                          on a CPU machine (a CPython 3.12 with pip, the package index):
 #                                          makes VENV (default /tmp/sglang-cpu) with CPU torch and the
@@ -77,6 +81,16 @@ stage)
   for f in "$REPO"/.bundle/part_* "$REPO"/.bundle/SHA256SUMS; do [ -f "$f" ] && cp "$f" "$P/"; done
   ls "$P"
   ;;
+fits)
+  limit=${1:-65536}
+  cd "$REPO"
+  tree=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 -r du -c -- 2>/dev/null \
+          | awk '$2 == "total" { t += $1 } END { print t + 0 }')
+  bundle=$(du -s .bundle 2>/dev/null | cut -f1); bundle=${bundle:-0}
+  margin=$(( limit - tree - bundle ))
+  echo "tree ${tree} KiB + .bundle ${bundle} KiB = $(( tree + bundle )) KiB of ${limit} KiB: margin ${margin} KiB"
+  [ "$margin" -ge 0 ]
+  ;;
 cpu)
   SITE=${1:-/tmp/sglang-bundle/site}; V=${2:-/tmp/sglang-cpu}
   [ -d "$SITE/sglang" ] || { echo "sglang_bundle: no SGLang in $SITE (run build first)" >&2; exit 2; }
@@ -120,5 +134,5 @@ run)
   exec "$@"
   ;;
 *)
-  echo "usage: sglang_bundle.sh build [OUT] | stage | run CMD ... | cpu [SITE] [VENV]" >&2; exit 2 ;;
+  echo "usage: sglang_bundle.sh build [OUT] | stage | run CMD ... | fits [LIMIT_KIB] | cpu [SITE] [VENV]" >&2; exit 2 ;;
 esac
