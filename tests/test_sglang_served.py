@@ -92,6 +92,29 @@ def test_a_hook_that_was_not_live_fails_the_served_run(setup):
     assert any(f.category == "engine" and "hook eagle_sample not live" in f.message for f in rep.failures)
 
 
+def test_a_servers_state_in_the_mamba_extra_buffer_is_not_judged_and_said_so(setup):
+    """A server whose radix cache kept the recurrent state in the mamba extra buffer (track slots the capture does not
+    read): the trace carries no state, its state checks say unsupported and why, everything else is judged, and a
+    leaky engine is still caught by its log-probs."""
+    from refcheck.diff.findings import Verdict
+
+    runner, prompts, trees = setup
+    for leaky in (False, True):
+        cap, results, rids = fake_sglang(runner, prompts[:2], trees, "tree", leaky=leaky, steps=2)
+        cap = _served(cap, prompts[:2], results, rids)
+        cap.status[0]["server"]["mamba_radix_cache_strategy"] = "extra_buffer"
+        cap.status[0]["serving"]["radix_cache"] = True
+        served = trace_of(cap, "fake")
+        trace = served.assembly.trace
+        assert served.state_not_judged and "track slots" in served.state_not_judged
+        assert trace.provenance["engine"]["settings"]["state_not_judged"] == served.state_not_judged
+        assert all(not s.state for s in trace.steps)
+        rep = _judge(trace)
+        unsupported = [f for f in rep.findings if f.verdict == Verdict.UNSUPPORTED and f.category == "recurrent"]
+        assert unsupported and "recorded no state" in unsupported[0].message
+        assert bool(rep.failures) == leaky and (not leaky or {f.category for f in rep.failures} & {"logits"})
+
+
 def test_a_leaky_engine_served_is_caught(setup):
     """The recurrent layers run through the flattened tree (siblings leak): the served trace fails as a driven one."""
     runner, prompts, trees = setup

@@ -304,6 +304,8 @@ def _diff_capture(opts: ServedOptions, model: ModelOptions, pool: ReferencePool,
                           last_records=opts.last_records)
     for why, n in sorted(served.left_out.items()):
         err.print(f"{capture}: left out {n} request(s) with {why}", markup=False)
+    if served.state_not_judged:
+        err.print(f"{capture}: state not judged: {served.state_not_judged}", markup=False)
     traces.append(served.assembly.trace)
     reports.append(judge(traces[-1], pool, capture.name or "capture", mode, ref_dtype=ref.ref_dtype,
                          ref_device=ref.ref_device))

@@ -77,6 +77,8 @@ def trace_import(capture_dir: Path, out: Path, model_dir: Path | None, draft_dir
                   markup=False)
     for why, n in sorted(served.left_out.items()):
         err.print(f"left out: {n} request(s) with {why}", markup=False)
+    if served.state_not_judged:
+        err.print(f"state not judged: {served.state_not_judged}", markup=False)
     if asm.problems:
         err.print(f"{len(asm.problems)} problem(s) in the records (refcheck trace show --json {out} lists them)",
                   markup=False)

@@ -59,6 +59,19 @@ class ServedCaptureError(UsageError):
 class Served:
     assembly: Assembly
     left_out: dict[str, int] = field(default_factory=dict)  # reason -> requests left out of the trace
+    state_not_judged: str | None = None  # why the trace carries no state (its state checks then say unsupported)
+
+
+def state_unread(server: dict[str, Any], serving: dict[str, Any]) -> str | None:
+    """Why a server's recurrent state cannot be read as the capture reads it, or None: a hybrid target's radix cache
+    with the mamba extra buffer (SGLang's choice under overlap or pages > 1 where the architecture has one) keeps the
+    state in ping-pong track slots, which the capture does not read (refcheck refuses that setting in the runs it
+    drives, ``settings.radix_refusal``)."""
+    strategy = str(server.get("mamba_radix_cache_strategy") or "")
+    if serving.get("radix_cache") and strategy.startswith("extra_buffer"):
+        return (f"the radix cache with the mamba {strategy} strategy keeps the recurrent state in track slots the "
+                "capture does not read")
+    return None
 
 
 def served_trace(root: Path, model_dir: Path | None = None, draft_dir: Path | None = None,
@@ -87,6 +100,11 @@ def trace_of(cap: Capture, where: str, model_dir: Path | None = None, draft_dir:
     tdir = _checkpoint(model_dir, server.get("model_path"), "model", "--model-dir")
     ddir = _checkpoint(draft_dir, server.get("speculative_draft_model_path"), "draft model", "--draft-dir") \
         if algorithm in DFLASH_DRAFTED else None
+    unread = state_unread(server, cap.status[0].get("serving") or {})
+    if unread is not None:  # tokens, log-probs, trees and drafts are judged; the state is not
+        for steps in cap.steps.values():
+            for step in steps:
+                step.state = {}
     contexts = capture_contexts(cap)
     prompts, results, sampling, left_out = _requests(cap, contexts)
     if not prompts:
@@ -104,7 +122,9 @@ def trace_of(cap: Capture, where: str, model_dir: Path | None = None, draft_dir:
         asm.stats["records_not_read"] = cap.not_read
     prov["capture"] = capture_provenance(cap, asm, None, hooks, st.get("sample") or {"every": 1, "seed": 0},
                                          st.get("max_bytes"), roll=bool(st.get("roll")))
-    return Served(asm, left_out)
+    if unread is not None:
+        prov["engine"]["settings"]["state_not_judged"] = unread
+    return Served(asm, left_out, unread)
 
 
 def served_rng(algorithm: str) -> str:

@@ -146,7 +146,7 @@ SERVER_FIELDS = ("model_path", "dtype", "kv_cache_dtype", "speculative_algorithm
                  "speculative_ngram_max_bfs_breadth", "speculative_dflash_block_size", "tp_size", "dp_size", "page_size",
                  "disable_cuda_graph", "disable_overlap_schedule", "disable_radix_cache", "attention_backend",
                  "linear_attn_backend", "sampling_backend", "random_seed", "enable_dp_attention", "lora_paths",
-                 "enable_custom_logit_processor")
+                 "enable_custom_logit_processor", "mamba_radix_cache_strategy", "mamba_ssm_dtype")
 
 
 def prefill_end(req: Any) -> int | None:
