@@ -138,7 +138,7 @@ def carry_us(requests: int = 32, batches: int = 2000, prompt: int = 300) -> floa
     carried once, then four new tokens a batch), over the same loop without it."""
     from types import SimpleNamespace
 
-    from refcheck.sglang.capture import hooks
+    from refcheck.sglang.capture import snapshot
     from refcheck.sglang.capture.batch import Batch
     from refcheck.sglang.capture.sample_rule import SampleRule
     from refcheck.sglang.capture.step_clock import StepClock
@@ -154,7 +154,7 @@ def carry_us(requests: int = 32, batches: int = 2000, prompt: int = 300) -> floa
                 r.output_ids.extend((1, 2, 3, 4))
             snap = Batch(mode="decode", speculative=True, rids=rids)
             if carry:
-                hooks._carry(snap, clock, reqs, rows)
+                snapshot.carry(snap, clock, reqs, rows)
         return (time.perf_counter() - t0) / batches
 
     loop(True)  # every prompt carried once, as at a request's first record

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from refcheck.sglang.capture import hooks, records
+from refcheck.sglang.capture import hooks, records, snapshot
 from refcheck.sglang.capture.graphs import GraphCache
 from refcheck.sglang.capture.packing import Packed
 
@@ -143,8 +143,9 @@ def fresh_hooks(monkeypatch, root):
     """The capture hooks as a new scheduler process has them, recording into ``root``: returns ``root``."""
     monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(root))
     for name, value in (("_recorder", None), ("_unrecordable", None), ("_rule", None), ("_bad_rule", None),
-                        ("_clock", None), ("_mixed_said", False)):
+                        ("_clock", None)):
         monkeypatch.setattr(hooks, name, value)
+    monkeypatch.setattr(snapshot, "_mixed_said", False)
     return root
 
 

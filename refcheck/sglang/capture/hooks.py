@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from refcheck.sglang.capture import byte_budget, dflash_taps, layers, profiling, sampler_faults, versions
+from refcheck.sglang.capture import byte_budget, dflash_taps, layers, profiling, sampler_faults, snapshot, versions
 from refcheck.sglang.capture.batch import Batch, device_index, host_lens, on_device, timed_part
 from refcheck.sglang.capture.committed import committed_state
 from refcheck.sglang.capture.graphs import GraphCache
@@ -82,7 +82,6 @@ _unrecordable: str | None = None  # why this process's capture directory took no
 _rule: SampleRule | None = None
 _bad_rule: str | None = None  # why REFCHECK_CAPTURE_SAMPLE could not be read (the process then records nothing)
 _clock: StepClock | None = None  # which decode steps this process records (made with the process's rule)
-_mixed_said = False  # whether this process has said that it runs decode steps inside prefill batches
 
 
 _batch: Batch | None = None
@@ -223,75 +222,8 @@ def _step_clock() -> StepClock:
 
 
 def _snapshot(scheduler: Any, batch: Any) -> Batch | str:
-    """The batch before it runs: its mode (a str) when this step records none of its requests, else a
-    :class:`Batch` of what the records need of it. Which requests a step records: at a prefill or a decode step,
-    those the sampling rule takes on that kind's clock (:class:`~refcheck.sglang.capture.step_clock.StepClock`). A
-    batch the rule passes over costs its rids, its step counts and nothing more."""
-    fm = batch.forward_mode
-    mode = "extend" if fm.is_extend() else "decode" if fm.is_decode() else "other"
-    if mode == "other":
-        return mode
-    if mode == "extend" and not _mixed_said and getattr(fm, "is_mixed", lambda: False)():
-        _said_mixed()
-    reqs = list(batch.reqs)
-    rids = [r.rid for r in reqs]
-    clock = _step_clock()
-    steps: list[int] = []
-    if mode == "extend":
-        take = clock.take_prefill(rids, reqs)
-    else:
-        take, steps = clock.take(rids, reqs)
-    if not take:
-        return mode
-    if _recorder is not None and _recorder.budget.spent:  # past the byte budget: counted, then as if not taken
-        _recorder.shipper.counts.add(over_budget=1)
-        return mode
-    rows = batch.req_pool_indices
-    snap = Batch(mode=mode, speculative=not batch.spec_algorithm.is_none(), rids=rids, take=take, steps=steps)
-    if mode == "decode" and len(take) < len(rids):
-        snap.index = device_index(take, rows.device if isinstance(rows, torch.Tensor) else "cpu")
-    if mode == "extend":  # what a prefill record needs: whose prompt this chunk finishes
-        snap.prompt_lens = [len(r.origin_input_ids) for r in reqs]
-        snap.done = [i for i in take if not reqs[i].output_ids and _chunk_end(reqs[i]) >= snap.prompt_lens[i]]
-        if not snap.done:  # middle chunks and re-prefills only: nothing to record, the batch runs plain
-            return mode
-        _carry(snap, clock, reqs, snap.done)
-        return snap
-    _carry(snap, clock, reqs, take)
-    snap.committed = [len(r.origin_input_ids) + len(r.output_ids) - 1 for r in reqs]
-    snap.roots = [int(r.output_ids[-1]) if r.output_ids else -1 for r in reqs]
-    snap.pool_rows = rows.detach().clone() if isinstance(rows, torch.Tensor) else None
-    snap.topk = versions.server_topk(scheduler)
-    return snap
-
-
-def _said_mixed() -> None:
-    """``--enable-mixed-chunk`` (target-only decoding): SGLang runs running requests' decode steps inside prefill
-    batches (``ForwardMode.MIXED``), which the capture does not record; said once, as a capture error, so the run's
-    missing steps are never silent."""
-    global _mixed_said
-    _mixed_said = True
-    _error("run_batch:mixed", "SGLang runs decode steps inside prefill batches (--enable-mixed-chunk): the capture "
-           "records none of them; run without --enable-mixed-chunk to have every step judged")
-
-
-def _chunk_end(req: Any) -> int:
-    """Where this prefill chunk of ``req`` ends (:func:`versions.prefill_end`); a release that does not say is a
-    capture error (the batch then records nothing), never a guess that could take a middle chunk's token for the
-    request's first."""
-    end = versions.prefill_end(req)
-    if end is None:
-        raise AttributeError("this SGLang release's requests carry neither extend_range nor fill_ids: a prefill chunk's "
-                             "end cannot be read, so no first token is recorded")
-    return end
-
-
-def _carry(snap: Batch, clock: StepClock, reqs: list[Any], rows: list[int]) -> None:
-    """The pieces of their contexts (and first parameters) the records of ``rows`` carry, in that order."""
-    for b in rows:
-        piece, params = clock.context(snap.rids[b], reqs[b])
-        snap.contexts.append(piece)
-        snap.params.append(params)
+    """The batch before it runs (:func:`refcheck.sglang.capture.snapshot.take`), on this process's clock."""
+    return snapshot.take(scheduler, batch, _step_clock(), _recorder, _error)
 
 
 def _engine_stream(scheduler: Any) -> Any:
