@@ -1,6 +1,6 @@
 """A capture of a serving run refcheck did not start (refcheck/sglang/served.py): its records' contexts and its
 status's server arguments become a trace the diff judges, as a run refcheck drove would be. The captures here are
-tests/test_sglang_capture.py's fake SGLang (the reference's own forwards, batched as SGLang batches them), with
+tests/fake_engine_kit.py's fake SGLang (the reference's own forwards, batched as SGLang batches them), with
 each record carrying the piece of its request's context the hooks would give it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
-from test_sglang_capture import _sampled, fake_engine_setup, fake_sglang  # tests/test_sglang_capture.py
+from fake_engine_kit import _sampled, fake_engine_setup, fake_sglang  # tests/fake_engine_kit.py
 
 from ddtree_reference.sampling import Sampling
 from refcheck.diff.judge import judge
