@@ -447,8 +447,8 @@ def _record(scheduler: Any, rec: Recorder, snap: Batch, result: Any, ran_s: floa
     SGLang's time in ``run_batch`` before this."""
     with profiling.section("after"):
         _guard("run_batch:after", _after, scheduler, snap, result)
-    wall = ran_s + time.perf_counter() - snap.after_t0
-    hooks_s = snap.host_s + time.perf_counter() - snap.after_t0
+    after_s = time.perf_counter() - snap.after_t0
+    wall, hooks_s = ran_s + after_s, snap.host_s + after_s
     if snap.mode == "decode":
         rec.shipper.counts.add(recorded_batches=1, recorded_ns=int(1e9 * wall), hooks_ns=int(1e9 * hooks_s),
                                **{f"{k}_ns": int(1e9 * v) for k, v in snap.parts.items()})

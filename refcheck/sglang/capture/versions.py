@@ -132,9 +132,9 @@ def graph_backends(args: Any) -> tuple[str | None, str | None]:
     start-up resolution all fold into it); ``disable_cuda_graph`` is only its legacy input, read where the release has
     no config."""
     cfg = getattr(args, "cuda_graph_config", None)
-    decode, prefill = getattr(cfg, "decode", None), getattr(cfg, "prefill", None)
+    decode, prefill = (getattr(getattr(cfg, phase, None), "backend", None) for phase in ("decode", "prefill"))
     if decode is not None:
-        return (str(getattr(decode, "backend", None)), None if prefill is None else str(getattr(prefill, "backend", None)))
+        return str(decode), None if prefill is None else str(prefill)
     off = getattr(args, "disable_cuda_graph", None)
     return (None, None) if off is None else ("disabled" if off else "full", None)
 
