@@ -193,7 +193,8 @@ def test_prefills_are_booked_recorded_and_plain(capture_dir):
 def test_a_sampled_capture_records_one_prefill_batch_in_every_on_its_own_clock(capture_dir, monkeypatch):
     """Under 1 batch in 2, prefill batches are taken by the rule on their own clock: a taken prefill records its
     requests' first tokens, one not taken records nothing and is booked plain; the decode batches' clock does not
-    move with them."""
+    move with them. Each request the clock met is counted in the ledger, the four whose only batch was passed over
+    (they end at their prefill) too."""
     from refcheck.sglang.capture.sample_rule import SampleRule
 
     rule = SampleRule(2, seed=5)
@@ -213,6 +214,7 @@ def test_a_sampled_capture_records_one_prefill_batch_in_every_on_its_own_clock(c
     assert sorted(r.rid for r in cap.prefills[0]) == sorted(f"p{p}-r{i}" for p in taken for i in range(2))
     assert (cap.cost["prefills"], cap.cost["plain_prefills"]) == (2, 2), cap.cost
     assert hooks._step_clock().batches == 0 and hooks._step_clock().prefills == 4
+    assert cap.requests_met == 8 and len({r.rid for r in cap.prefills[0]}) == 4
 
 
 def test_a_request_prefilled_again_after_a_retraction_records_no_second_first_token(capture_dir):

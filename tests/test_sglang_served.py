@@ -18,7 +18,7 @@ from refcheck.models import builtin_pair
 from refcheck.pool import ReferencePool
 from refcheck.sglang.capture.contexts import delta
 from refcheck.sglang.capture.sample_rule import SampleRule
-from refcheck.sglang.served import ServedCaptureError, served_trace, trace_of
+from refcheck.sglang.served import UNRECORDED, ServedCaptureError, served_trace, trace_of
 
 
 @pytest.fixture(scope="module")
@@ -416,3 +416,20 @@ def test_a_record_a_running_servers_rolling_budget_deletes_mid_read_is_passed_ov
     monkeypatch.setattr(Path, "read_bytes", gone)
     assert not read_capture(capture_dir, running=True).errors
     assert any("record gone while the directory was read" in e for e in read_capture(capture_dir).errors)
+
+
+def test_requests_the_schedulers_met_that_no_record_holds_are_counted(setup):
+    """A sampled server's request that ends at its prefill, the rule passing over that one batch, is in no record: the
+    schedulers' ledgers count it among the requests they met, and the trace says so; every recorded request is
+    judged. When the ledgers' count equals the recorded requests (or no ledger counted), nothing is said."""
+    runner, prompts, trees = setup
+    cap, results, rids = fake_sglang(runner, prompts, trees, "tree")
+    cap = _served(cap, prompts, results, rids)
+    cap.requests_met = len(prompts) + 2
+    served = trace_of(cap, "fake")
+    assert served.left_out == {UNRECORDED: 2}
+    assert served.assembly.trace.provenance["engine"]["settings"]["left_out"] == {UNRECORDED: 2}
+    assert {r.request_id for r in served.assembly.trace.requests} == {rids[p.id] for p in prompts}
+    for met in (len(prompts), 0):
+        cap.requests_met = met
+        assert not trace_of(cap, "fake").left_out

@@ -18,7 +18,9 @@ The trace holds one sampling setting, as every trace does: the greedy requests (
 are any, else the largest group of one temperature, top-k and top-p. Requests refcheck's reference cannot judge are
 left out and counted by reason (:attr:`Served.left_out`, also in the trace's ``engine.settings.left_out``): another
 sampling setting; penalties, a logit bias, ``min_p``, ``min_new_tokens`` or a grammar (they change the target's
-distribution); no sampling parameters in their records (their first record was not written). A request whose
+distribution); no sampling parameters in their records (their first record was not written). Requests a scheduler
+met that no record read holds are counted too (:data:`UNRECORDED`, from the schedulers' ledgers), so a sampled trace
+says how many of the server's requests it does not hold. A request whose
 context has a hole (a record between was not written) keeps the steps before it. A directory that is not a capture,
 or one whose server or models cannot be read, is a :class:`ServedCaptureError` (exit 2).
 """
@@ -49,6 +51,12 @@ from refcheck.sglang.requests import keyed, missing_hooks, required_hooks, sampl
 #: processor, embeddings or images for a prompt, overridden positions; SGLang's abort stub)
 _CONSTRAINTS = {"min_new_tokens": 0, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
                 **dict.fromkeys(LOOKS), "aborted": False}
+
+
+#: why a request the schedulers met is not in the trace when no record read holds it: the sampling rule passed over
+#: each of its batches (a request that ends at its prefill has one), or its records were lost, past the byte budget,
+#: rolled out or not read
+UNRECORDED = "no batch of it in the records read"
 
 
 class ServedCaptureError(UsageError):
@@ -170,7 +178,10 @@ def _requests(cap: Capture, contexts: Contexts) -> tuple[list[Prompt], dict[str,
     firsts = {p.rid: p for p in cap.prefills.get(rank, [])}
     left: Counter[str] = Counter()
     groups: dict[Sampling, list[str]] = {}
-    for rid in sorted({s.rid for s in cap.steps.get(rank, [])} | set(firsts)):
+    recorded = {s.rid for s in cap.steps.get(rank, [])} | set(firsts)
+    if cap.requests_met > len(recorded):  # met by a scheduler, yet in no record read
+        left[UNRECORDED] = cap.requests_met - len(recorded)
+    for rid in sorted(recorded):
         params = contexts.params.get(rid)
         if rid in contexts.late:
             setting = ("its first records before the records read" if cap.not_read else

@@ -217,8 +217,14 @@ def _guard(where: str, fn, *args) -> Any:
 def _step_clock() -> StepClock:
     global _clock
     if _clock is None:
-        _clock = StepClock(_sample_rule() or SampleRule())
+        _clock = StepClock(_sample_rule() or SampleRule(), on_enter=_met)
     return _clock
+
+
+def _met() -> None:
+    """A request the step clock meets for the first time, counted in the process's ledger (``requests``)."""
+    if _recorder is not None:
+        _recorder.shipper.counts.add(requests=1)
 
 
 def _snapshot(scheduler: Any, batch: Any) -> Batch | str:

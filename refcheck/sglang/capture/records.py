@@ -116,6 +116,9 @@ class Capture:
     rolled_out: int = 0  # batch records a rolling byte budget deleted, oldest first
     in_flight: int = 0  # batch records queued but not yet written when a running engine's directory was read
     not_read: int = 0  # record files left unread (read_capture's ``last``)
+    #: requests the schedulers' step clocks met, recorded or not: a tensor-parallel rank's processes summed (data-
+    #: parallel replicas and restarts meet other requests), the largest over ranks (each rank meets the same ones)
+    requests_met: int = 0
     #: what the capture cost the engine, over every process (:func:`~refcheck.sglang.capture.shipper.ledger_summary`)
     cost: dict[str, Any] = field(default_factory=dict)
 
@@ -187,8 +190,10 @@ def _replicas(status: list[dict[str, Any]]) -> int:
 def _read_queues(root: Path, cap: Capture, running: bool = False) -> None:
     """Records queued but never written (the engine stopped first; with ``running``, counted in flight) and error
     records that could not be written are errors; records lost to a full queue and batches past the byte budget are
-    counted; the processes' cost ledgers are summed into :attr:`Capture.cost`."""
+    counted; the processes' cost ledgers are summed into :attr:`Capture.cost`, and the requests they met into
+    :attr:`Capture.requests_met`."""
     ledger: dict[str, int] = {}
+    met: dict[str, int] = {}  # the file name's rank -> requests its processes met
     for f in queue_files(root):
         try:
             fields = read_fields(f)
@@ -209,5 +214,8 @@ def _read_queues(root: Path, cap: Capture, running: bool = False) -> None:
         cap.lost += lost
         cap.over_budget += fields["over_budget"]
         cap.rolled_out += fields["rolled_out"]
+        rank = f.name.split("-pid", 1)[0]  # queue-rank{r}
+        met[rank] = met.get(rank, 0) + fields["requests"]
+    cap.requests_met = max(met.values(), default=0)
     if ledger:
         cap.cost = ledger_summary(ledger, ledger["written"])

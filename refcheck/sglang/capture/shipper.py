@@ -20,8 +20,9 @@ updated by plain memory writes, so the engine's parent can wait until the writer
 (:func:`wait_drained`) before it stops SGLang, and the reader can report lost records (:func:`read_counts`): those
 that found the queue full and those the writer could not write (``written`` counts them too: done with). It also
 counts the batches past the byte budget (``over_budget``: records the writer refused and batches the hooks passed
-over once the budget was spent), the error records that could not be written (``unwritten_errors``) and the batch
-records a rolling budget deleted (``rolled_out``).
+over once the budget was spent), the error records that could not be written (``unwritten_errors``), the batch
+records a rolling budget deleted (``rolled_out``) and the requests the process's step clock met (``requests``: each
+request of a traced batch once, recorded or not).
 Beside the queue's three counts the file holds the capture's cost ledger (:func:`read_fields`, :func:`ledger_summary`): the writer
 thread's CPU time on the records it wrote (its wait for a record's copy left out), and the scheduler's
 ``run_batch`` wall time over decode batches that ran as if no capture were loaded (``plain``) and over
@@ -59,7 +60,7 @@ QUEUE_DEPTH = 512
 FIELDS = ("queued", "written", "lost", "writer_ns", "plain_batches", "plain_ns", "recorded_batches", "recorded_ns",
           "hooks_ns", "snapshot_ns", "verify_ns", "taps_ns", "state_ns", "ship_ns", "passed_ns", "gc_ns",
           "gc_collections", "prefills", "prefill_ns", "prefill_hooks_ns", "plain_prefills", "plain_prefill_ns",
-          "over_budget", "unwritten_errors", "rolled_out")
+          "over_budget", "unwritten_errors", "rolled_out", "requests")
 #: the parts of the hooks' time the ledger books (``{part}_ns``): the batch's snapshot, the verify hooks' reductions,
 #: the DFLASH drafter's taps, the committed state's sketch, and packing and queuing the record
 PARTS = ("snapshot", "verify", "taps", "state", "ship")

@@ -12,13 +12,15 @@ capture records one prefill batch in ``every`` as it does decode batches, and a 
 go of are dropped: the clock holds a weak reference to each request object, so a request no batch can hold again
 is gone. A request that is only waiting (retracted, preempted) keeps its count. A request class that takes no weak
 reference is kept for the process's life. So a serving run with capture left on holds as many counts as it has
-live requests. Beside its count the clock keeps how many of a request's context tokens its records have carried
+live requests. ``on_enter``, when given, is called once for each request the clock meets (the hooks count them in
+the process's ledger: a request whose batches the rule all passed over is counted there, not silently absent). Beside its count the clock keeps how many of a request's context tokens its records have carried
 (:meth:`StepClock.context`, :mod:`refcheck.sglang.capture.contexts`).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from refcheck.sglang.capture.contexts import delta, params_of
@@ -30,8 +32,9 @@ SWEEP_EVERY = 1024  # decode batches between sweeps
 class StepClock:
     """One process's sampling clock and per-request step counts (module docstring)."""
 
-    def __init__(self, default: SampleRule, sweep_every: int = SWEEP_EVERY) -> None:
-        self.default, self.sweep_every = default, sweep_every
+    def __init__(self, default: SampleRule, sweep_every: int = SWEEP_EVERY,
+                 on_enter: Callable[[], None] | None = None) -> None:
+        self.default, self.sweep_every, self.on_enter = default, sweep_every, on_enter
         self.batches = 0
         self.prefills = 0
         #: rid -> [steps run, its rule's every, its rule's phase, a weak reference to the request or None, context
@@ -87,6 +90,8 @@ class StepClock:
         """``rid``'s entry, new: no step run, its rule's every and phase, a weak reference to its request."""
         rule = rule_for(rid, self.default)
         clock = self._seen[rid] = [0, rule.every, rule.phase, _weak(req), 0]
+        if self.on_enter is not None:
+            self.on_enter()
         return clock
 
     def context(self, rid: str, req: Any) -> tuple[list[Any], dict[str, Any] | None]:
