@@ -55,6 +55,24 @@ def test_the_reader_reports_records_still_queued_and_records_lost(tmp_path):
     assert any("unreadable capture queue counts" in e for e in read_capture(tmp_path).errors)
 
 
+def test_a_counters_file_an_earlier_refcheck_wrote_reads_with_the_fields_it_lacks_as_zero(tmp_path):
+    """Counters are only appended to FIELDS: a file holding the first ones (an earlier release's directory, read by
+    ``trace import``) reads with the rest 0; a size that is no run of whole fields, or fewer than the queue's three
+    counts, is refused."""
+    import struct
+
+    older = FIELDS[:-1]  # the fields before the newest
+    f = tmp_path / "queue-rank0-pid1.bin"
+    f.write_bytes(struct.pack("<" + "Q" * len(older), *range(1, len(older) + 1)))
+    fields = read_fields(f)
+    assert [fields[k] for k in older] == list(range(1, len(older) + 1)) and fields[FIELDS[-1]] == 0
+    assert read_capture(tmp_path).requests_met == 0
+    for size in (8 * len(older) + 3, 16, 8 * (len(FIELDS) + 1)):
+        f.write_bytes(bytes(size))
+        with pytest.raises(ValueError):
+            read_fields(f)
+
+
 def test_the_sampling_rule_records_one_batch_in_n_at_a_seeded_phase():
     rule = SampleRule(16, seed=7)
     assert sum(rule.takes(g) for g in range(160)) == 10

@@ -133,11 +133,15 @@ class Counters:
 
 
 def read_fields(path: Path) -> dict[str, int]:
-    """Every field of one scheduler process's counters file (:data:`FIELDS`)."""
+    """Every field of one scheduler process's counters file (:data:`FIELDS`). Fields are only ever appended, so a
+    file an earlier refcheck wrote (its first fields, at least the queue's three counts) reads with the fields it
+    lacks as 0; any other size is a ValueError."""
     data = Path(path).read_bytes()
-    if len(data) != _SIZE:
-        raise ValueError(f"{path.name}: {len(data)} bytes, a capture queue file holds {_SIZE}")
-    return dict(zip(FIELDS, struct.unpack(_FMT, data)))
+    n = len(data) // _FIELD.size
+    if len(data) % _FIELD.size or not 3 <= n <= len(FIELDS):
+        raise ValueError(f"{path.name}: {len(data)} bytes, a capture queue file holds {_SIZE} (or, written by an "
+                         f"earlier refcheck, its first fields: a multiple of {_FIELD.size} bytes)")
+    return {**dict.fromkeys(FIELDS, 0), **dict(zip(FIELDS, struct.unpack("<" + "Q" * n, data)))}
 
 
 def read_counts(path: Path) -> tuple[int, int, int]:
