@@ -20,9 +20,9 @@ left out and counted by reason (:attr:`Served.left_out`, also in the trace's ``e
 sampling setting; penalties, a logit bias, ``min_p``, ``min_new_tokens`` or a grammar (they change the target's
 distribution); no sampling parameters in their records (their first record was not written). Requests a scheduler
 met that no record read holds are counted too (:data:`UNRECORDED`, from the schedulers' ledgers), so a sampled trace
-says how many of the server's requests it does not hold. A request whose
-context has a hole (a record between was not written) keeps the steps before it. A directory that is not a capture,
-or one whose server or models cannot be read, is a :class:`ServedCaptureError` (exit 2).
+says how many of the server's requests it does not hold. A request whose context has a hole (a record between was
+not written) keeps the steps before it. A directory that is not a capture, or one whose server or models cannot be
+read, is a :class:`ServedCaptureError` (exit 2).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ go of are dropped: the clock holds a weak reference to each request object, so a
 is gone. A request that is only waiting (retracted, preempted) keeps its count. A request class that takes no weak
 reference is kept for the process's life. So a serving run with capture left on holds as many counts as it has
 live requests. ``on_enter``, when given, is called once for each request the clock meets (the hooks count them in
-the process's ledger: a request whose batches the rule all passed over is counted there, not silently absent). Beside its count the clock keeps how many of a request's context tokens its records have carried
+the process's ledger: a request whose batches the rule all passed over is counted there, not silently absent).
+Beside its count the clock keeps how many of a request's context tokens its records have carried
 (:meth:`StepClock.context`, :mod:`refcheck.sglang.capture.contexts`).
 """
 
