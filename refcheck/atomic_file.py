@@ -104,20 +104,25 @@ def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> int:
 def atomic_create(path: Path, parts: Sequence[bytes | memoryview]) -> int:
     """Write ``parts`` one after the other as the new file ``path`` (which is not there yet): into ``path`` +
     ``.tmp``, created exclusively (the process's umask applied by the kernel), then renamed into place. A reader
-    sees the whole file or none; a power cut may lose it (no fsync). The temp name already there is a
-    :class:`FileExistsError`, and on any exception the temp file is removed. Returns the bytes written."""
+    sees the whole file or none; a power cut may lose it (no fsync). The buffers go out in one ``writev`` (again for
+    what a short write left): a thread writing records lets go of the interpreter lock and takes it back four times
+    (open, write, close, rename), not once more per buffer. The temp name already there is a :class:`FileExistsError`, and on any exception the temp file is
+    removed. Returns the bytes written."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         try:
+            views = [v for v in (memoryview(part).cast("B") for part in parts) if v]
             written = 0
-            for part in parts:
-                view = memoryview(part).cast("B")
-                while view:
-                    n = os.write(fd, view)
-                    written += n
-                    view = view[n:]
+            while views:
+                n = os.writev(fd, views)
+                written += n
+                while views and n >= len(views[0]):  # the buffers written whole
+                    n -= len(views[0])
+                    views.pop(0)
+                if views:
+                    views[0] = views[0][n:]  # the rest of one written in part
         finally:
             os.close(fd)
         os.replace(tmp, path)

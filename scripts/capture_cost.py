@@ -223,7 +223,8 @@ def pooled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _pool_books(into: dict[str, Any], books: dict[str, Any]) -> None:
     """One run's books of a kind of pass added to a pooled cell's: the seconds each pass booked to ``run_batch``
-    laid end to end, and an unrecorded batch's ms and the hooks' pass-over of it as means weighted by batches."""
+    laid end to end, and an unrecorded batch's ms, the hooks' pass-over of it and the ms of a plain batch right after a
+    recorded one as means weighted by batches."""
     into["run_batch_s"] += list(books.get("run_batch_s") or [])
     n = int(books.get("plain_batches") or 0)
     if not n or books.get("plain_ms_per_batch") is None:
@@ -233,6 +234,11 @@ def _pool_books(into: dict[str, Any], books: dict[str, Any]) -> None:
         if books.get(key) is not None:
             into[key] = (into.get(key, 0.0) * into.get("plain_batches", 0) + books[key] * n) / total
     into["plain_batches"] = total
+    m = int(books.get("next_batches") or 0)
+    if m and books.get("next_ms_per_batch") is not None:
+        had = into.get("next_batches", 0)
+        into["next_ms_per_batch"] = (into.get("next_ms_per_batch", 0.0) * had + books["next_ms_per_batch"] * m) / (had + m)
+        into["next_batches"] = had + m
 
 
 @functools.cache
@@ -318,10 +324,12 @@ def _ledger(cost: dict[str, Any]) -> str:
 
 def _unrecorded(costs: dict[str, Any]) -> str:
     """An unrecorded decode batch's ms in the untraced passes and in the sampled ones, and the hooks' pass-over of
-    it: what a sampled run costs the batches it does not record."""
+    it (and, where booked, the ms of the sampled passes' plain batches that come right after a recorded one): what a
+    sampled run costs the batches it does not record."""
     u, s = costs.get("untraced") or {}, costs.get("sampled") or {}
+    after = f"; next {_fmt(s['next_ms_per_batch'])}" if s.get("next_ms_per_batch") is not None else ""
     return (f"{_fmt(u.get('plain_ms_per_batch'))} / {_fmt(s.get('plain_ms_per_batch'))} "
-            f"({_fmt(s.get('passed_ms_per_plain_batch'), '.3f')})")
+            f"({_fmt(s.get('passed_ms_per_plain_batch'), '.3f')}{after})")
 
 
 def _booked(b: dict[str, float] | None, steps: dict[str, Any] | None = None) -> str:

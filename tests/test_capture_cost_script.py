@@ -181,7 +181,8 @@ def test_pooled_rows_lay_one_cells_rounds_end_to_end_and_recompute_what_depends_
 
 def test_the_unrecorded_batches_books_pool_weighted_by_batches_and_show_the_pass_over():
     """An unrecorded decode batch's ms in the untraced and the sampled passes, and the hooks' pass-over of it: one
-    run's as booked, two runs' as means weighted by their batches; the column says untraced / sampled (pass-over)."""
+    run's as booked, two runs' as means weighted by their batches; the column says untraced / sampled (pass-over),
+    and the plain batches right after a recorded one where the books hold them (``next``)."""
     def row(plain_u: float, plain_s: float, passed: float, batches: int) -> dict:
         return {"algorithm": "DFLASH", "graphs": True, "workload": "mixed",
                 "passes": {"untraced": [1.0] * 3, "sampled": [1.0] * 3, "full": []},
@@ -195,3 +196,10 @@ def test_the_unrecorded_batches_books_pool_weighted_by_batches_and_show_the_pass
     assert pooled["sampled"]["plain_ms_per_batch"] == pytest.approx(3.975)
     assert pooled["sampled"]["passed_ms_per_plain_batch"] == pytest.approx(0.0625)
     assert pooled["sampled"]["plain_batches"] == 40 and cc._unrecorded({}) == "— / — (—)"
+    after = row(3.0, 3.3, 0.04, 10)
+    after["pass_costs"]["sampled"].update(next_batches=2, next_ms_per_batch=4.0)
+    assert cc._unrecorded(after["pass_costs"]) == "3.00 / 3.30 (0.040; next 4.00)"
+    more = row(3.0, 3.3, 0.04, 10)
+    more["pass_costs"]["sampled"].update(next_batches=6, next_ms_per_batch=5.0)
+    pooled = cc.pooled([after, more, row(4.0, 4.2, 0.07, 30)])[0]["pass_costs"]["sampled"]
+    assert pooled["next_ms_per_batch"] == pytest.approx(4.75) and pooled["next_batches"] == 8

@@ -91,6 +91,40 @@ def test_a_batch_the_sampling_rule_passes_over_reads_nothing_but_its_rids_and_is
     assert sum(parts.values()) <= cost["hooks_ms_per_batch"] + 1e-3
 
 
+
+def test_the_first_traced_plain_batch_after_a_recorded_one_is_booked_as_next(capture_dir, monkeypatch):
+    """The ledger's ``next`` side holds each plain decode batch that comes right after a recorded one (where the
+    recorded batch's device work and its record's writing land): under 1 batch in 3, a batch of untraced requests
+    run between a recorded batch and the next traced one is neither counted there nor clears it; the traced plain
+    batch after it is."""
+    from refcheck.sglang.capture.sample_rule import SampleRule
+    from refcheck.sglang.env import UNTRACED_RID_PREFIX
+
+    rule = SampleRule(3, seed=0)
+    monkeypatch.setattr(hooks, "_rule", rule)
+    monkeypatch.setattr(hooks, "_after_recorded", False)
+    sched, *_ = make_scheduler()
+    run_prefill(sched)
+
+    def step(self, b):
+        logits = torch.randn(len(b.reqs), V)
+        return NS(logits_output=NS(next_token_logits=logits), next_token_ids=logits.argmax(-1))
+
+    nexts = 0
+    for g in range(7):
+        hooks._run_batch(step, sched, make_batch("decode", False, [[5] * (g + 1), [6] * (g + 1)]))
+        if rule.takes(g):
+            untraced = make_batch("decode", False, [[4]])
+            untraced.reqs[0].rid = f"{UNTRACED_RID_PREFIX}u{g}"
+            hooks._run_batch(step, sched, untraced)
+        nexts += int(g > 0 and rule.takes(g - 1) and not rule.takes(g))
+    cost = read_capture(capture_dir).cost
+    assert nexts == 2 and cost["next_batches"] == nexts, cost
+    assert cost["plain_batches"] == 7 - sum(map(rule.takes, range(7))) + 2, cost  # the untraced ones are plain too
+    assert 0 < cost["next_ms_per_batch"]
+    assert not hooks._after_recorded  # the last batch (g = 6) was not recorded
+
+
 @settings(max_examples=60, deadline=None)
 @given(every=st.integers(1, 9), seed=st.integers(0, 50), marked=st.lists(st.tuples(st.integers(1, 5), st.integers(0, 9)),
                                                                          max_size=3),

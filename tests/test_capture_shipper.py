@@ -61,11 +61,12 @@ def test_a_counters_file_an_earlier_refcheck_wrote_reads_with_the_fields_it_lack
     counts, is refused."""
     import struct
 
-    older = FIELDS[:-1]  # the fields before the newest
+    older = FIELDS[:FIELDS.index("requests")]  # a release that counted no requests met
     f = tmp_path / "queue-rank0-pid1.bin"
     f.write_bytes(struct.pack("<" + "Q" * len(older), *range(1, len(older) + 1)))
     fields = read_fields(f)
-    assert [fields[k] for k in older] == list(range(1, len(older) + 1)) and fields[FIELDS[-1]] == 0
+    assert [fields[k] for k in older] == list(range(1, len(older) + 1))
+    assert all(fields[k] == 0 for k in FIELDS[len(older):])
     assert read_capture(tmp_path).requests_met == 0
     for size in (8 * len(older) + 3, 16, 8 * (len(FIELDS) + 1)):
         f.write_bytes(bytes(size))
@@ -342,10 +343,10 @@ def test_a_record_file_is_created_whole_from_its_buffers_or_not_at_all(tmp_path,
         atomic_create(tmp_path / "00000001.rec", [b"x"])
     (tmp_path / "00000001.rec.tmp").unlink()
 
-    def full(fd, view):
+    def full(fd, views):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(os, "write", full)
+    monkeypatch.setattr(os, "writev", full)
     with pytest.raises(OSError, match="No space"):
         atomic_create(tmp_path / "00000002.rec", [b"x"])
     assert sorted(f.name for f in tmp_path.iterdir()) == ["00000000.rec"]
@@ -425,23 +426,65 @@ def test_a_collection_inside_the_ledgers_lock_books_itself_without_waiting_for_t
     assert fields["gc_collections"] >= 1 and fields["gc_ns"] > 0
 
 
-def test_the_writer_asks_whether_a_copy_has_landed_and_sleeps_never_waiting_in_the_driver():
-    """A record's copy event is asked (``query``) until it has completed, the writer sleeping in between; its
-    ``synchronize``, which spins in the CUDA driver beside the engine's launches, is never called."""
+def test_a_record_file_written_in_short_writes_is_whole_and_its_buffers_go_out_together(tmp_path, monkeypatch):
+    """atomic_create hands every buffer to one ``writev``; a write the kernel cuts short (here 5 bytes at a time, a
+    cut inside a buffer and across two) is resumed where it stopped, and the file is the buffers end to end."""
+    import os
+
+    from refcheck.atomic_file import atomic_create
+
+    calls: list[int] = []
+    real = os.writev
+
+    def short(fd, views):
+        calls.append(len(views))
+        head, left = [], 5
+        for v in views:
+            head.append(v[:left])
+            left -= len(head[-1])
+            if not left:
+                break
+        return real(fd, head)
+
+    monkeypatch.setattr(os, "writev", short)
+    parts = [b"abcdefg", b"", memoryview(b"hij"), b"klmnopqrstu"]
+    assert atomic_create(tmp_path / "00000000.rec", parts) == 21
+    assert (tmp_path / "00000000.rec").read_bytes() == b"abcdefghijklmnopqrstu"
+    assert calls[0] == 3 and len(calls) == 5  # the empty buffer left out; 21 bytes in writes of 5
+
+
+def test_the_writer_waits_for_a_copy_in_one_synchronize_of_a_blocking_sync_event(monkeypatch):
+    """A record's copy event is made with ``blocking=True`` (``cudaEventBlockingSync``: a thread waiting on it sleeps,
+    no core spins in the driver), and the writer waits for it in one ``synchronize`` (PyTorch lets go of the
+    interpreter lock inside), never asking ``query`` in a loop, which would take that lock at each ask."""
     from refcheck.sglang.capture import shipper
+
+    made: list[dict[str, object]] = []
+    monkeypatch.setattr(shipper.torch.cuda, "Event", lambda **kw: made.append(kw) or "event")
+    assert shipper.copy_event() == "event" and made == [{"blocking": True}]
 
     class Event:
         def __init__(self) -> None:
-            self.asked = 0
+            self.synced = 0
 
         def query(self) -> bool:
-            self.asked += 1
-            return self.asked >= 3
+            raise AssertionError("the writer asked query, taking the interpreter lock at each ask")
 
         def synchronize(self) -> None:
-            raise AssertionError("the writer waited inside the driver")
+            self.synced += 1
 
-    naps: list[float] = []
     event = Event()
-    shipper.landed(event, sleep=naps.append)
-    assert event.asked == 3 and naps == [shipper.POLL_S] * 2
+    shipper.landed(event)
+    assert event.synced == 1
+
+
+def test_a_plain_part_is_packed_as_it_is_unwalked_and_reads_back_the_same():
+    """packing.Plain (a record's context tokens, its sampling parameters): pack puts the very object in the skeleton,
+    not a walked copy (a walk would type-check each of thousands of tokens on the engine's thread), and the record
+    decodes with it as it was."""
+    contexts = [[0, list(range(400)), 300], [17, [5, 6], 3]]
+    t = torch.arange(3, dtype=torch.int32)
+    skeleton, ts, _ = packing.pack({"contexts": packing.Plain(contexts), "t": t, "params": packing.Plain([None])})
+    assert skeleton["contexts"] is contexts and skeleton["params"] == [None] and len(ts) == 1
+    back = packing.decode(packing.encode(skeleton, packing.table(ts), packing.flatten(ts).numpy().tobytes()))
+    assert back["contexts"] == contexts and torch.equal(back["t"], t)

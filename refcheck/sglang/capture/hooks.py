@@ -67,7 +67,7 @@ from refcheck.sglang.capture.batch import Batch, device_index, host_lens, on_dev
 from refcheck.sglang.capture.committed import committed_state
 from refcheck.sglang.capture.graphs import GraphCache
 from refcheck.sglang.capture.graphs import run as graphs_run
-from refcheck.sglang.capture.packing import prepack
+from refcheck.sglang.capture.packing import Plain, prepack
 from refcheck.sglang.capture.records import Recorder
 from refcheck.sglang.capture.sample_rule import ENV_SAMPLE, CaptureSampleError, SampleRule, parse
 from refcheck.sglang.capture.step_clock import StepClock
@@ -85,6 +85,7 @@ _clock: StepClock | None = None  # which decode steps this process records (made
 
 
 _batch: Batch | None = None
+_after_recorded = False  # the last traced decode batch was recorded: the next plain one is booked as ``next`` too
 
 
 def install(patched: list[str]) -> None:
@@ -291,7 +292,7 @@ def _fields(scheduler: Any, snap: Batch, part: dict[str, Any], result: Any) -> d
     sides = getattr(worker, "last_sides", None)  # REFCHECK_DDTREE's drafter side
     meta["capture_host_s"] = snap.host_s + time.perf_counter() - snap.after_t0
     return {"layout": part["layout"], "rids": snap.host(snap.rids), "origin": list(snap.take), "steps": list(snap.steps),
-            "contexts": snap.contexts, "params": snap.params,
+            "contexts": Plain(snap.contexts), "params": Plain(snap.params),
             "committed_host": snap.host(snap.committed), "roots_host": snap.host(snap.roots), "meta": meta,
             "sides": {r: sides.get(r) for r in snap.host(snap.rids)} if isinstance(sides, dict) else None,
             "events": snap.events}
@@ -366,7 +367,7 @@ def _ship_prefill(scheduler: Any, snap: Batch, result: Any) -> None:
     rids = [snap.rids[i] for i in done]
     _rec(scheduler).ship("prefill_batch", {"rids": rids, "prompt_lens": [snap.prompt_lens[i] for i in done],
                                            "uniforms": dict(uniforms) if isinstance(uniforms, dict) else None,
-                                           "contexts": snap.contexts, "params": snap.params},
+                                           "contexts": Plain(snap.contexts), "params": Plain(snap.params)},
                          {"t": {"nodes": summarise_nodes(lg, nxt).tensors(), "next_ids": nxt}})
 
 
@@ -398,18 +399,24 @@ def _event(scheduler: Any) -> Any:
 
 def _plain(original, self, batch, t0: float, mode: str | None, *args, **kwargs):
     """A batch that records nothing, run as SGLang has it; once the process has a recorder (a traced batch came
-    first: untraced requests alone leave nothing in the capture directory), a decode batch's wall time from
-    ``t0``, the hook's entry, goes to the cost ledger's ``plain`` side, and the hook's own time before the batch ran
-    to its ``passed`` side; a prefill's wall time to ``plain_prefill``. ``mode``: the batch's, when the snapshot
-    read it (None: read here)."""
+    first: untraced requests alone leave nothing in the capture directory), a decode batch's wall time from ``t0``,
+    the hook's entry, goes to the cost ledger's ``plain`` side (and, for the first traced one after a recorded batch,
+    to its ``next`` side too), and the hook's own time before the batch ran to its ``passed`` side; a prefill's wall
+    time to ``plain_prefill``. ``mode``: the batch's, when the snapshot read it (None: read here)."""
+    global _after_recorded
     t1 = time.perf_counter()
     result = original(self, batch, *args, **kwargs)
     if _recorder is not None:
+        traced = mode is not None  # a batch the snapshot read (traced, passed over), not one of untraced requests
         if mode is None:
             mode = _guard("run_batch:mode", lambda: "decode" if batch.forward_mode.is_decode()
                           else "extend" if batch.forward_mode.is_extend() else "other")
         wall = int(1e9 * (time.perf_counter() - t0))
-        if mode == "decode":
+        if mode == "decode" and traced and _after_recorded:
+            _after_recorded = False
+            _recorder.shipper.counts.add(plain_batches=1, plain_ns=wall, passed_ns=int(1e9 * (t1 - t0)),
+                                         next_batches=1, next_ns=wall)
+        elif mode == "decode":
             _recorder.shipper.counts.add(plain_batches=1, plain_ns=wall, passed_ns=int(1e9 * (t1 - t0)))
         elif mode == "extend":
             _recorder.shipper.counts.add(plain_prefills=1, plain_prefill_ns=wall)
@@ -455,6 +462,8 @@ def _record(scheduler: Any, rec: Recorder, snap: Batch, result: Any, ran_s: floa
         _guard("run_batch:after", _after, scheduler, snap, result)
     after_s = time.perf_counter() - snap.after_t0
     wall, hooks_s = ran_s + after_s, snap.host_s + after_s
+    global _after_recorded
+    _after_recorded = snap.mode == "decode"
     if snap.mode == "decode":
         rec.shipper.counts.add(recorded_batches=1, recorded_ns=int(1e9 * wall), hooks_ns=int(1e9 * hooks_s),
                                **{f"{k}_ns": int(1e9 * v) for k, v in snap.parts.items()})

@@ -1,7 +1,8 @@
 """A capture record as one header and one byte buffer: packed on the engine's side, unpacked by the reader.
 
 Contract: a record is a nest of dicts, lists and tuples whose leaves are JSON values or tensors.
-:func:`pack` replaces each tensor by ``{"__tensor__": i}`` and returns the tensors in order, the CUDA ones first;
+:func:`pack` replaces each tensor by ``{"__tensor__": i}`` and returns the tensors in order, the CUDA ones first
+(a :class:`Plain` part it takes as it is, unwalked);
 :func:`flatten` turns tensors of one device into one ``uint8`` buffer where they live (one ``cat``: a record leaves
 the device in one copy), and :func:`table` gives each tensor's dtype, shape and byte range in it. :func:`encode`
 writes ``MAGIC``, the header's length (u64, little-endian), the header (JSON: the record's skeleton and its tensor
@@ -33,6 +34,15 @@ import torch
 MAGIC = b"RCAP1\n"
 _KEY = "__tensor__"
 _PLAIN = frozenset({int, float, str, bool, type(None)})
+
+
+@dataclass(frozen=True, slots=True)
+class Plain:
+    """A part of a record that holds JSON values only (no tensor), such as the requests' context tokens:
+    :func:`pack` puts it in the skeleton as it is, without walking it, and the writer's thread encodes it. The part
+    must not change once shipped."""
+
+    value: Any
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,8 @@ def pack(nest: Any) -> tuple[Any, list[Any], int]:
     def walk(obj: Any) -> Any:
         if type(obj) in _PLAIN:  # most leaves
             return obj
+        if type(obj) is Plain:  # a part with no tensor in it (thousands of context tokens): not walked
+            return obj.value
         if isinstance(obj, (torch.Tensor, Packed)):
             slot = {_KEY: 0}
             (device if obj.is_cuda else host).append((slot, obj))

@@ -6,10 +6,11 @@ tuples holding tensors) from inside a scheduler hook. Its CUDA tensors are laid 
 buffer on the device (one ``cat``, :mod:`refcheck.sglang.capture.packing`) and copied to pinned host memory
 (PyTorch's caching host allocator) without blocking, on the current stream; one CUDA event is recorded
 after the copy and the record is queued. It never synchronises the device and never waits for the disk. A
-daemon thread takes records in order, waits for each record's event (:func:`landed`: asking and sleeping, not
-spinning in the driver beside the engine's launches), and writes the header and the bytes
-through the :class:`~refcheck.sglang.capture.records.Recorder` (one atomic file per record: no pickling, so
-the thread holds the interpreter lock only briefly). CPU tensors are copied at ship time (the engine may
+daemon thread takes records in order, waits for each record's event (:func:`landed`: the event blocks the thread
+in the kernel, neither spinning in the driver beside the engine's launches nor holding the interpreter lock), and
+writes the header and the bytes through the :class:`~refcheck.sglang.capture.records.Recorder` (one atomic file per
+record, its buffers in one system call: no pickling). The writer takes the interpreter lock a fixed few times per
+record, each for a short stretch: every time it takes it while the engine's thread wants it, the engine's step waits. CPU tensors are copied at ship time (the engine may
 reuse their storage). A record's ``events`` field (two CUDA events recorded
 around the engine's step on its stream) becomes ``step_s``, their distance in seconds. The queue holds at most ``depth`` records: a record that
 finds it full is not queued but counted as lost, never blocking the engine and never silently missing; one the
@@ -27,7 +28,8 @@ Beside the queue's three counts the file holds the capture's cost ledger (:func:
 thread's CPU time on the records it wrote (its wait for a record's copy left out), and the scheduler's
 ``run_batch`` wall time over decode batches that ran as if no capture were loaded (``plain``) and over
 recorded ones (``recorded``: the whole batch, the hooks' own time within it, and that time by part,
-:data:`PARTS`), the hooks' own time before a plain batch (``passed``: deciding to pass it over), prefill batches
+:data:`PARTS`), over the plain batches that come right after a recorded one (``next``: where a recorded batch's
+device work and its record's writing land), the hooks' own time before a plain batch (``passed``: deciding to pass it over), prefill batches
 recorded (``prefill``: the whole batch and the hooks' share) and run unrecorded (``plain_prefill``), and the
 process's garbage collections (``gc``: their count and time, whichever thread ran them; booked without the
 ledger's lock, since a collection may start inside :meth:`Counters.add`), in nanoseconds; the hooks add to it with
@@ -60,7 +62,7 @@ QUEUE_DEPTH = 512
 FIELDS = ("queued", "written", "lost", "writer_ns", "plain_batches", "plain_ns", "recorded_batches", "recorded_ns",
           "hooks_ns", "snapshot_ns", "verify_ns", "taps_ns", "state_ns", "ship_ns", "passed_ns", "gc_ns",
           "gc_collections", "prefills", "prefill_ns", "prefill_hooks_ns", "plain_prefills", "plain_prefill_ns",
-          "over_budget", "unwritten_errors", "rolled_out", "requests")
+          "over_budget", "unwritten_errors", "rolled_out", "requests", "next_batches", "next_ns")
 #: the parts of the hooks' time the ledger books (``{part}_ns``): the batch's snapshot, the verify hooks' reductions,
 #: the DFLASH drafter's taps, the committed state's sketch, and packing and queuing the record
 PARTS = ("snapshot", "verify", "taps", "state", "ship")
@@ -185,6 +187,8 @@ def ledger_summary(ledger: dict[str, int], written: int) -> dict[str, float | in
             "prefills": prefills, "prefill_ms_per_batch": per("prefill_ns", prefills),
             "prefill_hooks_ms_per_batch": per("prefill_hooks_ns", prefills),
             "plain_prefills": plain_prefills, "plain_prefill_ms_per_batch": per("plain_prefill_ns", plain_prefills),
+            "next_batches": ledger.get("next_batches", 0),
+            "next_ms_per_batch": per("next_ns", ledger.get("next_batches", 0)),
             "parts_ms_per_batch": {p: per(f"{p}_ns", recorded) for p in PARTS}}
 
 
@@ -249,7 +253,7 @@ class Shipper:
         event = None
         if device_bytes.is_cuda:
             device_bytes = device_bytes.to("cpu", non_blocking=True)  # pinned output: overlaps the engine's work
-            event = torch.cuda.Event()
+            event = copy_event()
             event.record()
         item = _Item(kind, skeleton, packing.table(ts), device_bytes, packing.flatten(ts[n_dev:]), event)
         with self._lock:
@@ -291,16 +295,17 @@ class Shipper:
                 self.counts.add(written=1, writer_ns=spent, lost=int(failed), over_budget=int(refused))
 
 
-#: how long the writer sleeps between asking whether a record's copy has landed
-POLL_S = 0.0005
+def copy_event() -> Any:
+    """The CUDA event that marks a record's copy to the host: made with ``cudaEventBlockingSync``, so a thread that
+    waits for it sleeps in the kernel until the device reaches it instead of spinning on a core."""
+    return torch.cuda.Event(blocking=True)
 
 
-def landed(event: Any, poll_s: float = POLL_S, sleep: Callable[[float], None] = time.sleep) -> None:
-    """Return once ``event`` (a record's copy) has completed, asking the driver and sleeping in between, never
-    waiting inside it: a CUDA event made without ``cudaEventBlockingSync`` (PyTorch's default) is waited for by a
-    busy-wait in ``cudaEventSynchronize``, a core spinning in the driver beside the engine thread's own launches."""
-    while not event.query():
-        sleep(poll_s)
+def landed(event: Any) -> None:
+    """Return once ``event`` (a record's copy, :func:`copy_event`) has completed: one ``synchronize``, in which PyTorch
+    lets go of the interpreter lock and the blocking-sync event puts the thread to sleep. Asking ``query`` in a loop
+    instead would take the interpreter lock at every ask, each time making the engine's thread wait for it."""
+    event.synchronize()
 
 
 def counts_path(root: Path, tp_rank: int) -> Path:
