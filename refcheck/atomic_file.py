@@ -106,8 +106,8 @@ def atomic_create(path: Path, parts: Sequence[bytes | memoryview]) -> int:
     ``.tmp``, created exclusively (the process's umask applied by the kernel), then renamed into place. A reader
     sees the whole file or none; a power cut may lose it (no fsync). The buffers go out in one ``writev`` (again for
     what a short write left): a thread writing records lets go of the interpreter lock and takes it back four times
-    (open, write, close, rename), not once more per buffer. The temp name already there is a :class:`FileExistsError`, and on any exception the temp file is
-    removed. Returns the bytes written."""
+    (open, write, close, rename), not once more per buffer. The temp name already there is a
+    :class:`FileExistsError`, and on any exception the temp file is removed. Returns the bytes written."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)

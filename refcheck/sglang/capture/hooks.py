@@ -458,11 +458,11 @@ def _run_batch(original, self, batch, *args, **kwargs):
 def _record(scheduler: Any, rec: Recorder, snap: Batch, result: Any, ran_s: float) -> None:
     """Record the batch the scheduler ran (its tokens sampled) and book it in the ledger: ``ran_s``, the hooks' and
     SGLang's time in ``run_batch`` before this."""
+    global _after_recorded
     with profiling.section("after"):
         _guard("run_batch:after", _after, scheduler, snap, result)
     after_s = time.perf_counter() - snap.after_t0
     wall, hooks_s = ran_s + after_s, snap.host_s + after_s
-    global _after_recorded
     _after_recorded = snap.mode == "decode"
     if snap.mode == "decode":
         rec.shipper.counts.add(recorded_batches=1, recorded_ns=int(1e9 * wall), hooks_ns=int(1e9 * hooks_s),

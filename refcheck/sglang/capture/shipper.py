@@ -10,11 +10,12 @@ daemon thread takes records in order, waits for each record's event (:func:`land
 in the kernel, neither spinning in the driver beside the engine's launches nor holding the interpreter lock), and
 writes the header and the bytes through the :class:`~refcheck.sglang.capture.records.Recorder` (one atomic file per
 record, its buffers in one system call: no pickling). The writer takes the interpreter lock a fixed few times per
-record, each for a short stretch: every time it takes it while the engine's thread wants it, the engine's step waits. CPU tensors are copied at ship time (the engine may
-reuse their storage). A record's ``events`` field (two CUDA events recorded
-around the engine's step on its stream) becomes ``step_s``, their distance in seconds. The queue holds at most ``depth`` records: a record that
-finds it full is not queued but counted as lost, never blocking the engine and never silently missing; one the
-process's byte budget refuses (:mod:`refcheck.sglang.capture.byte_budget`) is counted ``over_budget``.
+record, each for a short stretch: every time it takes it while the engine's thread wants it, the engine's step
+waits. CPU tensors are copied at ship time (the engine may reuse their storage). A record's ``events`` field (two
+CUDA events recorded around the engine's step on its stream) becomes ``step_s``, their distance in seconds. The
+queue holds at most ``depth`` records: a record that finds it full is not queued but counted as lost, never
+blocking the engine and never silently missing; one the process's byte budget refuses
+(:mod:`refcheck.sglang.capture.byte_budget`) is counted ``over_budget``.
 
 Counts live in a memory-mapped file ``queue-rank{r}-pid{pid}.bin`` of :data:`FIELDS` (little-endian u64 each),
 updated by plain memory writes, so the engine's parent can wait until the writer is done with every queued record
@@ -29,8 +30,9 @@ thread's CPU time on the records it wrote (its wait for a record's copy left out
 ``run_batch`` wall time over decode batches that ran as if no capture were loaded (``plain``) and over
 recorded ones (``recorded``: the whole batch, the hooks' own time within it, and that time by part,
 :data:`PARTS`), over the plain batches that come right after a recorded one (``next``: where a recorded batch's
-device work and its record's writing land), the hooks' own time before a plain batch (``passed``: deciding to pass it over), prefill batches
-recorded (``prefill``: the whole batch and the hooks' share) and run unrecorded (``plain_prefill``), and the
+device work and its record's writing land), the hooks' own time before a plain batch (``passed``: deciding to pass
+it over), prefill batches recorded (``prefill``: the whole batch and the hooks' share) and run unrecorded
+(``plain_prefill``), and the
 process's garbage collections (``gc``: their count and time, whichever thread ran them; booked without the
 ledger's lock, since a collection may start inside :meth:`Counters.add`), in nanoseconds; the hooks add to it with
 :meth:`Counters.add`.
