@@ -16,7 +16,8 @@ untraced passes' max/min as the noise they are read against, and the ratio the e
 :func:`booked`), and every pass's tokens are compared with the captured pass's. Each full and sampled pass is
 also divided by the untraced pass of its own round (:func:`readings`): the median of those ratios, its 95 %
 interval (:func:`median_interval`) and their range; the target column reads that interval against the issue's
-lines (:data:`FULL_LIMIT`, :data:`SAMPLED_LIMIT`): within, over, or undecided (more rounds decide). The seconds
+lines (:data:`FULL_LIMIT`, :data:`SAMPLED_LIMIT`): within, over, or undecided (more rounds decide; about how many,
+:func:`rounds_to_decide`, is printed beside it). The seconds
 each pass booked to the scheduler's ``run_batch`` (the engine's own steps, without the client and the scheduler's
 loop around them) get the same per-round reading. Trace bytes per verify step are the written Arrow trace's size
 over its steps. ``--diff`` also judges each captured trace (replay, the GPU reference when one is visible; steps per second) and the
@@ -109,6 +110,22 @@ def against(rounds: dict[str, Any] | None, limit: float) -> str:
     return "within" if ci[1] <= limit else "over" if ci[0] > limit else "undecided"
 
 
+def rounds_to_decide(rounds: dict[str, Any] | None, limit: float) -> int | None:
+    """For an undecided reading (:func:`against`), about how many rounds would decide it if the median stayed where
+    it is: the interval's half-width on the median's side of ``limit`` shrinks as one over the root of the rounds,
+    so it clears ``limit`` at n * (half-width / distance to limit)^2 rounds. A planning figure for the next run's
+    ``--round-budget``, not a reading. None when the reading is decided or has no interval, or the median sits on
+    ``limit``."""
+    ci = (rounds or {}).get("ci95")
+    if not ci or against(rounds, limit) != "undecided":
+        return None
+    m, n = rounds["median"], rounds["rounds"]  # type: ignore[index]
+    if m == limit:
+        return None
+    half = ci[1] - m if m < limit else m - ci[0]
+    return math.ceil(n * (half / abs(limit - m)) ** 2 - 1e-9)  # 1e-9: a product that is whole up to rounding
+
+
 def booked(costs: dict[str, Any], kind: str, passes: int, untraced_s: float | None) -> dict[str, float] | None:
     """What a kind's passes booked above the untraced passes' books, in ms per pass (the engine's ledger,
     :func:`refcheck.sglang.capture.shipper.ledger_summary`, summed over the kind's ``passes``): the hooks' pass-over
@@ -189,7 +206,9 @@ def readings(passes: dict[str, list[float]], costs: dict[str, Any], graphs: bool
                              (costs.get("untraced") or {}).get("run_batch_s") or []) for kind in kinds}
     return {"per_round": rounds, "per_round_run_batch": steps,
             "target": {"full": against(rounds["full"], FULL_LIMIT[graphs]),
-                       "sampled": against(rounds["sampled"], SAMPLED_LIMIT)}}
+                       "sampled": against(rounds["sampled"], SAMPLED_LIMIT)},
+            "decide_rounds": {"full": rounds_to_decide(rounds["full"], FULL_LIMIT[graphs]),
+                              "sampled": rounds_to_decide(rounds["sampled"], SAMPLED_LIMIT)}}
 
 
 def reread(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -356,10 +375,14 @@ def _spread(rounds: dict[str, Any] | None) -> str:
 
 
 def _target(r: dict[str, Any]) -> str:
-    """The per-round ratios read against the targets (:func:`against`): full / sampled."""
-    t = r.get("target") or {}
-    return (f"≤{FULL_LIMIT[bool(r['graphs'])]}: {t.get('full', '—')} / "
-            f"≤{SAMPLED_LIMIT}: {t.get('sampled', '—')}")
+    """The per-round ratios read against the targets (:func:`against`): full / sampled, an undecided one with about
+    how many rounds would decide it (:func:`rounds_to_decide`)."""
+    t, n = r.get("target") or {}, r.get("decide_rounds") or {}
+
+    def text(kind: str) -> str:
+        return t.get(kind, "—") + (f" (~{n[kind]} rounds)" if n.get(kind) else "")
+
+    return f"≤{FULL_LIMIT[bool(r['graphs'])]}: {text('full')} / ≤{SAMPLED_LIMIT}: {text('sampled')}"
 
 
 def markdown(rows: list[dict[str, Any]], sample: int) -> str:
