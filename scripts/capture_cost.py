@@ -245,19 +245,22 @@ def _pool_books(into: dict[str, Any], books: dict[str, Any]) -> None:
     laid end to end, and an unrecorded batch's ms, the hooks' pass-over of it and the ms of a plain batch right after a
     recorded one as means weighted by batches."""
     into["run_batch_s"] += list(books.get("run_batch_s") or [])
-    n = int(books.get("plain_batches") or 0)
-    if not n or books.get("plain_ms_per_batch") is None:
-        return
-    total = into.get("plain_batches", 0) + n
-    for key in ("plain_ms_per_batch", "passed_ms_per_plain_batch"):
+    if _pool_means(into, books, "plain_batches", ("plain_ms_per_batch", "passed_ms_per_plain_batch")):
+        _pool_means(into, books, "next_batches", ("next_ms_per_batch",))
+
+
+def _pool_means(into: dict[str, Any], books: dict[str, Any], count: str, keys: tuple[str, ...]) -> bool:
+    """One run's per-batch means ``keys`` (over its ``count`` batches) added to the pooled cell's, weighted by
+    batches; False when the run booked no such batch or not the first of ``keys``."""
+    n = int(books.get(count) or 0)
+    if not n or books.get(keys[0]) is None:
+        return False
+    had = into.get(count, 0)
+    for key in keys:
         if books.get(key) is not None:
-            into[key] = (into.get(key, 0.0) * into.get("plain_batches", 0) + books[key] * n) / total
-    into["plain_batches"] = total
-    m = int(books.get("next_batches") or 0)
-    if m and books.get("next_ms_per_batch") is not None:
-        had = into.get("next_batches", 0)
-        into["next_ms_per_batch"] = (into.get("next_ms_per_batch", 0.0) * had + books["next_ms_per_batch"] * m) / (had + m)
-        into["next_batches"] = had + m
+            into[key] = (into.get(key, 0.0) * had + books[key] * n) / (had + n)
+    into[count] = had + n
+    return True
 
 
 @functools.cache

@@ -291,10 +291,11 @@ def _fields(scheduler: Any, snap: Batch, part: dict[str, Any], result: Any) -> d
         meta["batch_draft_s"] = draft_s
     sides = getattr(worker, "last_sides", None)  # REFCHECK_DDTREE's drafter side
     meta["capture_host_s"] = snap.host_s + time.perf_counter() - snap.after_t0
-    return {"layout": part["layout"], "rids": snap.host(snap.rids), "origin": list(snap.take), "steps": list(snap.steps),
+    rids = snap.host(snap.rids)
+    return {"layout": part["layout"], "rids": rids, "origin": list(snap.take), "steps": list(snap.steps),
             "contexts": Plain(snap.contexts), "params": Plain(snap.params),
             "committed_host": snap.host(snap.committed), "roots_host": snap.host(snap.roots), "meta": meta,
-            "sides": {r: sides.get(r) for r in snap.host(snap.rids)} if isinstance(sides, dict) else None,
+            "sides": {r: sides.get(r) for r in rids} if isinstance(sides, dict) else None,
             "events": snap.events}
 
 
@@ -412,12 +413,10 @@ def _plain(original, self, batch, t0: float, mode: str | None, *args, **kwargs):
             mode = _guard("run_batch:mode", lambda: "decode" if batch.forward_mode.is_decode()
                           else "extend" if batch.forward_mode.is_extend() else "other")
         wall = int(1e9 * (time.perf_counter() - t0))
-        if mode == "decode" and traced and _after_recorded:
-            _after_recorded = False
-            _recorder.shipper.counts.add(plain_batches=1, plain_ns=wall, passed_ns=int(1e9 * (t1 - t0)),
-                                         next_batches=1, next_ns=wall)
-        elif mode == "decode":
-            _recorder.shipper.counts.add(plain_batches=1, plain_ns=wall, passed_ns=int(1e9 * (t1 - t0)))
+        if mode == "decode":
+            after = {"next_batches": 1, "next_ns": wall} if traced and _after_recorded else {}  # only fields that change
+            _after_recorded = _after_recorded and not traced
+            _recorder.shipper.counts.add(plain_batches=1, plain_ns=wall, passed_ns=int(1e9 * (t1 - t0)), **after)
         elif mode == "extend":
             _recorder.shipper.counts.add(plain_prefills=1, plain_prefill_ns=wall)
     return result

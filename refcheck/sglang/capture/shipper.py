@@ -32,10 +32,9 @@ recorded ones (``recorded``: the whole batch, the hooks' own time within it, and
 :data:`PARTS`), over the plain batches that come right after a recorded one (``next``: where a recorded batch's
 device work and its record's writing land), the hooks' own time before a plain batch (``passed``: deciding to pass
 it over), prefill batches recorded (``prefill``: the whole batch and the hooks' share) and run unrecorded
-(``plain_prefill``), and the
-process's garbage collections (``gc``: their count and time, whichever thread ran them; booked without the
-ledger's lock, since a collection may start inside :meth:`Counters.add`), in nanoseconds; the hooks add to it with
-:meth:`Counters.add`.
+(``plain_prefill``), and the process's garbage collections (``gc``: their count and time, whichever thread ran them;
+booked without the ledger's lock, since a collection may start inside :meth:`Counters.add`), in nanoseconds; the
+hooks add to it with :meth:`Counters.add`.
 """
 
 from __future__ import annotations
