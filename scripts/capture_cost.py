@@ -4,7 +4,7 @@ Usage (on a GPU machine with SGLang; through the bundle: ``scripts/sglang_bundle
 
     python scripts/capture_cost.py --out OUT [--algorithms NONE,DFLASH,NGRAM,REFCHECK_DDTREE] [--graphs off,on]
         [--workloads one,mixed] [--sample 16] [--repeats 3] [--round-budget S] [--no-full] [--mem-fraction 0.3]
-        [--diff] [--cells ALG:on|off:one|mixed,...] [--deadline SECONDS]
+        [--diff] [--cells ALG:on|off:one|mixed,...] [--deadline SECONDS] [--until SECONDS]
     python scripts/capture_cost.py --reread capture_cost.json [...] [--pool]     # earlier runs' tables, re-read
 
 Per cell (algorithm x CUDA graphs x workload) one SGLang engine runs, in order: an untraced warm-up pass, a
@@ -28,7 +28,10 @@ the full-capture pass out of the rounds (an untraced and a sampled pass each: mo
 ratio is then the captured pass's alone).
 ``--cells`` names the cells to run, in order, instead of the product of the three lists; ``--deadline``
 starts no cell once that many seconds have passed since the script began (for a device call's time limit),
-listing the cells left in the JSON's last row. Writes ``OUT/capture_cost.json`` (rows, as they finish) and
+listing the cells left in the JSON's last row; ``--until`` ends every cell's timing rounds by that many seconds
+after the script began (no round starts that would end later, judged by the cell's longest round so far, and no
+cell starts past it), however long each engine took to start: the cells' shutdown and trace reading come after it,
+so leave them a margin before the call's limit (``scripts/capture_cost_runs.sh`` passes one). Writes ``OUT/capture_cost.json`` (rows, as they finish) and
 ``OUT/capture_cost.md`` (the table); ``--reread`` prints the table of earlier runs' JSON with the per-round readings
 recomputed from their passes (``--pool``: one row per cell, the rounds of its runs together). Workloads: ``one`` (the first built-in prompt), ``mixed`` (refcheck's 32 mixed
 requests, all at once).
@@ -297,7 +300,7 @@ def run_cell(args: argparse.Namespace, algorithm: str, graphs: bool, load: str) 
         runner = SGLangRunner(spec, algorithm, cuda_graphs=graphs, warmup=True, timing_repeats=args.repeats,
                               sampled_timing=f"{args.sample}:0", mem_fraction=args.mem_fraction,
                               capture_dir=args.out / name, timing_budget_s=args.round_budget,
-                              full_timing=not args.no_full)
+                              full_timing=not args.no_full, timing_until_s=args.until_wall)
         trace = runner.trace(_prompts(load))
     except RefcheckError as exc:
         return {"algorithm": algorithm, "graphs": graphs, "workload": load, "error": f"{type(exc).__name__}: {exc}"}
@@ -448,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--diff", action="store_true")
     ap.add_argument("--cells", default=None, help="ALG:on|off:one|mixed,... (default: every combination)")
     ap.add_argument("--deadline", type=float, default=None, help="seconds after which no cell starts")
+    ap.add_argument("--until", type=float, default=None,
+                    help="seconds after the script began by which every cell's timing rounds end (no cell starts later)")
     args = ap.parse_args(argv)
     if args.reread is not None:
         return _reread(args.reread, args.sample, args.pool)
@@ -455,11 +460,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--out is required (or --reread)")
     from refcheck.errors import UsageError
     from refcheck.sglang.capture.sample_rule import parse
-    from refcheck.sglang.runner import timing_budget
+    from refcheck.sglang.runner import timing_budget, timing_until
 
     try:
         todo = cells(args)
         timing_budget(args.round_budget)
+        if args.until is not None and not args.until > 0:
+            raise UsageError(f"--until must be > 0 seconds, got {args.until}")
+        args.until_wall = timing_until(None if args.until is None else time.time() + args.until)
         parse(f"{args.sample}:0")  # the sampled passes' rule: CaptureSampleError (a ValueError) outside its range
     except (ValueError, UsageError) as exc:
         print(f"capture_cost: {exc}", file=sys.stderr)
@@ -467,8 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
+    last_start = min(x for x in (args.deadline, args.until, math.inf) if x is not None)
     for i, (algorithm, graphs, load) in enumerate(todo):
-        if args.deadline is not None and time.monotonic() - t0 > args.deadline:
+        if time.monotonic() - t0 > last_start:
             left = [f"{a}:{'on' if g else 'off'}:{w}" for a, g, w in todo[i:]]
             print(f"capture_cost: deadline reached, cells not run: {','.join(left)}", flush=True)
             break

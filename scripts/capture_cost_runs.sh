@@ -7,9 +7,11 @@
 # Run it through scripts/sglang_bundle.sh run (SGLang 0.5.17 offline), alone on the GPU. First the GPU tests named
 # by GPU_TESTS (a pytest -k expression; default: the capture hooks' host synchronisation and their CUDA graphs
 # against eager; GPU_TESTS= skips them), at most TESTS_S seconds (default 120), into OUT/gpu-tests.txt. Then
-# `capture_cost.py --out OUT/cost ARGUMENTS`, killed SECONDS after this script began if still running (the cells
-# it finished are in its JSON: it writes each as it ends), into OUT/log.txt; with fewer than MIN_S seconds (default
-# 30) left after the tests, no measurement starts. Last, OUT/capture-cost.tgz packs
+# `capture_cost.py --out OUT/cost --until U ARGUMENTS`, where U is the seconds left after the tests less END_S (default
+# 45: the last cell's shutdown and trace reading), so every cell's timing rounds end in time however long its
+# engine took to start (an --until among ARGUMENTS wins); it is killed SECONDS after this script began if still
+# running (the cells it finished are in its JSON: it writes each as it ends), into OUT/log.txt; with fewer than
+# MIN_S seconds (default 30) left after the tests, or no U left, no measurement starts. Last, OUT/capture-cost.tgz packs
 # both logs, capture_cost.json and .md, and each cell's job.json and result.json. Exit: capture_cost.py's (124
 # when killed), 2 for bad arguments.
 set -uo pipefail
@@ -27,11 +29,12 @@ if [ -n "$tests" ]; then
   echo "exit $?" >>"$out/gpu-tests.txt"
 fi
 left=$(( seconds - ($(date +%s) - start) ))
-if [ "$left" -lt "${MIN_S:-30}" ]; then
+until=$(( left - ${END_S:-45} ))
+if [ "$left" -lt "${MIN_S:-30}" ] || [ "$until" -lt 1 ]; then
   echo "capture_cost_runs.sh: $left s left after the GPU tests: no measurement" >"$out/log.txt"; rc=124
 else
   REFCHECK_SGLANG_START_LOCK=${REFCHECK_SGLANG_START_LOCK:-/tmp/sgl.lock} timeout "$left" \
-    python3 scripts/capture_cost.py --out "$out/cost" "$@" >"$out/log.txt" 2>&1
+    python3 scripts/capture_cost.py --out "$out/cost" --until "$until" "$@" >"$out/log.txt" 2>&1
   rc=$?
 fi
 (cd "$out" && tar czf capture-cost.tgz log.txt \

@@ -4,6 +4,7 @@ measurement killed at its time limit with what it wrote kept."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import tarfile
 from pathlib import Path
@@ -25,12 +26,13 @@ echo '| table |' > "$out/capture_cost.md"
 """
 
 
-def _run(tmp_path: Path, *args: str, sleep: str = "0", min_s: str = "30") -> subprocess.CompletedProcess:
+def _run(tmp_path: Path, *args: str, sleep: str = "0", min_s: str = "30", end_s: str = "45") -> subprocess.CompletedProcess:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "python3").write_text(FAKE)
     (bin_dir / "python3").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "GPU_TESTS": "", "SLEEP": sleep, "MIN_S": min_s}
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "GPU_TESTS": "", "SLEEP": sleep, "MIN_S": min_s,
+           "END_S": end_s}
     return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
 
 
@@ -41,20 +43,36 @@ def test_bad_arguments_are_exit_2(tmp_path, args):
 
 
 def test_a_finished_measurement_is_packed_with_its_log(tmp_path):
-    """The cells' files and the log, under the names the results take; the arguments reach capture_cost.py."""
+    """The cells' files and the log, under the names the results take; the arguments reach capture_cost.py after
+    the rounds' end, --until: the seconds left less END_S."""
     got = _run(tmp_path, str(tmp_path / "o"), "60", "--cells", "DFLASH:on:mixed")
     assert got.returncode == 0, got.stderr
     with tarfile.open(tmp_path / "o" / "capture-cost.tgz") as tar:
         names = sorted(tar.getnames())
         log = tar.extractfile("log.txt").read().decode()
     assert names == ["cost/capture_cost.json", "cost/capture_cost.md", "cost/dflash-graphs-mixed/job.json", "log.txt"]
-    assert f"--out {tmp_path / 'o' / 'cost'} --cells DFLASH:on:mixed" in log
+    until = re.search(rf"--out {re.escape(str(tmp_path / 'o' / 'cost'))} --until (\d+) --cells DFLASH:on:mixed$", log,
+                      re.M)
+    assert until and 13 <= int(until.group(1)) <= 15, log
+
+
+def test_the_rounds_end_is_the_seconds_left_less_end_s_and_an_until_given_wins(tmp_path):
+    """--until is what SECONDS leaves less END_S (placed before the arguments, so one among them is the one
+    argparse keeps); with no second left for it, no measurement starts."""
+    got = _run(tmp_path, str(tmp_path / "o"), "100", "--until", "7", end_s="20")
+    assert got.returncode == 0, got.stderr
+    log = (tmp_path / "o" / "log.txt").read_text()
+    until = re.search(r"--until (\d+) --until 7$", log, re.M)
+    assert until and 78 <= int(until.group(1)) <= 80, log
+    none = _run(tmp_path, str(tmp_path / "p"), "40", min_s="30", end_s="45")
+    assert none.returncode == 124
+    assert "no measurement" in (tmp_path / "p" / "log.txt").read_text()
 
 
 def test_a_measurement_past_its_seconds_is_killed_and_what_it_wrote_is_kept(tmp_path):
     """Two seconds for a measurement that sleeps a minute after writing its JSON: killed (124), the JSON and the
     cell's job packed; with less than MIN_S left, none starts."""
-    got = _run(tmp_path, str(tmp_path / "o"), "2", sleep="60", min_s="1")
+    got = _run(tmp_path, str(tmp_path / "o"), "2", sleep="60", min_s="1", end_s="0")
     assert got.returncode == 124
     with tarfile.open(tmp_path / "o" / "capture-cost.tgz") as tar:
         assert sorted(tar.getnames()) == ["cost/capture_cost.json", "cost/dflash-graphs-mixed/job.json", "log.txt"]

@@ -165,6 +165,33 @@ def test_no_full_asks_the_runner_for_rounds_without_a_full_capture_pass(tmp_path
     assert "error: UsageError: no engine here" in (tmp_path / "capture_cost.md").read_text()
 
 
+def test_until_reaches_the_runner_as_a_wall_clock_end_and_no_cell_starts_past_it(tmp_path, monkeypatch, capsys):
+    """--until S: each cell's runner gets timing_until_s = the script's start + S on the wall clock; once S seconds
+    have passed no cell starts (they are listed as not run); a non-positive --until is exit 2 before any cell."""
+    from refcheck.errors import UsageError
+    from refcheck.sglang import runner
+
+    seen: list[dict] = []
+    clock = [500.0]
+
+    def fake(*args, **kw):
+        seen.append(kw)
+        clock[0] += 30.0  # a cell takes 30 s
+        raise UsageError("no engine here")
+
+    monkeypatch.setattr(runner, "SGLangRunner", fake)
+    monkeypatch.setattr(cc.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(cc.time, "time", lambda: 1e9 + clock[0])
+    cells = "DFLASH:on:mixed,NGRAM:on:mixed,NONE:on:mixed"
+    assert cc.main(["--out", str(tmp_path), "--cells", cells, "--until", "45"]) == 0
+    assert [kw["timing_until_s"] for kw in seen] == [1e9 + 545.0] * 2  # the third would start at 60 s
+    assert "deadline reached, cells not run: NONE:on:mixed" in capsys.readouterr().out
+    for bad in ("0", "-3", "nan"):
+        assert cc.main(["--out", str(tmp_path), "--cells", cells, "--until", bad]) == 2
+        assert "--until must be > 0 seconds" in capsys.readouterr().err
+    assert len(seen) == 2
+
+
 def test_a_row_reads_its_trace_passes_books_and_the_schedulers_host(tmp_path):
     """row_of on a stand-in trace: the medians, the per-round readings of wall time and of run_batch seconds, the
     target reading, and the first scheduler's host speed from the capture's status."""

@@ -326,6 +326,41 @@ def test_a_timing_budget_stops_starting_rounds_once_spent_after_the_minimum(tmp_
     assert run(None, 5.0) == [20, 20, 20]
 
 
+def test_a_timing_end_starts_no_round_that_would_end_past_it_even_before_the_minimum(tmp_path, monkeypatch):
+    """With ``timing_until`` (wall clock) the child starts no round that would end past it, judged by the longest
+    round so far (round 0 starts if the end has not passed), MIN_TIMED_ROUNDS or not; with a budget too, the
+    earlier of the two stops the rounds."""
+    from refcheck.sglang import child
+    from refcheck.sglang.capture.shipper import Counters
+
+    monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(tmp_path))
+    outputs = [[5, 6, 7], [8, 9]]
+    clock = [1000.0]
+    monkeypatch.setattr(child.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(child.time, "time", lambda: clock[0])
+
+    def run(until, seconds_per_pass, budget=None):
+        clock[0] = 1000.0
+        engine = _Engine(Counters(tmp_path / f"queue-rank0-pid{until}-{seconds_per_pass}-{budget}.bin"), outputs)
+        generate = engine.generate
+
+        def timed(*a, **kw):
+            clock[0] += seconds_per_pass
+            return generate(*a, **kw)
+
+        engine.generate = timed
+        job = {"input_ids": [[1], [2]], "sampling_params": [{}, {}], "timing_until": until, "timing_budget_s": budget,
+               **{key: [[f"{kind}{k}", "b"] for k in range(20)] for kind, (key, _, _) in child.TIMING_KINDS.items()}}
+        return [len(t["times"]) for t in child.interleaved(engine, job, outputs, {}).values()]
+
+    assert run(1010.0, 1.0) == [3, 3, 3]  # 3 s a round: the third ends at 1009, a fourth would at 1012
+    assert run(1009.0, 1.0) == [3, 3, 3]  # ending exactly at the end is in time
+    assert run(1004.0, 1.0) == [1, 1, 1]  # under the minimum: the end wins over MIN_TIMED_ROUNDS
+    assert run(999.0, 1.0) == [0, 0, 0]  # already past: no round
+    assert run(1100.0, 1.0, budget=4.0) == [child.MIN_TIMED_ROUNDS] * 3  # the budget, the earlier, stops them
+    assert run(None, 1.0) == [20, 20, 20]
+
+
 def test_a_record_file_is_created_whole_from_its_buffers_or_not_at_all(tmp_path, monkeypatch):
     """refcheck/atomic_file.py's atomic_create (the capture's record files): the buffers end to end under the final
     name, nothing under a temp name after; an existing temp name is refused; a write that fails leaves neither."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -185,6 +186,11 @@ def test_timing_repeats_run_on_the_warm_engine_and_are_checked_against_the_captu
             fake_sglang("ok", timing_repeats=3, timing_budget_s=bad)
     spent = fake_sglang(mode, capture=False, timing_repeats=6, timing_budget_s=1e-9).trace(prompts)
     assert len(spent.provenance["engine"]["settings"]["repeat_generate_s"]) == 3  # the budget spent: the minimum
+    for bad in (0.0, -5.0, float("nan"), float("inf")):
+        with pytest.raises(UsageError, match="timing rounds' end"):
+            fake_sglang("ok", timing_repeats=3, timing_until_s=bad)
+    ended = fake_sglang(mode, capture=False, timing_repeats=6, timing_until_s=time.time() - 1).trace(prompts)
+    assert ended.provenance["engine"]["settings"]["repeat_generate_s"] == []  # the end passed: no round, no minimum
 
 
 def test_a_byte_budget_reaches_the_engine_and_the_trace(fake_sglang, tmp_path, monkeypatch):

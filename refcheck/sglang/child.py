@@ -14,7 +14,10 @@ the passes of the three kinds run interleaved after the captured one: round r ru
 order rotated by r (untraced, sampled, full; then sampled, full, untraced; ...), so a drift of the engine's speed
 over the rounds (clocks, caches, allocators) reaches every kind alike; ``sampled_generate_s``, ``sampled_match``,
 ``full_generate_s``, ``full_match``. With ``timing_budget_s`` no round starts once that many seconds have passed
-since the first began and :data:`MIN_TIMED_ROUNDS` have run (short passes then get many rounds, long ones few).
+since the first began and :data:`MIN_TIMED_ROUNDS` have run (short passes then get many rounds, long ones few);
+with ``timing_until`` (a wall-clock time, ``time.time()`` seconds) no round starts that would end past it, judged by
+the longest round so far, whatever rounds have run (a device call's time limit: the rounds end inside it, however
+long the engine took to start).
 After the captured pass and after each sampled or full pass the child waits until the scheduler processes have
 written every capture record they queued
 (:func:`refcheck.sglang.capture.shipper.wait_drained`; ``drain_s``: how long the captured pass's writers still
@@ -139,7 +142,7 @@ class _Collections(CollectionClock):
 
 def interleaved(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The timing passes of every kind in :data:`TIMING_KINDS` the job holds, round r running pass r of each kind
-    in the order rotated by r, within the job's ``timing_budget_s`` (module docstring). Per kind: ``times`` (wall
+    in the order rotated by r, within the job's ``timing_budget_s`` and ``timing_until`` (module docstring). Per kind: ``times`` (wall
     seconds per pass), ``match`` (every pass gave ``outputs``), ``books`` (what its passes booked in the cost
     ledger, summed), ``run_batch_s`` (per pass, the seconds the ledger booked to the scheduler's ``run_batch``:
     every decode and prefill batch, hooks included; empty when the engine does not capture) and ``client_gc_s``
@@ -149,16 +152,21 @@ def interleaved(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[st
     kinds = [kind for kind, passes in plans.items() if passes]
     got: dict[str, dict[str, Any]] = {kind: {"times": [], "match": True, "books": {}, "run_batch_s": [],
                                              "client_gc_s": []} for kind in kinds}
-    budget, start = job.get("timing_budget_s"), time.perf_counter()
+    budget, until, start = job.get("timing_budget_s"), job.get("timing_until"), time.perf_counter()
+    longest = 0.0  # the longest round so far, in seconds
     before = _ledger()  # the ledger as the next pass finds it (each pass's end is the next one's start)
     with _Collections() as client:
         for r in range(max((len(plans[k]) for k in kinds), default=0)):
             if budget is not None and r >= MIN_TIMED_ROUNDS and time.perf_counter() - start > budget:
                 break
+            if until is not None and time.time() + longest > until:
+                break
+            began = time.perf_counter()
             for kind in kinds[r % len(kinds):] + kinds[: r % len(kinds)]:
                 if r < len(plans[kind]):
                     before = _timed_pass(engine, job, outputs, diffs, kind, r, plans[kind][r], got[kind], before,
                                          client)
+            longest = max(longest, time.perf_counter() - began)
     return got
 
 

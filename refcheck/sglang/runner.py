@@ -33,6 +33,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -198,6 +199,14 @@ def timing_budget(seconds: float | None) -> float | None:
     return seconds
 
 
+def timing_until(when: float | None) -> float | None:
+    """The wall-clock time (``time.time()`` seconds) by which the timing rounds end (None: no such time; the child
+    starts no round that would end past it); one that is not a finite positive number is a UsageError."""
+    if when is not None and not (math.isfinite(when) and when > 0):
+        raise UsageError(f"the timing rounds' end must be a finite time in seconds since the epoch, got {when}")
+    return when
+
+
 def _check_engine_available() -> None:
     """A CUDA GPU visible and SGLang importable, else an EngineUnavailableError saying what to do."""
     try:
@@ -226,7 +235,8 @@ class SGLangRunner:
                  mem_fraction: float = 0.3, timing_repeats: int = 0, max_running: int | None = None,
                  settings: ServingSettings = DEFAULT_SETTINGS, warmup: bool = False, capture_sample: str | None = None,
                  sampled_timing: str | None = None, timing_budget_s: float | None = None,
-                 full_timing: bool = True, capture_max_mb: int | None = None, capture_roll: bool = False) -> None:
+                 full_timing: bool = True, capture_max_mb: int | None = None, capture_roll: bool = False,
+                 timing_until_s: float | None = None) -> None:
         self.algorithm = algorithm.upper()
         self.settings = merged_settings(settings, cuda_graphs, max_running)
         self.spec, self.capture, self.ngram_breadth = spec, capture, ngram_breadth
@@ -247,6 +257,7 @@ class SGLangRunner:
             raise UsageError(f"timing repeats must be >= 0, got {timing_repeats}")
         self.timing_repeats = timing_repeats  # warm, untraced generates after the captured one (sweep tok/s)
         self.timing_budget_s = timing_budget(timing_budget_s)  # no timing round starts past it
+        self.timing_until_s = timing_until(timing_until_s)  # no timing round ends past it (wall clock)
         # the captured pass records 1 batch in N, decode and prefill (full: every one); with a sampled timing rule
         # each timing round also runs a pass under that rule and, with full_timing, a full-capture pass (_cost_passes)
         self.sample, self.sampled_timing = _sample_rules(capture_sample, sampled_timing)
@@ -443,7 +454,8 @@ class SGLangRunner:
             "warmup_rids": [f"{UNTRACED_RID_PREFIX}warm-{rids[p.id]}" for p in prompts] if self.warmup else [],
             "capture_warm_rids": [sampled_rid(SampleRule(), f"warm-{rids[p.id]}") for p in prompts]
             if self.warmup and self.capture else [],
-            "timing_budget_s": self.timing_budget_s, **self._cost_passes(prompts, rids)}))
+            "timing_budget_s": self.timing_budget_s, "timing_until": self.timing_until_s,
+            **self._cost_passes(prompts, rids)}))
         started: list[subprocess.Popen[bytes]] = []
 
         def launch() -> subprocess.Popen[bytes]:
