@@ -5,6 +5,7 @@ Usage (on a GPU machine with SGLang; through the bundle: ``scripts/sglang_bundle
     python scripts/capture_cost.py --out OUT [--algorithms NONE,DFLASH,NGRAM,REFCHECK_DDTREE] [--graphs off,on]
         [--workloads one,mixed] [--sample 16] [--repeats 3] [--round-budget S] [--no-full] [--mem-fraction 0.3]
         [--diff] [--cells ALG:on|off:one|mixed,...] [--deadline SECONDS] [--until SECONDS]
+        [--model DIR [--draft DIR]]
     python scripts/capture_cost.py --reread capture_cost.json [...] [--pool]     # earlier runs' tables, re-read
 
 Per cell (algorithm x CUDA graphs x workload) one SGLang engine runs, in order: an untraced warm-up pass, a
@@ -34,7 +35,10 @@ cell starts past it), however long each engine took to start: the cells' shutdow
 so leave them a margin before the call's limit (``scripts/capture_cost_runs.sh`` passes one). Writes ``OUT/capture_cost.json`` (rows, as they finish) and
 ``OUT/capture_cost.md`` (the table); ``--reread`` prints the table of earlier runs' JSON with the per-round readings
 recomputed from their passes (``--pool``: one row per cell, the rounds of its runs together). Workloads: ``one`` (the first built-in prompt), ``mixed`` (refcheck's 32 mixed
-requests, all at once).
+requests, all at once). ``--model DIR`` (and ``--draft DIR``, the drafter DFLASH and REFCHECK_DDTREE need) runs the
+cells on that pair instead of the built-in ``--pair``: the real-width pair of ``scripts/real_width.py build``, where a
+step is as long as a 27B-wide one and the capture's host costs weigh accordingly; each row names its pair
+(``model``).
 """
 
 from __future__ import annotations
@@ -294,8 +298,8 @@ def run_cell(args: argparse.Namespace, algorithm: str, graphs: bool, load: str) 
     from refcheck.trace.io import write_trace
 
     name = f"{algorithm.lower()}-{'graphs' if graphs else 'eager'}-{load}"
-    spec = EngineSpec(pair=args.pair, budget=args.budget, max_new_tokens=args.max_new_tokens, dtype="bfloat16",
-                      device="cuda")
+    spec = EngineSpec(model_dir=args.model, draft_dir=args.draft, pair=args.pair, budget=args.budget,
+                      max_new_tokens=args.max_new_tokens, dtype="bfloat16", device="cuda")
     try:
         runner = SGLangRunner(spec, algorithm, cuda_graphs=graphs, warmup=True, timing_repeats=args.repeats,
                               sampled_timing=f"{args.sample}:0", mem_fraction=args.mem_fraction,
@@ -303,10 +307,12 @@ def run_cell(args: argparse.Namespace, algorithm: str, graphs: bool, load: str) 
                               full_timing=not args.no_full, timing_until_s=args.until_wall)
         trace = runner.trace(_prompts(load))
     except RefcheckError as exc:
-        return {"algorithm": algorithm, "graphs": graphs, "workload": load, "error": f"{type(exc).__name__}: {exc}"}
+        return {"algorithm": algorithm, "graphs": graphs, "workload": load, "model": spec.model_label,
+                "error": f"{type(exc).__name__}: {exc}"}
     path = args.out / f"{name}.arrow"
     write_trace(trace, path)
-    row = row_of(algorithm, graphs, load, trace, path, judge(trace, name) if args.diff else None)
+    row = {**row_of(algorithm, graphs, load, trace, path, judge(trace, name) if args.diff else None),
+           "model": spec.model_label}
     sampled = sampled_trace(trace, args.out / name) if args.diff else None
     if sampled is not None:
         write_trace(sampled, args.out / f"{name}-sampled.arrow")
@@ -429,6 +435,17 @@ def cells(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
     return out
 
 
+def _check_pair(model: Path | None, draft: Path | None) -> None:
+    """--model and --draft name directories, and --draft comes with --model; else a UsageError."""
+    from refcheck.errors import UsageError
+
+    if draft is not None and model is None:
+        raise UsageError("--draft needs --model (the built-in --pair brings its own drafter)")
+    for flag, d in (("--model", model), ("--draft", draft)):
+        if d is not None and not d.is_dir():
+            raise UsageError(f"{flag} {d}: not a directory")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="required unless --reread")
@@ -446,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="rounds of an untraced and a sampled pass only (more rounds in a budget; full: the captured pass)")
     ap.add_argument("--mem-fraction", type=float, default=0.3)
     ap.add_argument("--pair", default="hybrid")
+    ap.add_argument("--model", type=Path, default=None, help="a target directory instead of the built-in --pair")
+    ap.add_argument("--draft", type=Path, default=None, help="with --model: its drafter's directory")
     ap.add_argument("--budget", type=int, default=15)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--diff", action="store_true")
@@ -467,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         timing_budget(args.round_budget)
         if args.until is not None and not args.until > 0:
             raise UsageError(f"--until must be > 0 seconds, got {args.until}")
+        _check_pair(args.model, args.draft)
         args.until_wall = timing_until(None if args.until is None else time.time() + args.until)
         parse(f"{args.sample}:0")  # the sampled passes' rule: CaptureSampleError (a ValueError) outside its range
     except (ValueError, UsageError) as exc:

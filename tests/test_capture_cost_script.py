@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 import pytest
@@ -129,8 +130,6 @@ def test_an_undecided_reading_says_about_how_many_rounds_would_decide_it():
 def test_reread_prints_an_earlier_runs_table_with_the_per_round_reading_and_refuses_what_is_not_one(tmp_path, capsys):
     """--reread: rows with passes get their per-round ratios and target recomputed (six rounds at 1.10: over 1.05);
     a deadline row without passes is left out; an unreadable file or one that is not a list of rows is exit 2."""
-    import json
-
     row = {"algorithm": "DFLASH", "graphs": True, "workload": "mixed", "steps": 10, "untraced_s": 1.0,
            "overhead_full": 1.4, "overhead_sampled": 1.1, "bytes_per_step": 100.0, "tokens_same_untraced": True,
            "tokens_same_sampled": True, "passes": {"untraced": [1.0] * 6, "sampled": [1.1] * 6, "full": [1.4] * 6},
@@ -190,6 +189,36 @@ def test_until_reaches_the_runner_as_a_wall_clock_end_and_no_cell_starts_past_it
         assert cc.main(["--out", str(tmp_path), "--cells", cells, "--until", bad]) == 2
         assert "--until must be > 0 seconds" in capsys.readouterr().err
     assert len(seen) == 2
+
+
+def test_model_and_draft_run_the_cells_on_that_pair_and_the_rows_name_it(tmp_path, monkeypatch, capsys):
+    """--model DIR --draft DIR reach the runner's spec as the pair's directories (the built-in --pair otherwise) and
+    each row names its pair; a --model that is not a directory, or a --draft without --model, is exit 2."""
+    from refcheck.errors import UsageError
+    from refcheck.sglang import runner
+
+    specs: list = []
+
+    def fake(spec, *args, **kw):
+        specs.append(spec)
+        raise UsageError("no engine here")
+
+    monkeypatch.setattr(runner, "SGLangRunner", fake)
+    target, draft = tmp_path / "real" / "target", tmp_path / "real" / "draft"
+    target.mkdir(parents=True), draft.mkdir()
+    out = tmp_path / "out"
+    assert cc.main(["--out", str(out), "--cells", "DFLASH:on:mixed", "--model", str(target), "--draft", str(draft)]) == 0
+    assert cc.main(["--out", str(out), "--cells", "NONE:on:one"]) == 0
+    assert [(s.model_dir, s.draft_dir, s.pair) for s in specs] == [(target, draft, "hybrid"), (None, None, "hybrid")]
+    rows = json.loads((out / "capture_cost.json").read_text())
+    assert [r["model"] for r in rows] == ["builtin:hybrid"]
+    capsys.readouterr()
+    for bad in (["--model", str(tmp_path / "missing")], ["--draft", str(draft)], ["--model", str(target), "--draft",
+                                                                                  str(tmp_path / "nope")]):
+        assert cc.main(["--out", str(out), "--cells", "DFLASH:on:mixed", *bad]) == 2
+        err = capsys.readouterr().err
+        assert "not a directory" in err or "--draft needs --model" in err, err
+    assert len(specs) == 2
 
 
 def test_a_row_reads_its_trace_passes_books_and_the_schedulers_host(tmp_path):
