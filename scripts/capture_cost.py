@@ -196,11 +196,17 @@ def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff
             "lost_batches": (cap.get("stats") or {}).get("lost_batches", 0),
             "capture_host_ms_per_batch": (cap.get("stats") or {}).get("capture_host_ms_per_batch"),
             "host": next((st.get("host") for st in cap.get("status") or [] if isinstance(st, dict)), None),
-            # the full passes' own books (one-off costs of earlier passes left out), and the untraced passes'
-            "ledger": {**(costs.get("full") or costs.get("captured") or (cap.get("stats") or {}).get("capture_cost")
-                          or {}),
-                       "plain_ms_per_batch": (costs.get("untraced") or {}).get("plain_ms_per_batch")},
+            "ledger": ledger_of(costs, (cap.get("stats") or {}).get("capture_cost")),
             "pass_costs": costs, "drain_s": st.get("drain_s"), **(diff or {})}
+
+
+def ledger_of(costs: dict[str, Any], fallback: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The books of the table's batch columns: the full passes' (one-off costs of earlier passes left out), else the
+    sampled passes' where they recorded a batch (``--no-full``), else the first captured pass's (first-use costs
+    in it), else ``fallback`` (the trace's own); a plain batch's time is the untraced passes'."""
+    sampled = costs.get("sampled") or {}
+    books = costs.get("full") or (sampled if sampled.get("recorded_batches") else None) or costs.get("captured")
+    return {**(books or fallback or {}), "plain_ms_per_batch": (costs.get("untraced") or {}).get("plain_ms_per_batch")}
 
 
 def readings(passes: dict[str, list[float]], costs: dict[str, Any], graphs: bool) -> dict[str, Any]:
@@ -219,9 +225,10 @@ def readings(passes: dict[str, list[float]], costs: dict[str, Any], graphs: bool
 
 
 def reread(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows of an earlier run's JSON with their :func:`readings` recomputed from the passes and books they hold
-    (rows without passes, such as a deadline's list of cells not run, are left out)."""
-    return [{**r, **readings(r["passes"], r.get("pass_costs") or {}, bool(r["graphs"]))} for r in rows
+    """Rows of an earlier run's JSON with their :func:`readings` and :func:`ledger_of` recomputed from the passes and
+    books they hold (rows without passes, such as a deadline's list of cells not run, are left out)."""
+    return [{**r, **readings(r["passes"], r.get("pass_costs") or {}, bool(r["graphs"])),
+             **({"ledger": ledger_of(r["pass_costs"])} if r.get("pass_costs") else {})} for r in rows
             if isinstance(r.get("passes"), dict) and "graphs" in r]
 
 

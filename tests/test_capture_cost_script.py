@@ -221,6 +221,22 @@ def test_model_and_draft_run_the_cells_on_that_pair_and_the_rows_name_it(tmp_pat
     assert len(specs) == 2
 
 
+def test_the_batch_columns_read_the_full_books_else_the_sampled_else_the_first_captured_pass():
+    """ledger_of: a --no-full cell's recorded batch is its sampled passes' (the first captured pass carries first-use
+    costs), a sampled book that recorded nothing is passed over, and the plain batch is always the untraced passes'."""
+    full, sampled, captured = ({"recorded_ms_per_batch": x, "recorded_batches": 5} for x in (4.1, 4.0, 6.6))
+    untraced = {"plain_ms_per_batch": 2.9}
+    assert cc.ledger_of({"full": full, "sampled": sampled, "captured": captured, "untraced": untraced}) == \
+        {**full, "plain_ms_per_batch": 2.9}
+    assert cc.ledger_of({"sampled": sampled, "captured": captured, "untraced": untraced})["recorded_ms_per_batch"] == 4.0
+    idle = {**sampled, "recorded_batches": 0}
+    assert cc.ledger_of({"sampled": idle, "captured": captured})["recorded_ms_per_batch"] == 6.6
+    assert cc.ledger_of({}, {"recorded_ms_per_batch": 7.0}) == {"recorded_ms_per_batch": 7.0, "plain_ms_per_batch": None}
+    row = {"algorithm": "DFLASH", "graphs": True, "passes": {"untraced": [1.0] * 3, "sampled": [1.02] * 3, "full": []},
+           "pass_costs": {"sampled": sampled, "captured": captured, "untraced": untraced}, "ledger": captured}
+    assert cc.reread([row])[0]["ledger"]["recorded_ms_per_batch"] == 4.0
+
+
 def test_a_row_reads_its_trace_passes_books_and_the_schedulers_host(tmp_path):
     """row_of on a stand-in trace: the medians, the per-round readings of wall time and of run_batch seconds, the
     target reading, and the first scheduler's host speed from the capture's status."""
