@@ -19,9 +19,9 @@ the engine's thread per recorded DFLASH batch, and per target-only one, on the g
 each graph replay counted as its launch and input copies), what the scheduler's thread pays per call on the GPU.
 ``host`` is this machine's clock read and Python loop as a scheduler's status file gives them
 (:func:`refcheck.sglang.capture.profiling.host_speed`), to carry a figure from one host to another. ``--drag``
-also times stand-in scheduler batches (Python holding the interpreter lock, then a wait releasing it)
-with one record in 16 shipped (:func:`writer_drag`): whether the writer thread slows the batches after a recorded
-one. With ``--vs`` each round runs this checkout's refcheck and the other one's, in turn, in fresh processes, and
+also times stand-in scheduler batches (Python calling into torch as it goes, each call letting go of the
+interpreter lock, then a wait releasing it) with one record in 16 shipped (:func:`writer_drag`): whether the writer
+thread slows the batches around a recorded one, and by how much per record (``drag``). With ``--vs`` each round runs this checkout's refcheck and the other one's, in turn, in fresh processes, and
 prints the ratios (this / other) of the medians. ``--sites`` prints only the torch calls per recorded DFLASH batch
 by where the hooks make them (file and function; a graph's replay by its name), the writer thread's header and file
 parts per record (:func:`writer_parts_us`), and what giving each record its requests' context pieces costs a
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -219,40 +220,69 @@ def calls_per_batch(root: Path = ROOT, graphed: bool = True, kind: str = "dflash
     return sum(by_site.values()) / batches
 
 
-def _engine_batch(python_us: float, wait_s: float) -> None:
-    """A stand-in scheduler step: ``python_us`` of Python holding the interpreter lock, then a wait that releases it
-    (the device's work)."""
-    t0 = time.perf_counter()
-    while (time.perf_counter() - t0) * 1e6 < python_us:
-        sum(range(50))
+def _engine_batch(iterations: int, wait_s: float, operand: Any) -> None:
+    """A stand-in scheduler step: a fixed amount of Python work, ``iterations`` rounds of a small ``add`` on ``operand``
+    and a short sum (each call into torch lets go of the interpreter lock, as the torch calls of SGLang's scheduler
+    do, so a writer thread waiting for the lock takes it there), then a wait that releases it (the device's work).
+    Fixed work, not a fixed time: time the writer takes from it makes the step longer."""
+    for _ in range(iterations):
+        operand.add(operand)
+        sum(range(20))
     time.sleep(wait_s)
 
 
-DRAG_KEYS = ("untraced_ms", "ships_ms", "after_ms", "rest_ms")
+def _iterations(python_us: float, operand: Any) -> int:
+    """How many of :func:`_engine_batch`'s rounds take ``python_us`` on this host (no writer running)."""
+    t0 = time.perf_counter()
+    _engine_batch(2000, 0.0, operand)
+    return max(1, round(python_us / (1e6 * (time.perf_counter() - t0) / 2000)))
 
 
-def writer_drag(batches: int = 640, every: int = 16, python_us: float = 1500.0, wait_s: float = 0.002) -> dict[str, float]:
-    """Whether the writer thread slows the engine's thread: stand-in batches (:func:`_engine_batch`) with no capture,
-    then with one DFLASH-sized record shipped at the start of one batch in ``every``; the mean ms of a batch without
-    capture, of a batch that ships, of the batch after it (the record being written meanwhile) and of the rest."""
+DRAG_KEYS = ("untraced_ms", "ships_ms", "after_ms", "rest_ms", "drag_ms")
+
+
+def writer_drag(batches: int = 640, every: int = 16, python_us: float = 2500.0,
+                wait_s: float = 0.0004) -> dict[str, float]:
+    """Whether the writer thread slows the engine's thread: stand-in batches (:func:`_engine_batch`; by default
+    shaped like a DFLASH batch under CUDA graphs, 2.9 ms of which the device's wait is 0.4) in periods of ``every``,
+    a period that ships one DFLASH-sized record at its start alternating with one that ships none (``batches`` of
+    each kind, so a drift of the host's speed reaches both alike). The mean ms of a batch without capture, of a
+    batch that ships (the ship included), of the batch after it and of the rest; ``drag_ms``, per record: what the
+    ``every`` batches of its period took over those of a period without capture, the ship itself left out (the
+    writer's share of the engine's thread: waiting for the interpreter lock while the writer holds it, and the
+    handovers)."""
     import torch
 
     from refcheck.sglang.capture.records import Recorder
 
     torch.set_num_threads(1)
+    operand = torch.ones(4)
+    iterations = _iterations(python_us, operand)
     rec = Recorder(Path(tempfile.mkdtemp(prefix="refcheck-drag-")))
-    made = [_record() for _ in range(batches // every + 1)]
-    plain, by_place = [], [[] for _ in range(every)]
-    for g in range(2 * batches):
+    periods = max(1, batches // every)
+    made = [_record() for _ in range(periods)]
+    plain: list[list[float]] = [[] for _ in range(every)]
+    by_place: list[list[float]] = [[] for _ in range(every)]
+    shipping = []
+    for g in range(2 * periods * every):
+        period, place = divmod(g, every)
+        traced = period % 2 == 1
         t0 = time.perf_counter()
-        if g >= batches and (g - batches) % every == 0:
-            rec.ship("batch", *made[(g - batches) // every])
-        _engine_batch(python_us, wait_s)
-        (plain if g < batches else by_place[(g - batches) % every]).append(time.perf_counter() - t0)
+        if traced and place == 0:
+            rec.ship("batch", *made[period // 2])
+        t1 = time.perf_counter()
+        _engine_batch(iterations, wait_s, operand)
+        t2 = time.perf_counter()
+        (by_place if traced else plain)[place].append(t2 - t1)
+        if traced and place == 0:
+            shipping.append(t2 - t0)
     if not rec.shipper.drain(60.0):
         raise RuntimeError("the writer did not write every record within 60 s")
-    means = [plain, by_place[0], by_place[1], [x for place in by_place[2:] for x in place]]
-    return {key: 1000 * statistics.mean(xs) for key, xs in zip(DRAG_KEYS, means)}
+    drag = sum(statistics.mean(a) - statistics.mean(b) for a, b in zip(by_place, plain))
+    means = [statistics.mean(x for place in plain for x in place), statistics.mean(shipping),
+             statistics.mean(by_place[1]) if every > 1 else math.nan,
+             statistics.mean(x for place in by_place[2:] for x in place) if every > 2 else math.nan, drag]
+    return {key: 1000 * v for key, v in zip(DRAG_KEYS, means)}
 
 
 def host() -> dict[str, float]:
@@ -314,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
               f"host: clock read {m['clock_read_ns']:.0f} ns, Python loop {m['python_loop_us']:.0f} us")
         if args.drag:
             print(f"{name}: stand-in batch {m['untraced_ms']:.3f} ms untraced; 1 in 16 recorded: {m['ships_ms']:.3f} "
-                  f"shipping, {m['after_ms']:.3f} the batch after (its record written meanwhile), {m['rest_ms']:.3f} "
-                  "the rest")
+                  f"shipping, {m['after_ms']:.3f} the batch after, {m['rest_ms']:.3f} the rest; the writer's drag "
+                  f"{m['drag_ms']:.3f} ms per record")
     if "other" in med:
         print("this / other: " + ", ".join(f"{k} {med['this'][k] / med['other'][k]:.2f}" for k in keys))
     return 0
