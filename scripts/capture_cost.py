@@ -27,18 +27,18 @@ sampled pass's trace, assembled from the same capture directory (its verdict bes
 with a large ``--repeats`` a cell of short passes gets many rounds and one of long passes few; ``--no-full`` leaves
 the full-capture pass out of the rounds (an untraced and a sampled pass each: more rounds in the budget; the full
 ratio is then the captured pass's alone).
-``--cells`` names the cells to run, in order, instead of the product of the three lists; ``--deadline``
-starts no cell once that many seconds have passed since the script began (for a device call's time limit),
-listing the cells left in the JSON's last row; ``--until`` ends every cell's timing rounds by that many seconds
-after the script began (no round starts that would end later, judged by the cell's longest round so far, and no
-cell starts past it), however long each engine took to start: the cells' shutdown and trace reading come after it,
-so leave them a margin before the call's limit (``scripts/capture_cost_runs.sh`` passes one). Writes ``OUT/capture_cost.json`` (rows, as they finish) and
-``OUT/capture_cost.md`` (the table); ``--reread`` prints the table of earlier runs' JSON with the per-round readings
-recomputed from their passes (``--pool``: one row per cell, the rounds of its runs together). Workloads: ``one`` (the first built-in prompt), ``mixed`` (refcheck's 32 mixed
-requests, all at once). ``--model DIR`` (and ``--draft DIR``, the drafter DFLASH and REFCHECK_DDTREE need) runs the
-cells on that pair instead of the built-in ``--pair``: the real-width pair of ``scripts/real_width.py build``, where a
-step is as long as a 27B-wide one and the capture's host costs weigh accordingly; each row names its pair
-(``model``).
+``--cells`` names the cells to run, in order, instead of the product of the three lists; ``--deadline`` starts no
+cell once that many seconds have passed since the script began (for a device call's time limit), listing the cells
+left in the JSON's last row; ``--until`` ends every cell's timing rounds by that many seconds after the script began
+(no round starts that would end later, judged by the cell's longest round so far, and no cell starts past it),
+however long each engine took to start: the cells' shutdown and trace reading come after it, so leave them a margin
+before the call's limit (``scripts/capture_cost_runs.sh`` passes one). Writes ``OUT/capture_cost.json`` (rows, as
+they finish) and ``OUT/capture_cost.md`` (the table); ``--reread`` prints the table of earlier runs' JSON with the
+per-round readings recomputed from their passes (``--pool``: one row per cell, the rounds of its runs together).
+Workloads: ``one`` (the first built-in prompt), ``mixed`` (refcheck's 32 mixed requests, all at once).
+``--model DIR`` (and ``--draft DIR``, the drafter DFLASH and REFCHECK_DDTREE need) runs the cells on that pair
+instead of the built-in ``--pair``: the real-width pair of ``scripts/real_width.py build``, where a step is as long
+as a 27B-wide one and the capture's host costs weigh accordingly; each row names its pair (``model``).
 """
 
 from __future__ import annotations
@@ -453,6 +453,23 @@ def _check_pair(model: Path | None, draft: Path | None) -> None:
             raise UsageError(f"{flag} {d}: not a directory")
 
 
+def _checked(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
+    """The cells to run, once every argument is checked (a UsageError or ValueError says which is wrong); sets
+    ``args.until_wall``, the rounds' end on the wall clock."""
+    from refcheck.errors import UsageError
+    from refcheck.sglang.capture.sample_rule import parse
+    from refcheck.sglang.runner import timing_budget, timing_until
+
+    todo = cells(args)
+    timing_budget(args.round_budget)
+    if args.until is not None and not args.until > 0:
+        raise UsageError(f"--until must be > 0 seconds, got {args.until}")
+    _check_pair(args.model, args.draft)
+    args.until_wall = timing_until(None if args.until is None else time.time() + args.until)
+    parse(f"{args.sample}:0")  # the sampled passes' rule: CaptureSampleError (a ValueError) outside its range
+    return todo
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="required unless --reread")
@@ -485,17 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         ap.error("--out is required (or --reread)")
     from refcheck.errors import UsageError
-    from refcheck.sglang.capture.sample_rule import parse
-    from refcheck.sglang.runner import timing_budget, timing_until
 
     try:
-        todo = cells(args)
-        timing_budget(args.round_budget)
-        if args.until is not None and not args.until > 0:
-            raise UsageError(f"--until must be > 0 seconds, got {args.until}")
-        _check_pair(args.model, args.draft)
-        args.until_wall = timing_until(None if args.until is None else time.time() + args.until)
-        parse(f"{args.sample}:0")  # the sampled passes' rule: CaptureSampleError (a ValueError) outside its range
+        todo = _checked(args)
     except (ValueError, UsageError) as exc:
         print(f"capture_cost: {exc}", file=sys.stderr)
         return 2

@@ -141,13 +141,13 @@ class _Collections(CollectionClock):
 
 
 def interleaved(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The timing passes of every kind in :data:`TIMING_KINDS` the job holds, round r running pass r of each kind
-    in the order rotated by r, within the job's ``timing_budget_s`` and ``timing_until`` (module docstring). Per kind: ``times`` (wall
-    seconds per pass), ``match`` (every pass gave ``outputs``), ``books`` (what its passes booked in the cost
-    ledger, summed), ``run_batch_s`` (per pass, the seconds the ledger booked to the scheduler's ``run_batch``:
-    every decode and prefill batch, hooks included; empty when the engine does not capture) and ``client_gc_s``
-    (per pass, this process's garbage collections, :class:`_Collections`); an untraced pass r's first differences
-    from ``outputs`` go to ``diffs`` as ``repeat{r}``."""
+    """The timing passes of every kind in :data:`TIMING_KINDS` the job holds, round r running pass r of each kind in
+    the order rotated by r, within the job's ``timing_budget_s`` and ``timing_until`` (module docstring). Per kind:
+    ``times`` (wall seconds per pass), ``match`` (every pass gave ``outputs``), ``books`` (what its passes booked in
+    the cost ledger, summed), ``run_batch_s`` (per pass, the seconds the ledger booked to the scheduler's
+    ``run_batch``: every decode and prefill batch, hooks included; empty when the engine does not capture) and
+    ``client_gc_s`` (per pass, this process's garbage collections, :class:`_Collections`); an untraced pass r's
+    first differences from ``outputs`` go to ``diffs`` as ``repeat{r}``."""
     plans = {kind: job.get(key) or [] for kind, (key, _, _) in TIMING_KINDS.items()}
     kinds = [kind for kind, passes in plans.items() if passes]
     got: dict[str, dict[str, Any]] = {kind: {"times": [], "match": True, "books": {}, "run_batch_s": [],
