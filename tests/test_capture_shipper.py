@@ -297,29 +297,37 @@ def test_timing_passes_run_interleaved_in_rotating_order_each_kind_with_its_own_
     assert costs["untraced"]["recorded_ms_per_batch"] is None
 
 
+def _timed_rounds(tmp_path, clock: list[float], seconds_per_pass: float, **job_settings) -> list[int]:
+    """How many rounds of each timing kind ``child.interleaved`` runs for a job with ``job_settings`` (20 planned),
+    each pass adding ``seconds_per_pass`` to ``clock`` (which the caller has the child's clocks read)."""
+    from refcheck.sglang import child
+    from refcheck.sglang.capture.shipper import Counters
+
+    outputs = [[5, 6, 7], [8, 9]]
+    engine = _Engine(Counters(tmp_path / f"queue-rank0-pid{len(list(tmp_path.glob('queue-*')))}.bin"), outputs)
+    generate = engine.generate
+
+    def timed(*a, **kw):
+        clock[0] += seconds_per_pass
+        return generate(*a, **kw)
+
+    engine.generate = timed
+    job = {"input_ids": [[1], [2]], "sampling_params": [{}, {}], **job_settings,
+           **{key: [[f"{kind}{k}", "b"] for k in range(20)] for kind, (key, _, _) in child.TIMING_KINDS.items()}}
+    return [len(t["times"]) for t in child.interleaved(engine, job, outputs, {}).values()]
+
+
 def test_a_timing_budget_stops_starting_rounds_once_spent_after_the_minimum(tmp_path, monkeypatch):
     """With ``timing_budget_s`` the child starts no timing round once the budget is spent, but runs
     MIN_TIMED_ROUNDS whatever they cost; a round once started runs whole (every kind's pass)."""
     from refcheck.sglang import child
-    from refcheck.sglang.capture.shipper import Counters
 
     monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(tmp_path))
-    outputs = [[5, 6, 7], [8, 9]]
     clock = [0.0]
     monkeypatch.setattr(child.time, "perf_counter", lambda: clock[0])
 
     def run(budget, seconds_per_pass):
-        engine = _Engine(Counters(tmp_path / f"queue-rank0-pid{budget}-{seconds_per_pass}.bin"), outputs)
-        generate = engine.generate
-
-        def timed(*a, **kw):
-            clock[0] += seconds_per_pass
-            return generate(*a, **kw)
-
-        engine.generate = timed
-        job = {"input_ids": [[1], [2]], "sampling_params": [{}, {}], "timing_budget_s": budget,
-               **{key: [[f"{kind}{k}", "b"] for k in range(20)] for kind, (key, _, _) in child.TIMING_KINDS.items()}}
-        return [len(t["times"]) for t in child.interleaved(engine, job, outputs, {}).values()]
+        return _timed_rounds(tmp_path, clock, seconds_per_pass, timing_budget_s=budget)
 
     assert run(10.0, 1.0) == [4, 4, 4]  # 3 s a round: the fourth starts at 9 s, the fifth would at 12 s
     assert run(1.0, 5.0) == [child.MIN_TIMED_ROUNDS] * 3  # past the budget after one round: the minimum runs
@@ -331,27 +339,15 @@ def test_a_timing_end_starts_no_round_that_would_end_past_it_even_before_the_min
     round so far (round 0 starts if the end has not passed), MIN_TIMED_ROUNDS or not; with a budget too, the
     earlier of the two stops the rounds."""
     from refcheck.sglang import child
-    from refcheck.sglang.capture.shipper import Counters
 
     monkeypatch.setenv("REFCHECK_CAPTURE_DIR", str(tmp_path))
-    outputs = [[5, 6, 7], [8, 9]]
     clock = [1000.0]
     monkeypatch.setattr(child.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(child.time, "time", lambda: clock[0])
 
     def run(until, seconds_per_pass, budget=None):
         clock[0] = 1000.0
-        engine = _Engine(Counters(tmp_path / f"queue-rank0-pid{until}-{seconds_per_pass}-{budget}.bin"), outputs)
-        generate = engine.generate
-
-        def timed(*a, **kw):
-            clock[0] += seconds_per_pass
-            return generate(*a, **kw)
-
-        engine.generate = timed
-        job = {"input_ids": [[1], [2]], "sampling_params": [{}, {}], "timing_until": until, "timing_budget_s": budget,
-               **{key: [[f"{kind}{k}", "b"] for k in range(20)] for kind, (key, _, _) in child.TIMING_KINDS.items()}}
-        return [len(t["times"]) for t in child.interleaved(engine, job, outputs, {}).values()]
+        return _timed_rounds(tmp_path, clock, seconds_per_pass, timing_until=until, timing_budget_s=budget)
 
     assert run(1010.0, 1.0) == [3, 3, 3]  # 3 s a round: the third ends at 1009, a fourth would at 1012
     assert run(1009.0, 1.0) == [3, 3, 3]  # ending exactly at the end is in time
