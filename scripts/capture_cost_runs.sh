@@ -12,8 +12,9 @@
 # engine took to start (an --until among ARGUMENTS wins); it is killed SECONDS after this script began if still
 # running (the cells it finished are in its JSON: it writes each as it ends), into OUT/log.txt; with fewer than
 # MIN_S seconds (default 30) left after the tests, or no U left, no measurement starts. Last, OUT/capture-cost.tgz packs
-# both logs, capture_cost.json and .md, and each cell's job.json and result.json. Exit: capture_cost.py's (124
-# when killed), 2 for bad arguments.
+# both logs, capture_cost.json and .md, each cell's job.json and result.json, and the profile windows its scheduler
+# processes wrote (records/profile-*.txt, with REFCHECK_CAPTURE_PROFILE=FIRST:COUNT in this script's environment).
+# Exit: capture_cost.py's (124 when killed), 2 for bad arguments.
 set -uo pipefail
 out=${1:-}; seconds=${2:-}
 if [ -z "$out" ] || ! [[ "$seconds" =~ ^[0-9]+$ ]]; then
@@ -38,5 +39,6 @@ else
   rc=$?
 fi
 (cd "$out" && tar czf capture-cost.tgz log.txt \
-   $(ls gpu-tests.txt cost/capture_cost.json cost/capture_cost.md cost/*/job.json cost/*/result.json 2>/dev/null))
+   $(ls gpu-tests.txt cost/capture_cost.json cost/capture_cost.md cost/*/job.json cost/*/result.json \
+        cost/*/records/profile-*.txt 2>/dev/null))
 exit "$rc"

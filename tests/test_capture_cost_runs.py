@@ -17,9 +17,11 @@ SCRIPT = ROOT / "scripts" / "capture_cost_runs.sh"
 # a stand-in for `python3 scripts/capture_cost.py --out DIR ...`: writes one cell's files, then sleeps SLEEP seconds
 FAKE = """#!/bin/bash
 out=$3
-mkdir -p "$out/dflash-graphs-mixed"
+mkdir -p "$out/dflash-graphs-mixed/records"
 echo '[]' > "$out/capture_cost.json"
 echo '{}' > "$out/dflash-graphs-mixed/job.json"
+echo '# profile' > "$out/dflash-graphs-mixed/records/profile-rank0-pid7.txt"
+echo 'r' > "$out/dflash-graphs-mixed/records/00000000.rec"
 echo "args: $*"
 sleep "${SLEEP:-0}"
 echo '| table |' > "$out/capture_cost.md"
@@ -43,14 +45,15 @@ def test_bad_arguments_are_exit_2(tmp_path, args):
 
 
 def test_a_finished_measurement_is_packed_with_its_log(tmp_path):
-    """The cells' files and the log, under the names the results take; the arguments reach capture_cost.py after
-    the rounds' end, --until: the seconds left less END_S."""
+    """The cells' files, their scheduler's profile window and the log, under the names the results take (not the
+    records); the arguments reach capture_cost.py after the rounds' end, --until: the seconds left less END_S."""
     got = _run(tmp_path, str(tmp_path / "o"), "60", "--cells", "DFLASH:on:mixed")
     assert got.returncode == 0, got.stderr
     with tarfile.open(tmp_path / "o" / "capture-cost.tgz") as tar:
         names = sorted(tar.getnames())
         log = tar.extractfile("log.txt").read().decode()
-    assert names == ["cost/capture_cost.json", "cost/capture_cost.md", "cost/dflash-graphs-mixed/job.json", "log.txt"]
+    assert names == ["cost/capture_cost.json", "cost/capture_cost.md", "cost/dflash-graphs-mixed/job.json",
+                     "cost/dflash-graphs-mixed/records/profile-rank0-pid7.txt", "log.txt"]
     until = re.search(rf"--out {re.escape(str(tmp_path / 'o' / 'cost'))} --until (\d+) --cells DFLASH:on:mixed$", log,
                       re.M)
     assert until and 13 <= int(until.group(1)) <= 15, log
@@ -75,7 +78,8 @@ def test_a_measurement_past_its_seconds_is_killed_and_what_it_wrote_is_kept(tmp_
     got = _run(tmp_path, str(tmp_path / "o"), "2", sleep="60", min_s="1", end_s="0")
     assert got.returncode == 124
     with tarfile.open(tmp_path / "o" / "capture-cost.tgz") as tar:
-        assert sorted(tar.getnames()) == ["cost/capture_cost.json", "cost/dflash-graphs-mixed/job.json", "log.txt"]
+        assert sorted(tar.getnames()) == ["cost/capture_cost.json", "cost/dflash-graphs-mixed/job.json",
+                                          "cost/dflash-graphs-mixed/records/profile-rank0-pid7.txt", "log.txt"]
     none = _run(tmp_path, str(tmp_path / "p"), "5", min_s="30")
     assert none.returncode == 124
     assert "left after the GPU tests: no measurement" in (tmp_path / "p" / "log.txt").read_text()
