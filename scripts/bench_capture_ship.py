@@ -18,14 +18,15 @@ ledger's ``passed_ms_per_plain_batch`` on the GPU). ``torch calls`` is how many 
 the engine's thread per recorded DFLASH batch, and per target-only one, on the graphed path (:func:`calls_per_batch`: the tests' stand-ins,
 each graph replay counted as its launch and input copies), what the scheduler's thread pays per call on the GPU.
 ``host`` is this machine's clock read and Python loop as a scheduler's status file gives them
-(:func:`refcheck.sglang.capture.profiling.host_speed`), to carry a figure from one host to another. ``--drag``
-also times stand-in scheduler batches (Python calling into torch as it goes, each call letting go of the
-interpreter lock, then a wait releasing it) with one record in 16 shipped (:func:`writer_drag`): whether the writer
-thread slows the batches around a recorded one, and by how much per record (``drag``). With ``--vs`` each round runs this checkout's refcheck and the other one's, in turn, in fresh processes, and
-prints the ratios (this / other) of the medians. ``--sites`` prints only the torch calls per recorded DFLASH batch
-by where the hooks make them (file and function; a graph's replay by its name), the writer thread's header and file
-parts per record (:func:`writer_parts_us`), and what giving each record its requests' context pieces costs a
-recorded batch of 32 requests (:func:`carry_us`).
+(:func:`refcheck.sglang.capture.profiling.host_speed`), to carry a figure from one host to another. ``--drag`` also
+times stand-in scheduler batches (Python calling into torch as it goes, each call letting go of the interpreter
+lock, then a wait releasing it) with one record in 16 shipped (:func:`writer_drag`): whether the writer thread slows
+the batches around a recorded one, and by how much per record (``drag``). With ``--vs`` each round runs this
+checkout's refcheck and the other one's, in turn, in fresh processes, and prints the ratios (this / other) of the
+medians. ``--sites`` prints only the torch calls per recorded DFLASH batch by where the hooks make them (file and
+function; a graph's replay by its name), the writer thread's header and file parts per record
+(:func:`writer_parts_us`), and what giving each record its requests' context pieces costs a recorded batch of 32
+requests (:func:`carry_us`).
 """
 
 from __future__ import annotations
@@ -221,9 +222,10 @@ def calls_per_batch(root: Path = ROOT, graphed: bool = True, kind: str = "dflash
 
 
 def _engine_batch(iterations: int, wait_s: float, operand: Any) -> None:
-    """A stand-in scheduler step: a fixed amount of Python work, ``iterations`` rounds of a small ``add`` on ``operand``
-    and a short sum (each call into torch lets go of the interpreter lock, as the torch calls of SGLang's scheduler
-    do, so a writer thread waiting for the lock takes it there), then a wait that releases it (the device's work).
+    """A stand-in scheduler step: a fixed amount of Python work, ``iterations`` rounds of a small ``add`` on
+    ``operand`` and a short sum (each call into torch lets go of the interpreter lock, as the torch calls of SGLang's
+    scheduler do, so a writer thread waiting for the lock takes it there), then a wait that releases it (the device's
+    work).
     Fixed work, not a fixed time: time the writer takes from it makes the step longer."""
     for _ in range(iterations):
         operand.add(operand)
@@ -267,14 +269,15 @@ def writer_drag(batches: int = 640, every: int = 16, python_us: float = 2500.0,
     for g in range(2 * periods * every):
         period, place = divmod(g, every)
         traced = period % 2 == 1
+        ships = traced and place == 0
         t0 = time.perf_counter()
-        if traced and place == 0:
+        if ships:
             rec.ship("batch", *made[period // 2])
         t1 = time.perf_counter()
         _engine_batch(iterations, wait_s, operand)
         t2 = time.perf_counter()
         (by_place if traced else plain)[place].append(t2 - t1)
-        if traced and place == 0:
+        if ships:
             shipping.append(t2 - t0)
     if not rec.shipper.drain(60.0):
         raise RuntimeError("the writer did not write every record within 60 s")

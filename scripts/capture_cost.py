@@ -495,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cells", default=None, help="ALG:on|off:one|mixed,... (default: every combination)")
     ap.add_argument("--deadline", type=float, default=None, help="seconds after which no cell starts")
     ap.add_argument("--until", type=float, default=None,
-                    help="seconds after the script began by which every cell's timing rounds end (no cell starts later)")
+                    help="seconds after the script began by which every cell's timing rounds end "
+                         "(no cell starts later)")
     args = ap.parse_args(argv)
     if args.reread is not None:
         return _reread(args.reread, args.sample, args.pool)

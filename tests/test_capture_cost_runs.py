@@ -28,7 +28,8 @@ echo '| table |' > "$out/capture_cost.md"
 """
 
 
-def _run(tmp_path: Path, *args: str, sleep: str = "0", min_s: str = "30", end_s: str = "45") -> subprocess.CompletedProcess:
+def _run(tmp_path: Path, *args: str, sleep: str = "0", min_s: str = "30",
+         end_s: str = "45") -> subprocess.CompletedProcess:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "python3").write_text(FAKE)
