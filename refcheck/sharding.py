@@ -27,8 +27,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank(rank: int, shards: int, port: int, data: bytes, case: str, ref_dtype: str, ref_device: str, out: str,
-          source: str) -> None:
+def _rank(rank: int, parent: int, shards: int, port: int, data: bytes, case: str, ref_dtype: str, ref_device: str,
+          out: str, source: str) -> None:
+    from refcheck.lifetime import watch_parent
+
+    watch_parent(lambda: None, parent)  # leaves within POLL_S of the parent's death, even from a blocked collective
     import torch
     import torch.distributed as dist
 
@@ -83,8 +86,8 @@ def sharded_diff(trace: Trace, case: str, mode: str, shards: int, ref_dtype: str
     with tempfile.TemporaryDirectory(prefix="refcheck-shards-") as tmp:
         out = os.path.join(tmp, "report.pkl")
         try:
-            mp.start_processes(_rank, args=(shards, free_port(), trace_bytes(trace), case, ref_dtype, ref_device, out,
-                                            trace.source or case), nprocs=shards, start_method="spawn")
+            _run_ranks((os.getpid(), shards, free_port(), trace_bytes(trace), case, ref_dtype, ref_device, out, trace.source or case),
+                       shards)
         except Exception as exc:
             errors = [Path(out).with_suffix(f".{r}.error.pkl") for r in range(shards)]
             typed = next((pickle.loads(e.read_bytes()) for e in errors if e.is_file()), None)
@@ -96,6 +99,22 @@ def sharded_diff(trace: Trace, case: str, mode: str, shards: int, ref_dtype: str
                 raise
             raise typed from None
         return merge_shard_reports([pickle.loads(Path(out).with_suffix(f".{r}.pkl").read_bytes()) for r in range(shards)])
+
+
+def _run_ranks(args: tuple[object, ...], shards: int) -> None:
+    """``_rank(i, *args)`` for every rank, in spawned processes that end with this one: SIGTERM or SIGINT here ends
+    them first (:func:`refcheck.parallel.end_processes`), and each rank leaves once this process (``args[0]``) is
+    gone, whatever ended it. Raises what torch's join raises when a rank fails."""
+    from torch.multiprocessing.spawn import ProcessContext, start_processes
+
+    from refcheck.lifetime import POLL_S, ended_on_signal
+    from refcheck.parallel import end_processes
+
+    started: list[ProcessContext] = []
+    with ended_on_signal(lambda: end_processes(started[0].processes if started else [])):
+        started.append(start_processes(_rank, args=args, nprocs=shards, join=False, start_method="spawn"))
+        while not started[0].join(timeout=POLL_S):  # timed: a signal's handler runs meanwhile
+            pass
 
 
 def merge_shard_reports(reports: list[Report]) -> Report:

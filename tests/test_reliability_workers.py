@@ -203,6 +203,24 @@ def test_sigterm_to_a_diff_with_two_processes_leaves_none(tmp_path: Path, args) 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args", [_two_long_prompts, _sharded_replay], ids=["workers", "ref-shards"])
+def test_sigkill_to_a_diff_with_two_processes_leaves_none(tmp_path: Path, args) -> None:
+    """The real command SIGKILLed as soon as both processes exist (a spawned rank may still be importing torch, or be
+    blocked in its process group's rendezvous): the parent has no chance to end them, and each leaves on its own."""
+    cmd = [sys.executable, "-m", "refcheck", "diff", "--mode", "replay", *args(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: len(_spawned_workers(proc.pid)) == 2 or proc.poll() is not None, START_S, "two workers")
+        workers = _spawned_workers(proc.pid)
+        assert proc.poll() is None and len(workers) == 2
+        proc.kill()
+        proc.wait(timeout=10)
+        wait_for(lambda: not any(alive(pid) for pid in workers), GONE_S, f"workers {workers} to end")
+    finally:
+        end_group(proc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [_two_long_prompts, _sharded_replay], ids=["workers", "ref-shards"])
 def test_a_diff_whose_worker_is_killed_exits_with_its_own_code(tmp_path: Path, args) -> None:
     """``refcheck diff --workers 2`` or ``--ref-shards 2`` whose first process is SIGKILLed: exit 7 (EXIT_WORKER), one
     line saying which process died and how, no traceback (a failing verdict, exit 1, would blame the engine)."""
