@@ -1,13 +1,12 @@
-"""Atomic file replacement: the one way refcheck writes a file a reader or a crash may catch mid-way.
+"""Atomic file replacement: how refcheck writes a whole file that a reader or a crash may catch mid-way (the SGLang
+capture's records are appended as frames instead: :mod:`refcheck.sglang.capture.segments`).
 
 Contract: :func:`atomic_write_bytes` leaves either the old file or the whole new one at the path,
 whatever instant the process dies (temp file in the same directory, fsync, ``os.replace``,
-directory fsync); :func:`fsync_dir` makes a directory's renames durable; :func:`atomic_create` writes a
-file that is not there yet from several buffers, whole or not at all for readers, at the cost of one
-exclusive create, the writes and a rename (the SGLang capture's per-step records, inside a running engine). It replaces only a regular
+directory fsync); :func:`fsync_dir` makes a directory's renames durable. It replaces only a regular
 file: a directory, device (``/dev/null``), FIFO or socket at the path (a symbolic link followed) is a
 :class:`NotRegularFileError` and stays as it is. Used by traces, the golden store and manifest, the
-SGLang capture's records and the child-process status files.
+SGLang capture's status files and the child-process status files.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import errno
 import os
 import stat
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -99,34 +97,3 @@ def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> int:
     if durable:
         fsync_dir(directory)
     return len(data)
-
-
-def atomic_create(path: Path, parts: Sequence[bytes | memoryview]) -> int:
-    """Write ``parts`` one after the other as the new file ``path`` (which is not there yet): into ``path`` +
-    ``.tmp``, created exclusively (the process's umask applied by the kernel), then renamed into place. A reader
-    sees the whole file or none; a power cut may lose it (no fsync). The buffers go out in one ``writev`` (again for
-    what a short write left): a thread writing records lets go of the interpreter lock and takes it back four times
-    (open, write, close, rename), not once more per buffer. The temp name already there is a
-    :class:`FileExistsError`, and on any exception the temp file is removed. Returns the bytes written."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        try:
-            views = [v for v in (memoryview(part).cast("B") for part in parts) if v]
-            written = 0
-            while views:
-                n = os.writev(fd, views)
-                written += n
-                while views and n >= len(views[0]):  # the buffers written whole
-                    n -= len(views[0])
-                    views.pop(0)
-                if views:
-                    views[0] = views[0][n:]  # the rest of one written in part
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return written

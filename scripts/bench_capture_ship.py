@@ -24,7 +24,7 @@ lock, then a wait releasing it) with one record in 16 shipped (:func:`writer_dra
 the batches around a recorded one, and by how much per record (``drag``). With ``--vs`` each round runs this
 checkout's refcheck and the other one's, in turn, in fresh processes, and prints the ratios (this / other) of the
 medians. ``--sites`` prints only the torch calls per recorded DFLASH batch by where the hooks make them (file and
-function; a graph's replay by its name), the writer thread's header and file parts per record
+function; a graph's replay by its name), the writer thread's header and frame parts per record
 (:func:`writer_parts_us`), and what giving each record its requests' context pieces costs a recorded batch of 32
 requests (:func:`carry_us`).
 """
@@ -117,9 +117,10 @@ def pass_over(requests: int, batches: int = 3000) -> float:
 
 def writer_parts_us(records: int = 300) -> tuple[float, float]:
     """The writer thread's two parts per DFLASH-sized record (:func:`_record`), in microseconds of its thread's CPU:
-    encoding the header (JSON, holding the interpreter lock) and writing the file (the kernel's write releases it)."""
-    from refcheck.atomic_file import atomic_create
+    encoding the header (JSON, holding the interpreter lock) and appending the record's frame to its segment (the
+    kernel's write releases it)."""
     from refcheck.sglang.capture import packing
+    from refcheck.sglang.capture.segments import SegmentLog
 
     fields, tensors = _record()
     skeleton, ts, n_dev = packing.pack({"type": "batch", **fields, **tensors})
@@ -127,10 +128,11 @@ def writer_parts_us(records: int = 300) -> tuple[float, float]:
     t0 = time.thread_time()
     parts = [packing.encode_parts(skeleton, entries, dev.numpy().data, host.numpy().data) for _ in range(records)]
     t1 = time.thread_time()
-    out = Path(tempfile.mkdtemp(prefix="refcheck-writer-"))
-    for i, data in enumerate(parts):
-        atomic_create(out / f"{i:08d}.rec", data)
+    log = SegmentLog(Path(tempfile.mkdtemp(prefix="refcheck-writer-")), "records")
+    for data in parts:
+        log.append(data)
     t2 = time.thread_time()
+    log.close()
     return 1e6 * (t1 - t0) / records, 1e6 * (t2 - t1) / records
 
 
@@ -323,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         for site, n in sorted(sites.items(), key=lambda kv: (-kv[1], kv[0])):
             print(f"{n:8.1f}  {site}")
         encode, write = writer_parts_us()
-        print(f"writer, per DFLASH-sized record: header {encode:.0f} us (holding the interpreter lock), file {write:.0f} us")
+        print(f"writer, per DFLASH-sized record: header {encode:.0f} us (holding the interpreter lock), frame {write:.0f} us")
         print(f"context pieces: {carry_us():.1f} us per recorded batch of 32 requests")
         return 0
     if args.records < 1 or args.rounds < 1:

@@ -4,6 +4,7 @@ runs unrecorded, and the diff judges the steps before it with the gap declared."
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pytest
@@ -12,7 +13,7 @@ from capture_kit import V, fresh_hooks, make_batch, make_scheduler, read_capture
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refcheck.sglang.capture import hooks
+from refcheck.sglang.capture import hooks, packing
 from refcheck.sglang.capture.byte_budget import (
     ENV_MAX_BYTES,
     MAX_BYTES,
@@ -21,7 +22,8 @@ from refcheck.sglang.capture.byte_budget import (
     from_megabytes,
     parse,
 )
-from refcheck.sglang.capture.records import Recorder
+from refcheck.sglang.capture.records import ROLL_SEGMENTS, Recorder
+from refcheck.sglang.capture.segments import frame_bytes, payloads, scan, segment_files
 from refcheck.sglang.capture.shipper import queue_files, read_fields
 
 
@@ -60,8 +62,13 @@ def test_budget_texts_and_megabytes_read_as_bytes():
         from_megabytes(0)
 
 
+def _frame_bytes(directory: Path) -> list[int]:
+    """The bytes of each batch or prefill record's frame in a process directory, in order."""
+    return [frame_bytes(n) for f in segment_files(directory, "records") for _, n in scan(f).frames]
+
+
 def _record_bytes(rec: Recorder) -> list[int]:
-    return [f.stat().st_size for f in sorted(rec.dir.glob("*.rec"))]
+    return _frame_bytes(rec.dir)
 
 
 def test_the_writer_writes_records_until_one_would_cross_the_budget_and_counts_the_rest(tmp_path):
@@ -109,14 +116,14 @@ def test_past_its_budget_a_process_records_no_more_batches_and_counts_them(tmp_p
     fifth batches run unrecorded (booked plain), and all three are counted past the budget."""
     full = _decode_batches(tmp_path / "full", monkeypatch, None)
     assert not full.errors and full.over_budget == 0
-    sizes = [f.stat().st_size for f in sorted(next((tmp_path / "full").glob("rank0-pid*")).glob("*.rec"))]
+    sizes = _frame_bytes(next((tmp_path / "full").glob("rank0-pid*")))
     assert len(sizes) == 6
     limit = sum(sizes[:3]) + min(sizes[3:]) // 2
     cap = _decode_batches(tmp_path / "bounded", monkeypatch, str(limit))
     assert not cap.errors, cap.errors
     assert [(s.rid, s.meta["step_index"]) for s in cap.steps[0]] == [("r0", 0), ("r1", 0), ("r0", 1), ("r1", 1)]
     assert len(cap.prefills[0]) == 2 and cap.over_budget == 3
-    written = [f.stat().st_size for f in sorted(next((tmp_path / "bounded").glob("rank0-pid*")).glob("*.rec"))]
+    written = _frame_bytes(next((tmp_path / "bounded").glob("rank0-pid*")))
     assert len(written) == 3 and sum(written) <= limit
     assert cap.cost["recorded_batches"] == 3 and cap.cost["plain_batches"] == 2, cap.cost
     assert cap.status[0]["max_bytes"] == limit
@@ -190,9 +197,20 @@ def test_a_rolling_budget_needs_a_bound():
         ByteBudget(None, roll=True)
 
 
+def _kept(rec: Recorder, prefix: str = "records") -> list[object]:
+    """The records a process directory holds, in order: each batch record's ``n``, each error record's message."""
+    out = []
+    for f in segment_files(rec.dir, prefix):
+        for data in payloads(f, scan(f).frames):
+            record = packing.decode(data)
+            out.append(record.get("n", record.get("message")))
+    return out
+
+
 def test_a_rolling_recorder_deletes_its_oldest_batch_records_and_never_an_error_record(tmp_path):
-    """Eight records under a rolling budget of three and a half: the files left are the last three batch records (and
-    the error record written among them), the five oldest deleted and counted, none refused."""
+    """Eight records under a rolling budget of three and a half, each in a segment of its own (a sixteenth of the
+    budget is less than one): the last three batch records are left, and the error record written before them; the
+    five oldest deleted and counted, none refused."""
     probe = Recorder(tmp_path / "probe")
     probe.ship("batch", {"n": 0}, {"t": torch.arange(64)})
     assert probe.shipper.drain(10.0)
@@ -202,10 +220,31 @@ def test_a_rolling_recorder_deletes_its_oldest_batch_records_and_never_an_error_
     for n in range(8):
         rec.ship("batch", {"n": n}, {"t": torch.arange(64) + n})
         assert rec.shipper.drain(10.0)
-    files = sorted(rec.dir.glob("*.rec"))
-    assert [f.name for f in files] == ["00000000.rec", "00000006.rec", "00000007.rec", "00000008.rec"]
+    assert _kept(rec) == [5, 6, 7] and _kept(rec, "errors") == ["an early error"]
     fields = read_fields(queue_files(tmp_path / "capture")[0])
     assert (fields["rolled_out"], fields["over_budget"], fields["lost"]) == (5, 0, 0) and not rec.budget.spent
+
+
+@settings(max_examples=15, deadline=None)
+@given(records=st.integers(1, 120), budget_in_records=st.integers(2, 48))
+def test_a_rolling_recorder_keeps_the_latest_records_filling_all_but_a_segment_of_its_budget(
+        tmp_path_factory, records, budget_in_records):
+    """Records of one size under a rolling budget of a whole number of them, written in segments of a sixteenth of
+    it: the records kept are the latest ones, within the budget, and fill it but for less than a segment and a
+    record; every record written is kept or counted deleted."""
+    root = tmp_path_factory.mktemp("roll")
+    probe = Recorder(root / "probe")
+    probe.write("batch", packing.encode({"n": 1000}, []))  # every n of four digits: records of one size
+    one, = _record_bytes(probe)
+    limit = budget_in_records * one
+    rec = Recorder(root / "capture", max_bytes=limit, roll=True)
+    for n in range(records):
+        rec.write("batch", packing.encode({"n": 1000 + n}, []))
+    kept = _kept(rec)
+    assert kept == list(range(1000 + records - len(kept), 1000 + records))
+    assert len(kept) * one <= limit
+    assert len(kept) == records or len(kept) * one > limit - max(1, limit // ROLL_SEGMENTS) - one
+    assert rec.shipper.counts.values["rolled_out"] == records - len(kept)
 
 
 def test_past_a_rolling_budget_the_hooks_keep_recording_the_latest_batches(tmp_path, monkeypatch):
@@ -213,7 +252,7 @@ def test_past_a_rolling_budget_the_hooks_keep_recording_the_latest_batches(tmp_p
     the latest records, and the oldest are counted deleted; a served trace of it leaves out the requests whose first
     records went and says so."""
     full = _decode_batches(tmp_path / "full", monkeypatch, None)
-    sizes = [f.stat().st_size for f in sorted(next((tmp_path / "full").glob("rank0-pid*")).glob("*.rec"))]
+    sizes = _frame_bytes(next((tmp_path / "full").glob("rank0-pid*")))
     limit = sum(sizes[:3]) + min(sizes[3:]) // 2
     monkeypatch.setenv("REFCHECK_CAPTURE_ROLL", "1")
     cap = _decode_batches(tmp_path / "rolled", monkeypatch, str(limit))

@@ -17,11 +17,11 @@ SCRIPT = ROOT / "scripts" / "capture_cost_runs.sh"
 # a stand-in for `python3 scripts/capture_cost.py --out DIR ...`: writes one cell's files, then sleeps SLEEP seconds
 FAKE = """#!/bin/bash
 out=$3
-mkdir -p "$out/dflash-graphs-mixed/records"
+mkdir -p "$out/dflash-graphs-mixed/records/rank0-pid7"
 echo '[]' > "$out/capture_cost.json"
 echo '{}' > "$out/dflash-graphs-mixed/job.json"
 echo '# profile' > "$out/dflash-graphs-mixed/records/profile-rank0-pid7.txt"
-echo 'r' > "$out/dflash-graphs-mixed/records/00000000.rec"
+echo 'r' > "$out/dflash-graphs-mixed/records/rank0-pid7/records-000000.seg"
 echo "args: $*"
 sleep "${SLEEP:-0}"
 echo '| table |' > "$out/capture_cost.md"

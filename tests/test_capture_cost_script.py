@@ -7,8 +7,7 @@ import json
 import math
 
 import pytest
-
-from tests.script_loader import load_script
+from script_loader import load_script
 
 cc = load_script("capture_cost")
 

@@ -357,32 +357,6 @@ def test_a_timing_end_starts_no_round_that_would_end_past_it_even_before_the_min
     assert run(None, 1.0) == [20, 20, 20]
 
 
-def test_a_record_file_is_created_whole_from_its_buffers_or_not_at_all(tmp_path, monkeypatch):
-    """refcheck/atomic_file.py's atomic_create (the capture's record files): the buffers end to end under the final
-    name, nothing under a temp name after; an existing temp name is refused; a write that fails leaves neither."""
-    import os
-
-    from refcheck.atomic_file import atomic_create
-
-    data = torch.arange(6, dtype=torch.uint8)
-    parts = packing.encode_parts({"a": 1}, [], data.numpy().data, b"xyz")
-    assert atomic_create(tmp_path / "00000000.rec", parts) == sum(len(bytes(p)) for p in parts)
-    assert (tmp_path / "00000000.rec").read_bytes() == packing.encode({"a": 1}, [], data.numpy().tobytes(), b"xyz")
-    assert sorted(f.name for f in tmp_path.iterdir()) == ["00000000.rec"]
-    (tmp_path / "00000001.rec.tmp").write_bytes(b"")
-    with pytest.raises(FileExistsError):
-        atomic_create(tmp_path / "00000001.rec", [b"x"])
-    (tmp_path / "00000001.rec.tmp").unlink()
-
-    def full(fd, views):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(os, "writev", full)
-    with pytest.raises(OSError, match="No space"):
-        atomic_create(tmp_path / "00000002.rec", [b"x"])
-    assert sorted(f.name for f in tmp_path.iterdir()) == ["00000000.rec"]
-
-
 def test_pack_numbers_the_device_tensors_first_and_counts_them():
     """A nest mixing device and host tensors: the device ones get the first numbers, in the nest's order, and their
     count comes back (the shipper copies that many out of the device in one buffer). A tensor subclass stands in
@@ -408,9 +382,8 @@ def test_shipping_a_record_costs_the_engines_thread_two_tensor_calls_per_tensor(
     :meth:`Shipper.ship` of a 21-tensor record (attribute reads such as ``dtype`` are not calls)."""
     import sys
 
+    from script_loader import load_script
     from torch.overrides import TorchFunctionMode
-
-    from tests.script_loader import load_script
 
     bench = load_script("bench_capture_ship")
     calls: list[str] = []
@@ -455,33 +428,6 @@ def test_a_collection_inside_the_ledgers_lock_books_itself_without_waiting_for_t
     assert done.wait(10.0), "a collection inside Counters.add's lock deadlocked its thread"
     fields = read_fields(tmp_path / "queue-rank0-pid1.bin")
     assert fields["gc_collections"] >= 1 and fields["gc_ns"] > 0
-
-
-def test_a_record_file_written_in_short_writes_is_whole_and_its_buffers_go_out_together(tmp_path, monkeypatch):
-    """atomic_create hands every buffer to one ``writev``; a write the kernel cuts short (here 5 bytes at a time, a
-    cut inside a buffer and across two) is resumed where it stopped, and the file is the buffers end to end."""
-    import os
-
-    from refcheck.atomic_file import atomic_create
-
-    calls: list[int] = []
-    real = os.writev
-
-    def short(fd, views):
-        calls.append(len(views))
-        head, left = [], 5
-        for v in views:
-            head.append(v[:left])
-            left -= len(head[-1])
-            if not left:
-                break
-        return real(fd, head)
-
-    monkeypatch.setattr(os, "writev", short)
-    parts = [b"abcdefg", b"", memoryview(b"hij"), b"klmnopqrstu"]
-    assert atomic_create(tmp_path / "00000000.rec", parts) == 21
-    assert (tmp_path / "00000000.rec").read_bytes() == b"abcdefghijklmnopqrstu"
-    assert calls[0] == 3 and len(calls) == 5  # the empty buffer left out; 21 bytes in writes of 5
 
 
 def test_the_writer_waits_for_a_copy_in_one_synchronize_of_a_blocking_sync_event(monkeypatch):

@@ -18,6 +18,7 @@ from gpu_sglang_kit import diff_on_gpu, hybrid_spec, logits_failures_rare, struc
 
 from refcheck.errors import EXIT_MISMATCH
 from refcheck.prompts import load_prompts
+from refcheck.sglang.capture.segments import scan, segment_files
 from refcheck.sglang.runner import SGLangRunner
 from refcheck.trace.io import read_trace
 
@@ -77,10 +78,10 @@ def test_dflash_replay_has_no_structural_or_state_failure(dflash_traces):
 
 def _kill_after(records: Path, count: int, killed: dict[str, int], done: threading.Event) -> None:
     """SIGKILL the first scheduler whose record directory under ``records`` holds ``count`` batch records
-    (``refcheck.sglang.capture.records.Recorder``'s files), until ``done`` is set."""
+    (``refcheck.sglang.capture.records.Recorder``'s frames), until ``done`` is set."""
     while not done.is_set() and not killed:
         for d in records.glob("rank0-pid*"):
-            n = len(list(d.glob("[0-9]*.rec")))
+            n = sum(len(scan(f).frames) for f in segment_files(d, "records"))
             if n >= count:
                 pid = int(d.name.split("-pid", 1)[1])
                 os.kill(pid, signal.SIGKILL)

@@ -12,6 +12,7 @@ from capture_kit import fresh_hooks  # tests/capture_kit.py
 
 from refcheck.sglang.capture import dflash_taps, hooks
 from refcheck.sglang.capture.records import Recorder
+from refcheck.sglang.capture.segments import scan, segment_files
 from refcheck.sglang.capture.shipper import queue_files, read_counts
 
 
@@ -33,10 +34,10 @@ def test_a_capture_directory_that_takes_no_recorder_leaves_every_batch_to_sglang
 
 
 def _refusing(monkeypatch):
-    def full(path, parts):
+    def full(fd, parts):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("refcheck.sglang.capture.records.atomic_create", full)
+    monkeypatch.setattr("refcheck.sglang.capture.segments.write_all", full)
 
 
 def test_an_error_record_the_disk_refuses_is_said_once_and_counted(tmp_path, monkeypatch, capsys):
@@ -60,7 +61,8 @@ def test_a_batch_record_the_disk_refuses_is_counted_lost_and_the_queue_drains(tm
     assert rec.shipper.drain(10.0)
     (queued, written, lost), = [read_counts(f) for f in queue_files(tmp_path)]
     assert (queued, written, lost) == (2, 2, 1) and rec.unwritten_errors == 1
-    assert len(list(rec.dir.glob("*.rec"))) == 1  # the first record, written before the disk filled
+    monkeypatch.undo()
+    assert [len(scan(f).frames) for f in segment_files(rec.dir, "records")] == [1]  # written before the disk filled
 
 
 class _Worker:

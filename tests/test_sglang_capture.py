@@ -23,6 +23,7 @@ from refcheck.pool import ReferencePool
 from refcheck.reference_runner import ReferenceRunner
 from refcheck.sglang.capture.assemble import assemble_trace
 from refcheck.sglang.capture.records import Recorder, read_capture
+from refcheck.sglang.capture.segments import segment_files
 from refcheck.sglang.capture.state import MambaPools, batch_state, request_state
 from refcheck.sglang.capture.steps import StepCapture, summarise_nodes, tree_steps
 
@@ -106,13 +107,18 @@ def test_records_round_trip_through_the_capture_directory(tmp_path):
              {"t": {"nodes": summarise_nodes(logits, nxt).tensors(), "next_ids": nxt}})
     assert rec.shipper.drain(10.0)
     rec.error("eagle_sample:after", "boom")
-    (rec.dir / "00000099.rec").write_bytes(b"torn")
+    rec.records.append([b"spoiled"])  # a whole frame whose record is not one
     back = read_capture(tmp_path)
     a, b = back.prefills[0]
     assert (a.rid, a.prompt_len, a.token, b.token, b.uniform) == ("a", 5, 3, 4, 0.5) and math.isnan(a.uniform)
     assert a.logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[3]), abs=1e-6)
-    assert any("boom" in e for e in back.errors) and any("unreadable record" in e for e in back.errors)
-    assert not list(rec.dir.glob(".*.tmp")) and back.lost == 0
+    assert any("boom" in e for e in back.errors) and back.lost == 0
+    assert [e for e in back.errors if "records-000000.seg@" in e and "unreadable record" in e], back.errors
+    seg, = segment_files(rec.dir, "records")
+    with open(seg, "ab") as f:  # the head of a frame being written
+        f.write(b"RCF1\x10")
+    assert not [e for e in read_capture(tmp_path, running=True).errors if "cut short" in e]
+    assert [e for e in read_capture(tmp_path).errors if "records-000000.seg: a frame cut short" in e]
 
 
 def test_assembly_cuts_the_last_block_and_flags_inconsistencies(setup):

@@ -397,25 +397,27 @@ def test_data_parallel_replicas_may_each_have_a_rank_0(capture_dir):
     assert not [e for e in read_capture(capture_dir).errors if "cannot be told apart" in e]
 
 
-def test_a_record_a_running_servers_rolling_budget_deletes_mid_read_is_passed_over(capture_dir, monkeypatch):
-    """A running server with a rolling budget deletes its oldest record between the directory's listing and its
-    reading: read with ``running``, passed over; read as a stopped server's directory, an error."""
-    from pathlib import Path
-
-    from refcheck.sglang.capture.records import read_capture
+@pytest.mark.parametrize("when", ["listed", "scanned"])
+def test_a_segment_a_running_servers_rolling_budget_deletes_mid_read_is_passed_over(capture_dir, monkeypatch, when):
+    """A running server with a rolling budget deletes its oldest segment after the directory's listing (before its
+    frames are scanned, or once they were): read with ``running``, passed over; read as a stopped server's
+    directory, an error."""
+    from refcheck.sglang.capture import records
+    from refcheck.sglang.capture.segments import segment_files
 
     _hooks_serve(capture_dir)
-    first = sorted(next(capture_dir.glob("rank0-pid*")).glob("*.rec"))[0]
-    read = Path.read_bytes
+    first = segment_files(next(capture_dir.glob("rank0-pid*")), "records")[0]
+    name = "scan" if when == "listed" else "payloads"
+    real = getattr(records, name)
 
-    def gone(self):
-        if self == first:
-            raise FileNotFoundError(2, "No such file or directory", str(self))
-        return read(self)
+    def gone(path, *args):
+        if path == first:
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real(path, *args)
 
-    monkeypatch.setattr(Path, "read_bytes", gone)
-    assert not read_capture(capture_dir, running=True).errors
-    assert any("record gone while the directory was read" in e for e in read_capture(capture_dir).errors)
+    monkeypatch.setattr(records, name, gone)
+    assert not records.read_capture(capture_dir, running=True).errors
+    assert any("segment gone while the directory was read" in e for e in records.read_capture(capture_dir).errors)
 
 
 def test_requests_the_schedulers_met_that_no_record_holds_are_counted(setup):

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import torch
+from script_loader import load_script
 
 from refcheck.trace.io import read_trace
-from tests.script_loader import load_script
 
 sb = load_script("state_bytes")
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "sglang-hybrid-ddtree-b15.arrow"

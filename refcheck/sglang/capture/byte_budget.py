@@ -1,7 +1,7 @@
 """How many bytes of records one scheduler process may write into the capture directory.
 
 Contract: ``REFCHECK_CAPTURE_MAX_BYTES=N`` (:data:`ENV_MAX_BYTES`, set by the runner from ``--capture-max-mb``)
-bounds the bytes of the record files each scheduler process writes (batch, prefill and error records, headers
+bounds the bytes of the record frames each scheduler process writes (batch, prefill and error records, headers
 included), so a capture left on for a long run cannot fill its disk. :func:`parse` reads the value (None or
 empty: no bound) and refuses anything but an integer in 1..:data:`MAX_BYTES` with :class:`CaptureBudgetError`.
 A :class:`ByteBudget` is charged with each record before it is written. The first record that would cross the
@@ -13,8 +13,8 @@ step past the budget is a declared gap, never a silently missing one.
 
 A *rolling* budget (``REFCHECK_CAPTURE_ROLL=1`` beside it, :data:`ENV_ROLL`; the runner's ``--capture-roll``) is
 never spent: a record that would cross the bound first has the oldest batch records deleted (the caller's ``evict``,
-counted ``rolled_out``) until it fits, so the directory holds the process's latest records, as many as the bound
-takes, for as long as the engine runs. Error records are never deleted. A record larger than the bound itself is
+a segment of them at a time, counted ``rolled_out``) until it fits, so the directory holds the process's latest
+records, nearly as many as the bound takes, for as long as the engine runs. Error records are never deleted. A record larger than the bound itself is
 refused (nothing deleted for it) and counted as above, and the records after it are written.
 """
 

@@ -1,19 +1,21 @@
 """The capture directory: what the plugin writes inside SGLang's scheduler processes, read back in order.
 
-Contract: a :class:`Recorder` (one per scheduler process) writes each record as its own file
-``rank{tp}-pid{pid}/{seq:08d}.rec`` (:mod:`refcheck.sglang.capture.packing`: a JSON header and the tensors'
-bytes) through a temporary name and an atomic rename, so a crash loses at most the record being written and never
-leaves a half file under a final name. Batch records go through the process's
-:class:`~refcheck.sglang.capture.shipper.Shipper` (:meth:`Recorder.ship`: asynchronous host copies, written
-by its thread, counted in ``queue-rank{tp}-pid{pid}.bin``); error records are written at once.
-``status-rank{tp}-pid{pid}.json`` says which hooks are live. A :class:`~refcheck.sglang.capture.byte_budget.ByteBudget`
-bounds the bytes of the process's record files; a record past it is refused and counted, not written.
-:func:`read_capture` returns every complete
-record of a directory, per rank, in write order, batch records expanded per request
-(:mod:`refcheck.sglang.capture.expand`); a file that cannot be read, records still queued when the engine
-stopped, records the queue could not take, records past the byte budget and error records that could not be
-written are reported (not skipped silently) in :attr:`Capture.errors`, :attr:`Capture.lost` and
-:attr:`Capture.over_budget`.
+Contract: a :class:`Recorder` (one per scheduler process) appends each record
+(:mod:`refcheck.sglang.capture.packing`: a JSON header and the tensors' bytes) as a frame of its segments
+(:mod:`refcheck.sglang.capture.segments`): batch and prefill records to ``rank{tp}-pid{pid}/records-*.seg``, error
+records to ``errors-*.seg`` beside them. A crash loses at most the frame being written, which the reader reports.
+Batch records go through the process's :class:`~refcheck.sglang.capture.shipper.Shipper` (:meth:`Recorder.ship`:
+asynchronous host copies, written by its thread, counted in ``queue-rank{tp}-pid{pid}.bin``); error records are
+written at once. ``status-rank{tp}-pid{pid}.json`` says which hooks are live. A
+:class:`~refcheck.sglang.capture.byte_budget.ByteBudget` bounds the bytes of the process's frames; a record past it
+is refused and counted, not written. A rolling budget deletes the oldest segment of batch records to make room, in
+segments of a sixteenth of the budget (:data:`ROLL_SEGMENTS`), so the directory keeps at least fifteen sixteenths
+of the budget's worth of the latest records; error records are never deleted.
+:func:`read_capture` returns every complete record of a directory, per rank, in write order, batch records expanded
+per request (:mod:`refcheck.sglang.capture.expand`); a segment or frame that cannot be read, a segment's torn end,
+records still queued when the engine stopped, records the queue could not take, records past the byte budget and
+error records that could not be written are reported (not skipped silently) in :attr:`Capture.errors`,
+:attr:`Capture.lost` and :attr:`Capture.over_budget`.
 """
 
 from __future__ import annotations
@@ -21,18 +23,22 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
-from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
-from refcheck.atomic_file import atomic_create, atomic_write_bytes
+from refcheck.atomic_file import atomic_write_bytes
 from refcheck.sglang.capture import packing
 from refcheck.sglang.capture.byte_budget import BudgetSpent, ByteBudget
 from refcheck.sglang.capture.expand import expand_batch, expand_prefill
+from refcheck.sglang.capture.segments import SEGMENT_BYTES, SegmentLog, frame_bytes, payloads, scan, segment_files
 from refcheck.sglang.capture.shipper import Shipper, counts_path, ledger_summary, queue_files, read_fields
 from refcheck.sglang.capture.steps import PrefillCapture, StepCapture
+
+RECORDS, ERRORS = "records", "errors"  # the segments' prefixes (:mod:`refcheck.sglang.capture.segments`)
+ROLL_SEGMENTS = 16  # segments to a rolling budget
 
 
 class Recorder:
@@ -41,39 +47,34 @@ class Recorder:
         self.dir = self.root / f"rank{tp_rank}-pid{os.getpid()}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.status_path = self.root / f"status-rank{tp_rank}-pid{os.getpid()}.json"
-        self.tp_rank, self.seq = tp_rank, 0
+        self.tp_rank = tp_rank
         self._disk_said = False  # a refusal by the disk was said on stderr
-        self._lock = threading.Lock()  # the engine's thread (errors) and the shipper's (records) both write
-        self.budget = ByteBudget(max_bytes, roll)  # the bytes of record files this process may write
-        self._kept: deque[tuple[Path, int]] = deque()  # batch records on disk, oldest first (a rolling budget's to delete)
+        self.budget = ByteBudget(max_bytes, roll)  # the bytes of record frames this process may write
+        # a rolling budget deletes whole segments: sixteen of them to a budget keep at least 15/16 of it filled
+        per_segment = max(1, max_bytes // ROLL_SEGMENTS) if roll and max_bytes else SEGMENT_BYTES
+        self.records = SegmentLog(self.dir, RECORDS, min(per_segment, SEGMENT_BYTES))  # batch and prefill records
+        self.errors = SegmentLog(self.dir, ERRORS)  # error records: never rolled out
         self.shipper = Shipper(self.write, self.error, counts_path(root, tp_rank))
 
     def write(self, kind: str, data: bytes | list[bytes | memoryview]) -> None:
         """One encoded record (``kind`` names it in errors; whole, or as :func:`~refcheck.sglang.capture.packing.
-        encode_parts`' buffers), as the next file of this process; :class:`~refcheck.sglang.capture.byte_budget.
-        BudgetSpent` when the process's byte budget cannot take it (nothing is written)."""
+        encode_parts`' buffers), as the next frame of this process's segments (error records in their own);
+        :class:`~refcheck.sglang.capture.byte_budget.BudgetSpent` when the process's byte budget cannot take it
+        (nothing is written)."""
         parts = data if isinstance(data, list) else [data]
-        nbytes = sum(memoryview(p).nbytes for p in parts)
+        nbytes = frame_bytes(sum(memoryview(p).nbytes for p in parts))
         if not self.budget.charge(nbytes, self._evict):
             raise BudgetSpent(f"{kind}: the capture's byte budget of {self.budget.limit} bytes cannot take it")
-        with self._lock:
-            seq, self.seq = self.seq, self.seq + 1
-        # a new name each time, not fsynced: a record lost to a power cut is re-made by re-running; readers never
-        # see half of one (``*.rec.tmp`` until it is whole)
-        path = self.dir / f"{seq:08d}.rec"
-        atomic_create(path, parts)
-        if kind != "error":  # error records are never rolled out
-            with self._lock:
-                self._kept.append((path, nbytes))
+        (self.errors if kind == "error" else self.records).append(parts)
 
     def _evict(self) -> int | None:
-        """Delete the oldest batch record (a rolling budget's room), counted ``rolled_out``: its bytes, or None."""
-        with self._lock:
-            if not self._kept:
-                return None
-            path, nbytes = self._kept.popleft()
-        path.unlink(missing_ok=True)
-        self.shipper.counts.add(rolled_out=1)
+        """Delete the oldest segment of batch records (a rolling budget's room), its records counted ``rolled_out``:
+        its bytes, or None when none is left."""
+        dropped = self.records.drop_oldest()
+        if dropped is None:
+            return None
+        nbytes, frames = dropped
+        self.shipper.counts.add(rolled_out=frames)
         return nbytes
 
     def ship(self, kind: str, fields: dict[str, Any], tensors: dict[str, Any]) -> None:
@@ -115,7 +116,7 @@ class Capture:
     over_budget: int = 0  # batches not recorded because their process's byte budget was spent
     rolled_out: int = 0  # batch records a rolling byte budget deleted, oldest first
     in_flight: int = 0  # batch records queued but not yet written when a running engine's directory was read
-    not_read: int = 0  # record files left unread (read_capture's ``last``)
+    not_read: int = 0  # records left unread (read_capture's ``last``)
     #: requests the schedulers' step clocks met, recorded or not: a tensor-parallel rank's processes summed (data-
     #: parallel replicas and restarts meet other requests), the largest over ranks (each rank meets the same ones)
     requests_met: int = 0
@@ -130,10 +131,10 @@ class Capture:
 
 def read_capture(root: Path, running: bool = False, last: int | None = None) -> Capture:
     """Every complete record of the capture directory ``root`` (module docstring). ``running``: the engine may still be
-    writing, so records queued but not yet written are in flight (:attr:`Capture.in_flight`), and a record its
-    rolling budget deletes while the directory is read is passed over, neither being an error.
-    ``last``: only each scheduler process's ``last`` records are read (the others counted in
-    :attr:`Capture.not_read`)."""
+    writing, so records queued but not yet written are in flight (:attr:`Capture.in_flight`), a segment its rolling
+    budget deletes while the directory is read is passed over, and so is its current segment's torn end (the frame
+    being written), none of them an error. ``last``: only each scheduler process's last ``last`` batch and prefill
+    records are read (the others counted in :attr:`Capture.not_read`; error records are always read)."""
     cap = Capture()
     root = Path(root)
     for st in sorted(root.glob("status-rank*-pid*.json")):
@@ -145,20 +146,11 @@ def read_capture(root: Path, running: bool = False, last: int | None = None) -> 
     for d in sorted(root.glob("rank*-pid*")):
         rank = int(d.name[4:].split("-", 1)[0])
         pids.setdefault(rank, []).append(d.name.split("-pid", 1)[1])
-        files = sorted(d.glob("[0-9]*.rec"))
-        if last is not None and len(files) > last:
-            cap.not_read += len(files) - last
-            files = files[len(files) - last:]
-        for f in files:
+        for place, data in chain(_frames(d, ERRORS, cap, running), _frames(d, RECORDS, cap, running, last)):
             try:
-                rec = packing.decode(f.read_bytes())
-            except FileNotFoundError:
-                if running:  # a running engine's rolling budget deleted it since the listing (counted rolled_out)
-                    continue
-                cap.errors.append(f"{d.name}/{f.name}: record gone while the directory was read")
-                continue
-            except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:  # a torn file
-                cap.errors.append(f"{d.name}/{f.name}: unreadable record ({type(exc).__name__}: {exc})")
+                rec = packing.decode(data)
+            except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:  # a frame's bytes spoiled
+                cap.errors.append(f"{place}: unreadable record ({type(exc).__name__}: {exc})")
                 continue
             kind = rec.pop("type", None)
             if kind == "batch":
@@ -168,7 +160,7 @@ def read_capture(root: Path, running: bool = False, last: int | None = None) -> 
             elif kind == "error":
                 cap.errors.append(f"{d.name}: hook error in {rec.get('where')}: {rec.get('message')}")
             else:
-                cap.errors.append(f"{d.name}/{f.name}: unknown record type {kind!r}")
+                cap.errors.append(f"{place}: unknown record type {kind!r}")
     _read_queues(root, cap, running)
     replicas = _replicas(cap.status)
     for rank, ps in sorted(pids.items()):
@@ -177,6 +169,41 @@ def read_capture(root: Path, running: bool = False, last: int | None = None) -> 
                               f"{rank}" + (f" of {replicas} data-parallel replicas" if replicas > 1 else "")
                               + ": their shards cannot be told apart, so the committed state cannot be combined")
     return cap
+
+
+def _frames(d: Path, prefix: str, cap: Capture, running: bool, last: int | None = None) -> Iterator[tuple[str, bytes]]:
+    """The payloads of one process directory's segments of ``prefix``, oldest first, each with its place
+    (``dir/segment@offset``). A segment's torn end is an error, save the current segment's while the engine runs
+    (``running``: the frame being written); so is a segment deleted while the directory is read, save while the
+    engine runs (its rolling budget's). ``last``: only the last ``last`` frames (the others counted
+    :attr:`Capture.not_read`)."""
+    files = segment_files(d, prefix)
+    scans: list[tuple[Path, list[tuple[int, int]]]] = []
+    for i, f in enumerate(files):
+        try:
+            found = scan(f)
+        except FileNotFoundError:
+            if not running:
+                cap.errors.append(f"{d.name}/{f.name}: segment gone while the directory was read")
+            continue
+        except OSError as exc:
+            cap.errors.append(f"{d.name}/{f.name}: unreadable segment ({exc})")
+            continue
+        if found.torn is not None and not (running and i == len(files) - 1):
+            cap.errors.append(f"{d.name}/{f.name}: {found.torn}")
+        scans.append((f, found.frames))
+    skip = max(0, sum(len(frames) for _, frames in scans) - last) if last is not None else 0
+    cap.not_read += skip
+    for f, frames in scans:
+        take, skip = frames[skip:], max(0, skip - len(frames))
+        try:
+            for (offset, _), data in zip(take, payloads(f, take)):
+                yield f"{d.name}/{f.name}@{offset}", data
+        except FileNotFoundError:
+            if not running:
+                cap.errors.append(f"{d.name}/{f.name}: segment gone while the directory was read")
+        except (OSError, ValueError) as exc:
+            cap.errors.append(f"{d.name}/{f.name}: unreadable segment ({exc})")
 
 
 def _replicas(status: list[dict[str, Any]]) -> int:
