@@ -5,10 +5,10 @@ Contract: a record is a nest of dicts, lists and tuples whose leaves are JSON va
 (a :class:`Plain` part it takes as it is, unwalked);
 :func:`flatten` turns tensors of one device into one ``uint8`` buffer where they live (one ``cat``: a record leaves
 the device in one copy), and :func:`table` gives each tensor's dtype, shape and byte range in it. :func:`encode`
-writes ``MAGIC``, the header's length (u64, little-endian), the header (JSON: the record's skeleton and its tensor
-table) and the bytes (:func:`encode_parts`: the same as buffers, the tensors' bytes not copied); :func:`decode`
-reads it back, every tensor a copy of its bytes (tuples come back as lists). A file that is not such a record
-raises ``ValueError``. The engine's thread pays for :func:`pack`, :func:`flatten` and :func:`table` at every
+writes ``MAGIC``, the header's length (u64, little-endian), the header (the record's skeleton and its tensor table:
+JSON's values, in :mod:`refcheck.sglang.capture.header_codec`'s bytes) and the bytes (:func:`encode_parts`: the
+same as buffers, the tensors' bytes not copied); :func:`decode` reads it back, every tensor a copy of its bytes
+(tuples come back as lists, as from JSON). Bytes that are not such a record raise ``ValueError``. The engine's thread pays for :func:`pack`, :func:`flatten` and :func:`table` at every
 recorded batch: each tensor costs two calls into torch (``ravel``, ``view``) and the table reads only shapes
 and dtypes.
 
@@ -23,7 +23,6 @@ record.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import struct
 from dataclasses import dataclass
@@ -31,7 +30,9 @@ from typing import Any
 
 import torch
 
-MAGIC = b"RCAP1\n"
+from refcheck.sglang.capture import header_codec
+
+MAGIC = b"RCAP2\n"
 _KEY = "__tensor__"
 _PLAIN = frozenset({int, float, str, bool, type(None)})
 
@@ -152,7 +153,7 @@ def flatten(tensors: list[Any]) -> torch.Tensor:
 def encode_parts(skeleton: Any, entries: list[dict[str, Any]], *data: bytes | memoryview) -> list[bytes | memoryview]:
     """The record's file contents as buffers to write one after the other (``data``: the tensors' bytes, in the
     table's order, not copied)."""
-    header = json.dumps({"record": skeleton, "tensors": entries}).encode()
+    header = header_codec.dumps({"record": skeleton, "tensors": entries})
     return [MAGIC + struct.pack("<Q", len(header)) + header, *data]
 
 
@@ -167,7 +168,7 @@ def decode(raw: bytes) -> Any:
         raise ValueError("not a refcheck capture record")
     (n,) = struct.unpack_from("<Q", raw, len(MAGIC))
     start = len(MAGIC) + 8
-    head = json.loads(raw[start:start + n])
+    head = header_codec.loads(memoryview(raw)[start:start + n])
     return _fill(head["record"], _restore(head["tensors"], memoryview(raw)[start + n:]))
 
 

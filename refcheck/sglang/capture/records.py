@@ -1,7 +1,7 @@
 """The capture directory: what the plugin writes inside SGLang's scheduler processes, read back in order.
 
 Contract: a :class:`Recorder` (one per scheduler process) appends each record
-(:mod:`refcheck.sglang.capture.packing`: a JSON header and the tensors' bytes) as a frame of its segments
+(:mod:`refcheck.sglang.capture.packing`: a header of JSON values and the tensors' bytes) as a frame of its segments
 (:mod:`refcheck.sglang.capture.segments`): batch and prefill records to ``rank{tp}-pid{pid}/records-*.seg``, error
 records to ``errors-*.seg`` beside them. A crash loses at most the frame being written, which the reader reports.
 Batch records go through the process's :class:`~refcheck.sglang.capture.shipper.Shipper` (:meth:`Recorder.ship`:
