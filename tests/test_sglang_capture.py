@@ -119,6 +119,8 @@ def test_records_round_trip_through_the_capture_directory(tmp_path):
         f.write(b"RCF1\x10")
     assert not [e for e in read_capture(tmp_path, running=True).errors if "cut short" in e]
     assert [e for e in read_capture(tmp_path).errors if "records-000000.seg: a frame cut short" in e]
+    (rec.dir / "00000000.rec").write_bytes(b"RCAP1\n")  # a record file of the one-file-per-record format
+    assert [e for e in read_capture(tmp_path).errors if "1 record file(s) of the one-file-per-record format" in e]
 
 
 def test_assembly_cuts_the_last_block_and_flags_inconsistencies(setup):

@@ -13,6 +13,7 @@ segments of a sixteenth of the budget (:data:`ROLL_SEGMENTS`), so the directory 
 of the budget's worth of the latest records; error records are never deleted.
 :func:`read_capture` returns every complete record of a directory, per rank, in write order, batch records expanded
 per request (:mod:`refcheck.sglang.capture.expand`); a segment or frame that cannot be read, a segment's torn end,
+record files of the one-file-per-record format (``*.rec``, not read),
 records still queued when the engine stopped, records the queue could not take, records past the byte budget and
 error records that could not be written are reported (not skipped silently) in :attr:`Capture.errors`,
 :attr:`Capture.lost` and :attr:`Capture.over_budget`.
@@ -146,6 +147,9 @@ def read_capture(root: Path, running: bool = False, last: int | None = None) -> 
     for d in sorted(root.glob("rank*-pid*")):
         rank = int(d.name[4:].split("-", 1)[0])
         pids.setdefault(rank, []).append(d.name.split("-pid", 1)[1])
+        if old := len(list(d.glob("[0-9]*.rec"))):
+            cap.errors.append(f"{d.name}: {old} record file(s) of the one-file-per-record format (*.rec), which this "
+                              "refcheck does not read: capture the run again")
         for place, data in chain(_frames(d, ERRORS, cap, running), _frames(d, RECORDS, cap, running, last)):
             try:
                 rec = packing.decode(data)
