@@ -86,8 +86,8 @@ def sharded_diff(trace: Trace, case: str, mode: str, shards: int, ref_dtype: str
     with tempfile.TemporaryDirectory(prefix="refcheck-shards-") as tmp:
         out = os.path.join(tmp, "report.pkl")
         try:
-            _run_ranks((os.getpid(), shards, free_port(), trace_bytes(trace), case, ref_dtype, ref_device, out, trace.source or case),
-                       shards)
+            _run_ranks((os.getpid(), shards, free_port(), trace_bytes(trace), case, ref_dtype, ref_device, out,
+                        trace.source or case), shards)
         except Exception as exc:
             errors = [Path(out).with_suffix(f".{r}.error.pkl") for r in range(shards)]
             typed = next((pickle.loads(e.read_bytes()) for e in errors if e.is_file()), None)

@@ -117,8 +117,8 @@ def pass_over(requests: int, batches: int = 3000) -> float:
 
 def writer_parts_us(records: int = 300) -> tuple[float, float]:
     """The writer thread's two parts per DFLASH-sized record (:func:`_record`), in microseconds of its thread's CPU:
-    encoding the header (:mod:`refcheck.sglang.capture.header_codec`, holding the interpreter lock) and appending the record's frame to its segment (the
-    kernel's write releases it)."""
+    encoding the header (:mod:`refcheck.sglang.capture.header_codec`, holding the interpreter lock) and appending the
+    record's frame to its segment (the kernel's write releases it)."""
     from refcheck.sglang.capture import packing
     from refcheck.sglang.capture.segments import SegmentLog
 

@@ -14,8 +14,9 @@ step past the budget is a declared gap, never a silently missing one.
 A *rolling* budget (``REFCHECK_CAPTURE_ROLL=1`` beside it, :data:`ENV_ROLL`; the runner's ``--capture-roll``) is
 never spent: a record that would cross the bound first has the oldest batch records deleted (the caller's ``evict``,
 a segment of them at a time, counted ``rolled_out``) until it fits, so the directory holds the process's latest
-records, nearly as many as the bound takes, for as long as the engine runs. Error records are never deleted. A record larger than the bound itself is
-refused (nothing deleted for it) and counted as above, and the records after it are written.
+records, nearly as many as the bound takes, for as long as the engine runs. Error records are never deleted. A
+record larger than the bound itself is refused (nothing deleted for it) and counted as above, and the records after
+it are written.
 """
 
 from __future__ import annotations

@@ -3,11 +3,12 @@ JSON's time, read back by a loader that can build nothing else.
 
 Contract: :func:`dumps` takes what ``json.dumps`` takes and refuses, with ``TypeError``, what it refuses (a value of
 another type: a NumPy scalar that is no ``float``, a tensor, an arbitrary object), save the types the C pickler
-writes natively (a set, bytes, a complex number, a tuple as a dict key), which :func:`loads` refuses instead. A subclass of ``int``, ``float``,
-``str``, ``dict``, ``list`` or ``tuple`` goes as its base type's value, as JSON writes it. The bytes are a pickle
-(protocol 5), written by the C pickler: the record's writer thread holds the interpreter lock while it encodes a
-header, and each microsecond of that the engine's thread may wait for (a DFLASH record's 4 KB header: about 18 µs
-against 80 µs for ``json.dumps``, ``scripts/bench_capture_ship.py --sites``). :func:`loads` reads them back as
+writes natively (a set, bytes, a complex number, a tuple as a dict key), which :func:`loads` refuses instead. A
+subclass of ``int``, ``float``, ``str``, ``dict``, ``list`` or ``tuple`` goes as its base type's value, as JSON
+writes it. The bytes are a pickle (protocol 5), written by the C pickler: the record's writer thread holds the
+interpreter lock while it encodes a header, and each microsecond of that the engine's thread may wait for (a DFLASH
+record's 4 KB header on a 2-core CPU: 25–29 µs against 87–95 µs for ``json.dumps``,
+``scripts/bench_capture_ship.py --sites``). :func:`loads` reads them back as
 ``json.loads`` would read JSON's text of the same value: tuples as lists, every dict key a string (JSON's way:
 ``true``, ``null``, ``1.5``). Its unpickler finds no global but the five base types, so a capture file, whoever made
 it, cannot make the reader run code; bytes that are not such a header raise ``ValueError``.

@@ -8,9 +8,9 @@ the device in one copy), and :func:`table` gives each tensor's dtype, shape and 
 writes ``MAGIC``, the header's length (u64, little-endian), the header (the record's skeleton and its tensor table:
 JSON's values, in :mod:`refcheck.sglang.capture.header_codec`'s bytes) and the bytes (:func:`encode_parts`: the
 same as buffers, the tensors' bytes not copied); :func:`decode` reads it back, every tensor a copy of its bytes
-(tuples come back as lists, as from JSON). Bytes that are not such a record raise ``ValueError``. The engine's thread pays for :func:`pack`, :func:`flatten` and :func:`table` at every
-recorded batch: each tensor costs two calls into torch (``ravel``, ``view``) and the table reads only shapes
-and dtypes.
+(tuples come back as lists, as from JSON). Bytes that are not such a record raise ``ValueError``. The engine's
+thread pays for :func:`pack`, :func:`flatten` and :func:`table` at every recorded batch: each tensor costs two calls
+into torch (``ravel``, ``view``) and the table reads only shapes and dtypes.
 
 A :class:`Packed` is a nest packed ahead of the record (:func:`prepack`), where its tensors are made: inside a CUDA
 graph (:mod:`refcheck.sglang.capture.graphs`) the ``cat`` is one more kernel of the replay, and the graph's output is

@@ -8,10 +8,10 @@ buffer on the device (one ``cat``, :mod:`refcheck.sglang.capture.packing`) and c
 after the copy and the record is queued. It never synchronises the device and never waits for the disk. A
 daemon thread takes records in order, waits for each record's event (:func:`landed`: the event blocks the thread
 in the kernel, neither spinning in the driver beside the engine's launches nor holding the interpreter lock), and
-writes the header and the bytes through the :class:`~refcheck.sglang.capture.records.Recorder` (one frame appended to
-an open segment file per record, its buffers in one system call: no pickling). The writer takes the interpreter lock a fixed few times per
-record, each for a short stretch: every time it takes it while the engine's thread wants it, the engine's step
-waits. CPU tensors are copied at ship time (the engine may reuse their storage). A record's ``events`` field (two
+writes the header and the bytes through the :class:`~refcheck.sglang.capture.records.Recorder` (one frame appended
+to an open segment file per record, its buffers in one system call, the tensors' bytes as they are). The writer
+takes the interpreter lock a fixed few times per record, each for a short stretch: every time it takes it while the
+engine's thread wants it, the engine's step waits. CPU tensors are copied at ship time (the engine may reuse their storage). A record's ``events`` field (two
 CUDA events recorded around the engine's step on its stream) becomes ``step_s``, their distance in seconds. The
 queue holds at most ``depth`` records: a record that finds it full is not queued but counted as lost, never
 blocking the engine and never silently missing; one the process's byte budget refuses
