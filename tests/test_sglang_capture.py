@@ -9,6 +9,7 @@ flattened through the recurrent layers (the leak) is caught.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import replace
 from types import SimpleNamespace as NS
 
@@ -121,6 +122,23 @@ def test_records_round_trip_through_the_capture_directory(tmp_path):
     assert [e for e in read_capture(tmp_path).errors if "records-000000.seg: a frame cut short" in e]
     (rec.dir / "00000000.rec").write_bytes(b"RCAP1\n")  # a record file of the one-file-per-record format
     assert [e for e in read_capture(tmp_path).errors if "1 record file(s) of the one-file-per-record format" in e]
+
+
+def test_a_process_whose_pid_an_earlier_one_used_records_beside_it_never_over_it(tmp_path):
+    """A scheduler restarted with the same pid (a container's) into the same capture directory gets a directory,
+    counters and status of its own; the earlier one's records are read as they were, and the reader says two
+    processes recorded as one rank."""
+    first = Recorder(tmp_path)
+    first.error("run_batch", "the first run's error")
+    second = Recorder(tmp_path)
+    second.error("run_batch", "the second run's error")
+    pid = os.getpid()
+    assert (first.dir.name, second.dir.name) == (f"rank0-pid{pid}", f"rank0-pid{pid}.1")
+    assert second.status_path.name == f"status-rank0-pid{pid}.1.json"
+    assert sorted(f.name for f in tmp_path.glob("queue-*")) == [f"queue-rank0-pid{pid}.1.bin", f"queue-rank0-pid{pid}.bin"]
+    errors = read_capture(tmp_path).errors
+    assert [e for e in errors if "the first run's error" in e] and [e for e in errors if "the second run's error" in e]
+    assert [e for e in errors if "2 scheduler processes" in e and "recorded as tensor-parallel rank 0" in e], errors
 
 
 def test_assembly_cuts_the_last_block_and_flags_inconsistencies(setup):

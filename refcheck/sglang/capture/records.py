@@ -3,7 +3,8 @@
 Contract: a :class:`Recorder` (one per scheduler process) appends each record
 (:mod:`refcheck.sglang.capture.packing`: a header of JSON values and the tensors' bytes) as a frame of its segments
 (:mod:`refcheck.sglang.capture.segments`): batch and prefill records to ``rank{tp}-pid{pid}/records-*.seg``, error
-records to ``errors-*.seg`` beside them. A crash loses at most the frame being written, which the reader reports.
+records to ``errors-*.seg`` beside them (a directory of its own, :func:`process_dir`, also when an earlier process
+of the same pid left one). A crash loses at most the frame being written, which the reader reports.
 Batch records go through the process's :class:`~refcheck.sglang.capture.shipper.Shipper` (:meth:`Recorder.ship`:
 asynchronous host copies, written by its thread, counted in ``queue-rank{tp}-pid{pid}.bin``); error records are
 written at once. ``status-rank{tp}-pid{pid}.json`` says which hooks are live. A
@@ -42,12 +43,29 @@ RECORDS, ERRORS = "records", "errors"  # the segments' prefixes (:mod:`refcheck.
 ROLL_SEGMENTS = 16  # segments to a rolling budget
 
 
+def process_dir(root: Path, tp_rank: int) -> tuple[Path, str]:
+    """A new directory for this process's records, ``rank{tp}-pid{tag}``, and its tag: the pid, or ``{pid}.{n}`` when
+    an earlier process of the same pid (a restarted container's scheduler) left its records in this capture
+    directory. Each keeps its own records, counters and status, and the reader reports the two as processes of one
+    rank."""
+    root.mkdir(parents=True, exist_ok=True)
+    pid, n = os.getpid(), 0
+    while True:
+        tag = f"{pid}.{n}" if n else str(pid)
+        d = root / f"rank{tp_rank}-pid{tag}"
+        try:
+            d.mkdir()  # atomic: the first process to make it owns it
+        except FileExistsError:
+            n += 1
+            continue
+        return d, tag
+
+
 class Recorder:
     def __init__(self, root: Path, tp_rank: int = 0, max_bytes: int | None = None, roll: bool = False) -> None:
         self.root = Path(root)  # the capture directory (kept: the hooks pass it on at every traced batch)
-        self.dir = self.root / f"rank{tp_rank}-pid{os.getpid()}"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.status_path = self.root / f"status-rank{tp_rank}-pid{os.getpid()}.json"
+        self.dir, tag = process_dir(self.root, tp_rank)
+        self.status_path = self.root / f"status-rank{tp_rank}-pid{tag}.json"
         self.tp_rank = tp_rank
         self._disk_said = False  # a refusal by the disk was said on stderr
         self.budget = ByteBudget(max_bytes, roll)  # the bytes of record frames this process may write
@@ -55,7 +73,7 @@ class Recorder:
         per_segment = max(1, max_bytes // ROLL_SEGMENTS) if roll and max_bytes else SEGMENT_BYTES
         self.records = SegmentLog(self.dir, RECORDS, min(per_segment, SEGMENT_BYTES))  # batch and prefill records
         self.errors = SegmentLog(self.dir, ERRORS)  # error records: never rolled out
-        self.shipper = Shipper(self.write, self.error, counts_path(root, tp_rank))
+        self.shipper = Shipper(self.write, self.error, counts_path(root, tp_rank, tag))
 
     def write(self, kind: str, data: bytes | list[bytes | memoryview]) -> None:
         """One encoded record (``kind`` names it in errors; whole, or as :func:`~refcheck.sglang.capture.packing.

@@ -309,5 +309,6 @@ def landed(event: Any) -> None:
     event.synchronize()
 
 
-def counts_path(root: Path, tp_rank: int) -> Path:
-    return Path(root) / f"queue-rank{tp_rank}-pid{os.getpid()}.bin"
+def counts_path(root: Path, tp_rank: int, tag: str | None = None) -> Path:
+    """The counters file of the process whose records are tagged ``tag`` (default: this process's pid)."""
+    return Path(root) / f"queue-rank{tp_rank}-pid{tag or os.getpid()}.bin"
