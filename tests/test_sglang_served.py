@@ -17,6 +17,7 @@ from refcheck.diff.judge import judge
 from refcheck.models import builtin_pair
 from refcheck.pool import ReferencePool
 from refcheck.sglang.capture.contexts import delta
+from refcheck.sglang.capture.inventory import CaptureDirError
 from refcheck.sglang.capture.sample_rule import SampleRule
 from refcheck.sglang.served import UNRECORDED, ServedCaptureError, served_trace, trace_of
 
@@ -151,7 +152,7 @@ def test_a_hole_in_a_requests_context_keeps_the_steps_before_it(setup):
 
 
 def test_what_is_not_a_served_capture_is_refused_with_what_to_do(tmp_path, setup):
-    with pytest.raises(ServedCaptureError, match="not a capture directory: no status-rank"):
+    with pytest.raises(CaptureDirError, match="not a capture directory: no status-rank"):
         served_trace(tmp_path)
     (tmp_path / "status-rank0-pid1.json").write_text(json.dumps({"tp_rank": 0}))
     with pytest.raises(ServedCaptureError, match="no status file carries the server's arguments"):

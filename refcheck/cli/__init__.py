@@ -3,7 +3,20 @@
 Importing this package registers every command on :data:`main`; ``entry`` is the console script.
 """
 
-from refcheck.cli import baseline, calibrate, diff, explain, goldens, matrix, report, run, selftest, sweep, trace  # noqa: F401 - registers the commands
+from refcheck.cli import (  # noqa: F401 - registers the commands
+    baseline,
+    calibrate,
+    capture,
+    diff,
+    explain,
+    goldens,
+    matrix,
+    report,
+    run,
+    selftest,
+    sweep,
+    trace,
+)
 from refcheck.cli.app import entry, main
 
 __all__ = ["entry", "main"]

@@ -35,10 +35,10 @@ from typing import Any
 
 from ddtree_reference.errors import SamplingError
 from ddtree_reference.sampling import Sampling
-from refcheck.errors import UsageError
 from refcheck.prompts import Prompt
 from refcheck.sglang.capture.assemble import Assembly, assemble_trace, capture_contexts, capture_provenance
 from refcheck.sglang.capture.contexts import LOOKS, Contexts
+from refcheck.sglang.capture.inventory import CaptureDirError, check_capture_dir
 from refcheck.sglang.capture.records import Capture, read_capture
 from refcheck.sglang.capture.steps import StepCapture
 from refcheck.sglang.ddtree.sampling import distribution_of, is_greedy, unsupported
@@ -59,7 +59,7 @@ _CONSTRAINTS = {"min_new_tokens": 0, "json_schema": None, "regex": None, "ebnf":
 UNRECORDED = "no batch of it in the records read"
 
 
-class ServedCaptureError(UsageError):
+class ServedCaptureError(CaptureDirError):
     """A capture directory that cannot be read as a serving run's capture."""
 
 
@@ -90,9 +90,7 @@ def served_trace(root: Path, model_dir: Path | None = None, draft_dir: Path | No
     scheduler process's last records are read (a long run's latest hour, in the memory that needs); a request whose
     first record lies before them is left out."""
     root = Path(root)
-    if not root.is_dir() or not any(root.glob("status-rank*-pid*.json")):
-        raise ServedCaptureError(f"{root} is not a capture directory: no status-rank*-pid*.json in it (SGLang writes "
-                                 "one per scheduler when it runs with REFCHECK_CAPTURE_DIR set and refcheck installed)")
+    check_capture_dir(root)
     if last_records is not None and last_records < 1:
         raise ServedCaptureError(f"--last-records takes a number of records >= 1, got {last_records}")
     return trace_of(read_capture(root, running=running, last=last_records), str(root), model_dir, draft_dir)
