@@ -14,11 +14,15 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from refcheck.cli.app import err, main
 from refcheck.errors import EXIT_PASS
+
+if TYPE_CHECKING:
+    from refcheck.sglang.capture.inventory import ProcessInventory
 
 
 @main.group()
@@ -43,7 +47,7 @@ def capture_show(capture_dir: Path, as_json: bool) -> None:
     sys.exit(EXIT_PASS)
 
 
-def show_lines(root: Path, processes: list) -> list[str]:
+def show_lines(root: Path, processes: list[ProcessInventory]) -> list[str]:
     """The human summary: a header line, then each process's lines."""
     versions = sorted({str(p.status.get("sglang")) for p in processes if p.status.get("sglang")})
     lines = [f"{root}: capture directory, {len(processes)} scheduler process(es)"
@@ -54,16 +58,17 @@ def show_lines(root: Path, processes: list) -> list[str]:
     return lines
 
 
-def _process_lines(p) -> list[str]:
+def _process_lines(p: ProcessInventory) -> list[str]:
     mib = p.record_bytes / (1 << 20)
     lines = [f"{p.name}: {p.records:,} record(s) in {p.segments} segment(s), {mib:,.1f} MiB · "
              f"{p.error_records} error record(s)"]
     c = p.counts
     if c is not None:
         behind = c["queued"] - c["written"]
-        lines.append(f"  queue: {c['queued']:,} queued, {c['written']:,} written" + (f", {behind:,} still queued"
-                     if behind else "") + f" · lost {c['lost']:,} · past the budget {c['over_budget']:,} · rolled out "
-                     f"{c['rolled_out']:,} · {c['requests']:,} request(s) met")
+        still = f", {behind:,} still queued" if behind else ""
+        lines.append(f"  queue: {c['queued']:,} queued, {c['written']:,} written{still} · lost {c['lost']:,} · past "
+                     f"the budget {c['over_budget']:,} · rolled out {c['rolled_out']:,} · {c['requests']:,} "
+                     "request(s) met")
     st = p.status
     sample = st.get("sample") if isinstance(st.get("sample"), dict) else None
     rule = (f"1 batch in {sample.get('every')} (seed {sample.get('seed')})" if sample and sample.get("every") != 1

@@ -21,9 +21,9 @@ from typing import Any
 
 from refcheck.errors import UsageError
 from refcheck.sglang.capture import packing
-from refcheck.sglang.capture.records import ERRORS, RECORDS
+from refcheck.sglang.capture.records import ERRORS, RECORDS, old_record_files, process_of, status_path
 from refcheck.sglang.capture.segments import frame_bytes, payloads, scan, segment_files
-from refcheck.sglang.capture.shipper import read_fields
+from refcheck.sglang.capture.shipper import counts_path, read_fields
 
 
 class CaptureDirError(UsageError):
@@ -59,8 +59,8 @@ def inventory(root: Path) -> list[ProcessInventory]:
     check_capture_dir(root)
     out = []
     for d in sorted(p for p in root.glob("rank*-pid*") if p.is_dir()):
-        rank, tag = d.name[4:].split("-pid", 1)
-        inv = ProcessInventory(d.name, int(rank), tag, old_files=len(list(d.glob("[0-9]*.rec"))))
+        rank, tag = process_of(d)
+        inv = ProcessInventory(d.name, rank, tag, old_files=old_record_files(d))
         _tally(d, inv)
         _read_side_files(root, inv)
         out.append(inv)
@@ -101,12 +101,12 @@ def _error_text(f: Path, frame: tuple[int, int], inv: ProcessInventory) -> str |
 
 def _read_side_files(root: Path, inv: ProcessInventory) -> None:
     """The process's counters and status files, named by its rank and tag."""
-    counts = root / f"queue-rank{inv.rank}-pid{inv.tag}.bin"
+    counts = counts_path(root, inv.rank, inv.tag)
     try:
         inv.counts = read_fields(counts)
     except (OSError, ValueError) as exc:
         inv.problems.append(f"{counts.name}: unreadable counters ({exc})")
-    status = root / f"status-rank{inv.rank}-pid{inv.tag}.json"
+    status = status_path(root, inv.rank, inv.tag)
     try:
         inv.status = json.loads(status.read_text())
     except (OSError, ValueError) as exc:

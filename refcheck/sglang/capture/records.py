@@ -43,6 +43,22 @@ RECORDS, ERRORS = "records", "errors"  # the segments' prefixes (:mod:`refcheck.
 ROLL_SEGMENTS = 16  # segments to a rolling budget
 
 
+def process_of(d: Path) -> tuple[int, str]:
+    """A process directory's rank and tag, from its name ``rank{tp}-pid{tag}``."""
+    rank, tag = d.name[4:].split("-pid", 1)
+    return int(rank), tag
+
+
+def status_path(root: Path, tp_rank: int, tag: str) -> Path:
+    """The status file of the process whose records are tagged ``tag``."""
+    return Path(root) / f"status-rank{tp_rank}-pid{tag}.json"
+
+
+def old_record_files(d: Path) -> int:
+    """How many record files of the one-file-per-record format (``*.rec``) a process directory holds (not read)."""
+    return len(list(d.glob("[0-9]*.rec")))
+
+
 def process_dir(root: Path, tp_rank: int) -> tuple[Path, str]:
     """A new directory for this process's records, ``rank{tp}-pid{tag}``, and its tag: the pid, or ``{pid}.{n}`` when
     an earlier process of the same pid (a restarted container's scheduler) left its records in this capture
@@ -65,7 +81,7 @@ class Recorder:
     def __init__(self, root: Path, tp_rank: int = 0, max_bytes: int | None = None, roll: bool = False) -> None:
         self.root = Path(root)  # the capture directory (kept: the hooks pass it on at every traced batch)
         self.dir, tag = process_dir(self.root, tp_rank)
-        self.status_path = self.root / f"status-rank{tp_rank}-pid{tag}.json"
+        self.status_path = status_path(self.root, tp_rank, tag)
         self.tp_rank = tp_rank
         self._disk_said = False  # a refusal by the disk was said on stderr
         self.budget = ByteBudget(max_bytes, roll)  # the bytes of record frames this process may write
@@ -81,10 +97,10 @@ class Recorder:
         :class:`~refcheck.sglang.capture.byte_budget.BudgetSpent` when the process's byte budget cannot take it
         (nothing is written)."""
         parts = data if isinstance(data, list) else [data]
-        nbytes = frame_bytes(sum(memoryview(p).nbytes for p in parts))
-        if not self.budget.charge(nbytes, self._evict):
+        payload = sum(memoryview(p).nbytes for p in parts)
+        if not self.budget.charge(frame_bytes(payload), self._evict):
             raise BudgetSpent(f"{kind}: the capture's byte budget of {self.budget.limit} bytes cannot take it")
-        (self.errors if kind == "error" else self.records).append(parts)
+        (self.errors if kind == "error" else self.records).append(parts, payload)
 
     def _evict(self) -> int | None:
         """Delete the oldest segment of batch records (a rolling budget's room), its records counted ``rolled_out``:
@@ -163,9 +179,9 @@ def read_capture(root: Path, running: bool = False, last: int | None = None) -> 
             cap.errors.append(f"{st.name}: unreadable status ({exc})")
     pids: dict[int, list[str]] = {}
     for d in sorted(root.glob("rank*-pid*")):
-        rank = int(d.name[4:].split("-", 1)[0])
-        pids.setdefault(rank, []).append(d.name.split("-pid", 1)[1])
-        if old := len(list(d.glob("[0-9]*.rec"))):
+        rank, tag = process_of(d)
+        pids.setdefault(rank, []).append(tag)
+        if old := old_record_files(d):
             cap.errors.append(f"{d.name}: {old} record file(s) of the one-file-per-record format (*.rec), which this "
                               "refcheck does not read: capture the run again")
         for place, data in chain(_frames(d, ERRORS, cap, running), _frames(d, RECORDS, cap, running, last)):

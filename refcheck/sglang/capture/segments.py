@@ -80,9 +80,11 @@ class SegmentLog:
         self._next = 0  # the next segment's index
         self._lock = threading.Lock()
 
-    def append(self, parts: Sequence[bytes | memoryview]) -> int:
-        """Append one frame holding ``parts`` end to end; returns the frame's bytes."""
-        payload = sum(memoryview(p).nbytes for p in parts)
+    def append(self, parts: Sequence[bytes | memoryview], payload: int | None = None) -> int:
+        """Append one frame holding ``parts`` end to end (``payload``: their bytes, when the caller has counted them);
+        returns the frame's bytes."""
+        if payload is None:
+            payload = sum(memoryview(p).nbytes for p in parts)
         size = frame_bytes(payload)
         with self._lock:
             seg = self._current(size)

@@ -11,11 +11,11 @@ in the kernel, neither spinning in the driver beside the engine's launches nor h
 writes the header and the bytes through the :class:`~refcheck.sglang.capture.records.Recorder` (one frame appended
 to an open segment file per record, its buffers in one system call, the tensors' bytes as they are). The writer
 takes the interpreter lock a fixed few times per record, each for a short stretch: every time it takes it while the
-engine's thread wants it, the engine's step waits. CPU tensors are copied at ship time (the engine may reuse their storage). A record's ``events`` field (two
-CUDA events recorded around the engine's step on its stream) becomes ``step_s``, their distance in seconds. The
-queue holds at most ``depth`` records: a record that finds it full is not queued but counted as lost, never
-blocking the engine and never silently missing; one the process's byte budget refuses
-(:mod:`refcheck.sglang.capture.byte_budget`) is counted ``over_budget``.
+engine's thread wants it, the engine's step waits. CPU tensors are copied at ship time (the engine may reuse their
+storage). A record's ``events`` field (two CUDA events recorded around the engine's step on its stream) becomes
+``step_s``, their distance in seconds. The queue holds at most ``depth`` records: a record that finds it full is not
+queued but counted as lost, never blocking the engine and never silently missing; one the process's byte budget
+refuses (:mod:`refcheck.sglang.capture.byte_budget`) is counted ``over_budget``.
 
 Counts live in a memory-mapped file ``queue-rank{r}-pid{pid}.bin`` of :data:`FIELDS` (little-endian u64 each),
 updated by plain memory writes, so the engine's parent can wait until the writer is done with every queued record
