@@ -31,9 +31,12 @@ ratio is then the captured pass's alone).
 cell once that many seconds have passed since the script began (for a device call's time limit), listing the cells
 left in the JSON's last row; ``--until`` ends every cell's timing rounds by that many seconds after the script began
 (no round starts that would end later, judged by the cell's longest round so far, and no cell starts past it),
-however long each engine took to start: the cells' shutdown and trace reading come after it, so leave them a margin
-before the call's limit (``scripts/capture_cost_runs.sh`` passes one). Writes ``OUT/capture_cost.json`` (rows, as
-they finish) and ``OUT/capture_cost.md`` (the table); ``--reread`` prints the table of earlier runs' JSON with the
+however long each engine took to start, and shares the time among the cells (:func:`share_until`: each cell's
+rounds get an equal part of what is left once every cell left has had what a cell costs besides its rounds, the
+most a finished cell spent on that, :func:`fixed_cost`, else :data:`FIXED_S`); the last cell's shutdown and trace
+reading come after it, so leave them a margin before the call's limit (``scripts/capture_cost_runs.sh`` passes
+one). Writes ``OUT/capture_cost.json`` (rows, as they finish; a row's ``--diff`` columns are added once its trace
+is judged, so a call killed while judging keeps the timings) and ``OUT/capture_cost.md`` (the table); ``--reread`` prints the table of earlier runs' JSON with the
 per-round readings recomputed from their passes (``--pool``: one row per cell, the rounds of its runs together).
 Workloads: ``one`` (the first built-in prompt), ``mixed`` (refcheck's 32 mixed requests, all at once).
 ``--model DIR`` (and ``--draft DIR``, the drafter DFLASH and REFCHECK_DDTREE need) runs the cells on that pair
@@ -299,34 +302,72 @@ def judge(trace: Any, name: str) -> dict[str, Any]:
             "diff_steps_per_s": len(trace.steps) / wall if wall > 0 else None}
 
 
-def run_cell(args: argparse.Namespace, algorithm: str, graphs: bool, load: str) -> dict[str, Any]:
+def run_cell(args: argparse.Namespace, algorithm: str, graphs: bool, load: str,
+             until: float | None) -> tuple[dict[str, Any], Any]:
+    """One cell's row and its trace (None when its engine failed); its timing rounds end by ``until`` (wall clock,
+    :func:`share_until`). The row holds no verdict: :func:`diffed` judges the trace after the row is written."""
     from refcheck.errors import RefcheckError
     from refcheck.sglang.runner import SGLangRunner
     from refcheck.trace.io import write_trace
 
-    name = f"{algorithm.lower()}-{'graphs' if graphs else 'eager'}-{load}"
+    name = cell_name(algorithm, graphs, load)
     spec = EngineSpec(model_dir=args.model, draft_dir=args.draft, pair=args.pair, budget=args.budget,
                       max_new_tokens=args.max_new_tokens, dtype="bfloat16", device="cuda")
     try:
         runner = SGLangRunner(spec, algorithm, cuda_graphs=graphs, warmup=True, timing_repeats=args.repeats,
                               sampled_timing=f"{args.sample}:0", mem_fraction=args.mem_fraction,
                               capture_dir=args.out / name, timing_budget_s=args.round_budget,
-                              full_timing=not args.no_full, timing_until_s=args.until_wall)
+                              full_timing=not args.no_full, timing_until_s=until)
         trace = runner.trace(_prompts(load))
     except RefcheckError as exc:
         return {"algorithm": algorithm, "graphs": graphs, "workload": load, "model": spec.model_label,
-                "error": f"{type(exc).__name__}: {exc}"}
+                "error": f"{type(exc).__name__}: {exc}"}, None
     path = args.out / f"{name}.arrow"
     write_trace(trace, path)
-    row = {**row_of(algorithm, graphs, load, trace, path, judge(trace, name) if args.diff else None),
-           "model": spec.model_label}
-    sampled = sampled_trace(trace, args.out / name) if args.diff else None
+    return {**row_of(algorithm, graphs, load, trace, path, None), "model": spec.model_label}, trace
+
+
+def cell_name(algorithm: str, graphs: bool, load: str) -> str:
+    return f"{algorithm.lower()}-{'graphs' if graphs else 'eager'}-{load}"
+
+
+def diffed(args: argparse.Namespace, row: dict[str, Any], trace: Any) -> dict[str, Any]:
+    """``--diff``'s columns of a cell's row: its captured trace judged (:func:`judge`), and the sampled pass's trace,
+    assembled from the cell's capture directory, judged beside it."""
+    from refcheck.trace.io import write_trace
+
+    name = cell_name(row["algorithm"], row["graphs"], row["workload"])
+    got = judge(trace, name)
+    sampled = sampled_trace(trace, args.out / name)
     if sampled is not None:
         write_trace(sampled, args.out / f"{name}-sampled.arrow")
-        got = judge(sampled, f"{name}-sampled")
-        row.update(sampled_steps=len(sampled.steps), sampled_verdict=got["verdict"],
-                   sampled_fail_categories=got["fail_categories"])
-    return row
+        judged = judge(sampled, f"{name}-sampled")
+        got.update(sampled_steps=len(sampled.steps), sampled_verdict=judged["verdict"],
+                   sampled_fail_categories=judged["fail_categories"])
+    return got
+
+
+#: what a cell costs besides its timing rounds (engine start, warm-up and captured passes, shutdown, reading the
+#: trace) until one has been measured: a fresh machine's engine starts took 100-145 s
+FIXED_S = 150.0
+
+
+def share_until(until: float | None, now: float, fixed_s: float, cells_left: int) -> float | None:
+    """The wall-clock end of the next cell's timing rounds under ``--until``: the time left, less ``fixed_s`` for each
+    of the ``cells_left`` cells (the next one included), shared equally among them, after the next cell's own
+    ``fixed_s``; never past ``until`` (None: no end). A cell that ends its rounds early leaves its share to the
+    later ones, each share being taken afresh when a cell starts."""
+    if until is None:
+        return None
+    spare = max(until - now - cells_left * fixed_s, 0.0)
+    return min(until, now + fixed_s + spare / cells_left)
+
+
+def fixed_cost(row: dict[str, Any], wall_s: float) -> float:
+    """What a finished cell spent outside its timing rounds: its wall time less its passes' (a failed cell's whole
+    wall time)."""
+    passes: dict[str, list[float]] = row["passes"] if isinstance(row.get("passes"), dict) else {}
+    return max(wall_s - sum(float(sum(times)) for times in passes.values()), 0.0)
 
 
 def sampled_trace(trace: Any, cdir: Path) -> Any:
@@ -513,17 +554,29 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
     last_start = min(x for x in (args.deadline, args.until, math.inf) if x is not None)
+    fixed: list[float] = []  # each finished cell's cost outside its rounds
     for i, (algorithm, graphs, load) in enumerate(todo):
         if time.monotonic() - t0 > last_start:
             left = [f"{a}:{'on' if g else 'off'}:{w}" for a, g, w in todo[i:]]
             print(f"capture_cost: deadline reached, cells not run: {','.join(left)}", flush=True)
             break
-        rows.append(run_cell(args, algorithm, graphs, load))
-        (args.out / "capture_cost.json").write_text(json.dumps(rows, indent=1, default=str))
+        began = time.monotonic()
+        until = share_until(args.until_wall, time.time(), max(fixed, default=FIXED_S), len(todo) - i)
+        row, trace = run_cell(args, algorithm, graphs, load, until)
+        fixed.append(fixed_cost(row, time.monotonic() - began))
+        rows.append(row)
+        _write_rows(args.out, rows)  # the timing row is kept whatever happens to the diff after it
+        if args.diff and trace is not None:
+            row.update(diffed(args, row, trace))
+            _write_rows(args.out, rows)
         print(markdown(rows[-1:], args.sample).splitlines()[-1], flush=True)
     (args.out / "capture_cost.md").write_text(markdown(rows, args.sample))
     print(markdown(rows, args.sample))
     return 0
+
+
+def _write_rows(out: Path, rows: list[dict[str, Any]]) -> None:
+    (out / "capture_cost.json").write_text(json.dumps(rows, indent=1, default=str))
 
 
 def _reread(paths: list[Path], sample: int, pool: bool) -> int:

@@ -302,3 +302,53 @@ def test_the_unrecorded_batches_books_pool_weighted_by_batches_and_show_the_pass
     more["pass_costs"]["sampled"].update(next_batches=6, next_ms_per_batch=5.0)
     pooled = cc.pooled([after, more, row(4.0, 4.2, 0.07, 30)])[0]["pass_costs"]["sampled"]
     assert pooled["next_ms_per_batch"] == pytest.approx(4.75) and pooled["next_batches"] == 8
+
+
+def test_until_is_shared_equally_among_the_cells_left_after_what_each_costs_besides_its_rounds():
+    """share_until: the time left less each remaining cell's fixed cost, split equally, after the next cell's own
+    fixed cost; never past --until; no --until, no end. fixed_cost: a cell's wall time less its passes'."""
+    assert cc.share_until(None, 0.0, 150.0, 3) is None
+    assert cc.share_until(1000.0, 0.0, 150.0, 4) == 250.0  # (1000 - 4 * 150) / 4 after its own 150 s
+    assert cc.share_until(1000.0, 0.0, 150.0, 1) == 1000.0
+    assert cc.share_until(1000.0, 900.0, 150.0, 2) == 1000.0  # too little left: rounds up to --until at most
+    assert cc.fixed_cost({"passes": {"untraced": [1.0, 2.0], "full": [3.0]}}, 10.0) == 4.0
+    assert cc.fixed_cost({"error": "UsageError: no engine"}, 7.5) == 7.5
+
+
+def test_every_cell_gets_rounds_under_until_and_a_row_is_written_before_its_diff(tmp_path, monkeypatch):
+    """Three cells under --until 700, each starting in 100 s and timing rounds up to the end it is given: the
+    first's end assumes FIXED_S per cell, the later ones the 100 s measured, and each gets a third of the rounds'
+    time. With --diff, a cell's timing row is in capture_cost.json before its trace is judged (a call killed while
+    judging keeps it)."""
+    clock = [0.0]
+    ends: list[float] = []
+
+    def fake_cell(args, algorithm, graphs, load, until):
+        end = 1e9 + 250.0 if until is None else until  # no --until: rounds of a set length
+        ends.append(end - 1e9)
+        clock[0] += 100.0  # the engine's start
+        rounds = max(end - 1e9 - clock[0], 0.0)
+        clock[0] += rounds
+        return {"algorithm": algorithm, "graphs": graphs, "workload": load, "passes": {"untraced": [rounds]},
+                "error": "a stand-in row (the table prints it as an error)"}, object()
+
+    monkeypatch.setattr(cc, "run_cell", fake_cell)
+    monkeypatch.setattr(cc.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(cc.time, "time", lambda: 1e9 + clock[0])
+    cells = "DFLASH:on:mixed,NGRAM:on:mixed,NONE:on:mixed"
+    assert cc.main(["--out", str(tmp_path), "--cells", cells, "--until", "700"]) == 0
+    first = cc.FIXED_S + (700 - 3 * cc.FIXED_S) / 3
+    assert ends[0] == pytest.approx(first)
+    assert ends[1] == pytest.approx(first + 100 + (700 - first - 200) / 2)
+    assert ends[2] == pytest.approx(700.0)
+    rounds = [r["passes"]["untraced"][0] for r in json.loads((tmp_path / "capture_cost.json").read_text())]
+    assert min(rounds) > 100 and rounds[1] == pytest.approx(rounds[2])
+
+    def killed(args, row, trace):
+        assert json.loads((tmp_path / "d" / "capture_cost.json").read_text())[-1]["algorithm"] == row["algorithm"]
+        raise KeyboardInterrupt  # the call's time limit, while judging
+
+    monkeypatch.setattr(cc, "diffed", killed)
+    with pytest.raises(KeyboardInterrupt):
+        cc.main(["--out", str(tmp_path / "d"), "--cells", "DFLASH:on:mixed", "--diff"])
+    assert json.loads((tmp_path / "d" / "capture_cost.json").read_text())[0]["passes"]
