@@ -40,3 +40,21 @@ def test_the_window_covers_count_batches_and_labels_the_sections(fresh, monkeypa
     (out,) = tmp_path.glob("profile-rank0-pid*.txt")
     text = out.read_text()
     assert text.startswith("profiled window: traced batches 1..2") and "refcheck.state" in text
+
+
+def test_the_allocator_section_gives_each_counters_change_per_batch_and_the_memory_at_both_ends():
+    """allocator_text: retries, OOMs, cudaMalloc and cudaFree calls over the window (and per batch), then reserved,
+    allocated and free memory at its start and end; without CUDA it says there is nothing to report."""
+    mib = 2 ** 20
+    before = {"num_alloc_retries": 2, "num_ooms": 0, "num_device_alloc": 10, "num_device_free": 1,
+              "reserved_bytes": 1000 * mib, "allocated_bytes": 600 * mib, "free_bytes": 141 * mib,
+              "total_bytes": 81080 * mib}
+    after = {**before, "num_alloc_retries": 42, "num_device_alloc": 50, "num_device_free": 41,
+             "allocated_bytes": 700 * mib}
+    text = profiling.allocator_text(before, after, 20)
+    assert "num_alloc_retries: +40 (2.00 per batch)" in text and "num_ooms: +0 (0.00 per batch)" in text
+    assert "num_device_free: +40 (2.00 per batch)" in text and "allocated MiB: 600 -> 700" in text
+    assert "free MiB: 141 -> 141" in text and "device total MiB: 81080" in text
+    assert "nothing to report" in profiling.allocator_text({}, {}, 20)
+    if not torch.cuda.is_available():
+        assert profiling.allocator_stats() == {}
