@@ -35,9 +35,10 @@ however long each engine took to start, and shares the time among the cells (:fu
 rounds get an equal part of what is left once every cell left has had what a cell costs besides its rounds, the
 most a finished cell spent on that, :func:`fixed_cost`, else :data:`FIXED_S`); the last cell's shutdown and trace
 reading come after it, so leave them a margin before the call's limit (``scripts/capture_cost_runs.sh`` passes
-one). Writes ``OUT/capture_cost.json`` (rows, as they finish; a row's ``--diff`` columns are added once its trace
-is judged, so a call killed while judging keeps the timings) and ``OUT/capture_cost.md`` (the table); ``--reread`` prints the table of earlier runs' JSON with the
-per-round readings recomputed from their passes (``--pool``: one row per cell, the rounds of its runs together).
+one). Writes ``OUT/capture_cost.json`` (rows, as they finish, each write whole or not at all; a row's ``--diff``
+columns are added once its trace is judged, so a call killed while judging keeps the timings) and
+``OUT/capture_cost.md`` (the table); ``--reread`` prints the table of earlier runs' JSON with the per-round readings
+recomputed from their passes (``--pool``: one row per cell, the rounds of its runs together).
 Workloads: ``one`` (the first built-in prompt), ``mixed`` (refcheck's 32 mixed requests, all at once).
 ``--model DIR`` (and ``--draft DIR``, the drafter DFLASH and REFCHECK_DDTREE need) runs the cells on that pair
 instead of the built-in ``--pair``: the real-width pair of ``scripts/real_width.py build``, where a step is as long
@@ -576,7 +577,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_rows(out: Path, rows: list[dict[str, Any]]) -> None:
-    (out / "capture_cost.json").write_text(json.dumps(rows, indent=1, default=str))
+    """The rows so far as ``capture_cost.json``, replaced whole (a call killed mid-write keeps the earlier rows)."""
+    from refcheck.atomic_file import atomic_write_bytes
+
+    atomic_write_bytes(out / "capture_cost.json", json.dumps(rows, indent=1, default=str).encode(), durable=False)
 
 
 def _reread(paths: list[Path], sample: int, pool: bool) -> int:

@@ -7,9 +7,10 @@ more, writing ``profile-rank{r}-pid{pid}.txt`` into the capture directory: the w
 batches, then the operator table sorted by device time and by CPU time, in which :func:`section` labels the
 hooks' own parts (``refcheck.*``) beside SGLang's, then what the CUDA caching allocator did over the window
 (:func:`allocator_text`: retries after a failed ``cudaMalloc``, out-of-memory errors, ``cudaMalloc`` and ``cudaFree``
-calls, the memory reserved and free at its ends), read without a device synchronisation of its own. Without the variable, :func:`tick` returns at once and
-:func:`section` is a null context: the capture runs as if this module were absent. A malformed value is
-reported once as a capture error by the caller (:class:`ValueError`), and the capture runs unprofiled.
+calls, the memory reserved and free at its ends), read without a device synchronisation of its own. Without the
+variable, :func:`tick` returns at once and :func:`section` is a null context: the capture runs as if this module
+were absent. A malformed value is reported once as a capture error by the caller (:class:`ValueError`), and the
+capture runs unprofiled.
 :func:`host_speed` times a clock read and a fixed Python loop, once per process, for its status file.
 """
 
