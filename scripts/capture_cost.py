@@ -552,6 +552,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"capture_cost: {exc}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    rows = run_cells(args, todo)
+    (args.out / "capture_cost.md").write_text(markdown(rows, args.sample))
+    print(markdown(rows, args.sample))
+    return 0
+
+
+def run_cells(args: argparse.Namespace, todo: list[tuple[str, bool, str]]) -> list[dict[str, Any]]:
+    """The cells in order, each row written as it ends (its ``--diff`` columns after it), within ``--deadline`` and
+    ``--until`` (each cell's rounds ending by :func:`share_until`)."""
     t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
     last_start = min(x for x in (args.deadline, args.until, math.inf) if x is not None)
@@ -571,9 +580,7 @@ def main(argv: list[str] | None = None) -> int:
             row.update(diffed(args, row, trace))
             _write_rows(args.out, rows)
         print(markdown(rows[-1:], args.sample).splitlines()[-1], flush=True)
-    (args.out / "capture_cost.md").write_text(markdown(rows, args.sample))
-    print(markdown(rows, args.sample))
-    return 0
+    return rows
 
 
 def _write_rows(out: Path, rows: list[dict[str, Any]]) -> None:
