@@ -1,0 +1,184 @@
+"""The capture hooks' device work per recorded DFLASH decode batch, part by part, at a model's widths.
+
+Usage (no SGLang needed; on a GPU for device times)::
+
+    python scripts/bench_capture_device.py [--widths real|builtin|tiny] [--batch 32] [--block 16]
+        [--repeats 30] [--device cuda] [--json OUT]
+
+Calls the hooks' own device functions on stand-in tensors of the shapes SGLang hands them for a DFLASH decode
+batch of ``--batch`` requests and ``--block``-token blocks, at ``--widths``: ``real`` (Qwen3.6-27B's, as
+``scripts/real_width.py build``: hidden 5120, vocabulary 248 320, 48 Gated DeltaNet value heads of 128x128, 8
+layers of which 6 linear-attention and 2 attention, a 5-layer drafter fed 5 target layers), ``builtin`` (the
+built-in hybrid pair's) or ``tiny`` (a test scale). The parts, each timed alone:
+
+- ``verify``: :func:`refcheck.sglang.capture.steps.summarise_nodes` over the block's float32 logits ``[b*B, V]``;
+  ``verify.log_softmax`` and ``verify.topk`` are its two largest steps alone;
+- ``draft``: :func:`refcheck.sglang.capture.dflash_taps._draft`, the drafter's depths through the target's head
+  ``[V, H]`` and their top ranks; ``draft.matmul`` is its product alone;
+- ``context``: :func:`refcheck.sglang.capture.dflash_taps._context`, the sketch of the drafter's fed features;
+- ``state``: :func:`refcheck.sglang.capture.state.batch_state` over SGLang-laid pools (KV ``[slots, H_kv, D]``
+  per attention layer; conv ``[L, slots, C, K-1]`` and float32 SSM ``[L, slots, HV, V, K]``);
+  ``state.rec_gemm`` is the recurrent sketch's product ``[L*b, HV*V*K] @ [HV*V*K, r]`` alone, and
+  ``state.rec_per_head`` the same sketch as one product per head summed over heads, for comparison.
+
+Each part runs once to warm up (lazy projections, the allocator's blocks), then ``--repeats`` times; on CUDA each
+call is timed by events around it (device time, the launches' gaps included), elsewhere by the wall clock. Prints
+one table row per part (median, min and max ms) and, with ``--json``, writes them with the shapes and the device.
+The figures are what the hooks' device work costs by itself, on an idle device; what it costs inside SGLang's
+step (memory pressure, the engine's own kernels around it) is ``scripts/capture_cost.py``'s to measure.
+Exit 0, or 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from refcheck.sglang.capture.dflash_taps import _context, _draft  # noqa: E402
+from refcheck.sglang.capture.state import MambaPools, _ssm_projection, batch_state  # noqa: E402
+from refcheck.sglang.capture.steps import node_logprobs, summarise_nodes  # noqa: E402
+from refcheck.sketch import SKETCH_DIM  # noqa: E402
+
+#: widths per preset: hidden, vocabulary, drafter's fed target layers, linear-attention layers (and their key heads,
+#: value heads, head dims, conv kernel), attention layers (KV heads, head dim)
+WIDTHS: dict[str, dict[str, int]] = {
+    "real": dict(hidden=5120, vocab=248320, fed=5, linear=6, key_heads=16, value_heads=48, head_dim=128, conv=4,
+                 attention=2, kv_heads=4, kv_dim=256),
+    "builtin": dict(hidden=128, vocab=512, fed=3, linear=4, key_heads=2, value_heads=4, head_dim=32, conv=4,
+                    attention=2, kv_heads=2, kv_dim=32),
+    "tiny": dict(hidden=64, vocab=1000, fed=2, linear=3, key_heads=2, value_heads=4, head_dim=16, conv=4,
+                 attention=1, kv_heads=2, kv_dim=16),
+}
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+    """A function timing one call in ms: CUDA events on a CUDA device, the wall clock elsewhere."""
+    if device.type == "cuda":
+        def timed(fn: Callable[[], Any]) -> float:
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return float(start.elapsed_time(end))
+        return timed
+
+    def wall(fn: Callable[[], Any]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1000
+    return wall
+
+
+def _inputs(w: dict[str, int], bs: int, block: int, device: torch.device) -> dict[str, Any]:
+    """Stand-in tensors of the shapes (and dtypes) SGLang hands the hooks, seeded."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def randn(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # drawn in float32 on the CPU
+
+    rows, slots = bs * block, 2 * bs
+    conv_dim = 2 * w["key_heads"] * w["head_dim"] + w["value_heads"] * w["head_dim"]
+    pools = MambaPools(layers=list(range(w["linear"])), rows=list(range(w["linear"])),
+                       conv=randn(w["linear"], slots, conv_dim, w["conv"] - 1),
+                       ssm=randn(w["linear"], slots, w["value_heads"], w["head_dim"], w["head_dim"],
+                                 dtype=torch.float32))
+    kv = {w["linear"] + i: (randn(slots * block, w["kv_heads"], w["kv_dim"]),
+                            randn(slots * block, w["kv_heads"], w["kv_dim"])) for i in range(w["attention"])}
+    return {"logits": randn(rows, w["vocab"], dtype=torch.float32),
+            "picks": torch.randint(0, w["vocab"], (rows,), generator=g).to(device),
+            "hidden": randn(rows, w["hidden"]), "head": randn(w["vocab"], w["hidden"]) * 0.02,
+            "fed": randn(rows, w["fed"] * w["hidden"]),
+            "positions": torch.arange(rows, device=device), "lens": torch.full((bs,), block, device=device),
+            "kv": kv, "slots": torch.arange(bs * block, device=device).view(bs, block),
+            "pools": pools, "mamba_slots": torch.arange(bs, device=device)}
+
+
+def _rec_per_head(pools: MambaPools, ms: torch.Tensor) -> torch.Tensor:
+    """The recurrent sketch as one product per head, summed over heads: [L, b, r]."""
+    ssm = pools.ssm[:, ms]  # [L, b, HV, V, K]
+    n, b, hv, v, k = ssm.shape
+    proj = _ssm_projection(hv, k, v, str(ssm.device))  # [HV, V*K, r]
+    per_head = torch.bmm(ssm.reshape(n * b, hv, v * k).transpose(0, 1), proj)  # [HV, L*b, V*K] @ [HV, V*K, r]
+    return per_head.sum(0).view(n, b, -1)  # [HV, L*b, r] -> [L*b, r] -> [L, b, r]
+
+
+def parts(x: dict[str, Any], bs: int, block: int) -> dict[str, Callable[[], Any]]:
+    """Each timed part as a no-argument call over the stand-in tensors."""
+    pools, ms = x["pools"], x["mamba_slots"]
+    n, hv, v, k = pools.ssm.shape[0], pools.ssm.shape[2], pools.ssm.shape[3], pools.ssm.shape[4]
+    rec_proj = _ssm_projection(hv, k, v, str(pools.ssm.device)).reshape(hv * v * k, -1)  # [HV*V*K, r]
+    hs = x["hidden"].view(bs, block, -1)[:, 1:, :]  # [b*B, H] -> [b, B-1, H]
+    return {
+        "verify": lambda: summarise_nodes(x["logits"], x["picks"]).tensors(),
+        "verify.log_softmax": lambda: node_logprobs(x["logits"]),
+        "verify.topk": lambda: x["logits"].topk(8, dim=-1),
+        "draft": lambda: _draft(x["hidden"], x["head"], bs, block),
+        "draft.matmul": lambda: torch.matmul(hs, x["head"].T),
+        "context": lambda: _context(x["fed"], x["positions"], x["lens"], bs),
+        "state": lambda: batch_state(x["kv"], x["slots"], pools, ms),
+        "state.rec_gemm": lambda: pools.ssm[:, ms].reshape(n * bs, -1) @ rec_proj,
+        "state.rec_per_head": lambda: _rec_per_head(pools, ms),
+    }
+
+
+def bench(widths: str, bs: int, block: int, repeats: int, device: torch.device) -> list[dict[str, Any]]:
+    """One row per part: median, min and max ms over ``repeats`` calls after one warm-up call."""
+    w = WIDTHS[widths]
+    timed = _timer(device)
+    rows = []
+    for name, fn in parts(_inputs(w, bs, block, device), bs, block).items():
+        timed(fn)  # warm-up
+        ms = [timed(fn) for _ in range(repeats)]
+        rows.append({"part": name, "median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms)})
+    return rows
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    if args.batch < 1 or args.block < 2 or args.repeats < 1:
+        return "--batch and --repeats must be >= 1 and --block >= 2"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        return f"--device {args.device}: no CUDA device here"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--widths", choices=sorted(WIDTHS), default="real")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    problem = _check(args)
+    if problem is not None:
+        print(f"bench_capture_device: {problem}", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    rows = bench(args.widths, args.batch, args.block, args.repeats, device)
+    print(f"{args.widths} widths, {args.batch} requests x {args.block}-token blocks, {args.repeats} calls each, "
+          f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}")
+    print("| part | median ms | min | max |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['part']} | {r['median_ms']:.3f} | {r['min_ms']:.3f} | {r['max_ms']:.3f} |")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"widths": WIDTHS[args.widths], "preset": args.widths, "batch": args.batch,
+                                         "block": args.block, "device": str(device), "sketch_dim": SKETCH_DIM,
+                                         "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

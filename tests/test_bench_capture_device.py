@@ -1,0 +1,39 @@
+"""scripts/bench_capture_device.py on the CPU: every part runs on stand-in tensors of the hooks' shapes, the per-head
+recurrent sketch it compares against is the hooks' own sketch, and bad arguments are exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from script_loader import load_script
+
+bench = load_script("bench_capture_device")
+
+
+def test_every_part_is_timed_and_written_with_the_shapes(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    assert bench.main(["--widths", "tiny", "--batch", "2", "--block", "4", "--repeats", "2", "--device", "cpu",
+                       "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert [r["part"] for r in got["rows"]] == list(bench.parts(
+        bench._inputs(bench.WIDTHS["tiny"], 2, 4, torch.device("cpu")), 2, 4))
+    assert all(0 <= r["min_ms"] <= r["median_ms"] <= r["max_ms"] for r in got["rows"])
+    assert got["widths"] == bench.WIDTHS["tiny"] and got["batch"] == 2 and got["device"] == "cpu"
+    assert "| state.rec_per_head |" in capsys.readouterr().out
+
+
+def test_the_per_head_recurrent_sketch_is_the_hooks_sketch():
+    """state.rec_per_head computes what batch_state's ``rec`` does (another summation order, float32)."""
+    x = bench._inputs(bench.WIDTHS["tiny"], 3, 4, torch.device("cpu"))
+    hooks = bench.batch_state(x["kv"], x["slots"], x["pools"], x["mamba_slots"])["mamba"]["rec"]
+    torch.testing.assert_close(bench._rec_per_head(x["pools"], x["mamba_slots"]), hooks, rtol=1e-4, atol=1e-3)
+
+
+def test_bad_arguments_are_exit_2(capsys):
+    for bad in (["--batch", "0"], ["--block", "1"], ["--repeats", "0"]):
+        assert bench.main(["--widths", "tiny", "--device", "cpu", *bad]) == 2
+        assert "must be >= 1" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert bench.main(["--widths", "tiny", "--device", "cuda"]) == 2
+        assert "no CUDA device here" in capsys.readouterr().err
