@@ -21,9 +21,12 @@ built-in hybrid pair's) or ``tiny`` (a test scale). The parts, each timed alone:
   ``state.rec_gemm`` is the recurrent sketch's product ``[L*b, HV*V*K] @ [HV*V*K, r]`` alone, and
   ``state.rec_per_head`` the same sketch as one product per head summed over heads, for comparison.
 
-Each part runs once to warm up (lazy projections, the allocator's blocks), then ``--repeats`` times; on CUDA each
-call is timed by events around it (device time, the launches' gaps included), elsewhere by the wall clock. Prints
-one table row per part (median, min and max ms) and, with ``--json``, writes them with the shapes and the device.
+Each part runs once to warm up (lazy projections, the allocator's blocks; on CUDA its peak device memory beyond
+what was allocated before it is read then), then ``--repeats`` times; on CUDA each call is timed by events around it
+(device time, the launches' gaps included), elsewhere by the wall clock. Prints one table row per part (median, min
+and max ms, peak MiB) and, with ``--json``, writes them with the shapes and the device. The verify's node summary
+and the drafter's top ranks reduce in row chunks (:mod:`refcheck.sglang.vocab_rows`); ``verify.log_softmax`` is
+the whole block's log-softmax in one call, for comparison.
 The figures are what the hooks' device work costs by itself, on an idle device; what it costs inside SGLang's
 step (memory pressure, the engine's own kernels around it) is ``scripts/capture_cost.py``'s to measure.
 Exit 0, or 2 for bad arguments.
@@ -139,10 +142,25 @@ def bench(widths: str, bs: int, block: int, repeats: int, device: torch.device) 
     timed = _timer(device)
     rows = []
     for name, fn in parts(_inputs(w, bs, block, device), bs, block).items():
-        timed(fn)  # warm-up
+        peak = _peak_mib(fn, device)  # the warm-up call
         ms = [timed(fn) for _ in range(repeats)]
-        rows.append({"part": name, "median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms)})
+        rows.append({"part": name, "median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms),
+                     "peak_mib": peak})
     return rows
+
+
+def _peak_mib(fn: Callable[[], Any], device: torch.device) -> float | None:
+    """The device memory one call of ``fn`` takes at its peak beyond what was allocated before it, MiB (None off
+    CUDA)."""
+    if device.type != "cuda":
+        fn()
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -170,9 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = bench(args.widths, args.batch, args.block, args.repeats, device)
     print(f"{args.widths} widths, {args.batch} requests x {args.block}-token blocks, {args.repeats} calls each, "
           f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}")
-    print("| part | median ms | min | max |\n|---|---|---|---|")
+    print("| part | median ms | min | max | peak MiB |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['part']} | {r['median_ms']:.3f} | {r['min_ms']:.3f} | {r['max_ms']:.3f} |")
+        peak = "—" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
+        print(f"| {r['part']} | {r['median_ms']:.3f} | {r['min_ms']:.3f} | {r['max_ms']:.3f} | {peak} |")
     if args.json is not None:
         args.json.write_text(json.dumps({"widths": WIDTHS[args.widths], "preset": args.widths, "batch": args.batch,
                                          "block": args.block, "device": str(device), "sketch_dim": SKETCH_DIM,

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from refcheck.sglang.vocab_rows import by_row_chunks
 from refcheck.sketch import sketch_rows
 
 #: draft ranks recorded per depth for a chain drafter (as the reference's own traces record)
@@ -52,7 +53,18 @@ DRAFT_MARGIN = 8
 
 def draft_top(scores: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     """``scores`` [..., V] logits -> on their device: ``ids`` / ``logprobs`` [..., k + margin] (any order within
-    equal values) and ``reach`` [...] (how many log-probs are >= the k-th largest)."""
+    equal values) and ``reach`` [...] (how many log-probs are >= the k-th largest); in row chunks
+    (:func:`refcheck.sglang.vocab_rows.by_row_chunks`: each chunk's float32 log-probs bounded in size)."""
+    lead, vocab = scores.shape[:-1], scores.shape[-1]
+    flat = scores.reshape(-1, vocab)  # [..., V] -> [R, V]
+    got = by_row_chunks(lambda s: _top_rows(s, k), (flat,), flat.shape[0], vocab)
+    k2 = got["ids"].shape[-1]
+    return {"ids": got["ids"].view(*lead, k2), "logprobs": got["logprobs"].view(*lead, k2),  # [R, K2] -> [..., K2]
+            "reach": got["reach"].view(lead), "k": got["k"]}  # [R] -> [...]
+
+
+def _top_rows(scores: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """:func:`draft_top` of ``[R, V]`` scores."""
     lp = torch.log_softmax(scores.float(), dim=-1)  # float32: see draft_side
     k = min(k, lp.shape[-1])
     top = lp.topk(min(k + DRAFT_MARGIN, lp.shape[-1]), dim=-1)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from refcheck.sglang.layout import accepted_from_accept_index, depths_from_parents, parents_from_links
+from refcheck.sglang.vocab_rows import by_row_chunks
 
 TOPK = 5
 
@@ -116,8 +117,15 @@ def node_logprobs(logits: torch.Tensor) -> torch.Tensor:
 def summarise_nodes(logits: torch.Tensor, picks: torch.Tensor | None, k: int = TOPK,
                     logp: torch.Tensor | None = None) -> NodeSummary:
     """[M, V] logits and the token each row emits [M] (None: picked later, :func:`pick`) -> a
-    :class:`NodeSummary`, computed where the logits are (no host copy)."""
-    logp = node_logprobs(logits) if logp is None else logp
+    :class:`NodeSummary`, computed where the logits are (no host copy). Without the caller's ``logp``, in row chunks
+    (:func:`refcheck.sglang.vocab_rows.by_row_chunks`: each chunk's float32 log-probs bounded in size)."""
+    if logp is not None:
+        return _summary(logits, picks, k, logp)
+    return NodeSummary.of(by_row_chunks(lambda lg, pk: _summary(lg, pk, k, node_logprobs(lg)).tensors(),
+                                        (logits, picks), logits.shape[0], logits.shape[-1]))
+
+
+def _summary(logits: torch.Tensor, picks: torch.Tensor | None, k: int, logp: torch.Tensor) -> NodeSummary:
     top = logp.topk(min(k, logp.shape[-1]), dim=-1)
     picked = pick(logp, picks) if picks is not None else torch.full_like(logp[:, 0], math.nan)
     return NodeSummary(top.indices, top.values, logits.argmax(dim=-1), picked)
