@@ -219,6 +219,34 @@ def test_the_capture_state_sketch_replayed_as_a_cuda_graph_equals_the_eager_sket
     assert 0 <= float(torch.rand(4, device=dev).min()) and torch.multinomial(torch.ones(3, device=dev), 2).numel() == 2
 
 
+def test_the_vocab_reductions_in_row_chunks_replayed_as_a_cuda_graph_equals_the_whole_eager_call(monkeypatch):
+    """The node summary and the drafter's top ranks in row chunks (refcheck/sglang/vocab_rows.py, 5 and 4 chunks
+    here), replayed from CUDA graphs over changing inputs, are bitwise the unchunked reductions run eagerly."""
+    from refcheck.sglang import vocab_rows
+    from refcheck.sglang.capture.graphs import GraphCache
+    from refcheck.sglang.capture.steps import _summary, node_logprobs, summarise_nodes
+    from refcheck.sglang.draft_side import _top_rows, draft_top
+
+    dev, rows, vocab = "cuda", 37, 3000
+    gen = torch.Generator(device=dev).manual_seed(0)
+    cache = GraphCache(lambda key, exc: pytest.fail(f"{key} could not be captured: {exc}"))
+    for step in range(4):
+        logits = torch.randn(rows, vocab, device=dev, generator=gen) * 3
+        picks = torch.randint(0, vocab, (rows,), device=dev, generator=gen)
+        scores = logits[:35].to(torch.bfloat16).view(5, 7, vocab)  # [bs*(B-1), V] -> [bs, B-1, V]
+        whole = _summary(logits, picks, 5, node_logprobs(logits)).tensors()
+        whole_top = _top_rows(scores.view(35, vocab), 8)
+        monkeypatch.setattr(vocab_rows, "CHUNK_BYTES", 4 * vocab * 8)  # 8 rows a chunk
+        got = cache.run("nodes", lambda lg, pk: summarise_nodes(lg, pk).tensors(), logits, picks)
+        top = cache.run("draft", lambda s: draft_top(s, 8), scores)
+        monkeypatch.undo()
+        for name, t in whole.items():
+            assert torch.equal(got[name], t), (step, name)
+        for name, t in whole_top.items():
+            assert torch.equal(top[name].reshape(t.shape), t), (step, name)
+    assert len(cache) == 2
+
+
 def test_the_capture_hooks_record_the_same_from_their_cuda_graphs_as_eagerly(tmp_path, monkeypatch):
     """refcheck/sglang/capture/hooks.py with its device work replayed from CUDA graphs (the state sketch bucketed
     to 4 rows for 3 requests, the chain verify's reductions, the DFLASH taps; each cache's graphs in one memory
