@@ -14,7 +14,9 @@ passes interleaved in rotating order (``refcheck/sglang/child.py``): untraced, s
 ``--sample``, rids marked for it) and full capture. Each pass generates the same requests; the overheads are the
 median full and sampled passes over the median untraced pass (the first captured pass's ratio beside them, the
 untraced passes' max/min as the noise they are read against, and the ratio the engine's books account for,
-:func:`booked`), and every pass's tokens are compared with the captured pass's. Each full and sampled pass is
+:func:`booked`), and every pass's tokens are compared with the captured pass's, each full and sampled pass's also
+with the untraced pass of its own round (the capture's own effect where the engine's state moves between passes,
+as NGRAM's cache does). Each full and sampled pass is
 also divided by the untraced pass of its own round (:func:`readings`): the median of those ratios, its 95 %
 interval (:func:`median_interval`) and their range; the target column reads that interval against the issue's
 lines (:data:`FULL_LIMIT`, :data:`SAMPLED_LIMIT`): within, over, or undecided (more rounds decide; about how many,
@@ -193,7 +195,7 @@ def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff
             **readings(passes, costs, graphs),
             "booked": {kind: booked(costs, kind, len(passes[kind]), untraced) for kind in ("full", "sampled")},
             "tokens_same_untraced": st.get("repeats_match"), "tokens_same_sampled": st.get("sampled_match"),
-            "tokens_same_full": st.get("full_match"),
+            "tokens_same_full": st.get("full_match"), "tokens_same_round": st.get("round_match") or {},
             "graphed_steps": (cap.get("stats") or {}).get("cuda_graph_steps"),
             "bytes_per_step": path.stat().st_size / steps if steps else None,
             "capture_errors": (cap.get("errors") or [])[:3], "capture_behind": st.get("capture_behind") or {},
@@ -435,6 +437,12 @@ def _spread(rounds: dict[str, Any] | None) -> str:
     return f" (per round {_median_text(rounds)} of {rounds['rounds']}, {rounds['min']:.2f}–{rounds['max']:.2f})"
 
 
+def _round(r: dict[str, Any]) -> str:
+    """The tokens column's second half: the sampled and full passes against the untraced pass of their round."""
+    same = r.get("tokens_same_round") or {}
+    return f"; {same.get('sampled', '—')}/{same.get('full', '—')}" if same else ""
+
+
 def _target(r: dict[str, Any]) -> str:
     """The per-round ratios read against the targets (:func:`against`): full / sampled, an undecided one with about
     how many rounds would decide it (:func:`rounds_to_decide`)."""
@@ -450,8 +458,8 @@ def markdown(rows: list[dict[str, Any]], sample: int) -> str:
     head = (f"| algorithm | graphs | workload | steps | untraced s (max/min) | full capture (first pass) | 1 in {sample} | "
             f"batch ms plain / recorded (hooks) | unrecorded batch ms, untraced / 1 in {sample} (its pass-over) | "
             "writer ms/record | bytes/step | "
-            "tokens same (untraced / sampled / full) | verdict (full / sampled) | diff steps/s | "
-            "target, per round (full / sampled) |\n"
+            "tokens same (untraced / sampled / full; sampled / full as their round's untraced) | "
+            "verdict (full / sampled) | diff steps/s | target, per round (full / sampled) |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
         f"| {r['algorithm']} | {'on' if r['graphs'] else 'off'} | {r['workload']} | "
@@ -463,7 +471,7 @@ def markdown(rows: list[dict[str, Any]], sample: int) -> str:
            f"{_booked((r.get('booked') or {}).get('sampled'), (r.get('per_round_run_batch') or {}).get('sampled'))} | "
            f"{_ledger(r.get('ledger') or {})} | {_unrecorded(r.get('pass_costs') or {})} | "
            f"{_fmt((r.get('ledger') or {}).get('writer_ms_per_record'))} | {_fmt(r['bytes_per_step'], '.0f')} | "
-           f"{r['tokens_same_untraced']}/{r['tokens_same_sampled']}/{r.get('tokens_same_full')} | "
+           f"{r['tokens_same_untraced']}/{r['tokens_same_sampled']}/{r.get('tokens_same_full')}{_round(r)} | "
            f"{r.get('verdict', '—')} / {r.get('sampled_verdict', '—')} ({r.get('sampled_steps', '—')} steps) | "
            f"{_fmt(r.get('diff_steps_per_s'), '.1f')} | {_target(r)} |\n")
         for r in rows)

@@ -246,7 +246,9 @@ def test_a_row_reads_its_trace_passes_books_and_the_schedulers_host(tmp_path):
 
     settings = {"repeat_generate_s": [1.0] * 6, "sampled_generate_s": [1.02] * 6, "full_generate_s": [1.6] * 6,
                 "generate_s": 1.7, "pass_costs": {"untraced": {"run_batch_s": [0.5] * 6, "plain_ms_per_batch": 1.0},
-                                                   "sampled": {"run_batch_s": [0.51] * 6}}}
+                                                   "sampled": {"run_batch_s": [0.51] * 6}},
+                "repeats_match": False, "sampled_match": False, "full_match": False,
+                "round_match": {"sampled": True, "full": True}}
     host = {"clock_read_ns": 45.0, "python_loop_us": 190.0}
     trace = NS(prov=NS(settings=settings), provenance={"capture": {"status": [{"tp_rank": 0, "host": host}]}},
                steps=[object()] * 4, requests=[object()] * 2)
@@ -256,6 +258,9 @@ def test_a_row_reads_its_trace_passes_books_and_the_schedulers_host(tmp_path):
     assert row["target"] == {"full": "over", "sampled": "within"} and row["host"] == host
     assert row["per_round_run_batch"]["sampled"]["median"] == pytest.approx(1.02)
     assert row["per_round_run_batch"]["full"] is None
+    # every pass left the captured one, but each captured pass gave its round's untraced tokens
+    assert row["tokens_same_round"] == {"sampled": True, "full": True}
+    assert "| False/False/False; True/True |" in cc.markdown([{**row, "overhead_full": 1.6}], 16)
 
 
 def test_pooled_rows_lay_one_cells_rounds_end_to_end_and_recompute_what_depends_on_them():

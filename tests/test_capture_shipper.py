@@ -261,7 +261,8 @@ def test_timing_passes_run_interleaved_in_rotating_order_each_kind_with_its_own_
     kind runs first, second and third alike; each kind's books sum its own passes' ledger differences (the
     sampled pass's plain and recorded batches apart from the untraced passes'); an untraced pass that leaves the
     captured outputs is named with its first difference, and a kind with fewer passes drops out of later rounds;
-    each pass's seconds in run_batch, and in the client process's garbage collections, are kept per pass."""
+    each traced kind is also held against the untraced pass of each round it ran in; each pass's seconds in
+    run_batch, and in the client process's garbage collections, are kept per pass."""
     from refcheck.sglang import child
     from refcheck.sglang.capture.shipper import Counters, ledger_summary
 
@@ -277,6 +278,8 @@ def test_timing_passes_run_interleaved_in_rotating_order_each_kind_with_its_own_
     assert [len(got[k]["times"]) for k in ("untraced", "sampled", "full")] == [3, 3, 2]
     assert got["untraced"]["match"] is False and got["sampled"]["match"] is True and got["full"]["match"] is True
     assert diffs == {"repeat0": [], "repeat1": [], "repeat2": [[0, 1, 6, 7]]}
+    # against the untraced pass of their own round: sampled2 ran beside the differing untraced2, full passes did not
+    assert child._timing_result(got)["round_match"] == {"sampled": False, "full": True}
     untraced = ledger_summary(got["untraced"]["books"], got["untraced"]["books"]["written"])
     sampled = ledger_summary(got["sampled"]["books"], got["sampled"]["books"]["written"])
     full = ledger_summary(got["full"]["books"], got["full"]["books"]["written"])

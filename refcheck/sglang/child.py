@@ -13,8 +13,11 @@ the captured output ids) and ``untraced_diffs`` where an untraced pass left the 
 the passes of the three kinds run interleaved after the captured one: round r runs pass r of each kind in the
 order rotated by r (untraced, sampled, full; then sampled, full, untraced; ...), so a drift of the engine's speed
 over the rounds (clocks, caches, allocators) reaches every kind alike; ``sampled_generate_s``, ``sampled_match``,
-``full_generate_s``, ``full_match``. With ``timing_budget_s`` no round starts once that many seconds have passed
-since the first began and :data:`MIN_TIMED_ROUNDS` have run (short passes then get many rounds, long ones few);
+``full_generate_s``, ``full_match`` (each pass against the captured one), and ``round_match`` ({kind: whether each
+of its passes gave the tokens of the untraced pass of the same round}: the capture's own effect, where an engine's
+state that moves between passes, such as NGRAM's cache, makes a later pass differ from the captured one). With
+``timing_budget_s`` no round starts once that many seconds have passed since the first began and
+:data:`MIN_TIMED_ROUNDS` have run (short passes then get many rounds, long ones few);
 with ``timing_until`` (a wall-clock time, ``time.time()`` seconds) no round starts that would end past it, judged by
 the longest round so far, whatever rounds have run (a device call's time limit: the rounds end inside it, however
 long the engine took to start).
@@ -162,12 +165,24 @@ def interleaved(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[st
             if until is not None and time.time() + longest > until:
                 break
             began = time.perf_counter()
-            for kind in kinds[r % len(kinds):] + kinds[: r % len(kinds)]:
-                if r < len(plans[kind]):
-                    before = _timed_pass(engine, job, outputs, diffs, kind, r, plans[kind][r], got[kind], before,
-                                         client)
+            ran = [kind for kind in kinds[r % len(kinds):] + kinds[: r % len(kinds)] if r < len(plans[kind])]
+            for kind in ran:
+                before = _timed_pass(engine, job, outputs, diffs, kind, r, plans[kind][r], got[kind], before, client)
+            _round_match(got, ran)
             longest = max(longest, time.perf_counter() - began)
     return got
+
+
+def _round_match(got: dict[str, dict[str, Any]], ran: list[str]) -> None:
+    """A round's traced passes against its untraced pass: each traced kind's ``round_match`` stays True while every
+    pass of it gave the tokens of the untraced pass of its round (the capture changed nothing, whatever moved
+    between rounds: NGRAM's cache of earlier requests, say); a round without an untraced pass compares nothing."""
+    if "untraced" not in ran:
+        return
+    base = got["untraced"]["last"]
+    for kind in ran:
+        if kind != "untraced":
+            got[kind]["round_match"] = got[kind].get("round_match", True) and got[kind]["last"] == base
 
 
 def _timed_pass(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[str, Any], kind: str, r: int,
@@ -185,6 +200,7 @@ def _timed_pass(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[st
     if after:
         got["run_batch_s"].append(sum(after[f] - before.get(f, 0) for f in STEP_FIELDS) / 1e9)
     got["match"] = got["match"] and again == outputs
+    got["last"] = again  # the round's tokens of this kind (_round_match)
     if kind == "untraced":
         diffs[f"repeat{r}"] = first_differences(outputs, again)
     return after
@@ -198,6 +214,7 @@ def _timing_result(kinds: dict[str, dict[str, Any]]) -> dict[str, Any]:
         got = kinds.get(kind)
         out[times] = got["times"] if got else []
         out[match] = got["match"] if got else (True if kind == "untraced" else None)
+    out["round_match"] = {kind: got["round_match"] for kind, got in kinds.items() if "round_match" in got}
     return out
 
 
