@@ -6,14 +6,17 @@
 #
 # Run it through scripts/sglang_bundle.sh run (SGLang 0.5.17 offline), alone on the GPU. First the GPU tests named
 # by GPU_TESTS (a pytest -k expression; default: the capture hooks' host synchronisation and their CUDA graphs
-# against eager; GPU_TESTS= skips them), at most TESTS_S seconds (default 120), into OUT/gpu-tests.txt. Then
+# against eager; GPU_TESTS= skips them), at most TESTS_S seconds (default 120), into OUT/gpu-tests.txt. With
+# DEVICE_BENCH=WIDTHS (real, builtin or tiny), scripts/bench_capture_device.py --widths WIDTHS next, at most BENCH_S
+# seconds (default 120), into OUT/device-bench.txt and OUT/device-bench.json (the hooks' device work part by part). Then
 # `capture_cost.py --out OUT/cost --until U ARGUMENTS`, where U is the seconds left after the tests less END_S (default
 # 45: the last cell's shutdown and trace reading), so every cell's timing rounds end in time however long its
 # engine took to start (an --until among ARGUMENTS wins); it is killed SECONDS after this script began if still
 # running (the cells it finished are in its JSON: it writes each as it ends), into OUT/log.txt; with fewer than
 # MIN_S seconds (default 30) left after the tests, or no U left, no measurement starts. Last, OUT/capture-cost.tgz packs
-# both logs, capture_cost.json and .md, each cell's job.json and result.json, and the profile windows its scheduler
-# processes wrote (records/profile-*.txt, with REFCHECK_CAPTURE_PROFILE=FIRST:COUNT in this script's environment).
+# the logs, the device bench's table and JSON, capture_cost.json and .md, each cell's job.json and result.json, and
+# the profile windows its scheduler processes wrote (records/profile-*.txt, with REFCHECK_CAPTURE_PROFILE=FIRST:COUNT
+# in this script's environment).
 # Exit: capture_cost.py's (124 when killed), 2 for bad arguments.
 set -uo pipefail
 out=${1:-}; seconds=${2:-}
@@ -29,6 +32,11 @@ if [ -n "$tests" ]; then
     -k "$tests" >"$out/gpu-tests.txt" 2>&1
   echo "exit $?" >>"$out/gpu-tests.txt"
 fi
+if [ -n "${DEVICE_BENCH:-}" ]; then
+  timeout "${BENCH_S:-120}" python3 scripts/bench_capture_device.py --widths "$DEVICE_BENCH" \
+    --json "$out/device-bench.json" >"$out/device-bench.txt" 2>&1
+  echo "exit $?" >>"$out/device-bench.txt"
+fi
 left=$(( seconds - ($(date +%s) - start) ))
 until=$(( left - ${END_S:-45} ))
 if [ "$left" -lt "${MIN_S:-30}" ] || [ "$until" -lt 1 ]; then
@@ -39,6 +47,6 @@ else
   rc=$?
 fi
 (cd "$out" && tar czf capture-cost.tgz log.txt \
-   $(ls gpu-tests.txt cost/capture_cost.json cost/capture_cost.md cost/*/job.json cost/*/result.json \
-        cost/*/records/profile-*.txt 2>/dev/null))
+   $(ls gpu-tests.txt device-bench.txt device-bench.json cost/capture_cost.json cost/capture_cost.md \
+        cost/*/job.json cost/*/result.json cost/*/records/profile-*.txt 2>/dev/null))
 exit "$rc"

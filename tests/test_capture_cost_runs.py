@@ -16,6 +16,9 @@ SCRIPT = ROOT / "scripts" / "capture_cost_runs.sh"
 
 # a stand-in for `python3 scripts/capture_cost.py --out DIR ...`: writes one cell's files, then sleeps SLEEP seconds
 FAKE = """#!/bin/bash
+if [ "$1" = scripts/bench_capture_device.py ]; then
+  echo "bench: $*"; echo '{"rows": []}' > "$5"; exit 0
+fi
 out=$3
 mkdir -p "$out/dflash-graphs-mixed/records/rank0-pid7"
 echo '[]' > "$out/capture_cost.json"
@@ -29,13 +32,13 @@ echo '| table |' > "$out/capture_cost.md"
 
 
 def _run(tmp_path: Path, *args: str, sleep: str = "0", min_s: str = "30",
-         end_s: str = "45") -> subprocess.CompletedProcess:
+         end_s: str = "45", bench: str = "") -> subprocess.CompletedProcess:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "python3").write_text(FAKE)
     (bin_dir / "python3").chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "GPU_TESTS": "", "SLEEP": sleep, "MIN_S": min_s,
-           "END_S": end_s}
+           "END_S": end_s, "DEVICE_BENCH": bench}
     return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
 
 
@@ -84,3 +87,16 @@ def test_a_measurement_past_its_seconds_is_killed_and_what_it_wrote_is_kept(tmp_
     none = _run(tmp_path, str(tmp_path / "p"), "5", min_s="30")
     assert none.returncode == 124
     assert "left after the GPU tests: no measurement" in (tmp_path / "p" / "log.txt").read_text()
+
+
+def test_device_bench_runs_before_the_measurement_and_is_packed(tmp_path):
+    """DEVICE_BENCH=real: bench_capture_device.py --widths real writes its table and JSON beside the cells' files."""
+    got = _run(tmp_path, str(tmp_path / "o"), "60", "--cells", "DFLASH:on:mixed", bench="real")
+    assert got.returncode == 0, got.stderr
+    with tarfile.open(tmp_path / "o" / "capture-cost.tgz") as tar:
+        names = set(tar.getnames())
+        table = tar.extractfile("device-bench.txt").read().decode()
+    assert {"device-bench.txt", "device-bench.json", "cost/capture_cost.json", "log.txt"} <= names
+    want = f"bench: scripts/bench_capture_device.py --widths real --json {tmp_path / 'o'}/device-bench.json"
+    assert table.startswith(want), table
+    assert table.rstrip().endswith("exit 0")
