@@ -67,3 +67,24 @@ def test_the_drafts_top_ranks_in_chunks_are_the_whole_calls(monkeypatch, chunk_r
         assert torch.equal(got[name], whole[name]), name
     empty = draft_top(torch.empty(0, 7, 400), 8)
     assert empty["ids"].shape == (0, 7, 8 + DRAFT_MARGIN) and empty["reach"].shape == (0, 7)
+
+
+@pytest.mark.parametrize("chunk_pairs", [1, 5, 10_000])
+@pytest.mark.parametrize("rows", [[0, 1, 2], [2, 0]])
+def test_the_recurrent_sketch_in_chunks_of_layer_request_pairs_is_the_whole_product(monkeypatch, chunk_pairs, rows):
+    """batch_state's ``rec`` ``[L, b, r]``: the recorded layers' rows (all, or some in another order) by the
+    requests' slots, projected in chunks of (layer, request) pairs, equal one product over the whole gathered state;
+    ``full`` rows come back whole."""
+    from refcheck.sglang.capture.state import MambaPools, _ssm_projection, batch_state
+
+    g = torch.Generator().manual_seed(3)
+    ssm = torch.randn(3, 6, 2, 4, 4, generator=g)  # [L_pool, slots, HV, V, K]
+    pools = MambaPools(layers=[10 + r for r in rows], rows=rows, conv=torch.randn(3, 6, 12, 3, generator=g), ssm=ssm)
+    slots = torch.tensor([4, 1, 5, 0])
+    kv: dict = {}
+    proj = _ssm_projection(2, 4, 4, "cpu").reshape(2 * 4 * 4, -1)  # [HV*V*K, r]
+    whole = (ssm[torch.tensor(rows)][:, slots].reshape(len(rows) * 4, -1) @ proj).view(len(rows), 4, -1)
+    monkeypatch.setattr(vocab_rows, "CHUNK_BYTES", 4 * 2 * 4 * 4 * chunk_pairs)
+    got = batch_state(kv, torch.zeros(4, 1, dtype=torch.long), pools, slots, full=True)["mamba"]
+    torch.testing.assert_close(got["rec"], whole, rtol=1e-6, atol=1e-6)
+    assert got["rec_rows"].shape == (len(rows), 4, 2, 16)

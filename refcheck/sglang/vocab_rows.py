@@ -8,7 +8,9 @@ kept in a CUDA graph's pool when the reduction is graphed). :func:`row_chunks` s
 slices whose float32 ``[chunk, V]`` takes at most ``chunk_bytes`` (:data:`CHUNK_BYTES` by default, read at call
 time; one row at least); :func:`by_row_chunks` calls a row-wise function on each slice of its ``[rows, ...]``
 inputs and joins each output along its rows (a 0-dim output is the first slice's). For a row-wise function the
-result is the whole call's, row for row; where everything fits one slice it is the same call.
+result is the whole call's, row for row; where everything fits one slice it is the same call. ``vocab`` is a row's
+width in elements: the recurrent state sketch (:mod:`refcheck.sglang.capture.state`) chunks its rows of
+``HV*V*K`` state the same way.
 """
 
 from __future__ import annotations

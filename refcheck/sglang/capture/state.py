@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from refcheck.sglang.layout import conv_to_reference, ssm_to_reference
+from refcheck.sglang.vocab_rows import by_row_chunks
 from refcheck.sketch import SKETCH_DIM, row_projections
 
 #: name -> (layer, kind, sketch, full rows or None)
@@ -103,25 +104,51 @@ def batch_state(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], slots: torch.T
 
 
 def _mamba_state(m: MambaPools, mamba_slots: torch.Tensor, full: bool, shard: Shard | None) -> dict[str, Any]:
-    """Every recorded layer's conv and recurrent state of the requests in one gather and one projection each:
-    ``conv`` and ``rec`` ``[L, b, r]`` (and their rows when ``full``)."""
+    """Every recorded layer's conv and recurrent state of the requests: ``conv`` and ``rec`` ``[L, b, r]`` (and their
+    rows when ``full``). The conv state in one gather and one projection; the recurrent state (a request's is
+    ``HV*V*K`` floats a layer: 3 MiB at Qwen3.6's widths) in row chunks of (layer, request) pairs
+    (:func:`_rec_sketch`), so the gathered copy it is projected from stays bounded whatever the batch and depth."""
     ms = mamba_slots.long().to(m.conv.device)  # [b]
-    pick = None if m.rows == list(range(m.conv.shape[0])) else torch.tensor(m.rows)
-    conv = m.conv[:, ms] if pick is None else m.conv[pick.to(m.conv.device)][:, ms]  # [L, b, C, K-1] (or K-1, C)
+    every = m.rows == list(range(m.conv.shape[0]))
+    conv = m.conv[:, ms] if every else m.conv[_rows_on(tuple(m.rows), str(m.conv.device))][:, ms]  # [L, b, C, K-1]
     # the pool's axis counts in one slot's [conv_dim, K-1] state: -1 or 1 put the window last
     conv = conv_to_reference(conv) if m.conv_window_axis in (-1, 1) else conv  # [L, b, K-1, C]
-    ssm = m.ssm[:, ms] if pick is None else m.ssm[pick.to(m.ssm.device)][:, ms]  # [L, b, HV, V, K]
-    n, b, hv, v, k = ssm.shape
+    layers = _rows_on(tuple(m.rows), str(m.ssm.device))  # [L]: the recorded layers' rows in the stack
+    n, b, (hv, v, k) = len(m.rows), int(ms.shape[0]), m.ssm.shape[2:]
     first = shard[0] * hv if shard is not None else 0  # a rank's heads are the full tensor's [rank*HV, (rank+1)*HV)
-    rec_proj = _ssm_projection(first + hv, k, v, str(ssm.device))[first:]  # [HV, V*K, r]
-    # float32: bf16 accumulation would swamp the signal; one product over heads and features at once
-    rec_sketch = (ssm.reshape(n * b, hv * v * k).float() @ rec_proj.reshape(hv * v * k, -1)).view(n, b, -1)  # [L, b, r]
+    rec_proj = _ssm_projection(first + hv, k, v, str(m.ssm.device))[first:]  # [HV, V*K, r]
+    rec_sketch = _rec_sketch(m.ssm, layers, ms.to(m.ssm.device), rec_proj).view(n, b, -1)  # [L*b, r] -> [L, b, r]
     conv_proj = _projections("conv", conv.shape[2], conv.shape[3], shard, str(conv.device))  # [K-1, C, r]
     km1, c = conv.shape[2], conv.shape[3]
     conv_sketch = (conv.reshape(n * b, km1 * c).float() @ conv_proj.reshape(km1 * c, -1)).view(n, b, -1)  # [L, b, r]
-    rec = ssm_to_reference(ssm).reshape(n, b, hv, k * v) if full else None  # [L, b, HV, K, V] -> [L, b, HV, K*V]
+    rec = None
+    if full:
+        ssm = m.ssm[layers][:, ms.to(m.ssm.device)]  # [L, b, HV, V, K]
+        rec = ssm_to_reference(ssm).reshape(n, b, hv, k * v)  # [L, b, HV, K, V] -> [L, b, HV, K*V]
     return {"layers": list(m.layers), "conv": conv_sketch, "rec": rec_sketch,
             "conv_rows": conv if full else None, "rec_rows": rec}
+
+
+@lru_cache(maxsize=64)
+def _rows_on(rows: tuple[int, ...], device: str) -> torch.Tensor:
+    """The recorded layers' rows in the pool's stack as an index on ``device``, made once (no host-to-device copy in
+    a later call: the state sketch runs inside the engine's step and is captured as a CUDA graph)."""
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _rec_sketch(ssm: torch.Tensor, layers: torch.Tensor, slots: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
+    """The recurrent sketches of every (layer, request) pair, layer-major, ``[L*b, r]``: pool rows ``layers`` [L] x
+    ``slots`` [b] of ``ssm`` ``[L_pool, slots, HV, V, K]`` through ``proj`` ``[HV, V*K, r]``, one product per row
+    chunk of pairs (:func:`refcheck.sglang.vocab_rows.by_row_chunks`, its float32 rows bounded in bytes)."""
+    n, b, f = int(layers.shape[0]), int(slots.shape[0]), int(proj.shape[0] * proj.shape[1])
+    flat = proj.reshape(f, -1)  # [HV, V*K, r] -> [HV*V*K, r]
+
+    def rows(li: torch.Tensor, si: torch.Tensor) -> dict[str, torch.Tensor]:
+        # float32: bf16 accumulation would swamp the signal; one product over heads and features at once
+        return {"rec": ssm[li, si].reshape(-1, f).float() @ flat}  # [c, HV, V, K] -> [c, HV*V*K] @ [.., r]
+
+    pairs_l, pairs_s = layers.repeat_interleave(b), slots.repeat(n)  # [L*b] each, layer-major
+    return by_row_chunks(rows, (pairs_l, pairs_s), n * b, f)["rec"]
 
 
 def request_state(batch: dict[str, Any], b: int, kv_rows: int) -> dict[str, Entry]:
