@@ -113,7 +113,8 @@ def _mamba_state(m: MambaPools, mamba_slots: torch.Tensor, full: bool, shard: Sh
     conv = m.conv[:, ms] if every else m.conv[_rows_on(tuple(m.rows), str(m.conv.device))][:, ms]  # [L, b, C, K-1]
     # the pool's axis counts in one slot's [conv_dim, K-1] state: -1 or 1 put the window last
     conv = conv_to_reference(conv) if m.conv_window_axis in (-1, 1) else conv  # [L, b, K-1, C]
-    layers = _rows_on(tuple(m.rows), str(m.ssm.device))  # [L]: the recorded layers' rows in the stack
+    layers = (torch.arange(len(m.rows), device=m.ssm.device) if every  # [L]: the recorded layers' rows in the stack
+              else _rows_on(tuple(m.rows), str(m.ssm.device)))
     n, b, (hv, v, k) = len(m.rows), int(ms.shape[0]), m.ssm.shape[2:]
     first = shard[0] * hv if shard is not None else 0  # a rank's heads are the full tensor's [rank*HV, (rank+1)*HV)
     rec_proj = _ssm_projection(first + hv, k, v, str(m.ssm.device))[first:]  # [HV, V*K, r]
