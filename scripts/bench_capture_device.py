@@ -57,7 +57,7 @@ from refcheck.sketch import SKETCH_DIM  # noqa: E402
 WIDTHS: dict[str, dict[str, int]] = {
     "real": dict(hidden=5120, vocab=248320, fed=5, linear=6, key_heads=16, value_heads=48, head_dim=128, conv=4,
                  attention=2, kv_heads=4, kv_dim=256),
-    "builtin": dict(hidden=128, vocab=512, fed=3, linear=4, key_heads=2, value_heads=4, head_dim=32, conv=4,
+    "builtin": dict(hidden=128, vocab=512, fed=2, linear=4, key_heads=2, value_heads=4, head_dim=32, conv=4,
                     attention=2, kv_heads=2, kv_dim=32),
     "tiny": dict(hidden=64, vocab=1000, fed=2, linear=3, key_heads=2, value_heads=4, head_dim=16, conv=4,
                  attention=1, kv_heads=2, kv_dim=16),
