@@ -87,4 +87,7 @@ def test_the_recurrent_sketch_in_chunks_of_layer_request_pairs_is_the_whole_prod
     monkeypatch.setattr(vocab_rows, "CHUNK_BYTES", 4 * 2 * 4 * 4 * chunk_pairs)
     got = batch_state(kv, torch.zeros(4, 1, dtype=torch.long), pools, slots, full=True)["mamba"]
     torch.testing.assert_close(got["rec"], whole, rtol=1e-6, atol=1e-6)
-    assert got["rec_rows"].shape == (len(rows), 4, 2, 16)
+    from refcheck.sglang.layout import ssm_to_reference
+
+    want_rows = ssm_to_reference(ssm[torch.tensor(rows)][:, slots]).reshape(len(rows), 4, 2, 16)
+    assert torch.equal(got["rec_rows"], want_rows)

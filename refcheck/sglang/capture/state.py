@@ -124,7 +124,7 @@ def _mamba_state(m: MambaPools, mamba_slots: torch.Tensor, full: bool, shard: Sh
     conv_sketch = (conv.reshape(n * b, km1 * c).float() @ conv_proj.reshape(km1 * c, -1)).view(n, b, -1)  # [L, b, r]
     rec = None
     if full:
-        ssm = m.ssm[layers][:, ms.to(m.ssm.device)]  # [L, b, HV, V, K]
+        ssm = m.ssm[layers[:, None], ms.to(m.ssm.device)[None, :]]  # [L, b, HV, V, K]: those rows alone gathered
         rec = ssm_to_reference(ssm).reshape(n, b, hv, k * v)  # [L, b, HV, K, V] -> [L, b, HV, K*V]
     return {"layers": list(m.layers), "conv": conv_sketch, "rec": rec_sketch,
             "conv_rows": conv if full else None, "rec_rows": rec}
