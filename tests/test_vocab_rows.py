@@ -74,7 +74,7 @@ def test_the_drafts_top_ranks_in_chunks_are_the_whole_calls(monkeypatch, chunk_r
 def test_the_recurrent_sketch_in_chunks_of_layer_request_pairs_is_the_whole_product(monkeypatch, chunk_pairs, rows):
     """batch_state's ``rec`` ``[L, b, r]``: the recorded layers' rows (all, or some in another order) by the
     requests' slots, projected in chunks of (layer, request) pairs, equal one product over the whole gathered state;
-    ``full`` rows come back whole."""
+    ``full`` rows (recurrent and conv) are those layers' rows of those slots."""
     from refcheck.sglang.capture.state import MambaPools, _ssm_projection, batch_state
 
     g = torch.Generator().manual_seed(3)
@@ -87,7 +87,8 @@ def test_the_recurrent_sketch_in_chunks_of_layer_request_pairs_is_the_whole_prod
     monkeypatch.setattr(vocab_rows, "CHUNK_BYTES", 4 * 2 * 4 * 4 * chunk_pairs)
     got = batch_state(kv, torch.zeros(4, 1, dtype=torch.long), pools, slots, full=True)["mamba"]
     torch.testing.assert_close(got["rec"], whole, rtol=1e-6, atol=1e-6)
-    from refcheck.sglang.layout import ssm_to_reference
+    from refcheck.sglang.layout import conv_to_reference, ssm_to_reference
 
     want_rows = ssm_to_reference(ssm[torch.tensor(rows)][:, slots]).reshape(len(rows), 4, 2, 16)
     assert torch.equal(got["rec_rows"], want_rows)
+    assert torch.equal(got["conv_rows"], conv_to_reference(pools.conv[torch.tensor(rows)][:, slots]))

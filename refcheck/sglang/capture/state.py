@@ -110,7 +110,8 @@ def _mamba_state(m: MambaPools, mamba_slots: torch.Tensor, full: bool, shard: Sh
     (:func:`_rec_sketch`), so the gathered copy it is projected from stays bounded whatever the batch and depth."""
     ms = mamba_slots.long().to(m.conv.device)  # [b]
     every = m.rows == list(range(m.conv.shape[0]))
-    conv = m.conv[:, ms] if every else m.conv[_rows_on(tuple(m.rows), str(m.conv.device))][:, ms]  # [L, b, C, K-1]
+    picked = None if every else _rows_on(tuple(m.rows), str(m.conv.device))
+    conv = m.conv[:, ms] if picked is None else m.conv[picked[:, None], ms[None, :]]  # [L, b, C, K-1]: those rows alone
     # the pool's axis counts in one slot's [conv_dim, K-1] state: -1 or 1 put the window last
     conv = conv_to_reference(conv) if m.conv_window_axis in (-1, 1) else conv  # [L, b, K-1, C]
     layers = (torch.arange(len(m.rows), device=m.ssm.device) if every  # [L]: the recorded layers' rows in the stack
