@@ -45,6 +45,9 @@ Workloads: ``one`` (the first built-in prompt), ``mixed`` (refcheck's 32 mixed r
 ``--model DIR`` (and ``--draft DIR``, the drafter DFLASH and REFCHECK_DDTREE need) runs the cells on that pair
 instead of the built-in ``--pair``: the real-width pair of ``scripts/real_width.py build``, where a step is as long
 as a 27B-wide one and the capture's host costs weigh accordingly; each row names its pair (``model``).
+This file runs the cells and makes their rows; the readings named above (:func:`booked`, :func:`readings`,
+:func:`per_round`, :func:`median_interval`, :func:`rounds_to_decide`, the limits) and the re-read and pooled rows
+are ``scripts/capture_cost_readings.py``'s, the table ``scripts/capture_cost_table.py``'s.
 """
 
 from __future__ import annotations
@@ -53,13 +56,16 @@ import argparse
 import functools
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # the readings and the table beside this script
+
+from capture_cost_readings import booked, ledger_of, medians, pooled, ratio, readings, reread  # noqa: E402
+from capture_cost_table import markdown  # noqa: E402
 
 from refcheck.prompts import load_prompts  # noqa: E402
 from refcheck.prompts.workloads import workload  # noqa: E402
@@ -68,113 +74,6 @@ from refcheck.reference_runner import EngineSpec  # noqa: E402
 
 def _prompts(name: str) -> list:
     return load_prompts()[:1] if name == "one" else list(workload("mixed"))
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
-
-
-def _median(times: list[float] | None) -> float | None:
-    return statistics.median(times) if times else None
-
-
-#: the issue's targets: full capture within 1.5x with CUDA graphs and 1.3x without, 1 in 16 within 1.05x (held to for
-#: DFLASH and NGRAM; the other algorithms' cells are read against the same lines)
-FULL_LIMIT = {True: 1.5, False: 1.3}
-SAMPLED_LIMIT = 1.05
-
-
-def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
-    """A distribution-free confidence interval for the median of ``values``: the order statistics
-    [x_(k), x_(n+1-k)] (1-based) for the largest k with P(Bin(n, 1/2) < k) <= (1 - level) / 2, so it covers the
-    median with probability at least ``level`` whatever the values' distribution. None when there are too few
-    values for any such k (fewer than 6 at 95 %)."""
-    n, tail = len(values), (1.0 - level) / 2
-    k, below = 0, 0.0  # below: P(Bin(n, 1/2) < k + 1), summed as k grows
-    while k < n // 2:
-        below += math.comb(n, k) / 2 ** n
-        if below > tail:
-            break
-        k += 1
-    if k == 0:
-        return None
-    ordered = sorted(values)
-    return ordered[k - 1], ordered[n - k]
-
-
-def per_round(passes: list[float], untraced: list[float]) -> dict[str, Any] | None:
-    """Each round's pass over the same round's untraced pass (a round runs one pass of each kind, so a drift of the
-    engine's speed over the rounds cancels): their median, its 95 % interval (:func:`median_interval`; None with
-    fewer than 6 rounds), min and max; None without a round of both."""
-    ratios = [a / b for a, b in zip(passes, untraced) if b > 0]
-    if not ratios:
-        return None
-    return {"median": statistics.median(ratios), "ci95": median_interval(ratios), "min": min(ratios),
-            "max": max(ratios), "rounds": len(ratios)}
-
-
-def against(rounds: dict[str, Any] | None, limit: float) -> str:
-    """A kind's per-round ratios read against a target: ``within`` when the median's 95 % interval lies at or under
-    ``limit``, ``over`` when it lies above it, ``undecided`` when it straddles it (more rounds decide), ``—`` without
-    an interval."""
-    ci = (rounds or {}).get("ci95")
-    if not ci:
-        return "—"
-    return "within" if ci[1] <= limit else "over" if ci[0] > limit else "undecided"
-
-
-def rounds_to_decide(rounds: dict[str, Any] | None, limit: float) -> int | None:
-    """For an undecided reading (:func:`against`), about how many rounds would decide it if the median stayed where
-    it is: the interval's half-width on the median's side of ``limit`` shrinks as one over the root of the rounds,
-    so it clears ``limit`` at n * (half-width / distance to limit)^2 rounds. A planning figure for the next run's
-    ``--round-budget``, not a reading. None when the reading is decided or has no interval, or the median sits on
-    ``limit``."""
-    ci = (rounds or {}).get("ci95")
-    if not ci or against(rounds, limit) != "undecided":
-        return None
-    m, n = rounds["median"], rounds["rounds"]  # type: ignore[index]
-    if m == limit:
-        return None
-    half = ci[1] - m if m < limit else m - ci[0]
-    return math.ceil(n * (half / abs(limit - m)) ** 2 - 1e-9)  # 1e-9: a product that is whole up to rounding
-
-
-def booked(costs: dict[str, Any], kind: str, passes: int, untraced_s: float | None) -> dict[str, float] | None:
-    """What a kind's passes booked above the untraced passes' books, in ms per pass (the engine's ledger,
-    :func:`refcheck.sglang.capture.shipper.ledger_summary`, summed over the kind's ``passes``): the hooks' pass-over
-    of its plain decode batches (``pass_over``), the rest of their excess over an untraced plain batch
-    (``plain``: e.g. the device work or the writer of a recorded batch slowing the batches after it), its recorded
-    decode batches' excess (``recorded``) and its prefills' (``prefill``, recorded and plain); ``ratio``: 1 + their
-    sum over the median untraced pass. None without both kinds' books."""
-    mine, base = costs.get(kind) or {}, costs.get("untraced") or {}
-    plain_ms, prefill_ms = base.get("plain_ms_per_batch"), base.get("plain_prefill_ms_per_batch")
-    if not passes or not untraced_s or plain_ms is None:
-        return None
-
-    def excess(n_key: str, ms_key: str, against: float | None) -> float:
-        n, ms = mine.get(n_key) or 0, mine.get(ms_key)
-        return n * (ms - against) if n and ms is not None and against is not None else 0.0
-
-    n_plain = mine.get("plain_batches") or 0
-    pass_over = n_plain * (mine.get("passed_ms_per_plain_batch") or 0.0)
-    parts = {"pass_over": pass_over, "plain": excess("plain_batches", "plain_ms_per_batch", plain_ms) - pass_over,
-             "recorded": excess("recorded_batches", "recorded_ms_per_batch", plain_ms),
-             "prefill": excess("prefills", "prefill_ms_per_batch", prefill_ms)
-             + excess("plain_prefills", "plain_prefill_ms_per_batch", prefill_ms)}
-    out = {k: v / passes for k, v in parts.items()}
-    out["ratio"] = 1 + sum(out.values()) / (1000 * untraced_s)
-    return out
-
-
-def medians(passes: dict[str, list[float]], captured_s: float | None = None) -> dict[str, Any]:
-    """Each kind's median pass and its ratio to the median untraced pass, and the untraced passes' max/min (the
-    noise); without full passes the full median is ``captured_s``, the trace's own captured pass."""
-    untraced, sampled = _median(passes.get("untraced")), _median(passes.get("sampled"))
-    full = _median(passes.get("full")) or captured_s
-    spread = passes.get("untraced") or []
-    return {"full_s": full, "sampled_s": sampled, "untraced_s": untraced,
-            "untraced_spread": _ratio(max(spread, default=None), min(spread, default=None)),
-            "overhead_full": _ratio(full, untraced), "overhead_sampled": _ratio(sampled, untraced)}
 
 
 def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff: dict | None) -> dict[str, Any]:
@@ -191,7 +90,7 @@ def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff
     untraced = mid["untraced_s"]
     return {"algorithm": algorithm, "graphs": graphs, "workload": load, "requests": len(trace.requests),
             "steps": steps, "captured_s": st.get("generate_s"), "passes": passes, **mid,
-            "overhead_captured": _ratio(st.get("generate_s"), untraced),
+            "overhead_captured": ratio(st.get("generate_s"), untraced),
             **readings(passes, costs, graphs),
             "booked": {kind: booked(costs, kind, len(passes[kind]), untraced) for kind in ("full", "sampled")},
             "tokens_same_untraced": st.get("repeats_match"), "tokens_same_sampled": st.get("sampled_match"),
@@ -204,83 +103,6 @@ def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff
             "host": next((st.get("host") for st in cap.get("status") or [] if isinstance(st, dict)), None),
             "ledger": ledger_of(costs, (cap.get("stats") or {}).get("capture_cost")),
             "pass_costs": costs, "drain_s": st.get("drain_s"), **(diff or {})}
-
-
-def ledger_of(costs: dict[str, Any], fallback: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The books of the table's batch columns: the full passes' (one-off costs of earlier passes left out), else the
-    sampled passes' where they recorded a batch (``--no-full``), else the first captured pass's (first-use costs
-    in it), else ``fallback`` (the trace's own); a plain batch's time is the untraced passes'."""
-    sampled = costs.get("sampled") or {}
-    books = costs.get("full") or (sampled if sampled.get("recorded_batches") else None) or costs.get("captured")
-    return {**(books or fallback or {}), "plain_ms_per_batch": (costs.get("untraced") or {}).get("plain_ms_per_batch")}
-
-
-def readings(passes: dict[str, list[float]], costs: dict[str, Any], graphs: bool) -> dict[str, Any]:
-    """A cell's per-round readings: the full and sampled passes' wall times over their rounds' untraced ones
-    (``per_round``), the same for the seconds each pass booked to ``run_batch`` (``per_round_run_batch``, from the
-    kinds' ``pass_costs``), and the wall-time reading against the targets (``target``, :func:`against`)."""
-    kinds = ("full", "sampled")
-    rounds = {kind: per_round(passes.get(kind) or [], passes.get("untraced") or []) for kind in kinds}
-    steps = {kind: per_round((costs.get(kind) or {}).get("run_batch_s") or [],
-                             (costs.get("untraced") or {}).get("run_batch_s") or []) for kind in kinds}
-    return {"per_round": rounds, "per_round_run_batch": steps,
-            "target": {"full": against(rounds["full"], FULL_LIMIT[graphs]),
-                       "sampled": against(rounds["sampled"], SAMPLED_LIMIT)},
-            "decide_rounds": {"full": rounds_to_decide(rounds["full"], FULL_LIMIT[graphs]),
-                              "sampled": rounds_to_decide(rounds["sampled"], SAMPLED_LIMIT)}}
-
-
-def reread(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows of an earlier run's JSON with their :func:`readings` and :func:`ledger_of` recomputed from the passes and
-    books they hold (rows without passes, such as a deadline's list of cells not run, are left out)."""
-    return [{**r, **readings(r["passes"], r.get("pass_costs") or {}, bool(r["graphs"])),
-             **({"ledger": ledger_of(r["pass_costs"])} if r.get("pass_costs") else {})} for r in rows
-            if isinstance(r.get("passes"), dict) and "graphs" in r]
-
-
-def pooled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per cell (algorithm, graphs, workload) of several runs' rows (of one tree: the rounds are read as one
-    sample): each kind's passes, and its passes' ``run_batch_s``, laid end to end, so every round keeps its own
-    untraced pass; the medians and the readings recomputed from them (:func:`reread`); the books, which do not pool
-    by pass, and the first captured pass's ratio left out; the first row's other fields."""
-    cells: dict[tuple[Any, Any, Any], dict[str, Any]] = {}
-    for r in rows:
-        if not isinstance(r.get("passes"), dict) or "graphs" not in r:
-            continue
-        cell = cells.setdefault((r["algorithm"], r["graphs"], r["workload"]),
-                                {**r, "passes": {}, "pass_costs": {}, "pooled_runs": 0, "ledger": {}, "booked": {},
-                                 "overhead_captured": None})
-        cell["pooled_runs"] += 1
-        for kind, times in r["passes"].items():
-            cell["passes"][kind] = cell["passes"].get(kind, []) + list(times or [])
-        for kind, books in (r.get("pass_costs") or {}).items():
-            _pool_books(cell["pass_costs"].setdefault(kind, {"run_batch_s": []}), books or {})
-    for cell in cells.values():
-        cell.update(medians(cell["passes"]))
-    return reread(list(cells.values()))
-
-
-def _pool_books(into: dict[str, Any], books: dict[str, Any]) -> None:
-    """One run's books of a kind of pass added to a pooled cell's: the seconds each pass booked to ``run_batch``
-    laid end to end, and an unrecorded batch's ms, the hooks' pass-over of it and the ms of a plain batch right after a
-    recorded one as means weighted by batches."""
-    into["run_batch_s"] += list(books.get("run_batch_s") or [])
-    if _pool_means(into, books, "plain_batches", ("plain_ms_per_batch", "passed_ms_per_plain_batch")):
-        _pool_means(into, books, "next_batches", ("next_ms_per_batch",))
-
-
-def _pool_means(into: dict[str, Any], books: dict[str, Any], count: str, keys: tuple[str, ...]) -> bool:
-    """One run's per-batch means ``keys`` (over its ``count`` batches) added to the pooled cell's, weighted by
-    batches; False when the run booked no such batch or not the first of ``keys``."""
-    n = int(books.get(count) or 0)
-    if not n or books.get(keys[0]) is None:
-        return False
-    had = into.get(count, 0)
-    for key in keys:
-        if books.get(key) is not None:
-            into[key] = (into.get(key, 0.0) * had + books[key] * n) / (had + n)
-    into[count] = had + n
-    return True
 
 
 @functools.cache
@@ -390,92 +212,6 @@ def sampled_trace(trace: Any, cdir: Path) -> Any:
     asm.trace.provenance["capture"] = {**prov.get("capture", {}), "problems": asm.problems[:50], "stats": asm.stats,
                                        "sample": {"every": int(job["sampled_rids"][0][0].split("-")[2]), "seed": 0}}
     return asm.trace
-
-
-def _fmt(v: Any, spec: str = ".2f") -> str:
-    return "—" if v is None else format(v, spec) if isinstance(v, float) else str(v)
-
-
-def _ledger(cost: dict[str, Any]) -> str:
-    """The engine's own books: a plain decode batch's ms, a recorded one's and the hooks' share of it."""
-    parts = cost.get("parts_ms_per_batch") or {}
-    split = ", ".join(f"{k} {_fmt(v)}" for k, v in parts.items() if v)
-    return (f"{_fmt(cost.get('plain_ms_per_batch'))} / {_fmt(cost.get('recorded_ms_per_batch'))} "
-            f"({_fmt(cost.get('hooks_ms_per_batch'))}{': ' + split if split else ''})")
-
-
-def _unrecorded(costs: dict[str, Any]) -> str:
-    """An unrecorded decode batch's ms in the untraced passes and in the sampled ones, and the hooks' pass-over of
-    it (and, where booked, the ms of the sampled passes' plain batches that come right after a recorded one): what a
-    sampled run costs the batches it does not record."""
-    u, s = costs.get("untraced") or {}, costs.get("sampled") or {}
-    after = f"; next {_fmt(s['next_ms_per_batch'])}" if s.get("next_ms_per_batch") is not None else ""
-    return (f"{_fmt(u.get('plain_ms_per_batch'))} / {_fmt(s.get('plain_ms_per_batch'))} "
-            f"({_fmt(s.get('passed_ms_per_plain_batch'), '.3f')}{after})")
-
-
-def _booked(b: dict[str, float] | None, steps: dict[str, Any] | None = None) -> str:
-    """``, booked RATIO×``: the ratio the engine's books account for (:func:`booked`); with ``steps`` (the per-round
-    ratios of the seconds booked to ``run_batch``), ``; run_batch per round MEDIAN [LO–HI]``."""
-    out = "" if not b else f", booked {b['ratio']:.2f}×"
-    if steps:
-        out += f"; run_batch per round {_median_text(steps)}"
-    return out
-
-
-def _median_text(rounds: dict[str, Any]) -> str:
-    """``MEDIAN [LO–HI]``: a per-round reading's median and its 95 % interval (when it has one)."""
-    ci = rounds.get("ci95")
-    return f"{rounds['median']:.3f}" + (f" [{ci[0]:.3f}–{ci[1]:.3f}]" if ci else "")
-
-
-def _spread(rounds: dict[str, Any] | None) -> str:
-    """`` (per round MEDIAN [LO–HI] of N, MIN–MAX)``: the ratio within each round, its median with that median's 95 %
-    interval, and its range."""
-    if not rounds:
-        return ""
-    return f" (per round {_median_text(rounds)} of {rounds['rounds']}, {rounds['min']:.2f}–{rounds['max']:.2f})"
-
-
-def _round(r: dict[str, Any]) -> str:
-    """The tokens column's second half: the sampled and full passes against the untraced pass of their round."""
-    same = r.get("tokens_same_round") or {}
-    return f"; {same.get('sampled', '—')}/{same.get('full', '—')}" if same else ""
-
-
-def _target(r: dict[str, Any]) -> str:
-    """The per-round ratios read against the targets (:func:`against`): full / sampled, an undecided one with about
-    how many rounds would decide it (:func:`rounds_to_decide`)."""
-    t, n = r.get("target") or {}, r.get("decide_rounds") or {}
-
-    def text(kind: str) -> str:
-        return t.get(kind, "—") + (f" (~{n[kind]} rounds)" if n.get(kind) else "")
-
-    return f"≤{FULL_LIMIT[bool(r['graphs'])]}: {text('full')} / ≤{SAMPLED_LIMIT}: {text('sampled')}"
-
-
-def markdown(rows: list[dict[str, Any]], sample: int) -> str:
-    head = (f"| algorithm | graphs | workload | steps | untraced s (max/min) | full capture (first pass) | 1 in {sample} | "
-            f"batch ms plain / recorded (hooks) | unrecorded batch ms, untraced / 1 in {sample} (its pass-over) | "
-            "writer ms/record | bytes/step | "
-            "tokens same (untraced / sampled / full; sampled / full as their round's untraced) | "
-            "verdict (full / sampled) | diff steps/s | target, per round (full / sampled) |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
-    body = "".join(
-        f"| {r['algorithm']} | {'on' if r['graphs'] else 'off'} | {r['workload']} | "
-        + (f"error: {r['error'][:120]} | | | | | | | | | | | |\n" if "error" in r else
-           f"{r['steps']} | {_fmt(r['untraced_s'], '.3f')} ({_fmt(r.get('untraced_spread'))}) | "
-           f"{_fmt(r['overhead_full'])}× ({_fmt(r.get('overhead_captured'))}×)"
-           f"{_spread((r.get('per_round') or {}).get('full'))} | "
-           f"{_fmt(r['overhead_sampled'])}×{_spread((r.get('per_round') or {}).get('sampled'))}"
-           f"{_booked((r.get('booked') or {}).get('sampled'), (r.get('per_round_run_batch') or {}).get('sampled'))} | "
-           f"{_ledger(r.get('ledger') or {})} | {_unrecorded(r.get('pass_costs') or {})} | "
-           f"{_fmt((r.get('ledger') or {}).get('writer_ms_per_record'))} | {_fmt(r['bytes_per_step'], '.0f')} | "
-           f"{r['tokens_same_untraced']}/{r['tokens_same_sampled']}/{r.get('tokens_same_full')}{_round(r)} | "
-           f"{r.get('verdict', '—')} / {r.get('sampled_verdict', '—')} ({r.get('sampled_steps', '—')} steps) | "
-           f"{_fmt(r.get('diff_steps_per_s'), '.1f')} | {_target(r)} |\n")
-        for r in rows)
-    return head + body
 
 
 def cells(args: argparse.Namespace) -> list[tuple[str, bool, str]]:

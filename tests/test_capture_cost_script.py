@@ -1,4 +1,5 @@
-"""scripts/capture_cost.py's CPU parts: which cells it runs, in what order, and the deadline's record."""
+"""scripts/capture_cost.py's CPU parts: which cells it runs, in what order, and the deadline's record; its readings
+(scripts/capture_cost_readings.py) and its table (scripts/capture_cost_table.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import math
 import pytest
 from script_loader import load_script
 
-cc = load_script("capture_cost")
+cc = load_script("capture_cost")  # puts scripts/ on sys.path: its readings and table import by name
+import capture_cost_readings as rd  # noqa: E402
+import capture_cost_table as tb  # noqa: E402
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -46,10 +49,10 @@ def test_per_round_ratios_cancel_a_drift_the_medians_keep():
     ratio, not the per-round ones; rounds without both kinds are left out."""
     untraced = [1.0, 2.0, 3.0, 4.0]
     sampled = [1.05, 2.1, 3.15]  # 5 % slower in every round; one round short
-    got = cc.per_round(sampled, untraced)
+    got = rd.per_round(sampled, untraced)
     assert got["rounds"] == 3 and got["min"] == pytest.approx(1.05) and got["max"] == pytest.approx(1.05)
-    assert cc.per_round([], untraced) is None
-    assert cc._spread(got) == " (per round 1.050 of 3, 1.05–1.05)" and cc._spread(None) == ""
+    assert rd.per_round([], untraced) is None
+    assert tb._spread(got) == " (per round 1.050 of 3, 1.05–1.05)" and tb._spread(None) == ""
 
 
 def test_the_books_split_a_kinds_excess_over_the_untraced_passes_by_where_it_was_booked():
@@ -60,15 +63,15 @@ def test_the_books_split_a_kinds_excess_over_the_untraced_passes_by_where_it_was
              "sampled": {"plain_batches": 10, "plain_ms_per_batch": 1.2, "passed_ms_per_plain_batch": 0.05,
                          "recorded_batches": 2, "recorded_ms_per_batch": 3.0, "prefills": 1,
                          "prefill_ms_per_batch": 12.0, "plain_prefills": 1, "plain_prefill_ms_per_batch": 10.5}}
-    got = cc.booked(costs, "sampled", 2, 0.1)
+    got = rd.booked(costs, "sampled", 2, 0.1)
     want = {"pass_over": 0.25, "plain": 0.75, "recorded": 2.0, "prefill": 1.25, "ratio": 1.0425}
     assert got == pytest.approx(want)
-    assert cc._booked(got) == ", booked 1.04×"
-    steps = cc.per_round([0.104] * 6, [0.1] * 6)
-    assert cc._booked(got, steps) == ", booked 1.04×; run_batch per round 1.040 [1.040–1.040]"
-    assert cc.booked({"sampled": costs["sampled"]}, "sampled", 2, 0.1) is None  # no untraced books
-    assert cc.booked(costs, "sampled", 0, 0.1) is None and cc._booked(None) == ""
-    full = cc.booked({**costs, "full": {"recorded_batches": 4, "recorded_ms_per_batch": 2.5}}, "full", 2, 0.1)
+    assert tb._booked(got) == ", booked 1.04×"
+    steps = rd.per_round([0.104] * 6, [0.1] * 6)
+    assert tb._booked(got, steps) == ", booked 1.04×; run_batch per round 1.040 [1.040–1.040]"
+    assert rd.booked({"sampled": costs["sampled"]}, "sampled", 2, 0.1) is None  # no untraced books
+    assert rd.booked(costs, "sampled", 0, 0.1) is None and tb._booked(None) == ""
+    full = rd.booked({**costs, "full": {"recorded_batches": 4, "recorded_ms_per_batch": 2.5}}, "full", 2, 0.1)
     assert full == pytest.approx({"pass_over": 0.0, "plain": 0.0, "recorded": 3.0, "prefill": 0.0, "ratio": 1.03})
 
 
@@ -78,12 +81,12 @@ def test_the_median_interval_is_the_order_statistics_of_the_binomial_rule_and_co
     distribution's median at least 95 % of the time."""
     import random
 
-    assert cc.median_interval([1.0] * 5) is None
-    assert cc.median_interval([6.0, 1.0, 5.0, 2.0, 4.0, 3.0]) == (1.0, 6.0)
-    assert cc.median_interval(list(range(9))) == (1, 7) and cc.median_interval(list(range(12))) == (2, 9)
+    assert rd.median_interval([1.0] * 5) is None
+    assert rd.median_interval([6.0, 1.0, 5.0, 2.0, 4.0, 3.0]) == (1.0, 6.0)
+    assert rd.median_interval(list(range(9))) == (1, 7) and rd.median_interval(list(range(12))) == (2, 9)
     rng, median, hits = random.Random(7), 1.0 + math.log(2) / 20, 0  # exponential(rate 20) above 1: median ln 2 / 20
     for _ in range(2000):
-        lo, hi = cc.median_interval([1.0 + rng.expovariate(20) for _ in range(11)])
+        lo, hi = rd.median_interval([1.0 + rng.expovariate(20) for _ in range(11)])
         hits += lo <= median <= hi
     assert hits >= 0.95 * 2000, hits
 
@@ -91,14 +94,14 @@ def test_the_median_interval_is_the_order_statistics_of_the_binomial_rule_and_co
 def test_a_kind_is_within_over_or_undecided_against_its_target_by_its_interval():
     """within: the interval's top at or under the limit; over: its bottom above; undecided: it straddles; a row's
     target column reads full against 1.5 (graphs) or 1.3 (eager), and sampled against 1.05."""
-    within = cc.per_round([1.01, 1.02, 1.03, 1.04, 1.05, 1.02], [1.0] * 6)
-    over = cc.per_round([1.06, 1.07, 1.08, 1.09, 1.10, 1.07], [1.0] * 6)
-    straddle = cc.per_round([1.01, 1.04, 1.06, 1.07, 1.02, 1.09], [1.0] * 6)
-    assert [cc.against(r, 1.05) for r in (within, over, straddle)] == ["within", "over", "undecided"]
-    assert cc.against(cc.per_round([1.2] * 5, [1.0] * 5), 1.05) == "—" and cc.against(None, 1.05) == "—"
-    assert cc._spread(within) == " (per round 1.025 [1.010–1.050] of 6, 1.01–1.05)"
+    within = rd.per_round([1.01, 1.02, 1.03, 1.04, 1.05, 1.02], [1.0] * 6)
+    over = rd.per_round([1.06, 1.07, 1.08, 1.09, 1.10, 1.07], [1.0] * 6)
+    straddle = rd.per_round([1.01, 1.04, 1.06, 1.07, 1.02, 1.09], [1.0] * 6)
+    assert [rd.against(r, 1.05) for r in (within, over, straddle)] == ["within", "over", "undecided"]
+    assert rd.against(rd.per_round([1.2] * 5, [1.0] * 5), 1.05) == "—" and rd.against(None, 1.05) == "—"
+    assert tb._spread(within) == " (per round 1.025 [1.010–1.050] of 6, 1.01–1.05)"
     row = {"graphs": False, "target": {"full": "within", "sampled": "undecided"}}
-    assert cc._target(row) == "≤1.3: within / ≤1.05: undecided"
+    assert tb._target(row) == "≤1.3: within / ≤1.05: undecided"
 
 
 def test_an_undecided_reading_says_about_how_many_rounds_would_decide_it():
@@ -109,21 +112,21 @@ def test_an_undecided_reading_says_about_how_many_rounds_would_decide_it():
     import random
 
     undecided = {"median": 1.04, "ci95": (1.026, 1.054), "rounds": 143}
-    assert cc.rounds_to_decide(undecided, 1.05) == 281
+    assert rd.rounds_to_decide(undecided, 1.05) == 281
     above = {"median": 1.06, "ci95": (1.045, 1.07), "rounds": 40}
-    assert cc.rounds_to_decide(above, 1.05) == 90  # 40 * (0.015 / 0.010)^2
-    assert cc.rounds_to_decide({"median": 1.02, "ci95": (1.01, 1.04), "rounds": 50}, 1.05) is None  # within
-    assert cc.rounds_to_decide({"median": 1.05, "ci95": (1.04, 1.06), "rounds": 50}, 1.05) is None
-    assert cc.rounds_to_decide(None, 1.05) is None
+    assert rd.rounds_to_decide(above, 1.05) == 90  # 40 * (0.015 / 0.010)^2
+    assert rd.rounds_to_decide({"median": 1.02, "ci95": (1.01, 1.04), "rounds": 50}, 1.05) is None  # within
+    assert rd.rounds_to_decide({"median": 1.05, "ci95": (1.04, 1.06), "rounds": 50}, 1.05) is None
+    assert rd.rounds_to_decide(None, 1.05) is None
     row = {"graphs": True, "target": {"full": "within", "sampled": "undecided"},
            "decide_rounds": {"full": None, "sampled": 281}}
-    assert cc._target(row) == "≤1.5: within / ≤1.05: undecided (~281 rounds)"
+    assert tb._target(row) == "≤1.5: within / ≤1.05: undecided (~281 rounds)"
     rng = random.Random(5)
     draw = [1.04 + rng.gauss(0, 0.05) for _ in range(4000)]
-    few = cc.per_round(draw[:100], [1.0] * 100)
-    need = cc.rounds_to_decide(few, 1.05)
-    assert cc.against(few, 1.05) == "undecided" and need is not None and need > 100
-    assert cc.against(cc.per_round(draw[:4 * need], [1.0] * (4 * need)), 1.05) == "within"
+    few = rd.per_round(draw[:100], [1.0] * 100)
+    need = rd.rounds_to_decide(few, 1.05)
+    assert rd.against(few, 1.05) == "undecided" and need is not None and need > 100
+    assert rd.against(rd.per_round(draw[:4 * need], [1.0] * (4 * need)), 1.05) == "within"
 
 
 def test_reread_prints_an_earlier_runs_table_with_the_per_round_reading_and_refuses_what_is_not_one(tmp_path, capsys):
@@ -226,17 +229,17 @@ def test_the_batch_columns_read_the_full_books_else_the_sampled_else_the_first_c
     costs), a sampled book that recorded nothing is passed over, and the plain batch is always the untraced passes'."""
     full, sampled, captured = ({"recorded_ms_per_batch": x, "recorded_batches": 5} for x in (4.1, 4.0, 6.6))
     untraced = {"plain_ms_per_batch": 2.9}
-    assert cc.ledger_of({"full": full, "sampled": sampled, "captured": captured, "untraced": untraced}) == \
+    assert rd.ledger_of({"full": full, "sampled": sampled, "captured": captured, "untraced": untraced}) == \
         {**full, "plain_ms_per_batch": 2.9}
     no_full = {"sampled": sampled, "captured": captured, "untraced": untraced}
-    assert cc.ledger_of(no_full)["recorded_ms_per_batch"] == 4.0
+    assert rd.ledger_of(no_full)["recorded_ms_per_batch"] == 4.0
     idle = {**sampled, "recorded_batches": 0}
-    assert cc.ledger_of({"sampled": idle, "captured": captured})["recorded_ms_per_batch"] == 6.6
-    assert cc.ledger_of({}, {"recorded_ms_per_batch": 7.0}) == {"recorded_ms_per_batch": 7.0,
+    assert rd.ledger_of({"sampled": idle, "captured": captured})["recorded_ms_per_batch"] == 6.6
+    assert rd.ledger_of({}, {"recorded_ms_per_batch": 7.0}) == {"recorded_ms_per_batch": 7.0,
                                                                  "plain_ms_per_batch": None}
     row = {"algorithm": "DFLASH", "graphs": True, "passes": {"untraced": [1.0] * 3, "sampled": [1.02] * 3, "full": []},
            "pass_costs": {"sampled": sampled, "captured": captured, "untraced": untraced}, "ledger": captured}
-    assert cc.reread([row])[0]["ledger"]["recorded_ms_per_batch"] == 4.0
+    assert rd.reread([row])[0]["ledger"]["recorded_ms_per_batch"] == 4.0
 
 
 def test_a_row_reads_its_trace_passes_books_and_the_schedulers_host(tmp_path):
@@ -260,7 +263,7 @@ def test_a_row_reads_its_trace_passes_books_and_the_schedulers_host(tmp_path):
     assert row["per_round_run_batch"]["full"] is None
     # every pass left the captured one, but each captured pass gave its round's untraced tokens
     assert row["tokens_same_round"] == {"sampled": True, "full": True}
-    assert "| False/False/False; True/True |" in cc.markdown([{**row, "overhead_full": 1.6}], 16)
+    assert "| False/False/False; True/True |" in tb.markdown([{**row, "overhead_full": 1.6}], 16)
 
 
 def test_pooled_rows_lay_one_cells_rounds_end_to_end_and_recompute_what_depends_on_them():
@@ -273,14 +276,14 @@ def test_pooled_rows_lay_one_cells_rounds_end_to_end_and_recompute_what_depends_
 
     rows = [row("DFLASH", [1.1, 1.2, 1.3], [1.0, 1.0, 1.0]), row("NGRAM", [2.0] * 3, [2.0] * 3),
             row("DFLASH", [2.2, 2.4, 2.6], [2.0, 2.0, 2.0])]
-    got = cc.pooled(rows)
+    got = rd.pooled(rows)
     assert [(r["algorithm"], r["pooled_runs"]) for r in got] == [("DFLASH", 2), ("NGRAM", 1)]
     dflash = got[0]
     assert dflash["passes"]["sampled"] == [1.1, 1.2, 1.3, 2.2, 2.4, 2.6] and dflash["booked"] == {}
     assert dflash["overhead_sampled"] == pytest.approx(1.75 / 1.5)  # median pass over median untraced pass
     assert dflash["per_round"]["sampled"]["rounds"] == 6 and dflash["per_round"]["sampled"]["ci95"] == (1.1, 1.3)
     assert dflash["per_round_run_batch"]["sampled"]["median"] == pytest.approx(1.04)
-    assert cc.per_round(rows[0]["passes"]["sampled"], rows[0]["passes"]["untraced"])["ci95"] is None
+    assert rd.per_round(rows[0]["passes"]["sampled"], rows[0]["passes"]["untraced"])["ci95"] is None
 
 
 def test_the_unrecorded_batches_books_pool_weighted_by_batches_and_show_the_pass_over():
@@ -294,18 +297,18 @@ def test_the_unrecorded_batches_books_pool_weighted_by_batches_and_show_the_pass
                                "sampled": {"run_batch_s": [], "plain_batches": batches, "plain_ms_per_batch": plain_s,
                                            "passed_ms_per_plain_batch": passed}}}
 
-    assert cc._unrecorded(row(3.6, 3.8, 0.05, 10)["pass_costs"]) == "3.60 / 3.80 (0.050)"
-    pooled = cc.pooled([row(3.0, 3.3, 0.04, 10), row(4.0, 4.2, 0.07, 30)])[0]["pass_costs"]
+    assert tb._unrecorded(row(3.6, 3.8, 0.05, 10)["pass_costs"]) == "3.60 / 3.80 (0.050)"
+    pooled = rd.pooled([row(3.0, 3.3, 0.04, 10), row(4.0, 4.2, 0.07, 30)])[0]["pass_costs"]
     assert pooled["untraced"]["plain_ms_per_batch"] == pytest.approx(3.75)
     assert pooled["sampled"]["plain_ms_per_batch"] == pytest.approx(3.975)
     assert pooled["sampled"]["passed_ms_per_plain_batch"] == pytest.approx(0.0625)
-    assert pooled["sampled"]["plain_batches"] == 40 and cc._unrecorded({}) == "— / — (—)"
+    assert pooled["sampled"]["plain_batches"] == 40 and tb._unrecorded({}) == "— / — (—)"
     after = row(3.0, 3.3, 0.04, 10)
     after["pass_costs"]["sampled"].update(next_batches=2, next_ms_per_batch=4.0)
-    assert cc._unrecorded(after["pass_costs"]) == "3.00 / 3.30 (0.040; next 4.00)"
+    assert tb._unrecorded(after["pass_costs"]) == "3.00 / 3.30 (0.040; next 4.00)"
     more = row(3.0, 3.3, 0.04, 10)
     more["pass_costs"]["sampled"].update(next_batches=6, next_ms_per_batch=5.0)
-    pooled = cc.pooled([after, more, row(4.0, 4.2, 0.07, 30)])[0]["pass_costs"]["sampled"]
+    pooled = rd.pooled([after, more, row(4.0, 4.2, 0.07, 30)])[0]["pass_costs"]["sampled"]
     assert pooled["next_ms_per_batch"] == pytest.approx(4.75) and pooled["next_batches"] == 8
 
 
