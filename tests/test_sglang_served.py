@@ -403,20 +403,20 @@ def test_a_segment_a_running_servers_rolling_budget_deletes_mid_read_is_passed_o
     """A running server with a rolling budget deletes its oldest segment after the directory's listing (before its
     frames are scanned, or once they were): read with ``running``, passed over; read as a stopped server's
     directory, an error."""
-    from refcheck.sglang.capture import records
+    from refcheck.sglang.capture import records, segments
     from refcheck.sglang.capture.segments import segment_files
 
     _hooks_serve(capture_dir)
     first = segment_files(next(capture_dir.glob("rank0-pid*")), "records")[0]
-    name = "scan" if when == "listed" else "payloads"
-    real = getattr(records, name)
+    module, name = (segments, "scan") if when == "listed" else (records, "payloads")
+    real = getattr(module, name)
 
     def gone(path, *args):
         if path == first:
             raise FileNotFoundError(2, "No such file or directory", str(path))
         return real(path, *args)
 
-    monkeypatch.setattr(records, name, gone)
+    monkeypatch.setattr(module, name, gone)
     assert not records.read_capture(capture_dir, running=True).errors
     assert any("segment gone while the directory was read" in e for e in records.read_capture(capture_dir).errors)
 

@@ -21,8 +21,8 @@ from typing import Any
 
 from refcheck.errors import UsageError
 from refcheck.sglang.capture import packing
-from refcheck.sglang.capture.records import ERRORS, RECORDS, old_record_files, process_of, status_path
-from refcheck.sglang.capture.segments import frame_bytes, payloads, scan, segment_files
+from refcheck.sglang.capture.records import ERRORS, RECORDS, STATUS_GLOB, old_record_files, process_of, status_path
+from refcheck.sglang.capture.segments import frame_bytes, payloads, scans
 from refcheck.sglang.capture.shipper import counts_path, read_fields
 
 
@@ -31,7 +31,7 @@ class CaptureDirError(UsageError):
 
 
 def check_capture_dir(root: Path) -> None:
-    if not root.is_dir() or not any(root.glob("status-rank*-pid*.json")):
+    if not root.is_dir() or not any(root.glob(STATUS_GLOB)):
         raise CaptureDirError(f"{root} is not a capture directory: no status-rank*-pid*.json in it (SGLang writes one "
                               "per scheduler when it runs with REFCHECK_CAPTURE_DIR set and refcheck installed)")
 
@@ -70,16 +70,15 @@ def inventory(root: Path) -> list[ProcessInventory]:
 def _tally(d: Path, inv: ProcessInventory) -> None:
     """The process directory's frames, from their heads; the first error record's text."""
     for prefix in (RECORDS, ERRORS):
-        files = segment_files(d, prefix)
-        for f in files:
-            try:
-                found = scan(f)
-            except OSError as exc:  # gone (a rolling budget's) or unreadable
-                inv.problems.append(f"{f.name}: {exc}")
+        found_all = scans(d, prefix)
+        for i, (f, found) in enumerate(found_all):
+            if isinstance(found, OSError):  # gone (a rolling budget's) or unreadable
+                inv.problems.append(f"{f.name}: {found}")
                 continue
             if found.torn is not None:
+                newest = i == len(found_all) - 1
                 inv.torn.append(f"{f.name}: {found.torn}" + (" (the newest segment: the frame being written, while "
-                                                             "the server runs)" if f == files[-1] else ""))
+                                                             "the server runs)" if newest else ""))
             if prefix == RECORDS:
                 inv.segments += 1
                 inv.records += len(found.frames)

@@ -35,7 +35,7 @@ from refcheck.atomic_file import atomic_write_bytes
 from refcheck.sglang.capture import packing
 from refcheck.sglang.capture.byte_budget import BudgetSpent, ByteBudget
 from refcheck.sglang.capture.expand import expand_batch, expand_prefill
-from refcheck.sglang.capture.segments import SEGMENT_BYTES, SegmentLog, frame_bytes, payloads, scan, segment_files
+from refcheck.sglang.capture.segments import SEGMENT_BYTES, SegmentLog, frame_bytes, payloads, scans
 from refcheck.sglang.capture.shipper import Shipper, counts_path, ledger_summary, queue_files, read_fields
 from refcheck.sglang.capture.steps import PrefillCapture, StepCapture
 
@@ -47,6 +47,10 @@ def process_of(d: Path) -> tuple[int, str]:
     """A process directory's rank and tag, from its name ``rank{tp}-pid{tag}``."""
     rank, tag = d.name[4:].split("-pid", 1)
     return int(rank), tag
+
+
+#: every process's status file in a capture directory (:func:`status_path`)
+STATUS_GLOB = "status-rank*-pid*.json"
 
 
 def status_path(root: Path, tp_rank: int, tag: str) -> Path:
@@ -172,7 +176,7 @@ def read_capture(root: Path, running: bool = False, last: int | None = None) -> 
     records are read (the others counted in :attr:`Capture.not_read`; error records are always read)."""
     cap = Capture()
     root = Path(root)
-    for st in sorted(root.glob("status-rank*-pid*.json")):
+    for st in sorted(root.glob(STATUS_GLOB)):
         try:
             cap.status.append(json.loads(st.read_text()))
         except (OSError, ValueError) as exc:
@@ -215,33 +219,33 @@ def _frames(d: Path, prefix: str, cap: Capture, running: bool, last: int | None 
     (``running``: the frame being written); so is a segment deleted while the directory is read, save while the
     engine runs (its rolling budget's). ``last``: only the last ``last`` frames (the others counted
     :attr:`Capture.not_read`)."""
-    files = segment_files(d, prefix)
-    scans: list[tuple[Path, list[tuple[int, int]]]] = []
-    for i, f in enumerate(files):
-        try:
-            found = scan(f)
-        except FileNotFoundError:
-            if not running:
-                cap.errors.append(f"{d.name}/{f.name}: segment gone while the directory was read")
+    found_all = scans(d, prefix)
+    whole: list[tuple[Path, list[tuple[int, int]]]] = []
+    for i, (f, found) in enumerate(found_all):
+        if isinstance(found, OSError):
+            _unreadable(cap, d, f, found, running)
             continue
-        except OSError as exc:
-            cap.errors.append(f"{d.name}/{f.name}: unreadable segment ({exc})")
-            continue
-        if found.torn is not None and not (running and i == len(files) - 1):
+        if found.torn is not None and not (running and i == len(found_all) - 1):
             cap.errors.append(f"{d.name}/{f.name}: {found.torn}")
-        scans.append((f, found.frames))
-    skip = max(0, sum(len(frames) for _, frames in scans) - last) if last is not None else 0
+        whole.append((f, found.frames))
+    skip = max(0, sum(len(frames) for _, frames in whole) - last) if last is not None else 0
     cap.not_read += skip
-    for f, frames in scans:
+    for f, frames in whole:
         take, skip = frames[skip:], max(0, skip - len(frames))
         try:
             for (offset, _), data in zip(take, payloads(f, take)):
                 yield f"{d.name}/{f.name}@{offset}", data
-        except FileNotFoundError:
-            if not running:
-                cap.errors.append(f"{d.name}/{f.name}: segment gone while the directory was read")
         except (OSError, ValueError) as exc:
-            cap.errors.append(f"{d.name}/{f.name}: unreadable segment ({exc})")
+            _unreadable(cap, d, f, exc, running)
+
+
+def _unreadable(cap: Capture, d: Path, f: Path, exc: Exception, running: bool) -> None:
+    """A segment that could not be read: an error, save one deleted while the engine runs (its rolling budget's)."""
+    if isinstance(exc, FileNotFoundError):
+        if not running:
+            cap.errors.append(f"{d.name}/{f.name}: segment gone while the directory was read")
+    else:
+        cap.errors.append(f"{d.name}/{f.name}: unreadable segment ({exc})")
 
 
 def _replicas(status: list[dict[str, Any]]) -> int:

@@ -17,7 +17,8 @@ current one too when it is the only one (a rolling byte budget's room).
 
 :func:`scan` lists a segment's frames (offset and length of each payload, read from the frames' heads alone) and
 says what follows the last whole frame when the file does not end there: a frame cut short (the one being
-written, or a tail a power cut lost) or bytes that are not a frame. :func:`payloads` reads chosen frames' payloads.
+written, or a tail a power cut lost) or bytes that are not a frame; :func:`scans` does so for every segment of a
+directory, oldest first. :func:`payloads` reads chosen frames' payloads.
 """
 
 from __future__ import annotations
@@ -170,6 +171,19 @@ def scan(path: Path) -> Scan:
             offset += FRAME_HEAD + length
             f.seek(offset)
     return Scan(frames, None)
+
+
+def scans(directory: Path, prefix: str) -> list[tuple[Path, Scan | OSError]]:
+    """Every segment of ``prefix`` in ``directory``, oldest first, with its :func:`scan`, or the ``OSError`` reading
+    it raised (``FileNotFoundError``: deleted meanwhile, by a rolling budget say); the last is the newest, the one a
+    running writer appends to."""
+    out: list[tuple[Path, Scan | OSError]] = []
+    for f in segment_files(directory, prefix):
+        try:
+            out.append((f, scan(f)))
+        except OSError as exc:
+            out.append((f, exc))
+    return out
 
 
 def payloads(path: Path, frames: Sequence[tuple[int, int]]) -> Iterator[bytes]:

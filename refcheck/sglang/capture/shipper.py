@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import gc
 import mmap
-import os
 import queue
 import struct
 import threading
@@ -309,6 +308,6 @@ def landed(event: Any) -> None:
     event.synchronize()
 
 
-def counts_path(root: Path, tp_rank: int, tag: str | None = None) -> Path:
-    """The counters file of the process whose records are tagged ``tag`` (default: this process's pid)."""
-    return Path(root) / f"queue-rank{tp_rank}-pid{tag or os.getpid()}.bin"
+def counts_path(root: Path, tp_rank: int, tag: str) -> Path:
+    """The counters file of the process whose records are tagged ``tag``."""
+    return Path(root) / f"queue-rank{tp_rank}-pid{tag}.bin"
