@@ -76,7 +76,7 @@ def _prompts(name: str) -> list:
     return load_prompts()[:1] if name == "one" else list(workload("mixed"))
 
 
-def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff: dict | None) -> dict[str, Any]:
+def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path) -> dict[str, Any]:
     """One table row from a captured trace (its provenance holds every pass's wall time): each overhead is a median
     pass of its kind over the median untraced pass, the kinds' passes interleaved on one warm engine; the first
     captured pass (the trace's own) over the same untraced median as ``overhead_captured``, and each kind's ratios
@@ -102,7 +102,7 @@ def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, diff
             "capture_host_ms_per_batch": (cap.get("stats") or {}).get("capture_host_ms_per_batch"),
             "host": next((st.get("host") for st in cap.get("status") or [] if isinstance(st, dict)), None),
             "ledger": ledger_of(costs, (cap.get("stats") or {}).get("capture_cost")),
-            "pass_costs": costs, "drain_s": st.get("drain_s"), **(diff or {})}
+            "pass_costs": costs, "drain_s": st.get("drain_s")}
 
 
 @functools.cache
@@ -149,7 +149,7 @@ def run_cell(args: argparse.Namespace, algorithm: str, graphs: bool, load: str,
                 "error": f"{type(exc).__name__}: {exc}"}, None
     path = args.out / f"{name}.arrow"
     write_trace(trace, path)
-    return {**row_of(algorithm, graphs, load, trace, path, None), "model": spec.model_label}, trace
+    return {**row_of(algorithm, graphs, load, trace, path), "model": spec.model_label}, trace
 
 
 def cell_name(algorithm: str, graphs: bool, load: str) -> str:

@@ -256,7 +256,7 @@ def test_a_row_reads_its_trace_passes_books_and_the_schedulers_host(tmp_path):
     trace = NS(prov=NS(settings=settings), provenance={"capture": {"status": [{"tp_rank": 0, "host": host}]}},
                steps=[object()] * 4, requests=[object()] * 2)
     (tmp_path / "t.arrow").write_bytes(b"x" * 400)
-    row = cc.row_of("DFLASH", True, "mixed", trace, tmp_path / "t.arrow", None)
+    row = cc.row_of("DFLASH", True, "mixed", trace, tmp_path / "t.arrow")
     assert row["overhead_sampled"] == pytest.approx(1.02) and row["bytes_per_step"] == 100.0
     assert row["target"] == {"full": "over", "sampled": "within"} and row["host"] == host
     assert row["per_round_run_batch"]["sampled"]["median"] == pytest.approx(1.02)

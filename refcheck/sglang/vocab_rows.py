@@ -31,10 +31,10 @@ def row_chunks(rows: int, vocab: int, chunk_bytes: int | None = None) -> list[sl
 
 
 def by_row_chunks(fn: Callable[..., dict[str, torch.Tensor]], inputs: Sequence[torch.Tensor | None], rows: int,
-                  vocab: int, chunk_bytes: int | None = None) -> dict[str, torch.Tensor]:
+                  vocab: int) -> dict[str, torch.Tensor]:
     """``fn(*inputs)`` for a row-wise ``fn`` of ``[rows, ...]`` inputs (None passed through), slice by slice
     (:func:`row_chunks`), its outputs joined along their rows."""
-    parts = [fn(*(None if t is None else t[s] for t in inputs)) for s in row_chunks(rows, vocab, chunk_bytes)]
+    parts = [fn(*(None if t is None else t[s] for t in inputs)) for s in row_chunks(rows, vocab)]
     if len(parts) == 1:
         return parts[0]
     return {name: t if t.dim() == 0 else torch.cat([p[name] for p in parts]) for name, t in parts[0].items()}

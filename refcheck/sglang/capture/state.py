@@ -107,7 +107,8 @@ def _mamba_state(m: MambaPools, mamba_slots: torch.Tensor, full: bool, shard: Sh
     """Every recorded layer's conv and recurrent state of the requests: ``conv`` and ``rec`` ``[L, b, r]`` (and their
     rows when ``full``). The conv state in one gather and one projection; the recurrent state (a request's is
     ``HV*V*K`` floats a layer: 3 MiB at Qwen3.6's widths) in row chunks of (layer, request) pairs
-    (:func:`_rec_sketch`), so the gathered copy it is projected from stays bounded whatever the batch and depth."""
+    (:func:`_rec_sketch`), so the gathered copy it is projected from stays bounded whatever the batch and depth;
+    with ``full`` rows, gathered whole once for both."""
     ms = mamba_slots.long().to(m.conv.device)  # [b]
     every = m.rows == list(range(m.conv.shape[0]))
     picked = None if every else _rows_on(tuple(m.rows), str(m.conv.device))
@@ -119,16 +120,16 @@ def _mamba_state(m: MambaPools, mamba_slots: torch.Tensor, full: bool, shard: Sh
     n, b, (hv, v, k) = len(m.rows), int(ms.shape[0]), m.ssm.shape[2:]
     first = shard[0] * hv if shard is not None else 0  # a rank's heads are the full tensor's [rank*HV, (rank+1)*HV)
     rec_proj = _ssm_projection(first + hv, k, v, str(m.ssm.device))[first:]  # [HV, V*K, r]
-    rec_sketch = _rec_sketch(m.ssm, layers, ms.to(m.ssm.device), rec_proj).view(n, b, -1)  # [L*b, r] -> [L, b, r]
+    slots = ms.to(m.ssm.device)
+    rec = m.ssm[layers[:, None], slots[None, :]] if full else None  # [L, b, HV, V, K]: those rows alone, gathered once
+    rec_sketch = (_rec_rows_sketch(rec.reshape(n * b, -1), rec_proj) if rec is not None  # [L*b, HV*V*K]
+                  else _rec_sketch(m.ssm, layers, slots, rec_proj)).view(n, b, -1)  # [L*b, r] -> [L, b, r]
     conv_proj = _projections("conv", conv.shape[2], conv.shape[3], shard, str(conv.device))  # [K-1, C, r]
     km1, c = conv.shape[2], conv.shape[3]
     conv_sketch = (conv.reshape(n * b, km1 * c).float() @ conv_proj.reshape(km1 * c, -1)).view(n, b, -1)  # [L, b, r]
-    rec = None
-    if full:
-        ssm = m.ssm[layers[:, None], ms.to(m.ssm.device)[None, :]]  # [L, b, HV, V, K]: those rows alone gathered
-        rec = ssm_to_reference(ssm).reshape(n, b, hv, k * v)  # [L, b, HV, K, V] -> [L, b, HV, K*V]
+    rec_rows = ssm_to_reference(rec).reshape(n, b, hv, k * v) if rec is not None else None  # [L, b, HV, K*V]
     return {"layers": list(m.layers), "conv": conv_sketch, "rec": rec_sketch,
-            "conv_rows": conv if full else None, "rec_rows": rec}
+            "conv_rows": conv if full else None, "rec_rows": rec_rows}
 
 
 @lru_cache(maxsize=64)
@@ -143,14 +144,18 @@ def _rec_sketch(ssm: torch.Tensor, layers: torch.Tensor, slots: torch.Tensor, pr
     ``slots`` [b] of ``ssm`` ``[L_pool, slots, HV, V, K]`` through ``proj`` ``[HV, V*K, r]``, one product per row
     chunk of pairs (:func:`refcheck.sglang.vocab_rows.by_row_chunks`, its float32 rows bounded in bytes)."""
     n, b, f = int(layers.shape[0]), int(slots.shape[0]), int(proj.shape[0] * proj.shape[1])
-    flat = proj.reshape(f, -1)  # [HV, V*K, r] -> [HV*V*K, r]
 
     def rows(li: torch.Tensor, si: torch.Tensor) -> dict[str, torch.Tensor]:
-        # float32: bf16 accumulation would swamp the signal; one product over heads and features at once
-        return {"rec": ssm[li, si].reshape(-1, f).float() @ flat}  # [c, HV, V, K] -> [c, HV*V*K] @ [.., r]
+        return {"rec": _rec_rows_sketch(ssm[li, si].reshape(-1, f), proj)}  # [c, HV, V, K] -> [c, HV*V*K]
 
     pairs_l, pairs_s = layers.repeat_interleave(b), slots.repeat(n)  # [L*b] each, layer-major
     return by_row_chunks(rows, (pairs_l, pairs_s), n * b, f)["rec"]
+
+
+def _rec_rows_sketch(rows: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
+    """Gathered recurrent states ``[c, HV*V*K]`` through ``proj`` ``[HV, V*K, r]``: ``[c, r]``."""
+    # float32: bf16 accumulation would swamp the signal; one product over heads and features at once
+    return rows.float() @ proj.reshape(rows.shape[-1], -1)  # [HV, V*K, r] -> [HV*V*K, r]
 
 
 def request_state(batch: dict[str, Any], b: int, kv_rows: int) -> dict[str, Entry]:
