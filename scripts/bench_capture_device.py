@@ -47,21 +47,37 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from refcheck import models  # noqa: E402
+from refcheck.models.build import REAL_TINY, _target_fields, real_configs  # noqa: E402
 from refcheck.sglang.capture.dflash_taps import _context, _draft  # noqa: E402
 from refcheck.sglang.capture.state import MambaPools, _ssm_projection, batch_state  # noqa: E402
 from refcheck.sglang.capture.steps import node_logprobs, summarise_nodes  # noqa: E402
 from refcheck.sketch import SKETCH_DIM  # noqa: E402
 
-#: widths per preset: hidden, vocabulary, drafter's fed target layers, linear-attention layers (and their key heads,
-#: value heads, head dims, conv kernel), attention layers (KV heads, head dim)
-WIDTHS: dict[str, dict[str, int]] = {
-    "real": dict(hidden=5120, vocab=248320, fed=5, linear=6, key_heads=16, value_heads=48, head_dim=128, conv=4,
-                 attention=2, kv_heads=4, kv_dim=256),
-    "builtin": dict(hidden=128, vocab=512, fed=2, linear=4, key_heads=2, value_heads=4, head_dim=32, conv=4,
-                    attention=2, kv_heads=2, kv_dim=32),
-    "tiny": dict(hidden=64, vocab=1000, fed=2, linear=3, key_heads=2, value_heads=4, head_dim=16, conv=4,
-                 attention=1, kv_heads=2, kv_dim=16),
-}
+
+def _widths(target: dict[str, Any], draft: dict[str, Any]) -> dict[str, int]:
+    """A pair's widths as the bench uses them, from its target's config fields and its drafter's config: hidden,
+    vocabulary, the drafter's fed target layers, linear-attention layers (their key and value heads, key and value
+    head dims, conv kernel), attention layers (their KV heads and head dim)."""
+    kinds = list(target["layer_types"])
+    return dict(hidden=target["hidden_size"], vocab=target["vocab_size"],
+                fed=len(draft["dflash_config"]["target_layer_ids"]), linear=kinds.count("linear_attention"),
+                key_heads=target["linear_num_key_heads"], value_heads=target["linear_num_value_heads"],
+                key_dim=target["linear_key_head_dim"], value_dim=target["linear_value_head_dim"],
+                conv=target["linear_conv_kernel_dim"], attention=kinds.count("full_attention"),
+                kv_heads=target["num_key_value_heads"], kv_dim=target["head_dim"])
+
+
+def presets() -> dict[str, dict[str, int]]:
+    """``real``: the real pair of ``scripts/real_width.py build`` (8 layers); ``builtin``: the built-in hybrid pair;
+    ``tiny``: the real pair's layout at its test scale (:data:`refcheck.models.build.REAL_TINY`), all read from
+    :mod:`refcheck.models.build` and the built-in drafter's shipped config."""
+    builtin_draft = json.loads((Path(models.__file__).parent / "hybrid" / "draft" / "config.json").read_text())
+    return {"real": _widths(*real_configs(8)), "builtin": _widths(_target_fields("hybrid")[1], builtin_draft),
+            "tiny": _widths(*real_configs(8, REAL_TINY))}
+
+
+WIDTHS = presets()
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
@@ -92,10 +108,10 @@ def _inputs(w: dict[str, int], bs: int, block: int, device: torch.device) -> dic
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # drawn in float32 on the CPU
 
     rows, slots = bs * block, 2 * bs
-    conv_dim = 2 * w["key_heads"] * w["head_dim"] + w["value_heads"] * w["head_dim"]
+    conv_dim = 2 * w["key_heads"] * w["key_dim"] + w["value_heads"] * w["value_dim"]
     pools = MambaPools(layers=list(range(w["linear"])), rows=list(range(w["linear"])),
                        conv=randn(w["linear"], slots, conv_dim, w["conv"] - 1),
-                       ssm=randn(w["linear"], slots, w["value_heads"], w["head_dim"], w["head_dim"],
+                       ssm=randn(w["linear"], slots, w["value_heads"], w["value_dim"], w["key_dim"],
                                  dtype=torch.float32))
     kv = {w["linear"] + i: (randn(slots * block, w["kv_heads"], w["kv_dim"]),
                             randn(slots * block, w["kv_heads"], w["kv_dim"])) for i in range(w["attention"])}
