@@ -14,12 +14,18 @@ built-in hybrid pair's) or ``tiny`` (a test scale). The parts, each timed alone:
 - ``verify``: :func:`refcheck.sglang.capture.steps.summarise_nodes` over the block's float32 logits ``[b*B, V]``;
   ``verify.log_softmax`` and ``verify.topk`` are its two largest steps alone;
 - ``draft``: :func:`refcheck.sglang.capture.dflash_taps._draft`, the drafter's depths through the target's head
-  ``[V, H]`` and their top ranks; ``draft.matmul`` is its product alone;
+  ``[V, H]`` and their top ranks; ``draft.matmul`` is its product alone
+  (:func:`refcheck.sglang.capture.dflash_taps.draft_logits`, one 2-D product), ``draft.matmul_strided`` the same
+  product over the depths' strided 3-D view, for comparison (a batched product that reads the head per request);
 - ``context``: :func:`refcheck.sglang.capture.dflash_taps._context`, the sketch of the drafter's fed features;
 - ``state``: :func:`refcheck.sglang.capture.state.batch_state` over SGLang-laid pools (KV ``[slots, H_kv, D]``
   per attention layer; conv ``[L, slots, C, K-1]`` and float32 SSM ``[L, slots, HV, V, K]``);
-  ``state.rec_gemm`` is the recurrent sketch's product ``[L*b, HV*V*K] @ [HV*V*K, r]`` alone, and
-  ``state.rec_per_head`` the same sketch as one product per head summed over heads, for comparison.
+  ``state.rec_split`` is the recurrent sketch's product ``[L*b, HV*V*K] @ [HV*V*K, r]`` alone, cut along K as the
+  hooks run it (:func:`refcheck.sglang.capture.long_product.long_product`); ``state.rec_gemm`` the same as one
+  product and ``state.rec_per_head`` as one product per head summed over heads, for comparison;
+- ``verify.topk_logits`` is ``verify.topk`` over the raw logits instead of their log-probs, and
+  ``verify.topk_split`` over the log-probs in two stages (each 2 048-wide slice of the vocabulary's top k, then the
+  top k of those), for comparison.
 
 Each part runs once to warm up (lazy projections, the allocator's blocks; on CUDA its peak device memory beyond
 what was allocated before it is read then), then ``--repeats`` times; on CUDA each call is timed by events around it
@@ -49,7 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from refcheck import models  # noqa: E402
 from refcheck.models.build import REAL_TINY, _target_fields, real_configs  # noqa: E402
-from refcheck.sglang.capture.dflash_taps import _context, _draft  # noqa: E402
+from refcheck.sglang.capture.dflash_taps import _context, _draft, draft_logits  # noqa: E402
+from refcheck.sglang.capture.long_product import long_product  # noqa: E402
 from refcheck.sglang.capture.state import MambaPools, _ssm_projection, batch_state  # noqa: E402
 from refcheck.sglang.capture.steps import node_logprobs, summarise_nodes  # noqa: E402
 from refcheck.sketch import SKETCH_DIM  # noqa: E402
@@ -133,20 +140,43 @@ def _rec_per_head(pools: MambaPools, ms: torch.Tensor) -> torch.Tensor:
     return per_head.sum(0).view(n, b, -1)  # [HV, L*b, r] -> [L*b, r] -> [L, b, r]
 
 
+def topk_split(x: torch.Tensor, k: int, width: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.topk(k, dim=-1)`` of ``[M, V]`` in two stages: each ``width``-wide slice's top k (the vocabulary past the
+    last whole slice as one more), then the top k of those candidates: (values, indices) ``[M, k]``."""
+    m, v = x.shape
+    s = v // width
+    if s < 2:
+        return x.topk(k, dim=-1)
+    cut = s * width
+    part = x[:, :cut].reshape(m, s, width).topk(min(k, width), dim=-1)  # [M, S, W] -> [M, S, k]
+    offsets = torch.arange(s, device=x.device)[None, :, None] * width  # [1, S, 1]
+    vals, ids = part.values.reshape(m, -1), (part.indices + offsets).reshape(m, -1)  # [M, S, k] -> [M, S*k]
+    if cut < v:
+        tail = x[:, cut:].topk(min(k, v - cut), dim=-1)
+        vals, ids = torch.cat([vals, tail.values], -1), torch.cat([ids, tail.indices + cut], -1)
+    top = vals.topk(k, dim=-1)
+    return top.values, ids.gather(-1, top.indices)
+
+
 def parts(x: dict[str, Any], bs: int, block: int) -> dict[str, Callable[[], Any]]:
     """Each timed part as a no-argument call over the stand-in tensors."""
     pools, ms = x["pools"], x["mamba_slots"]
     n, hv, v, k = pools.ssm.shape[0], pools.ssm.shape[2], pools.ssm.shape[3], pools.ssm.shape[4]
     rec_proj = _ssm_projection(hv, k, v, str(pools.ssm.device)).reshape(hv * v * k, -1)  # [HV*V*K, r]
     hs = x["hidden"].view(bs, block, -1)[:, 1:, :]  # [b*B, H] -> [b, B-1, H]
+    logp = node_logprobs(x["logits"])  # [b*B, V] float32
     return {
         "verify": lambda: summarise_nodes(x["logits"], x["picks"]).tensors(),
         "verify.log_softmax": lambda: node_logprobs(x["logits"]),
-        "verify.topk": lambda: x["logits"].topk(8, dim=-1),
+        "verify.topk": lambda: logp.topk(8, dim=-1),
+        "verify.topk_logits": lambda: x["logits"].topk(8, dim=-1),
+        "verify.topk_split": lambda: topk_split(logp, 8),
         "draft": lambda: _draft(x["hidden"], x["head"], bs, block),
-        "draft.matmul": lambda: torch.matmul(hs, x["head"].T),
+        "draft.matmul": lambda: draft_logits(x["hidden"], x["head"], bs, block),
+        "draft.matmul_strided": lambda: torch.matmul(hs, x["head"].T),
         "context": lambda: _context(x["fed"], x["positions"], x["lens"], bs),
         "state": lambda: batch_state(x["kv"], x["slots"], pools, ms),
+        "state.rec_split": lambda: long_product(pools.ssm[:, ms].reshape(n * bs, -1), rec_proj),
         "state.rec_gemm": lambda: pools.ssm[:, ms].reshape(n * bs, -1) @ rec_proj,
         "state.rec_per_head": lambda: _rec_per_head(pools, ms),
     }

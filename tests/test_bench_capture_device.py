@@ -37,3 +37,18 @@ def test_bad_arguments_are_exit_2(capsys):
     if not torch.cuda.is_available():
         assert bench.main(["--widths", "tiny", "--device", "cuda"]) == 2
         assert "no CUDA device here" in capsys.readouterr().err
+
+
+def test_the_split_parts_compute_what_their_whole_forms_do():
+    """topk_split's values are topk's (ties apart, the same ids), over slices with and without a remainder; the
+    recurrent sketch's cut product is the one product to float32 rounding."""
+    g = torch.Generator().manual_seed(2)
+    for v, width in ((4096, 512), (4100, 512), (300, 512)):
+        x = torch.randn(5, v, generator=g)
+        vals, ids = bench.topk_split(x, 8, width)
+        want = x.topk(8, dim=-1)
+        assert torch.equal(vals, want.values) and torch.equal(ids, want.indices)
+    x = bench._inputs(bench.WIDTHS["tiny"], 3, 4, torch.device("cpu"))
+    got = bench.parts(x, 3, 4)
+    torch.testing.assert_close(got["state.rec_split"](), got["state.rec_gemm"](), rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(got["draft.matmul"](), got["draft.matmul_strided"](), rtol=1e-2, atol=1e-2)

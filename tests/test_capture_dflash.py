@@ -106,3 +106,17 @@ def test_dflash_drafter_faults_act_and_the_capture_keeps_what_sglang_used(captur
     else:  # depth d drafts from depth d - 1's hidden state; the record holds the drafter's own output
         assert torch.equal(drafted["hidden"][2:], hidden0[1:-1])
         assert [r[0] for r in chain.draft_ids] == (hidden0[1:] @ w.head.T).argmax(-1).tolist()
+
+
+def test_draft_logits_are_each_requests_depths_through_the_head():
+    """The folded product gives, row for row, request b's depths 1..B-1 through the head (depth 0, the block's
+    committed token, left out), in the head's dtype."""
+    from refcheck.sglang.capture.dflash_taps import draft_logits
+    g = torch.Generator().manual_seed(5)
+    bs, block, hidden, vocab = 3, 5, 8, 11
+    hs, head = torch.randn(bs * block, hidden, generator=g, dtype=torch.float64), torch.randn(vocab, hidden, generator=g)
+    got = draft_logits(hs, head, bs, block)
+    assert got.shape == (bs, block - 1, vocab) and got.dtype == head.dtype
+    for b in range(bs):
+        want = hs[b * block + 1:(b + 1) * block].to(head.dtype) @ head.T
+        assert torch.allclose(got[b], want, atol=1e-5)

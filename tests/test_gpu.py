@@ -176,19 +176,25 @@ def test_graphed_fixed_shape_step_decodes_like_the_eager_decoder(pair, budget, c
     assert out_ids == ref.output_ids[: len(out_ids)]
 
 
-@pytest.mark.parametrize("pairs_per_chunk", [None, 2], ids=["one-product", "chunked"])
-def test_the_capture_state_sketch_replayed_as_a_cuda_graph_equals_the_eager_sketch(monkeypatch, pairs_per_chunk):
+@pytest.mark.parametrize("pairs_per_chunk,slice_", [(None, None), (2, None), (None, 8)],
+                         ids=["one-product", "chunked", "cut"])
+def test_the_capture_state_sketch_replayed_as_a_cuda_graph_equals_the_eager_sketch(monkeypatch, pairs_per_chunk,
+                                                                                    slice_):
     """refcheck/sglang/capture/graphs.py over the committed-state sketch (refcheck/sglang/capture/state.py) of
     stand-in pools on the GPU: every replay, for two batch shapes and changing inputs, is bitwise the eager
-    computation (the recurrent sketch in one product, or in chunks of 2 (layer, request) pairs); one graph per key; a
+    computation (the recurrent sketch in one product, in chunks of 2 (layer, request) pairs, or the conv and
+    recurrent products cut into 8-feature slices, refcheck/sglang/capture/long_product.py); one graph per key; a
     computation that cannot be captured (it reads the device from the host) runs eagerly with its failure reported
     once."""
     from refcheck.sglang import vocab_rows
+    from refcheck.sglang.capture import long_product
     from refcheck.sglang.capture.graphs import GraphCache
     from refcheck.sglang.capture.state import MambaPools, batch_state
 
     if pairs_per_chunk is not None:
         monkeypatch.setattr(vocab_rows, "CHUNK_BYTES", 4 * 2 * 5 * 4 * pairs_per_chunk)  # float32 [pairs, HV*V*K]
+    if slice_ is not None:
+        monkeypatch.setattr(long_product, "SLICE", slice_)  # rec: 40 features, 5 slices; conv: 36, 4 and a rest
 
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)

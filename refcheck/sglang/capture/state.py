@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from refcheck.sglang.capture.long_product import long_product
 from refcheck.sglang.layout import conv_to_reference, ssm_to_reference
 from refcheck.sglang.vocab_rows import by_row_chunks
 from refcheck.sketch import SKETCH_DIM, row_projections
@@ -126,7 +127,8 @@ def _mamba_state(m: MambaPools, mamba_slots: torch.Tensor, full: bool, shard: Sh
                   else _rec_sketch(m.ssm, layers, slots, rec_proj)).view(n, b, -1)  # [L*b, r] -> [L, b, r]
     conv_proj = _projections("conv", conv.shape[2], conv.shape[3], shard, str(conv.device))  # [K-1, C, r]
     km1, c = conv.shape[2], conv.shape[3]
-    conv_sketch = (conv.reshape(n * b, km1 * c).float() @ conv_proj.reshape(km1 * c, -1)).view(n, b, -1)  # [L, b, r]
+    # float32: bf16 accumulation would swamp the signal; [L*b, (K-1)*C] @ [(K-1)*C, r] -> [L*b, r] -> [L, b, r]
+    conv_sketch = long_product(conv.reshape(n * b, km1 * c).float(), conv_proj.reshape(km1 * c, -1)).view(n, b, -1)
     rec_rows = ssm_to_reference(rec).reshape(n, b, hv, k * v) if rec is not None else None  # [L, b, HV, K*V]
     return {"layers": list(m.layers), "conv": conv_sketch, "rec": rec_sketch,
             "conv_rows": conv if full else None, "rec_rows": rec_rows}
@@ -154,8 +156,8 @@ def _rec_sketch(ssm: torch.Tensor, layers: torch.Tensor, slots: torch.Tensor, pr
 
 def _rec_rows_sketch(rows: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
     """Gathered recurrent states ``[c, HV*V*K]`` through ``proj`` ``[HV, V*K, r]``: ``[c, r]``."""
-    # float32: bf16 accumulation would swamp the signal; one product over heads and features at once
-    return rows.float() @ proj.reshape(rows.shape[-1], -1)  # [HV, V*K, r] -> [HV*V*K, r]
+    # float32: bf16 accumulation would swamp the signal; one product over heads and features at once, cut along them
+    return long_product(rows.float(), proj.reshape(rows.shape[-1], -1))  # [HV, V*K, r] -> [HV*V*K, r]
 
 
 def request_state(batch: dict[str, Any], b: int, kv_rows: int) -> dict[str, Entry]:
