@@ -6,7 +6,7 @@ Usage (on a GPU machine with SGLang; through the bundle: ``scripts/sglang_bundle
         [--workloads one,mixed] [--sample 16] [--repeats 3] [--round-budget S] [--no-full] [--mem-fraction 0.3]
         [--diff] [--cells ALG:on|off:one|mixed,...] [--deadline SECONDS] [--until SECONDS]
         [--model DIR [--draft DIR]]
-    python scripts/capture_cost.py --reread capture_cost.json [...] [--pool]     # earlier runs' tables, re-read
+    python scripts/capture_cost.py --reread capture_cost.json|CELL/result.json [...] [--pool]  # earlier runs, re-read
 
 Per cell (algorithm x CUDA graphs x workload) one SGLang engine runs, in order: an untraced warm-up pass, a
 captured warm-up pass, the captured pass (every step recorded: the trace), then ``--repeats`` rounds of three
@@ -39,7 +39,8 @@ most a finished cell spent on that, :func:`fixed_cost`, else :data:`FIXED_S`); t
 reading come after it, so leave them a margin before the call's limit (``scripts/capture_cost_runs.sh`` passes
 one). Writes ``OUT/capture_cost.json`` (rows, as they finish, each write whole or not at all; a row's ``--diff``
 columns are added once its trace is judged, so a call killed while judging keeps the timings) and
-``OUT/capture_cost.md`` (the table); ``--reread`` prints the table of earlier runs' JSON with the per-round readings
+``OUT/capture_cost.md`` (the table); ``--reread`` prints the table of earlier runs' JSON (or of a cell's engine
+run, ``OUT/CELL/result.json``, its timing columns alone: :func:`result_row`) with the per-round readings
 recomputed from their passes (``--pool``: one row per cell, the rounds of its runs together).
 Workloads: ``one`` (the first built-in prompt), ``mixed`` (refcheck's 32 mixed requests, all at once).
 ``--model DIR`` (and ``--draft DIR``, the drafter DFLASH and REFCHECK_DDTREE need) runs the cells on that pair
@@ -76,33 +77,58 @@ def _prompts(name: str) -> list:
     return load_prompts()[:1] if name == "one" else list(workload("mixed"))
 
 
-def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path) -> dict[str, Any]:
-    """One table row from a captured trace (its provenance holds every pass's wall time): each overhead is a median
-    pass of its kind over the median untraced pass, the kinds' passes interleaved on one warm engine; the first
-    captured pass (the trace's own) over the same untraced median as ``overhead_captured``, and each kind's ratios
-    within a round (:func:`per_round`)."""
-    st, cap = trace.prov.settings, trace.provenance.get("capture", {})
+def timing_row(algorithm: str, graphs: bool, load: str, st: dict[str, Any]) -> dict[str, Any]:
+    """A row's timing columns from the engine run's settings (``st``: the child's ``result.json``, which the
+    trace's provenance carries as its settings): each overhead is a median pass of its kind over the median
+    untraced pass, the kinds' passes interleaved on one warm engine; the first captured pass over the same untraced
+    median as ``overhead_captured``, and each kind's ratios within a round (:func:`per_round`)."""
     passes = {"untraced": st.get("repeat_generate_s") or [], "sampled": st.get("sampled_generate_s") or [],
               "full": st.get("full_generate_s") or []}
-    steps = len(trace.steps)
     costs = st.get("pass_costs") or {}
     mid = medians(passes, st.get("generate_s"))
     untraced = mid["untraced_s"]
-    return {"algorithm": algorithm, "graphs": graphs, "workload": load, "requests": len(trace.requests),
-            "steps": steps, "captured_s": st.get("generate_s"), "passes": passes, **mid,
-            "overhead_captured": ratio(st.get("generate_s"), untraced),
+    return {"algorithm": algorithm, "graphs": graphs, "workload": load, "captured_s": st.get("generate_s"),
+            "passes": passes, **mid, "overhead_captured": ratio(st.get("generate_s"), untraced),
             **readings(passes, costs, graphs),
             "booked": {kind: booked(costs, kind, len(passes[kind]), untraced) for kind in ("full", "sampled")},
             "tokens_same_untraced": st.get("repeats_match"), "tokens_same_sampled": st.get("sampled_match"),
             "tokens_same_full": st.get("full_match"), "tokens_same_round": st.get("round_match") or {},
+            "capture_behind": st.get("capture_behind") or {}, "ledger": ledger_of(costs),
+            "pass_costs": costs, "drain_s": st.get("drain_s")}
+
+
+def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path) -> dict[str, Any]:
+    """One table row from a captured trace written at ``path``: :func:`timing_row` of its provenance's settings (every
+    pass's wall time and books), and what the trace itself holds: its requests and steps, bytes per step, the
+    capture's errors and statistics."""
+    st, cap = trace.prov.settings, trace.provenance.get("capture", {})
+    steps = len(trace.steps)
+    return {**timing_row(algorithm, graphs, load, st), "requests": len(trace.requests), "steps": steps,
             "graphed_steps": (cap.get("stats") or {}).get("cuda_graph_steps"),
             "bytes_per_step": path.stat().st_size / steps if steps else None,
-            "capture_errors": (cap.get("errors") or [])[:3], "capture_behind": st.get("capture_behind") or {},
+            "capture_errors": (cap.get("errors") or [])[:3],
             "lost_batches": (cap.get("stats") or {}).get("lost_batches", 0),
             "capture_host_ms_per_batch": (cap.get("stats") or {}).get("capture_host_ms_per_batch"),
             "host": next((st.get("host") for st in cap.get("status") or [] if isinstance(st, dict)), None),
-            "ledger": ledger_of(costs, (cap.get("stats") or {}).get("capture_cost")),
-            "pass_costs": costs, "drain_s": st.get("drain_s")}
+            "ledger": ledger_of(st.get("pass_costs") or {}, (cap.get("stats") or {}).get("capture_cost"))}
+
+
+def result_row(path: Path) -> dict[str, Any]:
+    """A cell's row from its engine run's ``result.json`` alone (``OUT/CELL/result.json``; the cell named by its
+    directory, :func:`cell_name`): the timing columns, for a cell whose trace was never read (a call cut while the
+    trace was read or judged); ValueError when the file is no such result or the directory names no cell."""
+    st = json.loads(path.read_text())
+    if not isinstance(st, dict) or "repeat_generate_s" not in st:
+        raise ValueError(f"{path} is not an engine run's result.json (no repeat_generate_s)")
+    parts = path.parent.name.rsplit("-", 2)
+    if len(parts) != 3 or parts[1] not in ("graphs", "eager") or parts[2] not in ("one", "mixed"):
+        raise ValueError(f"{path.parent.name!r} is not a cell's directory (ALGORITHM-graphs|eager-one|mixed)")
+    job = path.parent / "job.json"
+    model = None
+    if job.is_file():
+        model = (json.loads(job.read_text()).get("engine_kwargs") or {}).get("model_path")
+    return {**timing_row(parts[0].upper(), parts[1] == "graphs", parts[2], st), "model": model,
+            "trace_read": False}
 
 
 @functools.cache
@@ -260,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="required unless --reread")
     ap.add_argument("--reread", type=Path, nargs="+", default=None,
-                    help="JSON of earlier runs: print their table with the per-round reading recomputed, run nothing")
+                    help="JSON of earlier runs (capture_cost.json, or a cell's result.json): print their table with "
+                         "the per-round reading recomputed, run nothing")
     ap.add_argument("--pool", action="store_true", help="with --reread: one row per cell, its runs' rounds together")
     ap.add_argument("--algorithms", default="NONE,DFLASH,NGRAM,REFCHECK_DDTREE")
     ap.add_argument("--graphs", default="off,on")
@@ -338,7 +365,7 @@ def _reread(paths: list[Path], sample: int, pool: bool) -> int:
     rows: list[dict[str, Any]] = []
     for path in paths:
         try:
-            data = json.loads(path.read_text())
+            data = [result_row(path)] if path.name == "result.json" else json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             print(f"capture_cost: cannot read {path}: {exc}", file=sys.stderr)
             return 2

@@ -85,13 +85,13 @@ def markdown(rows: list[dict[str, Any]], sample: int) -> str:
     body = "".join(
         f"| {r['algorithm']} | {'on' if r['graphs'] else 'off'} | {r['workload']} | "
         + (f"error: {r['error'][:120]} | | | | | | | | | | | |\n" if "error" in r else
-           f"{r['steps']} | {_fmt(r['untraced_s'], '.3f')} ({_fmt(r.get('untraced_spread'))}) | "
+           f"{r.get('steps', '— (trace not read)')} | {_fmt(r['untraced_s'], '.3f')} ({_fmt(r.get('untraced_spread'))}) | "
            f"{_fmt(r['overhead_full'])}× ({_fmt(r.get('overhead_captured'))}×)"
            f"{_spread((r.get('per_round') or {}).get('full'))} | "
            f"{_fmt(r['overhead_sampled'])}×{_spread((r.get('per_round') or {}).get('sampled'))}"
            f"{_booked((r.get('booked') or {}).get('sampled'), (r.get('per_round_run_batch') or {}).get('sampled'))} | "
            f"{_ledger(r.get('ledger') or {})} | {_unrecorded(r.get('pass_costs') or {})} | "
-           f"{_fmt((r.get('ledger') or {}).get('writer_ms_per_record'))} | {_fmt(r['bytes_per_step'], '.0f')} | "
+           f"{_fmt((r.get('ledger') or {}).get('writer_ms_per_record'))} | {_fmt(r.get('bytes_per_step'), '.0f')} | "
            f"{r['tokens_same_untraced']}/{r['tokens_same_sampled']}/{r.get('tokens_same_full')}{_round(r)} | "
            f"{r.get('verdict', '—')} / {r.get('sampled_verdict', '—')} ({r.get('sampled_steps', '—')} steps) | "
            f"{_fmt(r.get('diff_steps_per_s'), '.1f')} | {_target(r)} |\n")

@@ -360,3 +360,30 @@ def test_every_cell_gets_rounds_under_until_and_a_row_is_written_before_its_diff
     with pytest.raises(KeyboardInterrupt):
         cc.main(["--out", str(tmp_path / "d"), "--cells", "DFLASH:on:mixed", "--diff"])
     assert json.loads((tmp_path / "d" / "capture_cost.json").read_text())[0]["passes"]
+
+
+def test_a_cells_result_json_alone_rereads_as_its_timing_row(tmp_path, capsys):
+    """--reread of OUT/CELL/result.json (a cell whose trace was never read): the cell from its directory's name, the
+    model from its job.json, the per-round reading from its passes, the trace's columns shown as not read; a result
+    without passes or a directory that names no cell is exit 2."""
+    settings = {"repeat_generate_s": [1.0] * 6, "sampled_generate_s": [1.02] * 6, "full_generate_s": [1.6] * 6,
+                "generate_s": 1.7, "repeats_match": True, "sampled_match": True, "full_match": True}
+    cell = tmp_path / "refcheck_ddtree-eager-one"
+    cell.mkdir()
+    (cell / "result.json").write_text(json.dumps(settings))
+    (cell / "job.json").write_text(json.dumps({"engine_kwargs": {"model_path": "/tmp/real/target"}}))
+    row = cc.result_row(cell / "result.json")
+    assert (row["algorithm"], row["graphs"], row["workload"], row["model"]) == ("REFCHECK_DDTREE", False, "one",
+                                                                                "/tmp/real/target")
+    assert row["target"] == {"full": "over", "sampled": "within"} and row["trace_read"] is False
+    assert cc.main(["--reread", str(cell / "result.json")]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[2]
+    assert line.startswith("| REFCHECK_DDTREE | off | one | — (trace not read) | 1.000 ") and "| ≤1.3: over / " in line
+    (cell / "result.json").write_text(json.dumps({"stage": "start"}))
+    assert cc.main(["--reread", str(cell / "result.json")]) == 2
+    assert "not an engine run's result.json" in capsys.readouterr().err
+    other = tmp_path / "records"
+    other.mkdir()
+    (other / "result.json").write_text(json.dumps(settings))
+    assert cc.main(["--reread", str(other / "result.json")]) == 2
+    assert "is not a cell's directory" in capsys.readouterr().err
