@@ -17,6 +17,9 @@ built-in hybrid pair's) or ``tiny`` (a test scale). The parts, each timed alone:
   ``[V, H]`` and their top ranks; ``draft.matmul`` is its product alone
   (:func:`refcheck.sglang.capture.dflash_taps.draft_logits`, one 2-D product), ``draft.matmul_strided`` the same
   product over the depths' strided 3-D view, for comparison (a batched product that reads the head per request);
+  ``draft.top`` its top ranks alone (:func:`refcheck.sglang.draft_side.draft_top` of the product), and
+  ``draft.top_scores`` the same ranks taken over the bf16 scores themselves, each log-prob the score less the
+  row's log-sum-exp, for comparison;
 - ``context``: :func:`refcheck.sglang.capture.dflash_taps._context`, the sketch of the drafter's fed features;
 - ``state``: :func:`refcheck.sglang.capture.state.batch_state` over SGLang-laid pools (KV ``[slots, H_kv, D]``
   per attention layer; conv ``[L, slots, C, K-1]`` and float32 SSM ``[L, slots, HV, V, K]``);
@@ -59,6 +62,7 @@ from refcheck.sglang.capture.dflash_taps import _context, _draft, draft_logits  
 from refcheck.sglang.capture.long_product import long_product  # noqa: E402
 from refcheck.sglang.capture.state import MambaPools, _ssm_projection, batch_state  # noqa: E402
 from refcheck.sglang.capture.steps import node_logprobs, summarise_nodes  # noqa: E402
+from refcheck.sglang.draft_side import DRAFT_MARGIN, DRAFT_TOPK, draft_top  # noqa: E402
 from refcheck.sketch import SKETCH_DIM  # noqa: E402
 
 
@@ -158,6 +162,16 @@ def topk_split(x: torch.Tensor, k: int, width: int = 2048) -> tuple[torch.Tensor
     return top.values, ids.gather(-1, top.indices)
 
 
+def top_of_scores(scores: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """:func:`refcheck.sglang.draft_side.draft_top`'s ranks taken over the scores in their own dtype: the top k (and
+    its margin) and the reach over ``[..., V]`` scores, each log-prob its score less the row's log-sum-exp (float32)."""
+    flat = scores.reshape(-1, scores.shape[-1])  # [..., V] -> [R, V]
+    top = flat.topk(min(k + DRAFT_MARGIN, flat.shape[-1]), dim=-1)
+    lse = torch.logsumexp(flat.float(), dim=-1, keepdim=True)  # float32: as draft_top's log-softmax
+    reach = (flat >= top.values[:, k - 1: k]).sum(dim=-1)
+    return {"ids": top.indices, "logprobs": top.values.float() - lse, "reach": reach}
+
+
 def parts(x: dict[str, Any], bs: int, block: int) -> dict[str, Callable[[], Any]]:
     """Each timed part as a no-argument call over the stand-in tensors."""
     pools, ms = x["pools"], x["mamba_slots"]
@@ -165,6 +179,7 @@ def parts(x: dict[str, Any], bs: int, block: int) -> dict[str, Callable[[], Any]
     rec_proj = _ssm_projection(hv, k, v, str(pools.ssm.device)).reshape(hv * v * k, -1)  # [HV*V*K, r]
     hs = x["hidden"].view(bs, block, -1)[:, 1:, :]  # [b*B, H] -> [b, B-1, H]
     logp = node_logprobs(x["logits"])  # [b*B, V] float32
+    scores = draft_logits(x["hidden"], x["head"], bs, block)  # [b, B-1, V] in the head's dtype
     return {
         "verify": lambda: summarise_nodes(x["logits"], x["picks"]).tensors(),
         "verify.log_softmax": lambda: node_logprobs(x["logits"]),
@@ -174,6 +189,8 @@ def parts(x: dict[str, Any], bs: int, block: int) -> dict[str, Callable[[], Any]
         "draft": lambda: _draft(x["hidden"], x["head"], bs, block),
         "draft.matmul": lambda: draft_logits(x["hidden"], x["head"], bs, block),
         "draft.matmul_strided": lambda: torch.matmul(hs, x["head"].T),
+        "draft.top": lambda: draft_top(scores, DRAFT_TOPK),
+        "draft.top_scores": lambda: top_of_scores(scores, DRAFT_TOPK),
         "context": lambda: _context(x["fed"], x["positions"], x["lens"], bs),
         "state": lambda: batch_state(x["kv"], x["slots"], pools, ms),
         "state.rec_split": lambda: long_product(pools.ssm[:, ms].reshape(n * bs, -1), rec_proj),

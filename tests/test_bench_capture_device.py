@@ -52,3 +52,16 @@ def test_the_split_parts_compute_what_their_whole_forms_do():
     got = bench.parts(x, 3, 4)
     torch.testing.assert_close(got["state.rec_split"](), got["state.rec_gemm"](), rtol=1e-4, atol=1e-3)
     torch.testing.assert_close(got["draft.matmul"](), got["draft.matmul_strided"](), rtol=1e-2, atol=1e-2)
+
+
+def test_the_draft_top_over_the_scores_is_draft_tops_ranks():
+    """top_of_scores gives draft_top's ranks (ids up to the order of tied scores: bf16 rounds some apart to one),
+    its reach, and its log-probs to float32 rounding."""
+    from refcheck.sglang.draft_side import draft_top
+    g = torch.Generator().manual_seed(4)
+    scores = (torch.randperm(3 * 5 * 400, generator=g).float().view(3, 5, 400) / 97).to(torch.bfloat16)
+    got, want = bench.top_of_scores(scores, 16), draft_top(scores, 16)
+    flat = scores.reshape(15, 400).float()
+    torch.testing.assert_close(got["logprobs"], want["logprobs"].reshape(15, -1), rtol=0, atol=1e-5)
+    assert torch.equal(got["reach"], want["reach"].reshape(15))
+    assert torch.equal(flat.gather(1, got["ids"]), flat.gather(1, want["ids"].reshape(15, -1)))  # ties: any order
