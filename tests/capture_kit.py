@@ -188,6 +188,7 @@ class ReplayingCache(GraphCache):
         return len(self.replays)
 
     def run(self, key: Any, fn: Any, *inputs: torch.Tensor) -> Any:
+        self.replayed += 1  # counted as GraphCache counts a replay
         if key not in self.replays:
             static = tuple(t.clone() for t in inputs)
             self.replays[key] = (fn, static, fn(*static))

@@ -132,3 +132,54 @@ def test_a_batch_that_records_some_of_its_requests_keeps_their_rows_of_every_pac
         assert torch.allclose(a.context_sketch, b.context_sketch, atol=1e-6)
         for name in b.state:
             assert torch.allclose(a.state[name][2].float(), b.state[name][2].float(), atol=1e-5), name
+
+
+class _OnCuda:
+    """A stand-in input that says it lives on CUDA (no GPU here): enough for a cache's admission and counts."""
+
+    device = torch.device("cuda")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def numel(self) -> int:
+        return self.n
+
+    def element_size(self) -> int:
+        return 4
+
+
+def test_a_graph_cache_counts_its_gpu_calls_run_eagerly_until_taken():
+    """A key refused (past the cache's bytes) runs eagerly, at its first call and every later one, and is counted
+    each time; calls off CUDA are not counted; take_counts hands the counts over and starts again from zero (the
+    replays' count on the GPU: tests/test_gpu.py)."""
+    from refcheck.sglang.capture.graphs import GraphCache
+
+    cache = GraphCache(max_bytes=100)
+    calls = []
+    for _ in range(3):
+        assert cache.run("big", lambda x: calls.append(x) or "eager", _OnCuda(50)) == "eager"  # 200 bytes > 100
+    assert cache.run("cpu", lambda x: "cpu", torch.zeros(1)) == "cpu"
+    assert len(calls) == 3 and len(cache) == 0
+    assert cache.take_counts() == (0, 3) and cache.take_counts() == (0, 0)
+
+
+def test_the_hooks_book_their_device_computations_graph_calls_per_recorded_batch(tmp_path, monkeypatch):
+    """Four DFLASH batches through caches that replay like CUDA graphs: the ledger books every cache call of a
+    recorded batch as replayed (a state sketch, a verify reduction, the draft and the context: four a batch), none
+    eager; with the caches off (REFCHECK_CAPTURE_GRAPHS=off), none of either."""
+    from capture_kit import ReplayingCache, dflash_batches
+
+    from refcheck.sglang.capture.shipper import ledger_summary, read_ledgers
+
+    for graphs in (True, False):
+        caches = {"_STATE_GRAPHS": ReplayingCache(), "_VERIFY_GRAPHS": ReplayingCache(),
+                  "_TAP_GRAPHS": (ReplayingCache(), ReplayingCache())}
+        for name, cache in caches.items():
+            monkeypatch.setattr(hooks, name, cache)
+        root = tmp_path / str(graphs)
+        dflash_batches(root, monkeypatch, graphs=graphs, dev="cpu")
+        ledger = read_ledgers(root)
+        cost = ledger_summary(ledger, ledger["written"])
+        assert ledger["recorded_batches"] == 4
+        assert (cost["graph_replays_per_batch"], cost["graph_eager_per_batch"]) == ((4.0, 0.0) if graphs else (0.0, 0.0))

@@ -226,6 +226,7 @@ def test_the_capture_state_sketch_replayed_as_a_cuda_graph_equals_the_eager_sket
     assert torch.equal(cache.run("sync", syncing, rows, lens), rows * 2)
     assert torch.equal(cache.run("sync", syncing, rows, lens * 3), rows * 6)  # eager from then on
     assert len(errors) == 1 and errors[0][0] == "sync"
+    assert cache.take_counts() == (6, 2)  # six replays (a capture's first call among them), two eager calls
     # the failed capture leaves the process's random ops working (SGLang samples with the default generator)
     assert torch.randperm(8, device=dev).sort().values.tolist() == list(range(8))
     assert 0 <= float(torch.rand(4, device=dev).min()) and torch.multinomial(torch.ones(3, device=dev), 2).numel() == 2

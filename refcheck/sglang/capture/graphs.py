@@ -18,7 +18,9 @@ eagerly on a side stream (its lazy caches and allocations), then captures it the
 :func:`torch.cuda.graph`'s device-wide synchronise, garbage collection and cache emptying. Off CUDA, or for a
 key whose capture failed (the failure is handed to ``on_error`` once, a capture that ends well clears what the
 failed one left in the CUDA generator, and the key runs eagerly from then on),
-:meth:`GraphCache.run` is ``fn(*inputs)``. A replay computes what the eager call computes, kernel for kernel.
+:meth:`GraphCache.run` is ``fn(*inputs)``. A replay computes what the eager call computes, kernel for kernel. A
+cache counts its calls on the GPU, replayed from a graph or run eagerly (refused or not capturable), until
+:meth:`GraphCache.take_counts` takes them.
 """
 
 from __future__ import annotations
@@ -90,9 +92,17 @@ class GraphCache:
         self.limit, self.max_bytes = limit, max_bytes
         self.static_bytes = 0  # the static inputs of the graphs captured so far
         self._pool: Any = None  # the memory pool every graph of this cache is captured into
+        self.replayed = 0  # calls on the GPU replayed from a graph (its capture's first call included) ...
+        self.ran_eagerly = 0  # ... and run eagerly (a key refused, or not capturable), since take_counts
 
     def __len__(self) -> int:
         return len(self._graphs)
+
+    def take_counts(self) -> tuple[int, int]:
+        """(replayed, ran eagerly): the calls on the GPU since the last take, the counts then reset."""
+        got = (self.replayed, self.ran_eagerly)
+        self.replayed = self.ran_eagerly = 0
+        return got
 
     def admits(self, key: Hashable, inputs: tuple[torch.Tensor, ...]) -> bool:
         """Whether ``key`` may have a graph: fewer than ``limit`` graphs so far, and its static inputs within what
@@ -104,24 +114,34 @@ class GraphCache:
 
     def run(self, key: Hashable, fn: Callable[..., Any], *inputs: torch.Tensor) -> Any:
         """``fn(*inputs)``, replayed from the key's graph where it can be (module docstring)."""
-        if not inputs or any(t.device.type != "cuda" for t in inputs) or key in self._eager:
+        if not inputs or any(t.device.type != "cuda" for t in inputs):
             return fn(*inputs)
         captured = self._graphs.get(key)
         if captured is None:
-            if not self.admits(key, inputs):
+            captured = self._capture(key, fn, inputs)
+            if captured is None:
+                self.ran_eagerly += 1
                 return fn(*inputs)
-            try:
-                if self._pool is None:
-                    self._pool = torch.cuda.graph_pool_handle()
-                captured = self._graphs[key] = _Captured(fn, inputs, self._pool)
-                self.static_bytes += _nbytes(captured.inputs)
-            except Exception as exc:  # a computation that cannot be captured runs eagerly; the engine carries on
-                self._eager.add(key)
-                if self._on_error is not None:
-                    self._on_error(key, exc)
-                _end_capturing_state()
-                return fn(*inputs)
+        self.replayed += 1
         return captured(inputs)
+
+    def _capture(self, key: Hashable, fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...]) -> _Captured | None:
+        """The key's new graph, or None where it runs eagerly: refused (:meth:`admits`), its capture failed now (the
+        failure handed to ``on_error``) or before."""
+        if key in self._eager or not self.admits(key, inputs):
+            return None
+        try:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            captured = self._graphs[key] = _Captured(fn, inputs, self._pool)
+        except Exception as exc:  # a computation that cannot be captured runs eagerly; the engine carries on
+            self._eager.add(key)
+            if self._on_error is not None:
+                self._on_error(key, exc)
+            _end_capturing_state()
+            return None
+        self.static_bytes += _nbytes(captured.inputs)
+        return captured
 
 
 def run(cache: GraphCache | None, key: Hashable, fn: Callable[..., Any], *inputs: torch.Tensor) -> Any:

@@ -265,6 +265,14 @@ _VERIFY_GRAPHS = GraphCache(_graph_error("verify reduction"))
 _TAP_GRAPHS = (GraphCache(_graph_error("drafter's draft")), GraphCache(_graph_error("drafter's context")))
 
 
+def _graph_calls() -> dict[str, int]:
+    """The ledger's counts of the hooks' device computations on the GPU since the last take, over every cache:
+    ``graph_replays`` (replayed from a CUDA graph) and ``graph_eager`` (run eagerly: a shape a cache refused, its
+    static inputs past the cache's bytes, or one that could not be captured)."""
+    counts = [c.take_counts() for c in (_STATE_GRAPHS, _VERIFY_GRAPHS, *_TAP_GRAPHS)]
+    return {"graph_replays": sum(r for r, _ in counts), "graph_eager": sum(e for _, e in counts)}
+
+
 def _graphs(cache: Any) -> Any:
     """``cache``, unless ``REFCHECK_CAPTURE_GRAPHS=off`` asks for eager device work (None)."""
     return None if os.environ.get(ENV_GRAPHS, "").lower() in ("off", "0", "no") else cache
@@ -465,7 +473,7 @@ def _record(scheduler: Any, rec: Recorder, snap: Batch, result: Any, ran_s: floa
     _after_recorded = snap.mode == "decode"
     if snap.mode == "decode":
         rec.shipper.counts.add(recorded_batches=1, recorded_ns=int(1e9 * wall), hooks_ns=int(1e9 * hooks_s),
-                               **{f"{k}_ns": int(1e9 * v) for k, v in snap.parts.items()})
+                               **{f"{k}_ns": int(1e9 * v) for k, v in snap.parts.items()}, **_graph_calls())
     elif snap.mode == "extend":
         rec.shipper.counts.add(prefills=1, prefill_ns=int(1e9 * wall), prefill_hooks_ns=int(1e9 * hooks_s))
 

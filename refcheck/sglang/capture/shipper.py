@@ -62,7 +62,8 @@ QUEUE_DEPTH = 512
 FIELDS = ("queued", "written", "lost", "writer_ns", "plain_batches", "plain_ns", "recorded_batches", "recorded_ns",
           "hooks_ns", "snapshot_ns", "verify_ns", "taps_ns", "state_ns", "ship_ns", "passed_ns", "gc_ns",
           "gc_collections", "prefills", "prefill_ns", "prefill_hooks_ns", "plain_prefills", "plain_prefill_ns",
-          "over_budget", "unwritten_errors", "rolled_out", "requests", "next_batches", "next_ns")
+          "over_budget", "unwritten_errors", "rolled_out", "requests", "next_batches", "next_ns", "graph_replays",
+          "graph_eager")
 #: the parts of the hooks' time the ledger books (``{part}_ns``): the batch's snapshot, the verify hooks' reductions,
 #: the DFLASH drafter's taps, the committed state's sketch, and packing and queuing the record
 PARTS = ("snapshot", "verify", "taps", "state", "ship")
@@ -174,9 +175,13 @@ def ledger_between(before: dict[str, int], after: dict[str, int]) -> dict[str, f
 
 def ledger_summary(ledger: dict[str, int], written: int) -> dict[str, float | int | None]:
     """A ledger (summed over processes) in milliseconds per batch: a plain decode batch's ``run_batch``, a
-    recorded one's and the hooks' share of it, and the writer's CPU per record (``written`` records)."""
+    recorded one's and the hooks' share of it, and the writer's CPU per record (``written`` records); per recorded
+    batch, the hooks' device computations replayed from CUDA graphs and run eagerly (``graph_*_per_batch``)."""
     def per(ns: str, n: int) -> float | None:
         return round(ledger.get(ns, 0) / 1e6 / n, 4) if n else None
+
+    def count_per(field: str, n: int) -> float | None:
+        return round(ledger.get(field, 0) / n, 3) if n else None
 
     plain, recorded = ledger.get("plain_batches", 0), ledger.get("recorded_batches", 0)
     prefills, plain_prefills = ledger.get("prefills", 0), ledger.get("plain_prefills", 0)
@@ -189,7 +194,9 @@ def ledger_summary(ledger: dict[str, int], written: int) -> dict[str, float | in
             "plain_prefills": plain_prefills, "plain_prefill_ms_per_batch": per("plain_prefill_ns", plain_prefills),
             "next_batches": ledger.get("next_batches", 0),
             "next_ms_per_batch": per("next_ns", ledger.get("next_batches", 0)),
-            "parts_ms_per_batch": {p: per(f"{p}_ns", recorded) for p in PARTS}}
+            "parts_ms_per_batch": {p: per(f"{p}_ns", recorded) for p in PARTS},
+            "graph_replays_per_batch": count_per("graph_replays", recorded),
+            "graph_eager_per_batch": count_per("graph_eager", recorded)}
 
 
 def queue_files(root: Path) -> list[Path]:
