@@ -10,7 +10,8 @@
 # DEVICE_BENCH=WIDTHS (real, builtin or tiny), scripts/bench_capture_device.py --widths WIDTHS next, at most BENCH_S
 # seconds (default 120), into OUT/device-bench.txt and OUT/device-bench.json (the hooks' device work part by part). Then
 # `capture_cost.py --out OUT/cost --until U ARGUMENTS`, where U is the seconds left after the tests less END_S (default
-# 45: the last cell's shutdown and trace reading), so every cell's timing rounds end in time however long its
+# 45, or 150 with --model among ARGUMENTS: the last cell's shutdown and trace reading; after 53 rounds the real-width
+# pair's took more than 45 s), so every cell's timing rounds end in time however long its
 # engine took to start (an --until among ARGUMENTS wins); it is killed SECONDS after this script began if still
 # running (the cells it finished are in its JSON: it writes each as it ends), into OUT/log.txt; with fewer than
 # MIN_S seconds (default 30) left after the tests, or no U left, no measurement starts. Last, OUT/capture-cost.tgz packs
@@ -38,7 +39,9 @@ if [ -n "${DEVICE_BENCH:-}" ]; then
   echo "exit $?" >>"$out/device-bench.txt"
 fi
 left=$(( seconds - ($(date +%s) - start) ))
-until=$(( left - ${END_S:-45} ))
+end_s=45
+for arg in "$@"; do [ "$arg" = "--model" ] && end_s=150; done
+until=$(( left - ${END_S:-$end_s} ))
 if [ "$left" -lt "${MIN_S:-30}" ] || [ "$until" -lt 1 ]; then
   echo "capture_cost_runs.sh: $left s left after the GPU tests: no measurement" >"$out/log.txt"; rc=124
 else

@@ -32,13 +32,14 @@ echo '| table |' > "$out/capture_cost.md"
 
 
 def _run(tmp_path: Path, *args: str, sleep: str = "0", min_s: str = "30",
-         end_s: str = "45", bench: str = "") -> subprocess.CompletedProcess:
+         end_s: str | None = "45", bench: str = "") -> subprocess.CompletedProcess:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "python3").write_text(FAKE)
     (bin_dir / "python3").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "GPU_TESTS": "", "SLEEP": sleep, "MIN_S": min_s,
-           "END_S": end_s, "DEVICE_BENCH": bench}
+    env = {**{k: v for k, v in os.environ.items() if k != "END_S"}, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+           "GPU_TESTS": "", "SLEEP": sleep, "MIN_S": min_s, "DEVICE_BENCH": bench,
+           **({"END_S": end_s} if end_s is not None else {})}
     return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
 
 
@@ -74,6 +75,17 @@ def test_the_rounds_end_is_the_seconds_left_less_end_s_and_an_until_given_wins(t
     none = _run(tmp_path, str(tmp_path / "p"), "40", min_s="30", end_s="45")
     assert none.returncode == 124
     assert "no measurement" in (tmp_path / "p" / "log.txt").read_text()
+
+
+def test_end_s_defaults_to_45_seconds_and_to_150_for_a_pair_of_ones_own(tmp_path):
+    """Without END_S, the rounds end 45 s before SECONDS runs out, or 150 s with --model among the arguments (the
+    real-width pair's shutdown and trace reading take longer)."""
+    for args, want in (((), 155), (("--model", "/m", "--draft", "/d"), 50)):
+        out = tmp_path / str(want)
+        got = _run(tmp_path, str(out), "200", *args, end_s=None)
+        assert got.returncode == 0, got.stderr
+        until = re.search(r"--until (\d+)", (out / "log.txt").read_text())
+        assert until and want - 2 <= int(until.group(1)) <= want, (out / "log.txt").read_text()
 
 
 def test_a_measurement_past_its_seconds_is_killed_and_what_it_wrote_is_kept(tmp_path):
