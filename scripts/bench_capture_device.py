@@ -47,7 +47,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,8 +54,11 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # bench_verify's timer beside this script
 
-from refcheck import models  # noqa: E402
+from bench_verify import Timer  # noqa: E402
+
+from refcheck.models import builtin_pair  # noqa: E402
 from refcheck.models.build import REAL_TINY, _target_fields, real_configs  # noqa: E402
 from refcheck.sglang.capture.dflash_taps import _context, _draft, draft_logits  # noqa: E402
 from refcheck.sglang.capture.long_product import long_product  # noqa: E402
@@ -83,32 +85,12 @@ def presets() -> dict[str, dict[str, int]]:
     """``real``: the real pair of ``scripts/real_width.py build`` (8 layers); ``builtin``: the built-in hybrid pair;
     ``tiny``: the real pair's layout at its test scale (:data:`refcheck.models.build.REAL_TINY`), all read from
     :mod:`refcheck.models.build` and the built-in drafter's shipped config."""
-    builtin_draft = json.loads((Path(models.__file__).parent / "hybrid" / "draft" / "config.json").read_text())
+    builtin_draft = json.loads((builtin_pair("hybrid")[1] / "config.json").read_text())
     return {"real": _widths(*real_configs(8)), "builtin": _widths(_target_fields("hybrid")[1], builtin_draft),
             "tiny": _widths(*real_configs(8, REAL_TINY))}
 
 
 WIDTHS = presets()
-
-
-def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
-    """A function timing one call in ms: CUDA events on a CUDA device, the wall clock elsewhere."""
-    if device.type == "cuda":
-        def timed(fn: Callable[[], Any]) -> float:
-            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return float(start.elapsed_time(end))
-        return timed
-
-    def wall(fn: Callable[[], Any]) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1000
-    return wall
 
 
 def _inputs(w: dict[str, int], bs: int, block: int, device: torch.device) -> dict[str, Any]:
@@ -202,11 +184,11 @@ def parts(x: dict[str, Any], bs: int, block: int) -> dict[str, Callable[[], Any]
 def bench(widths: str, bs: int, block: int, repeats: int, device: torch.device) -> list[dict[str, Any]]:
     """One row per part: median, min and max ms over ``repeats`` calls after one warm-up call."""
     w = WIDTHS[widths]
-    timed = _timer(device)
+    timed = Timer(device)  # CUDA events on a CUDA device, the wall clock elsewhere
     rows = []
     for name, fn in parts(_inputs(w, bs, block, device), bs, block).items():
         peak = _peak_mib(fn, device)  # the warm-up call
-        ms = [timed(fn) for _ in range(repeats)]
+        ms = timed(fn, repeats, warmup=0)
         rows.append({"part": name, "median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms),
                      "peak_mib": peak})
     return rows

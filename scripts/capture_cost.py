@@ -71,19 +71,22 @@ from capture_cost_table import markdown  # noqa: E402
 from refcheck.prompts import load_prompts  # noqa: E402
 from refcheck.prompts.workloads import workload  # noqa: E402
 from refcheck.reference_runner import EngineSpec  # noqa: E402
+from refcheck.sglang.child import TIMING_KINDS  # noqa: E402
 
 
 def _prompts(name: str) -> list:
+    """A workload's prompts (:data:`WORKLOADS`)."""
     return load_prompts()[:1] if name == "one" else list(workload("mixed"))
 
 
-def timing_row(algorithm: str, graphs: bool, load: str, st: dict[str, Any]) -> dict[str, Any]:
+def timing_row(algorithm: str, graphs: bool, load: str, st: dict[str, Any],
+               ledger_fallback: dict[str, Any] | None = None) -> dict[str, Any]:
     """A row's timing columns from the engine run's settings (``st``: the child's ``result.json``, which the
     trace's provenance carries as its settings): each overhead is a median pass of its kind over the median
     untraced pass, the kinds' passes interleaved on one warm engine; the first captured pass over the same untraced
-    median as ``overhead_captured``, and each kind's ratios within a round (:func:`per_round`)."""
-    passes = {"untraced": st.get("repeat_generate_s") or [], "sampled": st.get("sampled_generate_s") or [],
-              "full": st.get("full_generate_s") or []}
+    median as ``overhead_captured``, and each kind's ratios within a round (:func:`per_round`); the batch columns'
+    books (:func:`ledger_of`, ``ledger_fallback`` where the passes booked none)."""
+    passes = {kind: st.get(times) or [] for kind, (_, times, _) in TIMING_KINDS.items()}
     costs = st.get("pass_costs") or {}
     mid = medians(passes, st.get("generate_s"))
     untraced = mid["untraced_s"]
@@ -93,7 +96,7 @@ def timing_row(algorithm: str, graphs: bool, load: str, st: dict[str, Any]) -> d
             "booked": {kind: booked(costs, kind, len(passes[kind]), untraced) for kind in ("full", "sampled")},
             "tokens_same_untraced": st.get("repeats_match"), "tokens_same_sampled": st.get("sampled_match"),
             "tokens_same_full": st.get("full_match"), "tokens_same_round": st.get("round_match") or {},
-            "capture_behind": st.get("capture_behind") or {}, "ledger": ledger_of(costs),
+            "capture_behind": st.get("capture_behind") or {}, "ledger": ledger_of(costs, ledger_fallback),
             "pass_costs": costs, "drain_s": st.get("drain_s")}
 
 
@@ -101,16 +104,14 @@ def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path) -> d
     """One table row from a captured trace written at ``path``: :func:`timing_row` of its provenance's settings (every
     pass's wall time and books), and what the trace itself holds: its requests and steps, bytes per step, the
     capture's errors and statistics."""
-    st, cap = trace.prov.settings, trace.provenance.get("capture", {})
-    steps = len(trace.steps)
-    return {**timing_row(algorithm, graphs, load, st), "requests": len(trace.requests), "steps": steps,
-            "graphed_steps": (cap.get("stats") or {}).get("cuda_graph_steps"),
+    cap = trace.provenance.get("capture", {})
+    stats, steps = cap.get("stats") or {}, len(trace.steps)
+    return {**timing_row(algorithm, graphs, load, trace.prov.settings, stats.get("capture_cost")),
+            "requests": len(trace.requests), "steps": steps, "graphed_steps": stats.get("cuda_graph_steps"),
             "bytes_per_step": path.stat().st_size / steps if steps else None,
-            "capture_errors": (cap.get("errors") or [])[:3],
-            "lost_batches": (cap.get("stats") or {}).get("lost_batches", 0),
-            "capture_host_ms_per_batch": (cap.get("stats") or {}).get("capture_host_ms_per_batch"),
-            "host": next((st.get("host") for st in cap.get("status") or [] if isinstance(st, dict)), None),
-            "ledger": ledger_of(st.get("pass_costs") or {}, (cap.get("stats") or {}).get("capture_cost"))}
+            "capture_errors": (cap.get("errors") or [])[:3], "lost_batches": stats.get("lost_batches", 0),
+            "capture_host_ms_per_batch": stats.get("capture_host_ms_per_batch"),
+            "host": next((st.get("host") for st in cap.get("status") or [] if isinstance(st, dict)), None)}
 
 
 def result_row(path: Path) -> dict[str, Any]:
@@ -120,15 +121,12 @@ def result_row(path: Path) -> dict[str, Any]:
     st = json.loads(path.read_text())
     if not isinstance(st, dict) or "repeat_generate_s" not in st:
         raise ValueError(f"{path} is not an engine run's result.json (no repeat_generate_s)")
-    parts = path.parent.name.rsplit("-", 2)
-    if len(parts) != 3 or parts[1] not in ("graphs", "eager") or parts[2] not in ("one", "mixed"):
-        raise ValueError(f"{path.parent.name!r} is not a cell's directory (ALGORITHM-graphs|eager-one|mixed)")
+    algorithm, graphs, load = cell_of_name(path.parent.name)
     job = path.parent / "job.json"
     model = None
     if job.is_file():
         model = (json.loads(job.read_text()).get("engine_kwargs") or {}).get("model_path")
-    return {**timing_row(parts[0].upper(), parts[1] == "graphs", parts[2], st), "model": model,
-            "trace_read": False}
+    return {**timing_row(algorithm, graphs, load, st), "model": model, "trace_read": False}
 
 
 @functools.cache
@@ -178,8 +176,26 @@ def run_cell(args: argparse.Namespace, algorithm: str, graphs: bool, load: str,
     return {**row_of(algorithm, graphs, load, trace, path), "model": spec.model_label}, trace
 
 
+#: the workloads a cell runs (:func:`_prompts`)
+WORKLOADS = ("one", "mixed")
+
+
 def cell_name(algorithm: str, graphs: bool, load: str) -> str:
+    """A cell's directory name, ``algorithm-graphs|eager-workload`` (:func:`cell_of_name` reads it back)."""
     return f"{algorithm.lower()}-{'graphs' if graphs else 'eager'}-{load}"
+
+
+def cell_of_name(name: str) -> tuple[str, bool, str]:
+    """(algorithm, CUDA graphs, workload) of a :func:`cell_name`; ValueError for another name."""
+    parts = name.rsplit("-", 2)
+    if len(parts) != 3 or parts[1] not in ("graphs", "eager") or parts[2] not in WORKLOADS:
+        raise ValueError(f"{name!r} is not a cell's directory (ALGORITHM-graphs|eager-one|mixed)")
+    return parts[0].upper(), parts[1] == "graphs", parts[2]
+
+
+def cell_arg(algorithm: str, graphs: bool, load: str) -> str:
+    """A cell as ``--cells`` names it, ``ALGORITHM:on|off:workload`` (:func:`cells` reads it back)."""
+    return f"{algorithm}:{'on' if graphs else 'off'}:{load}"
 
 
 def diffed(args: argparse.Namespace, row: dict[str, Any], trace: Any) -> dict[str, Any]:
@@ -248,7 +264,7 @@ def cells(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
     out = []
     for cell in args.cells.split(","):
         parts = cell.split(":")
-        if len(parts) != 3 or parts[1] not in ("on", "off") or parts[2] not in ("one", "mixed"):
+        if len(parts) != 3 or parts[1] not in ("on", "off") or parts[2] not in WORKLOADS:
             raise ValueError(f"cell {cell!r} is not ALGORITHM:on|off:one|mixed")
         out.append((parts[0], parts[1] == "on", parts[2]))
     return out
@@ -291,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool", action="store_true", help="with --reread: one row per cell, its runs' rounds together")
     ap.add_argument("--algorithms", default="NONE,DFLASH,NGRAM,REFCHECK_DDTREE")
     ap.add_argument("--graphs", default="off,on")
-    ap.add_argument("--workloads", default="one,mixed")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--sample", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3, help="timing rounds (at most, with --round-budget)")
     ap.add_argument("--round-budget", type=float, default=None,
@@ -323,9 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"capture_cost: {exc}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = run_cells(args, todo)
-    (args.out / "capture_cost.md").write_text(markdown(rows, args.sample))
-    print(markdown(rows, args.sample))
+    table = markdown(run_cells(args, todo), args.sample)
+    (args.out / "capture_cost.md").write_text(table)
+    print(table)
     return 0
 
 
@@ -338,7 +354,7 @@ def run_cells(args: argparse.Namespace, todo: list[tuple[str, bool, str]]) -> li
     fixed: list[float] = []  # each finished cell's cost outside its rounds
     for i, (algorithm, graphs, load) in enumerate(todo):
         if time.monotonic() - t0 > last_start:
-            left = [f"{a}:{'on' if g else 'off'}:{w}" for a, g, w in todo[i:]]
+            left = [cell_arg(*cell) for cell in todo[i:]]
             print(f"capture_cost: deadline reached, cells not run: {','.join(left)}", flush=True)
             break
         began = time.monotonic()

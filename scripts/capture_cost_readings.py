@@ -150,12 +150,16 @@ def readings(passes: dict[str, list[float]], costs: dict[str, Any], graphs: bool
                               "sampled": rounds_to_decide(rounds["sampled"], SAMPLED_LIMIT)}}
 
 
+def _measured(r: dict[str, Any]) -> bool:
+    """A row of a cell's passes (not, say, a deadline's list of cells not run)."""
+    return isinstance(r.get("passes"), dict) and "graphs" in r
+
+
 def reread(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows of an earlier run's JSON with their :func:`readings` and :func:`ledger_of` recomputed from the passes and
     books they hold (rows without passes, such as a deadline's list of cells not run, are left out)."""
     return [{**r, **readings(r["passes"], r.get("pass_costs") or {}, bool(r["graphs"])),
-             **({"ledger": ledger_of(r["pass_costs"])} if r.get("pass_costs") else {})} for r in rows
-            if isinstance(r.get("passes"), dict) and "graphs" in r]
+             **({"ledger": ledger_of(r["pass_costs"])} if r.get("pass_costs") else {})} for r in rows if _measured(r)]
 
 
 def pooled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -164,9 +168,7 @@ def pooled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     untraced pass; the medians and the readings recomputed from them (:func:`reread`); the books, which do not pool
     by pass, and the first captured pass's ratio left out; the first row's other fields."""
     cells: dict[tuple[Any, Any, Any], dict[str, Any]] = {}
-    for r in rows:
-        if not isinstance(r.get("passes"), dict) or "graphs" not in r:
-            continue
+    for r in filter(_measured, rows):
         cell = cells.setdefault((r["algorithm"], r["graphs"], r["workload"]),
                                 {**r, "passes": {}, "pass_costs": {}, "pooled_runs": 0, "ledger": {}, "booked": {},
                                  "overhead_captured": None})

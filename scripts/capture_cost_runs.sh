@@ -40,7 +40,7 @@ if [ -n "${DEVICE_BENCH:-}" ]; then
 fi
 left=$(( seconds - ($(date +%s) - start) ))
 end_s=45
-for arg in "$@"; do [ "$arg" = "--model" ] && end_s=150; done
+for arg in "$@"; do case "$arg" in --model|--model=*) end_s=150 ;; esac; done
 until=$(( left - ${END_S:-$end_s} ))
 if [ "$left" -lt "${MIN_S:-30}" ] || [ "$until" -lt 1 ]; then
   echo "capture_cost_runs.sh: $left s left after the GPU tests: no measurement" >"$out/log.txt"; rc=124

@@ -177,11 +177,9 @@ def ledger_summary(ledger: dict[str, int], written: int) -> dict[str, float | in
     """A ledger (summed over processes) in milliseconds per batch: a plain decode batch's ``run_batch``, a
     recorded one's and the hooks' share of it, and the writer's CPU per record (``written`` records); per recorded
     batch, the hooks' device computations replayed from CUDA graphs and run eagerly (``graph_*_per_batch``)."""
-    def per(ns: str, n: int) -> float | None:
-        return round(ledger.get(ns, 0) / 1e6 / n, 4) if n else None
-
-    def count_per(field: str, n: int) -> float | None:
-        return round(ledger.get(field, 0) / n, 3) if n else None
+    def per(field: str, n: int, unit: float = 1e6, digits: int = 4) -> float | None:
+        """``field`` per one of ``n`` in ``unit`` (nanoseconds -> milliseconds by default); None for no ``n``."""
+        return round(ledger.get(field, 0) / unit / n, digits) if n else None
 
     plain, recorded = ledger.get("plain_batches", 0), ledger.get("recorded_batches", 0)
     prefills, plain_prefills = ledger.get("prefills", 0), ledger.get("plain_prefills", 0)
@@ -195,8 +193,8 @@ def ledger_summary(ledger: dict[str, int], written: int) -> dict[str, float | in
             "next_batches": ledger.get("next_batches", 0),
             "next_ms_per_batch": per("next_ns", ledger.get("next_batches", 0)),
             "parts_ms_per_batch": {p: per(f"{p}_ns", recorded) for p in PARTS},
-            "graph_replays_per_batch": count_per("graph_replays", recorded),
-            "graph_eager_per_batch": count_per("graph_eager", recorded)}
+            "graph_replays_per_batch": per("graph_replays", recorded, 1, 3),
+            "graph_eager_per_batch": per("graph_eager", recorded, 1, 3)}
 
 
 def queue_files(root: Path) -> list[Path]:
