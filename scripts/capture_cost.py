@@ -4,11 +4,14 @@ Usage (on a GPU machine with SGLang; through the bundle: ``scripts/sglang_bundle
 
     python scripts/capture_cost.py --out OUT [--algorithms NONE,DFLASH,NGRAM,REFCHECK_DDTREE] [--graphs off,on]
         [--workloads one,mixed] [--sample 16] [--repeats 3] [--round-budget S] [--no-full] [--mem-fraction 0.3]
-        [--diff] [--cells ALG:on|off:one|mixed,...] [--deadline SECONDS] [--until SECONDS]
+        [--diff] [--cells ALG:on|off:one|mixed,...] [--engine-per-cell] [--deadline SECONDS] [--until SECONDS]
         [--model DIR [--draft DIR]]
     python scripts/capture_cost.py --reread capture_cost.json|CELL/result.json [...] [--pool]  # earlier runs, re-read
 
-Per cell (algorithm x CUDA graphs x workload) one SGLang engine runs, in order: an untraced warm-up pass, a
+A cell is an algorithm x CUDA graphs x workload. Neighbouring cells of one algorithm and CUDA graphs share one
+SGLang engine, their workloads run in turn on it (:func:`engines`; ``--engine-per-cell``: an engine each; one
+start-up for both workloads of an engine, the engine start being most of a cell's cost besides its rounds); per
+cell the engine runs, in order: an untraced warm-up pass, a
 captured warm-up pass, the captured pass (every step recorded: the trace), then ``--repeats`` rounds of three
 passes interleaved in rotating order (``refcheck/sglang/child.py``): untraced, sampled (1 decode and 1 prefill batch in
 ``--sample``, rids marked for it) and full capture. Each pass generates the same requests; the overheads are the
@@ -32,10 +35,10 @@ ratio is then the captured pass's alone).
 ``--cells`` names the cells to run, in order, instead of the product of the three lists; ``--deadline`` starts no
 cell once that many seconds have passed since the script began (for a device call's time limit), listing the cells
 left in the JSON's last row; ``--until`` ends every cell's timing rounds by that many seconds after the script began
-(no round starts that would end later, judged by the cell's longest round so far, and no cell starts past it),
+(no round starts that would end later, judged by the cell's longest round so far, and no engine starts past it),
 however long each engine took to start, and shares the time among the cells (:func:`share_until`: each cell's
-rounds get an equal part of what is left once every cell left has had what a cell costs besides its rounds, the
-most a finished cell spent on that, :func:`fixed_cost`, else :data:`FIXED_S`); the last cell's shutdown and trace
+rounds get an equal part of what is left once every engine left has had what an engine costs besides its rounds,
+the most a finished engine spent on that, :func:`fixed_cost`, else :data:`FIXED_S`); the last cell's shutdown and trace
 reading come after it, so leave them a margin before the call's limit (``scripts/capture_cost_runs.sh`` passes
 one). Writes ``OUT/capture_cost.json`` (rows, as they finish, each write whole or not at all; a row's ``--diff``
 columns are added once its trace is judged, so a call killed while judging keeps the timings) and
@@ -125,7 +128,10 @@ def result_row(path: Path) -> dict[str, Any]:
     job = path.parent / "job.json"
     model = None
     if job.is_file():
-        model = (json.loads(job.read_text()).get("engine_kwargs") or {}).get("model_path")
+        part = json.loads(job.read_text())
+        if "engine_kwargs" not in part and Path(part.get("engine_job") or "").is_file():  # a later workload's part
+            part = json.loads(Path(part["engine_job"]).read_text())
+        model = (part.get("engine_kwargs") or {}).get("model_path")
     return {**timing_row(algorithm, graphs, load, st), "model": model, "trace_read": False}
 
 
@@ -151,29 +157,36 @@ def judge(trace: Any, name: str) -> dict[str, Any]:
             "diff_steps_per_s": len(trace.steps) / wall if wall > 0 else None}
 
 
-def run_cell(args: argparse.Namespace, algorithm: str, graphs: bool, load: str,
-             until: float | None) -> tuple[dict[str, Any], Any]:
-    """One cell's row and its trace (None when its engine failed); its timing rounds end by ``until`` (wall clock,
-    :func:`share_until`). The row holds no verdict: :func:`diffed` judges the trace after the row is written."""
+def run_engine(args: argparse.Namespace, algorithm: str, graphs: bool, loads: list[str],
+               until: float | None) -> list[tuple[dict[str, Any], Any]]:
+    """The cells of one engine (``algorithm`` and CUDA graphs, one per workload in ``loads``, run in turn on it):
+    each cell's row and its trace (None when the engine failed); their timing rounds end by ``until`` (wall
+    clock, :func:`share_until`), shared among them. The engine's capture directory is the first cell's, each cell's
+    job and result in its own (:func:`cell_name`). The rows hold no verdict: :func:`diffed` judges each trace after
+    its row is written."""
     from refcheck.errors import RefcheckError
     from refcheck.sglang.runner import SGLangRunner
     from refcheck.trace.io import write_trace
 
-    name = cell_name(algorithm, graphs, load)
+    names = [cell_name(algorithm, graphs, load) for load in loads]
     spec = EngineSpec(model_dir=args.model, draft_dir=args.draft, pair=args.pair, budget=args.budget,
                       max_new_tokens=args.max_new_tokens, dtype="bfloat16", device="cuda")
     try:
         runner = SGLangRunner(spec, algorithm, cuda_graphs=graphs, warmup=True, timing_repeats=args.repeats,
                               sampled_timing=f"{args.sample}:0", mem_fraction=args.mem_fraction,
-                              capture_dir=args.out / name, timing_budget_s=args.round_budget,
+                              capture_dir=args.out / names[0], timing_budget_s=args.round_budget,
                               full_timing=not args.no_full, timing_until_s=until)
-        trace = runner.trace(_prompts(load))
+        traces = runner.traces([_prompts(load) for load in loads], [args.out / name for name in names[1:]])
     except RefcheckError as exc:
-        return {"algorithm": algorithm, "graphs": graphs, "workload": load, "model": spec.model_label,
-                "error": f"{type(exc).__name__}: {exc}"}, None
-    path = args.out / f"{name}.arrow"
-    write_trace(trace, path)
-    return {**row_of(algorithm, graphs, load, trace, path), "model": spec.model_label}, trace
+        return [({"algorithm": algorithm, "graphs": graphs, "workload": load, "model": spec.model_label,
+                  "error": f"{type(exc).__name__}: {exc}"}, None) for load in loads]
+    out = []
+    for load, name, trace in zip(loads, names, traces):
+        path = args.out / f"{name}.arrow"
+        write_trace(trace, path)
+        out.append(({**row_of(algorithm, graphs, load, trace, path), "model": spec.model_label, "engine": names[0]},
+                    trace))
+    return out
 
 
 #: the workloads a cell runs (:func:`_prompts`)
@@ -205,7 +218,7 @@ def diffed(args: argparse.Namespace, row: dict[str, Any], trace: Any) -> dict[st
 
     name = cell_name(row["algorithm"], row["graphs"], row["workload"])
     got = judge(trace, name)
-    sampled = sampled_trace(trace, args.out / name)
+    sampled = sampled_trace(trace, args.out / name, args.out / row.get("engine", name) / "records")
     if sampled is not None:
         write_trace(sampled, args.out / f"{name}-sampled.arrow")
         judged = judge(sampled, f"{name}-sampled")
@@ -214,31 +227,37 @@ def diffed(args: argparse.Namespace, row: dict[str, Any], trace: Any) -> dict[st
     return got
 
 
-#: what a cell costs besides its timing rounds (engine start, warm-up and captured passes, shutdown, reading the
+#: what an engine costs besides its timing rounds (engine start, warm-up and captured passes, shutdown, reading the
 #: trace) until one has been measured: a fresh machine's engine starts took 100-145 s
 FIXED_S = 150.0
 
 
-def share_until(until: float | None, now: float, fixed_s: float, cells_left: int) -> float | None:
-    """The wall-clock end of the next cell's timing rounds under ``--until``: the time left, less ``fixed_s`` for each
-    of the ``cells_left`` cells (the next one included), shared equally among them, after the next cell's own
-    ``fixed_s``; never past ``until`` (None: no end). A cell that ends its rounds early leaves its share to the
-    later ones, each share being taken afresh when a cell starts."""
+def share_until(until: float | None, now: float, fixed_s: float, engines_left: int, cells_left: int,
+                cells: int = 1) -> float | None:
+    """The wall-clock end of the next engine's timing rounds under ``--until``: the time left, less ``fixed_s`` for each
+    of the ``engines_left`` engines (the next one included), shared equally among the ``cells_left`` cells, the
+    next engine's ``cells`` cells taking theirs after its own ``fixed_s``; never past ``until`` (None: no end). An
+    engine that ends its rounds early leaves its share to the later ones, each share being taken afresh when an
+    engine starts."""
     if until is None:
         return None
-    spare = max(until - now - cells_left * fixed_s, 0.0)
-    return min(until, now + fixed_s + spare / cells_left)
+    spare = max(until - now - engines_left * fixed_s, 0.0)
+    return min(until, now + fixed_s + spare * cells / cells_left)
 
 
-def fixed_cost(row: dict[str, Any], wall_s: float) -> float:
-    """What a finished cell spent outside its timing rounds: its wall time less its passes' (a failed cell's whole
-    wall time)."""
-    passes: dict[str, list[float]] = row["passes"] if isinstance(row.get("passes"), dict) else {}
-    return max(wall_s - sum(float(sum(times)) for times in passes.values()), 0.0)
+def fixed_cost(rows: list[dict[str, Any]], wall_s: float) -> float:
+    """What a finished engine spent outside its cells' timing rounds: its wall time less their passes' (a failed
+    engine's whole wall time)."""
+    spent = 0.0
+    for row in rows:
+        passes: dict[str, list[float]] = row["passes"] if isinstance(row.get("passes"), dict) else {}
+        spent += sum(float(sum(times)) for times in passes.values())
+    return max(wall_s - spent, 0.0)
 
 
-def sampled_trace(trace: Any, cdir: Path) -> Any:
-    """The sampled pass's trace, from the records its marked rids left in the cell's capture directory."""
+def sampled_trace(trace: Any, cdir: Path, records: Path) -> Any:
+    """The sampled pass's trace, from the records its marked rids (the cell's ``job.json``) left in its engine's
+    ``records``."""
     from refcheck.prompts import Prompt
     from refcheck.sglang.capture.assemble import assemble_trace
     from refcheck.sglang.capture.records import read_capture
@@ -250,7 +269,7 @@ def sampled_trace(trace: Any, cdir: Path) -> Any:
     rids = {p.id: rid for p, rid in zip(prompts, job["sampled_rids"][0])}
     results = {r.request_id: {"output_ids": list(r.output_ids)} for r in trace.requests}
     prov = json.loads(json.dumps(trace.provenance, default=str))
-    asm = assemble_trace(prompts, rids, results, read_capture(cdir / "records"), prov)
+    asm = assemble_trace(prompts, rids, results, read_capture(records), prov)
     asm.trace.provenance["capture"] = {**prov.get("capture", {}), "problems": asm.problems[:50], "stats": asm.stats,
                                        "sample": {"every": int(job["sampled_rids"][0][0].split("-")[2]), "seed": 0}}
     return asm.trace
@@ -322,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--diff", action="store_true")
     ap.add_argument("--cells", default=None, help="ALG:on|off:one|mixed,... (default: every combination)")
+    ap.add_argument("--engine-per-cell", action="store_true",
+                    help="one engine per cell (by default neighbouring cells of one algorithm and CUDA graphs share "
+                         "one, a workload each)")
     ap.add_argument("--deadline", type=float, default=None, help="seconds after which no cell starts")
     ap.add_argument("--until", type=float, default=None,
                     help="seconds after the script began by which every cell's timing rounds end "
@@ -345,28 +367,44 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def engines(todo: list[tuple[str, bool, str]], per_cell: bool = False) -> list[tuple[str, bool, list[str]]]:
+    """The engines the cells need, in order: neighbouring cells of one algorithm and CUDA graphs share one, a workload
+    each (``per_cell``: an engine per cell)."""
+    out: list[tuple[str, bool, list[str]]] = []
+    for algorithm, graphs, load in todo:
+        if out and not per_cell and out[-1][:2] == (algorithm, graphs) and load not in out[-1][2]:
+            out[-1][2].append(load)
+        else:
+            out.append((algorithm, graphs, [load]))
+    return out
+
+
 def run_cells(args: argparse.Namespace, todo: list[tuple[str, bool, str]]) -> list[dict[str, Any]]:
-    """The cells in order, each row written as it ends (its ``--diff`` columns after it), within ``--deadline`` and
-    ``--until`` (each cell's rounds ending by :func:`share_until`)."""
+    """The cells in order, an engine for each run of neighbouring cells it can serve (:func:`engines`), each row
+    written as it ends (its ``--diff`` columns after it), within ``--deadline`` and ``--until`` (each engine's
+    rounds ending by :func:`share_until`)."""
     t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
     last_start = min(x for x in (args.deadline, args.until, math.inf) if x is not None)
-    fixed: list[float] = []  # each finished cell's cost outside its rounds
-    for i, (algorithm, graphs, load) in enumerate(todo):
+    fixed: list[float] = []  # each finished engine's cost outside its rounds
+    plan = engines(todo, args.engine_per_cell)
+    for i, (algorithm, graphs, loads) in enumerate(plan):
         if time.monotonic() - t0 > last_start:
-            left = [cell_arg(*cell) for cell in todo[i:]]
+            left = [cell_arg(a, g, load) for a, g, ls in plan[i:] for load in ls]
             print(f"capture_cost: deadline reached, cells not run: {','.join(left)}", flush=True)
             break
         began = time.monotonic()
-        until = share_until(args.until_wall, time.time(), max(fixed, default=FIXED_S), len(todo) - i)
-        row, trace = run_cell(args, algorithm, graphs, load, until)
-        fixed.append(fixed_cost(row, time.monotonic() - began))
-        rows.append(row)
-        _write_rows(args.out, rows)  # the timing row is kept whatever happens to the diff after it
-        if args.diff and trace is not None:
-            row.update(diffed(args, row, trace))
-            _write_rows(args.out, rows)
-        print(markdown(rows[-1:], args.sample).splitlines()[-1], flush=True)
+        until = share_until(args.until_wall, time.time(), max(fixed, default=FIXED_S), len(plan) - i,
+                            sum(len(ls) for _, _, ls in plan[i:]), len(loads))
+        done = run_engine(args, algorithm, graphs, loads, until)
+        fixed.append(fixed_cost([row for row, _ in done], time.monotonic() - began))
+        for row, trace in done:
+            rows.append(row)
+            _write_rows(args.out, rows)  # the timing row is kept whatever happens to the diff after it
+            if args.diff and trace is not None:
+                row.update(diffed(args, row, trace))
+                _write_rows(args.out, rows)
+            print(markdown(rows[-1:], args.sample).splitlines()[-1], flush=True)
     return rows
 
 

@@ -37,7 +37,7 @@ def test_a_malformed_cell_round_budget_or_sampling_rate_is_exit_2_and_a_passed_d
     assert "the timing rounds' budget must be > 0 seconds, got 0.0" in capsys.readouterr().err
     assert cc.main(["--out", str(tmp_path / "a"), "--cells", "NGRAM:on:mixed", "--sample", "0"]) == 2
     assert "capture sampling takes 1 batch in N for N in 1..1000000, got 0" in capsys.readouterr().err
-    monkeypatch.setattr(cc, "run_cell", lambda *a: pytest.fail("a cell ran past the deadline"))
+    monkeypatch.setattr(cc, "run_engine", lambda *a: pytest.fail("a cell ran past the deadline"))
     assert cc.main(["--out", str(tmp_path / "b"), "--cells", "NGRAM:on:mixed", "--deadline", "-1"]) == 0
     assert "cells not run: NGRAM:on:mixed" in capsys.readouterr().out
     assert not (tmp_path / "b" / "capture_cost.json").exists()
@@ -312,15 +312,19 @@ def test_the_unrecorded_batches_books_pool_weighted_by_batches_and_show_the_pass
     assert pooled["next_ms_per_batch"] == pytest.approx(4.75) and pooled["next_batches"] == 8
 
 
-def test_until_is_shared_equally_among_the_cells_left_after_what_each_costs_besides_its_rounds():
-    """share_until: the time left less each remaining cell's fixed cost, split equally, after the next cell's own
-    fixed cost; never past --until; no --until, no end. fixed_cost: a cell's wall time less its passes'."""
-    assert cc.share_until(None, 0.0, 150.0, 3) is None
-    assert cc.share_until(1000.0, 0.0, 150.0, 4) == 250.0  # (1000 - 4 * 150) / 4 after its own 150 s
-    assert cc.share_until(1000.0, 0.0, 150.0, 1) == 1000.0
-    assert cc.share_until(1000.0, 900.0, 150.0, 2) == 1000.0  # too little left: rounds up to --until at most
-    assert cc.fixed_cost({"passes": {"untraced": [1.0, 2.0], "full": [3.0]}}, 10.0) == 4.0
-    assert cc.fixed_cost({"error": "UsageError: no engine"}, 7.5) == 7.5
+def test_until_is_shared_equally_among_the_cells_left_after_what_each_engine_costs_besides_its_rounds():
+    """share_until: the time left less each remaining engine's fixed cost, split equally among the cells, the next
+    engine's cells taking theirs after its own fixed cost; never past --until; no --until, no end. fixed_cost: an
+    engine's wall time less its cells' passes'."""
+    assert cc.share_until(None, 0.0, 150.0, 3, 3) is None
+    assert cc.share_until(1000.0, 0.0, 150.0, 4, 4) == 250.0  # (1000 - 4 * 150) / 4 after its own 150 s
+    assert cc.share_until(1000.0, 0.0, 150.0, 1, 1) == 1000.0
+    assert cc.share_until(1000.0, 900.0, 150.0, 2, 2) == 1000.0  # too little left: rounds up to --until at most
+    # two engines left, three cells: the next engine's two cells take two thirds of (1000 - 2 * 150)
+    assert cc.share_until(1000.0, 0.0, 150.0, 2, 3, 2) == pytest.approx(150.0 + 700.0 * 2 / 3)
+    assert cc.fixed_cost([{"passes": {"untraced": [1.0, 2.0], "full": [3.0]}}], 10.0) == 4.0
+    assert cc.fixed_cost([{"passes": {"untraced": [1.0]}}, {"passes": {"full": [2.0]}}], 10.0) == 7.0
+    assert cc.fixed_cost([{"error": "UsageError: no engine"}], 7.5) == 7.5
 
 
 def test_every_cell_gets_rounds_under_until_and_a_row_is_written_before_its_diff(tmp_path, monkeypatch):
@@ -331,16 +335,16 @@ def test_every_cell_gets_rounds_under_until_and_a_row_is_written_before_its_diff
     clock = [0.0]
     ends: list[float] = []
 
-    def fake_cell(args, algorithm, graphs, load, until):
+    def fake_cell(args, algorithm, graphs, loads, until):
         end = 1e9 + 250.0 if until is None else until  # no --until: rounds of a set length
         ends.append(end - 1e9)
         clock[0] += 100.0  # the engine's start
         rounds = max(end - 1e9 - clock[0], 0.0)
         clock[0] += rounds
-        return {"algorithm": algorithm, "graphs": graphs, "workload": load, "passes": {"untraced": [rounds]},
-                "error": "a stand-in row (the table prints it as an error)"}, object()
+        return [({"algorithm": algorithm, "graphs": graphs, "workload": load, "passes": {"untraced": [rounds]},
+                  "error": "a stand-in row (the table prints it as an error)"}, object()) for load in loads]
 
-    monkeypatch.setattr(cc, "run_cell", fake_cell)
+    monkeypatch.setattr(cc, "run_engine", fake_cell)
     monkeypatch.setattr(cc.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(cc.time, "time", lambda: 1e9 + clock[0])
     cells = "DFLASH:on:mixed,NGRAM:on:mixed,NONE:on:mixed"
@@ -379,6 +383,11 @@ def test_a_cells_result_json_alone_rereads_as_its_timing_row(tmp_path, capsys):
     assert cc.main(["--reread", str(cell / "result.json")]) == 0
     line = capsys.readouterr().out.strip().splitlines()[2]
     assert line.startswith("| REFCHECK_DDTREE | off | one | — (trace not read) | 1.000 ") and "| ≤1.3: over / " in line
+    part = tmp_path / "refcheck_ddtree-eager-mixed"  # a later workload on the same engine: its job names the first's
+    part.mkdir()
+    (part / "result.json").write_text(json.dumps(settings))
+    (part / "job.json").write_text(json.dumps({"engine_job": str(cell / "job.json")}))
+    assert cc.result_row(part / "result.json")["model"] == "/tmp/real/target"
     (cell / "result.json").write_text(json.dumps({"stage": "start"}))
     assert cc.main(["--reread", str(cell / "result.json")]) == 2
     assert "not an engine run's result.json" in capsys.readouterr().err
@@ -387,3 +396,40 @@ def test_a_cells_result_json_alone_rereads_as_its_timing_row(tmp_path, capsys):
     (other / "result.json").write_text(json.dumps(settings))
     assert cc.main(["--reread", str(other / "result.json")]) == 2
     assert "is not a cell's directory" in capsys.readouterr().err
+
+
+def test_neighbouring_cells_of_one_engine_share_it_a_workload_each_in_their_own_directories(tmp_path, monkeypatch):
+    """engines(): cells of one algorithm and CUDA graphs next to each other run on one engine (--engine-per-cell: one
+    each); run_engine asks the runner for both workloads' traces, the first cell's directory the engine's, the
+    second's its part's, and each row names the engine it ran on."""
+    from types import SimpleNamespace as NS
+
+    from refcheck.sglang import runner
+    from refcheck.trace import io
+
+    todo = cc.cells(_args(cells="DFLASH:on:one,DFLASH:on:mixed,DFLASH:off:mixed,NGRAM:off:mixed,NGRAM:off:one"))
+    assert cc.engines(todo) == [("DFLASH", True, ["one", "mixed"]), ("DFLASH", False, ["mixed"]),
+                                ("NGRAM", False, ["mixed", "one"])]
+    assert len(cc.engines(todo, per_cell=True)) == 5
+    assert cc.engines([("NONE", True, "one"), ("NONE", True, "one")]) == [("NONE", True, ["one"]), ("NONE", True, ["one"])]
+    asked: list = []
+
+    class Fake:
+        def __init__(self, spec, algorithm, **kw):
+            self.kw = kw
+
+        def traces(self, workloads, part_dirs):
+            asked.append((self.kw["capture_dir"], part_dirs, [len(w) for w in workloads]))
+            settings = {"repeat_generate_s": [1.0] * 3, "generate_s": 1.0}
+            return [NS(prov=NS(settings=settings), provenance={"capture": {}}, steps=[object()] * 2,
+                       requests=[object()] * len(w)) for w in workloads]
+
+    monkeypatch.setattr(runner, "SGLangRunner", Fake)
+    monkeypatch.setattr(io, "write_trace", lambda trace, path: path.write_bytes(b"x" * 10))
+    assert cc.main(["--out", str(tmp_path), "--cells", "NGRAM:on:one,NGRAM:on:mixed"]) == 0
+    assert asked == [(tmp_path / "ngram-graphs-one", [tmp_path / "ngram-graphs-mixed"], [1, 32])]
+    rows = json.loads((tmp_path / "capture_cost.json").read_text())
+    assert [(r["workload"], r["engine"], r["requests"]) for r in rows] == [("one", "ngram-graphs-one", 1),
+                                                                           ("mixed", "ngram-graphs-one", 32)]
+    assert cc.main(["--out", str(tmp_path / "b"), "--cells", "NGRAM:on:one,NGRAM:on:mixed", "--engine-per-cell"]) == 0
+    assert [len(a[2]) for a in asked[1:]] == [1, 1]

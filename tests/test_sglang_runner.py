@@ -280,6 +280,49 @@ def test_engine_crash_mid_run_keeps_a_partial_trace_and_is_reported(fake_sglang)
     assert any("incomplete" in f.message for f in rep.failures)
 
 
+def test_workloads_run_in_turn_on_one_engine_each_with_its_own_job_result_and_trace(fake_sglang, tmp_path):
+    """traces(): one engine start for every workload. The drifting stand-in answers each generate with a shift of the
+    calls it has served, so the second workload's captured pass shows the first's calls (one engine, not two). Each
+    workload has its own directory with its job and result, its own rids, timing passes and trace."""
+    from refcheck.prompts import load_prompts
+    from refcheck.prompts.workloads import workload
+
+    one, mixed = load_prompts()[:1], list(workload("mixed"))[:3]
+    runner = fake_sglang("drift", capture=False, timing_repeats=2)
+    first, second = runner.traces([one, mixed], [tmp_path / "b"])
+    assert [r.output_ids for r in first.requests] == [[one[0].prompt_ids[-1]] * 3]
+    # part 0: the captured pass and two untraced ones (3 calls); part 1's captured pass is the engine's 4th generate
+    assert [set(r.output_ids) for r in second.requests] == [{p.prompt_ids[-1] + 3} for p in mixed]
+    top = json.loads((tmp_path / "drift" / "job.json").read_text())
+    assert top["more"] == [str(tmp_path / "b" / "job.json")] and "engine_kwargs" in top
+    part = json.loads((tmp_path / "b" / "job.json").read_text())
+    assert part["result"] == str(tmp_path / "b" / "result.json") and "engine_kwargs" not in part
+    assert part["engine_job"] == str(tmp_path / "drift" / "job.json")
+    assert not set(top["rids"]) & set(part["rids"]) and len(part["timing_rids"]) == 2
+    s1, s2 = (t.provenance["engine"]["settings"] for t in (first, second))
+    assert s1["engine_start_s"] == s2["engine_start_s"] and len(s2["repeat_generate_s"]) == 2
+    assert len(s1["repeat_generate_s"]) == 2
+    default = fake_sglang("ok", capture=False).traces([one, one])
+    assert len(default) == 2 and (tmp_path / "ok" / "part1" / "result.json").is_file()
+    with pytest.raises(UsageError, match="2 workloads need 1 part directories, got 2"):
+        runner.traces([one, one], [tmp_path / "c", tmp_path / "d"])
+
+
+def test_a_failure_reaches_every_workload_of_the_engine(fake_sglang):
+    """A start-up failure is every workload's ModelError; a crash in the first workload leaves both traces partial,
+    the second reporting that the engine ended before it began."""
+    from refcheck.errors import ModelError
+    from refcheck.prompts import load_prompts
+
+    prompts = load_prompts()[:2]
+    with pytest.raises(ModelError, match="gemma_rmsnorm failed to dispatch"):
+        fake_sglang("start_fail").traces([prompts[:1], prompts])
+    first, second = fake_sglang("crash").traces([prompts[:1], prompts])
+    assert "illegal memory access" in first.provenance["capture"]["crash"]
+    assert "ended before this part began" in second.provenance["capture"]["crash"]
+    assert len(second.provenance["capture"]["incomplete"]) == 2
+
+
 def test_engine_hang_times_out(fake_sglang, monkeypatch, tmp_path):
     """A hung engine is a reported crash, and its whole session ends with it (the stand-in scheduler too)."""
     from process_kit import alive
@@ -511,3 +554,14 @@ def test_first_differences_name_the_request_position_and_both_tokens():
     assert first_differences(captured, [[1, 2, 9], [4, 5], [6]]) == [[0, 2, 3, 9], [2, 1, 7, -1]]
     assert first_differences(captured, captured) == []
     assert first_differences([[1]], [[1, 8]]) == [[0, 1, -1, 8]]
+
+
+def test_each_part_of_an_engine_times_its_rounds_in_an_equal_share_of_the_time_left():
+    """child.part_until: with k parts left, a part's rounds end by now + (until - now) / k; the last part, or no end,
+    keeps the job's until; an end already passed gives no rounds (now)."""
+    from refcheck.sglang.child import part_until
+
+    assert part_until(None, 40.0, 2) is None
+    assert part_until(100.0, 40.0, 2) == 70.0 and part_until(100.0, 40.0, 3) == 60.0
+    assert part_until(100.0, 40.0, 1) == 100.0
+    assert part_until(100.0, 120.0, 2) == 120.0

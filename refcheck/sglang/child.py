@@ -32,7 +32,11 @@ hooks' share, by part; per timing pass, ``run_batch_s``: the seconds booked to `
 ``warmup_rids`` one untraced pass runs before the captured one (``warmup_generate_s``, ``warmup_match``), and
 with ``capture_warm_rids`` a captured pass whose records nobody reads (the capture's kernels load and its
 buffers grow before the timed passes; the child waits for its records to be written);
-with ``stagger_s`` > 0 the requests of each pass arrive one every ``stagger_s`` seconds. SGLang
+with ``stagger_s`` > 0 the requests of each pass arrive one every ``stagger_s`` seconds. With ``more`` (the paths
+of further parts' job files, each holding another workload's requests, rids, passes and ``result``) the parts run
+in turn on the same engine (:func:`run_part`), each writing its own ``result`` (``started`` as it begins, then
+``done`` or ``failed``; a start-up failure is written to every part's), and each part's timing rounds end by an
+equal share of the time left before its ``timing_until`` (:func:`part_until`). SGLang
 answers a dead scheduler by killing its whole process tree (SIGQUIT, then SIGKILL): running it here
 keeps refcheck's own process, and the records captured so far, alive; whatever stage the file last
 reached tells the runner what happened. The child leads a session of its own (the runner starts it so), and
@@ -258,35 +262,34 @@ def _end_with_the_runner() -> None:
         watch_parent(lambda: os.killpg(os.getpgrp(), signal.SIGKILL))
 
 
-def main(job_path: str) -> int:
-    _end_with_the_runner()
-    job = json.loads(Path(job_path).read_text())
-    result = Path(job["result"])
-    try:
-        import sglang
-    except ImportError as exc:
-        _write(result, {"stage": "failed", "failed_at": "import", "error": summarise_error(exc)})
-        return 3
-    version = str(getattr(sglang, "__version__", "unknown"))
-    t0 = time.perf_counter()
-    try:
-        engine = sglang.Engine(**job["engine_kwargs"])
-    except Exception as exc:  # noqa: BLE001 - reported to the runner, which raises a typed error
-        _write(result, {"stage": "failed", "failed_at": "start", "error": summarise_error(exc), "sglang": version})
-        return 4
-    start_s = time.perf_counter() - t0
-    _write(result, {"stage": "started", "start_s": start_s, "sglang": version})
-    code = 0
+def parts_of(job: dict) -> list[dict]:
+    """The job's parts in order: the job itself, then each job file its ``more`` names (another workload, run on the
+    same engine once the one before it is done; each part writes its own ``result``)."""
+    return [job, *(json.loads(Path(p).read_text()) for p in job.get("more") or [])]
+
+
+def part_until(until: float | None, now: float, parts_left: int) -> float | None:
+    """A part's ``timing_until`` where the engine still has ``parts_left`` parts to run (this one included): an equal
+    share of the time left before the job's ``until`` (None: no end)."""
+    if until is None or parts_left <= 1:
+        return until
+    return now + max(until - now, 0.0) / parts_left
+
+
+def run_part(engine: Any, part: dict, start_s: float, version: str) -> int:
+    """One part on the started engine: the warm-ups, the captured pass, the timing rounds; its ``done`` (or
+    ``failed``) written to the part's ``result``. Returns 0, or 5 when its generate failed."""
+    result = Path(part["result"])
     try:
         warm: dict[str, Any] = {}
-        if job.get("warmup_rids"):  # untraced: compiles kernels (and, with the radix cache, fills it) first
+        if part.get("warmup_rids"):  # untraced: compiles kernels (and, with the radix cache, fills it) first
             t0 = time.perf_counter()
-            warm_out = _outputs(generate(engine, job, job["warmup_rids"]))
+            warm_out = _outputs(generate(engine, part, part["warmup_rids"]))
             warm = {"warmup_generate_s": time.perf_counter() - t0}
-        _passes(engine, job, [job["capture_warm_rids"]] if job.get("capture_warm_rids") else [])
+        _passes(engine, part, [part["capture_warm_rids"]] if part.get("capture_warm_rids") else [])
         start = _ledger()
         t1 = time.perf_counter()
-        out = generate(engine, job, job["rids"])
+        out = generate(engine, part, part["rids"])
         generate_s = time.perf_counter() - t1
         outputs = _outputs(out)
         diffs: dict[str, list[list[int]]] = {}
@@ -297,7 +300,7 @@ def main(job_path: str) -> int:
         behind = _drained()  # the captured pass's records written before the next pass is timed
         drain_s = time.perf_counter() - t2
         captured = _ledger()
-        kinds = interleaved(engine, job, outputs, diffs)
+        kinds = interleaved(engine, part, outputs, diffs)
         timing = _timing_result(kinds)
         _write(result, {"stage": "done", "start_s": start_s, "generate_s": generate_s, "drain_s": drain_s,
                         "sglang": version, "outputs": outputs, **timing, **warm,
@@ -308,7 +311,38 @@ def main(job_path: str) -> int:
     except Exception as exc:  # noqa: BLE001
         _write(result, {"stage": "failed", "failed_at": "generate", "error": summarise_error(exc), "start_s": start_s,
                         "sglang": version})
-        code = 5
+        return 5
+    return 0
+
+
+def main(job_path: str) -> int:
+    _end_with_the_runner()
+    job = json.loads(Path(job_path).read_text())
+    parts = parts_of(job)
+    results = [Path(part["result"]) for part in parts]
+    try:
+        import sglang
+    except ImportError as exc:
+        for result in results:
+            _write(result, {"stage": "failed", "failed_at": "import", "error": summarise_error(exc)})
+        return 3
+    version = str(getattr(sglang, "__version__", "unknown"))
+    t0 = time.perf_counter()
+    try:
+        engine = sglang.Engine(**job["engine_kwargs"])
+    except Exception as exc:  # noqa: BLE001 - reported to the runner, which raises a typed error
+        for result in results:
+            _write(result, {"stage": "failed", "failed_at": "start", "error": summarise_error(exc), "sglang": version})
+        return 4
+    start_s = time.perf_counter() - t0
+    _write(results[0], {"stage": "started", "start_s": start_s, "sglang": version})
+    code = 0
+    try:
+        for k, part in enumerate(parts):
+            if k:
+                _write(results[k], {"stage": "started", "start_s": start_s, "sglang": version})
+            until = part_until(part.get("timing_until"), time.time(), len(parts) - k)
+            code = max(code, run_part(engine, {**part, "timing_until": until}, start_s, version))
     finally:
         try:
             engine.shutdown()

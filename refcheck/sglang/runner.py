@@ -6,7 +6,8 @@ scheduling and radix cache off, page size 1, CUDA graphs off unless asked), make
 (:mod:`refcheck.sglang.plugin`) discoverable by the spawned scheduler processes (an ``sglang.srt.plugins``
 entry point in a throw-away ``.dist-info`` on ``sys.path``), points the plugin at a fresh capture directory,
 runs the prompt set in one batched ``generate`` and assembles the captured records into a trace
-(``refcheck.sglang.capture``).
+(``refcheck.sglang.capture``); :meth:`SGLangRunner.traces` runs several workloads in turn on one engine (one
+start-up), a trace each.
 
 Algorithms: ``NONE`` (target-only; budget 0, root-only steps), ``DFLASH`` (chain verify of the
 drafter's block: the budget must be the draft's ``block_size - 1``), ``NGRAM`` (tree verify with no
@@ -296,14 +297,26 @@ class SGLangRunner:
         return None
 
     def trace(self, prompts: list[Prompt]) -> Trace:
-        from refcheck.sglang.capture.assemble import assemble_trace
+        """The prompts run on one engine, captured: :meth:`traces` of one workload."""
+        return self.traces([prompts])[0]
+
+    def traces(self, workloads: list[list[Prompt]], part_dirs: list[Path] | None = None) -> list[Trace]:
+        """Each workload's trace, the workloads run in turn on one engine (one start-up for all; each with its own
+        warm-ups, captured pass and timing rounds, the rounds' end shared among them): the first in the capture
+        directory, workload k > 0 in ``part_dirs[k - 1]`` (default: the capture directory's ``part{k}``), each
+        directory holding its job and result; the records of every workload lie in the capture directory's
+        ``records``, each trace assembled from its own rids."""
         from refcheck.sglang.capture.records import Capture, read_capture
-        from refcheck.trace.io import write_trace
 
         tdir, ddir = self.spec.resolved_dirs()
-        check_context(prompts, self.spec, tdir)  # before any engine starts: exit 2, not SGLang's error mid-run
+        for prompts in workloads:
+            check_context(prompts, self.spec, tdir)  # before any engine starts: exit 2, not SGLang's error mid-run
         cdir = Path(self.capture_dir or tempfile.mkdtemp(prefix="refcheck-sglang-"))
-        cdir.mkdir(parents=True, exist_ok=True)
+        dirs = [cdir, *(part_dirs or [cdir / f"part{k}" for k in range(1, len(workloads))])]
+        if len(dirs) != len(workloads):
+            raise UsageError(f"{len(workloads)} workloads need {len(workloads) - 1} part directories, got {len(dirs) - 1}")
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
         install_entry_point(cdir / "site")
         records = cdir / "records"
         if records.exists():  # an earlier run's records (a matrix cell resumed): never read as this run's
@@ -313,14 +326,27 @@ class SGLangRunner:
                            draft_path=str(ddir) if ddir else None, ngram_breadth=self.ngram_breadth, tp=self.tp,
                            settings=self.settings)
         self._add_forward_hooks(kw)
-        rids = {p.id: f"refcheck-{os.getpid()}-{i}-{p.id}" for i, p in enumerate(prompts)}
-        run = self._run_engine(cdir, env, kw, prompts, rids)
-        if run.get("failed_at") in ("import", "start"):
-            raise ModelError(f"SGLang could not start on {tdir} ({self.algorithm}): {run.get('error')} "
-                             f"(full log: {cdir / 'engine.log'})")
+        rids = [{p.id: f"refcheck-{os.getpid()}-{f'{k}.' if k else ''}{i}-{p.id}" for i, p in enumerate(prompts)}
+                for k, prompts in enumerate(workloads)]
+        runs = self._run_engine(cdir, env, kw, list(zip(dirs, workloads, rids)))
+        for run in runs:
+            if run.get("failed_at") in ("import", "start"):
+                raise ModelError(f"SGLang could not start on {tdir} ({self.algorithm}): {run.get('error')} "
+                                 f"(full log: {cdir / 'engine.log'})")
+        cap = read_capture(records) if self.capture else Capture()
+        return [self._assembled(prompts, part_rids, run, cap, kw, d)
+                for d, prompts, part_rids, run in zip(dirs, workloads, rids, runs)]
+
+    def _assembled(self, prompts: list[Prompt], rids: dict[str, str], run: dict[str, Any], cap: Any,
+                   kw: dict[str, Any], part_dir: Path) -> Trace:
+        """One workload's trace from the engine's records (its rids'), its provenance from its part's ``run``; a
+        crash or an incomplete capture also writes the partial trace into ``part_dir``."""
+        from refcheck.sglang.capture.assemble import assemble_trace
+        from refcheck.trace.io import write_trace
+
+        tdir, ddir = self.spec.resolved_dirs()
         results = {p.id: {"output_ids": o} for p, o in zip(prompts, run.get("outputs") or [])}
         crash = None if run.get("stage") == "done" else (run.get("error") or "the engine process died mid-run")
-        cap = read_capture(records) if self.capture else Capture()
         prov = self._provenance(prompts, kw, run, tdir, ddir)
         asm = assemble_trace(prompts, rids, results, cap, prov, self.spec.sampling if self.spec.sampled else None,
                              sampling_rng(self.algorithm), overlap=self.settings.overlap)
@@ -328,8 +354,8 @@ class SGLangRunner:
         self._warn_if_drafter_missing(asm)
         self.last_assembly = asm
         if crash or asm.incomplete:
-            write_trace(asm.trace, cdir / "partial.arrow")
-            prov["capture"]["partial_trace"] = str(cdir / "partial.arrow")
+            write_trace(asm.trace, part_dir / "partial.arrow")
+            prov["capture"]["partial_trace"] = str(part_dir / "partial.arrow")
         return asm.trace
 
     def _engine_env(self, records: Path) -> dict[str, str]:
@@ -438,16 +464,12 @@ class SGLangRunner:
                 "full_rids": [[sampled_rid(SampleRule(), f"full{k}-{rids[p.id]}") for p in prompts]
                               for k in range(self.timing_repeats if self.full_timing else 0)]}
 
-    def _run_engine(self, cdir: Path, env: dict, kw: dict, prompts: list[Prompt], rids: dict[str, str]) -> dict:
-        """SGLang in its own process (sglang_child); returns its last reported stage."""
-        from refcheck.lifetime import ended_on_signal
+    def _job(self, prompts: list[Prompt], rids: dict[str, str], result: Path) -> dict[str, Any]:
+        """One workload's part of the engine's job (refcheck/sglang/child.py): its requests, rids, passes, result."""
         from refcheck.sglang.capture.sample_rule import SampleRule, sampled_rid
-        from refcheck.sglang.start_lock import end_session, start_serialized
 
-        job, result, log = cdir / "job.json", cdir / "result.json", cdir / "engine.log"
-        result.unlink(missing_ok=True)
-        job.write_text(json.dumps({
-            "engine_kwargs": kw, "result": str(result), "input_ids": [list(p.prompt_ids) for p in prompts],
+        return {
+            "result": str(result), "input_ids": [list(p.prompt_ids) for p in prompts],
             "rids": [rids[p.id] for p in prompts],
             "timing_rids": [[f"{UNTRACED_RID_PREFIX}{k}-{rids[p.id]}" for p in prompts] for k in range(self.timing_repeats)],
             "sampling_params": [request_sampling_params(p, self.spec, self.algorithm) for p in prompts],
@@ -456,18 +478,32 @@ class SGLangRunner:
             "capture_warm_rids": [sampled_rid(SampleRule(), f"warm-{rids[p.id]}") for p in prompts]
             if self.warmup and self.capture else [],
             "timing_budget_s": self.timing_budget_s, "timing_until": self.timing_until_s,
-            **self._cost_passes(prompts, rids)}))
+            **self._cost_passes(prompts, rids)}
+
+    def _run_engine(self, cdir: Path, env: dict, kw: dict,
+                    parts: list[tuple[Path, list[Prompt], dict[str, str]]]) -> list[dict]:
+        """SGLang in its own process (sglang_child), the parts (directory, prompts, rids) run in turn on it; returns
+        each part's last reported stage."""
+        from refcheck.lifetime import ended_on_signal
+        from refcheck.sglang.start_lock import end_session, start_serialized
+
+        jobs, results, log = [d / "job.json" for d, _, _ in parts], [d / "result.json" for d, _, _ in parts], cdir / "engine.log"
+        for k, ((_, prompts, rids), job, result) in enumerate(zip(parts, jobs, results)):
+            result.unlink(missing_ok=True)
+            # the first part's job starts the engine and names the others; each other part names the first's
+            more = {"engine_kwargs": kw, "more": [str(j) for j in jobs[1:]]} if k == 0 else {"engine_job": str(jobs[0])}
+            job.write_text(json.dumps({**more, **self._job(prompts, rids, result)}))
         started: list[subprocess.Popen[bytes]] = []
 
         def launch() -> subprocess.Popen[bytes]:
             # a session of its own: the engine's schedulers go down with it (end_session), and a signal to refcheck's
             # process group does not reach SGLang before refcheck has decided
-            started.append(subprocess.Popen([sys.executable, "-m", "refcheck.sglang.child", str(job)], env=env,
+            started.append(subprocess.Popen([sys.executable, "-m", "refcheck.sglang.child", str(jobs[0])], env=env,
                                             stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
             return started[-1]
 
         with log.open("w") as f, ended_on_signal(lambda: [end_session(p) for p in started]):
-            proc = start_serialized(launch, result, self.timeout_s)
+            proc = start_serialized(launch, results[0], self.timeout_s)
             rc: int | None = None
             try:
                 rc = proc.wait(timeout=self.timeout_s)  # subprocess's timed wait polls: handlers run
@@ -476,18 +512,9 @@ class SGLangRunner:
             finally:  # a hang, an exception leaving refcheck, or a child that died and may have left schedulers
                 if rc != 0:
                     end_session(proc)
-        run = json.loads(result.read_text()) if result.is_file() else {}
-        stage = run.get("stage")
-        if stage == "done":
-            return run
         reason = f"timed out after {self.timeout_s:.0f} s" if rc is None else f"engine process exited with code {rc}"
-        scheduler_error = log_error(log)  # the scheduler's own error says more than the main process's
-        if stage == "started":  # died or hung while generating
-            return {**run, "stage": "failed", "failed_at": "generate", "error": scheduler_error or reason}
-        if stage == "failed" and run.get("failed_at") == "generate":
-            return run
-        detail = scheduler_error or run.get("error") or reason
-        return {**run, "stage": "failed", "failed_at": run.get("failed_at", "start"), "error": detail}
+        first = _outcome(results[0], reason, log)
+        return [first, *(_outcome(r, reason, log, first) for r in results[1:])]
 
     def _hook_errors(self, cap) -> list[str]:
         if not self.capture:
@@ -496,3 +523,27 @@ class SGLangRunner:
         for st in cap.status:
             out += settings_changed(self.settings, st)
         return out
+
+
+def _outcome(result: Path, reason: str, log: Path, first: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A part's last reported stage (its ``result.json``): ``done`` as written; else ``failed``, at the stage it
+    reached, with the scheduler's own error where the log holds one (it says more than the main process's). A later
+    part the engine never began (``first``: the first part's outcome) failed where the first did, or, once that one
+    ran, while generating: the engine process ended before it."""
+    run = json.loads(result.read_text()) if result.is_file() else {}
+    stage = run.get("stage")
+    if stage == "done":
+        return run
+    scheduler_error = log_error(log)
+    if stage is None and first is not None:
+        if first.get("failed_at") in ("import", "start"):
+            return first
+        return {"stage": "failed", "failed_at": "generate", "start_s": first.get("start_s"),
+                "sglang": first.get("sglang"),
+                "error": f"the engine process ended before this part began ({scheduler_error or reason})"}
+    if stage == "started":  # died or hung while generating
+        return {**run, "stage": "failed", "failed_at": "generate", "error": scheduler_error or reason}
+    if stage == "failed" and run.get("failed_at") == "generate":
+        return run
+    detail = scheduler_error or run.get("error") or reason
+    return {**run, "stage": "failed", "failed_at": run.get("failed_at", "start"), "error": detail}
