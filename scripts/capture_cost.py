@@ -99,6 +99,7 @@ def timing_row(algorithm: str, graphs: bool, load: str, st: dict[str, Any],
             "booked": {kind: booked(costs, kind, len(passes[kind]), untraced) for kind in ("full", "sampled")},
             "tokens_same_untraced": st.get("repeats_match"), "tokens_same_sampled": st.get("sampled_match"),
             "tokens_same_full": st.get("full_match"), "tokens_same_round": st.get("round_match") or {},
+            "round_mismatch": st.get("round_mismatch") or {},
             "capture_behind": st.get("capture_behind") or {}, "ledger": ledger_of(costs, ledger_fallback),
             "pass_costs": costs, "drain_s": st.get("drain_s")}
 

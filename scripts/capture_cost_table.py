@@ -62,9 +62,17 @@ def _spread(rounds: dict[str, Any] | None) -> str:
 
 
 def _round(r: dict[str, Any]) -> str:
-    """The tokens column's second half: the sampled and full passes against the untraced pass of their round."""
-    same = r.get("tokens_same_round") or {}
-    return f"; {same.get('sampled', '—')}/{same.get('full', '—')}" if same else ""
+    """The tokens column's second half: the sampled and full passes against the untraced pass of their round, a kind
+    that differed followed by how many of its rounds did (where the run recorded them)."""
+    same, rounds = r.get("tokens_same_round") or {}, r.get("round_mismatch") or {}
+
+    def text(kind: str) -> str:
+        differed = rounds.get(kind)
+        return f"{same.get(kind, '—')}" + (f" ({len(differed)} of {len(r['passes'][kind])} rounds: "
+                                           f"{','.join(map(str, differed[:3]))}{'…' if len(differed) > 3 else ''})"
+                                           if differed and r.get("passes") else "")
+
+    return f"; {text('sampled')}/{text('full')}" if same else ""
 
 
 def _target(r: dict[str, Any]) -> str:

@@ -264,6 +264,10 @@ def test_a_row_reads_its_trace_passes_books_and_the_schedulers_host(tmp_path):
     # every pass left the captured one, but each captured pass gave its round's untraced tokens
     assert row["tokens_same_round"] == {"sampled": True, "full": True}
     assert "| False/False/False; True/True |" in tb.markdown([{**row, "overhead_full": 1.6}], 16)
+    # a kind that left its round's untraced pass: in how many of its rounds, and the first of them
+    settled = {**row, "tokens_same_round": {"sampled": False, "full": True},
+               "round_mismatch": {"sampled": [0, 2, 3, 5], "full": []}}
+    assert "| False/False/False; False (4 of 6 rounds: 0,2,3…)/True |" in tb.markdown([settled], 16)
 
 
 def test_pooled_rows_lay_one_cells_rounds_end_to_end_and_recompute_what_depends_on_them():

@@ -281,6 +281,7 @@ def test_timing_passes_run_interleaved_in_rotating_order_each_kind_with_its_own_
     assert diffs == {"repeat0": [], "repeat1": [], "repeat2": [[0, 1, 6, 7]]}
     # against the untraced pass of their own round: sampled2 ran beside the differing untraced2, full passes did not
     assert child._timing_result(got)["round_match"] == {"sampled": False, "full": True}
+    assert child._timing_result(got)["round_mismatch"] == {"sampled": [2], "full": []}
     untraced = ledger_summary(got["untraced"]["books"], got["untraced"]["books"]["written"])
     sampled = ledger_summary(got["sampled"]["books"], got["sampled"]["books"]["written"])
     full = ledger_summary(got["full"]["books"], got["full"]["books"]["written"])

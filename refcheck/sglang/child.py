@@ -15,7 +15,8 @@ order rotated by r (untraced, sampled, full; then sampled, full, untraced; ...),
 over the rounds (clocks, caches, allocators) reaches every kind alike; ``sampled_generate_s``, ``sampled_match``,
 ``full_generate_s``, ``full_match`` (each pass against the captured one), and ``round_match`` ({kind: whether each
 of its passes gave the tokens of the untraced pass of the same round}: the capture's own effect, where an engine's
-state that moves between passes, such as NGRAM's cache, makes a later pass differ from the captured one). With
+state that moves between passes, such as NGRAM's cache, makes a later pass differ from the captured one;
+``round_mismatch``: {kind: the rounds where it did not}). With
 ``timing_budget_s`` no round starts once that many seconds have passed since the first began and
 :data:`MIN_TIMED_ROUNDS` have run (short passes then get many rounds, long ones few);
 with ``timing_until`` (a wall-clock time, ``time.time()`` seconds) no round starts that would end past it, judged by
@@ -172,21 +173,27 @@ def interleaved(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[st
             ran = [kind for kind in kinds[r % len(kinds):] + kinds[: r % len(kinds)] if r < len(plans[kind])]
             for kind in ran:
                 before = _timed_pass(engine, job, outputs, diffs, kind, r, plans[kind][r], got[kind], before, client)
-            _round_match(got, ran)
+            _round_match(got, ran, r)
             longest = max(longest, time.perf_counter() - began)
     return got
 
 
-def _round_match(got: dict[str, dict[str, Any]], ran: list[str]) -> None:
-    """A round's traced passes against its untraced pass: each traced kind's ``round_match`` stays True while every
+def _round_match(got: dict[str, dict[str, Any]], ran: list[str], r: int) -> None:
+    """Round ``r``'s traced passes against its untraced pass: each traced kind's ``round_match`` stays True while every
     pass of it gave the tokens of the untraced pass of its round (the capture changed nothing, whatever moved
-    between rounds: NGRAM's cache of earlier requests, say); a round without an untraced pass compares nothing."""
+    between rounds: NGRAM's cache of earlier requests, say), and its ``round_mismatch`` lists the rounds where it did
+    not (one early round apart, as an engine's state settles, is not the capture's doing; every round would be); a
+    round without an untraced pass compares nothing."""
     if "untraced" not in ran:
         return
     base = got["untraced"]["last"]
     for kind in ran:
         if kind != "untraced":
-            got[kind]["round_match"] = got[kind].get("round_match", True) and got[kind]["last"] == base
+            same = got[kind]["last"] == base
+            got[kind]["round_match"] = got[kind].get("round_match", True) and same
+            got[kind].setdefault("round_mismatch", [])
+            if not same:
+                got[kind]["round_mismatch"].append(r)
 
 
 def _timed_pass(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[str, Any], kind: str, r: int,
@@ -219,6 +226,7 @@ def _timing_result(kinds: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out[times] = got["times"] if got else []
         out[match] = got["match"] if got else (True if kind == "untraced" else None)
     out["round_match"] = {kind: got["round_match"] for kind, got in kinds.items() if "round_match" in got}
+    out["round_mismatch"] = {kind: got["round_mismatch"] for kind, got in kinds.items() if "round_mismatch" in got}
     return out
 
 

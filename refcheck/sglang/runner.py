@@ -437,6 +437,7 @@ class SGLangRunner:
                         sampled_match=run.get("sampled_match"),
                         full_generate_s=[round(t, 4) for t in run.get("full_generate_s") or []],
                         full_match=run.get("full_match"), round_match=run.get("round_match") or {},
+                        round_mismatch=run.get("round_mismatch") or {},
                         capture_behind=run.get("capture_behind") or {},
                         pass_costs=run.get("pass_costs") or {},
                         **({"sampling": self.spec.sampling.to_json(), "rng": sampling_rng(self.algorithm)}
