@@ -145,17 +145,22 @@ def _pool() -> Any:
 
 
 def judge(trace: Any, name: str) -> dict[str, Any]:
+    """``trace`` diffed in replay mode against the float32 reference on the GPU where one is visible: its verdict, the
+    failures' categories and first few, and ``diff_steps_per_s`` (its verify steps over the diff's wall time, the
+    reference's load left out: ``diff_load_s``, nought once the pool holds the pair)."""
     import torch
 
     from refcheck.diff.judge import judge as judge_trace
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.perf_counter()
+    _pool().runner_for(trace, name, "float32", device)  # the reference loaded (once per pair) before the diff is timed
+    t1 = time.perf_counter()
     rep = judge_trace(trace, _pool(), name, "replay", ref_device=device)
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - t1
     return {"verdict": rep.verdict, "fail_categories": sorted({f.category for f in rep.failures}),
             "first_failures": [f"{f.category} {f.request_id} step {f.step}: {f.message[:160]}" for f in rep.failures[:4]],
-            "diff_steps_per_s": len(trace.steps) / wall if wall > 0 else None}
+            "diff_steps_per_s": len(trace.steps) / wall if wall > 0 else None, "diff_load_s": t1 - t0}
 
 
 def run_engine(args: argparse.Namespace, algorithm: str, graphs: bool, loads: list[str],

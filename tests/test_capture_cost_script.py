@@ -437,3 +437,30 @@ def test_neighbouring_cells_of_one_engine_share_it_a_workload_each_in_their_own_
                                                                            ("mixed", "ngram-graphs-one", 32)]
     assert cc.main(["--out", str(tmp_path / "b"), "--cells", "NGRAM:on:one,NGRAM:on:mixed", "--engine-per-cell"]) == 0
     assert [len(a[2]) for a in asked[1:]] == [1, 1]
+
+
+def test_the_diffs_steps_per_second_leave_the_references_load_out(monkeypatch):
+    """judge(): the pool loads the trace's reference first (timed apart, diff_load_s), then the diff is timed alone:
+    4 steps judged in 2 s are 2 steps/s, whatever the 5 s load took."""
+    from types import SimpleNamespace as NS
+
+    from refcheck.diff import judge as judge_module
+
+    clock = [0.0]
+    loads: list = []
+
+    class Pool:
+        def runner_for(self, trace, case, dtype, device):
+            loads.append((case, dtype))
+            clock[0] += 5.0
+
+    def fake_judge(trace, pool, name, mode, ref_device):
+        clock[0] += 2.0
+        return NS(verdict="pass", failures=[])
+
+    monkeypatch.setattr(cc, "_pool", lambda: Pool())
+    monkeypatch.setattr(judge_module, "judge", fake_judge)
+    monkeypatch.setattr(cc.time, "perf_counter", lambda: clock[0])
+    got = cc.judge(NS(steps=[object()] * 4), "dflash-graphs-one")
+    assert got["diff_steps_per_s"] == 2.0 and got["diff_load_s"] == 5.0 and got["verdict"] == "pass"
+    assert loads == [("dflash-graphs-one", "float32")]
