@@ -142,7 +142,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def sglang_phase(budget: int, kw: dict, prompt: list[int], args: argparse.Namespace, work: Path,
                  limit_s: float) -> dict[str, Any]:
     """One engine for ``budget`` in a child process, killed after ``limit_s``; its result file, summarised."""
-    from refcheck.sglang.runner import log_error
+    from refcheck.sglang.engine_process import log_error
 
     job_path, result, times = work / f"sglang-b{budget}.job.json", work / f"sglang-b{budget}.result.json", \
         work / f"sglang-b{budget}.times.jsonl"

@@ -32,12 +32,10 @@ capture records.
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from dataclasses import replace
@@ -148,17 +146,6 @@ def install_entry_point(root: Path) -> Path:
     parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(root), repo] + [p for p in parts if p not in (str(root), repo)])
     return info
-
-
-def log_error(log: Path, limit: int = 600) -> str | None:
-    """The last error line of an engine log (SGLang's schedulers print tracebacks there)."""
-    if not log.is_file():
-        return None
-    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines()]
-    hits = [ln for ln in lines if ln and (ln.split(":", 1)[0].endswith(("Error", "Exception")) or "Error:" in ln)]
-    if not hits:
-        return None
-    return hits[-1] if len(hits[-1]) <= limit else hits[-1][: limit - 3] + "..."
 
 
 def settings_changed(asked: ServingSettings, status: dict[str, Any]) -> list[str]:
@@ -483,39 +470,12 @@ class SGLangRunner:
 
     def _run_engine(self, cdir: Path, env: dict, kw: dict,
                     parts: list[tuple[Path, list[Prompt], dict[str, str]]]) -> list[dict]:
-        """SGLang in its own process (sglang_child), the parts (directory, prompts, rids) run in turn on it; returns
-        each part's last reported stage."""
-        from refcheck.lifetime import ended_on_signal
-        from refcheck.sglang.start_lock import end_session, start_serialized
+        """SGLang in its own process (:func:`~refcheck.sglang.engine_process.run_job`), the parts (directory,
+        prompts, rids) run in turn on it; returns each part's last reported stage."""
+        from refcheck.sglang.engine_process import run_job
 
-        jobs, results, log = [d / "job.json" for d, _, _ in parts], [d / "result.json" for d, _, _ in parts], cdir / "engine.log"
-        for k, ((_, prompts, rids), job, result) in enumerate(zip(parts, jobs, results)):
-            result.unlink(missing_ok=True)
-            # the first part's job starts the engine and names the others; each other part names the first's
-            more = {"engine_kwargs": kw, "more": [str(j) for j in jobs[1:]]} if k == 0 else {"engine_job": str(jobs[0])}
-            job.write_text(json.dumps({**more, **self._job(prompts, rids, result)}))
-        started: list[subprocess.Popen[bytes]] = []
-
-        def launch() -> subprocess.Popen[bytes]:
-            # a session of its own: the engine's schedulers go down with it (end_session), and a signal to refcheck's
-            # process group does not reach SGLang before refcheck has decided
-            started.append(subprocess.Popen([sys.executable, "-m", "refcheck.sglang.child", str(jobs[0])], env=env,
-                                            stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
-            return started[-1]
-
-        with log.open("w") as f, ended_on_signal(lambda: [end_session(p) for p in started]):
-            proc = start_serialized(launch, results[0], self.timeout_s)
-            rc: int | None = None
-            try:
-                rc = proc.wait(timeout=self.timeout_s)  # subprocess's timed wait polls: handlers run
-            except subprocess.TimeoutExpired:
-                pass
-            finally:  # a hang, an exception leaving refcheck, or a child that died and may have left schedulers
-                if rc != 0:
-                    end_session(proc)
-        reason = f"timed out after {self.timeout_s:.0f} s" if rc is None else f"engine process exited with code {rc}"
-        first = _outcome(results[0], reason, log)
-        return [first, *(_outcome(r, reason, log, first) for r in results[1:])]
+        return run_job(cdir, env, kw, [(d, self._job(prompts, rids, d / "result.json")) for d, prompts, rids in parts],
+                       self.timeout_s)
 
     def _hook_errors(self, cap) -> list[str]:
         if not self.capture:
@@ -524,27 +484,3 @@ class SGLangRunner:
         for st in cap.status:
             out += settings_changed(self.settings, st)
         return out
-
-
-def _outcome(result: Path, reason: str, log: Path, first: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A part's last reported stage (its ``result.json``): ``done`` as written; else ``failed``, at the stage it
-    reached, with the scheduler's own error where the log holds one (it says more than the main process's). A later
-    part the engine never began (``first``: the first part's outcome) failed where the first did, or, once that one
-    ran, while generating: the engine process ended before it."""
-    run = json.loads(result.read_text()) if result.is_file() else {}
-    stage = run.get("stage")
-    if stage == "done":
-        return run
-    scheduler_error = log_error(log)
-    if stage is None and first is not None:
-        if first.get("failed_at") in ("import", "start"):
-            return first
-        return {"stage": "failed", "failed_at": "generate", "start_s": first.get("start_s"),
-                "sglang": first.get("sglang"),
-                "error": f"the engine process ended before this part began ({scheduler_error or reason})"}
-    if stage == "started":  # died or hung while generating
-        return {**run, "stage": "failed", "failed_at": "generate", "error": scheduler_error or reason}
-    if stage == "failed" and run.get("failed_at") == "generate":
-        return run
-    detail = scheduler_error or run.get("error") or reason
-    return {**run, "stage": "failed", "failed_at": run.get("failed_at", "start"), "error": detail}
