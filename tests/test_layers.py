@@ -34,7 +34,7 @@ ENGINE_SIDE = ("refcheck.runners", "refcheck.engines", "refcheck.sglang")
 SGLANG_SHARED = ("refcheck.sglang.env", "refcheck.sglang.layout", "refcheck.sglang.draft_side",
                  "refcheck.sglang.vocab_rows")
 SGLANG_INSIDE = ("refcheck.sglang.capture", "refcheck.sglang.ddtree")
-SGLANG_OUTSIDE = ("refcheck.sglang.runner", "refcheck.sglang.pair", "refcheck.sglang.requests", "refcheck.sglang.child",
+SGLANG_OUTSIDE = ("refcheck.sglang.runner", "refcheck.sglang.engine_process", "refcheck.sglang.pair", "refcheck.sglang.requests", "refcheck.sglang.child",
                   "refcheck.sglang.settings", "refcheck.sglang.matrix",
                   "refcheck.sglang.sweep", "refcheck.sglang.capture_effect")
 SGLANG_ON_THE_RUNNER = ("refcheck.sglang.matrix", "refcheck.sglang.sweep", "refcheck.sglang.capture_effect")

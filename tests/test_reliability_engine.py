@@ -1,4 +1,4 @@
-"""An SGLang engine process never outlives the refcheck that started it (refcheck/sglang/runner.py,
+"""An SGLang engine process never outlives the refcheck that started it (refcheck/sglang/engine_process.py,
 refcheck/sglang/child.py, refcheck/lifetime.py). The engine runs in a session of its own, so a signal to
 refcheck's process group does not reach it; instead SIGTERM or SIGINT to refcheck ends the engine's whole
 session (its schedulers included) before taking its course, and SIGKILL, which refcheck cannot answer, is
