@@ -33,7 +33,7 @@ with a large ``--repeats`` a cell of short passes gets many rounds and one of lo
 the full-capture pass out of the rounds (an untraced and a sampled pass each: more rounds in the budget; the full
 ratio is then the captured pass's alone).
 ``--cells`` names the cells to run, in order, instead of the product of the three lists; ``--deadline`` starts no
-cell once that many seconds have passed since the script began (for a device call's time limit), listing the cells
+engine (none of its cells) once that many seconds have passed since the script began (for a device call's time limit), listing the cells
 left in the JSON's last row; ``--until`` ends every cell's timing rounds by that many seconds after the script began
 (no round starts that would end later, judged by the cell's longest round so far, and no engine starts past it),
 however long each engine took to start, and shares the time among the cells (:func:`share_until`: each cell's
@@ -130,8 +130,10 @@ def result_row(path: Path) -> dict[str, Any]:
     model = None
     if job.is_file():
         part = json.loads(job.read_text())
-        if "engine_kwargs" not in part and Path(part.get("engine_job") or "").is_file():  # a later workload's part
-            part = json.loads(Path(part["engine_job"]).read_text())
+        if "engine_kwargs" not in part and part.get("engine_job"):  # a later workload's part: the engine's job
+            first = Path(part["engine_job"])
+            first = first if first.is_file() else path.parent.parent / first.parent.name / first.name  # results moved
+            part = json.loads(first.read_text()) if first.is_file() else part
         model = (part.get("engine_kwargs") or {}).get("model_path")
     return {**timing_row(algorithm, graphs, load, st), "model": model, "trace_read": False}
 
@@ -350,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-per-cell", action="store_true",
                     help="one engine per cell (by default neighbouring cells of one algorithm and CUDA graphs share "
                          "one, a workload each)")
-    ap.add_argument("--deadline", type=float, default=None, help="seconds after which no cell starts")
+    ap.add_argument("--deadline", type=float, default=None, help="seconds after which no engine (none of its cells) starts")
     ap.add_argument("--until", type=float, default=None,
                     help="seconds after the script began by which every cell's timing rounds end "
                          "(no cell starts later)")

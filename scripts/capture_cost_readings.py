@@ -166,13 +166,15 @@ def pooled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per cell (algorithm, graphs, workload) of several runs' rows (of one tree: the rounds are read as one
     sample): each kind's passes, and its passes' ``run_batch_s``, laid end to end, so every round keeps its own
     untraced pass; the medians and the readings recomputed from them (:func:`reread`); the books, which do not pool
-    by pass, and the first captured pass's ratio left out; the first row's other fields."""
+    by pass, and the first captured pass's ratio left out; each traced kind's tokens against its round's untraced
+    pass held over every run, the rounds that differed numbered in the pooled order; the first row's other fields."""
     cells: dict[tuple[Any, Any, Any], dict[str, Any]] = {}
     for r in filter(_measured, rows):
         cell = cells.setdefault((r["algorithm"], r["graphs"], r["workload"]),
                                 {**r, "passes": {}, "pass_costs": {}, "pooled_runs": 0, "ledger": {}, "booked": {},
-                                 "overhead_captured": None})
+                                 "overhead_captured": None, "tokens_same_round": {}, "round_mismatch": {}})
         cell["pooled_runs"] += 1
+        _pool_rounds(cell, r)
         for kind, times in r["passes"].items():
             cell["passes"][kind] = cell["passes"].get(kind, []) + list(times or [])
         for kind, books in (r.get("pass_costs") or {}).items():
@@ -180,6 +182,16 @@ def pooled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for cell in cells.values():
         cell.update(medians(cell["passes"]))
     return reread(list(cells.values()))
+
+
+def _pool_rounds(cell: dict[str, Any], r: dict[str, Any]) -> None:
+    """One run's round checks added to a pooled cell's (before its passes are): a kind is the same as its rounds'
+    untraced passes only where every run says so, and a run's differing rounds follow the rounds pooled before it."""
+    for kind, same in (r.get("tokens_same_round") or {}).items():
+        cell["tokens_same_round"][kind] = cell["tokens_same_round"].get(kind, True) and same
+    for kind, rounds in (r.get("round_mismatch") or {}).items():
+        before = len(cell["passes"].get(kind, []))
+        cell["round_mismatch"][kind] = cell["round_mismatch"].get(kind, []) + [before + k for k in rounds]
 
 
 def _pool_books(into: dict[str, Any], books: dict[str, Any]) -> None:

@@ -288,6 +288,14 @@ def test_pooled_rows_lay_one_cells_rounds_end_to_end_and_recompute_what_depends_
     assert dflash["per_round"]["sampled"]["rounds"] == 6 and dflash["per_round"]["sampled"]["ci95"] == (1.1, 1.3)
     assert dflash["per_round_run_batch"]["sampled"]["median"] == pytest.approx(1.04)
     assert rd.per_round(rows[0]["passes"]["sampled"], rows[0]["passes"]["untraced"])["ci95"] is None
+    # the round checks: the second run's differing rounds follow the first run's three
+    rows[0].update(tokens_same_round={"sampled": False}, round_mismatch={"sampled": [0]})
+    rows[2].update(tokens_same_round={"sampled": False}, round_mismatch={"sampled": [0, 1, 2]})
+    rows[1].update(tokens_same_round={"sampled": True}, round_mismatch={"sampled": []})
+    got = rd.pooled(rows)
+    assert got[0]["round_mismatch"] == {"sampled": [0, 3, 4, 5]} and got[0]["tokens_same_round"] == {"sampled": False}
+    assert got[1]["round_mismatch"] == {"sampled": []} and got[1]["tokens_same_round"] == {"sampled": True}
+    assert tb._round(got[0]) == "; False (4 of 6 rounds: 0,3,4…)/—"
 
 
 def test_the_unrecorded_batches_books_pool_weighted_by_batches_and_show_the_pass_over():
@@ -392,6 +400,8 @@ def test_a_cells_result_json_alone_rereads_as_its_timing_row(tmp_path, capsys):
     (part / "result.json").write_text(json.dumps(settings))
     (part / "job.json").write_text(json.dumps({"engine_job": str(cell / "job.json")}))
     assert cc.result_row(part / "result.json")["model"] == "/tmp/real/target"
+    (part / "job.json").write_text(json.dumps({"engine_job": "/elsewhere/refcheck_ddtree-eager-one/job.json"}))
+    assert cc.result_row(part / "result.json")["model"] == "/tmp/real/target"  # copied here: its sibling's job
     (cell / "result.json").write_text(json.dumps({"stage": "start"}))
     assert cc.main(["--reread", str(cell / "result.json")]) == 2
     assert "not an engine run's result.json" in capsys.readouterr().err

@@ -306,6 +306,10 @@ def test_workloads_run_in_turn_on_one_engine_each_with_its_own_job_result_and_tr
     assert len(default) == 2 and (tmp_path / "ok" / "part1" / "result.json").is_file()
     with pytest.raises(UsageError, match="2 workloads need 1 part directories, got 2"):
         runner.traces([one, one], [tmp_path / "c", tmp_path / "d"])
+    with pytest.raises(UsageError, match="2 workloads need 1 part directories, got 0"):
+        runner.traces([one, one], [])
+    with pytest.raises(UsageError, match="--capture-max-mb bounds the records of one engine"):
+        fake_sglang("ok", capture_max_mb=2).traces([one, one])
 
 
 def test_a_failure_reaches_every_workload_of_the_engine(fake_sglang):
@@ -557,11 +561,26 @@ def test_first_differences_name_the_request_position_and_both_tokens():
 
 
 def test_each_part_of_an_engine_times_its_rounds_in_an_equal_share_of_the_time_left():
-    """child.part_until: with k parts left, a part's rounds end by now + (until - now) / k; the last part, or no end,
-    keeps the job's until; an end already passed gives no rounds (now)."""
+    """child.part_until: with k parts left, a part's rounds end by now + (until - now - (k - 1) * setup) / k, each later
+    part's setup (its warm-ups and captured pass) set aside; the last part, or no end, keeps the job's until; an end
+    already passed gives no rounds (now)."""
     from refcheck.sglang.child import part_until
+
+    assert part_until(100.0, 40.0, 2, 10.0) == 65.0 and part_until(100.0, 40.0, 3, 30.0) == 40.0
 
     assert part_until(None, 40.0, 2) is None
     assert part_until(100.0, 40.0, 2) == 70.0 and part_until(100.0, 40.0, 3) == 60.0
     assert part_until(100.0, 40.0, 1) == 100.0
     assert part_until(100.0, 120.0, 2) == 120.0
+
+
+def test_a_later_workload_that_hangs_is_timed_out_with_its_own_error_not_the_earlier_ones(fake_sglang):
+    """The first workload's generate fails (its scheduler error in the shared log) and the engine goes on to the
+    second, which hangs: the first reports its own error, the second the timeout, not the first's error."""
+    from refcheck.prompts import load_prompts
+
+    prompts = load_prompts()[:2]
+    first, second = fake_sglang("first_fails_second_hangs", capture=False, timeout_s=8).traces([prompts[:1], prompts])
+    assert "part0 bad request" in first.provenance["capture"]["crash"]
+    assert "timed out after 8 s" in second.provenance["capture"]["crash"]
+    assert "part0" not in second.provenance["capture"]["crash"]

@@ -56,25 +56,26 @@ def run_job(cdir: Path, env: dict[str, str], engine_kwargs: dict[str, Any], part
                 end_session(proc)
     reason = f"timed out after {timeout_s:.0f} s" if rc is None else f"engine process exited with code {rc}"
     first = outcome(results[0], reason, log)
-    return [first, *(outcome(r, reason, log, first) for r in results[1:])]
+    return [first, *(outcome(r, reason, log, first, k) for k, r in enumerate(results[1:], 1))]
 
 
-def outcome(result: Path, reason: str, log: Path, first: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A part's last reported stage (its ``result.json``): ``done`` as written; else ``failed``, at the stage it
-    reached, with the scheduler's own error where the log holds one (it says more than the main process's). A later
-    part the engine never began (``first``: the first part's outcome) failed where the first did, or, once that one
-    ran, while generating: the engine process ended before it."""
+def outcome(result: Path, reason: str, log: Path, first: dict[str, Any] | None = None, part: int = 0) -> dict[str, Any]:
+    """Part ``part``'s last reported stage (its ``result.json``): ``done`` as written; else ``failed``, at the stage
+    it reached, with the scheduler's own error where the part's stretch of the log holds one (it says more than the
+    main process's; an earlier part's error is not this one's), else ``reason``. A later part the engine never began
+    (``first``: the first part's outcome) failed where the first did, or, once that one ran, while generating: the
+    engine process ended before it (the log's last error, else ``reason``, says why)."""
     run = json.loads(result.read_text()) if result.is_file() else {}
     stage = run.get("stage")
     if stage == "done":
         return run
-    scheduler_error = log_error(log)
+    scheduler_error = log_error(log, part=part)
     if stage is None and first is not None:
         if first.get("failed_at") in ("import", "start"):
             return first
         return {"stage": "failed", "failed_at": "generate", "start_s": first.get("start_s"),
                 "sglang": first.get("sglang"),
-                "error": f"the engine process ended before this part began ({scheduler_error or reason})"}
+                "error": f"the engine process ended before this part began ({log_error(log) or reason})"}
     if stage == "started":  # died or hung while generating
         return {**run, "stage": "failed", "failed_at": "generate", "error": scheduler_error or reason}
     if stage == "failed" and run.get("failed_at") == "generate":
@@ -83,12 +84,27 @@ def outcome(result: Path, reason: str, log: Path, first: dict[str, Any] | None =
     return {**run, "stage": "failed", "failed_at": run.get("failed_at", "start"), "error": detail}
 
 
-def log_error(log: Path, limit: int = 600) -> str | None:
-    """The last error line of an engine log (SGLang's schedulers print tracebacks there)."""
+def log_error(log: Path, limit: int = 600, part: int | None = None) -> str | None:
+    """The last error line of an engine log (SGLang's schedulers print tracebacks there); with ``part``, of that part's
+    stretch of it: from the line the child printed as it began (:data:`refcheck.sglang.child.PART_MARKER`; the
+    first part's from the log's start) to the next part's (none for a later part that never began)."""
     if not log.is_file():
         return None
     lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines()]
+    if part is not None:
+        lines = _stretch(lines, part)
     hits = [ln for ln in lines if ln and (ln.split(":", 1)[0].endswith(("Error", "Exception")) or "Error:" in ln)]
     if not hits:
         return None
     return hits[-1] if len(hits[-1]) <= limit else hits[-1][: limit - 3] + "..."
+
+
+def _stretch(lines: list[str], part: int) -> list[str]:
+    """Part ``part``'s lines of the engine's log (:func:`log_error`)."""
+    from refcheck.sglang.child import PART_MARKER
+
+    marks = [lines.index(PART_MARKER.format(k)) if PART_MARKER.format(k) in lines else None
+             for k in (part, part + 1)]
+    if part and marks[0] is None:
+        return []
+    return lines[(marks[0] or 0) if part else 0:marks[1] if marks[1] is not None else len(lines)]

@@ -292,14 +292,19 @@ class SGLangRunner:
         warm-ups, captured pass and timing rounds, the rounds' end shared among them): the first in the capture
         directory, workload k > 0 in ``part_dirs[k - 1]`` (default: the capture directory's ``part{k}``), each
         directory holding its job and result; the records of every workload lie in the capture directory's
-        ``records``, each trace assembled from its own rids."""
+        ``records``, each trace assembled from its own rids. The capture's errors and statistics (lost batches, the
+        cost ledger) are the engine's, the same in each trace; a byte budget, being the engine's too, takes one
+        workload (a UsageError for more)."""
         from refcheck.sglang.capture.records import Capture, read_capture
 
         tdir, ddir = self.spec.resolved_dirs()
         for prompts in workloads:
             check_context(prompts, self.spec, tdir)  # before any engine starts: exit 2, not SGLang's error mid-run
         cdir = Path(self.capture_dir or tempfile.mkdtemp(prefix="refcheck-sglang-"))
-        dirs = [cdir, *(part_dirs or [cdir / f"part{k}" for k in range(1, len(workloads))])]
+        if len(workloads) > 1 and self.max_bytes is not None:
+            raise UsageError("--capture-max-mb bounds the records of one engine: run one workload on it, not "
+                             f"{len(workloads)} (their records would share the budget)")
+        dirs = [cdir, *(part_dirs if part_dirs is not None else [cdir / f"part{k}" for k in range(1, len(workloads))])]
         if len(dirs) != len(workloads):
             raise UsageError(f"{len(workloads)} workloads need {len(workloads) - 1} part directories, got {len(dirs) - 1}")
         for d in dirs:

@@ -4,11 +4,13 @@ ok: echo greedy-looking outputs; drift: like ok, but every generate after the fi
 differently (a nondeterministic engine); start_fail: print a scheduler traceback and fail at start-up the
 way SGLang does; crash: die (SIGKILL-like exit) in the middle of generate; hang: start a stand-in scheduler (a
 process in the engine's process group, as SGLang's are; its pid in FAKE_SGLANG_SCHEDULER_PID when that names a
-file) and never return.
+file) and never return; first_fails_second_hangs: a generate of the first workload's requests prints a scheduler
+error and raises, one of a later workload's (rids ``refcheck-PID-K.I-ID``, K > 0) never returns.
 """
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import time
@@ -38,6 +40,11 @@ class Engine:
                 with open(os.environ["FAKE_SGLANG_SCHEDULER_PID"], "w") as f:
                     f.write(str(scheduler.pid))
             time.sleep(3600)
+        if mode == "first_fails_second_hangs":
+            if any(re.search(r"refcheck-\d+-\d+\.\d+-", r) for r in rid):
+                time.sleep(3600)
+            print("ValueError: part0 bad request", file=sys.stderr, flush=True)
+            raise ValueError("part0 bad request")
         shift = self.calls if mode == "drift" else 0
         self.calls += 1
         return [{"output_ids": [ids[-1] + shift] * sp["max_new_tokens"], "meta_info": {"id": r}}
