@@ -4,7 +4,8 @@ Usage (on a GPU machine with SGLang; through the bundle: ``scripts/sglang_bundle
 
     python scripts/capture_cost.py --out OUT [--algorithms NONE,DFLASH,NGRAM,REFCHECK_DDTREE] [--graphs off,on]
         [--workloads one,mixed] [--sample 16] [--repeats 3] [--round-budget S] [--no-full] [--mem-fraction 0.3]
-        [--diff] [--cells ALG:on|off:one|mixed,...] [--engine-per-cell] [--deadline SECONDS] [--until SECONDS]
+        [--diff [--diff-workloads one,mixed]] [--cells ALG:on|off:one|mixed,...] [--engine-per-cell]
+        [--deadline SECONDS] [--until SECONDS]
         [--model DIR [--draft DIR]]
     python scripts/capture_cost.py --reread capture_cost.json|CELL/result.json [...] [--pool]  # earlier runs, re-read
 
@@ -26,8 +27,9 @@ lines (:data:`FULL_LIMIT`, :data:`SAMPLED_LIMIT`): within, over, or undecided (m
 :func:`rounds_to_decide`, is printed beside it). The seconds
 each pass booked to the scheduler's ``run_batch`` (the engine's own steps, without the client and the scheduler's
 loop around them) get the same per-round reading. Trace bytes per verify step are the written Arrow trace's size
-over its steps. ``--diff`` also judges each captured trace (replay, the GPU reference when one is visible; steps per second) and the
-sampled pass's trace, assembled from the same capture directory (its verdict beside the full one's).
+over its steps. ``--diff`` also judges each captured trace (replay, the GPU reference when one is visible; steps per second, the
+reference's load timed apart) and the sampled pass's trace, assembled from the same capture directory (its verdict
+beside the full one's); ``--diff-workloads`` names the workloads whose cells it judges (default both).
 ``--round-budget`` stops a cell's timing rounds once that many seconds have passed (after three rounds), so
 with a large ``--repeats`` a cell of short passes gets many rounds and one of long passes few; ``--no-full`` leaves
 the full-capture pass out of the rounds (an untraced and a sampled pass each: more rounds in the budget; the full
@@ -316,6 +318,9 @@ def _checked(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
     from refcheck.sglang.runner import timing_budget, timing_until
 
     todo = cells(args)
+    unknown = sorted(set(args.diff_workloads.split(",")) - set(WORKLOADS))
+    if unknown:
+        raise UsageError(f"--diff-workloads: {','.join(unknown)} is no workload (choose from {', '.join(WORKLOADS)})")
     timing_budget(args.round_budget)
     if args.until is not None and not args.until > 0:
         raise UsageError(f"--until must be > 0 seconds, got {args.until}")
@@ -347,7 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", type=Path, default=None, help="with --model: its drafter's directory")
     ap.add_argument("--budget", type=int, default=15)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--diff", action="store_true")
+    ap.add_argument("--diff", action="store_true", help="judge each cell's captured and sampled traces (replay)")
+    ap.add_argument("--diff-workloads", default=",".join(WORKLOADS),
+                    help="with --diff: the workloads whose cells are judged (at real width a step takes about half "
+                         "a second to judge: 'one' keeps the diff inside a device call)")
     ap.add_argument("--cells", default=None, help="ALG:on|off:one|mixed,... (default: every combination)")
     ap.add_argument("--engine-per-cell", action="store_true",
                     help="one engine per cell (by default neighbouring cells of one algorithm and CUDA graphs share "
@@ -409,7 +417,7 @@ def run_cells(args: argparse.Namespace, todo: list[tuple[str, bool, str]]) -> li
         for row, trace in done:
             rows.append(row)
             _write_rows(args.out, rows)  # the timing row is kept whatever happens to the diff after it
-            if args.diff and trace is not None:
+            if args.diff and trace is not None and row["workload"] in args.diff_workloads.split(","):
                 row.update(diffed(args, row, trace))
                 _write_rows(args.out, rows)
             print(markdown(rows[-1:], args.sample).splitlines()[-1], flush=True)

@@ -474,3 +474,28 @@ def test_the_diffs_steps_per_second_leave_the_references_load_out(monkeypatch):
     got = cc.judge(NS(steps=[object()] * 4), "dflash-graphs-one")
     assert got["diff_steps_per_s"] == 2.0 and got["diff_load_s"] == 5.0 and got["verdict"] == "pass"
     assert loads == [("dflash-graphs-one", "float32")]
+
+
+def test_diff_workloads_judge_only_the_cells_of_those_workloads_and_refuse_another(tmp_path, monkeypatch, capsys):
+    """--diff --diff-workloads one: of an engine's two cells only the one-request cell's trace is judged (a real-width
+    32-request trace takes minutes to judge); a workload that does not exist is exit 2 before any engine starts."""
+    judged: list[str] = []
+
+    def fake_engine(args, algorithm, graphs, loads, until):
+        return [({"algorithm": algorithm, "graphs": graphs, "workload": load, "passes": {"untraced": [1.0]},
+                  "error": "a stand-in row"}, object()) for load in loads]
+
+    def fake_diffed(args, row, trace):
+        judged.append(row["workload"])
+        return {"verdict": "pass"}
+
+    monkeypatch.setattr(cc, "run_engine", fake_engine)
+    monkeypatch.setattr(cc, "diffed", fake_diffed)
+    cells = "DFLASH:on:mixed,DFLASH:on:one"
+    assert cc.main(["--out", str(tmp_path), "--cells", cells, "--diff", "--diff-workloads", "one"]) == 0
+    assert judged == ["one"]
+    assert cc.main(["--out", str(tmp_path), "--cells", cells, "--diff"]) == 0
+    assert judged == ["one", "mixed", "one"]
+    monkeypatch.setattr(cc, "run_engine", lambda *a: pytest.fail("an engine started"))
+    assert cc.main(["--out", str(tmp_path), "--cells", cells, "--diff", "--diff-workloads", "one,many"]) == 2
+    assert "--diff-workloads: many is no workload (choose from one, mixed)" in capsys.readouterr().err
