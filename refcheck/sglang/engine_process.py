@@ -103,8 +103,8 @@ def _stretch(lines: list[str], part: int) -> list[str]:
     """Part ``part``'s lines of the engine's log (:func:`log_error`)."""
     from refcheck.sglang.child import PART_MARKER
 
-    marks = [lines.index(PART_MARKER.format(k)) if PART_MARKER.format(k) in lines else None
-             for k in (part, part + 1)]
-    if part and marks[0] is None:
-        return []
-    return lines[(marks[0] or 0) if part else 0:marks[1] if marks[1] is not None else len(lines)]
+    begins, ends = (PART_MARKER.format(k) for k in (part, part + 1))
+    if part and begins not in lines:
+        return []  # the engine never began it
+    start = lines.index(begins) if part else 0  # the first part's stretch holds the engine's start-up too
+    return lines[start:lines.index(ends) if ends in lines else len(lines)]
