@@ -584,3 +584,32 @@ def test_a_later_workload_that_hangs_is_timed_out_with_its_own_error_not_the_ear
     assert "part0 bad request" in first.provenance["capture"]["crash"]
     assert "timed out after 8 s" in second.provenance["capture"]["crash"]
     assert "part0" not in second.provenance["capture"]["crash"]
+
+
+def test_the_engine_process_shares_its_rounds_time_among_its_parts(tmp_path, monkeypatch):
+    """child.main over two parts on one engine, every generate taking one second of a stand-in clock and 100 s to
+    the job's end: each part's warm-up and captured pass take 2 s, and each gets about half of the rest in rounds
+    (the first part does not spend the second's time)."""
+    from refcheck.sglang import child
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "fake_sglang"))
+    monkeypatch.setenv("FAKE_SGLANG_MODE", "ok")
+    monkeypatch.delenv("REFCHECK_CAPTURE_DIR", raising=False)
+    monkeypatch.setattr(child, "_end_with_the_runner", lambda: None)
+    clock = [1000.0]
+
+    def one_second(engine, job, rids):
+        clock[0] += 1.0
+        return [{"output_ids": [7]} for _ in rids]
+
+    monkeypatch.setattr(child, "generate", one_second)
+    monkeypatch.setattr(child.time, "time", lambda: clock[0])
+    monkeypatch.setattr(child.time, "perf_counter", lambda: clock[0])
+    jobs, results = [tmp_path / f"job{k}.json" for k in (0, 1)], [tmp_path / f"result{k}.json" for k in (0, 1)]
+    for k in (0, 1):
+        part = {"result": str(results[k]), "input_ids": [[1]], "sampling_params": [{}], "rids": [f"r{k}"],
+                "warmup_rids": [f"w{k}"], "timing_rids": [[f"u{k}-{i}"] for i in range(500)], "timing_until": 1100.0}
+        jobs[k].write_text(json.dumps({**({"engine_kwargs": {}, "more": [str(jobs[1])]} if k == 0 else {}), **part}))
+    assert child.main(str(jobs[0])) == 0
+    rounds = [len(json.loads(r.read_text())["repeat_generate_s"]) for r in results]
+    assert all(45 <= n <= 49 for n in rounds), rounds
