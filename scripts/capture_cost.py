@@ -10,9 +10,9 @@ Usage (on a GPU machine with SGLang; through the bundle: ``scripts/sglang_bundle
     python scripts/capture_cost.py --reread capture_cost.json|CELL/result.json [...] [--pool]  # earlier runs, re-read
 
 A cell is an algorithm x CUDA graphs x workload. Neighbouring cells of one algorithm and CUDA graphs share one
-SGLang engine, their workloads run in turn on it (:func:`engines`; ``--engine-per-cell``: an engine each; one
-start-up for both workloads of an engine, the engine start being most of a cell's cost besides its rounds); per
-cell the engine runs, in order: an untraced warm-up pass, a
+SGLang engine, their workloads run in turn on it, the heaviest first (:func:`engines`; ``--engine-per-cell``: an
+engine each; one start-up for both workloads of an engine, the engine start being most of a cell's cost besides its
+rounds); per cell the engine runs, in order: an untraced warm-up pass, a
 captured warm-up pass, the captured pass (every step recorded: the trace), then ``--repeats`` rounds of three
 passes interleaved in rotating order (``refcheck/sglang/child.py``): untraced, sampled (1 decode and 1 prefill batch in
 ``--sample``, rids marked for it) and full capture. Each pass generates the same requests; the overheads are the
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=None, help="seconds after which no engine (none of its cells) starts")
     ap.add_argument("--until", type=float, default=None,
                     help="seconds after the script began by which every cell's timing rounds end "
-                         "(no cell starts later)")
+                         "(no engine starts later)")
     args = ap.parse_args(argv)
     if args.reread is not None:
         return _reread(args.reread, args.sample, args.pool)
@@ -383,13 +383,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+#: the order of an engine's workloads, the heaviest first: a workload's warm-ups and captured pass come out of its
+#: own share of the engine's time (refcheck/sglang/child.py's ``part_until``), so the 32 requests' longer setup does
+#: not shorten the rounds of the one-request cell after it
+HEAVIEST_FIRST = ("mixed", "one")
+
+
 def engines(todo: list[tuple[str, bool, str]], per_cell: bool = False) -> list[tuple[str, bool, list[str]]]:
     """The engines the cells need, in order: neighbouring cells of one algorithm and CUDA graphs share one, a workload
-    each (``per_cell``: an engine per cell)."""
+    each, in :data:`HEAVIEST_FIRST` order (``per_cell``: an engine per cell)."""
     out: list[tuple[str, bool, list[str]]] = []
     for algorithm, graphs, load in todo:
         if out and not per_cell and out[-1][:2] == (algorithm, graphs) and load not in out[-1][2]:
             out[-1][2].append(load)
+            out[-1][2].sort(key=HEAVIEST_FIRST.index)
         else:
             out.append((algorithm, graphs, [load]))
     return out

@@ -186,7 +186,8 @@ def pooled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _pool_rounds(cell: dict[str, Any], r: dict[str, Any]) -> None:
     """One run's round checks added to a pooled cell's (before its passes are): a kind is the same as its rounds'
-    untraced passes only where every run says so, and a run's differing rounds follow the rounds pooled before it."""
+    untraced passes only where every run says so, and a run's differing rounds follow the rounds pooled before it (a
+    run that recorded no rounds, only whether any differed, adds none to the count)."""
     for kind, same in (r.get("tokens_same_round") or {}).items():
         cell["tokens_same_round"][kind] = cell["tokens_same_round"].get(kind, True) and same
     for kind, rounds in (r.get("round_mismatch") or {}).items():

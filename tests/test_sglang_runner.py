@@ -561,12 +561,9 @@ def test_first_differences_name_the_request_position_and_both_tokens():
 
 
 def test_each_part_of_an_engine_times_its_rounds_in_an_equal_share_of_the_time_left():
-    """child.part_until: with k parts left, a part's rounds end by now + (until - now - (k - 1) * setup) / k, each later
-    part's setup (its warm-ups and captured pass) set aside; the last part, or no end, keeps the job's until; an end
-    already passed gives no rounds (now)."""
+    """child.part_until: with k parts left, a part's rounds end by now + (until - now) / k, taken as the part begins;
+    the last part, or no end, keeps the job's until; an end already passed gives no rounds (now)."""
     from refcheck.sglang.child import part_until
-
-    assert part_until(100.0, 40.0, 2, 10.0) == 65.0 and part_until(100.0, 40.0, 3, 30.0) == 40.0
 
     assert part_until(None, 40.0, 2) is None
     assert part_until(100.0, 40.0, 2) == 70.0 and part_until(100.0, 40.0, 3) == 60.0
@@ -588,7 +585,7 @@ def test_a_later_workload_that_hangs_is_timed_out_with_its_own_error_not_the_ear
 
 def test_the_engine_process_shares_its_rounds_time_among_its_parts(tmp_path, monkeypatch):
     """child.main over two parts on one engine, every generate taking one second of a stand-in clock and 100 s to
-    the job's end: each part's warm-up and captured pass take 2 s, and each gets about half of the rest in rounds
+    the job's end: each part gets half, its warm-up and captured pass (2 s) out of its own, and rounds in the rest
     (the first part does not spend the second's time)."""
     from refcheck.sglang import child
 
@@ -613,3 +610,27 @@ def test_the_engine_process_shares_its_rounds_time_among_its_parts(tmp_path, mon
     assert child.main(str(jobs[0])) == 0
     rounds = [len(json.loads(r.read_text())["repeat_generate_s"]) for r in results]
     assert all(45 <= n <= 49 for n in rounds), rounds
+
+
+def test_each_part_reads_its_own_stretch_of_the_engine_log(tmp_path):
+    """engine_process.outcome over a stand-in log of two parts: a part that hung reports the timeout, not the earlier
+    part's error; a marker printed after a line left open still starts the part's stretch; a part whose process died
+    with the cause printed before its marker takes the log's last error; a start-up failure written to a later part
+    reads the whole log's (the scheduler's traceback)."""
+    from refcheck.sglang.child import PART_MARKER
+    from refcheck.sglang.engine_process import log_error, outcome
+
+    log, r0, r1 = tmp_path / "engine.log", tmp_path / "r0.json", tmp_path / "r1.json"
+    log.write_text(f"start-up\n{PART_MARKER.format(0)}\nValueError: part0 bad request\n"
+                   f"a progress bar left open{PART_MARKER.format(1)}\nstill going\n")
+    r0.write_text(json.dumps({"stage": "failed", "failed_at": "generate", "error": "ValueError: part0 bad request"}))
+    r1.write_text(json.dumps({"stage": "started", "start_s": 3.0}))
+    assert log_error(log, part=1) is None and log_error(log, part=0) == "ValueError: part0 bad request"
+    first = outcome(r0, "timed out after 8 s", log, timed_out=True)
+    assert outcome(r1, "timed out after 8 s", log, first, 1, timed_out=True)["error"] == "timed out after 8 s"
+    died = outcome(r1, "engine process exited with code -9", log, first, 1, timed_out=False)
+    assert died["error"] == "ValueError: part0 bad request"  # the cause, printed before the part's marker
+    log.write_text("Traceback (most recent call last):\nRuntimeError: gemma_rmsnorm failed to dispatch data type Float\n")
+    for r in (r0, r1):
+        r.write_text(json.dumps({"stage": "failed", "failed_at": "start", "error": "RuntimeError: Initialization failed."}))
+    assert "gemma_rmsnorm" in outcome(r1, "engine process exited with code 4", log, None, 1)["error"]

@@ -37,8 +37,8 @@ with ``stagger_s`` > 0 the requests of each pass arrive one every ``stagger_s`` 
 of further parts' job files, each holding another workload's requests, rids, passes and ``result``) the parts run
 in turn on the same engine (:func:`run_part`), each writing its own ``result`` (``started`` as it begins, then
 ``done`` or ``failed``; a start-up failure is written to every part's) and printing :data:`PART_MARKER` to the log
-as it begins; each part's timing rounds end by an equal share of the time left before its ``timing_until``, each
-later part's setup set aside (:func:`part_until`). SGLang
+as it begins; each part's timing rounds end by an equal share of the time left before its ``timing_until`` as the
+part begins (:func:`part_until`). SGLang
 answers a dead scheduler by killing its whole process tree (SIGQUIT, then SIGKILL): running it here
 keeps refcheck's own process, and the records captured so far, alive; whatever stage the file last
 reached tells the runner what happened. The child leads a session of its own (the runner starts it so), and
@@ -277,13 +277,13 @@ def parts_of(job: dict) -> list[dict]:
     return [job, *(json.loads(Path(p).read_text()) for p in job.get("more") or [])]
 
 
-def part_until(until: float | None, now: float, parts_left: int, setup_s: float = 0.0) -> float | None:
-    """The end of a part's timing rounds, taken as they begin, where the engine still has ``parts_left`` parts to run
-    (this one included) and a part takes about ``setup_s`` before its rounds (warm-ups, the captured pass): an equal
-    share of the time left before the job's ``until`` once each later part's setup is set aside (None: no end)."""
+def part_until(until: float | None, now: float, parts_left: int) -> float | None:
+    """A part's ``timing_until`` as it begins, where the engine still has ``parts_left`` parts to run (this one
+    included): an equal share of the time left before the job's ``until`` (None: no end); the part's warm-ups and
+    captured pass come out of its own share."""
     if until is None or parts_left <= 1:
         return until
-    return now + max(until - now - (parts_left - 1) * setup_s, 0.0) / parts_left
+    return now + max(until - now, 0.0) / parts_left
 
 
 #: the line the child prints to its log (the engine's, shared by every part) as part K begins: a part's errors are
@@ -291,13 +291,10 @@ def part_until(until: float | None, now: float, parts_left: int, setup_s: float 
 PART_MARKER = "refcheck-child: part {} begins"
 
 
-def run_part(engine: Any, part: dict, start_s: float, version: str, parts_left: int = 1,
-             setups: list[float] | None = None) -> int:
-    """One part on the started engine: the warm-ups, the captured pass, the timing rounds (ending by
-    :func:`part_until` of the part's ``timing_until``, ``parts_left`` and the longest of ``setups``, the seconds each
-    part so far took before its rounds, this one's added); its ``done`` (or ``failed``) written to the part's
-    ``result``. Returns 0, or 5 when its generate failed."""
-    result, began, setups = Path(part["result"]), time.time(), [] if setups is None else setups
+def run_part(engine: Any, part: dict, start_s: float, version: str) -> int:
+    """One part on the started engine: the warm-ups, the captured pass, the timing rounds; its ``done`` (or
+    ``failed``) written to the part's ``result``. Returns 0, or 5 when its generate failed."""
+    result = Path(part["result"])
     try:
         warm: dict[str, Any] = {}
         if part.get("warmup_rids"):  # untraced: compiles kernels (and, with the radix cache, fills it) first
@@ -318,9 +315,7 @@ def run_part(engine: Any, part: dict, start_s: float, version: str, parts_left: 
         behind = _drained()  # the captured pass's records written before the next pass is timed
         drain_s = time.perf_counter() - t2
         captured = _ledger()
-        setups.append(time.time() - began)
-        until = part_until(part.get("timing_until"), time.time(), parts_left, max(setups))
-        kinds = interleaved(engine, {**part, "timing_until": until}, outputs, diffs)
+        kinds = interleaved(engine, part, outputs, diffs)
         timing = _timing_result(kinds)
         _write(result, {"stage": "done", "start_s": start_s, "generate_s": generate_s, "drain_s": drain_s,
                         "sglang": version, "outputs": outputs, **timing, **warm,
@@ -356,13 +351,14 @@ def main(job_path: str) -> int:
         return 4
     start_s = time.perf_counter() - t0
     _write(results[0], {"stage": "started", "start_s": start_s, "sglang": version})
-    code, setups = 0, []
+    code = 0
     try:
         for k, part in enumerate(parts):
-            print(PART_MARKER.format(k), flush=True)
+            print(f"\n{PART_MARKER.format(k)}", flush=True)  # on a line of its own, whatever was printed before it
             if k:
                 _write(results[k], {"stage": "started", "start_s": start_s, "sglang": version})
-            code = max(code, run_part(engine, part, start_s, version, len(parts) - k, setups))
+            until = part_until(part.get("timing_until"), time.time(), len(parts) - k)
+            code = max(code, run_part(engine, {**part, "timing_until": until}, start_s, version))
     finally:
         try:
             engine.shutdown()

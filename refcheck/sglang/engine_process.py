@@ -55,21 +55,26 @@ def run_job(cdir: Path, env: dict[str, str], engine_kwargs: dict[str, Any], part
             if rc != 0:
                 end_session(proc)
     reason = f"timed out after {timeout_s:.0f} s" if rc is None else f"engine process exited with code {rc}"
-    first = outcome(results[0], reason, log)
-    return [first, *(outcome(r, reason, log, first, k) for k, r in enumerate(results[1:], 1))]
+    first = outcome(results[0], reason, log, timed_out=rc is None)
+    return [first, *(outcome(r, reason, log, first, k, rc is None) for k, r in enumerate(results[1:], 1))]
 
 
-def outcome(result: Path, reason: str, log: Path, first: dict[str, Any] | None = None, part: int = 0) -> dict[str, Any]:
+def outcome(result: Path, reason: str, log: Path, first: dict[str, Any] | None = None, part: int = 0,
+            timed_out: bool = False) -> dict[str, Any]:
     """Part ``part``'s last reported stage (its ``result.json``): ``done`` as written; else ``failed``, at the stage
-    it reached, with the scheduler's own error where the part's stretch of the log holds one (it says more than the
-    main process's; an earlier part's error is not this one's), else ``reason``. A later part the engine never began
-    (``first``: the first part's outcome) failed where the first did, or, once that one ran, while generating: the
-    engine process ended before it (the log's last error, else ``reason``, says why)."""
+    it reached, with the scheduler's own error (it says more than the main process's), else ``reason``. The error is
+    the last of the part's stretch of the log: an earlier part's error is not this one's, so a part that hung reports
+    its timeout. Where the engine's process died (not ``timed_out``) and the stretch holds none, the schedulers may have
+    printed the cause before the part's marker: the log's last error is taken. A start-up failure's is the whole
+    log's. A later part the engine never began (``first``: the first part's outcome) failed where the first did, or,
+    once that one ran, while generating: the engine process ended before it (the log's last error, else
+    ``reason``, says why)."""
     run = json.loads(result.read_text()) if result.is_file() else {}
     stage = run.get("stage")
     if stage == "done":
         return run
-    scheduler_error = log_error(log, part=part)
+    whole = run.get("failed_at") in ("import", "start")
+    scheduler_error = log_error(log, part=None if whole else part) or (None if timed_out else log_error(log))
     if stage is None and first is not None:
         if first.get("failed_at") in ("import", "start"):
             return first
@@ -104,7 +109,9 @@ def _stretch(lines: list[str], part: int) -> list[str]:
     from refcheck.sglang.child import PART_MARKER
 
     begins, ends = (PART_MARKER.format(k) for k in (part, part + 1))
-    if part and begins not in lines:
+    at = {mark: next((i for i, ln in enumerate(lines) if ln.endswith(mark)), None) for mark in (begins, ends)}
+    if part and at[begins] is None:
         return []  # the engine never began it
-    start = lines.index(begins) if part else 0  # the first part's stretch holds the engine's start-up too
-    return lines[start:lines.index(ends) if ends in lines else len(lines)]
+    start = at[begins] if part else 0  # the first part's stretch holds the engine's start-up too
+    end = at[ends]
+    return lines[start:len(lines) if end is None else end]
