@@ -108,6 +108,29 @@ def capture_dir(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def fake_sglang(monkeypatch, tmp_path):
+    """``make(mode, **runner_kwargs)``: an SGLangRunner against tests/fake_sglang, the stand-in SGLang whose
+    behaviour ``mode`` chooses (no GPU needed: the GPU check is patched), its capture directory ``tmp_path / mode``."""
+    import sys
+    from pathlib import Path
+
+    from refcheck.reference_runner import EngineSpec
+    from refcheck.sglang.runner import SGLangRunner
+
+    fake = str(Path(__file__).parent / "fake_sglang")
+    monkeypatch.syspath_prepend(fake)
+    monkeypatch.setenv("PYTHONPATH", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+    def make(mode: str, **kw):
+        monkeypatch.setenv("FAKE_SGLANG_MODE", mode)
+        return SGLangRunner(EngineSpec(dtype="bfloat16", device="cuda", max_new_tokens=3), "NONE",
+                            capture_dir=tmp_path / mode, **kw)
+    return make
+
+
+@pytest.fixture
 def trace_file(tmp_path):
     """A small valid trace and its file (tests/trace_helpers.py), for the trace format and error tests."""
     from trace_helpers import make_trace_file
