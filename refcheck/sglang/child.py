@@ -36,7 +36,8 @@ buffers grow before the timed passes; the child waits for its records to be writ
 with ``stagger_s`` > 0 the requests of each pass arrive one every ``stagger_s`` seconds. With ``more`` (the paths
 of further parts' job files, each holding another workload's requests, rids, passes and ``result``) the parts run
 in turn on the same engine (:func:`run_part`), each writing its own ``result`` (``started`` as it begins, then
-``done`` or ``failed``; a start-up failure is written to every part's) and printing :data:`PART_MARKER` to the log
+``done`` or ``failed``; a start-up failure is the first part's, :mod:`refcheck.sglang.engine_process` reads it for
+every part) and printing :data:`PART_MARKER` to the log
 as it begins; each part's timing rounds end by an equal share of the time left before its ``timing_until`` as the
 part begins (:func:`part_until`). SGLang
 answers a dead scheduler by killing its whole process tree (SIGQUIT, then SIGKILL): running it here
@@ -180,20 +181,18 @@ def interleaved(engine: Any, job: dict, outputs: list[list[int]], diffs: dict[st
 
 
 def _round_match(got: dict[str, dict[str, Any]], ran: list[str], r: int) -> None:
-    """Round ``r``'s traced passes against its untraced pass: each traced kind's ``round_match`` stays True while every
-    pass of it gave the tokens of the untraced pass of its round (the capture changed nothing, whatever moved
-    between rounds: NGRAM's cache of earlier requests, say), and its ``round_mismatch`` lists the rounds where it did
-    not (one early round apart, as an engine's state settles, is not the capture's doing; every round would be); a
+    """Round ``r``'s traced passes against its untraced pass: each traced kind's ``round_mismatch`` lists the rounds
+    where its pass did not give the tokens of its round's untraced pass (none: the capture changed nothing, whatever
+    moved between rounds, NGRAM's cache of earlier requests say; one early round apart, as an engine's state settles,
+    is not the capture's doing; every round would be), and :func:`_timing_result` reads ``round_match`` from it; a
     round without an untraced pass compares nothing."""
     if "untraced" not in ran:
         return
     base = got["untraced"]["last"]
     for kind in ran:
         if kind != "untraced":
-            same = got[kind]["last"] == base
-            got[kind]["round_match"] = got[kind].get("round_match", True) and same
             got[kind].setdefault("round_mismatch", [])
-            if not same:
+            if got[kind]["last"] != base:
                 got[kind]["round_mismatch"].append(r)
 
 
@@ -226,8 +225,8 @@ def _timing_result(kinds: dict[str, dict[str, Any]]) -> dict[str, Any]:
         got = kinds.get(kind)
         out[times] = got["times"] if got else []
         out[match] = got["match"] if got else (True if kind == "untraced" else None)
-    out["round_match"] = {kind: got["round_match"] for kind, got in kinds.items() if "round_match" in got}
     out["round_mismatch"] = {kind: got["round_mismatch"] for kind, got in kinds.items() if "round_mismatch" in got}
+    out["round_match"] = {kind: not rounds for kind, rounds in out["round_mismatch"].items()}
     return out
 
 
@@ -333,30 +332,26 @@ def run_part(engine: Any, part: dict, start_s: float, version: str) -> int:
 def main(job_path: str) -> int:
     _end_with_the_runner()
     job = json.loads(Path(job_path).read_text())
-    parts = parts_of(job)
-    results = [Path(part["result"]) for part in parts]
+    result = Path(job["result"])
     try:
         import sglang
     except ImportError as exc:
-        for result in results:
-            _write(result, {"stage": "failed", "failed_at": "import", "error": summarise_error(exc)})
+        _write(result, {"stage": "failed", "failed_at": "import", "error": summarise_error(exc)})
         return 3
     version = str(getattr(sglang, "__version__", "unknown"))
     t0 = time.perf_counter()
     try:
         engine = sglang.Engine(**job["engine_kwargs"])
     except Exception as exc:  # noqa: BLE001 - reported to the runner, which raises a typed error
-        for result in results:
-            _write(result, {"stage": "failed", "failed_at": "start", "error": summarise_error(exc), "sglang": version})
+        _write(result, {"stage": "failed", "failed_at": "start", "error": summarise_error(exc), "sglang": version})
         return 4
     start_s = time.perf_counter() - t0
-    _write(results[0], {"stage": "started", "start_s": start_s, "sglang": version})
+    parts = parts_of(job)
     code = 0
     try:
         for k, part in enumerate(parts):
             print(f"\n{PART_MARKER.format(k)}", flush=True)  # on a line of its own, whatever was printed before it
-            if k:
-                _write(results[k], {"stage": "started", "start_s": start_s, "sglang": version})
+            _write(Path(part["result"]), {"stage": "started", "start_s": start_s, "sglang": version})
             until = part_until(part.get("timing_until"), time.time(), len(parts) - k)
             code = max(code, run_part(engine, {**part, "timing_until": until}, start_s, version))
     finally:

@@ -65,16 +65,14 @@ def outcome(result: Path, reason: str, log: Path, first: dict[str, Any] | None =
     it reached, with the scheduler's own error (it says more than the main process's), else ``reason``. The error is
     the last of the part's stretch of the log: an earlier part's error is not this one's, so a part that hung reports
     its timeout. Where the engine's process died (not ``timed_out``) and the stretch holds none, the schedulers may have
-    printed the cause before the part's marker: the log's last error is taken. A start-up failure's is the whole
-    log's. A later part the engine never began (``first``: the first part's outcome) failed where the first did, or,
+    printed the cause before the part's marker: the log's last error is taken. A later part the engine never began (``first``: the first part's outcome) failed where the first did, or,
     once that one ran, while generating: the engine process ended before it (the log's last error, else
     ``reason``, says why)."""
     run = json.loads(result.read_text()) if result.is_file() else {}
     stage = run.get("stage")
     if stage == "done":
         return run
-    whole = run.get("failed_at") in ("import", "start")
-    scheduler_error = log_error(log, part=None if whole else part) or (None if timed_out else log_error(log))
+    scheduler_error = log_error(log, part=part) or (None if timed_out else log_error(log))
     if stage is None and first is not None:
         if first.get("failed_at") in ("import", "start"):
             return first
