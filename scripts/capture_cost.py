@@ -168,9 +168,10 @@ def judge(trace: Any, name: str) -> dict[str, Any]:
 
 
 def run_engine(args: argparse.Namespace, algorithm: str, graphs: bool, loads: list[str],
-               until: float | None) -> list[tuple[dict[str, Any], Any]]:
+               until: float | None) -> list[tuple[dict[str, Any], Any, Any]]:
     """The cells of one engine (``algorithm`` and CUDA graphs, one per workload in ``loads``, run in turn on it):
-    each cell's row and its trace (None when the engine failed); their timing rounds end by ``until`` (wall
+    each cell's row, its trace and the engine's capture records, read once for all its cells (None, None when the
+    engine failed); their timing rounds end by ``until`` (wall
     clock, :func:`share_until`), shared among them. The engine's capture directory is the first cell's, each cell's
     job and result in its own (:func:`cell_name`). The rows hold no verdict: :func:`diffed` judges each trace after
     its row is written."""
@@ -189,13 +190,13 @@ def run_engine(args: argparse.Namespace, algorithm: str, graphs: bool, loads: li
         traces = runner.traces([_prompts(load) for load in loads], [args.out / name for name in names[1:]])
     except RefcheckError as exc:
         return [({"algorithm": algorithm, "graphs": graphs, "workload": load, "model": spec.model_label,
-                  "error": f"{type(exc).__name__}: {exc}"}, None) for load in loads]
+                  "error": f"{type(exc).__name__}: {exc}"}, None, None) for load in loads]
     out = []
     for load, name, trace in zip(loads, names, traces):
         path = args.out / f"{name}.arrow"
         write_trace(trace, path)
         out.append(({**row_of(algorithm, graphs, load, trace, path), "model": spec.model_label, "engine": names[0]},
-                    trace))
+                    trace, runner.last_capture))
     return out
 
 
@@ -221,14 +222,14 @@ def cell_arg(algorithm: str, graphs: bool, load: str) -> str:
     return f"{algorithm}:{'on' if graphs else 'off'}:{load}"
 
 
-def diffed(args: argparse.Namespace, row: dict[str, Any], trace: Any) -> dict[str, Any]:
+def diffed(args: argparse.Namespace, row: dict[str, Any], trace: Any, capture: Any) -> dict[str, Any]:
     """``--diff``'s columns of a cell's row: its captured trace judged (:func:`judge`), and the sampled pass's trace,
-    assembled from the cell's capture directory, judged beside it."""
+    assembled from its engine's ``capture`` records, judged beside it."""
     from refcheck.trace.io import write_trace
 
     name = cell_name(row["algorithm"], row["graphs"], row["workload"])
     got = judge(trace, name)
-    sampled = sampled_trace(trace, args.out / name, args.out / row.get("engine", name) / "records")
+    sampled = sampled_trace(trace, args.out / name, capture)
     if sampled is not None:
         write_trace(sampled, args.out / f"{name}-sampled.arrow")
         judged = judge(sampled, f"{name}-sampled")
@@ -265,12 +266,12 @@ def fixed_cost(rows: list[dict[str, Any]], wall_s: float) -> float:
     return max(wall_s - spent, 0.0)
 
 
-def sampled_trace(trace: Any, cdir: Path, records: Path) -> Any:
+def sampled_trace(trace: Any, cdir: Path, capture: Any) -> Any:
     """The sampled pass's trace, from the records its marked rids (the cell's ``job.json``) left in its engine's
-    ``records``."""
+    ``capture``, under the rule the rids carry."""
     from refcheck.prompts import Prompt
     from refcheck.sglang.capture.assemble import assemble_trace
-    from refcheck.sglang.capture.records import read_capture
+    from refcheck.sglang.capture.sample_rule import SampleRule, rule_for
 
     job = json.loads((cdir / "job.json").read_text())
     if not job.get("sampled_rids") or not trace.prov.settings.get("sampled_match"):
@@ -279,9 +280,10 @@ def sampled_trace(trace: Any, cdir: Path, records: Path) -> Any:
     rids = {p.id: rid for p, rid in zip(prompts, job["sampled_rids"][0])}
     results = {r.request_id: {"output_ids": list(r.output_ids)} for r in trace.requests}
     prov = json.loads(json.dumps(trace.provenance, default=str))
-    asm = assemble_trace(prompts, rids, results, read_capture(records), prov)
+    asm = assemble_trace(prompts, rids, results, capture, prov)
+    rule = rule_for(job["sampled_rids"][0][0], SampleRule())
     asm.trace.provenance["capture"] = {**prov.get("capture", {}), "problems": asm.problems[:50], "stats": asm.stats,
-                                       "sample": {"every": int(job["sampled_rids"][0][0].split("-")[2]), "seed": 0}}
+                                       "sample": rule.to_json()}
     return asm.trace
 
 
@@ -420,12 +422,12 @@ def run_cells(args: argparse.Namespace, todo: list[tuple[str, bool, str]]) -> li
         until = share_until(args.until_wall, time.time(), max(fixed, default=FIXED_S), len(plan) - i,
                             sum(len(ls) for _, _, ls in plan[i:]), len(loads))
         done = run_engine(args, algorithm, graphs, loads, until)
-        fixed.append(fixed_cost([row for row, _ in done], time.monotonic() - began))
-        for row, trace in done:
+        fixed.append(fixed_cost([row for row, _, _ in done], time.monotonic() - began))
+        for row, trace, capture in done:
             rows.append(row)
             _write_rows(args.out, rows)  # the timing row is kept whatever happens to the diff after it
             if args.diff and trace is not None and row["workload"] in args.diff_workloads.split(","):
-                row.update(diffed(args, row, trace))
+                row.update(diffed(args, row, trace, capture))
                 _write_rows(args.out, rows)
             print(markdown(rows[-1:], args.sample).splitlines()[-1], flush=True)
     return rows

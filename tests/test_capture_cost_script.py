@@ -354,7 +354,7 @@ def test_every_cell_gets_rounds_under_until_and_a_row_is_written_before_its_diff
         rounds = max(end - 1e9 - clock[0], 0.0)
         clock[0] += rounds
         return [({"algorithm": algorithm, "graphs": graphs, "workload": load, "passes": {"untraced": [rounds]},
-                  "error": "a stand-in row (the table prints it as an error)"}, object()) for load in loads]
+                  "error": "a stand-in row (the table prints it as an error)"}, object(), None) for load in loads]
 
     monkeypatch.setattr(cc, "run_engine", fake_cell)
     monkeypatch.setattr(cc.time, "monotonic", lambda: clock[0])
@@ -368,7 +368,7 @@ def test_every_cell_gets_rounds_under_until_and_a_row_is_written_before_its_diff
     rounds = [r["passes"]["untraced"][0] for r in json.loads((tmp_path / "capture_cost.json").read_text())]
     assert min(rounds) > 100 and rounds[1] == pytest.approx(rounds[2])
 
-    def killed(args, row, trace):
+    def killed(args, row, trace, capture):
         assert json.loads((tmp_path / "d" / "capture_cost.json").read_text())[-1]["algorithm"] == row["algorithm"]
         raise KeyboardInterrupt  # the call's time limit, while judging
 
@@ -431,7 +431,7 @@ def test_neighbouring_cells_of_one_engine_share_it_a_workload_each_in_their_own_
 
     class Fake:
         def __init__(self, spec, algorithm, **kw):
-            self.kw = kw
+            self.kw, self.last_capture = kw, None
 
         def traces(self, workloads, part_dirs):
             asked.append((self.kw["capture_dir"], part_dirs, [len(w) for w in workloads]))
@@ -484,9 +484,9 @@ def test_diff_workloads_judge_only_the_cells_of_those_workloads_and_refuse_anoth
 
     def fake_engine(args, algorithm, graphs, loads, until):
         return [({"algorithm": algorithm, "graphs": graphs, "workload": load, "passes": {"untraced": [1.0]},
-                  "error": "a stand-in row"}, object()) for load in loads]
+                  "error": "a stand-in row"}, object(), None) for load in loads]
 
-    def fake_diffed(args, row, trace):
+    def fake_diffed(args, row, trace, capture):
         judged.append(row["workload"])
         return {"verdict": "pass"}
 

@@ -269,6 +269,7 @@ class SGLangRunner:
                                  "use --dtype bfloat16")
         _check_engine_available()
         self.last_assembly = None
+        self.last_capture: Any = None  # the records the last traces() read, every workload's
 
     def _engine_refusal(self, ngram_breadth: int) -> str | None:
         """Settings SGLang (or refcheck's own algorithm inside it) refuses at start-up: said before an engine starts."""
@@ -326,17 +327,17 @@ class SGLangRunner:
                 raise ModelError(f"SGLang could not start on {tdir} ({self.algorithm}): {run.get('error')} "
                                  f"(full log: {cdir / 'engine.log'})")
         cap = read_capture(records) if self.capture else Capture()
-        return [self._assembled(prompts, part_rids, run, cap, kw, d)
+        self.last_capture = cap
+        return [self._assembled(prompts, part_rids, run, cap, kw, d, tdir, ddir)
                 for d, prompts, part_rids, run in zip(dirs, workloads, rids, runs)]
 
     def _assembled(self, prompts: list[Prompt], rids: dict[str, str], run: dict[str, Any], cap: Any,
-                   kw: dict[str, Any], part_dir: Path) -> Trace:
-        """One workload's trace from the engine's records (its rids'), its provenance from its part's ``run``; a
-        crash or an incomplete capture also writes the partial trace into ``part_dir``."""
+                   kw: dict[str, Any], part_dir: Path, tdir: Path, ddir: Path | None) -> Trace:
+        """One workload's trace from the engine's records (its rids'), its provenance from its part's ``run`` and the
+        pair's directories; a crash or an incomplete capture also writes the partial trace into ``part_dir``."""
         from refcheck.sglang.capture.assemble import assemble_trace
         from refcheck.trace.io import write_trace
 
-        tdir, ddir = self.spec.resolved_dirs()
         results = {p.id: {"output_ids": o} for p, o in zip(prompts, run.get("outputs") or [])}
         crash = None if run.get("stage") == "done" else (run.get("error") or "the engine process died mid-run")
         prov = self._provenance(prompts, kw, run, tdir, ddir)
