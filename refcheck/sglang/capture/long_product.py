@@ -16,11 +16,11 @@ import torch
 SLICE = 4096
 
 
-def long_product(rows: torch.Tensor, proj: torch.Tensor, slice_: int | None = None) -> torch.Tensor:
-    """``rows`` ``[M, K]`` @ ``proj`` ``[K, r]`` -> ``[M, r]``, as S = K // ``slice_`` (default :data:`SLICE`, read at
-    call time) slice products summed (one product when K holds fewer than two slices); the features past the last
-    whole slice as one more product."""
-    slice_ = SLICE if slice_ is None else slice_
+def long_product(rows: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
+    """``rows`` ``[M, K]`` @ ``proj`` ``[K, r]`` -> ``[M, r]``, as S = K // :data:`SLICE` (read at call time) slice
+    products summed (one product when K holds fewer than two slices); the features past the last whole slice as one
+    more product."""
+    slice_ = SLICE
     m, k = rows.shape
     r = proj.shape[-1]
     s = k // slice_
