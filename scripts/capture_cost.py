@@ -7,7 +7,7 @@ Usage (on a GPU machine with SGLang; through the bundle: ``scripts/sglang_bundle
         [--diff [--diff-workloads one,mixed]] [--cells ALG:on|off:one|mixed,...] [--engine-per-cell]
         [--deadline SECONDS] [--until SECONDS]
         [--model DIR [--draft DIR]]
-    python scripts/capture_cost.py --reread capture_cost.json|CELL/result.json [...] [--pool]  # earlier runs, re-read
+    python scripts/capture_cost.py --reread capture_cost.json[.gz]|CELL/result.json [...] [--pool]  # earlier runs, re-read
 
 A cell is an algorithm x CUDA graphs x workload. Neighbouring cells of one algorithm and CUDA graphs share one
 SGLang engine, their workloads run in turn on it, the heaviest first (:func:`engines`; ``--engine-per-cell``: an
@@ -44,9 +44,10 @@ the most a finished engine spent on that, :func:`fixed_cost`, else :data:`FIXED_
 reading come after it, so leave them a margin before the call's limit (``scripts/capture_cost_runs.sh`` passes
 one). Writes ``OUT/capture_cost.json`` (rows, as they finish, each write whole or not at all; a row's ``--diff``
 columns are added once its trace is judged, so a call killed while judging keeps the timings) and
-``OUT/capture_cost.md`` (the table); ``--reread`` prints the table of earlier runs' JSON (or of a cell's engine
-run, ``OUT/CELL/result.json``, its timing columns alone: :func:`result_row`) with the per-round readings
-recomputed from their passes (``--pool``: one row per cell, the rounds of its runs together).
+``OUT/capture_cost.md`` (the table); ``--reread`` prints the table of earlier runs' JSON (gzip-compressed where
+its name ends in ``.gz``, as docs/results keeps the long ones; or of a cell's engine run, ``OUT/CELL/result.json``,
+its timing columns alone: :func:`result_row`) with the per-round readings recomputed from their passes (``--pool``:
+one row per cell, the rounds of its runs together).
 Workloads: ``one`` (the first built-in prompt), ``mixed`` (refcheck's 32 mixed requests, all at once).
 ``--model DIR`` (and ``--draft DIR``, the drafter DFLASH and REFCHECK_DDTREE need) runs the cells on that pair
 instead of the built-in ``--pair``: the real-width pair of ``scripts/real_width.py build``, where a step is as long
@@ -60,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gzip
 import json
 import math
 import sys
@@ -336,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="required unless --reread")
     ap.add_argument("--reread", type=Path, nargs="+", default=None,
-                    help="JSON of earlier runs (capture_cost.json, or a cell's result.json): print their table with "
+                    help="JSON of earlier runs (capture_cost.json, .json.gz, or a cell's result.json): print their table with "
                          "the per-round reading recomputed, run nothing")
     ap.add_argument("--pool", action="store_true", help="with --reread: one row per cell, its runs' rounds together")
     ap.add_argument("--algorithms", default="NONE,DFLASH,NGRAM,REFCHECK_DDTREE")
@@ -440,12 +442,17 @@ def _write_rows(out: Path, rows: list[dict[str, Any]]) -> None:
     atomic_write_bytes(out / "capture_cost.json", json.dumps(rows, indent=1, default=str).encode(), durable=False)
 
 
+def _text_of(path: Path) -> str:
+    """A rows file's text, gunzipped where its name ends in ``.gz`` (gzip.BadGzipFile is an OSError)."""
+    return gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+
+
 def _reread(paths: list[Path], sample: int, pool: bool) -> int:
     rows: list[dict[str, Any]] = []
     for path in paths:
         try:
-            data = [result_row(path)] if path.name == "result.json" else json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
+            data = [result_row(path)] if path.name == "result.json" else json.loads(_text_of(path))
+        except (OSError, ValueError, EOFError) as exc:
             print(f"capture_cost: cannot read {path}: {exc}", file=sys.stderr)
             return 2
         if not isinstance(data, list):

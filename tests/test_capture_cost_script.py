@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 
@@ -146,6 +147,27 @@ def test_reread_prints_an_earlier_runs_table_with_the_per_round_reading_and_refu
     assert "is not a list of rows" in capsys.readouterr().err
     assert cc.main(["--reread", str(tmp_path / "missing.json")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_reread_reads_gzipped_rows_as_the_plain_file_and_refuses_a_broken_archive(tmp_path, capsys):
+    """--reread of rows.json.gz prints the table rows.json prints; a .gz that is not gzip, or is cut short, is exit 2
+    with the file named."""
+    row = {"algorithm": "NGRAM", "graphs": False, "workload": "one", "steps": 7, "untraced_s": 0.02,
+           "overhead_full": 1.2, "overhead_sampled": 1.0, "bytes_per_step": 50.0, "tokens_same_untraced": True,
+           "tokens_same_sampled": True, "passes": {"untraced": [1.0, 1.1, 0.9], "sampled": [1.0, 1.2, 0.9],
+                                                   "full": [1.3, 1.4, 1.2]}}
+    text = json.dumps([row], separators=(",", ":"))
+    (tmp_path / "rows.json").write_text(text)
+    packed = gzip.compress(text.encode())
+    (tmp_path / "rows.json.gz").write_bytes(packed)
+    assert cc.main(["--reread", str(tmp_path / "rows.json")]) == 0
+    plain = capsys.readouterr().out
+    assert cc.main(["--reread", str(tmp_path / "rows.json.gz")]) == 0
+    assert capsys.readouterr().out == plain and "| NGRAM | off | one | 7 |" in plain
+    for name, data in (("text.json.gz", text.encode()), ("cut.json.gz", packed[: len(packed) // 2])):
+        (tmp_path / name).write_bytes(data)
+        assert cc.main(["--reread", str(tmp_path / name)]) == 2
+        assert f"cannot read {tmp_path / name}" in capsys.readouterr().err
 
 
 def test_no_full_asks_the_runner_for_rounds_without_a_full_capture_pass(tmp_path, monkeypatch):
