@@ -108,15 +108,27 @@ def timing_row(algorithm: str, graphs: bool, load: str, st: dict[str, Any],
             "pass_costs": costs, "drain_s": st.get("drain_s")}
 
 
-def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path) -> dict[str, Any]:
+def fixed_bytes(trace: Any) -> int:
+    """The bytes ``trace`` would take with no steps: its header, provenance (a timed run's books among them, which
+    grow with its rounds) and requests, the part of a file that does not grow with the steps."""
+    import dataclasses
+
+    from refcheck.trace.io import trace_bytes
+
+    return len(trace_bytes(dataclasses.replace(trace, steps=[])))
+
+
+def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, fixed: int | None = None) -> dict[str, Any]:
     """One table row from a captured trace written at ``path``: :func:`timing_row` of its provenance's settings (every
-    pass's wall time and books), and what the trace itself holds: its requests and steps, bytes per step, the
-    capture's errors and statistics."""
+    pass's wall time and books), and what the trace itself holds: its requests and steps, bytes per step (the whole
+    file's, and with ``fixed``, :func:`fixed_bytes`, the steps' alone: ``step_bytes_per_step``), the capture's errors
+    and statistics."""
     cap = trace.provenance.get("capture", {})
-    stats, steps = cap.get("stats") or {}, len(trace.steps)
+    stats, steps, size = cap.get("stats") or {}, len(trace.steps), path.stat().st_size
     return {**timing_row(algorithm, graphs, load, trace.prov.settings, stats.get("capture_cost")),
             "requests": len(trace.requests), "steps": steps, "graphed_steps": stats.get("cuda_graph_steps"),
-            "bytes_per_step": path.stat().st_size / steps if steps else None,
+            "bytes_per_step": size / steps if steps else None,
+            "step_bytes_per_step": (size - fixed) / steps if steps and fixed is not None else None,
             "capture_errors": (cap.get("errors") or [])[:3], "lost_batches": stats.get("lost_batches", 0),
             "capture_host_ms_per_batch": stats.get("capture_host_ms_per_batch"),
             "host": next((st.get("host") for st in cap.get("status") or [] if isinstance(st, dict)), None)}
@@ -197,7 +209,8 @@ def run_engine(args: argparse.Namespace, algorithm: str, graphs: bool, loads: li
     for load, name, trace in zip(loads, names, traces):
         path = args.out / f"{name}.arrow"
         write_trace(trace, path)
-        out.append(({**row_of(algorithm, graphs, load, trace, path), "model": spec.model_label, "engine": names[0]},
+        out.append(({**row_of(algorithm, graphs, load, trace, path, fixed_bytes(trace)), "model": spec.model_label,
+                     "engine": names[0]},
                     trace, runner.last_capture))
     return out
 

@@ -17,6 +17,13 @@ def _fmt(v: Any, spec: str = ".2f") -> str:
     return "—" if v is None else format(v, spec) if isinstance(v, float) else str(v)
 
 
+def _bytes(r: dict[str, Any]) -> str:
+    """The written trace's bytes per step, and beside them the steps' alone (a row that has them): a short or long
+    timed run's file also holds its provenance and requests, which do not grow with the steps."""
+    alone = r.get("step_bytes_per_step")
+    return _fmt(r.get("bytes_per_step"), ".0f") + ("" if alone is None else f" ({_fmt(alone, '.0f')})")
+
+
 def _ledger(cost: dict[str, Any]) -> str:
     """The engine's own books: a plain decode batch's ms, a recorded one's and the hooks' share of it; where booked,
     the hooks' device computations per recorded batch replayed from CUDA graphs and run eagerly."""
@@ -89,7 +96,7 @@ def _target(r: dict[str, Any]) -> str:
 def markdown(rows: list[dict[str, Any]], sample: int) -> str:
     head = (f"| algorithm | graphs | workload | steps | untraced s (max/min) | full capture (first pass) | 1 in {sample} | "
             f"batch ms plain / recorded (hooks) | unrecorded batch ms, untraced / 1 in {sample} (its pass-over) | "
-            "writer ms/record | bytes/step | "
+            "writer ms/record | bytes/step (steps alone) | "
             "tokens same (untraced / sampled / full; sampled / full as their round's untraced) | "
             "verdict (full / sampled) | diff steps/s | target, per round (full / sampled) |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
@@ -102,7 +109,7 @@ def markdown(rows: list[dict[str, Any]], sample: int) -> str:
            f"{_fmt(r['overhead_sampled'])}×{_spread((r.get('per_round') or {}).get('sampled'))}"
            f"{_booked((r.get('booked') or {}).get('sampled'), (r.get('per_round_run_batch') or {}).get('sampled'))} | "
            f"{_ledger(r.get('ledger') or {})} | {_unrecorded(r.get('pass_costs') or {})} | "
-           f"{_fmt((r.get('ledger') or {}).get('writer_ms_per_record'))} | {_fmt(r.get('bytes_per_step'), '.0f')} | "
+           f"{_fmt((r.get('ledger') or {}).get('writer_ms_per_record'))} | {_bytes(r)} | "
            f"{r['tokens_same_untraced']}/{r['tokens_same_sampled']}/{r.get('tokens_same_full')}{_round(r)} | "
            f"{r.get('verdict', '—')} / {r.get('sampled_verdict', '—')} ({r.get('sampled_steps', '—')} steps) | "
            f"{_fmt(r.get('diff_steps_per_s'), '.1f')} | {_target(r)} |\n")
