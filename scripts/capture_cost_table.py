@@ -26,11 +26,13 @@ def _bytes(r: dict[str, Any]) -> str:
 
 def _ledger(cost: dict[str, Any]) -> str:
     """The engine's own books: a plain decode batch's ms, a recorded one's and the hooks' share of it; where booked,
-    the hooks' device computations per recorded batch replayed from CUDA graphs and run eagerly."""
+    the hooks' device computations per recorded batch replayed from CUDA graphs and run eagerly (the eager runs by
+    cache, where any ran)."""
     parts = cost.get("parts_ms_per_batch") or {}
     split = ", ".join(f"{k} {_fmt(v)}" for k, v in parts.items() if v)
+    eager = ", ".join(f"{k} {_fmt(v)}" for k, v in (cost.get("graph_eager_by_cache") or {}).items() if v)
     graphs = (f"; graphs {_fmt(cost['graph_replays_per_batch'])} replayed / {_fmt(cost.get('graph_eager_per_batch'))} "
-              "eager" if cost.get("graph_replays_per_batch") is not None else "")
+              f"eager{f' ({eager})' if eager else ''}" if cost.get("graph_replays_per_batch") is not None else "")
     return (f"{_fmt(cost.get('plain_ms_per_batch'))} / {_fmt(cost.get('recorded_ms_per_batch'))} "
             f"({_fmt(cost.get('hooks_ms_per_batch'))}{': ' + split if split else ''}{graphs})")
 

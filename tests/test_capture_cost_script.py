@@ -544,3 +544,18 @@ def test_a_traces_fixed_bytes_do_not_grow_with_its_steps_but_with_its_provenance
     assert 0 < fixed < len(trace_bytes(trace)) - 1000 * len(trace.steps)
     booked = dataclasses.replace(trace, provenance={**trace.provenance, "books": [0.0123 + k for k in range(5000)]})
     assert cc.fixed_bytes(booked) > fixed + 5000
+
+
+def test_the_table_names_the_caches_whose_device_work_ran_eagerly():
+    """The ledger's column: graphs replayed and run eagerly per recorded batch, and which caches ran eagerly (none
+    named where none did; a ledger from before the counts by cache reads as before)."""
+    ledger = {"plain_ms_per_batch": 12.84, "recorded_ms_per_batch": 19.56, "hooks_ms_per_batch": 1.71,
+              "graph_replays_per_batch": 3.25, "graph_eager_per_batch": 0.75}
+    row = {"algorithm": "DFLASH", "graphs": True, "workload": "mixed", "untraced_s": 1.0, "overhead_full": 1.4,
+           "overhead_sampled": 1.0, "tokens_same_untraced": True, "tokens_same_sampled": True}
+    by_cache = {"state": 0.0, "verify": 0.75, "draft": 0.0, "context": 0.0}
+    tables = [tb.markdown([{**row, "ledger": {**ledger, **extra}}], 16)
+              for extra in ({"graph_eager_by_cache": by_cache}, {"graph_eager_by_cache": dict.fromkeys(by_cache, 0.0)},
+                            {})]
+    assert "| 12.84 / 19.56 (1.71; graphs 3.25 replayed / 0.75 eager (verify 0.75)) |" in tables[0]
+    assert "(1.71; graphs 3.25 replayed / 0.75 eager) |" in tables[1] and tables[1] == tables[2]

@@ -166,13 +166,14 @@ def test_the_writer_and_the_hooks_book_their_cost_in_the_ledger(tmp_path):
         shipper.ship("batch", {"n": n}, {"t": torch.arange(4)})
     assert shipper.drain(10.0)
     shipper.counts.add(plain_batches=2, plain_ns=6_000_000, recorded_batches=1, recorded_ns=5_000_000,
-                       hooks_ns=1_500_000, graph_replays=3, graph_eager=1)
+                       hooks_ns=1_500_000, graph_replays=3, graph_eager=1, graph_eager_state=1)
     fields = read_fields(tmp_path / "queue-rank0-pid1.bin")
     assert (fields["queued"], fields["written"], fields["lost"]) == (3, 3, 0) and fields["writer_ns"] > 0
     cost = ledger_summary(fields, fields["written"])
     assert cost["plain_ms_per_batch"] == 3.0 and cost["recorded_ms_per_batch"] == 5.0
     assert cost["hooks_ms_per_batch"] == 1.5 and 0 < cost["writer_ms_per_record"] == round(fields["writer_ns"] / 3e6, 4)
     assert (cost["graph_replays_per_batch"], cost["graph_eager_per_batch"]) == (3.0, 1.0)
+    assert cost["graph_eager_by_cache"] == {"state": 1.0, "verify": 0.0, "draft": 0.0, "context": 0.0}
     assert ledger_summary(dict.fromkeys(FIELDS, 0), 0)["recorded_ms_per_batch"] is None
 
 

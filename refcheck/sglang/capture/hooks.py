@@ -70,6 +70,7 @@ from refcheck.sglang.capture.graphs import run as graphs_run
 from refcheck.sglang.capture.packing import Plain, prepack
 from refcheck.sglang.capture.records import Recorder
 from refcheck.sglang.capture.sample_rule import ENV_SAMPLE, CaptureSampleError, SampleRule, parse
+from refcheck.sglang.capture.shipper import GRAPH_CACHES
 from refcheck.sglang.capture.step_clock import StepClock
 from refcheck.sglang.capture.steps import summarise_nodes
 from refcheck.sglang.capture.verify_parts import chain_part, tree_inputs, tree_part
@@ -268,9 +269,12 @@ _TAP_GRAPHS = (GraphCache(_graph_error("drafter's draft")), GraphCache(_graph_er
 def _graph_calls() -> dict[str, int]:
     """The ledger's counts of the hooks' device computations on the GPU since the last take, over every cache:
     ``graph_replays`` (replayed from a CUDA graph) and ``graph_eager`` (run eagerly: a shape a cache refused, its
-    static inputs past the cache's bytes, or one that could not be captured)."""
-    counts = [c.take_counts() for c in (_STATE_GRAPHS, _VERIFY_GRAPHS, *_TAP_GRAPHS)]
-    return {"graph_replays": sum(r for r, _ in counts), "graph_eager": sum(e for _, e in counts)}
+    static inputs past the cache's bytes, or one that could not be captured), and the eager runs of each cache
+    (``graph_eager_{name}``, :data:`~refcheck.sglang.capture.shipper.GRAPH_CACHES`), which say whose work it was."""
+    caches = (_STATE_GRAPHS, _VERIFY_GRAPHS, *_TAP_GRAPHS)  # in GRAPH_CACHES' order
+    counts = dict(zip(GRAPH_CACHES, (c.take_counts() for c in caches)))
+    return {"graph_replays": sum(r for r, _ in counts.values()), "graph_eager": sum(e for _, e in counts.values()),
+            **{f"graph_eager_{name}": e for name, (_, e) in counts.items()}}
 
 
 def _graphs(cache: Any) -> Any:

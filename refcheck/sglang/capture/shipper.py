@@ -63,7 +63,10 @@ FIELDS = ("queued", "written", "lost", "writer_ns", "plain_batches", "plain_ns",
           "hooks_ns", "snapshot_ns", "verify_ns", "taps_ns", "state_ns", "ship_ns", "passed_ns", "gc_ns",
           "gc_collections", "prefills", "prefill_ns", "prefill_hooks_ns", "plain_prefills", "plain_prefill_ns",
           "over_budget", "unwritten_errors", "rolled_out", "requests", "next_batches", "next_ns", "graph_replays",
-          "graph_eager")
+          "graph_eager", "graph_eager_state", "graph_eager_verify", "graph_eager_draft", "graph_eager_context")
+#: the hooks' graph caches whose eager runs the ledger counts apart (``graph_eager_{name}``): the committed-state
+#: sketch, the verify step's node reductions, the DFLASH drafter's draft and its context
+GRAPH_CACHES = ("state", "verify", "draft", "context")
 #: the parts of the hooks' time the ledger books (``{part}_ns``): the batch's snapshot, the verify hooks' reductions,
 #: the DFLASH drafter's taps, the committed state's sketch, and packing and queuing the record
 PARTS = ("snapshot", "verify", "taps", "state", "ship")
@@ -176,7 +179,8 @@ def ledger_between(before: dict[str, int], after: dict[str, int]) -> dict[str, f
 def ledger_summary(ledger: dict[str, int], written: int) -> dict[str, float | int | None]:
     """A ledger (summed over processes) in milliseconds per batch: a plain decode batch's ``run_batch``, a
     recorded one's and the hooks' share of it, and the writer's CPU per record (``written`` records); per recorded
-    batch, the hooks' device computations replayed from CUDA graphs and run eagerly (``graph_*_per_batch``)."""
+    batch, the hooks' device computations replayed from CUDA graphs and run eagerly (``graph_*_per_batch``), the
+    eager runs by cache (``graph_eager_by_cache``, :data:`GRAPH_CACHES`)."""
     def per(field: str, n: int, unit: float = 1e6, digits: int = 4) -> float | None:
         """``field`` per one of ``n`` in ``unit`` (nanoseconds -> milliseconds by default); None for no ``n``."""
         return round(ledger.get(field, 0) / unit / n, digits) if n else None
@@ -194,7 +198,8 @@ def ledger_summary(ledger: dict[str, int], written: int) -> dict[str, float | in
             "next_ms_per_batch": per("next_ns", ledger.get("next_batches", 0)),
             "parts_ms_per_batch": {p: per(f"{p}_ns", recorded) for p in PARTS},
             "graph_replays_per_batch": per("graph_replays", recorded, 1, 3),
-            "graph_eager_per_batch": per("graph_eager", recorded, 1, 3)}
+            "graph_eager_per_batch": per("graph_eager", recorded, 1, 3),
+            "graph_eager_by_cache": {c: per(f"graph_eager_{c}", recorded, 1, 3) for c in GRAPH_CACHES}}
 
 
 def queue_files(root: Path) -> list[Path]:
