@@ -160,7 +160,14 @@ def test_trace_show_says_which_steps_a_capture_holds_and_what_it_cost(tmp_path):
     assert ("capture: 1 batch in 16 (seed 3) · 2 batch record(s) lost to a full queue · a budget of 64 MiB per "
             "process, 12 batch(es) past it") in out.output
     assert ("capture cost: 4 recorded batch(es) of 5.500 ms (hooks 1.250 ms), 60 plain of 3.900 ms (passing over "
-            "0.041 ms) · writer 0.400 ms per record") in out.output
+            "0.041 ms) · writer 0.400 ms per record\n") in out.output
+    graphed = {**cost, "graph_replays_per_batch": 3.25, "graph_eager_per_batch": 0.75,
+               "graph_eager_by_cache": {"state": 0.0, "verify": 0.75, "draft": 0.0, "context": 0.0}}
+    write_trace(replace(trace, provenance={**trace.provenance, "capture": {**capture, "stats": {"capture_cost": graphed}}}),
+                tmp_path / "graphed.arrow")
+    out = CliRunner().invoke(main, ["trace", "show", str(tmp_path / "graphed.arrow")])
+    assert ("writer 0.400 ms per record · per recorded batch 3.25 graph replay(s), 0.75 eager run(s) (verify 0.75)\n"
+            in out.output), out.output
     write_trace(replace(trace, provenance={**trace.provenance, "capture": {"sample": {"every": 1, "seed": 0}}}),
                 tmp_path / "full.arrow")
     out = CliRunner().invoke(main, ["trace", "show", str(tmp_path / "full.arrow")])

@@ -156,5 +156,16 @@ def capture_lines(cap: dict) -> list[str]:
                      f"{_ms(cost.get('recorded_ms_per_batch'))} (hooks {_ms(cost.get('hooks_ms_per_batch'))}), "
                      f"{cost.get('plain_batches', 0)} plain of {_ms(cost.get('plain_ms_per_batch'))} (passing over "
                      f"{_ms(cost.get('passed_ms_per_plain_batch'))}) · writer {_ms(cost.get('writer_ms_per_record'))} "
-                     "per record")
+                     "per record" + _graph_runs(cost))
     return lines
+
+
+def _graph_runs(cost: dict) -> str:
+    """The capture's device work per recorded batch replayed from CUDA graphs and run eagerly, the caches that ran
+    eagerly named (empty where the ledger booked no graph counts)."""
+    replayed, eager = cost.get("graph_replays_per_batch"), cost.get("graph_eager_per_batch")
+    if not isinstance(replayed, (int, float)) or not isinstance(eager, (int, float)):
+        return ""
+    by = _mapping(cost.get("graph_eager_by_cache"))
+    named = ", ".join(f"{k} {v:g}" for k, v in by.items() if isinstance(v, (int, float)) and v)
+    return f" · per recorded batch {replayed:g} graph replay(s), {eager:g} eager run(s){f' ({named})' if named else ''}"
