@@ -108,21 +108,11 @@ def timing_row(algorithm: str, graphs: bool, load: str, st: dict[str, Any],
             "pass_costs": costs, "drain_s": st.get("drain_s")}
 
 
-def fixed_bytes(trace: Any) -> int:
-    """The bytes ``trace`` would take with no steps: its header, provenance (a timed run's books among them, which
-    grow with its rounds) and requests, the part of a file that does not grow with the steps."""
-    import dataclasses
-
-    from refcheck.trace.io import trace_bytes
-
-    return len(trace_bytes(dataclasses.replace(trace, steps=[])))
-
-
 def row_of(algorithm: str, graphs: bool, load: str, trace: Any, path: Path, fixed: int | None = None) -> dict[str, Any]:
     """One table row from a captured trace written at ``path``: :func:`timing_row` of its provenance's settings (every
     pass's wall time and books), and what the trace itself holds: its requests and steps, bytes per step (the whole
-    file's, and with ``fixed``, :func:`fixed_bytes`, the steps' alone: ``step_bytes_per_step``), the capture's errors
-    and statistics."""
+    file's, and with ``fixed``, :func:`refcheck.trace.io.fixed_bytes`, the steps' alone: ``step_bytes_per_step``), the
+    capture's errors and statistics."""
     cap = trace.provenance.get("capture", {})
     stats, steps, size = cap.get("stats") or {}, len(trace.steps), path.stat().st_size
     return {**timing_row(algorithm, graphs, load, trace.prov.settings, stats.get("capture_cost")),
@@ -191,7 +181,7 @@ def run_engine(args: argparse.Namespace, algorithm: str, graphs: bool, loads: li
     its row is written."""
     from refcheck.errors import RefcheckError
     from refcheck.sglang.runner import SGLangRunner
-    from refcheck.trace.io import write_trace
+    from refcheck.trace.io import fixed_bytes, write_trace
 
     names = [cell_name(algorithm, graphs, load) for load in loads]
     spec = EngineSpec(model_dir=args.model, draft_dir=args.draft, pair=args.pair, budget=args.budget,

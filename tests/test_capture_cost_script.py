@@ -7,7 +7,6 @@ import argparse
 import gzip
 import json
 import math
-from pathlib import Path
 
 import pytest
 from script_loader import load_script
@@ -15,8 +14,6 @@ from script_loader import load_script
 cc = load_script("capture_cost")  # puts scripts/ on sys.path: its readings and table import by name
 import capture_cost_readings as rd  # noqa: E402
 import capture_cost_table as tb  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -466,7 +463,7 @@ def test_neighbouring_cells_of_one_engine_share_it_a_workload_each_in_their_own_
 
     monkeypatch.setattr(runner, "SGLangRunner", Fake)
     monkeypatch.setattr(io, "write_trace", lambda trace, path: path.write_bytes(b"x" * 10))
-    monkeypatch.setattr(cc, "fixed_bytes", lambda trace: 4)
+    monkeypatch.setattr(io, "fixed_bytes", lambda trace: 4)
     assert cc.main(["--out", str(tmp_path), "--cells", "NGRAM:on:one,NGRAM:on:mixed"]) == 0
     assert asked == [(tmp_path / "ngram-graphs-mixed", [tmp_path / "ngram-graphs-one"], [32, 1])]
     rows = json.loads((tmp_path / "capture_cost.json").read_text())
@@ -529,21 +526,6 @@ def test_diff_workloads_judge_only_the_cells_of_those_workloads_and_refuse_anoth
     monkeypatch.setattr(cc, "run_engine", lambda *a: pytest.fail("an engine started"))
     assert cc.main(["--out", str(tmp_path), "--cells", cells, "--diff", "--diff-workloads", "one,many"]) == 2
     assert "--diff-workloads: many is no workload (choose from one, mixed)" in capsys.readouterr().err
-
-
-def test_a_traces_fixed_bytes_do_not_grow_with_its_steps_but_with_its_provenance():
-    """fixed_bytes: a golden trace's header, provenance and requests, the same with all its steps or three; a timed
-    run's books in its provenance add to it; the steps' bytes are what the whole file adds over it."""
-    import dataclasses
-
-    from refcheck.trace.io import read_trace, trace_bytes
-
-    trace = read_trace(ROOT / "golden" / "attention-b15.arrow")
-    fixed = cc.fixed_bytes(trace)
-    assert fixed == cc.fixed_bytes(dataclasses.replace(trace, steps=trace.steps[:3]))
-    assert 0 < fixed < len(trace_bytes(trace)) - 1000 * len(trace.steps)
-    booked = dataclasses.replace(trace, provenance={**trace.provenance, "books": [0.0123 + k for k in range(5000)]})
-    assert cc.fixed_bytes(booked) > fixed + 5000
 
 
 def test_the_table_names_the_caches_whose_device_work_ran_eagerly():

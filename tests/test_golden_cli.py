@@ -361,6 +361,28 @@ def test_trace_show(cli, monkeypatch):
     assert code == EXIT_PASS and info["steps"] > 0 and info["provenance"]["budget"] == 15
 
 
+def test_trace_show_gives_the_steps_own_bytes_for_a_file_in_the_current_schema(cli, tmp_path):
+    """A trace written now: bytes per step, and the steps' alone (the file less its no-step form), which a long
+    provenance does not change; a golden of an older schema: the file's bytes per step only."""
+    from refcheck.trace.io import fixed_bytes
+
+    t = read_trace(REPO_GOLDEN / "hybrid-b15.arrow")
+    infos = []
+    for name, prov in (("now", t.provenance), ("booked", {**t.provenance, "books": [0.25 + k for k in range(4000)]})):
+        size = write_trace(dataclasses.replace(t, provenance=prov), tmp_path / f"{name}.arrow")
+        code, out, _ = cli("trace", "show", str(tmp_path / f"{name}.arrow"), "--json")
+        info = json.loads(out)
+        fixed = fixed_bytes(dataclasses.replace(t, provenance=prov))
+        assert code == EXIT_PASS and info["step_bytes_per_step"] == (size - fixed) / len(t.steps) < info["bytes_per_step"]
+        infos.append(info)
+    assert infos[1]["bytes_per_step"] > infos[0]["bytes_per_step"] + 10_000 / len(t.steps)
+    assert infos[1]["step_bytes_per_step"] == pytest.approx(infos[0]["step_bytes_per_step"], rel=1e-3)
+    code, out, _ = cli("trace", "show", str(REPO_GOLDEN / "hybrid-b15.arrow"), "--json")
+    assert json.loads(out)["step_bytes_per_step"] is None
+    code, out, err = cli("trace", "show", str(tmp_path / "now.arrow"))
+    assert f"{infos[0]['step_bytes_per_step']:,.0f} the steps alone" in out + err
+
+
 def test_trace_class_is_used(tmp_path):
     assert isinstance(read_trace(REPO_GOLDEN / "hybrid-b1.arrow"), Trace)
 

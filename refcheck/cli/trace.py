@@ -29,15 +29,18 @@ def trace() -> None:
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True)
 def trace_show(path, as_json):
-    """Summarise a trace: provenance, requests, steps, mean τ, bytes per step."""
-    from refcheck.trace.io import read_trace
+    """Summarise a trace: provenance, requests, steps, mean τ, bytes per step (and the steps' own)."""
+    from refcheck.trace.io import fixed_bytes, read_trace
+    from refcheck.trace.schema import SCHEMA_VERSION
 
     t = read_trace(path)
     size = path.stat().st_size
     taus = [s.accept_length for s in t.steps]
+    # the steps' own bytes, where the file is in the form write_trace writes now (its fixed part is then exact)
+    alone = (size - fixed_bytes(t)) / len(t.steps) if t.steps and t.schema_version == SCHEMA_VERSION else None
     info = {"path": str(path), "schema_version": t.schema_version,
             "integrity": "checksums verified" if t.checksummed else "unchecked (schema 1.0 file: no checksums)", "bytes": size, "requests": len(t.requests),
-            "steps": len(t.steps), "bytes_per_step": size / max(len(t.steps), 1),
+            "steps": len(t.steps), "bytes_per_step": size / max(len(t.steps), 1), "step_bytes_per_step": alone,
             "mean_tau": statistics.fmean(taus) if taus else None, "provenance": t.provenance}
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
@@ -106,7 +109,9 @@ def summary_lines(info: dict, request_ids: list[str]) -> list[str]:
              f"{p.get('block_size', '?')} · drafter {p.get('drafter', '?')} · up to {p.get('max_new_tokens', '?')} new tokens",
              f"requests: {info['requests']} ({', '.join(request_ids)}) · verify steps: {info['steps']} · mean τ "
              + (f"{tau:.3f}" if tau is not None else "-") + " (bonus counted)",
-             f"size: {info['bytes']:,} bytes, {info['bytes_per_step']:,.0f} per step",
+             f"size: {info['bytes']:,} bytes, {info['bytes_per_step']:,.0f} per step"
+             + (f" ({info['step_bytes_per_step']:,.0f} the steps alone, without the header, provenance and requests)"
+                if info.get("step_bytes_per_step") is not None else ""),
              "recorded with: " + ", ".join(f"{k} {v}" for k, v in _mapping(p.get("versions")).items())
              + (f" · {p['created']}" if p.get("created") else "")]
     if p.get("case"):

@@ -39,6 +39,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -361,6 +362,12 @@ def trace_bytes(trace: Trace) -> bytes:
         KEY_REQUESTS: _requests_stream(trace.requests),
     }
     return sealed_file_bytes(STEPS_SCHEMA.with_metadata(metadata), _step_batches(trace.steps))
+
+
+def fixed_bytes(trace: Trace) -> int:
+    """The bytes :func:`write_trace` writes for ``trace`` with no steps: its header, provenance and requests, the part
+    of its file that does not grow with its steps (a timed run's provenance holds every round's books)."""
+    return len(trace_bytes(dataclasses.replace(trace, steps=[])))
 
 
 # ----------------------------------------------------------------------------- write
