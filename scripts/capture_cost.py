@@ -66,6 +66,7 @@ import json
 import math
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -446,7 +447,8 @@ def _write_rows(out: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def _text_of(path: Path) -> str:
-    """A rows file's text, gunzipped where its name ends in ``.gz`` (gzip.BadGzipFile is an OSError)."""
+    """A rows file's text, gunzipped where its name ends in ``.gz`` (not gzip: gzip.BadGzipFile, an OSError; cut
+    short: EOFError; damaged inside: zlib.error)."""
     return gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
 
 
@@ -455,7 +457,7 @@ def _reread(paths: list[Path], sample: int, pool: bool) -> int:
     for path in paths:
         try:
             data = [result_row(path)] if path.name == "result.json" else json.loads(_text_of(path))
-        except (OSError, ValueError, EOFError) as exc:
+        except (OSError, ValueError, EOFError, zlib.error) as exc:  # zlib.error: a gzip body damaged inside
             print(f"capture_cost: cannot read {path}: {exc}", file=sys.stderr)
             return 2
         if not isinstance(data, list):

@@ -30,7 +30,7 @@ def _ledger(cost: dict[str, Any]) -> str:
     cache, where any ran)."""
     parts = cost.get("parts_ms_per_batch") or {}
     split = ", ".join(f"{k} {_fmt(v)}" for k, v in parts.items() if v)
-    eager = ", ".join(f"{k} {_fmt(v)}" for k, v in (cost.get("graph_eager_by_cache") or {}).items() if v)
+    eager = ", ".join(f"{k} {_fmt(v, '.3g')}" for k, v in (cost.get("graph_eager_by_cache") or {}).items() if v)
     graphs = (f"; graphs {_fmt(cost['graph_replays_per_batch'])} replayed / {_fmt(cost.get('graph_eager_per_batch'))} "
               f"eager{f' ({eager})' if eager else ''}" if cost.get("graph_replays_per_batch") is not None else "")
     return (f"{_fmt(cost.get('plain_ms_per_batch'))} / {_fmt(cost.get('recorded_ms_per_batch'))} "

@@ -150,8 +150,8 @@ def test_reread_prints_an_earlier_runs_table_with_the_per_round_reading_and_refu
 
 
 def test_reread_reads_gzipped_rows_as_the_plain_file_and_refuses_a_broken_archive(tmp_path, capsys):
-    """--reread of rows.json.gz prints the table rows.json prints; a .gz that is not gzip, or is cut short, is exit 2
-    with the file named."""
+    """--reread of rows.json.gz prints the table rows.json prints; a .gz that is not gzip, is cut short or has a byte
+    damaged inside is exit 2 with the file named."""
     row = {"algorithm": "NGRAM", "graphs": False, "workload": "one", "steps": 7, "untraced_s": 0.02,
            "overhead_full": 1.2, "overhead_sampled": 1.0, "bytes_per_step": 50.0, "tokens_same_untraced": True,
            "tokens_same_sampled": True, "passes": {"untraced": [1.0, 1.1, 0.9], "sampled": [1.0, 1.2, 0.9],
@@ -164,7 +164,9 @@ def test_reread_reads_gzipped_rows_as_the_plain_file_and_refuses_a_broken_archiv
     plain = capsys.readouterr().out
     assert cc.main(["--reread", str(tmp_path / "rows.json.gz")]) == 0
     assert capsys.readouterr().out == plain and "| NGRAM | off | one | 7 |" in plain
-    for name, data in (("text.json.gz", text.encode()), ("cut.json.gz", packed[: len(packed) // 2])):
+    mid = len(packed) // 2
+    damaged = packed[:mid] + bytes([packed[mid] ^ 0xFF]) + packed[mid + 1:]
+    for name, data in (("text.json.gz", text.encode()), ("cut.json.gz", packed[:mid]), ("bad.json.gz", damaged)):
         (tmp_path / name).write_bytes(data)
         assert cc.main(["--reread", str(tmp_path / name)]) == 2
         assert f"cannot read {tmp_path / name}" in capsys.readouterr().err
@@ -530,7 +532,7 @@ def test_diff_workloads_judge_only_the_cells_of_those_workloads_and_refuse_anoth
 
 def test_the_table_names_the_caches_whose_device_work_ran_eagerly():
     """The ledger's column: graphs replayed and run eagerly per recorded batch, and which caches ran eagerly (none
-    named where none did; a ledger from before the counts by cache reads as before)."""
+    named where none did, or where the ledger has no counts by cache)."""
     ledger = {"plain_ms_per_batch": 12.84, "recorded_ms_per_batch": 19.56, "hooks_ms_per_batch": 1.71,
               "graph_replays_per_batch": 3.25, "graph_eager_per_batch": 0.75}
     row = {"algorithm": "DFLASH", "graphs": True, "workload": "mixed", "untraced_s": 1.0, "overhead_full": 1.4,

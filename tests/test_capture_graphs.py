@@ -167,7 +167,7 @@ def test_a_graph_cache_counts_its_gpu_calls_run_eagerly_until_taken():
 def test_the_hooks_book_their_device_computations_graph_calls_per_recorded_batch(tmp_path, monkeypatch):
     """Four DFLASH batches through caches that replay like CUDA graphs: the ledger books every cache call of a
     recorded batch as replayed (a state sketch, a verify reduction, the draft and the context: four a batch), none
-    eager; with the verify's cache refusing its shape, three replayed and one eager, booked to the verify; with the
+    eager; with any one cache refusing its shape, three replayed and one eager, booked to that cache; with the
     caches off (REFCHECK_CAPTURE_GRAPHS=off), none of either."""
     from capture_kit import ReplayingCache, dflash_batches
 
@@ -178,16 +178,16 @@ def test_the_hooks_book_their_device_computations_graph_calls_per_recorded_batch
             self.ran_eagerly += 1  # counted as GraphCache counts a key it refused
             return fn(*inputs)
 
-    for graphs, verify, want in ((True, ReplayingCache, (4.0, 0.0, None)), (True, Refusing, (3.0, 1.0, "verify")),
-                                 (False, ReplayingCache, (0.0, 0.0, None))):
-        caches = {"_STATE_GRAPHS": ReplayingCache(), "_VERIFY_GRAPHS": verify(),
-                  "_TAP_GRAPHS": (ReplayingCache(), ReplayingCache())}
+    runs = [(True, None, (4.0, 0.0)), *((True, c, (3.0, 1.0)) for c in GRAPH_CACHES), (False, None, (0.0, 0.0))]
+    for graphs, refused, want in runs:
+        made = [Refusing() if c == refused else ReplayingCache() for c in GRAPH_CACHES]  # state, verify, draft, context
+        caches = {"_STATE_GRAPHS": made[0], "_VERIFY_GRAPHS": made[1], "_TAP_GRAPHS": (made[2], made[3])}
         for name, cache in caches.items():
             monkeypatch.setattr(hooks, name, cache)
-        root = tmp_path / f"{graphs}-{verify.__name__}"
+        root = tmp_path / f"{graphs}-{refused}"
         dflash_batches(root, monkeypatch, graphs=graphs, dev="cpu")
         ledger = read_ledgers(root)
         cost = ledger_summary(ledger, ledger["written"])
         assert ledger["recorded_batches"] == 4
-        assert (cost["graph_replays_per_batch"], cost["graph_eager_per_batch"]) == want[:2]
-        assert cost["graph_eager_by_cache"] == {c: 1.0 if c == want[2] else 0.0 for c in GRAPH_CACHES}
+        assert (cost["graph_replays_per_batch"], cost["graph_eager_per_batch"]) == want, refused
+        assert cost["graph_eager_by_cache"] == {c: 1.0 if c == refused else 0.0 for c in GRAPH_CACHES}

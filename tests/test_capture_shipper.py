@@ -174,6 +174,8 @@ def test_the_writer_and_the_hooks_book_their_cost_in_the_ledger(tmp_path):
     assert cost["hooks_ms_per_batch"] == 1.5 and 0 < cost["writer_ms_per_record"] == round(fields["writer_ns"] / 3e6, 4)
     assert (cost["graph_replays_per_batch"], cost["graph_eager_per_batch"]) == (3.0, 1.0)
     assert cost["graph_eager_by_cache"] == {"state": 1.0, "verify": 0.0, "draft": 0.0, "context": 0.0}
+    # counts by cache that do not add up to the total (a process that counted no cache apart): none said
+    assert ledger_summary({**fields, "graph_eager": 2}, fields["written"])["graph_eager_by_cache"] is None
     assert ledger_summary(dict.fromkeys(FIELDS, 0), 0)["recorded_ms_per_batch"] is None
 
 

@@ -362,7 +362,7 @@ def test_trace_show(cli, monkeypatch):
 
 
 def test_trace_show_gives_the_steps_own_bytes_for_a_file_in_the_current_schema(cli, tmp_path):
-    """A trace written now: bytes per step, and the steps' alone (the file less its no-step form), which a long
+    """A trace in the current schema: bytes per step, and the steps' alone (the file less its no-step form), which a long
     provenance does not change; a golden of an older schema: the file's bytes per step only."""
     from refcheck.trace.io import fixed_bytes
 
@@ -381,6 +381,21 @@ def test_trace_show_gives_the_steps_own_bytes_for_a_file_in_the_current_schema(c
     assert json.loads(out)["step_bytes_per_step"] is None
     code, out, err = cli("trace", "show", str(tmp_path / "now.arrow"))
     assert f"{infos[0]['step_bytes_per_step']:,.0f} the steps alone" in out + err
+
+
+def test_trace_show_summarises_a_file_whose_provenance_cannot_be_written_again(cli, tmp_path, monkeypatch):
+    """A file made elsewhere whose provenance the writer refuses (NaN in it): the summary still comes, without the
+    steps' own bytes."""
+    from refcheck.trace import io
+    from refcheck.trace.schema import TraceValidationError
+
+    def refuse(trace):
+        raise TraceValidationError("provenance is not JSON-serializable: Out of range float values")
+
+    write_trace(read_trace(REPO_GOLDEN / "hybrid-b15.arrow"), tmp_path / "t.arrow")
+    monkeypatch.setattr(io, "fixed_bytes", refuse)
+    code, out, _ = cli("trace", "show", str(tmp_path / "t.arrow"), "--json")
+    assert code == EXIT_PASS and json.loads(out)["step_bytes_per_step"] is None
 
 
 def test_trace_class_is_used(tmp_path):

@@ -14,6 +14,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -30,14 +31,13 @@ def trace() -> None:
 @click.option("--json", "as_json", is_flag=True)
 def trace_show(path, as_json):
     """Summarise a trace: provenance, requests, steps, mean τ, bytes per step (and the steps' own)."""
-    from refcheck.trace.io import fixed_bytes, read_trace
+    from refcheck.trace.io import read_trace
     from refcheck.trace.schema import SCHEMA_VERSION
 
     t = read_trace(path)
     size = path.stat().st_size
     taus = [s.accept_length for s in t.steps]
-    # the steps' own bytes, where the file is in the form write_trace writes now (its fixed part is then exact)
-    alone = (size - fixed_bytes(t)) / len(t.steps) if t.steps and t.schema_version == SCHEMA_VERSION else None
+    alone = _step_bytes(t, size) if t.steps and t.schema_version == SCHEMA_VERSION else None
     info = {"path": str(path), "schema_version": t.schema_version,
             "integrity": "checksums verified" if t.checksummed else "unchecked (schema 1.0 file: no checksums)", "bytes": size, "requests": len(t.requests),
             "steps": len(t.steps), "bytes_per_step": size / max(len(t.steps), 1), "step_bytes_per_step": alone,
@@ -48,6 +48,18 @@ def trace_show(path, as_json):
         for line in summary_lines(info, [r.request_id for r in t.requests]):
             err.print(line, markup=False, soft_wrap=True)
     sys.exit(EXIT_PASS)
+
+
+def _step_bytes(t: Any, size: int) -> float | None:
+    """A current-schema file's bytes per step less its fixed part (:func:`refcheck.trace.io.fixed_bytes`); None
+    where its provenance cannot be written again as written (a file made elsewhere, NaN in it)."""
+    from refcheck.trace.io import fixed_bytes
+    from refcheck.trace.schema import TraceValidationError
+
+    try:
+        return (size - fixed_bytes(t)) / len(t.steps)
+    except TraceValidationError:
+        return None
 
 
 @trace.command("import")

@@ -351,6 +351,17 @@ def _requests_stream(requests: Sequence[RequestRow]) -> bytes:
 
 def trace_bytes(trace: Trace) -> bytes:
     """The trace serialized exactly as :func:`write_trace` writes it."""
+    return sealed_file_bytes(_file_schema(trace), _step_batches(trace.steps))
+
+
+def fixed_bytes(trace: Trace) -> int:
+    """The bytes of ``trace``'s file that do not grow with its steps: the file :func:`trace_bytes` makes with no
+    record batch at all, its header, provenance (a timed run's holds every round's books) and requests."""
+    return len(sealed_file_bytes(_file_schema(dataclasses.replace(trace, steps=[])), []))
+
+
+def _file_schema(trace: Trace) -> pa.Schema:
+    """The steps' schema with the file's metadata (magic, version, provenance, requests), ``trace`` validated."""
     try:
         _validate_trace(trace, "trace")
     except (TypeError, AttributeError) as exc:  # e.g. None where a list or int belongs
@@ -361,13 +372,7 @@ def trace_bytes(trace: Trace) -> bytes:
         KEY_PROVENANCE: _provenance_json(trace.provenance),
         KEY_REQUESTS: _requests_stream(trace.requests),
     }
-    return sealed_file_bytes(STEPS_SCHEMA.with_metadata(metadata), _step_batches(trace.steps))
-
-
-def fixed_bytes(trace: Trace) -> int:
-    """The bytes :func:`write_trace` writes for ``trace`` with no steps: its header, provenance and requests, the part
-    of its file that does not grow with its steps (a timed run's provenance holds every round's books)."""
-    return len(trace_bytes(dataclasses.replace(trace, steps=[])))
+    return STEPS_SCHEMA.with_metadata(metadata)
 
 
 # ----------------------------------------------------------------------------- write

@@ -272,7 +272,7 @@ def _graph_calls() -> dict[str, int]:
     static inputs past the cache's bytes, or one that could not be captured), and the eager runs of each cache
     (``graph_eager_{name}``, :data:`~refcheck.sglang.capture.shipper.GRAPH_CACHES`), which say whose work it was."""
     caches = (_STATE_GRAPHS, _VERIFY_GRAPHS, *_TAP_GRAPHS)  # in GRAPH_CACHES' order
-    counts = dict(zip(GRAPH_CACHES, (c.take_counts() for c in caches)))
+    counts = dict(zip(GRAPH_CACHES, (c.take_counts() for c in caches), strict=True))
     return {"graph_replays": sum(r for r, _ in counts.values()), "graph_eager": sum(e for _, e in counts.values()),
             **{f"graph_eager_{name}": e for name, (_, e) in counts.items()}}
 

@@ -170,13 +170,13 @@ def read_ledgers(root: Path) -> dict[str, int]:
     return total
 
 
-def ledger_between(before: dict[str, int], after: dict[str, int]) -> dict[str, float | int | None]:
+def ledger_between(before: dict[str, int], after: dict[str, int]) -> dict[str, Any]:
     """:func:`ledger_summary` of what was booked between two :func:`read_ledgers` (one pass of requests)."""
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in FIELDS}
     return ledger_summary(delta, delta["written"])
 
 
-def ledger_summary(ledger: dict[str, int], written: int) -> dict[str, float | int | None]:
+def ledger_summary(ledger: dict[str, int], written: int) -> dict[str, Any]:
     """A ledger (summed over processes) in milliseconds per batch: a plain decode batch's ``run_batch``, a
     recorded one's and the hooks' share of it, and the writer's CPU per record (``written`` records); per recorded
     batch, the hooks' device computations replayed from CUDA graphs and run eagerly (``graph_*_per_batch``), the
@@ -199,7 +199,15 @@ def ledger_summary(ledger: dict[str, int], written: int) -> dict[str, float | in
             "parts_ms_per_batch": {p: per(f"{p}_ns", recorded) for p in PARTS},
             "graph_replays_per_batch": per("graph_replays", recorded, 1, 3),
             "graph_eager_per_batch": per("graph_eager", recorded, 1, 3),
-            "graph_eager_by_cache": {c: per(f"graph_eager_{c}", recorded, 1, 3) for c in GRAPH_CACHES}}
+            "graph_eager_by_cache": _eager_by_cache(ledger, recorded)}
+
+
+def _eager_by_cache(ledger: dict[str, int], recorded: int) -> dict[str, float] | None:
+    """Each cache's eager runs per recorded batch; None without recorded batches, or where the caches' counts do not
+    add up to ``graph_eager`` (processes of a refcheck that counted no cache apart beside ones that did)."""
+    if not recorded or sum(ledger.get(f"graph_eager_{c}", 0) for c in GRAPH_CACHES) != ledger.get("graph_eager", 0):
+        return None
+    return {c: round(ledger.get(f"graph_eager_{c}", 0) / recorded, 3) for c in GRAPH_CACHES}
 
 
 def queue_files(root: Path) -> list[Path]:
