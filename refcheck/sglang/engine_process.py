@@ -72,13 +72,15 @@ def outcome(result: Path, reason: str, log: Path, first: dict[str, Any] | None =
     stage = run.get("stage")
     if stage == "done":
         return run
-    scheduler_error = log_error(log, part=part) or (None if timed_out else log_error(log))
+    lines = _lines(log)  # read once: the part's stretch and the whole log's last error both come from it
+    last_error = _last_error(lines)
+    scheduler_error = _last_error(_stretch(lines, part)) or (None if timed_out else last_error)
     if stage is None and first is not None:
         if first.get("failed_at") in ("import", "start"):
             return first
         return {"stage": "failed", "failed_at": "generate", "start_s": first.get("start_s"),
                 "sglang": first.get("sglang"),
-                "error": f"the engine process ended before this part began ({log_error(log) or reason})"}
+                "error": f"the engine process ended before this part began ({last_error or reason})"}
     if stage == "started":  # died or hung while generating
         return {**run, "stage": "failed", "failed_at": "generate", "error": scheduler_error or reason}
     if stage == "failed" and run.get("failed_at") == "generate":
@@ -91,11 +93,17 @@ def log_error(log: Path, limit: int = 600, part: int | None = None) -> str | Non
     """The last error line of an engine log (SGLang's schedulers print tracebacks there); with ``part``, of that part's
     stretch of it: from the line the child printed as it began (:data:`refcheck.sglang.child.PART_MARKER`; the
     first part's from the log's start) to the next part's (none for a later part that never began)."""
-    if not log.is_file():
-        return None
-    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines()]
-    if part is not None:
-        lines = _stretch(lines, part)
+    lines = _lines(log)
+    return _last_error(lines if part is None else _stretch(lines, part), limit)
+
+
+def _lines(log: Path) -> list[str]:
+    """The engine log's lines, stripped (none where there is no log)."""
+    return [ln.strip() for ln in log.read_text(errors="replace").splitlines()] if log.is_file() else []
+
+
+def _last_error(lines: list[str], limit: int = 600) -> str | None:
+    """The last error line among ``lines`` (:func:`log_error`), cut to ``limit`` characters."""
     hits = [ln for ln in lines if ln and (ln.split(":", 1)[0].endswith(("Error", "Exception")) or "Error:" in ln)]
     if not hits:
         return None
